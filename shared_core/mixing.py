@@ -1,0 +1,524 @@
+"""The mixing core: one *mix* description for every pairwise mixing kind.
+
+Papers:
+- MixUp: Beyond Empirical Risk Minimization (https://arxiv.org/abs/1710.09412)
+- CutMix (https://arxiv.org/abs/1905.04899); box sampling, λ correction and min/max boxes follow
+  timm's ``timm/data/mixup.py`` so that ``cutmix`` here is a drop-in for timm's CutMix
+- MixToken (Token Labeling, ``../shared/papers/token-labeling.md`` Sec. 3.3): a box on the token grid
+- TokenMix (``../shared/papers/tokenmix.md`` Sec. 3.2): several separated blocks of tokens, or single
+  random tokens, until exactly ``round((1 - λ) · N)`` tokens come from the partner
+
+A :class:`Mix` says who is mixed with whom and where: the partner index of each sample, the share of
+each patch token that comes from the partner (fractional where a pixel box cuts a patch, 0/1 for
+token masks, the constant ``1 - λ`` for MixUp), and the image-level λ (the share of the sample's own
+image, the weight of its own label in the area target). Images, token sequences and targets are all
+mixed *from* a mix (:func:`mix_images`, :func:`mix_tokens`, :func:`mix_target`), so a method that
+changes only the target (TL-Align, TokenMix's activation targets) reuses the same images.
+
+Conventions (as in timm): λ is the weight of the sample itself; the partner of sample ``i`` is
+``B - 1 - i`` (so the batch must be even); pixel boxes are ``(y0, y1, x0, x1)`` half-open.
+All randomness comes from an explicit ``torch.Generator`` (``None``: torch's default generator).
+
+This module imports neither timm nor any OpenMMLab package.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, fields, replace
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from scipy.special import betaincinv
+
+__all__ = [
+    'MIX_KINDS', 'CUT_KINDS', 'Mix', 'MixSampler', 'identity_mix', 'sample_beta', 'rand_box',
+    'rand_box_minmax', 'box_token_share', 'grid_box_mask', 'random_token_mask', 'tokenmix_mask',
+    'tokenmix_masks', 'one_hot', 'mix_images', 'mix_tokens', 'mix_target', 'check_labels',
+    'check_pairwise_batch', 'to_2tuple',
+]
+
+#: kinds whose "cut" branch replaces a region (pixel box, token box, token masks)
+CUT_KINDS = ('cutmix', 'token_box', 'tokenmix_block', 'tokenmix_random')
+#: every mixing kind a :class:`MixSampler` can draw
+MIX_KINDS = ('mixup',) + CUT_KINDS
+MODES = ('batch', 'pair', 'elem')
+
+IntPair = Union[int, Sequence[int]]
+
+
+def to_2tuple(value: IntPair, name: str) -> Tuple[int, int]:
+    """``16 -> (16, 16)``; ``(h, w)`` stays; anything else is a ``ValueError`` naming ``name``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        out = (value, value)
+    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        out = (int(value[0]), int(value[1]))
+    else:
+        raise ValueError(f'{name} must be an int or a pair of ints (h, w), got {value!r}')
+    if min(out) <= 0:
+        raise ValueError(f'{name} must be positive, got {value!r}')
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The mix description
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Mix:
+    """Who is mixed with whom, and where.
+
+    Attributes:
+        partner: ``(B,)`` int64, the sample each sample takes its partner content from.
+        lam: ``(B,)`` float32, image-level λ: the share of the sample's own image (weight of its own
+            label in the area target). 1 means "not mixed".
+        token_share: ``(B, gh, gw)`` float32 in [0, 1], the share of each patch token that comes from
+            the partner (row-major over the patch grid).
+        boxes: ``(B, 4)`` int64 pixel boxes ``(y0, y1, x0, x1)`` for samples mixed by a pixel box
+            (CutMix), else ``None``. Their pixel region is the box, not a patch-aligned region.
+        box_valid: ``(B,)`` bool, which rows of ``boxes`` apply (the others are blends or token masks).
+        img_size: ``(H, W)`` of the images.
+        patch_size: ``(ph, pw)`` of the token grid.
+        kind: the sampler kind that produced it (``'mixup'``, ``'cutmix'``, ...; ``'none'``).
+    """
+    partner: torch.Tensor
+    lam: torch.Tensor
+    token_share: torch.Tensor
+    img_size: Tuple[int, int]
+    patch_size: Tuple[int, int]
+    kind: str = 'none'
+    boxes: Optional[torch.Tensor] = None
+    box_valid: Optional[torch.Tensor] = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.partner.shape[0]
+
+    @property
+    def grid_size(self) -> Tuple[int, int]:
+        return (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
+
+    @property
+    def num_tokens(self) -> int:
+        gh, gw = self.grid_size
+        return gh * gw
+
+    def token_share_flat(self) -> torch.Tensor:
+        """Partner share per patch token, ``(B, N)``, row-major over the grid."""
+        return self.token_share.flatten(1)
+
+    def pixel_share(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Partner share per pixel, ``(B, 1, H, W)``: token shares upsampled to their patches, and the
+        exact pixel box for CutMix samples."""
+        ph, pw = self.patch_size
+        share = self.token_share.to(dtype)
+        share = share.repeat_interleave(ph, dim=1).repeat_interleave(pw, dim=2)
+        if self.boxes is not None:
+            H, W = self.img_size
+            ys = torch.arange(H, device=share.device)
+            xs = torch.arange(W, device=share.device)
+            y0, y1, x0, x1 = self.boxes.unbind(1)
+            inside = ((ys[None, :, None] >= y0[:, None, None]) & (ys[None, :, None] < y1[:, None, None])
+                      & (xs[None, None, :] >= x0[:, None, None]) & (xs[None, None, :] < x1[:, None, None]))
+            share = torch.where(self.box_valid[:, None, None], inside.to(dtype), share)
+        return share.unsqueeze(1)
+
+    def to(self, device) -> 'Mix':
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
+
+
+def identity_mix(batch_size: int, img_size: IntPair, patch_size: IntPair = 16,
+                 device=None) -> Mix:
+    """The mix that mixes nothing (λ = 1 everywhere)."""
+    img_size, patch_size = to_2tuple(img_size, 'img_size'), to_2tuple(patch_size, 'patch_size')
+    gh, gw = img_size[0] // patch_size[0], img_size[1] // patch_size[1]
+    return Mix(partner=torch.arange(batch_size, device=device),
+               lam=torch.ones(batch_size, device=device),
+               token_share=torch.zeros(batch_size, gh, gw, device=device),
+               img_size=img_size, patch_size=patch_size, kind='none')
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks shared by every adapter
+# ----------------------------------------------------------------------------------------------
+
+def check_pairwise_batch(batch_size: int, name: str = 'x') -> None:
+    if batch_size % 2 != 0 or batch_size == 0:
+        raise ValueError(f'{name}: pairwise mixing pairs sample i with B-1-i and needs an even, '
+                         f'non-empty batch; got batch size {batch_size}')
+
+
+def check_labels(labels: torch.Tensor, num_classes: int, name: str = 'target') -> None:
+    if labels.dim() != 1 or labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f'{name}: expected a 1-d integer tensor of class indices, '
+                         f'got dtype {labels.dtype} and shape {tuple(labels.shape)}')
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise ValueError(f'{name}: class indices must lie in [0, num_classes={num_classes}), '
+                         f'got min {int(labels.min())} and max {int(labels.max())}')
+
+
+def check_image_size(img_size: Tuple[int, int], patch_size: Tuple[int, int], name: str = 'x') -> None:
+    if img_size[0] % patch_size[0] or img_size[1] % patch_size[1]:
+        raise ValueError(f'{name}: image size {img_size[0]}x{img_size[1]} is not divisible by '
+                         f'patch_size {patch_size[0]}x{patch_size[1]}; token-aware mixing needs a whole '
+                         f'patch grid')
+
+
+# ----------------------------------------------------------------------------------------------
+# Samplers: λ, boxes and token masks
+# ----------------------------------------------------------------------------------------------
+
+def _rand(n: int, generator: Optional[torch.Generator]) -> torch.Tensor:
+    return torch.rand(n, generator=generator, dtype=torch.float64)
+
+
+def _randint(low: torch.Tensor, high: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Uniform integers in ``[low, high)`` elementwise (``high > low``)."""
+    u = _rand(low.numel(), generator)
+    return (low + (u * (high - low)).floor().long()).clamp(max=high - 1)
+
+
+def sample_beta(alpha: float, n: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """``n`` draws of Beta(α, α) as float64, by inverting the CDF of uniforms from ``generator``."""
+    if alpha <= 0:
+        raise ValueError(f'alpha: Beta(alpha, alpha) needs alpha > 0, got {alpha}')
+    u = _rand(n, generator)
+    return torch.from_numpy(betaincinv(alpha, alpha, u.numpy()))
+
+
+def rand_box(img_size: Tuple[int, int], lam: torch.Tensor, generator: Optional[torch.Generator] = None,
+             margin: float = 0.) -> torch.Tensor:
+    """timm's ``rand_bbox`` for a vector of λ: a box of side ``sqrt(1 - λ)`` times the image side,
+    centred uniformly, clipped by the borders. Returns ``(n, 4)`` int64 ``(y0, y1, x0, x1)``."""
+    H, W = img_size
+    ratio = torch.sqrt(1. - lam.double())
+    cut_h, cut_w = (H * ratio).long(), (W * ratio).long()
+    m_y, m_x = (margin * cut_h).long(), (margin * cut_w).long()
+    cy = _randint(m_y, H - m_y, generator)
+    cx = _randint(m_x, W - m_x, generator)
+    y0 = (cy - cut_h // 2).clamp(0, H)
+    y1 = (cy + (cut_h + 1) // 2).clamp(0, H)
+    x0 = (cx - cut_w // 2).clamp(0, W)
+    x1 = (cx + (cut_w + 1) // 2).clamp(0, W)
+    return torch.stack([y0, y1, x0, x1], 1)
+
+
+def rand_box_minmax(img_size: Tuple[int, int], minmax: Sequence[float], n: int,
+                    generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """timm's ``rand_bbox_minmax``: box sides uniform in ``[min, max)`` times the image sides."""
+    H, W = img_size
+    lo_h, hi_h = int(H * minmax[0]), int(H * minmax[1])
+    lo_w, hi_w = int(W * minmax[0]), int(W * minmax[1])
+    cut_h = _randint(torch.full((n,), lo_h), torch.full((n,), hi_h), generator)
+    cut_w = _randint(torch.full((n,), lo_w), torch.full((n,), hi_w), generator)
+    y0 = _randint(torch.zeros(n, dtype=torch.long), H - cut_h + 1, generator)
+    x0 = _randint(torch.zeros(n, dtype=torch.long), W - cut_w + 1, generator)
+    return torch.stack([y0, y0 + cut_h, x0, x0 + cut_w], 1)
+
+
+def box_token_share(boxes: torch.Tensor, img_size: Tuple[int, int], patch_size: Tuple[int, int]) -> torch.Tensor:
+    """Fraction of each patch covered by each pixel box: ``(n, gh, gw)`` float32.
+
+    The overlap of a box with a patch is separable: (overlap rows / ph) · (overlap cols / pw).
+    """
+    ph, pw = patch_size
+    gh, gw = img_size[0] // ph, img_size[1] // pw
+    y0, y1, x0, x1 = boxes.double().unbind(1)
+    top = torch.arange(gh, dtype=torch.float64, device=boxes.device) * ph
+    left = torch.arange(gw, dtype=torch.float64, device=boxes.device) * pw
+    oy = (torch.minimum(y1[:, None], top + ph) - torch.maximum(y0[:, None], top)).clamp(min=0) / ph
+    ox = (torch.minimum(x1[:, None], left + pw) - torch.maximum(x0[:, None], left)).clamp(min=0) / pw
+    return (oy[:, :, None] * ox[:, None, :]).float()
+
+
+def grid_box_mask(grid_size: Tuple[int, int], lam: torch.Tensor,
+                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """MixToken's box on the token grid: :func:`rand_box` applied to the ``(gh, gw)`` grid.
+    Returns ``(n, gh, gw)`` bool (True = token from the partner)."""
+    gh, gw = grid_size
+    boxes = rand_box(grid_size, lam, generator)
+    ys = torch.arange(gh)[None, :, None]
+    xs = torch.arange(gw)[None, None, :]
+    y0, y1, x0, x1 = (b[:, None, None] for b in boxes.unbind(1))
+    return (ys >= y0) & (ys < y1) & (xs >= x0) & (xs < x1)
+
+
+def random_token_mask(grid_size: Tuple[int, int], num_masked: torch.Tensor,
+                      generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """TokenMix's *random* variant: exactly ``num_masked[i]`` tokens, uniformly without replacement.
+    Returns ``(n, gh, gw)`` bool."""
+    gh, gw = grid_size
+    n = num_masked.numel()
+    rank = torch.rand(n, gh * gw, generator=generator).argsort(1).argsort(1)
+    return (rank < num_masked[:, None]).view(n, gh, gw)
+
+
+def tokenmix_mask(grid_h: int, grid_w: int, num_masked: int, *, generator: Optional[torch.Generator] = None,
+                  min_tokens: int = 14, aspect: Tuple[float, float] = (0.3, 1 / 0.3)) -> torch.Tensor:
+    """TokenMix's block mask (tokenmix.md Sec. 3.2): bool ``(grid_h, grid_w)`` with exactly
+    ``num_masked`` True.
+
+    Parts are placed one after another: each part draws its number of tokens uniformly in
+    ``[min_tokens, remaining]`` and a log-uniform aspect ratio in ``aspect``, and lands at a uniform
+    position; only its not-yet-masked tokens count. When fewer than ``min_tokens`` remain (or
+    placement keeps overlapping), the last part is cut to the exact count by adding its new tokens in
+    raster order, so the count is always exact.
+    """
+    N = grid_h * grid_w
+    if not 0 <= num_masked <= N:
+        raise ValueError(f'num_masked must be in [0, {N}] for a {grid_h}x{grid_w} grid, got {num_masked}')
+    if min_tokens < 1:
+        raise ValueError(f'min_tokens must be >= 1, got {min_tokens}')
+    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
+    return _tokenmix_mask_py(grid_h, grid_w, num_masked, random.Random(seed), min_tokens, aspect)
+
+
+def _tokenmix_mask_py(gh: int, gw: int, num_masked: int, rng: random.Random, min_tokens: int,
+                      aspect: Tuple[float, float]) -> torch.Tensor:
+    mask = [[False] * gw for _ in range(gh)]
+    count = 0
+    log_lo, log_hi = math.log(aspect[0]), math.log(aspect[1])
+    min_tokens = min(min_tokens, gh * gw)
+    attempts = 0
+    while count < num_masked:
+        remaining = num_masked - count
+        attempts += 1
+        target = rng.uniform(min_tokens, max(min_tokens, remaining))
+        ratio = math.exp(rng.uniform(log_lo, log_hi))
+        h = min(gh, max(1, int(round(math.sqrt(target * ratio)))))
+        w = min(gw, max(1, int(round(math.sqrt(target / ratio)))))
+        top = rng.randint(0, gh - h)
+        left = rng.randint(0, gw - w)
+        for y in range(top, top + h):
+            row = mask[y]
+            for x in range(left, left + w):
+                if not row[x]:
+                    row[x] = True
+                    count += 1
+                    if count == num_masked:
+                        break
+            if count == num_masked:
+                break
+        if attempts > 100 and count < num_masked:  # almost full grid: fill the rest at random
+            free = [(y, x) for y in range(gh) for x in range(gw) if not mask[y][x]]
+            for y, x in rng.sample(free, num_masked - count):
+                mask[y][x] = True
+            count = num_masked
+    return torch.tensor(mask, dtype=torch.bool).view(gh, gw)
+
+
+def tokenmix_masks(grid_size: Tuple[int, int], num_masked: torch.Tensor,
+                   generator: Optional[torch.Generator] = None, min_tokens: Optional[int] = None,
+                   aspect: Tuple[float, float] = (0.3, 1 / 0.3)) -> torch.Tensor:
+    """:func:`tokenmix_mask` for a vector of counts: ``(n, gh, gw)`` bool. ``min_tokens`` defaults
+    to 14 on a 14x14 grid, scaled by the grid area otherwise (at least 1)."""
+    gh, gw = grid_size
+    if min_tokens is None:
+        min_tokens = max(1, round(14 * gh * gw / 196))
+    seeds = torch.randint(0, 2 ** 62, (num_masked.numel(),), generator=generator).tolist()
+    return torch.stack([_tokenmix_mask_py(gh, gw, int(k), random.Random(s), min_tokens, aspect)
+                        for k, s in zip(num_masked.tolist(), seeds)]) if seeds else \
+        torch.zeros(0, gh, gw, dtype=torch.bool)
+
+
+# ----------------------------------------------------------------------------------------------
+# The sampler: timm's Mixup parameter logic, any cut kind
+# ----------------------------------------------------------------------------------------------
+
+class MixSampler:
+    """Draws a :class:`Mix` with timm ``Mixup``'s parameter logic.
+
+    ``kind`` names the *cut* branch: ``'cutmix'`` (pixel box, timm's λ correction and min/max
+    option), ``'token_box'`` (MixToken: a box on the token grid), ``'tokenmix_block'`` /
+    ``'tokenmix_random'`` (TokenMix masks). ``'mixup'`` has no cut branch. As in timm, the MixUp
+    blend is active when ``mixup_alpha > 0``, the cut branch when ``cutmix_alpha > 0`` (or
+    ``cutmix_minmax`` is set for ``'cutmix'``), and with both the cut branch is taken with
+    probability ``switch_prob``. ``prob`` is the probability of mixing at all; ``mode`` draws one
+    set of parameters per ``'batch'``, per ``'pair'`` (i and B-1-i) or per ``'elem'``.
+
+    The cut branch's λ is always the exact own share afterwards for token kinds
+    (``1 - masked / N``); for ``'cutmix'`` it is corrected to the clipped box area when
+    ``correct_lam`` (or with ``cutmix_minmax``), as timm does. For token masks λ ~ Beta(cutmix_alpha)
+    unless ``tokenmix_lam`` fixes it (TokenMix's λ = 0.5: the partner gets half of the tokens).
+    """
+
+    def __init__(self, kind: str = 'mixup', *, mixup_alpha: float = 1., cutmix_alpha: float = 0.,
+                 cutmix_minmax: Optional[Sequence[float]] = None, prob: float = 1.0,
+                 switch_prob: float = 0.5, mode: str = 'batch', correct_lam: bool = True,
+                 patch_size: IntPair = 16, tokenmix_lam: Optional[float] = None,
+                 tokenmix_min_tokens: Optional[int] = None):
+        if kind not in MIX_KINDS:
+            raise ValueError(f'mixup_type must be one of {MIX_KINDS}, got {kind!r}')
+        if mode not in MODES:
+            raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
+        if not 0. <= prob <= 1.:
+            raise ValueError(f'prob must be in [0, 1], got {prob}')
+        if not 0. <= switch_prob <= 1.:
+            raise ValueError(f'switch_prob must be in [0, 1], got {switch_prob}')
+        if mixup_alpha < 0 or cutmix_alpha < 0:
+            raise ValueError(f'mixup_alpha and cutmix_alpha must be >= 0, got {mixup_alpha}, {cutmix_alpha}')
+        if cutmix_minmax is not None:
+            if kind != 'cutmix':
+                raise ValueError(f"cutmix_minmax applies to mixup_type='cutmix' only, got {kind!r}")
+            if len(cutmix_minmax) != 2 or not 0 < cutmix_minmax[0] < cutmix_minmax[1] <= 1:
+                raise ValueError(f'cutmix_minmax must be (min, max) with 0 < min < max <= 1, got {cutmix_minmax}')
+            cutmix_alpha = 1.0  # as timm: minmax forces the cut branch on
+        if tokenmix_lam is not None and not 0. <= tokenmix_lam <= 1.:
+            raise ValueError(f'tokenmix_lam must be in [0, 1], got {tokenmix_lam}')
+        if kind == 'mixup':
+            if cutmix_alpha > 0:
+                raise ValueError("cutmix_alpha: mixup_type='mixup' only blends; use mixup_type='cutmix' "
+                                 "(with mixup_alpha > 0) for timm's MixUp/CutMix switching")
+            if mixup_alpha <= 0:
+                raise ValueError("mixup_alpha must be > 0 for mixup_type='mixup'")
+        elif cutmix_alpha <= 0 and not (kind.startswith('tokenmix') and tokenmix_lam is not None):
+            raise ValueError(f"cutmix_alpha must be > 0 (the Beta parameter of the cut branch's λ) "
+                             f"for mixup_type={kind!r}, got {cutmix_alpha}")
+        self.kind = kind
+        self.mixup_alpha = float(mixup_alpha)
+        self.cutmix_alpha = float(cutmix_alpha)
+        self.cutmix_minmax = tuple(cutmix_minmax) if cutmix_minmax is not None else None
+        self.mix_prob = float(prob)
+        self.switch_prob = float(switch_prob)
+        self.mode = mode
+        self.correct_lam = correct_lam
+        self.patch_size = to_2tuple(patch_size, 'patch_size')
+        self.tokenmix_lam = tokenmix_lam
+        self.tokenmix_min_tokens = tokenmix_min_tokens
+        self.mixup_enabled = True  # timm's train loop switches this off after --mixup-off-epoch
+
+    @property
+    def has_blend(self) -> bool:
+        return self.mixup_alpha > 0
+
+    @property
+    def has_cut(self) -> bool:
+        return self.kind != 'mixup' and (self.cutmix_alpha > 0 or self.tokenmix_lam is not None)
+
+    def _unit_params(self, n: int, generator) -> Tuple[torch.Tensor, torch.Tensor]:
+        """λ (float64) and use-cut (bool) for ``n`` parameter units; λ = 1 where not mixed."""
+        lam = torch.ones(n, dtype=torch.float64)
+        use_cut = torch.zeros(n, dtype=torch.bool)
+        if not self.mixup_enabled or n == 0:
+            return lam, use_cut
+        active = _rand(n, generator) < self.mix_prob
+        if self.has_blend and self.has_cut:
+            use_cut = _rand(n, generator) < self.switch_prob
+        elif self.has_cut:
+            use_cut = torch.ones(n, dtype=torch.bool)
+        lam_blend = sample_beta(self.mixup_alpha, n, generator) if self.has_blend else lam
+        if self.has_cut and self.kind.startswith('tokenmix') and self.tokenmix_lam is not None:
+            lam_cut = torch.full((n,), float(self.tokenmix_lam), dtype=torch.float64)
+        elif self.has_cut:
+            lam_cut = sample_beta(self.cutmix_alpha, n, generator)
+        else:
+            lam_cut = lam
+        lam = torch.where(active, torch.where(use_cut, lam_cut, lam_blend), lam)
+        return lam, use_cut & active
+
+    def sample(self, batch_size: int, img_size: IntPair, generator: Optional[torch.Generator] = None,
+               device=None) -> Mix:
+        """A mix for a batch of ``batch_size`` images of ``img_size``."""
+        check_pairwise_batch(batch_size)
+        img_size = to_2tuple(img_size, 'img_size')
+        check_image_size(img_size, self.patch_size)
+        n = {'batch': 1, 'pair': batch_size // 2, 'elem': batch_size}[self.mode]
+        lam, use_cut = self._unit_params(n, generator)
+        grid = (img_size[0] // self.patch_size[0], img_size[1] // self.patch_size[1])
+        N = grid[0] * grid[1]
+        share = (1. - lam).float()[:, None, None].expand(n, *grid).clone()
+        boxes = valid = None
+        cut = use_cut.nonzero().flatten()
+        if cut.numel():
+            lam_c = lam[cut]
+            if self.kind == 'cutmix':
+                if self.cutmix_minmax is not None:
+                    b = rand_box_minmax(img_size, self.cutmix_minmax, cut.numel(), generator)
+                else:
+                    b = rand_box(img_size, lam_c, generator)
+                if self.correct_lam or self.cutmix_minmax is not None:
+                    area = (b[:, 1] - b[:, 0]) * (b[:, 3] - b[:, 2])
+                    lam_c = 1. - area.double() / (img_size[0] * img_size[1])
+                share[cut] = box_token_share(b, img_size, self.patch_size)
+                boxes = torch.zeros(n, 4, dtype=torch.long)
+                boxes[cut] = b
+                valid = use_cut
+            else:
+                if self.kind == 'token_box':
+                    m = grid_box_mask(grid, lam_c, generator)
+                else:
+                    k = torch.round((1. - lam_c) * N).long()
+                    if self.kind == 'tokenmix_block':
+                        m = tokenmix_masks(grid, k, generator, self.tokenmix_min_tokens)
+                    else:
+                        m = random_token_mask(grid, k, generator)
+                share[cut] = m.float()
+                lam_c = 1. - m.flatten(1).sum(1).double() / N
+            lam = lam.clone()
+            lam[cut] = lam_c
+        # expand parameter units to samples
+        if self.mode == 'batch':
+            idx = torch.zeros(batch_size, dtype=torch.long)
+        elif self.mode == 'pair':
+            half = torch.arange(batch_size // 2)
+            idx = torch.cat([half, half.flip(0)])
+        else:
+            idx = torch.arange(batch_size)
+        mix = Mix(partner=torch.arange(batch_size - 1, -1, -1), lam=lam[idx].float(),
+                  token_share=share[idx], img_size=img_size, patch_size=self.patch_size,
+                  kind=self.kind if self.mixup_enabled else 'none',
+                  boxes=None if boxes is None else boxes[idx], box_valid=None if valid is None else valid[idx])
+        return mix if device is None else mix.to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Applying a mix
+# ----------------------------------------------------------------------------------------------
+
+def mix_images(x: torch.Tensor, mix: Mix) -> torch.Tensor:
+    """Mixed images ``x · (1 - s) + x[partner] · s`` with ``s`` the per-pixel partner share.
+
+    Where ``s`` is 0 or 1 the output pixel is exactly the sample's or the partner's (no rounding),
+    and a blend reproduces timm's ``x · λ + x_flip · (1 - λ)``. Integer images (uint8) are mixed in
+    float and rounded, as timm's fast collate does.
+    """
+    if x.dim() != 4 or tuple(x.shape[-2:]) != tuple(mix.img_size) or x.shape[0] != mix.batch_size:
+        raise ValueError(f'x: expected images (B={mix.batch_size}, C, {mix.img_size[0]}, {mix.img_size[1]}) '
+                         f'for this mix, got {tuple(x.shape)}')
+    integer = not x.dtype.is_floating_point
+    xf = x.float() if integer else x
+    s = mix.pixel_share(xf.dtype).to(xf.device)
+    out = torch.addcmul(xf * (1. - s), xf[mix.partner.to(x.device)], s)
+    if integer:
+        out = out.round_().to(x.dtype)
+    return out
+
+
+def mix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
+    """Mix patch-token sequences ``(B, N, D)`` (row-major grid, no class token) by the token shares:
+    ``t · (1 - s) + t[partner] · s``. For 0/1 token masks this is the token swap of MixToken/TokenMix."""
+    if tokens.dim() != 3 or tokens.shape[0] != mix.batch_size or tokens.shape[1] != mix.num_tokens:
+        raise ValueError(f'tokens: expected (B={mix.batch_size}, N={mix.num_tokens}, D) patch tokens, '
+                         f'got {tuple(tokens.shape)}')
+    s = mix.token_share_flat().to(tokens.device, tokens.dtype).unsqueeze(-1)
+    return torch.addcmul(tokens * (1. - s), tokens[mix.partner.to(tokens.device)], s)
+
+
+def one_hot(labels: torch.Tensor, num_classes: int, smoothing: float = 0.) -> torch.Tensor:
+    """Label-smoothed one-hot rows (timm's convention: off = ε/C, on = 1 - ε + ε/C); rows sum to 1."""
+    off = smoothing / num_classes
+    out = torch.full((labels.shape[0], num_classes), off, device=labels.device)
+    return out.scatter_(1, labels.long().view(-1, 1), 1. - smoothing + off)
+
+
+def mix_target(labels: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.) -> torch.Tensor:
+    """The area target ``λ · y + (1 - λ) · y[partner]`` with label smoothing: ``(B, C)`` float32,
+    every row sums to 1."""
+    if not 0. <= smoothing < 1.:
+        raise ValueError(f'label_smoothing must be in [0, 1), got {smoothing}')
+    check_labels(labels, num_classes)
+    y = one_hot(labels, num_classes, smoothing)
+    lam = mix.lam.to(y.device).unsqueeze(1)
+    return y * lam + y[mix.partner.to(y.device)] * (1. - lam)

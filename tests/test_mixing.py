@@ -1,0 +1,250 @@
+"""The mixing core against small explicit references (pixel loops, counted overlaps) and timm."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from shared_core.mixing import (
+    CUT_KINDS, MIX_KINDS, Mix, MixSampler, box_token_share, identity_mix, mix_images, mix_target, mix_tokens,
+    one_hot, random_token_mask, tokenmix_mask, tokenmix_masks,
+)
+
+KINDS_KW = {k: (dict(mixup_alpha=1.0) if k == 'mixup' else dict(mixup_alpha=0.8, cutmix_alpha=1.0)) for k in MIX_KINDS}
+
+
+def reference_mix_images(x, mix: Mix):
+    """Pixel by pixel: which source each output pixel comes from, straight from the definitions."""
+    B, C, H, W = x.shape
+    ph, pw = mix.patch_size
+    out = torch.empty_like(x)
+    for b in range(B):
+        p = int(mix.partner[b])
+        for y in range(H):
+            for xx in range(W):
+                if mix.boxes is not None and bool(mix.box_valid[b]):
+                    y0, y1, x0, x1 = mix.boxes[b].tolist()
+                    s = 1.0 if (y0 <= y < y1 and x0 <= xx < x1) else 0.0
+                else:
+                    s = float(mix.token_share[b, y // ph, xx // pw])
+                if s == 0.0:
+                    out[b, :, y, xx] = x[b, :, y, xx]
+                elif s == 1.0:
+                    out[b, :, y, xx] = x[p, :, y, xx]
+                else:
+                    out[b, :, y, xx] = x[b, :, y, xx] * (1 - s) + x[p, :, y, xx] * s
+    return out
+
+
+@pytest.mark.parametrize('kind', MIX_KINDS)
+@pytest.mark.parametrize('mode', ['batch', 'pair', 'elem'])
+def test_mix_images_matches_pixel_reference(kind, mode):
+    g = torch.Generator().manual_seed(3)
+    sampler = MixSampler(kind, mode=mode, patch_size=(8, 4), **KINDS_KW[kind])
+    for _ in range(3):
+        x = torch.randn(6, 3, 24, 16, generator=g)
+        mix = sampler.sample(6, (24, 16), g)
+        out = mix_images(x, mix)
+        ref = reference_mix_images(x, mix)
+        # box/mask pixels are copied exactly; blends agree to float rounding
+        assert torch.allclose(out, ref, atol=1e-6, rtol=0)
+        cut = (mix.token_share == 0) | (mix.token_share == 1)
+        if kind != 'mixup' and cut.all():
+            assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize('kind', CUT_KINDS)
+def test_partner_fraction_is_one_minus_lambda(kind):
+    g = torch.Generator().manual_seed(0)
+    sampler = MixSampler(kind, mixup_alpha=0., cutmix_alpha=1.0, mode='elem', patch_size=8)
+    mix = sampler.sample(16, (32, 48), g)
+    x = torch.stack([torch.zeros(1, 32, 48), torch.ones(1, 32, 48)] * 8)  # partner of even i is odd: 0/1 images
+    out = mix_images(x, mix)
+    own = torch.where(x[:, :1] == x[mix.partner, :1], torch.nan, (out[:, :1] == x[:, :1]).float())
+    frac_own = own.nanmean(dim=(1, 2, 3))
+    assert torch.allclose(frac_own, mix.lam, atol=1e-6)
+    assert torch.allclose(mix.pixel_share().mean(dim=(1, 2, 3)), 1 - mix.lam, atol=1e-6)
+
+
+@pytest.mark.parametrize('kind', ['token_box', 'tokenmix_block', 'tokenmix_random'])
+def test_token_masks_are_patch_aligned(kind):
+    g = torch.Generator().manual_seed(1)
+    sampler = MixSampler(kind, mixup_alpha=0., cutmix_alpha=1.0, mode='elem', patch_size=(8, 4))
+    mix = sampler.sample(8, (32, 24), g)
+    share = mix.pixel_share()[:, 0]
+    patches = share.unfold(1, 8, 8).unfold(2, 4, 4)  # (B, gh, gw, 8, 4)
+    assert torch.all(patches == patches[..., :1, :1])
+    assert set(mix.token_share.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_box_token_share_counts_pixels():
+    boxes = torch.tensor([[3, 17, 5, 30], [0, 32, 0, 32], [10, 10, 4, 9], [8, 16, 16, 24]])
+    share = box_token_share(boxes, (32, 32), (8, 8))
+    for b, (y0, y1, x0, x1) in enumerate(boxes.tolist()):
+        mask = torch.zeros(32, 32)
+        mask[y0:y1, x0:x1] = 1
+        expected = mask.view(4, 8, 4, 8).mean(dim=(1, 3))
+        assert torch.allclose(share[b], expected)
+
+
+def test_mixup_blend_and_target_match_timm():
+    from timm.data.mixup import mixup_target
+    x = torch.randn(4, 3, 16, 16)
+    lam = 0.3
+    mix = Mix(partner=torch.arange(3, -1, -1), lam=torch.full((4,), lam),
+              token_share=torch.full((4, 2, 2), 1 - lam), img_size=(16, 16), patch_size=(8, 8), kind='mixup')
+    expected = x * lam + x.flip(0) * (1 - lam)
+    assert torch.allclose(mix_images(x, mix), expected, atol=1e-6)
+    y = torch.tensor([0, 1, 2, 3])
+    assert torch.allclose(mix_target(y, mix, 5, 0.1), mixup_target(y, 5, lam, 0.1), atol=1e-6)
+
+
+def test_cutmix_box_application_matches_timm():
+    from timm.data.mixup import cutmix_bbox_and_lam
+    np.random.seed(0)
+    x = torch.randn(4, 3, 32, 32)
+    (yl, yh, xl, xh), lam = cutmix_bbox_and_lam(x.shape, 0.6, correct_lam=True)
+    expected = x.clone()
+    expected[:, :, yl:yh, xl:xh] = x.flip(0)[:, :, yl:yh, xl:xh]
+    box = torch.tensor([[yl, yh, xl, xh]] * 4)
+    mix = Mix(partner=torch.arange(3, -1, -1), lam=torch.full((4,), float(lam)),
+              token_share=box_token_share(box, (32, 32), (16, 16)), img_size=(32, 32), patch_size=(16, 16),
+              kind='cutmix', boxes=box, box_valid=torch.ones(4, dtype=torch.bool))
+    assert torch.equal(mix_images(x, mix), expected)
+    assert torch.allclose(1 - mix.pixel_share().mean(dim=(1, 2, 3)), torch.tensor(float(lam)))
+
+
+def test_cutmix_lambda_correction_and_minmax():
+    g = torch.Generator().manual_seed(0)
+    s = MixSampler('cutmix', mixup_alpha=0., cutmix_alpha=1.0, mode='elem', patch_size=8)
+    mix = s.sample(64, (32, 32), g)
+    area = (mix.boxes[:, 1] - mix.boxes[:, 0]) * (mix.boxes[:, 3] - mix.boxes[:, 2])
+    assert torch.allclose(mix.lam, 1 - area.float() / 1024)
+    s = MixSampler('cutmix', mixup_alpha=0., cutmix_minmax=(0.25, 0.5), mode='elem', patch_size=8)
+    mix = s.sample(64, (32, 32), g)
+    h, w = mix.boxes[:, 1] - mix.boxes[:, 0], mix.boxes[:, 3] - mix.boxes[:, 2]
+    assert h.min() >= 8 and h.max() < 16 and w.min() >= 8 and w.max() < 16
+    assert (mix.boxes[:, 1] <= 32).all() and (mix.boxes[:, 3] <= 32).all()
+    # without correction, λ is the Beta draw even where the border clipped the box
+    s = MixSampler('cutmix', mixup_alpha=0., cutmix_alpha=1.0, mode='elem', patch_size=8, correct_lam=False)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    m_raw = s.sample(64, (32, 32), g1)
+    lam_draw, _ = s._unit_params(64, g2)
+    assert torch.allclose(m_raw.lam, lam_draw.float())
+
+
+def test_pair_mode_is_symmetric_and_batch_mode_shared():
+    g = torch.Generator().manual_seed(2)
+    m = MixSampler('tokenmix_block', mixup_alpha=0., cutmix_alpha=1.0, mode='pair', patch_size=4).sample(8, 16, g)
+    assert torch.equal(m.lam, m.lam.flip(0)) and torch.equal(m.token_share, m.token_share.flip(0))
+    m = MixSampler('cutmix', mixup_alpha=0., cutmix_alpha=1.0, mode='batch', patch_size=4).sample(8, 16, g)
+    assert torch.all(m.lam == m.lam[0]) and torch.all(m.boxes == m.boxes[0])
+
+
+def test_disabled_or_zero_prob_is_identity():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 16, 16)
+    y = torch.tensor([0, 1, 2, 3])
+    for s in [MixSampler('tokenmix_block', cutmix_alpha=1.0, prob=0.0, patch_size=8)]:
+        mix = s.sample(4, 16, g)
+        assert torch.equal(mix_images(x, mix), x)
+        assert torch.allclose(mix_target(y, mix, 4, 0.1), one_hot(y, 4, 0.1))
+    s = MixSampler('cutmix', cutmix_alpha=1.0, patch_size=8)
+    s.mixup_enabled = False
+    mix = s.sample(4, 16, g)
+    assert mix.kind == 'none' and torch.equal(mix_images(x, mix), x)
+    ident = identity_mix(4, 16, 8)
+    assert torch.equal(mix_images(x, ident), x)
+
+
+def test_mix_tokens_swaps_masked_tokens():
+    g = torch.Generator().manual_seed(0)
+    mix = MixSampler('tokenmix_random', mixup_alpha=0., cutmix_alpha=1., mode='elem', patch_size=4).sample(4, 16, g)
+    t = torch.randn(4, 16, 5)
+    out = mix_tokens(t, mix)
+    for b in range(4):
+        for n in range(16):
+            src = int(mix.partner[b]) if mix.token_share_flat()[b, n] == 1 else b
+            assert torch.equal(out[b, n], t[src, n])
+
+
+def test_uint8_images_are_rounded_blends():
+    x = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
+    lam = 0.37
+    mix = Mix(partner=torch.arange(3, -1, -1), lam=torch.full((4,), lam), token_share=torch.full((4, 1, 1), 1 - lam),
+              img_size=(16, 16), patch_size=(16, 16), kind='mixup')
+    out = mix_images(x, mix)
+    assert out.dtype == torch.uint8
+    exact = x.float() * lam + x.flip(0).float() * (1 - lam)
+    # rounded blends; a value within float error of a .5 tie may round either way
+    assert ((out.float() - exact).abs() <= 0.5 + 1e-4).all()
+
+
+# ---------------------------------------------------------------- properties (hypothesis)
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(MIX_KINDS), mode=st.sampled_from(['batch', 'pair', 'elem']),
+       half_batch=st.integers(1, 6), gh=st.integers(1, 6), gw=st.integers(1, 6),
+       smoothing=st.sampled_from([0.0, 0.1, 0.3]), seed=st.integers(0, 2 ** 31 - 1),
+       prob=st.sampled_from([0.0, 0.5, 1.0]))
+def test_mix_properties(kind, mode, half_batch, gh, gw, smoothing, seed, prob):
+    B, C = 2 * half_batch, 7
+    g = torch.Generator().manual_seed(seed)
+    mix = MixSampler(kind, mode=mode, prob=prob, patch_size=4, **KINDS_KW[kind]).sample(B, (4 * gh, 4 * gw), g)
+    assert mix.token_share.shape == (B, gh, gw)
+    assert mix.token_share.min() >= 0 and mix.token_share.max() <= 1
+    assert mix.lam.min() >= 0 and mix.lam.max() <= 1
+    assert torch.equal(mix.partner, torch.arange(B - 1, -1, -1))
+    y = torch.randint(0, C, (B,), generator=g)
+    t = mix_target(y, mix, C, smoothing)
+    assert t.min() >= 0
+    assert torch.allclose(t.sum(1), torch.ones(B), atol=1e-6)
+    if kind != 'cutmix':  # token kinds and blends: λ is exactly the own token share
+        assert torch.allclose(mix.lam, 1 - mix.token_share.flatten(1).mean(1), atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(gh=st.integers(1, 14), gw=st.integers(1, 14), seed=st.integers(0, 2 ** 31 - 1), data=st.data())
+def test_tokenmix_mask_exact_count(gh, gw, seed, data):
+    k = data.draw(st.integers(0, gh * gw))
+    g = torch.Generator().manual_seed(seed)
+    m = tokenmix_mask(gh, gw, k, generator=g, min_tokens=max(1, gh * gw // 14))
+    assert m.shape == (gh, gw) and m.dtype == torch.bool and int(m.sum()) == k
+    r = random_token_mask((gh, gw), torch.tensor([k, gh * gw - k]), g)
+    assert r.flatten(1).sum(1).tolist() == [k, gh * gw - k]
+
+
+def test_tokenmix_every_count_on_several_grids():
+    g = torch.Generator().manual_seed(0)
+    for gh, gw in [(14, 14), (7, 7), (4, 10)]:
+        counts = torch.arange(gh * gw + 1)
+        masks = tokenmix_masks((gh, gw), counts, g)
+        assert masks.flatten(1).sum(1).tolist() == counts.tolist()
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_bad_input_errors_name_the_argument():
+    s = MixSampler('cutmix', cutmix_alpha=1.0, patch_size=16)
+    with pytest.raises(ValueError, match='even'):
+        s.sample(5, 32)
+    with pytest.raises(ValueError, match='patch_size'):
+        s.sample(4, (32, 40))
+    mix = s.sample(4, 32)
+    with pytest.raises(ValueError, match=r'num_classes=3'):
+        mix_target(torch.tensor([0, 1, 2, 3]), mix, 3)
+    with pytest.raises(ValueError, match='target'):
+        mix_target(torch.tensor([0, -1, 2, 1]), mix, 3)
+    with pytest.raises(ValueError, match='mixup_type'):
+        MixSampler('cutout')
+    with pytest.raises(ValueError, match='cutmix_alpha'):
+        MixSampler('mixup', cutmix_alpha=1.0)
+    with pytest.raises(ValueError, match='cutmix_alpha'):
+        MixSampler('tokenmix_block', cutmix_alpha=0.0)
+    with pytest.raises(ValueError, match='mode'):
+        MixSampler('mixup', mode='row')
+    with pytest.raises(ValueError, match='x:'):
+        mix_images(torch.zeros(4, 3, 16, 16), mix)
+    with pytest.raises(ValueError, match='num_masked'):
+        tokenmix_mask(3, 3, 10)
+    with pytest.raises(ValueError, match='label_smoothing'):
+        mix_target(torch.tensor([0, 1, 2, 0]), mix, 3, smoothing=1.0)

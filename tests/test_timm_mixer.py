@@ -1,0 +1,123 @@
+"""timm adapter: create_mixer / FastCollateTokenMixup with real timm losses, loaders and prefetcher."""
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from timm.data import FastCollateMixup, create_dataset, create_loader
+from timm.loss import BinaryCrossEntropy, SoftTargetCrossEntropy
+
+from shared_core.mixing import mix_images, mix_target
+from timm_plugin import MixTarget, create_mixer
+
+TOKEN_KINDS = ['token_box', 'tokenmix_block', 'tokenmix_random']
+
+
+def _args(kind):
+    return dict(mixup_alpha=0.8, cutmix_alpha=1.0) if kind != 'mixup' else dict(mixup_alpha=0.8)
+
+
+@pytest.mark.parametrize('kind', ['mixup', 'cutmix'] + TOKEN_KINDS)
+def test_mixer_is_called_like_timm_mixup(kind):
+    g = torch.Generator().manual_seed(0)
+    mixer = create_mixer(kind, num_classes=10, patch_size=16, generator=g, mode='elem', **_args(kind))
+    x = torch.randn(8, 3, 64, 32)
+    y = torch.randint(0, 10, (8,))
+    xm, target = mixer(x.clone(), y)
+    assert xm.shape == x.shape and target.shape == (8, 10)
+    assert torch.allclose(target.sum(1), torch.ones(8))
+    if kind in ('mixup', 'cutmix'):
+        assert type(target) is torch.Tensor
+    else:
+        assert isinstance(target, MixTarget) and target.mix.kind == kind
+        # the mix it carries reproduces both the images and the target
+        assert torch.allclose(mix_images(x, target.mix), xm)
+        assert torch.allclose(mix_target(y, target.mix, 10, 0.1), target.as_tensor())
+    logits = torch.randn(8, 10)
+    plain = target.as_subclass(torch.Tensor).clone()
+    for loss in (SoftTargetCrossEntropy(), BinaryCrossEntropy()):
+        assert torch.allclose(loss(logits, target), loss(logits, plain))
+
+
+def test_mix_target_survives_to_pickle_and_worker_processes():
+    mixer = create_mixer('tokenmix_block', cutmix_alpha=1.0, num_classes=5, patch_size=8)
+    _, t = mixer(torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3]))
+    moved = t.to('cpu', torch.float32)
+    assert isinstance(moved, MixTarget) and torch.equal(moved.mix.token_share, t.mix.token_share)
+    assert type(t * 2) is torch.Tensor  # every op gives a plain tensor
+
+    class DS(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return np.full((3, 16, 16), i * 10, dtype=np.uint8), i % 5
+
+    collate = create_mixer('tokenmix_random', cutmix_alpha=1.0, num_classes=5, patch_size=8, collate=True)
+    loader = torch.utils.data.DataLoader(DS(), batch_size=4, num_workers=2, collate_fn=collate)
+    for x, target in loader:
+        assert isinstance(target, MixTarget) and target.mix.token_share.shape == (4, 2, 2)
+        assert x.dtype == torch.uint8
+
+
+@pytest.mark.parametrize('kind,mode', [(k, m) for k in ['cutmix', 'tokenmix_block'] for m in ['batch', 'pair', 'elem']]
+                         + [('cutmix', 'half'), ('mixup', 'half')])
+def test_collate_equals_mixer_on_stacked_batch(kind, mode):
+    imgs = [np.random.RandomState(i).randint(0, 256, (3, 32, 32)).astype(np.uint8) for i in range(6)]
+    batch = [(im, i % 4) for i, im in enumerate(imgs)]
+    collate = create_mixer(kind, num_classes=4, patch_size=8, collate=True, mode=mode,
+                           generator=torch.Generator().manual_seed(7), **_args(kind))
+    assert isinstance(collate, FastCollateMixup)
+    x, target = collate(batch)
+    ref_mode = 'elem' if mode == 'half' else mode
+    mixer = create_mixer(kind, num_classes=4, patch_size=8, mode=ref_mode,
+                         generator=torch.Generator().manual_seed(7), **_args(kind))
+    xr, tr = mixer(torch.from_numpy(np.stack(imgs)), torch.tensor([b[1] for b in batch]))
+    n = 3 if mode == 'half' else 6
+    assert torch.equal(x, xr[:n]) and torch.allclose(target, tr[:n])
+
+
+def _image_folder(root, classes=3, per_class=4, size=32):
+    rng = np.random.RandomState(0)
+    for c in range(classes):
+        d = root / f'class{c}'
+        d.mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.randint(0, 256, (size, size, 3), dtype=np.uint8)).save(d / f'{i}.png')
+    return root
+
+
+def test_prefetcher_and_mixup_off_switch(tmp_path):
+    """timm's create_loader + PrefetchLoader drive our collate, and its mixup_enabled switch reaches it."""
+    ds = create_dataset('', root=str(_image_folder(tmp_path / 'train')), is_training=True)
+    collate = create_mixer('tokenmix_block', cutmix_alpha=1.0, mixup_alpha=0., num_classes=3, patch_size=8,
+                           collate=True, label_smoothing=0.0)
+    loader = create_loader(ds, input_size=(3, 32, 32), batch_size=4, is_training=True, use_prefetcher=True,
+                           collate_fn=collate, num_workers=0, device=torch.device('cpu'), no_aug=True)
+    assert loader.mixup_enabled
+    x, target = next(iter(loader))
+    assert x.dtype == torch.float32 and isinstance(target, MixTarget)
+    assert (target.as_tensor().max(1).values < 1).any()  # something was mixed
+    loader.mixup_enabled = False
+    assert not collate.mixup_enabled
+    x, target = next(iter(loader))
+    assert torch.all(target.as_tensor().max(1).values == 1)  # one-hot: nothing mixed
+
+
+def test_bad_input_errors():
+    mixer = create_mixer('tokenmix_block', cutmix_alpha=1.0, num_classes=10, patch_size=16)
+    with pytest.raises(ValueError, match='x: .*even'):
+        mixer(torch.randn(3, 3, 32, 32), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r'target: .*\[0, num_classes=10\)'):
+        mixer(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 10]))
+    with pytest.raises(ValueError, match='target: .*integer'):
+        mixer(torch.randn(4, 3, 32, 32), torch.rand(4))
+    with pytest.raises(ValueError, match='x: image size 32x40 is not divisible by patch_size 16x16'):
+        mixer(torch.randn(4, 3, 32, 40), torch.tensor([0, 1, 2, 3]))
+    with pytest.raises(ValueError, match='mixup_type'):
+        create_mixer('transmixx')
+    with pytest.raises(ValueError, match='num_classes'):
+        create_mixer('mixup', num_classes=0)
+    with pytest.raises(ValueError, match="mode='half'.*partners"):
+        create_mixer('tokenmix_block', cutmix_alpha=1.0, mode='half', collate=True)
+    with pytest.raises(ValueError, match='collate=True'):
+        create_mixer('mixup', mode='half')

@@ -1,0 +1,506 @@
+#!/usr/bin/env python3
+"""``tokenaug-train``: ImageNet-style training with timm's library and token-aware mixing.
+
+Built from timm's parts (``create_model``, ``create_dataset`` / ``create_loader`` with the fast-collate
+prefetcher, ``create_optimizer_v2``, ``create_scheduler_v2``, ``ModelEmaV3``, ``CheckpointSaver``,
+native AMP, ``torchrun`` DDP through ``init_distributed_device``) with timm ``train.py``'s flag names
+and ``-c/--config`` YAML files, plus ``--mixup-type`` (see :mod:`timm_plugin.mixup`).
+
+Without ``--mixup-type`` the mixing follows timm: ``--cutmix > 0`` gives ``cutmix`` (switching with
+MixUp when ``--mixup > 0``), ``--mixup > 0`` alone gives ``mixup``.
+
+Checkpoints (``last.pth.tar``, ``model_best.pth.tar``, ``checkpoint-N.pth.tar``) hold only tensors and
+plain Python values, so both ``torch.load(..., weights_only=True)`` and
+``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=...), num_classes=...)``
+load them; the full arguments are also written to ``args.yaml`` beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from collections import OrderedDict
+from contextlib import suppress
+from functools import partial
+
+import torch
+import torch.nn as nn
+import yaml
+from timm import utils
+from timm.data import create_dataset, create_loader, resolve_data_config
+from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.models import create_model, resume_checkpoint, safe_model_name
+from timm.optim import create_optimizer_v2, optimizer_kwargs
+from timm.scheduler import create_scheduler_v2, scheduler_kwargs
+from timm.utils import ApexScaler, NativeScaler  # noqa: F401 (ApexScaler kept for parity with timm)
+from timm.utils.model import get_state_dict
+
+from .mixup import MIXUP_TYPES, create_mixer
+
+_logger = logging.getLogger('tokenaug.train')
+
+config_parser = argparse.ArgumentParser(description='Training Config', add_help=False)
+config_parser.add_argument('-c', '--config', default='', type=str, metavar='FILE',
+                           help='YAML config file specifying default arguments')
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description='tokenaug: timm training with token-aware mixing')
+    g = p.add_argument_group('Dataset parameters')
+    g.add_argument('data', nargs='?', metavar='DIR', const=None, help='path to dataset (positional is *deprecated*, use --data-dir)')
+    g.add_argument('--data-dir', metavar='DIR', help='path to dataset (root dir)')
+    g.add_argument('--dataset', metavar='NAME', default='', help='dataset type + name ("<type>/<name>") (default: ImageFolder)')
+    g.add_argument('--train-split', metavar='NAME', default='train')
+    g.add_argument('--val-split', metavar='NAME', default='validation')
+    g.add_argument('--class-map', default='', type=str, metavar='FILENAME')
+    g.add_argument('--input-img-mode', default=None, type=str)
+    g = p.add_argument_group('Model parameters')
+    g.add_argument('--model', default='vit_tiny_patch16_224', type=str, metavar='MODEL')
+    g.add_argument('--pretrained', action='store_true', default=False)
+    g.add_argument('--pretrained-path', default=None, type=str, help='load this local file as pretrained weights')
+    g.add_argument('--initial-checkpoint', default='', type=str, metavar='PATH')
+    g.add_argument('--resume', default='', type=str, metavar='PATH')
+    g.add_argument('--no-resume-opt', action='store_true', default=False)
+    g.add_argument('--num-classes', type=int, default=None, metavar='N')
+    g.add_argument('--gp', default=None, type=str, metavar='POOL')
+    g.add_argument('--img-size', type=int, default=None, metavar='N')
+    g.add_argument('--in-chans', type=int, default=None, metavar='N')
+    g.add_argument('--input-size', default=None, nargs=3, type=int, metavar='N N N')
+    g.add_argument('--crop-pct', default=None, type=float, metavar='N')
+    g.add_argument('--mean', type=float, nargs='+', default=None, metavar='MEAN')
+    g.add_argument('--std', type=float, nargs='+', default=None, metavar='STD')
+    g.add_argument('--interpolation', default='', type=str, metavar='NAME')
+    g.add_argument('-b', '--batch-size', type=int, default=128, metavar='N')
+    g.add_argument('-vb', '--validation-batch-size', type=int, default=None, metavar='N')
+    g.add_argument('--grad-accum-steps', type=int, default=1, metavar='N')
+    g.add_argument('--model-kwargs', nargs='*', default={}, action=utils.ParseKwargs)
+    g = p.add_argument_group('Optimizer parameters')
+    g.add_argument('--opt', default='adamw', type=str, metavar='OPTIMIZER')
+    g.add_argument('--opt-eps', default=None, type=float, metavar='EPSILON')
+    g.add_argument('--opt-betas', default=None, type=float, nargs='+', metavar='BETA')
+    g.add_argument('--momentum', type=float, default=0.9, metavar='M')
+    g.add_argument('--weight-decay', type=float, default=0.05)
+    g.add_argument('--clip-grad', type=float, default=None, metavar='NORM')
+    g.add_argument('--clip-mode', type=str, default='norm')
+    g.add_argument('--layer-decay', type=float, default=None)
+    g.add_argument('--opt-kwargs', nargs='*', default={}, action=utils.ParseKwargs)
+    g = p.add_argument_group('Learning rate schedule parameters')
+    g.add_argument('--sched', type=str, default='cosine', metavar='SCHEDULER')
+    g.add_argument('--sched-on-updates', action='store_true', default=False)
+    g.add_argument('--lr', type=float, default=None, metavar='LR')
+    g.add_argument('--lr-base', type=float, default=5e-4, metavar='LR', help='base lr: lr = lr_base * global_batch / lr_base_size')
+    g.add_argument('--lr-base-size', type=int, default=512, metavar='DIV')
+    g.add_argument('--lr-base-scale', type=str, default='', metavar='SCALE', help='"sqrt" or "linear" (default by optimizer)')
+    g.add_argument('--min-lr', type=float, default=1e-6, metavar='LR')
+    g.add_argument('--epochs', type=int, default=300, metavar='N')
+    g.add_argument('--start-epoch', default=None, type=int, metavar='N')
+    g.add_argument('--decay-milestones', default=[90, 180, 270], type=int, nargs='+', metavar='MILESTONES')
+    g.add_argument('--decay-epochs', type=float, default=90, metavar='N')
+    g.add_argument('--warmup-epochs', type=int, default=5, metavar='N')
+    g.add_argument('--warmup-lr', type=float, default=1e-6, metavar='LR')
+    g.add_argument('--warmup-prefix', action='store_true', default=False)
+    g.add_argument('--cooldown-epochs', type=int, default=0, metavar='N')
+    g.add_argument('--decay-rate', '--dr', type=float, default=0.1, metavar='RATE')
+    g = p.add_argument_group('Augmentation and regularization parameters')
+    g.add_argument('--no-aug', action='store_true', default=False)
+    g.add_argument('--train-crop-mode', type=str, default=None)
+    g.add_argument('--scale', type=float, nargs='+', default=[0.08, 1.0], metavar='PCT')
+    g.add_argument('--ratio', type=float, nargs='+', default=[3. / 4., 4. / 3.], metavar='RATIO')
+    g.add_argument('--hflip', type=float, default=0.5)
+    g.add_argument('--vflip', type=float, default=0.)
+    g.add_argument('--color-jitter', type=float, default=0.4, metavar='PCT')
+    g.add_argument('--aa', type=str, default=None, metavar='NAME', help='AutoAugment policy, e.g. "rand-m9-mstd0.5-inc1"')
+    g.add_argument('--aug-repeats', type=float, default=0)
+    g.add_argument('--jsd-loss', action='store_true', default=False, help=argparse.SUPPRESS)
+    g.add_argument('--bce-loss', action='store_true', default=False)
+    g.add_argument('--bce-sum', action='store_true', default=False)
+    g.add_argument('--bce-target-thresh', type=float, default=None)
+    g.add_argument('--bce-pos-weight', type=float, default=None)
+    g.add_argument('--reprob', type=float, default=0., metavar='PCT')
+    g.add_argument('--remode', type=str, default='pixel')
+    g.add_argument('--recount', type=int, default=1)
+    g.add_argument('--resplit', action='store_true', default=False)
+    g.add_argument('--mixup', type=float, default=0.0, help='mixup alpha, mixup enabled if > 0.')
+    g.add_argument('--cutmix', type=float, default=0.0, help='cutmix alpha (the cut branch of --mixup-type), enabled if > 0.')
+    g.add_argument('--cutmix-minmax', type=float, nargs='+', default=None)
+    g.add_argument('--mixup-prob', type=float, default=1.0)
+    g.add_argument('--mixup-switch-prob', type=float, default=0.5)
+    g.add_argument('--mixup-mode', type=str, default='batch', help='"batch", "pair", or "elem"')
+    g.add_argument('--mixup-off-epoch', default=0, type=int, metavar='N')
+    g.add_argument('--mixup-type', default=None, choices=MIXUP_TYPES,
+                   help='tokenaug mixing kind (default: timm behaviour, cutmix if --cutmix > 0 else mixup)')
+    g.add_argument('--tokenmix-lam', type=float, default=None,
+                   help='fix λ (own share) of token-mask kinds, e.g. 0.5 as in TokenMix (default: Beta(--cutmix))')
+    g.add_argument('--smoothing', type=float, default=0.1)
+    g.add_argument('--train-interpolation', type=str, default='random')
+    g.add_argument('--drop', type=float, default=0.0, metavar='PCT')
+    g.add_argument('--drop-path', type=float, default=None, metavar='PCT')
+    g = p.add_argument_group('Model exponential moving average parameters')
+    g.add_argument('--model-ema', action='store_true', default=False)
+    g.add_argument('--model-ema-decay', type=float, default=0.9998)
+    g.add_argument('--model-ema-warmup', action='store_true')
+    g = p.add_argument_group('Miscellaneous parameters')
+    g.add_argument('--seed', type=int, default=42, metavar='S')
+    g.add_argument('--worker-seeding', type=str, default='all')
+    g.add_argument('--log-interval', type=int, default=50, metavar='N')
+    g.add_argument('--recovery-interval', type=int, default=0, metavar='N')
+    g.add_argument('--checkpoint-hist', type=int, default=10, metavar='N')
+    g.add_argument('-j', '--workers', type=int, default=4, metavar='N')
+    g.add_argument('--amp', action='store_true', default=False)
+    g.add_argument('--amp-dtype', default='float16', type=str)
+    g.add_argument('--no-prefetcher', action='store_true', default=False)
+    g.add_argument('--pin-mem', action='store_true', default=False)
+    g.add_argument('--output', default='', type=str, metavar='PATH')
+    g.add_argument('--experiment', default='', type=str, metavar='NAME')
+    g.add_argument('--eval-metric', default='top1', type=str, metavar='EVAL_METRIC')
+    g.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu', type=str)
+    g.add_argument('--dist-backend', default=None, type=str)
+    g.add_argument('--dist-url', default=None, type=str)
+    g.add_argument('--local_rank', '--local-rank', default=0, type=int, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv=None):
+    """timm's two-stage parse: ``-c FILE`` YAML values become defaults, the command line overrides."""
+    parser = build_parser()
+    args_config, remaining = config_parser.parse_known_args(argv)
+    if args_config.config:
+        with open(args_config.config, 'r') as f:
+            cfg = yaml.safe_load(f) or {}
+        known = {a.dest for a in parser._actions}
+        unknown = sorted(set(cfg) - known)
+        if unknown:
+            raise ValueError(f'config {args_config.config}: unknown keys {unknown} (use the flag names with '
+                             f'"_" for "-", as in timm configs)')
+        parser.set_defaults(**cfg)
+    args = parser.parse_args(remaining)
+    args.config = args_config.config
+    return args
+
+
+def plain_args(args) -> dict:
+    """The arguments as YAML/JSON-safe values (what goes into checkpoints and args.yaml)."""
+    out = {}
+    for k, v in vars(args).items():
+        if isinstance(v, (str, int, float, bool, type(None))):
+            out[k] = v
+        elif isinstance(v, (list, tuple)) and all(isinstance(i, (str, int, float, bool)) for i in v):
+            out[k] = list(v)
+        elif isinstance(v, dict):
+            out[k] = json.loads(json.dumps(v, default=str))
+        else:
+            out[k] = str(v)
+    return out
+
+
+class PlainCheckpointSaver(utils.CheckpointSaver):
+    """timm's ``CheckpointSaver`` writing only weights-only-loadable values: ``args`` is stored as a
+    dict of plain values instead of an ``argparse.Namespace`` (which ``torch.load(weights_only=True)``,
+    used by ``timm.create_model(pretrained=True, ...)`` and ``resume_checkpoint``, refuses)."""
+
+    def _save(self, save_path, epoch, metric=None):
+        save_state = {
+            'epoch': epoch,
+            'arch': self.args.model,
+            'args': plain_args(self.args),
+            'optimizer': self.optimizer.state_dict(),
+            'version': 2,
+            'state_dict': get_state_dict(self.model, self.unwrap_fn),
+        }
+        if self.amp_scaler is not None:
+            save_state[self.amp_scaler.state_dict_key] = self.amp_scaler.state_dict()
+        if self.model_ema is not None:
+            save_state['state_dict_ema'] = get_state_dict(self.model_ema, self.unwrap_fn)
+        if metric is not None:
+            save_state['metric'] = float(metric)
+        save_state['saver'] = self.state_dict(epoch, metric)
+        torch.save(save_state, save_path)
+
+
+def model_patch_size(model: nn.Module, default=16):
+    """The model's patch size (timm ViT/Swin/... expose it on ``patch_embed``), for token-aware mixing."""
+    pe = getattr(model, 'patch_embed', None)
+    ps = getattr(pe, 'patch_size', None)
+    if ps is None:
+        return default
+    return tuple(ps) if isinstance(ps, (tuple, list)) else int(ps)
+
+
+def main(argv=None):
+    utils.setup_default_logging()
+    args = parse_args(argv)
+    if args.data and not args.data_dir:
+        args.data_dir = args.data
+    if not args.data_dir:
+        raise SystemExit('tokenaug-train: --data-dir is required')
+    args.prefetcher = not args.no_prefetcher
+    device = utils.init_distributed_device(args)
+    if args.distributed:
+        _logger.info(f'Distributed training: process {args.rank}, total {args.world_size}, device {args.device}.')
+    else:
+        _logger.info(f'Training with a single process on device {args.device}.')
+
+    amp_dtype = torch.bfloat16 if args.amp_dtype == 'bfloat16' else torch.float16
+    use_amp = 'native' if args.amp else None
+    utils.random_seed(args.seed, args.rank)
+
+    factory_kwargs = {}
+    if args.pretrained_path:
+        factory_kwargs['pretrained_cfg_overlay'] = dict(file=args.pretrained_path)
+    in_chans = args.in_chans or (args.input_size[0] if args.input_size else 3)
+    model_kwargs = dict(args.model_kwargs)
+    if args.img_size is not None:
+        model_kwargs['img_size'] = args.img_size
+    elif args.input_size is not None:
+        model_kwargs['img_size'] = tuple(args.input_size[1:])
+    model = create_model(args.model, pretrained=args.pretrained or bool(args.pretrained_path), in_chans=in_chans,
+                         num_classes=args.num_classes, drop_rate=args.drop, drop_path_rate=args.drop_path,
+                         global_pool=args.gp, checkpoint_path=args.initial_checkpoint or None,
+                         **factory_kwargs, **model_kwargs)
+    if args.num_classes is None:
+        args.num_classes = model.num_classes
+    if utils.is_primary(args):
+        _logger.info(f'Model {safe_model_name(args.model)} created, param count: '
+                     f'{sum(m.numel() for m in model.parameters())}')
+    data_config = resolve_data_config(vars(args), model=model, verbose=utils.is_primary(args))
+    model.to(device=device)
+
+    if not args.lr:
+        global_batch = args.batch_size * args.world_size * args.grad_accum_steps
+        ratio = global_batch / args.lr_base_size
+        scale = args.lr_base_scale or ('sqrt' if any(o in args.opt.lower() for o in ('ada', 'lamb')) else 'linear')
+        if scale == 'sqrt':
+            ratio = ratio ** 0.5
+        args.lr = args.lr_base * ratio
+    optimizer = create_optimizer_v2(model, **optimizer_kwargs(cfg=args), **args.opt_kwargs)
+
+    amp_autocast, loss_scaler = suppress, None
+    if use_amp:
+        amp_autocast = partial(torch.autocast, device_type=device.type, dtype=amp_dtype)
+        if device.type == 'cuda' and amp_dtype == torch.float16:
+            loss_scaler = NativeScaler(device=device.type)
+
+    resume_epoch = None
+    if args.resume:
+        resume_epoch = resume_checkpoint(model, args.resume, optimizer=None if args.no_resume_opt else optimizer,
+                                         loss_scaler=None if args.no_resume_opt else loss_scaler,
+                                         log_info=utils.is_primary(args))
+    model_ema = None
+    if args.model_ema:
+        model_ema = utils.ModelEmaV3(model, decay=args.model_ema_decay, use_warmup=args.model_ema_warmup)
+        if args.resume:
+            from timm.models import load_checkpoint
+            load_checkpoint(model_ema.module, args.resume, use_ema=True)
+    if args.distributed:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == 'cuda' else None)
+
+    dataset_train = create_dataset(args.dataset, root=args.data_dir, split=args.train_split, is_training=True,
+                                   class_map=args.class_map, batch_size=args.batch_size, seed=args.seed,
+                                   input_img_mode=args.input_img_mode)
+    dataset_eval = create_dataset(args.dataset, root=args.data_dir, split=args.val_split, is_training=False,
+                                  class_map=args.class_map, batch_size=args.batch_size,
+                                  input_img_mode=args.input_img_mode)
+
+    # mixing: the kind, and where it runs (fast-collate with the prefetcher, else in the loop)
+    mixup_active = args.mixup > 0 or args.cutmix > 0. or args.cutmix_minmax is not None or \
+        (args.mixup_type is not None and args.tokenmix_lam is not None)
+    collate_fn = mixer = None
+    if args.mixup_type is not None and not mixup_active:
+        raise ValueError(f'--mixup-type {args.mixup_type} needs --mixup and/or --cutmix > 0 (or --tokenmix-lam)')
+    if mixup_active:
+        mixup_type = args.mixup_type or ('cutmix' if (args.cutmix > 0 or args.cutmix_minmax) else 'mixup')
+        unwrapped = model.module if args.distributed else model
+        mixer_args = dict(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
+                          prob=args.mixup_prob, switch_prob=args.mixup_switch_prob, mode=args.mixup_mode,
+                          label_smoothing=args.smoothing, num_classes=args.num_classes,
+                          patch_size=model_patch_size(unwrapped), tokenmix_lam=args.tokenmix_lam)
+        if args.prefetcher:
+            collate_fn = create_mixer(mixup_type, collate=True, **mixer_args)
+        else:
+            mixer = create_mixer(mixup_type, **mixer_args)
+        _logger.info(f'Mixing: {mixup_type} (mixup_alpha={args.mixup}, cutmix_alpha={args.cutmix}, '
+                     f'prob={args.mixup_prob}, switch_prob={args.mixup_switch_prob}, mode={args.mixup_mode})')
+
+    train_interpolation = args.train_interpolation
+    if args.no_aug or not train_interpolation:
+        train_interpolation = data_config['interpolation']
+    loader_train = create_loader(
+        dataset_train, input_size=data_config['input_size'], batch_size=args.batch_size, is_training=True,
+        no_aug=args.no_aug, re_prob=args.reprob, re_mode=args.remode, re_count=args.recount,
+        re_split=args.resplit, train_crop_mode=args.train_crop_mode, scale=args.scale, ratio=args.ratio,
+        hflip=args.hflip, vflip=args.vflip, color_jitter=args.color_jitter, auto_augment=args.aa,
+        num_aug_repeats=args.aug_repeats, interpolation=train_interpolation, mean=data_config['mean'],
+        std=data_config['std'], num_workers=args.workers, distributed=args.distributed,
+        collate_fn=collate_fn, pin_memory=args.pin_mem, device=device, use_prefetcher=args.prefetcher,
+        worker_seeding=args.worker_seeding, drop_last=mixup_active)
+    loader_eval = create_loader(
+        dataset_eval, input_size=data_config['input_size'], batch_size=args.validation_batch_size or args.batch_size,
+        is_training=False, interpolation=data_config['interpolation'], mean=data_config['mean'],
+        std=data_config['std'], num_workers=args.workers, distributed=args.distributed,
+        crop_pct=data_config['crop_pct'], pin_memory=args.pin_mem, device=device, use_prefetcher=args.prefetcher)
+
+    if mixup_active:
+        train_loss_fn = BinaryCrossEntropy(target_threshold=args.bce_target_thresh, sum_classes=args.bce_sum,
+                                           pos_weight=args.bce_pos_weight) if args.bce_loss else SoftTargetCrossEntropy()
+    elif args.smoothing:
+        train_loss_fn = BinaryCrossEntropy(smoothing=args.smoothing, target_threshold=args.bce_target_thresh,
+                                           sum_classes=args.bce_sum, pos_weight=args.bce_pos_weight) \
+            if args.bce_loss else LabelSmoothingCrossEntropy(smoothing=args.smoothing)
+    else:
+        train_loss_fn = BinaryCrossEntropy(target_threshold=args.bce_target_thresh, sum_classes=args.bce_sum,
+                                           pos_weight=args.bce_pos_weight) if args.bce_loss else nn.CrossEntropyLoss()
+    train_loss_fn = train_loss_fn.to(device=device)
+    validate_loss_fn = nn.CrossEntropyLoss().to(device=device)
+
+    eval_metric = args.eval_metric
+    saver = None
+    output_dir = None
+    if utils.is_primary(args):
+        exp_name = args.experiment or '-'.join([time.strftime('%Y%m%d-%H%M%S'), safe_model_name(args.model),
+                                                str(data_config['input_size'][-1])])
+        output_dir = utils.get_outdir(args.output if args.output else './output/train', exp_name)
+        saver = PlainCheckpointSaver(model=model, optimizer=optimizer, args=args, model_ema=model_ema,
+                                     amp_scaler=loss_scaler, checkpoint_dir=output_dir, recovery_dir=output_dir,
+                                     decreasing=eval_metric == 'loss', max_history=args.checkpoint_hist)
+        with open(os.path.join(output_dir, 'args.yaml'), 'w') as f:
+            yaml.safe_dump(plain_args(args), f, sort_keys=False)
+
+    updates_per_epoch = (len(loader_train) + args.grad_accum_steps - 1) // args.grad_accum_steps
+    lr_scheduler, num_epochs = create_scheduler_v2(optimizer, **scheduler_kwargs(args, decreasing_metric=eval_metric == 'loss'),
+                                                   updates_per_epoch=updates_per_epoch)
+    start_epoch = args.start_epoch if args.start_epoch is not None else (resume_epoch or 0)
+    if lr_scheduler is not None and start_epoch > 0:
+        if args.sched_on_updates:
+            lr_scheduler.step_update(start_epoch * updates_per_epoch)
+        else:
+            lr_scheduler.step(start_epoch)
+    if utils.is_primary(args):
+        _logger.info(f'Scheduled epochs: {num_epochs}; {updates_per_epoch} updates per epoch.')
+
+    best_metric = best_epoch = None
+    eval_metrics = {}
+    for epoch in range(start_epoch, num_epochs):
+        if hasattr(dataset_train, 'set_epoch'):
+            dataset_train.set_epoch(epoch)
+        elif args.distributed and hasattr(loader_train.sampler, 'set_epoch'):
+            loader_train.sampler.set_epoch(epoch)
+        train_metrics = train_one_epoch(epoch, model, loader_train, optimizer, train_loss_fn, args, device=device,
+                                        lr_scheduler=lr_scheduler, saver=saver, output_dir=output_dir,
+                                        amp_autocast=amp_autocast, loss_scaler=loss_scaler, model_ema=model_ema,
+                                        mixer=mixer, num_updates_total=num_epochs * updates_per_epoch)
+        if args.distributed:
+            utils.distribute_bn(model, args.world_size, True)
+        eval_metrics = validate(model, loader_eval, validate_loss_fn, args, device=device, amp_autocast=amp_autocast)
+        if model_ema is not None:
+            ema_eval = validate(model_ema, loader_eval, validate_loss_fn, args, device=device,
+                                amp_autocast=amp_autocast, log_suffix=' (EMA)')
+            eval_metrics = ema_eval
+        if output_dir is not None:
+            lrs = [pg['lr'] for pg in optimizer.param_groups]
+            utils.update_summary(epoch, train_metrics, eval_metrics, filename=os.path.join(output_dir, 'summary.csv'),
+                                 lr=sum(lrs) / len(lrs), write_header=best_metric is None)
+        if saver is not None:
+            best_metric, best_epoch = saver.save_checkpoint(epoch, metric=eval_metrics[eval_metric])
+        if lr_scheduler is not None:
+            lr_scheduler.step(epoch + 1, eval_metrics[eval_metric])
+    if best_metric is not None:
+        _logger.info(f'*** Best metric: {best_metric} (epoch {best_epoch})')
+    if output_dir is not None:
+        with open(os.path.join(output_dir, 'results.json'), 'w') as f:
+            json.dump({'model': args.model, 'mixup_type': args.mixup_type, 'best_metric': best_metric,
+                       'best_epoch': best_epoch, 'final': eval_metrics, 'output_dir': output_dir}, f, indent=2)
+    return eval_metrics
+
+
+def train_one_epoch(epoch, model, loader, optimizer, loss_fn, args, device, lr_scheduler=None, saver=None,
+                    output_dir=None, amp_autocast=suppress, loss_scaler=None, model_ema=None, mixer=None,
+                    num_updates_total=None):
+    if args.mixup_off_epoch and epoch >= args.mixup_off_epoch:
+        if args.prefetcher and hasattr(loader, 'mixup_enabled'):
+            loader.mixup_enabled = False
+        elif mixer is not None:
+            mixer.mixup_enabled = False
+    accum = args.grad_accum_steps
+    second_order = getattr(optimizer, 'is_second_order', False)
+    losses_m, data_time_m, update_time_m = utils.AverageMeter(), utils.AverageMeter(), utils.AverageMeter()
+    model.train()
+    num_batches = len(loader)
+    last_batch_idx = num_batches - 1
+    num_updates = epoch * ((num_batches + accum - 1) // accum)
+    data_start = update_start = time.time()
+    optimizer.zero_grad()
+    for batch_idx, (x, target) in enumerate(loader):
+        last_batch = batch_idx == last_batch_idx
+        need_update = last_batch or (batch_idx + 1) % accum == 0
+        if not args.prefetcher:
+            x, target = x.to(device), target.to(device)
+            if mixer is not None:
+                x, target = mixer(x, target)
+        data_time_m.update(time.time() - data_start)
+        with amp_autocast():
+            output = model(x)
+            loss = loss_fn(output, target)
+        if accum > 1:
+            loss = loss / accum
+        if loss_scaler is not None:
+            loss_scaler(loss, optimizer, clip_grad=args.clip_grad, clip_mode=args.clip_mode,
+                        parameters=model.parameters(), create_graph=second_order, need_update=need_update)
+        else:
+            loss.backward(create_graph=second_order)
+            if need_update:
+                if args.clip_grad is not None:
+                    utils.dispatch_clip_grad(model.parameters(), value=args.clip_grad, mode=args.clip_mode)
+                optimizer.step()
+        losses_m.update(loss.item() * accum, x.size(0))
+        if not need_update:
+            data_start = time.time()
+            continue
+        num_updates += 1
+        optimizer.zero_grad()
+        if model_ema is not None:
+            model_ema.update(model, step=num_updates)
+        update_time_m.update(time.time() - update_start)
+        update_start = time.time()
+        if (last_batch or batch_idx % args.log_interval == 0) and utils.is_primary(args):
+            lrs = [pg['lr'] for pg in optimizer.param_groups]
+            _logger.info(f'Train: {epoch} [{batch_idx:>4d}/{num_batches} ({100. * (batch_idx + 1) / num_batches:>3.0f}%)]  '
+                         f'Loss: {losses_m.val:#.3g} ({losses_m.avg:#.3g})  '
+                         f'Time: {update_time_m.val:.3f}s, {x.size(0) * accum / update_time_m.val:>7.2f}/s  '
+                         f'LR: {sum(lrs) / len(lrs):.3e}  Data: {data_time_m.val:.3f} ({data_time_m.avg:.3f})')
+        if lr_scheduler is not None:
+            lr_scheduler.step_update(num_updates=num_updates, metric=losses_m.avg)
+        data_start = time.time()
+    return OrderedDict([('loss', losses_m.avg)])
+
+
+def validate(model, loader, loss_fn, args, device, amp_autocast=suppress, log_suffix=''):
+    losses_m, top1_m, top5_m = utils.AverageMeter(), utils.AverageMeter(), utils.AverageMeter()
+    model.eval()
+    topk = (1, min(5, args.num_classes))
+    with torch.inference_mode():
+        for batch_idx, (x, target) in enumerate(loader):
+            if not args.prefetcher:
+                x, target = x.to(device), target.to(device)
+            with amp_autocast():
+                output = model(x)
+                if isinstance(output, (tuple, list)):
+                    output = output[0]
+                loss = loss_fn(output, target)
+            acc1, acc5 = utils.accuracy(output, target, topk=topk)
+            if args.distributed:
+                loss = utils.reduce_tensor(loss.data, args.world_size)
+                acc1 = utils.reduce_tensor(acc1, args.world_size)
+                acc5 = utils.reduce_tensor(acc5, args.world_size)
+            losses_m.update(loss.item(), x.size(0))
+            top1_m.update(acc1.item(), output.size(0))
+            top5_m.update(acc5.item(), output.size(0))
+    if utils.is_primary(args):
+        _logger.info(f'Test{log_suffix}: Loss: {losses_m.avg:>6.3f}  Acc@1: {top1_m.avg:>7.3f}  '
+                     f'Acc@{topk[1]}: {top5_m.avg:>7.3f}')
+    return OrderedDict([('loss', losses_m.avg), ('top1', top1_m.avg), ('top5', top5_m.avg)])
+
+
+if __name__ == '__main__':
+    main()
