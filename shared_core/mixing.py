@@ -478,22 +478,62 @@ class MixSampler:
 # ----------------------------------------------------------------------------------------------
 
 def mix_images(x: torch.Tensor, mix: Mix) -> torch.Tensor:
-    """Mixed images ``x · (1 - s) + x[partner] · s`` with ``s`` the per-pixel partner share.
+    """Mixed images: each pixel is ``x · (1 - s) + x[partner] · s`` with ``s`` its partner share.
 
-    Where ``s`` is 0 or 1 the output pixel is exactly the sample's or the partner's (no rounding),
-    and a blend reproduces timm's ``x · λ + x_flip · (1 - λ)``. Integer images (uint8) are mixed in
-    float and rounded, as timm's fast collate does.
+    Where ``s`` is 0 or 1 the output pixel is exactly the sample's or the partner's (boxes and token
+    masks copy, no arithmetic); blends are ``torch.lerp(x, x[partner], 1 - λ)``, equal to timm's
+    ``x · λ + x_flip · (1 - λ)`` up to float rounding. Integer images (uint8, the fast-collate path)
+    are selected directly and blended in float then rounded, as timm's fast collate does.
+    ``x`` is not modified.
     """
     if x.dim() != 4 or tuple(x.shape[-2:]) != tuple(mix.img_size) or x.shape[0] != mix.batch_size:
         raise ValueError(f'x: expected images (B={mix.batch_size}, C, {mix.img_size[0]}, {mix.img_size[1]}) '
                          f'for this mix, got {tuple(x.shape)}')
-    integer = not x.dtype.is_floating_point
-    xf = x.float() if integer else x
-    s = mix.pixel_share(xf.dtype).to(xf.device)
-    out = torch.addcmul(xf * (1. - s), xf[mix.partner.to(x.device)], s)
-    if integer:
-        out = out.round_().to(x.dtype)
+    dev = x.device
+    partner = mix.partner.to(dev)
+    share = mix.token_share.to(dev)
+    is_box = mix.box_valid.to(dev) if mix.boxes is not None else None
+    n_box = int(is_box.sum()) if is_box is not None else 0  # one host sync for the row plan
+    if n_box == mix.batch_size:  # every row a pixel box: copy, then paste the boxes
+        out = x.clone()
+    else:  # token shares (blends, masks, token boxes) on a patch view; box rows keep their own pixels here
+        if n_box:
+            share = share.masked_fill(is_box[:, None, None], 0.)
+        out = _mix_token_rows(x, partner, share, mix.patch_size)
+    if n_box:
+        boxes = mix.boxes.to(dev)
+        if n_box == mix.batch_size and bool((boxes == boxes[0]).all()):  # batch mode: one box
+            y0, y1, x0, x1 = boxes[0].tolist()
+            out[:, :, y0:y1, x0:x1] = x[:, :, y0:y1, x0:x1].index_select(0, partner)
+        else:
+            rows = is_box.nonzero().flatten()
+            for b, p, (y0, y1, x0, x1) in zip(rows.tolist(), partner[rows].tolist(), boxes[rows].tolist()):
+                out[b, :, y0:y1, x0:x1] = x[p, :, y0:y1, x0:x1]
     return out
+
+
+def _mix_token_rows(x: torch.Tensor, partner: torch.Tensor, share: torch.Tensor, patch_size) -> torch.Tensor:
+    """Mix images by a per-token partner share, on a patch view (no per-pixel share is materialised),
+    writing into the gathered partners ``xp`` (a fresh tensor): large fresh allocations cost page
+    faults on the CPU, so the result reuses that buffer."""
+    xp = x.index_select(0, partner)
+    B, C, H, W = x.shape
+    gh, gw = share.shape[1:]
+    ph, pw = patch_size
+    x6, xp6 = x.view(B, C, gh, ph, gw, pw), xp.view(B, C, gh, ph, gw, pw)
+    s6 = share.view(B, 1, gh, 1, gw, 1)
+    if x.dtype.is_floating_point:
+        # xp + (x - xp) · (1 - s): exactly xp where s = 1 and exactly x where s = 0 (torch.lerp's rule)
+        xp6.lerp_(x6, (1. - s6).to(x.dtype))
+    else:  # integer images: select where every share of a chunk is 0/1, else blend in float and round
+        binary = ((share == 0) | (share == 1)).flatten(1).all(1).tolist()
+        for i in range(0, B, 8):  # a few rows at a time: small, reused float buffers
+            sl = slice(i, i + 8)
+            if all(binary[sl]):
+                torch.where(s6[sl] > 0.5, xp6[sl], x6[sl], out=xp6[sl])
+            else:
+                xp6[sl] = torch.lerp(x6[sl].float(), xp6[sl].float(), s6[sl]).round_().to(x.dtype)
+    return xp
 
 
 def mix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:

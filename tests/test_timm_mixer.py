@@ -90,7 +90,7 @@ def test_prefetcher_and_mixup_off_switch(tmp_path):
     """timm's create_loader + PrefetchLoader drive our collate, and its mixup_enabled switch reaches it."""
     ds = create_dataset('', root=str(_image_folder(tmp_path / 'train')), is_training=True)
     collate = create_mixer('tokenmix_block', cutmix_alpha=1.0, mixup_alpha=0., num_classes=3, patch_size=8,
-                           collate=True, label_smoothing=0.0)
+                           collate=True, label_smoothing=0.0, tokenmix_lam=0.5)  # λ = 0.5: always mixed
     loader = create_loader(ds, input_size=(3, 32, 32), batch_size=4, is_training=True, use_prefetcher=True,
                            collate_fn=collate, num_workers=0, device=torch.device('cpu'), no_aug=True)
     assert loader.mixup_enabled
