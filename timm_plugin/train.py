@@ -228,7 +228,13 @@ def model_patch_size(model: nn.Module, default=16):
     return tuple(ps) if isinstance(ps, (tuple, list)) else int(ps)
 
 
-def main(argv=None):
+def main(argv=None) -> None:
+    """Console entry point (``tokenaug-train``)."""
+    run(argv)
+
+
+def run(argv=None) -> dict:
+    """Train and evaluate; returns the last evaluation metrics (``loss``, ``top1``, ``top5``)."""
     utils.setup_default_logging()
     args = parse_args(argv)
     if args.data and not args.data_dir:
@@ -334,7 +340,7 @@ def main(argv=None):
         num_aug_repeats=args.aug_repeats, interpolation=train_interpolation, mean=data_config['mean'],
         std=data_config['std'], num_workers=args.workers, distributed=args.distributed,
         collate_fn=collate_fn, pin_memory=args.pin_mem, device=device, use_prefetcher=args.prefetcher,
-        worker_seeding=args.worker_seeding, drop_last=mixup_active)
+        worker_seeding=args.worker_seeding)  # timm drops the last (possibly odd) training batch
     loader_eval = create_loader(
         dataset_eval, input_size=data_config['input_size'], batch_size=args.validation_batch_size or args.batch_size,
         is_training=False, interpolation=data_config['interpolation'], mean=data_config['mean'],

@@ -1,0 +1,28 @@
+"""Shared fixtures: one tiny synthetic world (tokenaug-data) for the end-to-end runs."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared_core.world import generate_world
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope='session')
+def tiny_world(tmp_path_factory):
+    """10 classes at 112 px (the world configs' size), 2 train / 1 val scenes per class."""
+    out = tmp_path_factory.mktemp('world')
+    generate_world(out, seed=0, num_classes=10, image_size=112, train_per_class=2, val_per_class=1)
+    return out
+
+
+@pytest.fixture
+def run_env():
+    """Environment for subprocesses: the venv first on PATH, the repo importable."""
+    env = dict(os.environ)
+    env['PATH'] = f'{VENV_BIN}{os.pathsep}{env.get("PATH", "")}'
+    env['PYTHONPATH'] = f'{REPO}{os.pathsep}{env.get("PYTHONPATH", "")}'
+    return env
