@@ -1,0 +1,11 @@
+# ImageNet-1k DeiT-Small (mmpretrain's recipe) with TokenMix block masks instead of CutMix.
+# data_root as in mmpretrain's ImageNet configs (data/imagenet).
+_base_ = ['mmpretrain::deit/deit-small_4xb256_in1k.py']
+
+custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)
+
+data_preprocessor = dict(type='TokenAugDataPreprocessor', patch_size=16)
+model = dict(train_cfg=dict(_delete_=True, augments=[
+    dict(type='TAMixup', alpha=0.8, patch_size=16),
+    dict(type='TATokenMix', alpha=1.0, mask='block', patch_size=16),
+]))

@@ -1,0 +1,97 @@
+"""Batch augments for MMPretrain that draw a :class:`shared_core.mixing.Mix`.
+
+Each class is registered in mmpretrain's ``BATCH_AUGMENTS`` and works two ways:
+
+- with the stock ``ClsDataPreprocessor``: ``inputs, score = aug(inputs, batch_score)`` (the stock
+  contract; the mix is applied and then forgotten);
+- with :class:`mm_plugin.TokenAugDataPreprocessor`: ``aug.sample_mix(batch_size, img_size)`` draws the
+  mix, and the preprocessor applies it and puts it on the data samples, where token-aware heads read it.
+
+The mixing itself (λ, boxes, masks, images, targets) lives in :mod:`shared_core.mixing`; these
+classes only translate config keys. As in timm, sample ``i`` is paired with ``B - 1 - i`` (the
+dataloader shuffles, so this is a random pairing) and λ is the share of the sample's own image.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from mmpretrain.registry import BATCH_AUGMENTS
+
+from shared_core.mixing import Mix, MixSampler, check_pairwise_batch, mix_images
+
+__all__ = ['MixBatchAugment', 'TAMixup', 'TACutMix', 'TAMixToken', 'TATokenMix']
+
+
+class MixBatchAugment:
+    """Base: one mixing kind of :class:`shared_core.mixing.MixSampler` (its cut branch only).
+
+    Args:
+        kind: the sampler kind.
+        alpha: Beta(α, α) parameter of λ.
+        patch_size: the backbone's patch size (token-aware kinds need the image divisible by it).
+        mode: ``'batch'`` (one λ per batch, as mmpretrain's Mixup/CutMix), ``'pair'`` or ``'elem'``.
+        **sampler_kwargs: further :class:`MixSampler` arguments.
+    """
+
+    kind = 'mixup'
+
+    def __init__(self, alpha: float = 1.0, patch_size=16, mode: str = 'batch', **sampler_kwargs):
+        if self.kind == 'mixup':
+            args = dict(mixup_alpha=alpha, cutmix_alpha=0.)
+        else:
+            args = dict(mixup_alpha=0., cutmix_alpha=alpha)
+        self.alpha = alpha
+        self.sampler = MixSampler(self.kind, patch_size=patch_size, mode=mode, **args, **sampler_kwargs)
+
+    def sample_mix(self, batch_size: int, img_size: Tuple[int, int], device=None) -> Mix:
+        check_pairwise_batch(batch_size, 'inputs')
+        return self.sampler.sample(batch_size, img_size, device=device)
+
+    def __call__(self, batch_inputs: torch.Tensor, batch_score: torch.Tensor):
+        """The stock mmpretrain contract: mix images and one-hot (or soft) scores ``(N, C)``."""
+        if batch_score.ndim != 2 or batch_score.shape[0] != batch_inputs.shape[0]:
+            raise ValueError(f'batch_score: expected (N={batch_inputs.shape[0]}, num_classes) scores, '
+                             f'got {tuple(batch_score.shape)}')
+        mix = self.sample_mix(batch_inputs.shape[0], tuple(batch_inputs.shape[-2:]), batch_inputs.device)
+        lam = mix.lam.to(batch_score.device).unsqueeze(1)
+        score = batch_score.float()
+        return mix_images(batch_inputs, mix), score * lam + score[mix.partner] * (1. - lam)
+
+
+@BATCH_AUGMENTS.register_module()
+class TAMixup(MixBatchAugment):
+    """MixUp (λ ~ Beta(α, α), every token gets the partner share 1 - λ)."""
+    kind = 'mixup'
+
+
+@BATCH_AUGMENTS.register_module()
+class TACutMix(MixBatchAugment):
+    """CutMix with timm's box sampling: λ corrected to the clipped box area (``correct_lam``), or a
+    box from ``cutmix_minmax``. Patch tokens cut by the box get fractional partner shares."""
+    kind = 'cutmix'
+
+    def __init__(self, alpha: float = 1.0, cutmix_minmax: Optional[Sequence[float]] = None,
+                 correct_lam: bool = True, patch_size=16, mode: str = 'batch'):
+        super().__init__(alpha, patch_size=patch_size, mode=mode, cutmix_minmax=cutmix_minmax,
+                         correct_lam=correct_lam)
+
+
+@BATCH_AUGMENTS.register_module()
+class TAMixToken(MixBatchAugment):
+    """MixToken's box on the token grid (Token Labeling, Sec. 3.3)."""
+    kind = 'token_box'
+
+
+@BATCH_AUGMENTS.register_module()
+class TATokenMix(MixBatchAugment):
+    """TokenMix masks (tokenmix.md Sec. 3.2): ``mask='block'`` (several separated parts, at least
+    ``min_tokens`` each) or ``'random'`` (single tokens); ``lam`` fixes λ (TokenMix: 0.5) instead of
+    drawing it from Beta(α, α)."""
+
+    def __init__(self, alpha: float = 1.0, mask: str = 'block', lam: Optional[float] = None,
+                 min_tokens: Optional[int] = None, patch_size=16, mode: str = 'elem'):
+        if mask not in ('block', 'random'):
+            raise ValueError(f"mask must be 'block' or 'random', got {mask!r}")
+        self.kind = f'tokenmix_{mask}'
+        super().__init__(alpha, patch_size=patch_size, mode=mode, tokenmix_lam=lam, tokenmix_min_tokens=min_tokens)

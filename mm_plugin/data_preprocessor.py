@@ -1,0 +1,98 @@
+"""A ``ClsDataPreprocessor`` that carries the mix to the model.
+
+The stock batch-augment contract ``(inputs, batch_score) -> (inputs, score)`` loses *where* the mix
+happened, which token-aware methods need. :class:`TokenAugDataPreprocessor` does what the stock one
+does (stack, BGR→RGB, normalise, pad, one-hot scores), then, in training, lets ``batch_augments``
+choose an augment (mmpretrain's ``RandomBatchAugment`` rule: one of ``augments`` by ``probs``, or
+none) that draws a :class:`shared_core.mixing.Mix`, applies it to the images and to the targets, and
+sets on every data sample:
+
+- ``gt_score``: the area target ``λ · y + (1 - λ) · y[partner]`` (sums to 1), as the stock heads expect;
+- metainfo ``batch_mix``: the batch's :class:`Mix` (the same object on every sample) and
+  ``mix_index``: the sample's row in it. :func:`mix_from_samples` gets it back.
+
+Batches that are not mixed (``probs`` left room for "none", or ``training=False``) get the identity
+mix, so a token-aware head needs no special case.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+import torch
+from mmpretrain.models.utils.data_preprocessor import ClsDataPreprocessor
+from mmpretrain.registry import MODELS
+
+from shared_core.mixing import Mix, check_labels, identity_mix, mix_images, mix_target
+from .batch_augments import MixBatchAugment
+
+__all__ = ['TokenAugDataPreprocessor', 'mix_from_samples']
+
+
+@MODELS.register_module()
+class TokenAugDataPreprocessor(ClsDataPreprocessor):
+    """``ClsDataPreprocessor`` whose batch augments (tokenaug's ``TA*`` augments) carry the mix.
+
+    Args:
+        patch_size: patch size for the identity mix of unmixed batches (the augments carry their own).
+        Other args: as :class:`mmpretrain.models.ClsDataPreprocessor`; ``num_classes`` is required
+        when ``batch_augments`` is set.
+    """
+
+    def __init__(self, *args, patch_size=16, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.patch_size = patch_size
+        if self.batch_augments is not None:
+            if not self.num_classes:
+                raise ValueError('num_classes: TokenAugDataPreprocessor needs num_classes with batch_augments')
+            bad = [type(a).__name__ for a in self.batch_augments.augments
+                   if a is not None and not isinstance(a, MixBatchAugment)]
+            if bad:
+                raise ValueError(f'batch_augments: {bad} cannot describe their mix; use tokenaug\'s TAMixup, '
+                                 f'TACutMix, TAMixToken or TATokenMix (or the stock ClsDataPreprocessor)')
+
+    def forward(self, data: dict, training: bool = False) -> dict:
+        if not training or self.batch_augments is None:
+            return super().forward(data, training)
+        # stack, BGR->RGB, normalise and gt_label as the stock preprocessor; scores are made from the mix
+        augments, onehot = self.batch_augments, self.to_onehot
+        self.batch_augments, self.to_onehot = None, False
+        try:
+            out = super().forward(data, training)
+        finally:
+            self.batch_augments, self.to_onehot = augments, onehot
+        samples = out.get('data_samples')
+        if not samples or 'gt_label' not in samples[0]:
+            return out
+        inputs = out['inputs']
+        labels = torch.cat([s.gt_label for s in samples]).to(inputs.device)
+        if labels.numel() != len(samples):
+            raise ValueError('data_samples: token-aware mixing needs exactly one gt_label per sample')
+        check_labels(labels, self.num_classes, 'gt_label')
+        aug = augments.augments[np.random.choice(len(augments.augments), p=augments.probs)]
+        img_size = tuple(inputs.shape[-2:])
+        if aug is None:
+            mix = identity_mix(len(samples), img_size, self.patch_size, device=inputs.device)
+        else:
+            mix = aug.sample_mix(len(samples), img_size, device=inputs.device)
+            inputs = mix_images(inputs, mix)
+        scores = mix_target(labels, mix, self.num_classes)
+        for i, (sample, score) in enumerate(zip(samples, scores)):
+            sample.set_gt_score(score)
+            # set_field, not set_metainfo: the latter deep-copies, and every sample must share one Mix
+            sample.set_field(mix, 'batch_mix', field_type='metainfo')
+            sample.set_field(i, 'mix_index', field_type='metainfo')
+        out['inputs'] = inputs
+        return out
+
+
+def mix_from_samples(data_samples: List) -> Optional[Mix]:
+    """The batch's :class:`Mix` set by :class:`TokenAugDataPreprocessor` (``None`` if there is none).
+    The samples must be the whole batch in its order."""
+    if not data_samples or 'batch_mix' not in data_samples[0].metainfo_keys():
+        return None
+    mix = data_samples[0].batch_mix
+    index = [s.mix_index for s in data_samples]
+    if any(s.batch_mix is not mix for s in data_samples) or index != list(range(mix.batch_size)):
+        raise ValueError('data_samples: must be the whole mixed batch, in the order it was mixed')
+    return mix
