@@ -49,3 +49,16 @@ def test_bad_config_key_is_named(tmp_path):
     cfg.write_text('mixup_typ: cutmix\n')
     with pytest.raises(ValueError, match=r"unknown keys \['mixup_typ'\]"):
         run(['-c', str(cfg), '--data-dir', str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_two_processes(tiny_world, tmp_path, run_env):
+    """DDP through torchrun (gloo on CPU): both ranks train, rank 0 evaluates and saves."""
+    cmd = ['torchrun', '--nproc_per_node', '2', '--master_port', '29611', '-m', 'timm_plugin.train', '-c', CONFIG,
+           '--data-dir', str(tiny_world / 'imagenet'), '--epochs', '1', '-b', '4', '--workers', '0',
+           '--mixup-type', 'tokenmix_block', '--output', str(tmp_path), '--experiment', 'ddp']
+    res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert 'process 0, total 2' in log and 'process 1, total 2' in log
+    assert (tmp_path / 'ddp' / 'last.pth.tar').exists()
