@@ -10,24 +10,30 @@ The world
 ---------
 * **Classes.** Class ``k`` (``0 <= k < num_classes``) is a unique combination of a
   *shape* (circle, square, triangle, star, hexagon, cross, diamond, arrow, pentagon,
-  L-shape) and a *texture* (striped, checkered, dotted, gradient, grid), drawn in its own
-  saturated two-colour palette with class-specific texture angle/period.  Class ``k``
-  has shape ``SHAPES[k % 10]`` and texture ``TEXTURES[(k % 10 + k // 10) % 5]``, so up
+  L-shape) and a *texture* (striped, checkered, dotted, gradient, grid) with
+  class-specific texture angle/period -- shape x texture *only*: colour carries no class
+  information (see *Colours*).  Class ``k`` has shape ``SHAPES[k % 10]`` and texture ``TEXTURES[(k % 10 + k // 10) % 5]``, so up
   to ``10 * 5 = 50`` classes are available.  Its name is ``f"{k:02d}_{texture}_{shape}"``
   (e.g. ``00_striped_circle``); the two-digit prefix makes alphabetical order (what
   torchvision ``ImageFolder``, timm and mmpretrain use for folder datasets) equal to the
   label order ``k``.
+* **Colours.** All classes share one palette (:data:`PALETTE`): ``PALETTE_HUES`` = 12
+  evenly spaced hues, each as a *light* colour (HSV s=0.85, v=0.95) and a *dark* colour
+  (s=0.75, v=0.45).  Every object instance independently draws a light and a dark colour
+  (uniformly, any two hues, from the scene's RNG) and paints its texture with them, so
+  the same class appears in every colour and every colour pair appears in every class.
+  The light/dark pairing keeps the texture visible whatever the hues.
 * **Background.** Smooth low-resolution colour noise upsampled to the image size, plus
   random clutter strokes and blobs and mild pixel noise, all in *low-saturation*
-  colours (HSV saturation <= 0.25).  Object palettes are saturated (>= 0.6), and the
+  colours (HSV saturation <= 0.25).  Object colours are saturated (>= 0.6), and the
   clutter uses no stripe/checker/dot/grid/gradient texture, so no background pixel
   looks like an object, yet the background is never flat.
 * **Objects.** Each scene has one *main* object of its labelled class whose mask covers
   a fraction ``min_area <= a <= max_area`` of the image (default 8-35 %; measured on the
   rasterised mask), plus ``0..max_extra_objects`` (default up to 1) extra objects of
   other classes, each with a mask area between 20 % and 50 % of the main object's.
-  Every instance gets a random rotation, scale, position, texture phase and mild colour
-  jitter; the texture rotates with the object.  Objects never overlap: their pixel
+  Every instance gets random colours (above), a random rotation, scale, position,
+  texture phase and mild colour jitter; the texture rotates with the object.  Objects never overlap: their pixel
   bounding boxes are at least 2 px apart (placement is retried, and an extra object
   that cannot be placed is dropped), so no object is occluded and every polygon below
   describes exactly the visible object.
@@ -54,7 +60,7 @@ Layout under ``OUT`` (ids are integers, unique over both splits; files are ``f"{
   pixel-corner convention (as ``pycocotools.mask.toBbox``), area = mask pixel count,
   segmentation = ``[[x1, y1, x2, y2, ...]]``, iscrowd 0) and ``categories`` (id, name,
   supercategory = shape name).  The first annotation of every image is its main object.
-* ``world.json`` -- seed, configuration, classes, image size, counts per split,
+* ``world.json`` -- seed, configuration, classes, shared colour palette, image size, counts per split,
   object-area statistics, format paths (relative to ``OUT``) and label conventions.
   It is written last; if it already exists with the same configuration, generation is
   skipped (idempotent) unless ``force``.
@@ -93,9 +99,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-__all__ = ["generate_world", "main", "SHAPES", "TEXTURES", "FORMATS", "MAX_CLASSES", "class_specs"]
+__all__ = ["generate_world", "main", "SHAPES", "TEXTURES", "FORMATS", "MAX_CLASSES", "class_specs",
+           "PALETTE", "PALETTE_HUES"]
 
-GENERATOR_VERSION = 1
+# 1: per-class colour palettes; 2: one palette shared by all classes, colours drawn per instance
+GENERATOR_VERSION = 2
 FORMATS = ("imagenet", "ade20k", "coco")
 SHAPES = ("circle", "square", "triangle", "star", "hexagon",
           "cross", "diamond", "arrow", "pentagon", "lshape")
@@ -221,21 +229,39 @@ def _hsv(h: float, s: float, v: float) -> np.ndarray:
     return np.array(rgb, np.float64) * 255.0
 
 
+PALETTE_HUES = 12
+_LIGHT_SV = (0.85, 0.95)
+_DARK_SV = (0.75, 0.45)
+
+
+def _rgb_int(c: np.ndarray) -> list[int]:
+    return [int(round(float(x))) for x in c]
+
+
+#: Colour palette shared by all classes: ``{"light": [[r, g, b], ...], "dark": [...]}``,
+#: one light and one dark saturated colour per hue ``i / PALETTE_HUES``.  An object's
+#: texture mixes one light and one dark colour drawn independently per instance.
+PALETTE = {
+    "light": [_rgb_int(_hsv(i / PALETTE_HUES, *_LIGHT_SV)) for i in range(PALETTE_HUES)],
+    "dark": [_rgb_int(_hsv(i / PALETTE_HUES, *_DARK_SV)) for i in range(PALETTE_HUES)],
+}
+
+
 def class_specs(num_classes: int) -> list[dict]:
-    """Static description of the classes (shape, texture, palette, texture parameters)."""
+    """Static description of the classes (shape, texture, texture parameters).
+
+    Colours are not part of a class: every instance draws its colours from the shared
+    :data:`PALETTE`.
+    """
     specs = []
     for k in range(num_classes):
         shape = SHAPES[k % len(SHAPES)]
         texture = TEXTURES[(k % len(SHAPES) + k // len(SHAPES)) % len(TEXTURES)]
-        hue = (k * 0.6180339887) % 1.0
-        c1 = _hsv(hue, 0.85, 0.95)
-        c2 = _hsv(hue + 0.09, 0.75, 0.45)
         specs.append({
             "id": k,
             "name": f"{k:02d}_{texture}_{shape}",
             "shape": shape,
             "texture": texture,
-            "colors": [[int(round(c)) for c in c1], [int(round(c)) for c in c2]],
             "angle_deg": float((k * 47) % 180),
             "period": float(6 + 2 * (k % 3)),  # px at image_size 112
         })
@@ -269,7 +295,7 @@ def _background(rng: np.random.Generator, size: int) -> np.ndarray:
 
 def _texture(spec: dict, u: np.ndarray, v: np.ndarray, radius: float, size: int,
              rng: np.random.Generator) -> np.ndarray:
-    """Mix weight in [0, 1] between the class's two colours at local coords (u, v)."""
+    """Mix weight in [0, 1] between the object's light (1) and dark (0) colour at (u, v)."""
     ps = max(size / 112.0, 0.5)
     period = spec["period"] * ps * rng.uniform(0.9, 1.1)
     a = math.radians(spec["angle_deg"])
@@ -383,8 +409,10 @@ def _render_scene(scene_seq: np.random.SeedSequence, main_cls: int, specs: list[
         c, s = math.cos(theta), math.sin(theta)
         u, v = dx * c + dy * s, -dx * s + dy * c
         w = _texture(spec, u, v, radius, size, rng)[..., None]
-        c1 = np.array(spec["colors"][0], np.float64)
-        c2 = np.array(spec["colors"][1], np.float64)
+        # colours: per instance, independent of the class, from the shared palette
+        i1, i2 = (int(i) for i in rng.integers(0, PALETTE_HUES, 2))
+        c1 = np.array(PALETTE["light"][i1], np.float64)
+        c2 = np.array(PALETTE["dark"][i2], np.float64)
         jit = rng.uniform(0.92, 1.08, 3) * rng.uniform(0.9, 1.1)
         col = (c2 + w * (c1 - c2)) * jit
         m = mask[y0:y1 + 1, x0:x1 + 1]
@@ -607,7 +635,10 @@ def _generate(out, *, seed, num_classes, image_size, train_per_class, val_per_cl
         "image_size": [S, S],
         "num_classes": K,
         "class_names": names,
-        "classes": [{k2: s[k2] for k2 in ("id", "name", "shape", "texture", "colors")} for s in specs],
+        "classes": [{k2: s[k2] for k2 in ("id", "name", "shape", "texture")} for s in specs],
+        "palette": {**PALETTE, "note": "shared by all classes: every object instance draws one light "
+                                        "and one dark colour (independent uniform indices) for its "
+                                        "texture, so colour carries no class information"},
         "counts": counts,
         "area_stats": area_stats,
         "formats": paths,

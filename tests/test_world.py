@@ -282,6 +282,67 @@ def test_many_classes_unique(tmp_path):
     assert set(range(1, 21)) <= labels <= set(range(0, 21))
 
 
+@pytest.fixture(scope="module")
+def default_world_objects(tmp_path_factory):
+    """Objects of the default world (train + val): class, mean RGB in [0, 1], per image
+    the median HSV saturation of object and of background pixels."""
+    out = tmp_path_factory.mktemp("default_world")
+    meta = W.generate_world(out, formats="ade20k")
+    cls, mean_rgb, sat_obj, sat_bg = [], [], [], []
+    for _, ade, _ in SPLITS:
+        for p in sorted((out / "ade20k" / "images" / ade).glob("*.jpg")):
+            img = np.asarray(Image.open(p), np.float64) / 255.0
+            lab = np.asarray(Image.open(out / "ade20k" / "annotations" / ade / f"{p.stem}.png"))
+            mx, mn = img.max(-1), img.min(-1)
+            sat = (mx - mn) / np.maximum(mx, 1e-6)
+            sat_obj.append(float(np.median(sat[lab > 0])))
+            sat_bg.append(float(np.median(sat[lab == 0])))
+            for v in np.unique(lab)[1:]:  # one class per label value: instances of a scene differ
+                cls.append(int(v) - 1)
+                mean_rgb.append(img[lab == v].mean(0))
+    return meta, np.array(cls), np.array(mean_rgb), np.array(sat_obj), np.array(sat_bg)
+
+
+def _hue(rgb: np.ndarray) -> np.ndarray:
+    """HSV hue in [0, 1) of rows of RGB."""
+    r, g, b = rgb.T
+    mx, mn = rgb.max(1), rgb.min(1)
+    d = np.maximum(mx - mn, 1e-9)
+    h = np.where(mx == r, (g - b) / d, np.where(mx == g, 2 + (b - r) / d, 4 + (r - g) / d))
+    return (h / 6.0) % 1.0
+
+
+def test_colour_does_not_identify_class(default_world_objects):
+    meta, cls, rgb, _, _ = default_world_objects
+    K = meta["num_classes"]
+    assert meta["config"]["generator_version"] == W.GENERATOR_VERSION >= 2
+    # classes carry no colours; one palette is shared by all of them
+    assert all("colors" not in c for c in meta["classes"])
+    assert meta["palette"]["light"] == W.PALETTE["light"] and meta["palette"]["dark"] == W.PALETTE["dark"]
+    assert len(W.PALETTE["light"]) == len(W.PALETTE["dark"]) == W.PALETTE_HUES >= 8
+    # every class shows up in many colours: the hues of its objects' mean colours
+    # fall into >= 6 of 12 hue bins, none holding more than 40 % of its objects
+    bins = np.floor(_hue(rgb) * 12 + 0.5).astype(int) % 12
+    for k in range(K):
+        b = bins[cls == k]
+        assert len(b) >= 30, (k, len(b))
+        counts = np.bincount(b, minlength=12)
+        assert (counts > 0).sum() >= 6, (k, counts)
+        assert counts.max() <= 0.4 * len(b), (k, counts)
+    # the mean colour is not separable by class: a nearest-class-mean classifier on the
+    # objects' mean RGB, fitted and scored on the same objects, stays near chance (1/K)
+    centres = np.stack([rgb[cls == k].mean(0) for k in range(K)])
+    pred = ((rgb[:, None] - centres[None]) ** 2).sum(-1).argmin(1)
+    assert (pred == cls).mean() < 2.5 / K
+
+
+def test_objects_saturated_background_not(default_world_objects):
+    _, _, _, sat_obj, sat_bg = default_world_objects
+    for c in W.PALETTE["light"] + W.PALETTE["dark"]:
+        assert (max(c) - min(c)) / max(c) >= 0.6
+    assert sat_obj.min() > 0.4 and sat_bg.max() < 0.25
+
+
 @pytest.mark.parametrize("kwargs, arg", [
     (dict(num_classes=1), "num_classes"),
     (dict(num_classes=W.MAX_CLASSES + 1), "num_classes"),
