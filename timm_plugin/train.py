@@ -34,7 +34,7 @@ from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTarget
 from timm.models import create_model, resume_checkpoint, safe_model_name
 from timm.optim import create_optimizer_v2, optimizer_kwargs
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
-from timm.utils import ApexScaler, NativeScaler  # noqa: F401 (ApexScaler kept for parity with timm)
+from timm.utils import NativeScaler
 from timm.utils.model import get_state_dict
 
 from .mixup import MIXUP_TYPES, create_mixer
@@ -113,7 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--color-jitter', type=float, default=0.4, metavar='PCT')
     g.add_argument('--aa', type=str, default=None, metavar='NAME', help='AutoAugment policy, e.g. "rand-m9-mstd0.5-inc1"')
     g.add_argument('--aug-repeats', type=float, default=0)
-    g.add_argument('--jsd-loss', action='store_true', default=False, help=argparse.SUPPRESS)
     g.add_argument('--bce-loss', action='store_true', default=False)
     g.add_argument('--bce-sum', action='store_true', default=False)
     g.add_argument('--bce-target-thresh', type=float, default=None)
@@ -145,7 +144,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--seed', type=int, default=42, metavar='S')
     g.add_argument('--worker-seeding', type=str, default='all')
     g.add_argument('--log-interval', type=int, default=50, metavar='N')
-    g.add_argument('--recovery-interval', type=int, default=0, metavar='N')
     g.add_argument('--checkpoint-hist', type=int, default=10, metavar='N')
     g.add_argument('-j', '--workers', type=int, default=4, metavar='N')
     g.add_argument('--amp', action='store_true', default=False)
