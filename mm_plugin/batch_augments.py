@@ -30,33 +30,37 @@ class MixBatchAugment:
         kind: the sampler kind.
         alpha: Beta(α, α) parameter of λ.
         patch_size: the backbone's patch size (token-aware kinds need the image divisible by it).
+            ``None``: the data preprocessor's ``patch_size`` (16 under the stock preprocessor).
         mode: ``'batch'`` (one λ per batch, as mmpretrain's Mixup/CutMix), ``'pair'`` or ``'elem'``.
         **sampler_kwargs: further :class:`MixSampler` arguments.
     """
 
     kind = 'mixup'
 
-    def __init__(self, alpha: float = 1.0, patch_size=16, mode: str = 'batch', **sampler_kwargs):
+    def __init__(self, alpha: float = 1.0, patch_size=None, mode: str = 'batch', **sampler_kwargs):
         if self.kind == 'mixup':
             args = dict(mixup_alpha=alpha, cutmix_alpha=0.)
         else:
             args = dict(mixup_alpha=0., cutmix_alpha=alpha)
         self.alpha = alpha
-        self.sampler = MixSampler(self.kind, patch_size=patch_size, mode=mode, **args, **sampler_kwargs)
+        self.patch_size_given = patch_size is not None
+        self.sampler = MixSampler(self.kind, patch_size=16 if patch_size is None else patch_size, mode=mode,
+                                  **args, **sampler_kwargs)
 
-    def sample_mix(self, batch_size: int, img_size: Tuple[int, int], device=None) -> Mix:
+    def sample_mix(self, batch_size: int, img_size: Tuple[int, int]) -> Mix:
+        """The mix of a batch (on the CPU; :func:`mix_images` and :func:`mix_target` move what they need)."""
         check_pairwise_batch(batch_size, 'inputs')
-        return self.sampler.sample(batch_size, img_size, device=device)
+        return self.sampler.sample(batch_size, img_size)
 
     def __call__(self, batch_inputs: torch.Tensor, batch_score: torch.Tensor):
         """The stock mmpretrain contract: mix images and one-hot (or soft) scores ``(N, C)``."""
         if batch_score.ndim != 2 or batch_score.shape[0] != batch_inputs.shape[0]:
             raise ValueError(f'batch_score: expected (N={batch_inputs.shape[0]}, num_classes) scores, '
                              f'got {tuple(batch_score.shape)}')
-        mix = self.sample_mix(batch_inputs.shape[0], tuple(batch_inputs.shape[-2:]), batch_inputs.device)
+        mix = self.sample_mix(batch_inputs.shape[0], tuple(batch_inputs.shape[-2:]))
         lam = mix.lam.to(batch_score.device).unsqueeze(1)
         score = batch_score.float()
-        return mix_images(batch_inputs, mix), score * lam + score[mix.partner] * (1. - lam)
+        return mix_images(batch_inputs, mix), score * lam + score[mix.partner.to(score.device)] * (1. - lam)
 
 
 @BATCH_AUGMENTS.register_module()
@@ -72,7 +76,7 @@ class TACutMix(MixBatchAugment):
     kind = 'cutmix'
 
     def __init__(self, alpha: float = 1.0, cutmix_minmax: Optional[Sequence[float]] = None,
-                 correct_lam: bool = True, patch_size=16, mode: str = 'batch'):
+                 correct_lam: bool = True, patch_size=None, mode: str = 'batch'):
         super().__init__(alpha, patch_size=patch_size, mode=mode, cutmix_minmax=cutmix_minmax,
                          correct_lam=correct_lam)
 
@@ -90,7 +94,7 @@ class TATokenMix(MixBatchAugment):
     drawing it from Beta(α, α)."""
 
     def __init__(self, alpha: float = 1.0, mask: str = 'block', lam: Optional[float] = None,
-                 min_tokens: Optional[int] = None, patch_size=16, mode: str = 'elem'):
+                 min_tokens: Optional[int] = None, patch_size=None, mode: str = 'batch'):
         if mask not in ('block', 'random'):
             raise ValueError(f"mask must be 'block' or 'random', got {mask!r}")
         self.kind = f'tokenmix_{mask}'

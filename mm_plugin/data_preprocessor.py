@@ -8,11 +8,11 @@ none) that draws a :class:`shared_core.mixing.Mix`, applies it to the images and
 sets on every data sample:
 
 - ``gt_score``: the area target ``λ · y + (1 - λ) · y[partner]`` (sums to 1), as the stock heads expect;
-- metainfo ``batch_mix``: the batch's :class:`Mix` (the same object on every sample) and
+- metainfo ``batch_mix``: the batch's :class:`Mix` (one object shared by the samples) and
   ``mix_index``: the sample's row in it. :func:`mix_from_samples` gets it back.
 
-Batches that are not mixed (``probs`` left room for "none", or ``training=False``) get the identity
-mix, so a token-aware head needs no special case.
+Training batches that no augment mixed (``probs`` left room for "none") get the identity mix, so a
+token-aware head needs no special case; evaluation batches (``training=False``) carry no mix.
 """
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ from typing import List, Optional
 
 import numpy as np
 import torch
+from mmengine.logging import MMLogger
 from mmpretrain.models.utils.data_preprocessor import ClsDataPreprocessor
 from mmpretrain.registry import MODELS
 
-from shared_core.mixing import Mix, check_labels, identity_mix, mix_images, mix_target
+from shared_core.mixing import Mix, check_labels, identity_mix, mix_images, mix_target, to_2tuple
 from .batch_augments import MixBatchAugment
 
 __all__ = ['TokenAugDataPreprocessor', 'mix_from_samples']
@@ -34,22 +35,33 @@ class TokenAugDataPreprocessor(ClsDataPreprocessor):
     """``ClsDataPreprocessor`` whose batch augments (tokenaug's ``TA*`` augments) carry the mix.
 
     Args:
-        patch_size: patch size for the identity mix of unmixed batches (the augments carry their own).
+        patch_size: the backbone's patch size, the one place a config sets it: the augments take it
+            (an augment that names another one is an error), and unmixed batches get an identity mix
+            on this grid.
         Other args: as :class:`mmpretrain.models.ClsDataPreprocessor`; ``num_classes`` is required
         when ``batch_augments`` is set.
     """
 
     def __init__(self, *args, patch_size=16, **kwargs):
         super().__init__(*args, **kwargs)
-        self.patch_size = patch_size
-        if self.batch_augments is not None:
-            if not self.num_classes:
-                raise ValueError('num_classes: TokenAugDataPreprocessor needs num_classes with batch_augments')
-            bad = [type(a).__name__ for a in self.batch_augments.augments
-                   if a is not None and not isinstance(a, MixBatchAugment)]
-            if bad:
-                raise ValueError(f'batch_augments: {bad} cannot describe their mix; use tokenaug\'s TAMixup, '
-                                 f'TACutMix, TAMixToken or TATokenMix (or the stock ClsDataPreprocessor)')
+        self.patch_size = to_2tuple(patch_size, 'patch_size')
+        if self.batch_augments is None:
+            return
+        if not self.num_classes:
+            raise ValueError('num_classes: TokenAugDataPreprocessor needs num_classes with batch_augments')
+        augments = [a for a in self.batch_augments.augments if a is not None]
+        bad = [type(a).__name__ for a in augments if not isinstance(a, MixBatchAugment)]
+        if bad:
+            raise ValueError(f'batch_augments: {bad} cannot describe their mix; use tokenaug\'s TAMixup, '
+                             f'TACutMix, TAMixToken or TATokenMix (or the stock ClsDataPreprocessor)')
+        for a in augments:
+            if a.patch_size_given and a.sampler.patch_size != self.patch_size:
+                raise ValueError(f'patch_size: {type(a).__name__} names {a.sampler.patch_size}, the data '
+                                 f'preprocessor {self.patch_size}; set it once, on the data preprocessor')
+            a.sampler.patch_size = self.patch_size
+        MMLogger.get_current_instance().info(
+            f'TokenAugDataPreprocessor: mixes with {[type(a).__name__ + "(" + a.kind + ")" for a in augments]} '
+            f'(probs {self.batch_augments.probs}), patch size {self.patch_size}; the mix goes on the data samples')
 
     def forward(self, data: dict, training: bool = False) -> dict:
         if not training or self.batch_augments is None:
@@ -72,10 +84,11 @@ class TokenAugDataPreprocessor(ClsDataPreprocessor):
         aug = augments.augments[np.random.choice(len(augments.augments), p=augments.probs)]
         img_size = tuple(inputs.shape[-2:])
         if aug is None:
-            mix = identity_mix(len(samples), img_size, self.patch_size, device=inputs.device)
+            mix = identity_mix(len(samples), img_size, self.patch_size)
         else:
-            mix = aug.sample_mix(len(samples), img_size, device=inputs.device)
+            mix = aug.sample_mix(len(samples), img_size)
             inputs = mix_images(inputs, mix)
+        mix = mix.to(inputs.device, non_blocking=True)
         scores = mix_target(labels, mix, self.num_classes)
         for i, (sample, score) in enumerate(zip(samples, scores)):
             sample.set_gt_score(score)
@@ -88,11 +101,10 @@ class TokenAugDataPreprocessor(ClsDataPreprocessor):
 
 def mix_from_samples(data_samples: List) -> Optional[Mix]:
     """The batch's :class:`Mix` set by :class:`TokenAugDataPreprocessor` (``None`` if there is none).
-    The samples must be the whole batch in its order."""
+    The samples must be the whole batch in its order (copies of the samples are fine)."""
     if not data_samples or 'batch_mix' not in data_samples[0].metainfo_keys():
         return None
     mix = data_samples[0].batch_mix
-    index = [s.mix_index for s in data_samples]
-    if any(s.batch_mix is not mix for s in data_samples) or index != list(range(mix.batch_size)):
+    if [s.mix_index for s in data_samples] != list(range(mix.batch_size)):
         raise ValueError('data_samples: must be the whole mixed batch, in the order it was mixed')
     return mix

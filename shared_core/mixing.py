@@ -5,8 +5,8 @@ Papers:
 - CutMix (https://arxiv.org/abs/1905.04899); box sampling, λ correction and min/max boxes follow
   timm's ``timm/data/mixup.py`` so that ``cutmix`` here is a drop-in for timm's CutMix
 - MixToken (Token Labeling, ``../shared/papers/token-labeling.md`` Sec. 3.3): a box on the token grid
-- TokenMix (``../shared/papers/tokenmix.md`` Sec. 3.2): several separated blocks of tokens, or single
-  random tokens, until exactly ``round((1 - λ) · N)`` tokens come from the partner
+- TokenMix (``tokenmix.md`` Sec. 3.2): blocks of tokens placed one after another (they may touch or
+  overlap), or single random tokens, until exactly ``round((1 - λ) · N)`` tokens come from the partner
 
 A :class:`Mix` says who is mixed with whom and where: the partner index of each sample, the share of
 each patch token that comes from the partner (fractional where a pixel box cuts a patch, 0/1 for
@@ -64,7 +64,7 @@ def to_2tuple(value: IntPair, name: str) -> Tuple[int, int]:
 # The mix description
 # ----------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Mix:
     """Who is mixed with whom, and where.
 
@@ -96,7 +96,7 @@ class Mix:
 
     @property
     def grid_size(self) -> Tuple[int, int]:
-        return (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
+        return tuple(self.token_share.shape[1:])
 
     @property
     def num_tokens(self) -> int:
@@ -112,9 +112,9 @@ class Mix:
         exact pixel box for CutMix samples."""
         ph, pw = self.patch_size
         share = self.token_share.to(dtype)
-        share = share.repeat_interleave(ph, dim=1).repeat_interleave(pw, dim=2)
+        H, W = self.img_size
+        share = share.repeat_interleave(ph, dim=1).repeat_interleave(pw, dim=2)[:, :H, :W]
         if self.boxes is not None:
-            H, W = self.img_size
             ys = torch.arange(H, device=share.device)
             xs = torch.arange(W, device=share.device)
             y0, y1, x0, x1 = self.boxes.unbind(1)
@@ -123,17 +123,22 @@ class Mix:
             share = torch.where(self.box_valid[:, None, None], inside.to(dtype), share)
         return share.unsqueeze(1)
 
-    def to(self, device) -> 'Mix':
-        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
-                 if isinstance(getattr(self, f.name), torch.Tensor)}
-        return replace(self, **moved)
+    def _map(self, fn) -> 'Mix':
+        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    def to(self, device, non_blocking: bool = False) -> 'Mix':
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> 'Mix':
+        return self._map(lambda t: t.pin_memory())
 
 
 def identity_mix(batch_size: int, img_size: IntPair, patch_size: IntPair = 16,
                  device=None) -> Mix:
     """The mix that mixes nothing (λ = 1 everywhere)."""
     img_size, patch_size = to_2tuple(img_size, 'img_size'), to_2tuple(patch_size, 'patch_size')
-    gh, gw = img_size[0] // patch_size[0], img_size[1] // patch_size[1]
+    gh, gw = grid_size(img_size, patch_size)
     return Mix(partner=torch.arange(batch_size, device=device),
                lam=torch.ones(batch_size, device=device),
                token_share=torch.zeros(batch_size, gh, gw, device=device),
@@ -159,6 +164,16 @@ def check_labels(labels: torch.Tensor, num_classes: int, name: str = 'target') -
                          f'got min {int(labels.min())} and max {int(labels.max())}')
 
 
+def grid_size(img_size: Tuple[int, int], patch_size: Tuple[int, int]) -> Tuple[int, int]:
+    """The token grid over an image: whole patches, plus a clipped last row/column where the patch size
+    does not divide the image (only blends and pixel boxes are defined there, see :class:`MixSampler`)."""
+    return (-(-img_size[0] // patch_size[0]), -(-img_size[1] // patch_size[1]))
+
+
+def divides(img_size: Tuple[int, int], patch_size: Tuple[int, int]) -> bool:
+    return img_size[0] % patch_size[0] == 0 and img_size[1] % patch_size[1] == 0
+
+
 def check_image_size(img_size: Tuple[int, int], patch_size: Tuple[int, int], name: str = 'x') -> None:
     if img_size[0] % patch_size[0] or img_size[1] % patch_size[1]:
         raise ValueError(f'{name}: image size {img_size[0]}x{img_size[1]} is not divisible by '
@@ -175,7 +190,9 @@ def _rand(n: int, generator: Optional[torch.Generator]) -> torch.Tensor:
 
 
 def _randint(low: torch.Tensor, high: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """Uniform integers in ``[low, high)`` elementwise (``high > low``)."""
+    """Uniform integers in ``[low, high)`` elementwise; ``high > low`` is required."""
+    if bool((high <= low).any()):
+        raise ValueError('empty integer range (high <= low)')
     u = _rand(low.numel(), generator)
     return (low + (u * (high - low)).floor().long()).clamp(max=high - 1)
 
@@ -188,16 +205,15 @@ def sample_beta(alpha: float, n: int, generator: Optional[torch.Generator] = Non
     return torch.from_numpy(betaincinv(alpha, alpha, u.numpy()))
 
 
-def rand_box(img_size: Tuple[int, int], lam: torch.Tensor, generator: Optional[torch.Generator] = None,
-             margin: float = 0.) -> torch.Tensor:
+def rand_box(img_size: Tuple[int, int], lam: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """timm's ``rand_bbox`` for a vector of λ: a box of side ``sqrt(1 - λ)`` times the image side,
     centred uniformly, clipped by the borders. Returns ``(n, 4)`` int64 ``(y0, y1, x0, x1)``."""
     H, W = img_size
     ratio = torch.sqrt(1. - lam.double())
     cut_h, cut_w = (H * ratio).long(), (W * ratio).long()
-    m_y, m_x = (margin * cut_h).long(), (margin * cut_w).long()
-    cy = _randint(m_y, H - m_y, generator)
-    cx = _randint(m_x, W - m_x, generator)
+    n = lam.numel()
+    cy = _randint(torch.zeros(n, dtype=torch.long), torch.full((n,), H), generator)
+    cx = _randint(torch.zeros(n, dtype=torch.long), torch.full((n,), W), generator)
     y0 = (cy - cut_h // 2).clamp(0, H)
     y1 = (cy + (cut_h + 1) // 2).clamp(0, H)
     x0 = (cx - cut_w // 2).clamp(0, W)
@@ -205,12 +221,22 @@ def rand_box(img_size: Tuple[int, int], lam: torch.Tensor, generator: Optional[t
     return torch.stack([y0, y1, x0, x1], 1)
 
 
+def minmax_sides(img_size: Tuple[int, int], minmax: Sequence[float]) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """timm's box side ranges ``[int(side·min), int(side·max))``; an empty one is an error."""
+    H, W = img_size
+    lo_h, hi_h = int(H * minmax[0]), int(H * minmax[1])
+    lo_w, hi_w = int(W * minmax[0]), int(W * minmax[1])
+    if lo_h >= hi_h or lo_w >= hi_w:
+        raise ValueError(f'cutmix_minmax {tuple(minmax)} gives an empty range of box sides on a {H}x{W} image '
+                         f'(heights [{lo_h}, {hi_h}), widths [{lo_w}, {hi_w})): widen it')
+    return (lo_h, hi_h), (lo_w, hi_w)
+
+
 def rand_box_minmax(img_size: Tuple[int, int], minmax: Sequence[float], n: int,
                     generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """timm's ``rand_bbox_minmax``: box sides uniform in ``[min, max)`` times the image sides."""
     H, W = img_size
-    lo_h, hi_h = int(H * minmax[0]), int(H * minmax[1])
-    lo_w, hi_w = int(W * minmax[0]), int(W * minmax[1])
+    (lo_h, hi_h), (lo_w, hi_w) = minmax_sides(img_size, minmax)
     cut_h = _randint(torch.full((n,), lo_h), torch.full((n,), hi_h), generator)
     cut_w = _randint(torch.full((n,), lo_w), torch.full((n,), hi_w), generator)
     y0 = _randint(torch.zeros(n, dtype=torch.long), H - cut_h + 1, generator)
@@ -221,15 +247,17 @@ def rand_box_minmax(img_size: Tuple[int, int], minmax: Sequence[float], n: int,
 def box_token_share(boxes: torch.Tensor, img_size: Tuple[int, int], patch_size: Tuple[int, int]) -> torch.Tensor:
     """Fraction of each patch covered by each pixel box: ``(n, gh, gw)`` float32.
 
-    The overlap of a box with a patch is separable: (overlap rows / ph) · (overlap cols / pw).
+    The overlap of a box with a patch is separable: (overlap rows / ph) · (overlap cols / pw)
+    (a last patch clipped by the image border counts its pixels inside the image).
     """
     ph, pw = patch_size
-    gh, gw = img_size[0] // ph, img_size[1] // pw
+    gh, gw = grid_size(img_size, patch_size)
     y0, y1, x0, x1 = boxes.double().unbind(1)
     top = torch.arange(gh, dtype=torch.float64, device=boxes.device) * ph
     left = torch.arange(gw, dtype=torch.float64, device=boxes.device) * pw
-    oy = (torch.minimum(y1[:, None], top + ph) - torch.maximum(y0[:, None], top)).clamp(min=0) / ph
-    ox = (torch.minimum(x1[:, None], left + pw) - torch.maximum(x0[:, None], left)).clamp(min=0) / pw
+    bottom, right = (top + ph).clamp(max=img_size[0]), (left + pw).clamp(max=img_size[1])  # clipped last patches
+    oy = (torch.minimum(y1[:, None], bottom) - torch.maximum(y0[:, None], top)).clamp(min=0) / (bottom - top)
+    ox = (torch.minimum(x1[:, None], right) - torch.maximum(x0[:, None], left)).clamp(min=0) / (right - left)
     return (oy[:, :, None] * ox[:, None, :]).float()
 
 
@@ -337,6 +365,10 @@ class MixSampler:
     ``cutmix_minmax`` is set for ``'cutmix'``), and with both the cut branch is taken with
     probability ``switch_prob``. ``prob`` is the probability of mixing at all; ``mode`` draws one
     set of parameters per ``'batch'``, per ``'pair'`` (i and B-1-i) or per ``'elem'``.
+    ``cutmix_alpha = 0`` (and no ``cutmix_minmax`` / ``tokenmix_lam``) leaves MixUp only, as in timm.
+
+    Token kinds need the patch size to divide the image. ``'mixup'`` and ``'cutmix'`` do not (timm's
+    Mixup works at any size, e.g. 299 px CNN inputs): the token grid then ends in clipped patches.
 
     The cut branch's λ is always the exact own share afterwards for token kinds
     (``1 - masked / N``); for ``'cutmix'`` it is corrected to the clipped box area when
@@ -365,17 +397,17 @@ class MixSampler:
             if len(cutmix_minmax) != 2 or not 0 < cutmix_minmax[0] < cutmix_minmax[1] <= 1:
                 raise ValueError(f'cutmix_minmax must be (min, max) with 0 < min < max <= 1, got {cutmix_minmax}')
             cutmix_alpha = 1.0  # as timm: minmax forces the cut branch on
-        if tokenmix_lam is not None and not 0. <= tokenmix_lam <= 1.:
-            raise ValueError(f'tokenmix_lam must be in [0, 1], got {tokenmix_lam}')
-        if kind == 'mixup':
-            if cutmix_alpha > 0:
-                raise ValueError("cutmix_alpha: mixup_type='mixup' only blends; use mixup_type='cutmix' "
-                                 "(with mixup_alpha > 0) for timm's MixUp/CutMix switching")
-            if mixup_alpha <= 0:
-                raise ValueError("mixup_alpha must be > 0 for mixup_type='mixup'")
-        elif cutmix_alpha <= 0 and not (kind.startswith('tokenmix') and tokenmix_lam is not None):
-            raise ValueError(f"cutmix_alpha must be > 0 (the Beta parameter of the cut branch's λ) "
-                             f"for mixup_type={kind!r}, got {cutmix_alpha}")
+        if tokenmix_lam is not None:
+            if not kind.startswith('tokenmix'):
+                raise ValueError(f"tokenmix_lam applies to the TokenMix kinds only, got mixup_type={kind!r}")
+            if not 0. <= tokenmix_lam <= 1.:
+                raise ValueError(f'tokenmix_lam must be in [0, 1], got {tokenmix_lam}')
+        if kind == 'mixup' and cutmix_alpha > 0:
+            raise ValueError("cutmix_alpha: mixup_type='mixup' only blends; use mixup_type='cutmix' "
+                             "(with mixup_alpha > 0) for timm's MixUp/CutMix switching")
+        if mixup_alpha <= 0 and cutmix_alpha <= 0 and tokenmix_lam is None:
+            raise ValueError(f'mixup_alpha and cutmix_alpha are both 0: nothing to mix for mixup_type={kind!r} '
+                             f'(MixUp is active when mixup_alpha > 0, the {kind!r} cut when cutmix_alpha > 0)')
         self.kind = kind
         self.mixup_alpha = float(mixup_alpha)
         self.cutmix_alpha = float(cutmix_alpha)
@@ -423,10 +455,13 @@ class MixSampler:
         """A mix for a batch of ``batch_size`` images of ``img_size``."""
         check_pairwise_batch(batch_size)
         img_size = to_2tuple(img_size, 'img_size')
-        check_image_size(img_size, self.patch_size)
+        if self.kind not in ('mixup', 'cutmix'):
+            check_image_size(img_size, self.patch_size)
+        if self.cutmix_minmax is not None:
+            minmax_sides(img_size, self.cutmix_minmax)  # fail on every batch, not only when a box is drawn
         n = {'batch': 1, 'pair': batch_size // 2, 'elem': batch_size}[self.mode]
         lam, use_cut = self._unit_params(n, generator)
-        grid = (img_size[0] // self.patch_size[0], img_size[1] // self.patch_size[1])
+        grid = grid_size(img_size, self.patch_size)
         N = grid[0] * grid[1]
         share = (1. - lam).float()[:, None, None].expand(n, *grid).clone()
         boxes = valid = None
@@ -490,10 +525,11 @@ def mix_images(x: torch.Tensor, mix: Mix) -> torch.Tensor:
         raise ValueError(f'x: expected images (B={mix.batch_size}, C, {mix.img_size[0]}, {mix.img_size[1]}) '
                          f'for this mix, got {tuple(x.shape)}')
     dev = x.device
-    partner = mix.partner.to(dev)
-    share = mix.token_share.to(dev)
-    is_box = mix.box_valid.to(dev) if mix.boxes is not None else None
-    n_box = int(is_box.sum()) if is_box is not None else 0  # one host sync for the row plan
+    partner = mix.partner.to(dev, non_blocking=True)
+    share = mix.token_share.to(dev, non_blocking=True)
+    # the row plan reads the mix where it lives (the samplers build it on the CPU: no device sync)
+    n_box = int(mix.box_valid.sum()) if mix.boxes is not None else 0
+    is_box = mix.box_valid.to(dev, non_blocking=True) if n_box else None
     if n_box == mix.batch_size:  # every row a pixel box: copy, then paste the boxes
         out = x.clone()
     else:  # token shares (blends, masks, token boxes) on a patch view; box rows keep their own pixels here
@@ -501,14 +537,14 @@ def mix_images(x: torch.Tensor, mix: Mix) -> torch.Tensor:
             share = share.masked_fill(is_box[:, None, None], 0.)
         out = _mix_token_rows(x, partner, share, mix.patch_size)
     if n_box:
-        boxes = mix.boxes.to(dev)
-        if n_box == mix.batch_size and bool((boxes == boxes[0]).all()):  # batch mode: one box
-            y0, y1, x0, x1 = boxes[0].tolist()
+        boxes, valid = mix.boxes.tolist(), mix.box_valid.tolist()
+        if n_box == mix.batch_size and all(b == boxes[0] for b in boxes):  # batch mode: one box
+            y0, y1, x0, x1 = boxes[0]
             out[:, :, y0:y1, x0:x1] = x[:, :, y0:y1, x0:x1].index_select(0, partner)
         else:
-            rows = is_box.nonzero().flatten()
-            for b, p, (y0, y1, x0, x1) in zip(rows.tolist(), partner[rows].tolist(), boxes[rows].tolist()):
-                out[b, :, y0:y1, x0:x1] = x[p, :, y0:y1, x0:x1]
+            for b, (p, (y0, y1, x0, x1), v) in enumerate(zip(mix.partner.tolist(), boxes, valid)):
+                if v:
+                    out[b, :, y0:y1, x0:x1] = x[p, :, y0:y1, x0:x1]
     return out
 
 
@@ -520,8 +556,11 @@ def _mix_token_rows(x: torch.Tensor, partner: torch.Tensor, share: torch.Tensor,
     B, C, H, W = x.shape
     gh, gw = share.shape[1:]
     ph, pw = patch_size
-    x6, xp6 = x.view(B, C, gh, ph, gw, pw), xp.view(B, C, gh, ph, gw, pw)
-    s6 = share.view(B, 1, gh, 1, gw, 1)
+    if gh * ph == H and gw * pw == W:
+        x6, xp6 = x.view(B, C, gh, ph, gw, pw), xp.view(B, C, gh, ph, gw, pw)
+        s6 = share.view(B, 1, gh, 1, gw, 1)
+    else:  # clipped grid: only MixUp/CutMix get here, whose token rows are constant (blends)
+        x6, xp6, s6 = x, xp, share[:, :1, :1].view(B, 1, 1, 1)
     if x.dtype.is_floating_point:
         # xp + (x - xp) · (1 - s): exactly xp where s = 1 and exactly x where s = 0 (torch.lerp's rule)
         xp6.lerp_(x6, (1. - s6).to(x.dtype))

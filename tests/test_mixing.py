@@ -1,4 +1,7 @@
 """The mixing core against small explicit references (pixel loops, counted overlaps) and timm."""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -6,8 +9,9 @@ from hypothesis import given, settings, strategies as st
 
 from shared_core.mixing import (
     CUT_KINDS, MIX_KINDS, Mix, MixSampler, box_token_share, identity_mix, mix_images, mix_target, mix_tokens,
-    one_hot, random_token_mask, tokenmix_mask, tokenmix_masks,
+    one_hot, rand_box, random_token_mask, tokenmix_mask, tokenmix_masks,
 )
+from .conftest import REPO
 
 KINDS_KW = {k: (dict(mixup_alpha=1.0) if k == 'mixup' else dict(mixup_alpha=0.8, cutmix_alpha=1.0)) for k in MIX_KINDS}
 
@@ -37,19 +41,36 @@ def reference_mix_images(x, mix: Mix):
 
 @pytest.mark.parametrize('kind', MIX_KINDS)
 @pytest.mark.parametrize('mode', ['batch', 'pair', 'elem'])
-def test_mix_images_matches_pixel_reference(kind, mode):
+@pytest.mark.parametrize('switch', [True, False])
+def test_mix_images_matches_pixel_reference(kind, mode, switch):
+    """Every output pixel is the sample's, the partner's (exactly) or their blend; with ``switch`` off the
+    cut branch is taken every time, so masks and boxes are always exercised."""
     g = torch.Generator().manual_seed(3)
-    sampler = MixSampler(kind, mode=mode, patch_size=(8, 4), **KINDS_KW[kind])
-    for _ in range(3):
-        x = torch.randn(6, 3, 24, 16, generator=g)
-        mix = sampler.sample(6, (24, 16), g)
-        out = mix_images(x, mix)
-        ref = reference_mix_images(x, mix)
-        # box/mask pixels are copied exactly; blends agree to float rounding
-        assert torch.allclose(out, ref, atol=1e-6, rtol=0)
-        cut = (mix.token_share == 0) | (mix.token_share == 1)
-        if kind != 'mixup' and cut.all():
-            assert torch.equal(out, ref)
+    kw = KINDS_KW[kind] if switch or kind == 'mixup' else dict(mixup_alpha=0., cutmix_alpha=1.0)
+    sampler = MixSampler(kind, mode=mode, patch_size=(8, 4), **kw)
+    for dtype in (torch.float32, torch.uint8):
+        for _ in range(3):
+            x = torch.randint(0, 256, (6, 3, 24, 16), generator=g).to(dtype)
+            mix = sampler.sample(6, (24, 16), g)
+            out = mix_images(x, mix)
+            ref = reference_mix_images(x.float(), mix)
+            if dtype == torch.uint8:
+                ref = ref.round()
+            # box/mask pixels are copied exactly; blends agree to float rounding
+            assert torch.allclose(out.float(), ref, atol=1e-4 if dtype.is_floating_point else 1, rtol=0)
+            if not switch and kind != 'mixup':
+                assert torch.equal(out.float(), ref)
+
+
+@pytest.mark.parametrize('kind', ['mixup', 'cutmix'])
+def test_timm_kinds_work_when_the_patch_does_not_divide_the_image(kind):
+    g = torch.Generator().manual_seed(0)
+    kw = dict(mixup_alpha=0., cutmix_alpha=1.0) if kind == 'cutmix' else dict(mixup_alpha=1.0)
+    mix = MixSampler(kind, mode='elem', patch_size=16, **kw).sample(4, (30, 37), g)
+    assert mix.token_share.shape == (4, 2, 3)
+    x = torch.randn(4, 3, 30, 37, generator=g)
+    assert torch.allclose(mix_images(x, mix), reference_mix_images(x, mix), atol=1e-6)
+    assert torch.allclose(mix.pixel_share().mean(dim=(1, 2, 3)), 1 - mix.lam, atol=1e-6)
 
 
 @pytest.mark.parametrize('kind', CUT_KINDS)
@@ -74,6 +95,49 @@ def test_token_masks_are_patch_aligned(kind):
     patches = share.unfold(1, 8, 8).unfold(2, 4, 4)  # (B, gh, gw, 8, 4)
     assert torch.all(patches == patches[..., :1, :1])
     assert set(mix.token_share.unique().tolist()) <= {0.0, 1.0}
+
+
+@settings(max_examples=60, deadline=None)
+@given(H=st.integers(8, 64), W=st.integers(8, 64), lam=st.floats(0.0, 1.0), seed=st.integers(0, 2 ** 31 - 1))
+def test_rand_box_geometry_follows_timm(H, W, lam, seed):
+    """timm's rand_bbox: sides int(H·sqrt(1-λ)), int(W·sqrt(1-λ)), centre uniform in the image, clipped."""
+    b = rand_box((H, W), torch.tensor([lam], dtype=torch.float64), torch.Generator().manual_seed(seed))[0].tolist()
+    y0, y1, x0, x1 = b
+    cut_h, cut_w = int(H * np.sqrt(1 - lam)), int(W * np.sqrt(1 - lam))
+    assert 0 <= y0 <= y1 <= H and 0 <= x0 <= x1 <= W
+    assert y1 - y0 <= cut_h and x1 - x0 <= cut_w
+    if 0 < y0 and y1 < H:
+        assert y1 - y0 == cut_h
+    if 0 < x0 and x1 < W:
+        assert x1 - x0 == cut_w
+
+
+@settings(max_examples=60, deadline=None)
+@given(H=st.integers(16, 64), W=st.integers(16, 64), lo=st.floats(0.05, 0.5), span=st.floats(0.1, 0.5),
+       seed=st.integers(0, 2 ** 31 - 1))
+def test_rand_box_minmax_sides_and_lambda(H, W, lo, span, seed):
+    minmax = (lo, min(1.0, lo + span))
+    s = MixSampler('cutmix', mixup_alpha=0., cutmix_minmax=minmax, mode='elem', patch_size=4)
+    if int(H * minmax[0]) >= int(H * minmax[1]) or int(W * minmax[0]) >= int(W * minmax[1]):
+        with pytest.raises(ValueError, match='cutmix_minmax'):
+            s.sample(4, (H, W), torch.Generator().manual_seed(seed))
+        return
+    mix = s.sample(4, (H, W), torch.Generator().manual_seed(seed))
+    h, w = mix.boxes[:, 1] - mix.boxes[:, 0], mix.boxes[:, 3] - mix.boxes[:, 2]
+    assert (h >= int(H * minmax[0])).all() and (h < int(H * minmax[1])).all()
+    assert (w >= int(W * minmax[0])).all() and (w < int(W * minmax[1])).all()
+    assert (mix.boxes[:, 1] <= H).all() and (mix.boxes[:, 3] <= W).all() and (mix.boxes >= 0).all()
+    assert torch.allclose(mix.lam, 1 - (h * w).float() / (H * W))
+    t = mix_target(torch.arange(4), mix, 4)
+    assert t.min() >= 0 and torch.allclose(t.sum(1), torch.ones(4))
+
+
+def test_shared_core_imports_neither_timm_nor_mm():
+    code = ('import sys, shared_core.mixing, shared_core.world; '
+            'bad = [m for m in sys.modules if m.split(".")[0] in ("timm", "mmengine", "mmcv", "mmpretrain", '
+            '"mmseg", "mmdet")]; print(bad); sys.exit(1 if bad else 0)')
+    res = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_box_token_share_counts_pixels():
@@ -227,8 +291,10 @@ def test_bad_input_errors_name_the_argument():
     s = MixSampler('cutmix', cutmix_alpha=1.0, patch_size=16)
     with pytest.raises(ValueError, match='even'):
         s.sample(5, 32)
-    with pytest.raises(ValueError, match='patch_size'):
-        s.sample(4, (32, 40))
+    with pytest.raises(ValueError, match='image size 32x40 is not divisible by patch_size 16x16'):
+        MixSampler('tokenmix_block', cutmix_alpha=1.0, patch_size=16).sample(4, (32, 40))
+    with pytest.raises(ValueError, match=r'cutmix_minmax \(0.5, 0.52\) gives an empty range'):
+        MixSampler('cutmix', cutmix_minmax=(0.5, 0.52), patch_size=16).sample(4, 32)
     mix = s.sample(4, 32)
     with pytest.raises(ValueError, match=r'num_classes=3'):
         mix_target(torch.tensor([0, 1, 2, 3]), mix, 3)
@@ -238,8 +304,10 @@ def test_bad_input_errors_name_the_argument():
         MixSampler('cutout')
     with pytest.raises(ValueError, match='cutmix_alpha'):
         MixSampler('mixup', cutmix_alpha=1.0)
-    with pytest.raises(ValueError, match='cutmix_alpha'):
-        MixSampler('tokenmix_block', cutmix_alpha=0.0)
+    with pytest.raises(ValueError, match='both 0: nothing to mix'):
+        MixSampler('tokenmix_block', mixup_alpha=0.0, cutmix_alpha=0.0)
+    with pytest.raises(ValueError, match='tokenmix_lam applies to the TokenMix kinds only'):
+        MixSampler('token_box', cutmix_alpha=1.0, tokenmix_lam=0.5)
     with pytest.raises(ValueError, match='mode'):
         MixSampler('mixup', mode='row')
     with pytest.raises(ValueError, match='x:'):

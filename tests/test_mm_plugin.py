@@ -30,7 +30,6 @@ def _batch(n=4, size=32, num_classes=5):
                                  dict(type='TAMixToken', alpha=1.0), dict(type='TATokenMix', alpha=1.0, mask='block'),
                                  dict(type='TATokenMix', alpha=1.0, mask='random', lam=0.5)])
 def test_preprocessor_carries_the_mix(aug):
-    aug = dict(aug, patch_size=8)
     pre = MODELS.build(dict(type='TokenAugDataPreprocessor', num_classes=5, patch_size=8, mean=[0.] * 3,
                             std=[255.] * 3, batch_augments=dict(augments=[aug])))
     plain = ClsDataPreprocessor(num_classes=5, mean=[0.] * 3, std=[255.] * 3)
@@ -57,7 +56,7 @@ def test_preprocessor_carries_the_mix(aug):
 
 def test_unmixed_batches_get_the_identity_mix():
     pre = TokenAugDataPreprocessor(num_classes=5, patch_size=8, batch_augments=dict(
-        augments=[dict(type='TATokenMix', alpha=1.0, patch_size=8)], probs=[0.0]))
+        augments=[dict(type='TATokenMix', alpha=1.0)], probs=[0.0]))
     out = pre(_batch(), training=True)
     mix = mix_from_samples(out['data_samples'])
     assert mix.kind == 'none' and torch.all(mix.lam == 1)
@@ -65,12 +64,12 @@ def test_unmixed_batches_get_the_identity_mix():
 
 def test_stock_contract_with_stock_preprocessor():
     aug = BATCH_AUGMENTS.build(dict(type='TATokenMix', alpha=1.0, patch_size=8))
+    assert aug.sampler.patch_size == (8, 8)
     x = torch.randn(4, 3, 32, 32)
     score = torch.eye(4)
     xm, s = aug(x, score)
     assert xm.shape == x.shape and torch.allclose(s.sum(1), torch.ones(4))
-    pre = ClsDataPreprocessor(num_classes=5, batch_augments=dict(augments=[dict(type='TACutMix', alpha=1.0,
-                                                                                  patch_size=8)]))
+    pre = ClsDataPreprocessor(num_classes=5, batch_augments=dict(augments=[dict(type='TACutMix', alpha=1.0)]))
     out = pre(_batch(), training=True)
     assert torch.allclose(torch.stack([d.gt_score for d in out['data_samples']]).sum(1), torch.ones(4))
 
@@ -79,9 +78,8 @@ def test_real_classifier_train_step():
     cfg = Config.fromfile(str(CONFIGS / 'deit-tiny_world_tokenmix-block.py'))
     model_cfg = cfg.model
     model_cfg.data_preprocessor = dict(cfg.data_preprocessor, num_classes=10)
+    model_cfg.data_preprocessor.patch_size = 8
     model_cfg.backbone.update(img_size=32, patch_size=8)
-    for a in model_cfg.train_cfg.augments:
-        a.patch_size = 8
     model = MODELS.build(model_cfg)
     assert isinstance(model.data_preprocessor, TokenAugDataPreprocessor)
     from mmengine.optim import OptimWrapper
@@ -95,8 +93,11 @@ def test_bad_input():
         TokenAugDataPreprocessor(num_classes=5, batch_augments=dict(augments=[dict(type='Mixup', alpha=1.0)]))
     with pytest.raises(ValueError, match='num_classes'):
         TokenAugDataPreprocessor(batch_augments=dict(augments=[dict(type='TAMixup', alpha=1.0)]))
+    with pytest.raises(ValueError, match='patch_size: TATokenMix names'):
+        TokenAugDataPreprocessor(num_classes=5, patch_size=8, batch_augments=dict(
+            augments=[dict(type='TATokenMix', alpha=1.0, patch_size=16)]))
     pre = TokenAugDataPreprocessor(num_classes=5, patch_size=8, batch_augments=dict(
-        augments=[dict(type='TATokenMix', alpha=1.0, patch_size=8)]))
+        augments=[dict(type='TATokenMix', alpha=1.0)]))
     with pytest.raises(ValueError, match='inputs: .*even'):
         pre(_batch(n=3), training=True)
     with pytest.raises(ValueError, match='patch_size'):
@@ -123,6 +124,7 @@ def test_upstream_train_py_two_iterations_and_resume(tiny_world, tmp_path, run_e
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-4000:]
     assert 'Epoch(train) [1][2/2]' in log and 'accuracy/top1' in log
+    assert 'TokenAugDataPreprocessor: mixes with' in log  # the runner built our preprocessor from the config
     assert (tmp_path / 'epoch_1.pth').exists()
     res = subprocess.run(cmd + ['--resume'] + opts + ['train_cfg.max_epochs=2'], env=run_env, capture_output=True,
                          text=True, timeout=600, cwd=tmp_path)

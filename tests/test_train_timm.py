@@ -62,3 +62,15 @@ def test_torchrun_ddp_two_processes(tiny_world, tmp_path, run_env):
     assert res.returncode == 0, log[-4000:]
     assert 'process 0, total 2' in log and 'process 1, total 2' in log
     assert (tmp_path / 'ddp' / 'last.pth.tar').exists()
+
+
+@pytest.mark.slow
+def test_args_yaml_is_a_valid_config(tiny_world, tmp_path):
+    """The args.yaml a run writes feeds back through -c (run-time keys left out), with the chosen kind."""
+    run(['-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--epochs', '1', '-b', '8', '--workers', '0',
+         '--output', str(tmp_path), '--experiment', 'first'])
+    args = yaml.safe_load((tmp_path / 'first' / 'args.yaml').read_text())
+    assert args['mixup_type'] == 'cutmix' and 'rank' not in args and 'config' not in args
+    metrics = run(['-c', str(tmp_path / 'first' / 'args.yaml'), '--experiment', 'again'])
+    assert set(metrics) == {'loss', 'top1', 'top5'}
+    assert json.loads((tmp_path / 'again' / 'results.json').read_text())['mixup_type'] == 'cutmix'

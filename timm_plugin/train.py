@@ -178,10 +178,16 @@ def parse_args(argv=None):
     return args
 
 
+RUNTIME_KEYS = ('config', 'data', 'distributed', 'prefetcher', 'rank', 'world_size', 'local_rank', 'device')
+
+
 def plain_args(args) -> dict:
-    """The arguments as YAML/JSON-safe values (what goes into checkpoints and args.yaml)."""
+    """The arguments as YAML/JSON-safe values (what goes into checkpoints and args.yaml; the latter is a
+    valid ``-c`` config: run-time keys are left out)."""
     out = {}
     for k, v in vars(args).items():
+        if k in RUNTIME_KEYS:
+            continue
         if isinstance(v, (str, int, float, bool, type(None))):
             out[k] = v
         elif isinstance(v, (list, tuple)) and all(isinstance(i, (str, int, float, bool)) for i in v):
@@ -254,11 +260,9 @@ def run(argv=None) -> dict:
     if args.pretrained_path:
         factory_kwargs['pretrained_cfg_overlay'] = dict(file=args.pretrained_path)
     in_chans = args.in_chans or (args.input_size[0] if args.input_size else 3)
+    # as timm's train.py: --img-size/--input-size set the data size only; a model built for another size
+    # gets it through --model-kwargs (e.g. img_size=112 for a ViT)
     model_kwargs = dict(args.model_kwargs)
-    if args.img_size is not None:
-        model_kwargs['img_size'] = args.img_size
-    elif args.input_size is not None:
-        model_kwargs['img_size'] = tuple(args.input_size[1:])
     model = create_model(args.model, pretrained=args.pretrained or bool(args.pretrained_path), in_chans=in_chans,
                          num_classes=args.num_classes, drop_rate=args.drop, drop_path_rate=args.drop_path,
                          global_pool=args.gp, checkpoint_path=args.initial_checkpoint or None,
@@ -314,7 +318,8 @@ def run(argv=None) -> dict:
     if args.mixup_type is not None and not mixup_active:
         raise ValueError(f'--mixup-type {args.mixup_type} needs --mixup and/or --cutmix > 0 (or --tokenmix-lam)')
     if mixup_active:
-        mixup_type = args.mixup_type or ('cutmix' if (args.cutmix > 0 or args.cutmix_minmax) else 'mixup')
+        mixup_type = args.mixup_type = args.mixup_type or (
+            'cutmix' if (args.cutmix > 0 or args.cutmix_minmax) else 'mixup')
         unwrapped = model.module if args.distributed else model
         mixer_args = dict(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
                           prob=args.mixup_prob, switch_prob=args.mixup_switch_prob, mode=args.mixup_mode,
@@ -338,7 +343,9 @@ def run(argv=None) -> dict:
         num_aug_repeats=args.aug_repeats, interpolation=train_interpolation, mean=data_config['mean'],
         std=data_config['std'], num_workers=args.workers, distributed=args.distributed,
         collate_fn=collate_fn, pin_memory=args.pin_mem, device=device, use_prefetcher=args.prefetcher,
-        worker_seeding=args.worker_seeding)  # timm drops the last (possibly odd) training batch
+        worker_seeding=args.worker_seeding,  # timm drops the last (possibly odd) training batch
+        # a persistent worker keeps its own copy of the collate function, which --mixup-off-epoch could not reach
+        persistent_workers=not (mixup_active and args.mixup_off_epoch))
     loader_eval = create_loader(
         dataset_eval, input_size=data_config['input_size'], batch_size=args.validation_batch_size or args.batch_size,
         is_training=False, interpolation=data_config['interpolation'], mean=data_config['mean'],
@@ -411,6 +418,9 @@ def run(argv=None) -> dict:
             lr_scheduler.step(epoch + 1, eval_metrics[eval_metric])
     if best_metric is not None:
         _logger.info(f'*** Best metric: {best_metric} (epoch {best_epoch})')
+    if args.distributed:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()  # a live gloo group aborts the process at exit
     if output_dir is not None:
         with open(os.path.join(output_dir, 'results.json'), 'w') as f:
             json.dump({'model': args.model, 'mixup_type': args.mixup_type, 'best_metric': best_metric,
@@ -443,16 +453,20 @@ def train_one_epoch(epoch, model, loader, optimizer, loss_fn, args, device, lr_s
             if mixer is not None:
                 x, target = mixer(x, target)
         data_time_m.update(time.time() - data_start)
-        with amp_autocast():
-            output = model(x)
-            loss = loss_fn(output, target)
-        if accum > 1:
-            loss = loss / accum
-        if loss_scaler is not None:
-            loss_scaler(loss, optimizer, clip_grad=args.clip_grad, clip_mode=args.clip_mode,
-                        parameters=model.parameters(), create_graph=second_order, need_update=need_update)
-        else:
-            loss.backward(create_graph=second_order)
+        # with gradient accumulation under DDP, all-reduce only on the update step
+        sync = model.no_sync if (args.distributed and not need_update) else suppress
+        with sync():
+            with amp_autocast():
+                output = model(x)
+                loss = loss_fn(output, target)
+            if accum > 1:
+                loss = loss / accum
+            if loss_scaler is not None:
+                loss_scaler(loss, optimizer, clip_grad=args.clip_grad, clip_mode=args.clip_mode,
+                            parameters=model.parameters(), create_graph=second_order, need_update=need_update)
+            else:
+                loss.backward(create_graph=second_order)
+        if loss_scaler is None:
             if need_update:
                 if args.clip_grad is not None:
                     utils.dispatch_clip_grad(model.parameters(), value=args.clip_grad, mode=args.clip_mode)

@@ -6,6 +6,6 @@ custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)
 
 data_preprocessor = dict(type='TokenAugDataPreprocessor', patch_size=16)
 model = dict(train_cfg=dict(_delete_=True, augments=[
-    dict(type='TAMixup', alpha=0.8, patch_size=16),
-    dict(type='TATokenMix', alpha=1.0, mask='block', patch_size=16),
+    dict(type='TAMixup', alpha=0.8),
+    dict(type='TATokenMix', alpha=1.0, mask='block'),
 ]))

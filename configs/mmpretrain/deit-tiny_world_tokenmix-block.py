@@ -2,6 +2,6 @@
 _base_ = ['./_base_/world_deit-tiny.py']
 
 model = dict(train_cfg=dict(augments=[
-    dict(type='TAMixup', alpha=0.8, patch_size=16),
-    dict(type='TATokenMix', alpha=1.0, mask='block', patch_size=16),
+    dict(type='TAMixup', alpha=0.8),
+    dict(type='TATokenMix', alpha=1.0, mask='block'),
 ]))

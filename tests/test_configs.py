@@ -1,0 +1,31 @@
+"""Every shipped config loads with its upstream tooling and builds what it names."""
+import pytest
+from mmengine.config import Config
+from mmpretrain.registry import MODELS
+
+import mm_plugin  # noqa: F401
+from mm_plugin import TokenAugDataPreprocessor
+from timm_plugin.train import parse_args
+from .conftest import REPO
+
+MM_CONFIGS = sorted(p for p in (REPO / 'configs' / 'mmpretrain').glob('*.py'))
+TIMM_CONFIGS = sorted((REPO / 'configs' / 'timm').glob('*.yaml'))
+
+
+@pytest.mark.parametrize('path', MM_CONFIGS, ids=lambda p: p.name)
+def test_mmpretrain_config_builds_our_preprocessor(path):
+    cfg = Config.fromfile(str(path))
+    assert 'mm_plugin' in cfg.custom_imports['imports']
+    model_cfg = cfg.model
+    model_cfg.data_preprocessor = cfg.data_preprocessor  # what the Runner does
+    model = MODELS.build(model_cfg)
+    pre = model.data_preprocessor
+    assert isinstance(pre, TokenAugDataPreprocessor) and pre.batch_augments is not None
+    assert pre.patch_size == (cfg.model.backbone.patch_size,) * 2
+    assert all(a.sampler.patch_size == pre.patch_size for a in pre.batch_augments.augments if a is not None)
+
+
+@pytest.mark.parametrize('path', TIMM_CONFIGS, ids=lambda p: p.name)
+def test_timm_config_parses(path):
+    args = parse_args(['-c', str(path)])
+    assert args.model and args.mixup_type in ('cutmix', 'tokenmix_block')
