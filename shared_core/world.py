@@ -11,18 +11,27 @@ The world
 * **Classes.** Class ``k`` (``0 <= k < num_classes``) is a unique combination of a
   *shape* (circle, square, triangle, star, hexagon, cross, diamond, arrow, pentagon,
   L-shape) and a *texture* (striped, checkered, dotted, gradient, grid) with
-  class-specific texture angle/period -- shape x texture *only*: colour carries no class
-  information (see *Colours*).  Class ``k`` has shape ``SHAPES[k % 10]`` and texture ``TEXTURES[(k % 10 + k // 10) % 5]``, so up
-  to ``10 * 5 = 50`` classes are available.  Its name is ``f"{k:02d}_{texture}_{shape}"``
+  class-specific texture angle/period.  Shape x texture identify the class on every
+  instance; colour is only partly informative (see *Colours*).  Class ``k`` has shape
+  ``SHAPES[k % 10]`` and texture ``TEXTURES[(k % 10 + k // 10) % 5]``, so up to
+  ``10 * 5 = 50`` classes are available.  Its name is ``f"{k:02d}_{texture}_{shape}"``
   (e.g. ``00_striped_circle``); the two-digit prefix makes alphabetical order (what
   torchvision ``ImageFolder``, timm and mmpretrain use for folder datasets) equal to the
   label order ``k``.
 * **Colours.** All classes share one palette (:data:`PALETTE`): ``PALETTE_HUES`` = 12
   evenly spaced hues, each as a *light* colour (HSV s=0.85, v=0.95) and a *dark* colour
-  (s=0.75, v=0.45).  Every object instance independently draws a light and a dark colour
-  (uniformly, any two hues, from the scene's RNG) and paints its texture with them, so
-  the same class appears in every colour and every colour pair appears in every class.
-  The light/dark pairing keeps the texture visible whatever the hues.
+  (s=0.75, v=0.45).  Every class ``k`` has a *home pair* of palette indices (see
+  :func:`class_specs`): light hue ``(5 * k) % 12`` and dark hue
+  ``(5 * k + 3 + k // 12) % 12``, distinct for all 50 classes (and the light hues alone
+  distinct for the first 12).  Each object instance is painted in its class's home pair
+  with probability ``color_consistency`` (default 0.75); otherwise it draws a light and
+  a dark colour uniformly (any two hues) from the shared palette.  So colour hints at the
+  class without deciding it (``color_consistency=0`` makes colour carry no class
+  information, ``1`` makes it a fixed per-class pair), while shape x texture stay fully
+  consistent.  The per-instance draws come from the scene's RNG and consume the same
+  random numbers whatever ``color_consistency`` is, so changing it changes only object
+  colours, never geometry, labels or masks.  The light/dark pairing keeps the texture
+  visible whatever the hues.
 * **Background.** Smooth low-resolution colour noise upsampled to the image size, plus
   random clutter strokes and blobs and mild pixel noise, all in *low-saturation*
   colours (HSV saturation <= 0.25).  Object colours are saturated (>= 0.6), and the
@@ -32,7 +41,7 @@ The world
   a fraction ``min_area <= a <= max_area`` of the image (default 8-35 %; measured on the
   rasterised mask), plus ``0..max_extra_objects`` (default up to 1) extra objects of
   other classes, each with a mask area between 20 % and 50 % of the main object's.
-  Every instance gets random colours (above), a random rotation, scale, position,
+  Every instance gets its colours (above), a random rotation, scale, position,
   texture phase and mild colour jitter; the texture rotates with the object.  Objects never overlap: their pixel
   bounding boxes are at least 2 px apart (placement is retried, and an extra object
   that cannot be placed is dropped), so no object is occluded and every polygon below
@@ -77,7 +86,8 @@ Command line::
 
     tokenaug-data [--out demo_out/world] [--seed 0] [--num-classes 10] [--image-size 112]
                   [--train-per-class 40] [--val-per-class 10] [--max-extra-objects 1]
-                  [--min-area 0.08] [--max-area 0.35] [--formats imagenet,ade20k,coco] [--force]
+                  [--min-area 0.08] [--max-area 0.35] [--color-consistency 0.75]
+                  [--formats imagenet,ade20k,coco] [--force]
 
 Bad arguments raise ``ValueError`` naming the argument (``main`` turns them into an
 argparse usage error, exit status 2).
@@ -102,8 +112,9 @@ from PIL import Image, ImageDraw
 __all__ = ["generate_world", "main", "SHAPES", "TEXTURES", "FORMATS", "MAX_CLASSES", "class_specs",
            "PALETTE", "PALETTE_HUES"]
 
-# 1: per-class colour palettes; 2: one palette shared by all classes, colours drawn per instance
-GENERATOR_VERSION = 2
+# 1: per-class colour palettes; 2: one palette shared by all classes, colours drawn per instance;
+# 3: per-class home colour pair used with probability color_consistency, else uniform draw
+GENERATOR_VERSION = 3
 FORMATS = ("imagenet", "ade20k", "coco")
 SHAPES = ("circle", "square", "triangle", "star", "hexagon",
           "cross", "diamond", "arrow", "pentagon", "lshape")
@@ -240,23 +251,35 @@ def _rgb_int(c: np.ndarray) -> list[int]:
 
 #: Colour palette shared by all classes: ``{"light": [[r, g, b], ...], "dark": [...]}``,
 #: one light and one dark saturated colour per hue ``i / PALETTE_HUES``.  An object's
-#: texture mixes one light and one dark colour drawn independently per instance.
+#: texture mixes one light and one dark colour: its class's home pair (probability
+#: ``color_consistency``) or two independently, uniformly drawn ones.
 PALETTE = {
     "light": [_rgb_int(_hsv(i / PALETTE_HUES, *_LIGHT_SV)) for i in range(PALETTE_HUES)],
     "dark": [_rgb_int(_hsv(i / PALETTE_HUES, *_DARK_SV)) for i in range(PALETTE_HUES)],
 }
 
 
-def class_specs(num_classes: int) -> list[dict]:
-    """Static description of the classes (shape, texture, texture parameters).
+def _home_pair(k: int) -> tuple[int, int]:
+    """(light, dark) :data:`PALETTE` indices of class ``k``'s home colour pair.
 
-    Colours are not part of a class: every instance draws its colours from the shared
-    :data:`PALETTE`.
+    Light hues ``5k mod 12`` run through all 12 hues for k = 0..11; the dark hue is
+    3 + k // 12 (3..7, never 0) hues further, so all :data:`MAX_CLASSES` pairs differ.
+    """
+    light = (5 * k) % PALETTE_HUES
+    return light, (light + 3 + k // PALETTE_HUES) % PALETTE_HUES
+
+
+def class_specs(num_classes: int) -> list[dict]:
+    """Static description of the classes (shape, texture, texture parameters, home pair).
+
+    ``home_pair`` = ``{"light": i, "dark": j}`` indexes :data:`PALETTE`; an instance uses
+    it with probability ``color_consistency``, else draws its colours uniformly.
     """
     specs = []
     for k in range(num_classes):
         shape = SHAPES[k % len(SHAPES)]
         texture = TEXTURES[(k % len(SHAPES) + k // len(SHAPES)) % len(TEXTURES)]
+        light, dark = _home_pair(k)
         specs.append({
             "id": k,
             "name": f"{k:02d}_{texture}_{shape}",
@@ -264,6 +287,7 @@ def class_specs(num_classes: int) -> list[dict]:
             "texture": texture,
             "angle_deg": float((k * 47) % 180),
             "period": float(6 + 2 * (k % 3)),  # px at image_size 112
+            "home_pair": {"light": light, "dark": dark},
         })
     return specs
 
@@ -369,7 +393,8 @@ def _place(rng, unit, size, area_lo, area_hi, taken, tries):
 
 
 def _render_scene(scene_seq: np.random.SeedSequence, main_cls: int, specs: list[dict],
-                  size: int, min_area: float, max_area: float, max_extra: int):
+                  size: int, min_area: float, max_area: float, max_extra: int,
+                  color_consistency: float):
     rng = np.random.default_rng(scene_seq)
     img = _background(rng, size)
     label = np.zeros((size, size), np.uint8)
@@ -409,8 +434,13 @@ def _render_scene(scene_seq: np.random.SeedSequence, main_cls: int, specs: list[
         c, s = math.cos(theta), math.sin(theta)
         u, v = dx * c + dy * s, -dx * s + dy * c
         w = _texture(spec, u, v, radius, size, rng)[..., None]
-        # colours: per instance, independent of the class, from the shared palette
+        # colours: the class's home pair with probability color_consistency, else a
+        # uniform draw from the shared palette.  Both draws are always made, so the
+        # random stream (hence all geometry) does not depend on color_consistency.
         i1, i2 = (int(i) for i in rng.integers(0, PALETTE_HUES, 2))
+        home = bool(rng.random() < color_consistency)
+        if home:
+            i1, i2 = spec["home_pair"]["light"], spec["home_pair"]["dark"]
         c1 = np.array(PALETTE["light"][i1], np.float64)
         c2 = np.array(PALETTE["dark"][i2], np.float64)
         jit = rng.uniform(0.92, 1.08, 3) * rng.uniform(0.9, 1.1)
@@ -419,10 +449,22 @@ def _render_scene(scene_seq: np.random.SeedSequence, main_cls: int, specs: list[
         region = img[y0:y1 + 1, x0:x1 + 1]
         region[m] = col[m] + rng.normal(0.0, 2.0, (int(m.sum()), 3))
         label[y0:y1 + 1, x0:x1 + 1][m] = k + 1
+        # "colors" / "home" are internal (not written): palette indices and whether the
+        # home pair was drawn (a uniform draw can also hit the home pair by chance)
         objects.append({"category": k, "polygon": poly, "area": int(mask.sum()),
-                        "bbox": [float(x0), float(y0), float(x1 - x0 + 1), float(y1 - y0 + 1)]})
+                        "bbox": [float(x0), float(y0), float(x1 - x0 + 1), float(y1 - y0 + 1)],
+                        "colors": (i1, i2), "home": home})
     rgb = np.clip(np.rint(img), 0, 255).astype(np.uint8)
     return rgb, label, objects
+
+
+def _scene(config: dict, specs: list[dict], split_index: int, i: int):
+    """Render scene ``i`` of split ``split_index`` (0 = train, 1 = val) of a validated
+    ``config``: ``(rgb, label, objects)``, exactly as written by :func:`generate_world`."""
+    seq = np.random.SeedSequence(config["seed"], spawn_key=(split_index, i))
+    return _render_scene(seq, i % config["num_classes"], specs, config["image_size"],
+                         config["min_area"], config["max_area"], config["max_extra_objects"],
+                         config["color_consistency"])
 
 
 # ------------------------------------------------------------------ validation / io
@@ -461,7 +503,7 @@ def _max_fit_fraction(shape: str) -> float:
 
 
 def _validate(seed, num_classes, image_size, train_per_class, val_per_class,
-              max_extra_objects, min_area, max_area, formats) -> dict:
+              max_extra_objects, min_area, max_area, formats, color_consistency=0.75) -> dict:
     seed = _check_int("seed", seed, 0)
     num_classes = _check_int("num_classes", num_classes, 2, MAX_CLASSES)
     image_size = _check_int("image_size", image_size, 32, 4096)
@@ -491,12 +533,17 @@ def _validate(seed, num_classes, image_size, train_per_class, val_per_class,
     if areas["min_area"] * n_px < 16:
         raise ValueError(f"min_area must give a main object of >= 16 px at image_size="
                          f"{image_size}, i.e. >= {16 / image_size ** 2:.4f}; got {areas['min_area']}")
+    cc = color_consistency
+    if isinstance(cc, bool) or not isinstance(cc, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(float(cc)) or not 0.0 <= float(cc) <= 1.0:
+        raise ValueError(f"color_consistency must be a probability in [0, 1], got {cc!r}")
     return {
         "generator_version": GENERATOR_VERSION,
         "seed": seed, "num_classes": num_classes, "image_size": image_size,
         "train_per_class": train_per_class, "val_per_class": val_per_class,
         "max_extra_objects": max_extra_objects,
         "min_area": areas["min_area"], "max_area": areas["max_area"],
+        "color_consistency": float(cc),
         "formats": list(_normalise_formats(formats)),
     }
 
@@ -534,9 +581,9 @@ def _stats(values) -> dict:
 
 # ------------------------------------------------------------------ public API
 def _generate(out, *, seed, num_classes, image_size, train_per_class, val_per_class,
-              max_extra_objects, min_area, max_area, formats, force):
+              max_extra_objects, min_area, max_area, color_consistency, formats, force):
     config = _validate(seed, num_classes, image_size, train_per_class, val_per_class,
-                       max_extra_objects, min_area, max_area, formats)
+                       max_extra_objects, min_area, max_area, formats, color_consistency)
     out = Path(out)
     meta_path = out / "world.json"
     if out.exists() and not out.is_dir():
@@ -565,7 +612,6 @@ def _generate(out, *, seed, num_classes, image_size, train_per_class, val_per_cl
     fmts = set(config["formats"])
     specs = class_specs(K)
     names = [s["name"] for s in specs]
-    root_seq = np.random.SeedSequence(config["seed"])
     categories = [{"id": k + 1, "name": names[k], "supercategory": specs[k]["shape"]}
                   for k in range(K)]
     counts, area_stats = {}, {}
@@ -579,9 +625,7 @@ def _generate(out, *, seed, num_classes, image_size, train_per_class, val_per_cl
         inst = [0] * K
         for i in range(n):
             main_cls = i % K
-            seq = np.random.SeedSequence(root_seq.entropy, spawn_key=(s_idx, i))
-            rgb, label, objects = _render_scene(seq, main_cls, specs, S, config["min_area"],
-                                                config["max_area"], config["max_extra_objects"])
+            rgb, label, objects = _scene(config, specs, s_idx, i)
             img_id = next_id
             next_id += 1
             stem = f"{img_id:06d}"
@@ -635,10 +679,13 @@ def _generate(out, *, seed, num_classes, image_size, train_per_class, val_per_cl
         "image_size": [S, S],
         "num_classes": K,
         "class_names": names,
-        "classes": [{k2: s[k2] for k2 in ("id", "name", "shape", "texture")} for s in specs],
-        "palette": {**PALETTE, "note": "shared by all classes: every object instance draws one light "
-                                        "and one dark colour (independent uniform indices) for its "
-                                        "texture, so colour carries no class information"},
+        "classes": [{k2: s[k2] for k2 in ("id", "name", "shape", "texture", "home_pair")}
+                    for s in specs],
+        "palette": {**PALETTE, "note": "shared by all classes: with probability color_consistency "
+                                        "an object instance paints its texture with its class's "
+                                        "home_pair (light, dark palette indices), otherwise with "
+                                        "one light and one dark colour drawn uniformly "
+                                        "(independent indices)"},
         "counts": counts,
         "area_stats": area_stats,
         "formats": paths,
@@ -664,7 +711,7 @@ def _generate(out, *, seed, num_classes, image_size, train_per_class, val_per_cl
 def generate_world(out, *, seed: int = 0, num_classes: int = 10, image_size: int = 112,
                    train_per_class: int = 40, val_per_class: int = 10,
                    max_extra_objects: int = 1, min_area: float = 0.08, max_area: float = 0.35,
-                   formats=FORMATS, force: bool = False) -> dict:
+                   color_consistency: float = 0.75, formats=FORMATS, force: bool = False) -> dict:
     """Write the synthetic world under ``out`` and return the ``world.json`` content.
 
     If ``out/world.json`` exists with the same configuration, nothing is written and its
@@ -673,7 +720,8 @@ def generate_world(out, *, seed: int = 0, num_classes: int = 10, image_size: int
     world, _ = _generate(out, seed=seed, num_classes=num_classes, image_size=image_size,
                          train_per_class=train_per_class, val_per_class=val_per_class,
                          max_extra_objects=max_extra_objects, min_area=min_area,
-                         max_area=max_area, formats=formats, force=force)
+                         max_area=max_area, color_consistency=color_consistency,
+                         formats=formats, force=force)
     return world
 
 
@@ -692,6 +740,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="extra smaller objects of other classes per scene: 0..N (default 1)")
     p.add_argument("--min-area", type=float, default=0.08, help="main object min image fraction")
     p.add_argument("--max-area", type=float, default=0.35, help="main object max image fraction")
+    p.add_argument("--color-consistency", type=float, default=0.75,
+                   help="probability in [0, 1] that an object is painted in its class's home "
+                        "colour pair instead of a uniformly drawn one (default 0.75)")
     p.add_argument("--formats", default=",".join(FORMATS),
                    help="comma list of imagenet,ade20k,coco (default: all)")
     p.add_argument("--force", action="store_true", help="regenerate even if world.json matches")
@@ -707,7 +758,8 @@ def main(argv=None) -> int:
             args.out, seed=args.seed, num_classes=args.num_classes, image_size=args.image_size,
             train_per_class=args.train_per_class, val_per_class=args.val_per_class,
             max_extra_objects=args.max_extra_objects, min_area=args.min_area,
-            max_area=args.max_area, formats=args.formats, force=args.force)
+            max_area=args.max_area, color_consistency=args.color_consistency,
+            formats=args.formats, force=args.force)
     except (ValueError, RuntimeError) as e:
         parser.error(str(e))
     c = world["counts"]

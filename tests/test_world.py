@@ -139,6 +139,8 @@ def test_labels_consistent_across_formats(small_world):
                 rows, cols = np.flatnonzero(inside.any(1)), np.flatnonzero(inside.any(0))
                 assert (rows[0], rows[-1], cols[0], cols[-1]) == (0, h - 1, 0, w - 1)
                 assert a["iscrowd"] == 0 and len(a["segmentation"]) == 1
+                assert set(a) == {"id", "image_id", "category_id", "bbox", "area",
+                                  "segmentation", "iscrowd"}
                 assert len(a["segmentation"][0]) >= 6 and len(a["segmentation"][0]) % 2 == 0
             for i, a in enumerate(anns):
                 for b in anns[i + 1:]:
@@ -282,12 +284,9 @@ def test_many_classes_unique(tmp_path):
     assert set(range(1, 21)) <= labels <= set(range(0, 21))
 
 
-@pytest.fixture(scope="module")
-def default_world_objects(tmp_path_factory):
-    """Objects of the default world (train + val): class, mean RGB in [0, 1], per image
-    the median HSV saturation of object and of background pixels."""
-    out = tmp_path_factory.mktemp("default_world")
-    meta = W.generate_world(out, formats="ade20k")
+def _object_colours(out: Path):
+    """Per ADE20K label value of every scene: class, mean RGB in [0, 1]; per image the
+    median HSV saturation of object and of background pixels."""
     cls, mean_rgb, sat_obj, sat_bg = [], [], [], []
     for _, ade, _ in SPLITS:
         for p in sorted((out / "ade20k" / "images" / ade).glob("*.jpg")):
@@ -300,7 +299,47 @@ def default_world_objects(tmp_path_factory):
             for v in np.unique(lab)[1:]:  # one class per label value: instances of a scene differ
                 cls.append(int(v) - 1)
                 mean_rgb.append(img[lab == v].mean(0))
-    return meta, np.array(cls), np.array(mean_rgb), np.array(sat_obj), np.array(sat_bg)
+    return np.array(cls), np.array(mean_rgb), np.array(sat_obj), np.array(sat_bg)
+
+
+def _nearest_class_mean_accuracy(cls: np.ndarray, rgb: np.ndarray, K: int) -> float:
+    """Accuracy of a nearest-class-mean classifier on mean RGB, fitted and scored on the
+    same objects (an upper bound on what the mean colour tells about the class)."""
+    centres = np.stack([rgb[cls == k].mean(0) for k in range(K)])
+    pred = ((rgb[:, None] - centres[None]) ** 2).sum(-1).argmin(1)
+    return float((pred == cls).mean())
+
+
+@pytest.fixture(scope="module")
+def default_world_objects(tmp_path_factory):
+    """Objects of the default world but with color_consistency=0 (colours uniform)."""
+    out = tmp_path_factory.mktemp("uniform_colour_world")
+    meta = W.generate_world(out, formats="ade20k", color_consistency=0.0)
+    return (meta, *_object_colours(out))
+
+
+@pytest.fixture(scope="module")
+def default_world(tmp_path_factory):
+    """The default world (default color_consistency), ADE20K only."""
+    out = tmp_path_factory.mktemp("default_world")
+    return out, W.generate_world(out, formats="ade20k")
+
+
+def _all_objects(config: dict) -> list[dict]:
+    """Every object of every scene of ``config`` (internal records, incl. colour draw)."""
+    specs = W.class_specs(config["num_classes"])
+    n = {0: config["train_per_class"], 1: config["val_per_class"]}
+    return [ob for s in (0, 1) for i in range(n[s] * config["num_classes"])
+            for ob in W._scene(config, specs, s, i)[2]]
+
+
+def _home_fraction(objects: list[dict], specs: list[dict]) -> tuple[float, float]:
+    """(fraction drawn as home pair, fraction whose palette indices equal the home pair)."""
+    drawn = np.mean([ob["home"] for ob in objects])
+    pair = np.mean([ob["colors"] == (specs[ob["category"]]["home_pair"]["light"],
+                                     specs[ob["category"]]["home_pair"]["dark"])
+                    for ob in objects])
+    return float(drawn), float(pair)
 
 
 def _hue(rgb: np.ndarray) -> np.ndarray:
@@ -315,7 +354,8 @@ def _hue(rgb: np.ndarray) -> np.ndarray:
 def test_colour_does_not_identify_class(default_world_objects):
     meta, cls, rgb, _, _ = default_world_objects
     K = meta["num_classes"]
-    assert meta["config"]["generator_version"] == W.GENERATOR_VERSION >= 2
+    assert meta["config"]["generator_version"] == W.GENERATOR_VERSION >= 3
+    assert meta["config"]["color_consistency"] == 0.0
     # classes carry no colours; one palette is shared by all of them
     assert all("colors" not in c for c in meta["classes"])
     assert meta["palette"]["light"] == W.PALETTE["light"] and meta["palette"]["dark"] == W.PALETTE["dark"]
@@ -331,9 +371,82 @@ def test_colour_does_not_identify_class(default_world_objects):
         assert counts.max() <= 0.4 * len(b), (k, counts)
     # the mean colour is not separable by class: a nearest-class-mean classifier on the
     # objects' mean RGB, fitted and scored on the same objects, stays near chance (1/K)
-    centres = np.stack([rgb[cls == k].mean(0) for k in range(K)])
-    pred = ((rgb[:, None] - centres[None]) ** 2).sum(-1).argmin(1)
-    assert (pred == cls).mean() < 2.5 / K
+    assert _nearest_class_mean_accuracy(cls, rgb, K) < 2.5 / K
+
+
+def test_home_pairs():
+    specs = W.class_specs(W.MAX_CLASSES)
+    pairs = [(s["home_pair"]["light"], s["home_pair"]["dark"]) for s in specs]
+    assert len(set(pairs)) == W.MAX_CLASSES  # distinct for every class
+    assert all(0 <= i < W.PALETTE_HUES and 0 <= j < W.PALETTE_HUES and i != j for i, j in pairs)
+    assert len({i for i, _ in pairs[:W.PALETTE_HUES]}) == W.PALETTE_HUES  # light hues too
+    assert pairs[:3] == [(0, 3), (5, 8), (10, 1)]
+
+
+def test_default_colour_consistency(default_world):
+    out, meta = default_world
+    K = meta["num_classes"]
+    specs = W.class_specs(K)
+    assert meta["config"]["color_consistency"] == 0.75
+    assert [c["home_pair"] for c in meta["classes"]] == [s["home_pair"] for s in specs]
+    # the internal renderer reproduces the written scenes ...
+    for s, (_, ade, _) in enumerate(SPLITS):
+        for i in (0, 7):
+            rgb, label, _ = W._scene(meta["config"], specs, s, i)
+            stem = f"{1 + i + s * meta['counts']['train']['images']:06d}"
+            png = np.asarray(Image.open(out / "ade20k" / "annotations" / ade / f"{stem}.png"))
+            assert (label == png).all()
+            jpg = np.asarray(Image.open(out / "ade20k" / "images" / ade / f"{stem}.jpg"), np.float64)
+            assert np.abs(jpg - rgb).mean() < 3.0
+    # ... and paints about 75 % of the objects in their class's home pair (a uniform
+    # draw hits the home pair with probability 1/144 on top of that)
+    objects = _all_objects(meta["config"])
+    assert len(objects) >= 500
+    drawn, pair = _home_fraction(objects, specs)
+    assert 0.70 <= drawn <= 0.80
+    assert drawn <= pair <= drawn + 0.02
+    # measured on pixels: the mean colour is informative but not decisive
+    cls, rgb, _, _ = _object_colours(out)
+    acc = _nearest_class_mean_accuracy(cls, rgb, K)
+    assert 0.5 < acc < 0.9, acc
+
+
+def test_full_colour_consistency(tmp_path):
+    out = tmp_path / "cc1"
+    meta = W.generate_world(out, formats="ade20k", train_per_class=10, val_per_class=0,
+                            color_consistency=1.0)
+    specs = W.class_specs(meta["num_classes"])
+    assert meta["config"]["color_consistency"] == 1.0
+    objects = _all_objects(meta["config"])
+    assert len(objects) >= 100
+    assert _home_fraction(objects, specs) == (1.0, 1.0)
+    # with every object in its home pair the mean colour identifies the class
+    cls, rgb, _, _ = _object_colours(out)
+    assert _nearest_class_mean_accuracy(cls, rgb, meta["num_classes"]) > 0.95
+
+
+def test_colour_consistency_changes_only_colours(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    W.generate_world(a, **SMALL, color_consistency=0.0)
+    W.generate_world(b, **SMALL, color_consistency=1.0)
+    fa, fb = _files(a), _files(b)
+    assert fa.keys() == fb.keys()
+    for k in fa:
+        if k.endswith(".png") or k.startswith("coco/annotations"):
+            assert fa[k] == fb[k], k  # same geometry, labels, masks
+    jpgs = [k for k in fa if k.endswith(".jpg")]
+    assert sum(fa[k] != fb[k] for k in jpgs) == len(jpgs)
+
+
+def test_colour_consistency_in_config_regenerates(tmp_path):
+    out = tmp_path / "w"
+    args = dict(SMALL, train_per_class=1, val_per_class=1, num_classes=3, formats="ade20k")
+    m1 = W.generate_world(out, **args)
+    assert m1["config"]["color_consistency"] == 0.75
+    m2 = W.generate_world(out, **args, color_consistency=0.25)
+    assert m2["config"]["color_consistency"] == 0.25
+    assert json.loads((out / "world.json").read_text()) == m2
+    assert W.generate_world(out, **args, color_consistency=0.25) == m2  # skipped
 
 
 def test_objects_saturated_background_not(default_world_objects):
@@ -358,6 +471,11 @@ def test_objects_saturated_background_not(default_world_objects):
     (dict(seed=-1), "seed"),
     (dict(train_per_class=0), "train_per_class"),
     (dict(max_extra_objects=-1), "max_extra_objects"),
+    (dict(color_consistency=-0.1), "color_consistency"),
+    (dict(color_consistency=1.01), "color_consistency"),
+    (dict(color_consistency=float("nan")), "color_consistency"),
+    (dict(color_consistency="0.5"), "color_consistency"),
+    (dict(color_consistency=True), "color_consistency"),
 ])
 def test_bad_input(tmp_path, kwargs, arg):
     with pytest.raises(ValueError, match=arg):
@@ -368,18 +486,24 @@ def test_bad_input(tmp_path, kwargs, arg):
 def test_cli(tmp_path, capsys):
     out = tmp_path / "cli"
     argv = ["--out", str(out), "--num-classes", "2", "--image-size", "32", "--train-per-class", "1",
-            "--val-per-class", "1", "--formats", "imagenet,coco", "--seed", "5"]
+            "--val-per-class", "1", "--formats", "imagenet,coco", "--seed", "5",
+            "--color-consistency", "0.5"]
     assert W.main(argv) == 0
     msg = capsys.readouterr().out
     assert "wrote" in msg and str(out) in msg and "2 train + 2 val" in msg
     meta = json.loads((out / "world.json").read_text())
     assert meta["config"]["formats"] == ["imagenet", "coco"] and meta["seed"] == 5
+    assert meta["config"]["color_consistency"] == 0.5
     assert W.main(argv) == 0
     assert "skipped" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         W.main(["--out", str(tmp_path / "bad"), "--image-size", "8"])
     assert e.value.code == 2
     assert "image_size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        W.main(["--out", str(tmp_path / "bad"), "--color-consistency", "2"])
+    assert e.value.code == 2
+    assert "color_consistency" in capsys.readouterr().err
 
 
 def test_imports_no_timm_or_openmmlab():
