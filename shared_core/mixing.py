@@ -34,7 +34,7 @@ from scipy.special import betaincinv
 __all__ = [
     'MIX_KINDS', 'CUT_KINDS', 'Mix', 'MixSampler', 'identity_mix', 'sample_beta', 'rand_box',
     'rand_box_minmax', 'box_token_share', 'grid_box_mask', 'random_token_mask', 'tokenmix_mask',
-    'tokenmix_masks', 'one_hot', 'mix_images', 'mix_tokens', 'mix_target', 'check_labels',
+    'tokenmix_masks', 'one_hot', 'mix_images', 'mix_tokens', 'mix_target', 'pair_target', 'check_labels',
     'check_pairwise_batch', 'to_2tuple',
 ]
 
@@ -592,12 +592,19 @@ def one_hot(labels: torch.Tensor, num_classes: int, smoothing: float = 0.) -> to
     return out.scatter_(1, labels.long().view(-1, 1), 1. - smoothing + off)
 
 
-def mix_target(labels: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.) -> torch.Tensor:
-    """The area target ``λ · y + (1 - λ) · y[partner]`` with label smoothing: ``(B, C)`` float32,
-    every row sums to 1."""
+def pair_target(labels: torch.Tensor, partner: torch.Tensor, lam: torch.Tensor, num_classes: int,
+                smoothing: float = 0.) -> torch.Tensor:
+    """``λ · y + (1 - λ) · y[partner]`` with label smoothing: ``(B, C)`` float32, rows sum to 1.
+    ``lam`` is the weight of each sample's own label (a scalar or ``(B,)``)."""
     if not 0. <= smoothing < 1.:
         raise ValueError(f'label_smoothing must be in [0, 1), got {smoothing}')
     check_labels(labels, num_classes)
     y = one_hot(labels, num_classes, smoothing)
-    lam = mix.lam.to(y.device).unsqueeze(1)
-    return y * lam + y[mix.partner.to(y.device)] * (1. - lam)
+    lam = torch.as_tensor(lam, dtype=torch.float32).to(y.device).reshape(-1, 1)
+    return y * lam + y[partner.to(y.device)] * (1. - lam)
+
+
+def mix_target(labels: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.) -> torch.Tensor:
+    """The area target ``λ · y + (1 - λ) · y[partner]`` with label smoothing: ``(B, C)`` float32,
+    every row sums to 1."""
+    return pair_target(labels, mix.partner, mix.lam, num_classes, smoothing)

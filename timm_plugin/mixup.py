@@ -37,7 +37,9 @@ PLAIN_TARGET_KINDS = ('mixup', 'cutmix')
 
 
 class MixTarget(torch.Tensor):
-    """A ``(B, C)`` soft target that carries its :class:`Mix` as ``.mix``.
+    """A ``(B, C)`` soft target that carries its :class:`Mix` as ``.mix``, and what it was made from:
+    the class indices ``.labels``, ``.num_classes`` and ``.smoothing`` (methods that re-weight the
+    two source labels, such as TL-Align, rebuild the target from them).
 
     Every torch operation on it returns a plain tensor (torch-function dispatch is disabled), so losses
     treat it as the target tensor; ``.to`` / ``.pin_memory`` / ``deepcopy`` keep the mix (timm's
@@ -47,23 +49,31 @@ class MixTarget(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def wrap(target: torch.Tensor, mix: Mix) -> 'MixTarget':
+    def wrap(target: torch.Tensor, mix: Mix, labels: torch.Tensor, num_classes: int,
+             smoothing: float) -> 'MixTarget':
         out = target.as_subclass(MixTarget)
-        out.mix = mix
+        out.mix, out.labels, out.num_classes, out.smoothing = mix, labels, num_classes, smoothing
         return out
+
+    def _rewrap(self, target: torch.Tensor, mix: Mix, labels: torch.Tensor) -> 'MixTarget':
+        return MixTarget.wrap(target, mix, labels, self.num_classes, self.smoothing)
 
     def as_tensor(self) -> torch.Tensor:
         return self.as_subclass(torch.Tensor)
 
     def to(self, *args, **kwargs) -> 'MixTarget':
         moved = self.as_tensor().to(*args, **kwargs)
-        return MixTarget.wrap(moved, self.mix.to(moved.device, non_blocking=kwargs.get('non_blocking', False)))
+        nb = kwargs.get('non_blocking', False)
+        return self._rewrap(moved, self.mix.to(moved.device, non_blocking=nb),
+                            self.labels.to(moved.device, non_blocking=nb))
 
     def pin_memory(self, *args, **kwargs) -> 'MixTarget':
-        return MixTarget.wrap(self.as_tensor().pin_memory(*args, **kwargs), self.mix.pin_memory())
+        return self._rewrap(self.as_tensor().pin_memory(*args, **kwargs), self.mix.pin_memory(),
+                            self.labels.pin_memory())
 
     def __deepcopy__(self, memo) -> 'MixTarget':
-        return MixTarget.wrap(copy.deepcopy(self.as_tensor(), memo), copy.deepcopy(self.mix, memo))
+        return self._rewrap(copy.deepcopy(self.as_tensor(), memo), copy.deepcopy(self.mix, memo),
+                            self.labels.clone())
 
 
 def _forward(owner: str, name: str) -> property:
@@ -126,7 +136,10 @@ class TokenMixer:
         """The area target (checks the labels); a :class:`MixTarget` carrying the mix on the target's
         device for the token-aware kinds."""
         soft = mix_target(target, mix, self.num_classes, self.label_smoothing)
-        return MixTarget.wrap(soft, mix.to(soft.device, non_blocking=True)) if self.carry_mix else soft
+        if not self.carry_mix:
+            return soft
+        return MixTarget.wrap(soft, mix.to(soft.device, non_blocking=True), target.to(soft.device),
+                              self.num_classes, self.label_smoothing)
 
     def __call__(self, x: torch.Tensor, target: torch.Tensor, name: str = 'x'):
         mix = self.sample(x, target, name)
@@ -181,8 +194,8 @@ def create_mixer(mixup_type: str = 'mixup', *, mixup_alpha: float = 1., cutmix_a
                  cutmix_minmax: Optional[Sequence[float]] = None, prob: float = 1.0, switch_prob: float = 0.5,
                  mode: str = 'batch', correct_lam: bool = True, label_smoothing: float = 0.1,
                  num_classes: int = 1000, patch_size=16, tokenmix_lam: Optional[float] = None,
-                 tokenmix_min_tokens: Optional[int] = None, collate: bool = False,
-                 generator: Optional[torch.Generator] = None):
+                 tokenmix_min_tokens: Optional[int] = None, carry_mix: Optional[bool] = None,
+                 collate: bool = False, generator: Optional[torch.Generator] = None):
     """A mixer with timm ``Mixup``'s arguments and defaults (see the module docstring for the kinds).
 
     Args:
@@ -192,13 +205,15 @@ def create_mixer(mixup_type: str = 'mixup', *, mixup_alpha: float = 1., cutmix_a
         patch_size: the model's patch size (int or (h, w)); token kinds need images divisible by it.
         tokenmix_lam: fix λ of the TokenMix kinds (TokenMix uses 0.5) instead of Beta(cutmix_alpha).
         tokenmix_min_tokens: smallest block of ``tokenmix_block`` (default 14 on a 14x14 grid, scaled).
+        carry_mix: return a :class:`MixTarget` (default: for the token kinds only); TL-Align needs it with
+            ``mixup``/``cutmix`` too.
         collate: return a :class:`FastCollateTokenMixup` (for timm's prefetcher loader).
         generator: a ``torch.Generator`` for reproducible mixing (default: torch's global RNG).
     """
     kwargs = dict(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, cutmix_minmax=cutmix_minmax, prob=prob,
                   switch_prob=switch_prob, correct_lam=correct_lam, label_smoothing=label_smoothing,
                   num_classes=num_classes, patch_size=patch_size, tokenmix_lam=tokenmix_lam,
-                  tokenmix_min_tokens=tokenmix_min_tokens, generator=generator)
+                  tokenmix_min_tokens=tokenmix_min_tokens, carry_mix=carry_mix, generator=generator)
     if collate:
         return FastCollateTokenMixup(mixup_type, mode=mode, **kwargs)
     if 'half' in mode:

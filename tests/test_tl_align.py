@@ -1,0 +1,231 @@
+"""TL-Align on timm ViTs against an explicit reference (materialised attention, dense labels, head loops)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from timm.models.deit import VisionTransformerDistilled
+from timm.models.vision_transformer import VisionTransformer
+
+from shared_core.mixing import MixSampler, mix_target, one_hot
+from shared_core.tl_align import residual_labels
+from timm_plugin import MixTarget, create_mixer
+from timm_plugin.tl_align import TLAlign
+
+C = 6
+
+
+def tiny_vit(cls=VisionTransformer, **kw):
+    torch.manual_seed(0)
+    args = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=4, num_classes=C, mlp_ratio=2.)
+    args.update(kw)
+    return cls(**args)
+
+
+def reference(model, x, Y, layers=None, normalise=True):
+    """The ViT forward written out with explicit attention matrices; the labels follow Eq. 9 (a loop over
+    heads) and Eq. 11 (average with the residual) at every block (or at ``layers`` only)."""
+    P = model.num_prefix_tokens
+    t = model.norm_pre(model._pos_embed(model.patch_embed(x)))
+    for i, blk in enumerate(model.blocks):
+        a = blk.attn
+        h = blk.norm1(t)
+        B, T, D = h.shape
+        qkv = a.qkv(h).reshape(B, T, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = a.q_norm(qkv[0]), a.k_norm(qkv[1]), qkv[2]
+        A = torch.softmax(q @ k.transpose(-1, -2) * a.head_dim ** -0.5, dim=-1)  # (B, H, T, T)
+        t = t + blk.ls1(a.proj((A @ v).transpose(1, 2).reshape(B, T, D)))
+        t = t + blk.ls2(blk.mlp(blk.norm2(t)))
+        if layers is not None and i not in layers:
+            continue
+        Y_hat = torch.zeros_like(Y)
+        for head in range(a.num_heads):
+            Y_hat = Y_hat + A[:, head] @ Y
+        Y = (Y + Y_hat / a.num_heads) / 2 if normalise else Y_hat / a.num_heads
+    out = model.forward_head(model.norm(t))
+    if isinstance(model, VisionTransformerDistilled):
+        return out, (Y[:, 0] + Y[:, 1]) / 2
+    return out, Y[:, 0] if model.global_pool == 'token' else Y[:, P:].mean(1)
+
+
+def random_token_labels(B, N, generator):
+    return torch.softmax(torch.randn(B, N, C, generator=generator) * 3, dim=-1)
+
+
+@pytest.mark.parametrize('kw', [dict(), dict(global_pool='avg', class_token=False), dict(global_pool='avg'),
+                                dict(reg_tokens=2), dict(qk_norm=True)],
+                         ids=['cls', 'avg-no-cls', 'avg-with-cls', 'registers', 'qk-norm'])
+def test_dense_trace_matches_materialised_reference(kw):
+    model = tiny_vit(**kw).eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, 32, 32, generator=g)
+    Y_tok = random_token_labels(4, 16, g)
+    wrapped = TLAlign(model)
+    out, label = wrapped.trace(x, Y_tok)
+    P = model.num_prefix_tokens
+    Y0 = torch.cat([Y_tok.mean(1, keepdim=True).expand(-1, P, -1), Y_tok], 1)
+    ref_out, ref_label = reference(model, x, Y0)
+    assert torch.allclose(out, ref_out, atol=1e-5)
+    assert torch.allclose(label, ref_label, atol=1e-6)
+    assert torch.allclose(label.sum(1), torch.ones(4), atol=1e-6)
+
+
+def test_distilled_deit_reads_both_tokens():
+    model = tiny_vit(VisionTransformerDistilled).eval()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 32, 32, generator=g)
+    Y_tok = random_token_labels(2, 16, g)
+    cls_label = torch.softmax(torch.randn(2, C, generator=g), -1)
+    out, label = TLAlign(model).trace(x, Y_tok, cls_label)
+    Y0 = torch.cat([cls_label[:, None].expand(-1, 2, -1), Y_tok], 1)
+    ref_out, ref_label = reference(model, x, Y0)
+    assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(label, ref_label, atol=1e-6)
+    model.set_distilled_training(True)
+    model.train()
+    out, label = TLAlign(model).trace(x, Y_tok, cls_label)
+    assert isinstance(out, tuple)  # distilled training: the class head's target is the class token's
+
+
+@pytest.mark.parametrize('kind', ['cutmix', 'mixup', 'tokenmix_block', 'tokenmix_random', 'token_box'])
+def test_compact_and_dense_labels_give_the_same_target(kind):
+    """Labels are affine in the two sources and attention rows sum to 1: carrying the partner share per
+    token gives the dense result."""
+    model = tiny_vit(drop_path_rate=0.0).train()
+    g = torch.Generator().manual_seed(3)
+    kw = dict(mixup_alpha=1.0) if kind == 'mixup' else dict(mixup_alpha=0., cutmix_alpha=1.0)
+    mixer = create_mixer(kind, num_classes=C, patch_size=8, mode='elem', label_smoothing=0.1, generator=g,
+                         carry_mix=True, **kw)
+    x = torch.randn(6, 3, 32, 32, generator=g)
+    y = torch.randint(0, C, (6,), generator=g)
+    xm, target = mixer(x, y)
+    wrapped = TLAlign(model)
+    torch.manual_seed(5)
+    out, aligned = wrapped(xm, target)
+    # dense: per-token labels from the same mix, smoothed one-hots of both sources
+    mix = target.mix
+    y_own, y_partner = one_hot(y, C, 0.1), one_hot(y[mix.partner], C, 0.1)
+    s = mix.token_share_flat()[..., None]
+    Y_tok = (1 - s) * y_own[:, None] + s * y_partner[:, None]
+    torch.manual_seed(5)
+    out_dense, label = wrapped.trace(xm, Y_tok, cls_label=mix_target(y, mix, C, 0.1))
+    assert torch.equal(out, out_dense)
+    assert torch.allclose(aligned, label, atol=1e-6)
+    assert torch.allclose(aligned.sum(1), torch.ones(6), atol=1e-6) and aligned.min() >= 0
+    assert not aligned.requires_grad
+
+
+def test_eval_is_the_plain_model_and_training_logits_are_unchanged():
+    model = tiny_vit()
+    wrapped = TLAlign(model)
+    x = torch.randn(4, 3, 32, 32)
+    wrapped.eval()
+    assert torch.equal(wrapped(x), model(x))
+    assert all(not blk.attn.q_norm._forward_hooks for blk in model.blocks)  # nothing left registered
+    wrapped.train()
+    mixer = create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=8, carry_mix=True)
+    xm, target = mixer(x, torch.tensor([0, 1, 2, 3]))
+    torch.manual_seed(0)
+    out, _ = wrapped(xm, target)
+    torch.manual_seed(0)
+    assert torch.equal(out, model(xm))
+
+
+def test_no_mixing_gives_the_plain_target():
+    """Mixing probability 0: the aligned target is the (smoothed) one-hot, so the loss is plain training's."""
+    model = tiny_vit().train()
+    mixer = create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1.0, prob=0.0, num_classes=C, patch_size=8,
+                         carry_mix=True, label_smoothing=0.1)
+    y = torch.tensor([0, 1, 2, 3])
+    xm, target = mixer(torch.randn(4, 3, 32, 32), y)
+    _, aligned = TLAlign(model)(xm, target)
+    assert torch.allclose(aligned, one_hot(y, C, 0.1), atol=1e-6)
+
+
+def test_fused_attention_is_kept():
+    """The token path stays on scaled_dot_product_attention; the label path adds one fused call per block
+    and never builds an attention matrix (no softmax over a (T, T) tensor)."""
+    model = tiny_vit().train()
+    assert all(blk.attn.fused_attn for blk in model.blocks)
+    calls, softmaxes = [], []
+    sdpa, softmax = F.scaled_dot_product_attention, torch.softmax
+
+    def count_sdpa(*a, **k):
+        calls.append(a[2].shape[-1])
+        return sdpa(*a, **k)
+
+    def count_softmax(*a, **k):
+        softmaxes.append(a[0].shape)
+        return softmax(*a, **k)
+    mixer = create_mixer('tokenmix_block', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=8)
+    xm, target = mixer(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3]))
+    try:
+        F.scaled_dot_product_attention, torch.softmax = count_sdpa, count_softmax
+        TLAlign(model)(xm, target)
+    finally:
+        F.scaled_dot_product_attention, torch.softmax = sdpa, softmax
+    head_dim = model.blocks[0].attn.head_dim
+    assert calls == [head_dim] * 3 + [1] * 3  # 3 token-path calls, then 3 compact label calls
+    assert softmaxes == []
+
+
+def test_label_path_is_fp32_under_autocast():
+    model = tiny_vit().train()
+    mixer = create_mixer('tokenmix_random', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=8)
+    xm, target = mixer(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3]))
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out, aligned = TLAlign(model)(xm, target)
+    assert out.dtype == torch.bfloat16 and aligned.dtype == torch.float32
+    assert torch.allclose(aligned.sum(1), torch.ones(4), atol=1e-5)
+
+
+def test_align_only_at_chosen_layers_and_no_residual():
+    model = tiny_vit().eval()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 3, 32, 32, generator=g)
+    Y_tok = random_token_labels(2, 16, g)
+    cls = Y_tok.mean(1)
+    # no layer aligned: the class token keeps its initial label
+    _, label = TLAlign(model, layers=[]).trace(x, Y_tok)
+    assert torch.allclose(label, cls, atol=1e-6)
+    Y0 = torch.cat([cls[:, None], Y_tok], 1)
+    for layers, normalise in [([2], False), ([0, 2], True), (None, False)]:
+        _, label = TLAlign(model, layers=layers, normalise=normalise).trace(x, Y_tok)
+        _, ref = reference(model, x, Y0, layers, normalise)
+        assert torch.allclose(label, ref, atol=1e-6) and torch.allclose(label.sum(1), torch.ones(2), atol=1e-6)
+    with pytest.raises(ValueError, match='layers'):
+        TLAlign(model, layers=[3])
+
+
+def test_dropped_branch_keeps_labels():
+    Y = torch.softmax(torch.randn(3, 5, C), -1)
+    branch = torch.softmax(torch.randn(3, 5, C), -1)
+    out = residual_labels(Y, branch, keep=torch.tensor([True, False, True]))
+    assert torch.equal(out[1], Y[1]) and torch.allclose(out[0], (Y[0] + branch[0]) / 2)
+    model = tiny_vit(drop_path_rate=0.9).train()  # stochastic depth on: targets stay normalised
+    mixer = create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=8, carry_mix=True)
+    xm, target = mixer(torch.randn(8, 3, 32, 32), torch.arange(8) % C)
+    _, aligned = TLAlign(model)(xm, target)
+    assert torch.allclose(aligned.sum(1), torch.ones(8), atol=1e-6)
+
+
+def test_bad_input():
+    import timm
+    with pytest.raises(ValueError, match=r'no tracer for .*ResNet; supported: .*VisionTransformerDistilled, '
+                                         r'.*VisionTransformer'):
+        TLAlign(timm.create_model('resnet10t', num_classes=C))
+    with pytest.raises(ValueError, match="global_pool='map'"):
+        TLAlign(tiny_vit(global_pool='map'))
+    wrapped = TLAlign(tiny_vit()).train()
+    with pytest.raises(ValueError, match='target: TL-Align needs the MixTarget'):
+        wrapped(torch.randn(2, 3, 32, 32), torch.eye(C)[:2])
+    dynamic = TLAlign(tiny_vit(dynamic_img_size=True))
+    with pytest.raises(ValueError, match='labels: 17 token labels for 5 tokens'):
+        dynamic.trace(torch.randn(2, 3, 16, 16), torch.full((2, 16, C), 1 / C))  # 16 patch labels, 4 patches
+
+
+def test_mix_target_carries_its_sources():
+    mixer = create_mixer('tokenmix_block', cutmix_alpha=1.0, num_classes=C, patch_size=8, label_smoothing=0.2)
+    y = torch.tensor([0, 1, 2, 3])
+    _, t = mixer(torch.randn(4, 3, 32, 32), y)
+    assert isinstance(t, MixTarget) and torch.equal(t.labels, y) and t.num_classes == C and t.smoothing == 0.2
+    assert torch.allclose(mix_target(t.labels, t.mix, C, 0.2), t.as_tensor())
+    sampler = MixSampler('tokenmix_block', cutmix_alpha=1.0, patch_size=8)
+    assert sampler.sample(4, 32).token_share.shape == (4, 4, 4)
