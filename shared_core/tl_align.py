@@ -60,21 +60,35 @@ def dense_labels(token_labels: torch.Tensor, cls_label: Optional[torch.Tensor] =
 
 @torch.no_grad()
 def attention_labels(q: torch.Tensor, k: torch.Tensor, labels: torch.Tensor,
-                     attn_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> torch.Tensor:
+                     attn_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                     fused: Optional[bool] = None) -> torch.Tensor:
     """Eq. 9: the head-mean of the attention ``softmax(q kᵀ · scale + attn_mask)`` applied to the labels.
 
     ``q``, ``k``: ``(B, H, T, d)`` as the token path's attention saw them (``k`` may have fewer tokens
     than ``q``, e.g. spatial-reduction keys, and then ``labels`` are the labels of the keys);
     ``labels``: ``(B, T_k, K)``; ``attn_mask``: an additive float bias or a boolean mask broadcastable
     to ``(B, H, T_q, T_k)``. Returns ``(B, T_q, K)`` in fp32.
+
+    ``fused`` (default: on accelerators) computes it with ``scaled_dot_product_attention`` and the labels
+    as values, never materialising the attention. On the CPU the default is one transient
+    ``softmax(q kᵀ)`` per call instead: PyTorch's fused CPU kernel is 2-3x slower than that for the
+    1-wide values of the compact state (``bench/RESULTS.md``). Either way the token path is untouched.
     """
-    device_type = q.device.type
-    with torch.autocast(device_type=device_type, enabled=False):
-        v = labels.float().unsqueeze(1).expand(-1, q.shape[1], -1, -1)
-        mask = attn_mask.float() if attn_mask is not None and attn_mask.dtype != torch.bool else attn_mask
-        out = F.scaled_dot_product_attention(q.detach().float(), k.detach().float(), v, attn_mask=mask,
-                                             scale=scale)
-    return out.mean(1)
+    if fused is None:
+        fused = q.device.type != 'cpu'
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        q, k, v = q.detach().float(), k.detach().float(), labels.float().unsqueeze(1)
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.float()
+        if fused:
+            out = F.scaled_dot_product_attention(q, k, v.expand(-1, q.shape[1], -1, -1), attn_mask=attn_mask,
+                                                 scale=scale)
+            return out.mean(1)
+        logits = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if attn_mask is not None:
+            logits = logits.masked_fill(~attn_mask, float('-inf')) if attn_mask.dtype == torch.bool \
+                else logits + attn_mask
+        return (logits.softmax(-1).mean(1) @ labels.float())
 
 
 def residual_labels(labels: torch.Tensor, branch: torch.Tensor, keep: Optional[torch.Tensor] = None,

@@ -58,14 +58,14 @@ def test_dense_trace_matches_materialised_reference(kw):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, 3, 32, 32, generator=g)
     Y_tok = random_token_labels(4, 16, g)
-    wrapped = TLAlign(model)
-    out, label = wrapped.trace(x, Y_tok)
     P = model.num_prefix_tokens
     Y0 = torch.cat([Y_tok.mean(1, keepdim=True).expand(-1, P, -1), Y_tok], 1)
     ref_out, ref_label = reference(model, x, Y0)
-    assert torch.allclose(out, ref_out, atol=1e-5)
-    assert torch.allclose(label, ref_label, atol=1e-6)
-    assert torch.allclose(label.sum(1), torch.ones(4), atol=1e-6)
+    for fused in (True, False):
+        out, label = TLAlign(model, fused=fused).trace(x, Y_tok)
+        assert torch.allclose(out, ref_out, atol=1e-5)
+        assert torch.allclose(label, ref_label, atol=1e-6)
+        assert torch.allclose(label.sum(1), torch.ones(4), atol=1e-6)
 
 
 def test_distilled_deit_reads_both_tokens():
@@ -139,31 +139,37 @@ def test_no_mixing_gives_the_plain_target():
     assert torch.allclose(aligned, one_hot(y, C, 0.1), atol=1e-6)
 
 
-def test_fused_attention_is_kept():
-    """The token path stays on scaled_dot_product_attention; the label path adds one fused call per block
-    and never builds an attention matrix (no softmax over a (T, T) tensor)."""
+@pytest.mark.parametrize('fused', [True, False])
+def test_fused_attention_is_kept(fused):
+    """The token path stays on scaled_dot_product_attention (3 calls, head_dim-wide values). The label
+    path adds one fused call per block with 1-wide values (fused=True: no softmax anywhere), or one
+    transient softmax per block (fused=False, the CPU default); both give the same target."""
     model = tiny_vit().train()
     assert all(blk.attn.fused_attn for blk in model.blocks)
     calls, softmaxes = [], []
-    sdpa, softmax = F.scaled_dot_product_attention, torch.softmax
+    sdpa, softmax = F.scaled_dot_product_attention, torch.Tensor.softmax
 
     def count_sdpa(*a, **k):
         calls.append(a[2].shape[-1])
         return sdpa(*a, **k)
 
-    def count_softmax(*a, **k):
-        softmaxes.append(a[0].shape)
-        return softmax(*a, **k)
+    def count_softmax(self, *a, **k):
+        softmaxes.append(self.shape)
+        return softmax(self, *a, **k)
     mixer = create_mixer('tokenmix_block', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=8)
     xm, target = mixer(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3]))
     try:
-        F.scaled_dot_product_attention, torch.softmax = count_sdpa, count_softmax
-        TLAlign(model)(xm, target)
+        F.scaled_dot_product_attention, torch.Tensor.softmax = count_sdpa, count_softmax
+        _, aligned = TLAlign(model, fused=fused)(xm, target)
     finally:
-        F.scaled_dot_product_attention, torch.softmax = sdpa, softmax
+        F.scaled_dot_product_attention, torch.Tensor.softmax = sdpa, softmax
     head_dim = model.blocks[0].attn.head_dim
-    assert calls == [head_dim] * 3 + [1] * 3  # 3 token-path calls, then 3 compact label calls
-    assert softmaxes == []
+    if fused:
+        assert calls == [head_dim] * 3 + [1] * 3 and softmaxes == []
+    else:
+        assert calls == [head_dim] * 3 and len(softmaxes) == 3
+    _, other = TLAlign(model, fused=not fused)(xm, target)
+    assert torch.allclose(aligned, other, atol=1e-6)
 
 
 def test_label_path_is_fp32_under_autocast():

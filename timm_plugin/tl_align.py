@@ -11,8 +11,8 @@ holds them anyway), and a hook on ``drop_path1`` notes which samples' attention 
 depth dropped. After the forward, the label state (compact ``(B, T, 1)`` partner shares, or dense
 ``(B, T, C)`` for :meth:`TLAlign.trace`) goes through the blocks with the rules of
 :mod:`shared_core.tl_align`; the attention is recomputed for the labels by a fused
-``scaled_dot_product_attention`` call with the labels as values, so no attention matrix is ever
-materialised and the token path is untouched.
+``scaled_dot_product_attention`` call with the labels as values (on accelerators; on the CPU a
+transient softmax is faster), and the token path is untouched: still the model's fused attention.
 
 Supported: timm ``VisionTransformer`` (ViT / DeiT, class token or ``global_pool='avg'``, register
 tokens) and ``VisionTransformerDistilled`` (DeiT distilled). Others raise an error listing these.
@@ -73,11 +73,11 @@ class ViTTracer:
         return handles
 
     def propagate(self, captures: List[_BlockCapture], labels: torch.Tensor, layers: Optional[set],
-                  normalise: bool) -> torch.Tensor:
+                  normalise: bool, fused: Optional[bool]) -> torch.Tensor:
         for idx, (blk, cap) in enumerate(zip(self.model.blocks, captures)):
             if layers is not None and idx not in layers:
                 continue  # not aligned here: the labels pass unchanged
-            branch = attention_labels(cap.q, cap.k, labels, scale=blk.attn.scale)  # Eq. 9
+            branch = attention_labels(cap.q, cap.k, labels, scale=blk.attn.scale, fused=fused)  # Eq. 9
             labels = residual_labels(labels, branch, cap.keep, normalise)  # Eq. 11 (the MLP residual: Y)
         return labels
 
@@ -125,9 +125,13 @@ class TLAlign(nn.Module):
         model: a supported timm model.
         layers: align only at these block indices (Table 8 ablation); ``None``: every block.
         normalise: ``False`` drops the residual from the label path (Table 8, "normalization disabled").
+        fused: the label attention as a fused SDPA call (``True``), or a transient softmax (``False``);
+            default: fused on accelerators, transient on the CPU, whichever is faster there
+            (:func:`shared_core.tl_align.attention_labels`). The token path is the model's either way.
     """
 
-    def __init__(self, model: nn.Module, layers: Optional[Iterable[int]] = None, normalise: bool = True):
+    def __init__(self, model: nn.Module, layers: Optional[Iterable[int]] = None, normalise: bool = True,
+                 fused: Optional[bool] = None):
         super().__init__()
         self.tracer = _tracer_for(model)
         self.model = model
@@ -135,6 +139,7 @@ class TLAlign(nn.Module):
         if self.layers is not None and not self.layers <= set(range(len(model.blocks))):
             raise ValueError(f'layers: block indices must be in [0, {len(model.blocks)}), got {sorted(self.layers)}')
         self.normalise = normalise
+        self.fused = fused
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -151,7 +156,7 @@ class TLAlign(nn.Module):
         if captures[0].q.shape[2] != labels.shape[1]:
             raise ValueError(f'labels: {labels.shape[1]} token labels for {captures[0].q.shape[2]} tokens '
                              f'(prefix {self.num_prefix_tokens} + patches): the patch grid of x does not match')
-        state = self.tracer.propagate(captures, labels.to(x.device), self.layers, self.normalise)
+        state = self.tracer.propagate(captures, labels.to(x.device), self.layers, self.normalise, self.fused)
         return output, self.tracer.readout(state, output)
 
     def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None):

@@ -38,6 +38,10 @@ from timm.utils import NativeScaler
 from timm.utils.model import get_state_dict
 
 from .mixup import MIXUP_TYPES, create_mixer
+from .tl_align import TLAlign
+
+#: --mixup-type values that are methods around a mixing kind (the kind: --tl-align-mix)
+METHOD_TYPES = ('tl_align',)
 
 _logger = logging.getLogger('tokenaug.train')
 
@@ -128,8 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--mixup-switch-prob', type=float, default=0.5)
     g.add_argument('--mixup-mode', type=str, default='batch', help='"batch", "pair", or "elem"')
     g.add_argument('--mixup-off-epoch', default=0, type=int, metavar='N')
-    g.add_argument('--mixup-type', default=None, choices=MIXUP_TYPES,
-                   help='tokenaug mixing kind (default: timm behaviour, cutmix if --cutmix > 0 else mixup)')
+    g.add_argument('--mixup-type', default=None, choices=MIXUP_TYPES + METHOD_TYPES,
+                   help='tokenaug mixing kind or method (default: timm behaviour, cutmix if --cutmix > 0 else mixup)')
+    g.add_argument('--tl-align-mix', default='cutmix', choices=MIXUP_TYPES,
+                   help='the mixing kind TL-Align aligns (tl-align.md Table 7; cutmix + --mixup > 0 = switch)')
+    g.add_argument('--tl-align-layers', type=int, nargs='*', default=None,
+                   help='align only at these block indices (Table 8 ablation; default: all)')
+    g.add_argument('--tl-align-no-residual', action='store_true', default=False,
+                   help='drop the residual from the label path (Table 8, normalisation disabled)')
     g.add_argument('--tokenmix-lam', type=float, default=None,
                    help='fix λ (own share) of token-mask kinds, e.g. 0.5 as in TokenMix (default: Beta(--cutmix))')
     g.add_argument('--smoothing', type=float, default=0.1)
@@ -223,6 +233,12 @@ class PlainCheckpointSaver(utils.CheckpointSaver):
         torch.save(save_state, save_path)
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The bare timm model inside DDP and a method wrapper."""
+    model = utils.unwrap_model(model)
+    return model.model if isinstance(model, TLAlign) else model
+
+
 def model_patch_size(model: nn.Module, default=16):
     """The model's patch size (timm ViT/Swin/... expose it on ``patch_embed``), for token-aware mixing."""
     pe = getattr(model, 'patch_embed', None)
@@ -301,6 +317,10 @@ def run(argv=None) -> dict:
         if args.resume:
             from timm.models import load_checkpoint
             load_checkpoint(model_ema.module, args.resume, use_ema=True)
+    # the method wraps the model for training; EMA, optimizer, resume and checkpoints keep the bare model
+    bare_model = model
+    if args.mixup_type == 'tl_align':
+        model = TLAlign(model, layers=args.tl_align_layers, normalise=not args.tl_align_no_residual)
     if args.distributed:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == 'cuda' else None)
 
@@ -320,16 +340,18 @@ def run(argv=None) -> dict:
     if mixup_active:
         mixup_type = args.mixup_type = args.mixup_type or (
             'cutmix' if (args.cutmix > 0 or args.cutmix_minmax) else 'mixup')
-        unwrapped = model.module if args.distributed else model
-        mixer_args = dict(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
+        carry_mix = None
+        if mixup_type == 'tl_align':
+            mixup_type, carry_mix = args.tl_align_mix, True
+        mixer_args = dict(carry_mix=carry_mix, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
                           prob=args.mixup_prob, switch_prob=args.mixup_switch_prob, mode=args.mixup_mode,
                           label_smoothing=args.smoothing, num_classes=args.num_classes,
-                          patch_size=model_patch_size(unwrapped), tokenmix_lam=args.tokenmix_lam)
+                          patch_size=model_patch_size(bare_model), tokenmix_lam=args.tokenmix_lam)
         if args.prefetcher:
             collate_fn = create_mixer(mixup_type, collate=True, **mixer_args)
         else:
             mixer = create_mixer(mixup_type, **mixer_args)
-        _logger.info(f'Mixing: {mixup_type} (mixup_alpha={args.mixup}, cutmix_alpha={args.cutmix}, '
+        _logger.info(f'Mixing: {mixup_type}{" with " + args.mixup_type if args.mixup_type in METHOD_TYPES else ""} (mixup_alpha={args.mixup}, cutmix_alpha={args.cutmix}, '
                      f'prob={args.mixup_prob}, switch_prob={args.mixup_switch_prob}, mode={args.mixup_mode})')
 
     train_interpolation = args.train_interpolation
@@ -372,7 +394,7 @@ def run(argv=None) -> dict:
         exp_name = args.experiment or '-'.join([time.strftime('%Y%m%d-%H%M%S'), safe_model_name(args.model),
                                                 str(data_config['input_size'][-1])])
         output_dir = utils.get_outdir(args.output if args.output else './output/train', exp_name)
-        saver = PlainCheckpointSaver(model=model, optimizer=optimizer, args=args, model_ema=model_ema,
+        saver = PlainCheckpointSaver(model=bare_model, optimizer=optimizer, args=args, model_ema=model_ema,
                                      amp_scaler=loss_scaler, checkpoint_dir=output_dir, recovery_dir=output_dir,
                                      decreasing=eval_metric == 'loss', max_history=args.checkpoint_hist)
         with open(os.path.join(output_dir, 'args.yaml'), 'w') as f:
@@ -437,6 +459,7 @@ def train_one_epoch(epoch, model, loader, optimizer, loss_fn, args, device, lr_s
         elif mixer is not None:
             mixer.mixup_enabled = False
     accum = args.grad_accum_steps
+    method = args.mixup_type in METHOD_TYPES
     second_order = getattr(optimizer, 'is_second_order', False)
     losses_m, data_time_m, update_time_m = utils.AverageMeter(), utils.AverageMeter(), utils.AverageMeter()
     model.train()
@@ -457,7 +480,10 @@ def train_one_epoch(epoch, model, loader, optimizer, loss_fn, args, device, lr_s
         sync = model.no_sync if (args.distributed and not need_update) else suppress
         with sync():
             with amp_autocast():
-                output = model(x)
+                if method:  # TL-Align: the logits and the aligned target
+                    output, target = model(x, target)
+                else:
+                    output = model(x)
                 loss = loss_fn(output, target)
             if accum > 1:
                 loss = loss / accum
@@ -478,7 +504,7 @@ def train_one_epoch(epoch, model, loader, optimizer, loss_fn, args, device, lr_s
         num_updates += 1
         optimizer.zero_grad()
         if model_ema is not None:
-            model_ema.update(model, step=num_updates)
+            model_ema.update(unwrap(model), step=num_updates)
         update_time_m.update(time.time() - update_start)
         update_start = time.time()
         if (last_batch or batch_idx % args.log_interval == 0) and utils.is_primary(args):

@@ -1,0 +1,80 @@
+"""TL-Align's cost: one training step (forward, loss, backward, optimizer) with the aligned target vs the
+same step with the plain area target, on the same mixed batch; interleaved, medians, ratio.
+
+    .venv/bin/python bench/bench_tl_align.py [--model deit_tiny_patch16_224] [--batch 32] [--repeats 10]
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import timm
+import torch
+from timm.loss import SoftTargetCrossEntropy
+
+from timm_plugin import create_mixer
+from timm_plugin.tl_align import TLAlign
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--model', default='deit_tiny_patch16_224')
+    p.add_argument('--batch', type=int, default=32)
+    p.add_argument('--repeats', type=int, default=10)
+    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    p.add_argument('--amp', action='store_true')
+    args = p.parse_args()
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == 'cuda' else (lambda: None)
+    torch.manual_seed(0)
+    model = timm.create_model(args.model, num_classes=1000).to(dev).train()
+    wrapped = TLAlign(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    loss_fn = SoftTargetCrossEntropy()
+    mixer = create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1.0, num_classes=1000, patch_size=16, carry_mix=True)
+    x = torch.randn(args.batch, 3, 224, 224, device=dev)
+    y = torch.randint(0, 1000, (args.batch,), device=dev)
+    xm, target = mixer(x, y)
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.amp)
+
+    def plain():
+        with autocast:
+            loss = loss_fn(model(xm), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def aligned():
+        with autocast:
+            out, t = wrapped(xm, target)
+            loss = loss_fn(out, t)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def timed(fn):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t
+
+    for _ in range(2):
+        plain(), aligned()
+    tp, ta = [], []
+    for _ in range(args.repeats):
+        tp.append(timed(plain))
+        ta.append(timed(aligned))
+    a, b = statistics.median(ta), statistics.median(tp)
+    name = torch.cuda.get_device_name(dev) if dev.type == 'cuda' else (platform.processor() or platform.machine())
+    print(f'# {args.model}, batch {args.batch}x3x224x224, device {dev} ({name}), amp={args.amp}, '
+          f'torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}')
+    print('| training step | plain (area target) ms | TL-Align ms | ratio |')
+    print('|---|---|---|---|')
+    print(f'| {args.model} | {b * 1e3:.1f} | {a * 1e3:.1f} | {a / b:.3f} |')
+
+
+if __name__ == '__main__':
+    main()
