@@ -215,7 +215,7 @@ def test_dropped_branch_keeps_labels():
 def test_bad_input():
     import timm
     with pytest.raises(ValueError, match=r'no tracer for .*ResNet; supported: .*VisionTransformerDistilled, '
-                                         r'.*VisionTransformer'):
+                                         r'.*VisionTransformer, .*SwinTransformer'):
         TLAlign(timm.create_model('resnet10t', num_classes=C))
     with pytest.raises(ValueError, match="global_pool='map'"):
         TLAlign(tiny_vit(global_pool='map'))
@@ -235,3 +235,103 @@ def test_mix_target_carries_its_sources():
     assert torch.allclose(mix_target(t.labels, t.mix, C, 0.2), t.as_tensor())
     sampler = MixSampler('tokenmix_block', cutmix_alpha=1.0, patch_size=8)
     assert sampler.sample(4, 32).token_share.shape == (4, 4, 4)
+
+
+# ---------------------------------------------------------------- Swin
+
+
+def tiny_swin(**kw):
+    from timm.models.swin_transformer import SwinTransformer
+    torch.manual_seed(0)
+    args = dict(img_size=32, patch_size=2, window_size=4, embed_dim=16, depths=(2, 2), num_heads=(2, 2),
+                num_classes=C, drop_path_rate=0.)
+    args.update(kw)
+    return SwinTransformer(**args)
+
+
+def swin_reference_labels(model, x, Y_tok):
+    """Swin's label geometry written out with index arithmetic: for every token, the window it falls in
+    after the cyclic shift, and every key of that window mapped back to its unshifted position; patch
+    merging as the mean of the 2x2 labels. Attention probabilities: the token path's own (timm's
+    unfused WindowAttention materialises them; hooked here independently of TLAlign)."""
+    attns = []
+    blocks = [b for s in model.layers for b in s.blocks]
+    hooks = [b.attn.softmax.register_forward_hook(lambda m, i, o: attns.append(o.detach().mean(1))) for b in blocks]
+    out = model(x)
+    for h in hooks:
+        h.remove()
+    B = x.shape[0]
+    H = W = int(Y_tok.shape[1] ** 0.5)
+    Y = Y_tok.view(B, H, W, -1).clone()
+    idx = 0
+    for stage in model.layers:
+        if not isinstance(stage.downsample, torch.nn.Identity):
+            H, W = H // 2, W // 2
+            merged = torch.zeros(B, H, W, Y.shape[-1])
+            for i in range(H):
+                for j in range(W):
+                    merged[:, i, j] = (Y[:, 2 * i, 2 * j] + Y[:, 2 * i + 1, 2 * j] + Y[:, 2 * i, 2 * j + 1]
+                                       + Y[:, 2 * i + 1, 2 * j + 1]) / 4
+            Y = merged
+        for blk in stage.blocks:
+            A = attns[idx]
+            ws, ss = blk.window_size[0], blk.shift_size[0]
+            nwh, nww = H // ws, W // ws
+            new = torch.zeros_like(Y)
+            for b in range(B):
+                for i in range(H):
+                    for j in range(W):
+                        si, sj = (i - ss) % H, (j - ss) % W  # where the cyclic shift moved this token
+                        win = b * nwh * nww + (si // ws) * nww + sj // ws
+                        n = (si % ws) * ws + sj % ws
+                        acc = torch.zeros(Y.shape[-1])
+                        for m in range(ws * ws):
+                            mi, mj = (si // ws) * ws + m // ws, (sj // ws) * ws + m % ws
+                            acc += A[win, n, m] * Y[b, (mi + ss) % H, (mj + ss) % W]
+                        new[b, i, j] = acc
+            Y = (Y + new) / 2
+            idx += 1
+    return out, Y.flatten(1, 2).mean(1)
+
+
+def test_swin_dense_trace_matches_index_reference():
+    model = tiny_swin().eval()
+    assert any(b.shift_size[0] for s in model.layers for b in s.blocks)  # shifted windows are exercised
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 3, 32, 32, generator=g)
+    Y_tok = random_token_labels(2, 256, g)
+    ref_out, ref_label = swin_reference_labels(model, x, Y_tok)
+    out, label = TLAlign(model).trace(x, Y_tok)
+    assert torch.allclose(out, ref_out, atol=1e-6) and torch.allclose(label, ref_label, atol=1e-6)
+    # with timm's fused window attention on, q/k/bias/shift mask are captured and give the same labels
+    for blk in (b for s in model.layers for b in s.blocks):
+        blk.attn.fused_attn = True
+    for fused in (True, False):
+        out, label = TLAlign(model, fused=fused).trace(x, Y_tok)
+        assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(label, ref_label, atol=1e-6)
+
+
+def test_swin_compact_equals_dense_and_training_call():
+    model = tiny_swin(drop_path_rate=0.2).train()
+    mixer = create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=2, mode='elem',
+                         carry_mix=True, generator=torch.Generator().manual_seed(1))
+    y = torch.arange(4) % C
+    xm, target = mixer(torch.randn(4, 3, 32, 32), y)
+    wrapped = TLAlign(model)
+    torch.manual_seed(3)
+    out, aligned = wrapped(xm, target)
+    mix = target.mix
+    s = mix.token_share_flat()[..., None]
+    Y_tok = (1 - s) * one_hot(y, C, 0.1)[:, None] + s * one_hot(y[mix.partner], C, 0.1)[:, None]
+    torch.manual_seed(3)
+    out_d, label = wrapped.trace(xm, Y_tok)
+    assert torch.equal(out, out_d) and torch.allclose(aligned, label, atol=1e-6)
+    wrapped.eval()
+    assert torch.equal(wrapped(xm), model(xm))
+
+
+def test_swin_padded_grid_is_refused():
+    model = tiny_swin(strict_img_size=False).eval()
+    TLAlign(model).trace(torch.randn(1, 3, 32, 32), torch.full((1, 256, C), 1 / C))  # 16x16 then 8x8: fine
+    with pytest.raises(ValueError, match='6x6 token grid is padded'):  # 12x12 then 6x6 in 4x4 windows
+        TLAlign(model).trace(torch.randn(1, 3, 24, 24), torch.full((1, 144, C), 1 / C))

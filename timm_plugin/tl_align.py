@@ -15,7 +15,8 @@ depth dropped. After the forward, the label state (compact ``(B, T, 1)`` partner
 transient softmax is faster), and the token path is untouched: still the model's fused attention.
 
 Supported: timm ``VisionTransformer`` (ViT / DeiT, class token or ``global_pool='avg'``, register
-tokens) and ``VisionTransformerDistilled`` (DeiT distilled). Others raise an error listing these.
+tokens), ``VisionTransformerDistilled`` (DeiT distilled) and ``SwinTransformer`` (shifted windows,
+patch merging, average pooling). Others raise an error listing these.
 """
 from __future__ import annotations
 
@@ -25,10 +26,13 @@ import torch
 import torch.nn as nn
 from timm.layers import Attention, DropPath
 from timm.models.deit import VisionTransformerDistilled
+from timm.models.swin_transformer import (
+    PatchMerging, SwinTransformer, SwinTransformerBlock, WindowAttention, window_partition, window_reverse,
+)
 from timm.models.vision_transformer import Block, VisionTransformer
 
 from shared_core.tl_align import (
-    aligned_target, attention_labels, compact_labels, dense_labels, residual_labels,
+    aligned_target, attention_labels, compact_labels, dense_labels, merge_labels, residual_labels,
 )
 from .mixup import MixTarget
 
@@ -37,10 +41,16 @@ __all__ = ['TLAlign', 'SUPPORTED_MODELS']
 
 class _BlockCapture:
     """What one block's token path left for the label path."""
-    __slots__ = ('q', 'k', 'keep')
+    __slots__ = ('q', 'k', 'keep', 'attn', 'mask', 'tokens')
 
     def __init__(self):
-        self.q = self.k = self.keep = None
+        self.q = self.k = self.keep = self.attn = self.mask = self.tokens = None
+
+
+def _hook_drop_path(blk: nn.Module, cap: _BlockCapture, handles: list) -> None:
+    if isinstance(blk.drop_path1, DropPath) and blk.drop_path1.drop_prob > 0 and blk.training:
+        handles.append(blk.drop_path1.register_forward_hook(
+            lambda m, i, o, c=cap: setattr(c, 'keep', _kept_samples(i[0], o))))
 
 
 class ViTTracer:
@@ -67,10 +77,11 @@ class ViTTracer:
             captures.append(cap)
             handles.append(blk.attn.q_norm.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'q', o.detach())))
             handles.append(blk.attn.k_norm.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'k', o.detach())))
-            if isinstance(blk.drop_path1, DropPath) and blk.drop_path1.drop_prob > 0 and blk.training:
-                handles.append(blk.drop_path1.register_forward_hook(
-                    lambda m, i, o, c=cap: setattr(c, 'keep', _kept_samples(i[0], o))))
+            _hook_drop_path(blk, cap, handles)
         return handles
+
+    def num_tokens(self, captures: List[_BlockCapture]) -> int:
+        return captures[0].q.shape[2]
 
     def propagate(self, captures: List[_BlockCapture], labels: torch.Tensor, layers: Optional[set],
                   normalise: bool, fused: Optional[bool]) -> torch.Tensor:
@@ -105,8 +116,112 @@ def _kept_samples(inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return (out.flatten(1) != 0).any(1) | (inp.flatten(1) == 0).all(1)
 
 
+class SwinTracer:
+    """Label rules for timm's ``SwinTransformer``: per block, the labels take the block's cyclic shift,
+    window partition, head-mean window attention (relative-position bias and shift mask included: the
+    attention the token path used), window reverse and shift back, then the residual average; each
+    stage's ``PatchMerging`` (timm puts it at the start of a stage) averages the 2x2 labels it merges
+    (sum, then Norm); the target is the mean label (global average pooling).
+
+    timm's ``WindowAttention`` materialises its softmax unless fused attention is switched on: the
+    hook then takes the attention probabilities the token path computed; with fused attention it takes
+    ``q``, ``k`` and the shift mask and recomputes the label attention (fused on accelerators)."""
+
+    num_prefix_tokens = 0
+
+    def __init__(self, model: SwinTransformer):
+        if model.global_pool != 'avg':
+            raise ValueError(f"model: Swin with global_pool={model.global_pool!r} has no TL-Align rule; use 'avg'")
+        for stage in model.layers:
+            if not isinstance(stage.downsample, (nn.Identity, PatchMerging)):
+                raise ValueError(f'model: Swin downsample {type(stage.downsample).__name__} has no TL-Align rule')
+            for blk in stage.blocks:
+                if type(blk) is not SwinTransformerBlock or type(blk.attn) is not WindowAttention:
+                    raise ValueError(f'model: TL-Align traces timm SwinTransformerBlock/WindowAttention, '
+                                     f'got {type(blk).__name__}')
+        self.model = model
+
+    def _blocks(self):
+        return [blk for stage in self.model.layers for blk in stage.blocks]
+
+    def register(self, captures: List[_BlockCapture]) -> list:
+        handles = []
+        for blk in self._blocks():
+            cap = _BlockCapture()
+            captures.append(cap)
+            handles.append(blk.register_forward_pre_hook(
+                lambda m, i, c=cap: setattr(c, 'tokens', tuple(i[0].shape[1:3]))))
+            if blk.attn.fused_attn:
+                handles.append(blk.attn.register_forward_pre_hook(
+                    lambda m, a, kw, c=cap: setattr(c, 'mask', kw.get('mask', a[1] if len(a) > 1 else None)),
+                    with_kwargs=True))
+                handles.append(blk.attn.qkv.register_forward_hook(
+                    lambda m, i, o, c=cap, a=blk.attn: _set_qk(c, o.detach(), a.num_heads)))
+            else:
+                handles.append(blk.attn.softmax.register_forward_hook(
+                    lambda m, i, o, c=cap: setattr(c, 'attn', o.detach())))
+            _hook_drop_path(blk, cap, handles)
+        return handles
+
+    def num_tokens(self, captures: List[_BlockCapture]) -> int:
+        H, W = captures[0].tokens
+        return H * W
+
+    def _window_labels(self, blk: SwinTransformerBlock, cap: _BlockCapture, Y: torch.Tensor,
+                       fused: Optional[bool]) -> torch.Tensor:
+        B, H, W, K = Y.shape
+        ws, ss = blk.window_size, blk.shift_size
+        if H % ws[0] or W % ws[1]:
+            raise ValueError(f'x: a {H}x{W} token grid is padded to {ws[0]}x{ws[1]} windows by timm\'s Swin; '
+                             f'TL-Align traces unpadded grids only (choose the image size accordingly)')
+        Ys = torch.roll(Y, shifts=(-ss[0], -ss[1]), dims=(1, 2)) if any(ss) else Y
+        Yw = window_partition(Ys, ws).view(-1, ws[0] * ws[1], K)
+        if cap.attn is not None:  # the token path's own attention probabilities
+            out = cap.attn.float().mean(1) @ Yw
+        else:
+            a = blk.attn
+            N = Yw.shape[1]
+            bias = a._get_rel_pos_bias()
+            if cap.mask is not None:
+                nw = cap.mask.shape[0]
+                mask = cap.mask.view(1, nw, 1, N, N).expand(Yw.shape[0] // nw, -1, a.num_heads, -1, -1)
+                bias = bias + mask.reshape(-1, a.num_heads, N, N)
+            out = attention_labels(cap.q, cap.k, Yw, attn_mask=bias, scale=a.scale, fused=fused)
+        out = window_reverse(out.view(-1, ws[0], ws[1], K), ws, H, W)
+        return torch.roll(out, shifts=ss, dims=(1, 2)) if any(ss) else out
+
+    def propagate(self, captures: List[_BlockCapture], labels: torch.Tensor, layers: Optional[set],
+                  normalise: bool, fused: Optional[bool]) -> torch.Tensor:
+        H, W = captures[0].tokens
+        Y = labels.view(labels.shape[0], H, W, labels.shape[-1])
+        idx = 0
+        for stage in self.model.layers:
+            if isinstance(stage.downsample, PatchMerging):
+                B, H, W, K = Y.shape
+                if H % 2 or W % 2:
+                    raise ValueError(f'x: patch merging pads a {H}x{W} grid; TL-Align traces even grids only')
+                Y = merge_labels(Y.view(B, H // 2, 2, W // 2, 2, K).permute(0, 1, 3, 2, 4, 5).reshape(
+                    B, H // 2, W // 2, 4, K))
+            for blk in stage.blocks:
+                cap = captures[idx]
+                if layers is None or idx in layers:
+                    Y = residual_labels(Y, self._window_labels(blk, cap, Y, fused), cap.keep, normalise)
+                idx += 1
+        return Y.flatten(1, 2)
+
+    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
+        return labels.mean(1)
+
+
+def _set_qk(cap: _BlockCapture, qkv: torch.Tensor, num_heads: int) -> None:
+    B_, N, _ = qkv.shape
+    q, k, _ = qkv.reshape(B_, N, 3, num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    cap.q, cap.k = q, k
+
+
 # most specific class first
-SUPPORTED_MODELS = {VisionTransformerDistilled: DistilledViTTracer, VisionTransformer: ViTTracer}
+SUPPORTED_MODELS = {VisionTransformerDistilled: DistilledViTTracer, VisionTransformer: ViTTracer,
+                    SwinTransformer: SwinTracer}
 
 
 def _tracer_for(model: nn.Module):
@@ -136,8 +251,9 @@ class TLAlign(nn.Module):
         self.tracer = _tracer_for(model)
         self.model = model
         self.layers = None if layers is None else set(int(i) for i in layers)
-        if self.layers is not None and not self.layers <= set(range(len(model.blocks))):
-            raise ValueError(f'layers: block indices must be in [0, {len(model.blocks)}), got {sorted(self.layers)}')
+        depth = sum(len(s.blocks) for s in model.layers) if isinstance(model, SwinTransformer) else len(model.blocks)
+        if self.layers is not None and not self.layers <= set(range(depth)):
+            raise ValueError(f'layers: block indices must be in [0, {depth}), got {sorted(self.layers)}')
         self.normalise = normalise
         self.fused = fused
 
@@ -153,10 +269,11 @@ class TLAlign(nn.Module):
         finally:
             for h in handles:
                 h.remove()
-        if captures[0].q.shape[2] != labels.shape[1]:
-            raise ValueError(f'labels: {labels.shape[1]} token labels for {captures[0].q.shape[2]} tokens '
-                             f'(prefix {self.num_prefix_tokens} + patches): the patch grid of x does not match')
-        state = self.tracer.propagate(captures, labels.to(x.device), self.layers, self.normalise, self.fused)
+        if self.tracer.num_tokens(captures) != labels.shape[1]:
+            raise ValueError(f'labels: {labels.shape[1]} token labels for {self.tracer.num_tokens(captures)} '
+                             f'tokens (prefix {self.num_prefix_tokens} + patches): the patch grid of x does not match')
+        with torch.no_grad():
+            state = self.tracer.propagate(captures, labels.to(x.device), self.layers, self.normalise, self.fused)
         return output, self.tracer.readout(state, output)
 
     def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None):
