@@ -20,7 +20,7 @@ def tiny_vit(cls=VisionTransformer, **kw):
     return cls(**args)
 
 
-def reference(model, x, Y, layers=None, normalise=True):
+def reference(model, x, Y, layers=None, normalise=True, attns=None):
     """The ViT forward written out with explicit attention matrices; the labels follow Eq. 9 (a loop over
     heads) and Eq. 11 (average with the residual) at every block (or at ``layers`` only)."""
     P = model.num_prefix_tokens
@@ -32,6 +32,8 @@ def reference(model, x, Y, layers=None, normalise=True):
         qkv = a.qkv(h).reshape(B, T, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = a.q_norm(qkv[0]), a.k_norm(qkv[1]), qkv[2]
         A = torch.softmax(q @ k.transpose(-1, -2) * a.head_dim ** -0.5, dim=-1)  # (B, H, T, T)
+        if attns is not None:
+            attns.append(A)
         t = t + blk.ls1(a.proj((A @ v).transpose(1, 2).reshape(B, T, D)))
         t = t + blk.ls2(blk.mlp(blk.norm2(t)))
         if layers is not None and i not in layers:
@@ -220,7 +222,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="global_pool='map'"):
         TLAlign(tiny_vit(global_pool='map'))
     wrapped = TLAlign(tiny_vit()).train()
-    with pytest.raises(ValueError, match='target: TL-Align needs the MixTarget'):
+    with pytest.raises(ValueError, match='target: TLAlign needs the MixTarget'):
         wrapped(torch.randn(2, 3, 32, 32), torch.eye(C)[:2])
     dynamic = TLAlign(tiny_vit(dynamic_img_size=True))
     with pytest.raises(ValueError, match='labels: 17 token labels for 5 tokens'):
@@ -335,3 +337,50 @@ def test_swin_padded_grid_is_refused():
     TLAlign(model).trace(torch.randn(1, 3, 32, 32), torch.full((1, 256, C), 1 / C))  # 16x16 then 8x8: fine
     with pytest.raises(ValueError, match='6x6 token grid is padded'):  # 12x12 then 6x6 in 4x4 windows
         TLAlign(model).trace(torch.randn(1, 3, 24, 24), torch.full((1, 144, C), 1 / C))
+
+
+# ---------------------------------------------------------------- TransMix
+
+
+@pytest.mark.parametrize('mode', ['paper', 'average'])
+def test_transmix_reads_the_class_attention_over_the_box(mode):
+    from timm_plugin.tl_align import TransMix
+    model = tiny_vit().eval()
+    mixer = create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=8, mode='elem',
+                         carry_mix=True, label_smoothing=0., generator=torch.Generator().manual_seed(2))
+    y = torch.tensor([0, 1, 2, 3])
+    xm, target = mixer(torch.randn(4, 3, 32, 32), y)
+    attns = []
+    reference(model, xm, torch.zeros(4, 17, 1), attns=attns)
+    A = attns[-1].mean(1)[:, 0, 1:]  # class token -> patches, last block, head mean
+    A = A / A.sum(-1, keepdim=True)  # renormalised over the patches
+    share = (A * target.mix.token_share_flat()).sum(-1)
+    if mode == 'average':
+        share = (share + 1 - target.mix.lam) / 2
+    wrapped = TransMix(model, mode=mode).train()
+    out, t = wrapped(xm, target)
+    expected = (1 - share)[:, None] * one_hot(y, C) + share[:, None] * one_hot(y[target.mix.partner], C)
+    assert torch.allclose(t, expected, atol=1e-6) and torch.allclose(t.sum(1), torch.ones(4), atol=1e-6)
+    wrapped.eval()
+    assert torch.equal(wrapped(xm), model(xm))
+
+
+def test_transmix_extension_without_class_token():
+    from timm_plugin.tl_align import TransMix
+    model = tiny_vit(global_pool='avg', class_token=False).eval()
+    mixer = create_mixer('tokenmix_block', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=8,
+                         mode='elem', label_smoothing=0., generator=torch.Generator().manual_seed(4))
+    y = torch.tensor([0, 1, 2, 3])
+    xm, target = mixer(torch.randn(4, 3, 32, 32), y)
+    attns = []
+    reference(model, xm, torch.zeros(4, 16, 1), attns=attns)
+    A = attns[-1].mean(1).mean(1)  # mean over queries of the last block's head-mean attention
+    share = (A * target.mix.token_share_flat()).sum(-1)
+    _, t = TransMix(model).train()(xm, target)
+    expected = (1 - share)[:, None] * one_hot(y, C) + share[:, None] * one_hot(y[target.mix.partner], C)
+    assert torch.allclose(t, expected, atol=1e-6)
+    _, t = TransMix(tiny_swin()).train()(*create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1., num_classes=C,
+                                                        patch_size=2, carry_mix=True)(xm, y))
+    assert torch.allclose(t.sum(1), torch.ones(4), atol=1e-6) and t.min() >= 0
+    with pytest.raises(ValueError, match='mode'):
+        TransMix(model, mode='mean')

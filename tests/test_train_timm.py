@@ -14,7 +14,7 @@ CONFIG = str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml')
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('mixup_type', ['tokenmix_block', 'cutmix', 'tl_align'])
+@pytest.mark.parametrize('mixup_type', ['tokenmix_block', 'cutmix', 'tl_align', 'transmix'])
 def test_one_epoch_and_checkpoint_loads_in_timm(tiny_world, tmp_path, mixup_type):
     metrics = run(['-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--epochs', '1', '-b', '8',
                    '--mixup-type', mixup_type, '--workers', '0', '--output', str(tmp_path), '--experiment', 'run'])
@@ -80,7 +80,7 @@ def test_args_yaml_is_a_valid_config(tiny_world, tmp_path):
 def test_tl_align_over_token_masks_with_ablation_flags(tiny_world, tmp_path):
     """--mixup-type tl_align over another Table 7 kind, aligned at chosen layers, residual off (Table 8)."""
     metrics = run(['-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--epochs', '1', '-b', '8',
-                   '--workers', '0', '--mixup-type', 'tl_align', '--tl-align-mix', 'tokenmix_random',
+                   '--workers', '0', '--mixup-type', 'tl_align', '--method-mix', 'tokenmix_random',
                    '--tl-align-layers', '2', '4', '--tl-align-no-residual', '--no-prefetcher', '--drop-path', '0.1',
                    '--output', str(tmp_path), '--experiment', 'abl'])
     assert set(metrics) == {'loss', 'top1', 'top5'}

@@ -34,9 +34,10 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from shared_core.tl_align import (
     aligned_target, attention_labels, compact_labels, dense_labels, merge_labels, residual_labels,
 )
+from shared_core.mixing import Mix
 from .mixup import MixTarget
 
-__all__ = ['TLAlign', 'SUPPORTED_MODELS']
+__all__ = ['TLAlign', 'TransMix', 'SUPPORTED_MODELS']
 
 
 class _BlockCapture:
@@ -245,15 +246,16 @@ class TLAlign(nn.Module):
             (:func:`shared_core.tl_align.attention_labels`). The token path is the model's either way.
     """
 
+    method = 'tl_align'
+
     def __init__(self, model: nn.Module, layers: Optional[Iterable[int]] = None, normalise: bool = True,
                  fused: Optional[bool] = None):
         super().__init__()
         self.tracer = _tracer_for(model)
         self.model = model
         self.layers = None if layers is None else set(int(i) for i in layers)
-        depth = sum(len(s.blocks) for s in model.layers) if isinstance(model, SwinTransformer) else len(model.blocks)
-        if self.layers is not None and not self.layers <= set(range(depth)):
-            raise ValueError(f'layers: block indices must be in [0, {depth}), got {sorted(self.layers)}')
+        if self.layers is not None and not self.layers <= set(range(self.depth)):
+            raise ValueError(f'layers: block indices must be in [0, {self.depth}), got {sorted(self.layers)}')
         self.normalise = normalise
         self.fused = fused
 
@@ -261,7 +263,13 @@ class TLAlign(nn.Module):
     def num_prefix_tokens(self) -> int:
         return self.tracer.num_prefix_tokens
 
-    def _run(self, x: torch.Tensor, labels: torch.Tensor):
+    @property
+    def depth(self) -> int:
+        m = self.model
+        return sum(len(s.blocks) for s in m.layers) if isinstance(m, SwinTransformer) else len(m.blocks)
+
+    def _capture(self, x: torch.Tensor):
+        """The model's forward, keeping what each block's token path leaves for the label path."""
         captures: List[_BlockCapture] = []
         handles = self.tracer.register(captures)
         try:
@@ -269,6 +277,16 @@ class TLAlign(nn.Module):
         finally:
             for h in handles:
                 h.remove()
+        return output, captures
+
+    def _check_mix(self, target) -> Mix:
+        if not isinstance(target, MixTarget):
+            raise ValueError(f'target: {type(self).__name__} needs the MixTarget of a mixer with carry_mix '
+                             f"(create_mixer(..., carry_mix=True) / --mixup-type {self.method}), got a plain tensor")
+        return target.mix
+
+    def _run(self, x: torch.Tensor, labels: torch.Tensor):
+        output, captures = self._capture(x)
         if self.tracer.num_tokens(captures) != labels.shape[1]:
             raise ValueError(f'labels: {labels.shape[1]} token labels for {self.tracer.num_tokens(captures)} '
                              f'tokens (prefix {self.num_prefix_tokens} + patches): the patch grid of x does not match')
@@ -279,10 +297,7 @@ class TLAlign(nn.Module):
     def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None):
         if not self.training or target is None:
             return self.model(x)
-        if not isinstance(target, MixTarget):
-            raise ValueError('target: TL-Align needs the MixTarget of a token-aware mixer '
-                             "(create_mixer(..., carry_mix) / mixup_type 'tl_align'), got a plain tensor")
-        mix = target.mix
+        mix = self._check_mix(target)
         output, share = self._run(x, compact_labels(mix, self.num_prefix_tokens))
         aligned = aligned_target(share[:, 0], target.labels, mix, target.num_classes, target.smoothing)
         return output, aligned
@@ -293,3 +308,54 @@ class TLAlign(nn.Module):
         aligned ``(B, C)`` label of what the classifier reads. ``cls_label`` (default: the mean of
         ``token_labels``) starts every prefix token."""
         return self._run(x, dense_labels(token_labels, cls_label, self.num_prefix_tokens))
+
+
+class TransMix(TLAlign):
+    """TransMix (Chen et al., "TransMix: Attend to Mix for Vision Transformers"), the baseline TL-Align
+    compares with: the partner share of the target is read from the last block's attention over the
+    mixed region instead of the area.
+
+    Rule (``mode='paper'``): ``λ_partner = A · M``, with ``A`` the head-mean attention of the class
+    token to the patch tokens in the last block, renormalised over the patches (a softmax over the
+    patch keys), and ``M`` the partner share of each patch token (fractional where a pixel box cuts a
+    patch). ``mode='average'`` is what the public TransMix code does: the mean of that and the area
+    share. Default ``'paper'``: the papers are this project's specification; ``'average'`` reproduces
+    the public numbers. DeiT distilled: the class token's attention.
+
+    Our extension, for models without a class token (``global_pool='avg'`` ViTs, Swin): ``A`` is the
+    mean over all query tokens of the last block's attention (a distribution over keys), i.e. the
+    pooled compact label after the last block's attention alone (Swin: at its own window geometry and
+    merged resolution).
+    """
+    method = 'transmix'
+    MODES = ('paper', 'average')
+
+    def __init__(self, model: nn.Module, mode: str = 'paper', fused: Optional[bool] = None):
+        super().__init__(model, fused=fused)
+        if mode not in self.MODES:
+            raise ValueError(f'mode must be one of {self.MODES}, got {mode!r}')
+        self.mode = mode
+
+    def partner_share(self, output, captures: List[_BlockCapture], mix: Mix) -> torch.Tensor:
+        """``(B,)`` partner share of the target from the last block's attention."""
+        t, last = self.tracer, captures[-1]
+        with torch.no_grad():
+            if isinstance(t, ViTTracer) and t.model.global_pool == 'token':
+                P = t.num_prefix_tokens
+                share = attention_labels(last.q[:, :, :1], last.k[:, :, P:], mix.token_share_flat()[..., None],
+                                         scale=t.model.blocks[-1].attn.scale, fused=self.fused)[:, 0, 0]
+            else:
+                state = t.propagate(captures, compact_labels(mix, t.num_prefix_tokens), {self.depth - 1},
+                                    False, self.fused)
+                share = t.readout(state, output)[:, 0]
+        if self.mode == 'average':
+            share = 0.5 * share + 0.5 * (1. - mix.lam.to(share.device))
+        return share
+
+    def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None):
+        if not self.training or target is None:
+            return self.model(x)
+        mix = self._check_mix(target)
+        output, captures = self._capture(x)
+        share = self.partner_share(output, captures, mix)
+        return output, aligned_target(share, target.labels, mix, target.num_classes, target.smoothing)

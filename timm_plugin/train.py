@@ -38,10 +38,10 @@ from timm.utils import NativeScaler
 from timm.utils.model import get_state_dict
 
 from .mixup import MIXUP_TYPES, create_mixer
-from .tl_align import TLAlign
+from .tl_align import TLAlign, TransMix
 
-#: --mixup-type values that are methods around a mixing kind (the kind: --tl-align-mix)
-METHOD_TYPES = ('tl_align',)
+#: --mixup-type values that are methods around a mixing kind (the kind: --method-mix)
+METHOD_TYPES = ('tl_align', 'transmix')
 
 _logger = logging.getLogger('tokenaug.train')
 
@@ -134,12 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--mixup-off-epoch', default=0, type=int, metavar='N')
     g.add_argument('--mixup-type', default=None, choices=MIXUP_TYPES + METHOD_TYPES,
                    help='tokenaug mixing kind or method (default: timm behaviour, cutmix if --cutmix > 0 else mixup)')
-    g.add_argument('--tl-align-mix', default='cutmix', choices=MIXUP_TYPES,
-                   help='the mixing kind TL-Align aligns (tl-align.md Table 7; cutmix + --mixup > 0 = switch)')
+    g.add_argument('--method-mix', default='cutmix', choices=MIXUP_TYPES,
+                   help='the mixing kind under --mixup-type tl_align/transmix (tl-align.md Table 7; '
+                        'cutmix with --mixup > 0 = the MixUp/CutMix switch)')
     g.add_argument('--tl-align-layers', type=int, nargs='*', default=None,
                    help='align only at these block indices (Table 8 ablation; default: all)')
     g.add_argument('--tl-align-no-residual', action='store_true', default=False,
                    help='drop the residual from the label path (Table 8, normalisation disabled)')
+    g.add_argument('--transmix-mode', default='paper', choices=TransMix.MODES,
+                   help="TransMix λ: 'paper' (attention over the box) or 'average' (with the area, public code)")
     g.add_argument('--tokenmix-lam', type=float, default=None,
                    help='fix λ (own share) of token-mask kinds, e.g. 0.5 as in TokenMix (default: Beta(--cutmix))')
     g.add_argument('--smoothing', type=float, default=0.1)
@@ -236,7 +239,7 @@ class PlainCheckpointSaver(utils.CheckpointSaver):
 def unwrap(model: nn.Module) -> nn.Module:
     """The bare timm model inside DDP and a method wrapper."""
     model = utils.unwrap_model(model)
-    return model.model if isinstance(model, TLAlign) else model
+    return model.model if isinstance(model, TLAlign) else model  # TransMix is a TLAlign
 
 
 def model_patch_size(model: nn.Module, default=16):
@@ -321,6 +324,8 @@ def run(argv=None) -> dict:
     bare_model = model
     if args.mixup_type == 'tl_align':
         model = TLAlign(model, layers=args.tl_align_layers, normalise=not args.tl_align_no_residual)
+    elif args.mixup_type == 'transmix':
+        model = TransMix(model, mode=args.transmix_mode)
     if args.distributed:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == 'cuda' else None)
 
@@ -341,8 +346,8 @@ def run(argv=None) -> dict:
         mixup_type = args.mixup_type = args.mixup_type or (
             'cutmix' if (args.cutmix > 0 or args.cutmix_minmax) else 'mixup')
         carry_mix = None
-        if mixup_type == 'tl_align':
-            mixup_type, carry_mix = args.tl_align_mix, True
+        if mixup_type in METHOD_TYPES:
+            mixup_type, carry_mix = args.method_mix, True
         mixer_args = dict(carry_mix=carry_mix, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
                           prob=args.mixup_prob, switch_prob=args.mixup_switch_prob, mode=args.mixup_mode,
                           label_smoothing=args.smoothing, num_classes=args.num_classes,
@@ -480,7 +485,7 @@ def train_one_epoch(epoch, model, loader, optimizer, loss_fn, args, device, lr_s
         sync = model.no_sync if (args.distributed and not need_update) else suppress
         with sync():
             with amp_autocast():
-                if method:  # TL-Align: the logits and the aligned target
+                if method:  # TL-Align / TransMix: the logits and the re-weighted target
                     output, target = model(x, target)
                 else:
                     output = model(x)
