@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .mixing import Mix, pair_target
 
 __all__ = ['compact_labels', 'dense_labels', 'attention_labels', 'residual_labels', 'merge_labels',
-           'aligned_target']
+           'merge_2x2_labels', 'window_labels', 'self_attention_labels', 'aligned_target']
 
 
 def compact_labels(mix: Mix, num_prefix_tokens: int = 1) -> torch.Tensor:
@@ -106,6 +106,69 @@ def merge_labels(labels: torch.Tensor) -> torch.Tensor:
     """Spatial aggregation (patch merging): ``Norm(Σ merged labels)`` over the last-but-one dim of a
     ``(..., M, K)`` group of merged tokens. For labels that already sum to 1 this is their mean."""
     return labels.mean(-2)
+
+
+def self_attention_labels(blocks, labels: torch.Tensor, layers: Optional[set] = None, normalise: bool = True,
+                          fused: Optional[bool] = None) -> torch.Tensor:
+    """A stack of pre-norm transformer blocks (attention residual, then MLP residual, which leaves labels
+    as they are): ``blocks`` yields ``(q, k, scale, keep)`` per block, ``keep`` the samples whose
+    attention branch stochastic depth kept (``None``: all). ``layers``: align only at these indices."""
+    for idx, (q, k, scale, keep) in enumerate(blocks):
+        if layers is not None and idx not in layers:
+            continue  # not aligned here: the labels pass unchanged
+        labels = residual_labels(labels, attention_labels(q, k, labels, scale=scale, fused=fused), keep, normalise)
+    return labels
+
+
+def merge_2x2_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Swin patch merging on a ``(B, H, W, K)`` label map: each 2x2 group (in whatever channel order the
+    framework concatenates it) becomes the Norm of its sum, ``(B, H/2, W/2, K)``."""
+    B, H, W, K = labels.shape
+    if H % 2 or W % 2:
+        raise ValueError(f'x: patch merging pads a {H}x{W} token grid; TL-Align traces even grids only')
+    return merge_labels(labels.view(B, H // 2, 2, W // 2, 2, K).permute(0, 1, 3, 2, 4, 5).reshape(
+        B, H // 2, W // 2, 4, K))
+
+
+def _window_partition(x: torch.Tensor, ws) -> torch.Tensor:
+    """``(B, H, W, K)`` -> ``(B · nW, wh · ww, K)``, windows in (batch, row, column) order, as Swin does."""
+    B, H, W, K = x.shape
+    x = x.view(B, H // ws[0], ws[0], W // ws[1], ws[1], K).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(-1, ws[0] * ws[1], K)
+
+
+def _window_reverse(w: torch.Tensor, ws, B: int, H: int, W: int) -> torch.Tensor:
+    K = w.shape[-1]
+    x = w.view(B, H // ws[0], W // ws[1], ws[0], ws[1], K).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(B, H, W, K)
+
+
+def window_labels(labels: torch.Tensor, window, shift, attn: Optional[torch.Tensor] = None,
+                  q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None,
+                  bias: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                  fused: Optional[bool] = None) -> torch.Tensor:
+    """Eq. 9 for (shifted-)window attention on a ``(B, H, W, K)`` label map: cyclic shift by ``-shift``,
+    window partition, the head-mean window attention, window reverse, shift back.
+
+    The attention is either the token path's own probabilities ``attn`` ``(B · nW, heads, N, N)``
+    (frameworks that materialise it), or recomputed from ``q``, ``k`` and the additive ``bias``
+    (relative position bias + shift mask, ``(B · nW, heads, N, N)``) by :func:`attention_labels`.
+    The grid must be a whole number of windows (padding is not traced)."""
+    B, H, W, K = labels.shape
+    window, shift = tuple(window), tuple(shift)
+    if H % window[0] or W % window[1]:
+        raise ValueError(f'x: a {H}x{W} token grid is padded to {window[0]}x{window[1]} windows; TL-Align '
+                         f'traces unpadded grids only (choose the image size accordingly)')
+    shifted = any(shift)
+    Y = torch.roll(labels, shifts=(-shift[0], -shift[1]), dims=(1, 2)) if shifted else labels
+    Yw = _window_partition(Y, window)
+    if attn is not None:
+        with torch.autocast(device_type=attn.device.type, enabled=False):
+            out = attn.float().mean(1) @ Yw.float()
+    else:
+        out = attention_labels(q, k, Yw, attn_mask=bias, scale=scale, fused=fused)
+    out = _window_reverse(out, window, B, H, W)
+    return torch.roll(out, shifts=tuple(shift), dims=(1, 2)) if shifted else out
 
 
 def aligned_target(share: torch.Tensor, labels: torch.Tensor, mix: Mix, num_classes: int,

@@ -384,3 +384,15 @@ def test_transmix_extension_without_class_token():
     assert torch.allclose(t.sum(1), torch.ones(4), atol=1e-6) and t.min() >= 0
     with pytest.raises(ValueError, match='mode'):
         TransMix(model, mode='mean')
+
+
+def test_swin_label_path_is_fp32_under_autocast():
+    model = tiny_swin().train()
+    mixer = create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=2, carry_mix=True,
+                         generator=torch.Generator().manual_seed(0))
+    xm, target = mixer(torch.randn(4, 3, 32, 32), torch.arange(4))
+    _, ref = TLAlign(model)(xm, target)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out, aligned = TLAlign(model)(xm, target)
+    assert out.dtype == torch.bfloat16 and aligned.dtype == torch.float32
+    assert torch.allclose(aligned, ref, atol=2e-2)  # the token path ran in bf16, the labels did not

@@ -15,8 +15,11 @@ depth dropped. After the forward, the label state (compact ``(B, T, 1)`` partner
 transient softmax is faster), and the token path is untouched: still the model's fused attention.
 
 Supported: timm ``VisionTransformer`` (ViT / DeiT, class token or ``global_pool='avg'``, register
-tokens), ``VisionTransformerDistilled`` (DeiT distilled) and ``SwinTransformer`` (shifted windows,
-patch merging, average pooling). Others raise an error listing these.
+tokens), ``VisionTransformerDistilled`` (DeiT distilled), ``SwinTransformer`` (shifted windows,
+patch merging, average pooling), ``Cait`` (talking-heads self-attention over the patches, then class
+attention) and ``PyramidVisionTransformerV2`` (overlapping patch embeddings, spatial-reduction
+attention, average pooling); see :class:`CaitTracer` and :class:`PvtV2Tracer` for their rules.
+Others raise an error listing these.
 """
 from __future__ import annotations
 
@@ -24,15 +27,22 @@ from typing import Iterable, List, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.layers import Attention, DropPath
+from timm.models.cait import Cait, ClassAttn, LayerScaleBlock, LayerScaleBlockClassAttn, TalkingHeadAttn
 from timm.models.deit import VisionTransformerDistilled
+from timm.models.pvt_v2 import (
+    Attention as PvtAttention, Block as PvtBlock, OverlapPatchEmbed, PyramidVisionTransformerStage,
+    PyramidVisionTransformerV2,
+)
 from timm.models.swin_transformer import (
-    PatchMerging, SwinTransformer, SwinTransformerBlock, WindowAttention, window_partition, window_reverse,
+    PatchMerging, SwinTransformer, SwinTransformerBlock, WindowAttention,
 )
 from timm.models.vision_transformer import Block, VisionTransformer
 
 from shared_core.tl_align import (
-    aligned_target, attention_labels, compact_labels, dense_labels, merge_labels, residual_labels,
+    aligned_target, attention_labels, compact_labels, dense_labels, merge_2x2_labels, residual_labels,
+    self_attention_labels, window_labels,
 )
 from shared_core.mixing import Mix
 from .mixup import MixTarget
@@ -86,12 +96,8 @@ class ViTTracer:
 
     def propagate(self, captures: List[_BlockCapture], labels: torch.Tensor, layers: Optional[set],
                   normalise: bool, fused: Optional[bool]) -> torch.Tensor:
-        for idx, (blk, cap) in enumerate(zip(self.model.blocks, captures)):
-            if layers is not None and idx not in layers:
-                continue  # not aligned here: the labels pass unchanged
-            branch = attention_labels(cap.q, cap.k, labels, scale=blk.attn.scale, fused=fused)  # Eq. 9
-            labels = residual_labels(labels, branch, cap.keep, normalise)  # Eq. 11 (the MLP residual: Y)
-        return labels
+        blocks = ((c.q, c.k, blk.attn.scale, c.keep) for blk, c in zip(self.model.blocks, captures))
+        return self_attention_labels(blocks, labels, layers, normalise, fused)  # Eq. 9, 11
 
     def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
         """The label of what the classifier reads."""
@@ -170,26 +176,17 @@ class SwinTracer:
 
     def _window_labels(self, blk: SwinTransformerBlock, cap: _BlockCapture, Y: torch.Tensor,
                        fused: Optional[bool]) -> torch.Tensor:
-        B, H, W, K = Y.shape
-        ws, ss = blk.window_size, blk.shift_size
-        if H % ws[0] or W % ws[1]:
-            raise ValueError(f'x: a {H}x{W} token grid is padded to {ws[0]}x{ws[1]} windows by timm\'s Swin; '
-                             f'TL-Align traces unpadded grids only (choose the image size accordingly)')
-        Ys = torch.roll(Y, shifts=(-ss[0], -ss[1]), dims=(1, 2)) if any(ss) else Y
-        Yw = window_partition(Ys, ws).view(-1, ws[0] * ws[1], K)
         if cap.attn is not None:  # the token path's own attention probabilities
-            out = cap.attn.float().mean(1) @ Yw
-        else:
-            a = blk.attn
-            N = Yw.shape[1]
-            bias = a._get_rel_pos_bias()
-            if cap.mask is not None:
-                nw = cap.mask.shape[0]
-                mask = cap.mask.view(1, nw, 1, N, N).expand(Yw.shape[0] // nw, -1, a.num_heads, -1, -1)
-                bias = bias + mask.reshape(-1, a.num_heads, N, N)
-            out = attention_labels(cap.q, cap.k, Yw, attn_mask=bias, scale=a.scale, fused=fused)
-        out = window_reverse(out.view(-1, ws[0], ws[1], K), ws, H, W)
-        return torch.roll(out, shifts=ss, dims=(1, 2)) if any(ss) else out
+            return window_labels(Y, blk.window_size, blk.shift_size, attn=cap.attn)
+        a = blk.attn
+        N = a.window_area
+        bias = a._get_rel_pos_bias()
+        if cap.mask is not None:  # the shift mask, combined as WindowAttention combines it
+            nw = cap.mask.shape[0]
+            mask = cap.mask.view(1, nw, 1, N, N).expand(cap.q.shape[0] // nw, -1, a.num_heads, -1, -1)
+            bias = bias + mask.reshape(-1, a.num_heads, N, N)
+        return window_labels(Y, blk.window_size, blk.shift_size, q=cap.q, k=cap.k, bias=bias, scale=a.scale,
+                             fused=fused)
 
     def propagate(self, captures: List[_BlockCapture], labels: torch.Tensor, layers: Optional[set],
                   normalise: bool, fused: Optional[bool]) -> torch.Tensor:
@@ -198,11 +195,7 @@ class SwinTracer:
         idx = 0
         for stage in self.model.layers:
             if isinstance(stage.downsample, PatchMerging):
-                B, H, W, K = Y.shape
-                if H % 2 or W % 2:
-                    raise ValueError(f'x: patch merging pads a {H}x{W} grid; TL-Align traces even grids only')
-                Y = merge_labels(Y.view(B, H // 2, 2, W // 2, 2, K).permute(0, 1, 3, 2, 4, 5).reshape(
-                    B, H // 2, W // 2, 4, K))
+                Y = merge_2x2_labels(Y)
             for blk in stage.blocks:
                 cap = captures[idx]
                 if layers is None or idx in layers:
@@ -220,9 +213,248 @@ def _set_qk(cap: _BlockCapture, qkv: torch.Tensor, num_heads: int) -> None:
     cap.q, cap.k = q, k
 
 
+# ---------------------------------------------------------------------------------------------- CaiT
+
+
+def _hook_first_drop_path(blk: nn.Module, cap: _BlockCapture, handles: list) -> None:
+    """CaiT's blocks call one ``drop_path`` module twice (attention branch, then MLP branch): the kept
+    samples of the first call are the attention residual's."""
+    def hook(m, i, o, c=cap):
+        if c.keep is None:
+            c.keep = _kept_samples(i[0], o)
+    if isinstance(blk.drop_path, DropPath) and blk.drop_path.drop_prob > 0 and blk.training:
+        handles.append(blk.drop_path.register_forward_hook(hook))
+
+
+def _talking_heads_labels(attn: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Table 9 spatial mixing for talking-heads attention: ``attn`` is ``proj_w``'s output ``(B, N, N, H)``
+    (the per-head attention that multiplies ``v``, before attention dropout); ``W = mean_h attn`` (Eq. 9),
+    ``Y ← Norm(|W|) · Y`` with Norm the row sum. Equals ``Norm(W) · Y`` whenever ``W ≥ 0``; the learnt
+    head mixing ``proj_w`` is signed, and a signed row sum can vanish, so the magnitudes are normalised
+    (labels stay convex combinations, rows sum to 1, the compact state stays exact)."""
+    with torch.autocast(device_type=attn.device.type, enabled=False):
+        W = attn.detach().mean(-1, dtype=torch.float32).abs_()
+        W = W / W.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        return W @ labels.float()
+
+
+class CaitTracer:
+    """Label rules for timm's ``Cait`` (``tl-align.md`` Eq. 9/11 and Table 9).
+
+    Label state ``(B, 1 + N, K)``: the class token's label is carried as prefix token 0 from the start
+    (the area label, as for a ViT), although CaiT concatenates its class token only before the class
+    attention stage: it passes the self-attention stage unchanged.
+
+    - Self-attention stage (``blocks``, ``LayerScaleBlock`` + ``TalkingHeadAttn``, patch tokens only):
+      talking-heads attention mixes heads before the softmax (``proj_l``) and after it (``proj_w``); the
+      per-head attention that multiplies ``v`` is ``proj_w``'s output, which the token path materialises
+      anyway (it has no fused form). A forward hook on ``attn.proj_w`` keeps it (pre attention dropout,
+      as the ViT rule ignores SDPA's dropout); the patch labels take ``Norm(|mean_h A'_h|)`` (see
+      :func:`_talking_heads_labels`), then the residual average. ``fused`` does not apply here: the
+      token path's own attention is used, which is exact and cheaper than any recomputation.
+    - Class-attention stage (``blocks_token_only``, ``ClassAttn``): the class token attends over
+      ``[cls; patches]``; hooks on ``attn.q`` / ``attn.k`` keep the projections, the class label takes
+      ``Norm(y_cls + mean_h softmax(q_cls kᵀ · scale) · [y_cls; Y])`` (fused SDPA on accelerators, as
+      ViT). The patch tokens are not updated in that stage, nor are their labels.
+    - Stochastic depth: the block's single ``drop_path`` module runs twice; its first call (the
+      attention branch) decides which samples keep their labels.
+    - Target: the class label (``global_pool='token'``), or the mean patch label (``'avg'``).
+
+    Block indices for ``layers``: ``blocks`` first, then ``blocks_token_only``."""
+
+    num_prefix_tokens = 1
+
+    def __init__(self, model: Cait):
+        if model.global_pool not in ('token', 'avg'):
+            raise ValueError(f"model: CaiT with global_pool={model.global_pool!r} has no TL-Align rule; "
+                             f"use 'token' or 'avg'")
+        if model.blocks_token_only is None or model.cls_token is None:
+            raise ValueError('model: CaiT without its class-attention stage (pruned) has no TL-Align rule')
+        if model.global_pool == 'token' and not len(model.blocks_token_only):
+            raise ValueError("model: CaiT with global_pool='token' and no class-attention block reads a class "
+                             "token nothing attended with; TL-Align has no rule for it")
+        for b in model.blocks:
+            if type(b) is not LayerScaleBlock or type(b.attn) is not TalkingHeadAttn:
+                raise ValueError(f'model: TL-Align traces CaiT LayerScaleBlock/TalkingHeadAttn blocks, got '
+                                 f'{type(b).__name__}/{type(b.attn).__name__}')
+        for b in model.blocks_token_only:
+            if type(b) is not LayerScaleBlockClassAttn or type(b.attn) is not ClassAttn:
+                raise ValueError(f'model: TL-Align traces CaiT LayerScaleBlockClassAttn/ClassAttn blocks, got '
+                                 f'{type(b).__name__}/{type(b.attn).__name__}')
+        self.model = model
+
+    @property
+    def depth(self) -> int:
+        return len(self.model.blocks) + len(self.model.blocks_token_only)
+
+    def register(self, captures: List[_BlockCapture]) -> list:
+        """One capture per block (``blocks``, then ``blocks_token_only``); the first also keeps the
+        number of patch tokens (``tokens``) from ``patch_embed``."""
+        handles = []
+        for i, blk in enumerate(list(self.model.blocks) + list(self.model.blocks_token_only)):
+            cap = _BlockCapture()
+            captures.append(cap)
+            if i < len(self.model.blocks):
+                handles.append(blk.attn.proj_w.register_forward_hook(
+                    lambda m, i, o, c=cap: setattr(c, 'attn', o.detach())))
+            else:
+                handles.append(blk.attn.q.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'q', o.detach())))
+                handles.append(blk.attn.k.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'k', o.detach())))
+            _hook_first_drop_path(blk, cap, handles)
+        if not captures:
+            captures.append(_BlockCapture())
+        handles.append(self.model.patch_embed.register_forward_hook(
+            lambda m, i, o, c=captures[0]: setattr(c, 'tokens', o.shape[1])))
+        return handles
+
+    def num_tokens(self, captures: List[_BlockCapture]) -> int:
+        return 1 + captures[0].tokens
+
+    def propagate(self, captures: List[_BlockCapture], labels: torch.Tensor, layers: Optional[set],
+                  normalise: bool, fused: Optional[bool]) -> torch.Tensor:
+        labels = labels.float()
+        cls, patches = labels[:, :1], labels[:, 1:]
+        n_sa = len(self.model.blocks)
+        for idx, cap in enumerate(captures[:n_sa]):
+            if layers is not None and idx not in layers:
+                continue
+            patches = residual_labels(patches, _talking_heads_labels(cap.attn, patches), cap.keep, normalise)
+        for j, blk in enumerate(self.model.blocks_token_only):
+            idx, cap, a = n_sa + j, captures[n_sa + j], blk.attn
+            if layers is not None and idx not in layers:
+                continue
+            B, T, D = cap.k.shape
+            q = cap.q.reshape(B, 1, a.num_heads, D // a.num_heads).transpose(1, 2)
+            k = cap.k.reshape(B, T, a.num_heads, D // a.num_heads).transpose(1, 2)
+            branch = attention_labels(q, k, torch.cat([cls, patches], 1), scale=a.scale, fused=fused)  # (B, 1, K)
+            cls = residual_labels(cls, branch, cap.keep, normalise)
+        return torch.cat([cls, patches], 1)
+
+    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
+        return labels[:, 0] if self.model.global_pool == 'token' else labels[:, 1:].mean(1)
+
+
+# ---------------------------------------------------------------------------------------------- PVT v2
+
+
+def _pool_like(labels: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+    """Table 9 spatial aggregation for a strided conv on a ``(B, K, H, W)`` label map: every output
+    token's label is the Norm of the sum (the mean) of the labels in its window, with the conv's kernel,
+    stride and padding; padding positions are not tokens (``count_include_pad=False``)."""
+    if tuple(conv.dilation) != (1, 1) or isinstance(conv.padding, str):
+        raise ValueError(f'model: TL-Align pools labels for undilated, explicitly padded convs, got {conv}')
+    return F.avg_pool2d(labels, conv.kernel_size, conv.stride, conv.padding, count_include_pad=False)
+
+
+class PvtV2Tracer:
+    """Label rules for timm's ``PyramidVisionTransformerV2`` (``tl-align.md`` Eq. 9/11 and Table 9).
+
+    - Initial labels: one per token of the first (overlapping, 7x7 stride-4) patch embedding, from the
+      partner share of its 4x4 stride cell: give the mixer ``patch_size=4`` (the stride), so the token
+      grid is the mix grid. The 7x7 receptive field overlaps the neighbouring cells; that is not traced.
+    - Overlapping patch embedding between stages (3x3 conv, stride 2, padding 1): spatial aggregation,
+      Table 9's ``Norm(Σ Y_i)`` over the tokens each output token concatenates, i.e. average pooling of
+      the labels with the conv's own window geometry (kernel 3, stride 2, padding 1, padded positions
+      not counted): each output label is the mean of the in-grid labels of its (overlapping) 3x3 window.
+      This is exact for the conv's geometry, where an area (adaptive) pooling would ignore the overlap.
+    - Attention with spatial-reduction keys: queries are all tokens; the keys' labels are the labels
+      pooled the way the keys were: ``sr`` conv (kernel = stride = sr_ratio) → average pooling with
+      that geometry; the ``linear`` variant (``AdaptiveAvgPool2d(7)`` then a 1x1 conv) → adaptive
+      average pooling to 7x7. ``Y ← Norm(Y + mean_h softmax(q kᵀ · scale) · Y_keys)`` (Eq. 9/11) with the
+      captured ``q`` (hook on ``attn.q``) and ``k`` (hook on ``attn.kv``), fused on accelerators.
+    - MLP: left unchanged, as the paper's Eq. 11 does for the (channel) MLP. Simplification: PVT v2's
+      MLP has a 3x3 depthwise conv, a static spatial mixing for which Table 9 would give
+      ``Y ← Norm(W^s) · Y``; it is not traced (it would blur labels by at most one token per block).
+    - Stage norms are point-wise; the target is the mean label of the last stage (global average pooling).
+    """
+
+    num_prefix_tokens = 0
+
+    def __init__(self, model: PyramidVisionTransformerV2):
+        if model.global_pool != 'avg':
+            raise ValueError(f"model: PVT v2 with global_pool={model.global_pool!r} has no TL-Align rule; use 'avg'")
+        for stage in model.stages:
+            if type(stage) is not PyramidVisionTransformerStage:
+                raise ValueError(f'model: TL-Align traces PVT v2 PyramidVisionTransformerStage, '
+                                 f'got {type(stage).__name__}')
+            if stage.downsample is not None and type(stage.downsample) is not OverlapPatchEmbed:
+                raise ValueError(f'model: PVT v2 downsample {type(stage.downsample).__name__} has no TL-Align rule')
+            for b in stage.blocks:
+                if type(b) is not PvtBlock or type(b.attn) is not PvtAttention:
+                    raise ValueError(f'model: TL-Align traces PVT v2 Block/Attention, got {type(b).__name__}')
+        self.model = model
+
+    def _blocks(self):
+        return [blk for stage in self.model.stages for blk in stage.blocks]
+
+    @property
+    def depth(self) -> int:
+        return len(self._blocks())
+
+    def register(self, captures: List[_BlockCapture]) -> list:
+        """``captures[0]`` keeps the first token grid (``patch_embed``'s output), then one per block
+        (its ``feat_size``, ``q``, the ``kv`` projection and the kept samples)."""
+        stem = _BlockCapture()
+        captures.append(stem)
+        handles = [self.model.patch_embed.register_forward_hook(
+            lambda m, i, o, c=stem: setattr(c, 'tokens', tuple(o.shape[1:3])))]
+        for blk in self._blocks():
+            cap = _BlockCapture()
+            captures.append(cap)
+            handles.append(blk.register_forward_pre_hook(
+                lambda m, a, kw, c=cap: setattr(c, 'tokens', tuple(kw['feat_size'] if 'feat_size' in kw else a[1])),
+                with_kwargs=True))
+            handles.append(blk.attn.q.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'q', o.detach())))
+            handles.append(blk.attn.kv.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'k', o.detach())))
+            _hook_drop_path(blk, cap, handles)
+        return handles
+
+    def num_tokens(self, captures: List[_BlockCapture]) -> int:
+        H, W = captures[0].tokens
+        return H * W
+
+    @staticmethod
+    def _key_labels(a: PvtAttention, Y: torch.Tensor) -> torch.Tensor:
+        """The labels of the keys, pooled as the keys were: ``(B, K, H, W)`` → ``(B, N_k, K)``."""
+        if a.pool is not None:  # linear variant: AdaptiveAvgPool2d(7), then a 1x1 conv
+            Y = _pool_like(F.adaptive_avg_pool2d(Y, a.pool.output_size), a.sr)
+        elif a.sr is not None:  # spatial reduction: conv with kernel = stride = sr_ratio
+            Y = _pool_like(Y, a.sr)
+        return Y.flatten(2).transpose(1, 2)
+
+    def propagate(self, captures: List[_BlockCapture], labels: torch.Tensor, layers: Optional[set],
+                  normalise: bool, fused: Optional[bool]) -> torch.Tensor:
+        H, W = captures[0].tokens
+        B, _, K = labels.shape
+        with torch.autocast(device_type=labels.device.type, enabled=False):
+            Y = labels.float().transpose(1, 2).reshape(B, K, H, W)  # channels first, for the pooling ops
+            idx = 0
+            for stage in self.model.stages:
+                if stage.downsample is not None:
+                    Y = _pool_like(Y, stage.downsample.proj)
+                for blk in stage.blocks:
+                    cap, a = captures[1 + idx], blk.attn
+                    if cap.tokens != tuple(Y.shape[-2:]):
+                        raise ValueError(f'model: PVT v2 block {idx} ran on a {cap.tokens} grid, the labels are '
+                                         f'on {tuple(Y.shape[-2:])}')
+                    if layers is None or idx in layers:
+                        N, Nk = Y.shape[-2] * Y.shape[-1], cap.k.shape[1]
+                        q = cap.q.reshape(B, N, a.num_heads, a.head_dim).transpose(1, 2)
+                        k = cap.k.reshape(B, Nk, 2, a.num_heads, a.head_dim)[:, :, 0].transpose(1, 2)
+                        flat = Y.flatten(2).transpose(1, 2)
+                        branch = attention_labels(q, k, self._key_labels(a, Y), scale=a.scale, fused=fused)
+                        flat = residual_labels(flat, branch, cap.keep, normalise)  # MLP residual: Y
+                        Y = flat.transpose(1, 2).reshape(B, K, *Y.shape[-2:])
+                    idx += 1
+        return Y.flatten(2).transpose(1, 2)
+
+    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
+        return labels.mean(1)
+
+
 # most specific class first
 SUPPORTED_MODELS = {VisionTransformerDistilled: DistilledViTTracer, VisionTransformer: ViTTracer,
-                    SwinTransformer: SwinTracer}
+                    SwinTransformer: SwinTracer, Cait: CaitTracer, PyramidVisionTransformerV2: PvtV2Tracer}
 
 
 def _tracer_for(model: nn.Module):
@@ -266,6 +498,8 @@ class TLAlign(nn.Module):
     @property
     def depth(self) -> int:
         m = self.model
+        if isinstance(self.tracer, (CaitTracer, PvtV2Tracer)):
+            return self.tracer.depth
         return sum(len(s.blocks) for s in m.layers) if isinstance(m, SwinTransformer) else len(m.blocks)
 
     def _capture(self, x: torch.Tensor):
@@ -290,8 +524,10 @@ class TLAlign(nn.Module):
         if self.tracer.num_tokens(captures) != labels.shape[1]:
             raise ValueError(f'labels: {labels.shape[1]} token labels for {self.tracer.num_tokens(captures)} '
                              f'tokens (prefix {self.num_prefix_tokens} + patches): the patch grid of x does not match')
-        with torch.no_grad():
-            state = self.tracer.propagate(captures, labels.to(x.device), self.layers, self.normalise, self.fused)
+        # the label path: no gradients, fp32 whatever autocast the caller runs the token path under
+        with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False):
+            state = self.tracer.propagate(captures, labels.to(x.device).float(), self.layers, self.normalise,
+                                          self.fused)
         return output, self.tracer.readout(state, output)
 
     def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None):
