@@ -4,8 +4,9 @@ registers our modules in mmpretrain's registries and allows MMEngine's own check
 from .checkpoint import allow_mmengine_checkpoints
 from .batch_augments import MixBatchAugment, TACutMix, TAMixToken, TAMixup, TATokenMix
 from .data_preprocessor import TokenAugDataPreprocessor, mix_from_samples
+from .tl_align import TLAlignClassifier
 
 allow_mmengine_checkpoints()
 
 __all__ = ['MixBatchAugment', 'TACutMix', 'TAMixToken', 'TAMixup', 'TATokenMix', 'TokenAugDataPreprocessor',
-           'mix_from_samples', 'allow_mmengine_checkpoints']
+           'mix_from_samples', 'allow_mmengine_checkpoints', 'TLAlignClassifier']

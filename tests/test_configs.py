@@ -21,7 +21,7 @@ def test_mmpretrain_config_builds_our_preprocessor(path):
     model = MODELS.build(model_cfg)
     pre = model.data_preprocessor
     assert isinstance(pre, TokenAugDataPreprocessor) and pre.batch_augments is not None
-    assert pre.patch_size == (cfg.model.backbone.patch_size,) * 2
+    assert pre.patch_size == tuple(model.backbone.patch_embed.projection.stride)  # the backbone's token grid
     assert all(a.sampler.patch_size == pre.patch_size for a in pre.batch_augments.augments if a is not None)
 
 

@@ -1,0 +1,12 @@
+# ImageNet-1k DeiT-Small (mmpretrain's recipe: MixUp 0.8 / CutMix 1.0) trained on TL-Align's aligned targets
+# (tl-align.md Table 1: 79.8 -> 80.6). data_root as in mmpretrain's ImageNet configs (data/imagenet).
+_base_ = ['mmpretrain::deit/deit-small_4xb256_in1k.py']
+
+custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)
+
+data_preprocessor = dict(type='TokenAugDataPreprocessor', patch_size=16)
+model = dict(
+    type='TLAlignClassifier',
+    tl_align=dict(layers=None, normalise=True),
+    train_cfg=dict(_delete_=True, augments=[dict(type='TAMixup', alpha=0.8), dict(type='TACutMix', alpha=1.0)]),
+)

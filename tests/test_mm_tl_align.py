@@ -1,0 +1,156 @@
+"""TL-Align on MMPretrain: parity with timm on converted weights, Swin against explicit geometry, a real run."""
+import subprocess
+from pathlib import Path
+
+import mmpretrain
+import pytest
+import torch
+from mmpretrain.registry import MODELS
+from mmpretrain.structures import DataSample
+from timm.models.vision_transformer import VisionTransformer as TimmViT
+
+import mm_plugin  # noqa: F401
+from mm_plugin import TLAlignClassifier
+from mm_plugin.convert import timm_vit_to_mmpretrain
+from shared_core.mixing import MixSampler, mix_images, mix_target, one_hot
+from timm_plugin import MixTarget
+from timm_plugin.tl_align import TLAlign
+from .conftest import REPO
+
+C = 6
+TRAIN_PY = Path(mmpretrain.__file__).parent / '.mim' / 'tools' / 'train.py'
+
+
+def samples_with_mix(labels, mix):
+    """Data samples as TokenAugDataPreprocessor leaves them."""
+    out = []
+    for i, y in enumerate(labels.tolist()):
+        s = DataSample().set_gt_label(y)
+        s.set_field(mix, 'batch_mix', field_type='metainfo')
+        s.set_field(i, 'mix_index', field_type='metainfo')
+        out.append(s)
+    return out
+
+
+def mm_vit(**kw):
+    cfg = dict(type='TLAlignClassifier',
+               backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8, **kw),
+               neck=None, head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192))
+    return MODELS.build(cfg)
+
+
+@pytest.mark.parametrize('kind', ['cutmix', 'mixup', 'tokenmix_block'])
+def test_timm_and_mmpretrain_give_the_same_aligned_target(kind):
+    """The same DeiT-Tiny weights (converted key by key), the same input and mix: the same logits and the
+    same aligned target from timm_plugin.TLAlign and mm_plugin.TLAlignClassifier."""
+    torch.manual_seed(0)
+    timm_model = TimmViT(img_size=32, patch_size=8, embed_dim=192, depth=12, num_heads=3, num_classes=C).train()
+    mm_model = mm_vit().train()
+    mm_model.load_state_dict(timm_vit_to_mmpretrain(timm_model.state_dict()), strict=True)
+    g = torch.Generator().manual_seed(1)
+    kw = dict(mixup_alpha=1.0) if kind == 'mixup' else dict(mixup_alpha=0., cutmix_alpha=1.0)
+    mix = MixSampler(kind, mode='elem', patch_size=8, **kw).sample(4, 32, g)
+    y = torch.tensor([0, 1, 2, 3])
+    x = mix_images(torch.randn(4, 3, 32, 32, generator=g), mix)
+    target = MixTarget.wrap(mix_target(y, mix, C), mix, y, C, 0.)
+    timm_logits, timm_target = TLAlign(timm_model)(x, target)
+    feats, mm_target = mm_model.extract_feat_aligned(x, samples_with_mix(y, mix))
+    assert torch.allclose(mm_model.head(feats), timm_logits, atol=1e-4)
+    assert torch.allclose(mm_target, timm_target, atol=1e-5)
+    assert not torch.allclose(mm_target, target.as_tensor(), atol=1e-3) or kind == 'mixup'
+
+
+def test_loss_uses_the_aligned_target_and_predict_is_stock():
+    model = mm_vit()
+    mix = MixSampler('cutmix', mixup_alpha=0., cutmix_alpha=1.0, mode='elem', patch_size=8).sample(
+        4, 32, torch.Generator().manual_seed(3))
+    y = torch.tensor([0, 1, 2, 3])
+    x = torch.randn(4, 3, 32, 32)
+    samples = samples_with_mix(y, mix)
+    losses = model.loss(x, samples)
+    _, aligned = model.extract_feat_aligned(x, samples_with_mix(y, mix))
+    assert torch.allclose(torch.stack([s.gt_score for s in samples]), aligned)
+    assert torch.isfinite(losses['loss'])
+    plain = [DataSample().set_gt_label(i) for i in range(4)]  # no mix: the stock classifier
+    assert torch.isfinite(model.loss(x, plain)['loss'])
+    model.eval()
+    preds = model.predict(x)
+    assert len(preds) == 4 and preds[0].pred_score.shape == (C,)
+
+
+def explicit_window_labels(Y, A, ws, ss):
+    """Window attention on a (B, H, W, K) label map with index arithmetic (see test_tl_align)."""
+    B, H, W, _ = Y.shape
+    nwh, nww = H // ws, W // ws
+    new = torch.zeros_like(Y)
+    for b in range(B):
+        for i in range(H):
+            for j in range(W):
+                si, sj = (i - ss) % H, (j - ss) % W
+                win = b * nwh * nww + (si // ws) * nww + sj // ws
+                n = (si % ws) * ws + sj % ws
+                for m in range(ws * ws):
+                    mi, mj = (si // ws) * ws + m // ws, (sj // ws) * ws + m % ws
+                    new[b, i, j] += A[win, n, m] * Y[b, (mi + ss) % H, (mj + ss) % W]
+    return new
+
+
+def test_mm_swin_matches_explicit_geometry():
+    torch.manual_seed(0)
+    model = MODELS.build(dict(
+        type='TLAlignClassifier',
+        backbone=dict(type='SwinTransformer', arch=dict(embed_dims=16, depths=[2, 2], num_heads=[2, 2]),
+                      img_size=32, patch_size=2, window_size=4, drop_path_rate=0., out_indices=(1,)),
+        neck=dict(type='GlobalAveragePooling'),
+        head=dict(type='LinearClsHead', num_classes=C, in_channels=32))).eval()
+    attns = []
+    blocks = [b for s in model.backbone.stages for b in s.blocks]
+    hooks = [b.attn.w_msa.softmax.register_forward_hook(lambda m, i, o: attns.append(o.detach().mean(1)))
+             for b in blocks]
+    mix = MixSampler('cutmix', mixup_alpha=0., cutmix_alpha=1.0, mode='elem', patch_size=2).sample(
+        2, 32, torch.Generator().manual_seed(5))
+    y = torch.tensor([1, 4])
+    x = torch.randn(2, 3, 32, 32)
+    feats, aligned = model.extract_feat_aligned(x, samples_with_mix(y, mix))
+    for h in hooks:
+        h.remove()
+    # explicit: compact labels through block 0, 1 (16x16), mm's merging at the END of stage 0, blocks 2, 3 (8x8)
+    Y = mix.token_share.float().unsqueeze(-1)  # (B, 16, 16, 1)
+    shifts = [0, 2, 0, 2]
+    for idx, A in enumerate(attns):
+        if idx == 2:
+            Y = (Y[:, 0::2, 0::2] + Y[:, 1::2, 0::2] + Y[:, 0::2, 1::2] + Y[:, 1::2, 1::2]) / 4
+        Y = (Y + explicit_window_labels(Y, A, 4, shifts[idx])) / 2
+    share = Y.flatten(1, 2).mean(1)[:, 0]
+    expected = (1 - share)[:, None] * one_hot(y, C) + share[:, None] * one_hot(y[mix.partner], C)
+    assert torch.allclose(aligned, expected, atol=1e-6)
+    assert [b.attn.shift_size for b in blocks] == shifts
+
+
+def test_bad_backbone_and_config():
+    with pytest.raises(ValueError, match='backbone: TL-Align has no tracer for .*ResNet; supported: .*VisionTransformer'):
+        MODELS.build(dict(type='TLAlignClassifier', backbone=dict(type='ResNet', depth=18), neck=None,
+                          head=dict(type='LinearClsHead', num_classes=C, in_channels=512)))
+    assert isinstance(mm_vit(), TLAlignClassifier)
+    with pytest.raises(ValueError, match=r'tl_align: unknown keys \[.layer.\]'):
+        MODELS.build(dict(type='TLAlignClassifier', tl_align=dict(layer=3),
+                          backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8),
+                          neck=None, head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192)))
+    with pytest.raises(ValueError, match='tl_align.layers'):
+        MODELS.build(dict(type='TLAlignClassifier', tl_align=dict(layers=[12]),
+                          backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8),
+                          neck=None, head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192)))
+
+
+@pytest.mark.slow
+def test_upstream_train_py_runs_the_tl_align_config(tiny_world, tmp_path, run_env):
+    run_env['TOKENAUG_WORLD'] = str(tiny_world)
+    cmd = ['python', str(TRAIN_PY), str(REPO / 'configs' / 'mmpretrain' / 'deit-tiny_world_tl-align.py'),
+           '--work-dir', str(tmp_path), '--cfg-options', 'train_dataloader.batch_size=4',
+           'train_dataloader.dataset.indices=8', 'train_dataloader.num_workers=0', 'val_dataloader.num_workers=0',
+           'val_dataloader.batch_size=10', 'train_cfg.max_epochs=1']
+    res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert 'Epoch(train) [1][2/2]' in log and 'accuracy/top1' in log
+    assert "type='TLAlignClassifier'" in (tmp_path / 'deit-tiny_world_tl-align.py').read_text()
