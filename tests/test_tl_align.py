@@ -13,11 +13,21 @@ from timm_plugin.tl_align import TLAlign
 C = 6
 
 
+def sharpen(model, std=0.3):
+    """Random init gives near-uniform attention (q, k tiny); larger weights make every attention peaked,
+    so a wrong index, head or shift anywhere shows in the labels."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.normal_(0, std)
+    return model
+
+
 def tiny_vit(cls=VisionTransformer, **kw):
     torch.manual_seed(0)
     args = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=4, num_classes=C, mlp_ratio=2.)
     args.update(kw)
-    return cls(**args)
+    return sharpen(cls(**args))
 
 
 def reference(model, x, Y, layers=None, normalise=True, attns=None):
@@ -248,17 +258,27 @@ def tiny_swin(**kw):
     args = dict(img_size=32, patch_size=2, window_size=4, embed_dim=16, depths=(2, 2), num_heads=(2, 2),
                 num_classes=C, drop_path_rate=0.)
     args.update(kw)
-    return SwinTransformer(**args)
+    return sharpen(SwinTransformer(**args))
 
 
 def swin_reference_labels(model, x, Y_tok):
     """Swin's label geometry written out with index arithmetic: for every token, the window it falls in
     after the cyclic shift, and every key of that window mapped back to its unshifted position; patch
-    merging as the mean of the 2x2 labels. Attention probabilities: the token path's own (timm's
-    unfused WindowAttention materialises them; hooked here independently of TLAlign)."""
+    merging as the mean of the 2x2 labels. Attention: recomputed from each block's own qkv on the windows
+    it was given, with the relative position bias and the shift mask, materialised, head-averaged."""
     attns = []
+
+    def recompute(attn, args, kwargs):
+        xw, mask = args[0], kwargs.get('mask')
+        Bw, N, _ = xw.shape
+        q, k, _ = attn.qkv(xw).reshape(Bw, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+        logits = (q * attn.scale) @ k.transpose(-2, -1) + attn._get_rel_pos_bias()
+        if mask is not None:
+            nw = mask.shape[0]
+            logits = (logits.view(Bw // nw, nw, attn.num_heads, N, N) + mask[None, :, None]).view(Bw, -1, N, N)
+        attns.append(logits.softmax(-1).mean(1).detach())
     blocks = [b for s in model.layers for b in s.blocks]
-    hooks = [b.attn.softmax.register_forward_hook(lambda m, i, o: attns.append(o.detach().mean(1))) for b in blocks]
+    hooks = [b.attn.register_forward_pre_hook(recompute, with_kwargs=True) for b in blocks]
     out = model(x)
     for h in hooks:
         h.remove()

@@ -546,14 +546,20 @@ class TLAlign(nn.Module):
         return self._run(x, dense_labels(token_labels, cls_label, self.num_prefix_tokens))
 
 
+def last_device(captures: List[_BlockCapture]) -> str:
+    cap = captures[-1]
+    t = next(v for v in (cap.q, cap.k, cap.attn) if v is not None)
+    return t.device.type
+
+
 class TransMix(TLAlign):
     """TransMix (Chen et al., "TransMix: Attend to Mix for Vision Transformers"), the baseline TL-Align
     compares with: the partner share of the target is read from the last block's attention over the
     mixed region instead of the area.
 
     Rule (``mode='paper'``): ``λ_partner = A · M``, with ``A`` the head-mean attention of the class
-    token to the patch tokens in the last block, renormalised over the patches (a softmax over the
-    patch keys), and ``M`` the partner share of each patch token (fractional where a pixel box cuts a
+    token to the patch tokens in the last block, renormalised to sum to 1 over the patches (heads are
+    averaged first, as TransMix does), and ``M`` the partner share of each patch token (fractional where a pixel box cuts a
     patch). ``mode='average'`` is what the public TransMix code does: the mean of that and the area
     share. Default ``'paper'``: the papers are this project's specification; ``'average'`` reproduces
     the public numbers. DeiT distilled: the class token's attention.
@@ -575,11 +581,17 @@ class TransMix(TLAlign):
     def partner_share(self, output, captures: List[_BlockCapture], mix: Mix) -> torch.Tensor:
         """``(B,)`` partner share of the target from the last block's attention."""
         t, last = self.tracer, captures[-1]
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(device_type=last_device(captures), enabled=False):
             if isinstance(t, ViTTracer) and t.model.global_pool == 'token':
+                # head-mean class-token attention over all keys, then its patch part renormalised:
+                # share = Σ_patch a_j s_j / Σ_patch a_j, both sums from one call with two value columns
                 P = t.num_prefix_tokens
-                share = attention_labels(last.q[:, :, :1], last.k[:, :, P:], mix.token_share_flat()[..., None],
-                                         scale=t.model.blocks[-1].attn.scale, fused=self.fused)[:, 0, 0]
+                s = mix.token_share_flat().float().to(last.q.device)
+                v = torch.zeros(s.shape[0], P + s.shape[1], 2, device=s.device)
+                v[:, P:, 0], v[:, P:, 1] = s, 1.
+                num_den = attention_labels(last.q[:, :, :1], last.k, v, scale=t.model.blocks[-1].attn.scale,
+                                           fused=self.fused)[:, 0]
+                share = num_den[:, 0] / num_den[:, 1]
             else:
                 state = t.propagate(captures, compact_labels(mix, t.num_prefix_tokens), {self.depth - 1},
                                     False, self.fused)
