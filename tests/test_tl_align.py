@@ -416,3 +416,16 @@ def test_swin_label_path_is_fp32_under_autocast():
         out, aligned = TLAlign(model)(xm, target)
     assert out.dtype == torch.bfloat16 and aligned.dtype == torch.float32
     assert torch.allclose(aligned, ref, atol=2e-2)  # the token path ran in bf16, the labels did not
+
+
+@pytest.mark.parametrize('method_mix', ['cutmix', 'mixup', 'tokenmix_random', 'tokenmix_block'])
+def test_tl_align_mixer_api(method_mix):
+    """The issue's API: x, mix = create_mixer('tl_align', ...)(x, y); logits, target = TLAlign(model)(x, mix)."""
+    kw = dict(mixup_alpha=0.8) if method_mix == 'mixup' else dict(mixup_alpha=0.8, cutmix_alpha=1.0)
+    mixer = create_mixer('tl_align', method_mix=method_mix, num_classes=C, patch_size=8, **kw)
+    x, mix = mixer(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3]))
+    assert isinstance(mix, MixTarget) and mix.mix.kind in (method_mix, 'mixup')
+    logits, target = TLAlign(tiny_vit()).train()(x, mix)
+    assert logits.shape == target.shape == (4, C) and torch.allclose(target.sum(1), torch.ones(4), atol=1e-6)
+    with pytest.raises(ValueError, match='method_mix'):
+        create_mixer('tl_align', method_mix='tl_align')

@@ -1,5 +1,6 @@
 """tokenaug's timm adapters: timm-Mixup-compatible mixers and collators, TL-Align, the training entry."""
-from .mixup import MIXUP_TYPES, FastCollateTokenMixup, MixTarget, TokenMixer, create_mixer
-from .tl_align import TLAlign
+from .mixup import METHOD_TYPES, MIXUP_TYPES, FastCollateTokenMixup, MixTarget, TokenMixer, create_mixer
+from .tl_align import TLAlign, TransMix
 
-__all__ = ['MIXUP_TYPES', 'FastCollateTokenMixup', 'MixTarget', 'TokenMixer', 'create_mixer', 'TLAlign']
+__all__ = ['METHOD_TYPES', 'MIXUP_TYPES', 'FastCollateTokenMixup', 'MixTarget', 'TokenMixer', 'create_mixer',
+           'TLAlign', 'TransMix']

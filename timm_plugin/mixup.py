@@ -30,9 +30,11 @@ from timm.data import FastCollateMixup
 
 from shared_core.mixing import MIX_KINDS, Mix, MixSampler, check_pairwise_batch, mix_images, mix_target
 
-__all__ = ['MixTarget', 'TokenMixer', 'FastCollateTokenMixup', 'create_mixer', 'MIXUP_TYPES']
+__all__ = ['MixTarget', 'TokenMixer', 'FastCollateTokenMixup', 'create_mixer', 'MIXUP_TYPES', 'METHOD_TYPES']
 
 MIXUP_TYPES = MIX_KINDS
+#: methods that re-weight the target of a mixing kind (``method_mix``); their mixers carry the mix
+METHOD_TYPES = ('tl_align', 'transmix')
 PLAIN_TARGET_KINDS = ('mixup', 'cutmix')
 
 
@@ -195,11 +197,13 @@ def create_mixer(mixup_type: str = 'mixup', *, mixup_alpha: float = 1., cutmix_a
                  mode: str = 'batch', correct_lam: bool = True, label_smoothing: float = 0.1,
                  num_classes: int = 1000, patch_size=16, tokenmix_lam: Optional[float] = None,
                  tokenmix_min_tokens: Optional[int] = None, carry_mix: Optional[bool] = None,
-                 collate: bool = False, generator: Optional[torch.Generator] = None):
+                 method_mix: str = 'cutmix', collate: bool = False, generator: Optional[torch.Generator] = None):
     """A mixer with timm ``Mixup``'s arguments and defaults (see the module docstring for the kinds).
 
     Args:
-        mixup_type: one of :data:`MIXUP_TYPES`.
+        mixup_type: one of :data:`MIXUP_TYPES`, or a method of :data:`METHOD_TYPES` (``'tl_align'``,
+            ``'transmix'``): the mixer of ``method_mix`` with ``carry_mix=True``, whose targets
+            :class:`timm_plugin.TLAlign` / ``TransMix`` re-weight.
         mixup_alpha, cutmix_alpha, cutmix_minmax, prob, switch_prob, mode, correct_lam,
         label_smoothing, num_classes: as in ``timm.data.Mixup``.
         patch_size: the model's patch size (int or (h, w)); token kinds need images divisible by it.
@@ -207,9 +211,17 @@ def create_mixer(mixup_type: str = 'mixup', *, mixup_alpha: float = 1., cutmix_a
         tokenmix_min_tokens: smallest block of ``tokenmix_block`` (default 14 on a 14x14 grid, scaled).
         carry_mix: return a :class:`MixTarget` (default: for the token kinds only); TL-Align needs it with
             ``mixup``/``cutmix`` too.
+        method_mix: the mixing kind under a method (tl-align.md Table 7: ``'cutmix'`` with
+            ``mixup_alpha > 0`` is the MixUp/CutMix switch, ``'mixup'``, ``'tokenmix_random'``,
+            ``'tokenmix_block'``).
         collate: return a :class:`FastCollateTokenMixup` (for timm's prefetcher loader).
         generator: a ``torch.Generator`` for reproducible mixing (default: torch's global RNG).
     """
+    if mixup_type in METHOD_TYPES:
+        if method_mix not in MIXUP_TYPES:
+            raise ValueError(f'method_mix must be one of {MIXUP_TYPES} for mixup_type={mixup_type!r}, '
+                             f'got {method_mix!r}')
+        mixup_type, carry_mix = method_mix, True
     kwargs = dict(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, cutmix_minmax=cutmix_minmax, prob=prob,
                   switch_prob=switch_prob, correct_lam=correct_lam, label_smoothing=label_smoothing,
                   num_classes=num_classes, patch_size=patch_size, tokenmix_lam=tokenmix_lam,

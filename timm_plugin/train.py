@@ -37,11 +37,8 @@ from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from timm.utils import NativeScaler
 from timm.utils.model import get_state_dict
 
-from .mixup import MIXUP_TYPES, create_mixer
+from .mixup import METHOD_TYPES, MIXUP_TYPES, create_mixer
 from .tl_align import TLAlign, TransMix
-
-#: --mixup-type values that are methods around a mixing kind (the kind: --method-mix)
-METHOD_TYPES = ('tl_align', 'transmix')
 
 _logger = logging.getLogger('tokenaug.train')
 
@@ -345,10 +342,7 @@ def run(argv=None) -> dict:
     if mixup_active:
         mixup_type = args.mixup_type = args.mixup_type or (
             'cutmix' if (args.cutmix > 0 or args.cutmix_minmax) else 'mixup')
-        carry_mix = None
-        if mixup_type in METHOD_TYPES:
-            mixup_type, carry_mix = args.method_mix, True
-        mixer_args = dict(carry_mix=carry_mix, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
+        mixer_args = dict(method_mix=args.method_mix, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
                           prob=args.mixup_prob, switch_prob=args.mixup_switch_prob, mode=args.mixup_mode,
                           label_smoothing=args.smoothing, num_classes=args.num_classes,
                           patch_size=model_patch_size(bare_model), tokenmix_lam=args.tokenmix_lam)
@@ -356,7 +350,8 @@ def run(argv=None) -> dict:
             collate_fn = create_mixer(mixup_type, collate=True, **mixer_args)
         else:
             mixer = create_mixer(mixup_type, **mixer_args)
-        _logger.info(f'Mixing: {mixup_type}{" with " + args.mixup_type if args.mixup_type in METHOD_TYPES else ""} (mixup_alpha={args.mixup}, cutmix_alpha={args.cutmix}, '
+        shown = f'{args.method_mix} with {mixup_type}' if mixup_type in METHOD_TYPES else mixup_type
+        _logger.info(f'Mixing: {shown} (mixup_alpha={args.mixup}, cutmix_alpha={args.cutmix}, '
                      f'prob={args.mixup_prob}, switch_prob={args.mixup_switch_prob}, mode={args.mixup_mode})')
 
     train_interpolation = args.train_interpolation
