@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
-"""``make demo``: the synthetic world, then a small ViT trained with CutMix and with TokenMix-style
-block masks, through ``tokenaug-train`` (timm) and through mmpretrain's own ``tools/train.py``;
-prints one comparison table and writes it to ``demo_out/results.md``.
+"""``make demo``: the synthetic world, then a small ViT trained with CutMix, with TokenMix-style block
+masks and with TL-Align (aligned CutMix targets), through ``tokenaug-train`` (timm) and through
+mmpretrain's own ``tools/train.py``; prints one comparison table and the per-epoch curves of the timm
+runs, and writes them to ``demo_out/results.md``.
 
     .venv/bin/python scripts/demo.py [--epochs 6] [--out demo_out]
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -33,12 +36,15 @@ def run(cmd, env=None, log=None):
     return time.time() - t
 
 
-def timm_run(world, out, kind, epochs):
+def timm_run(world, out, kind, epochs, curves):
     exp = out / 'timm' / kind
+    shutil.rmtree(exp, ignore_errors=True)  # timm appends to summary.csv of an existing run folder
     secs = run([BIN / 'tokenaug-train', '-c', REPO / 'configs/timm/world_vit-tiny.yaml', '--data-dir',
                 world / 'imagenet', '--epochs', str(epochs), '--mixup-type', kind, '--output', out / 'timm',
                 '--experiment', kind], log=out / f'timm_{kind}.log')
     final = json.loads((exp / 'results.json').read_text())['final']
+    with open(exp / 'summary.csv') as f:
+        curves[kind] = list(csv.DictReader(f))
     return final['top1'], final['top5'], secs
 
 
@@ -46,6 +52,7 @@ def mmpretrain_run(world, out, config, epochs):
     import mmpretrain
     train_py = Path(mmpretrain.__file__).parent / '.mim' / 'tools' / 'train.py'
     work = out / 'mmpretrain' / config
+    shutil.rmtree(work, ignore_errors=True)
     env = dict(os.environ, TOKENAUG_WORLD=str(world), PYTHONPATH=f'{REPO}{os.pathsep}{os.environ.get("PYTHONPATH", "")}')
     secs = run([sys.executable, train_py, REPO / 'configs/mmpretrain' / f'{config}.py', '--work-dir', work,
                 '--cfg-options', f'train_cfg.max_epochs={epochs}'], env=env, log=out / f'mmpretrain_{config}.log')
@@ -66,20 +73,27 @@ def main():
     print('== 1/3 synthetic world (tokenaug-data)', flush=True)
     subprocess.run([BIN / 'tokenaug-data', '--out', world, '--seed', '0'], check=True)
 
-    rows = []
+    rows, curves = [], {}
+    kinds = [('cutmix', 'MixUp/CutMix (DeiT)'), ('tokenmix_block', 'MixUp/TokenMix block masks'),
+             ('tl_align', 'MixUp/CutMix + TL-Align')]
     print(f'== 2/3 timm: ViT-Tiny/16 at 112 px, {args.epochs} epochs (tokenaug-train)', flush=True)
-    for kind, label in [('cutmix', 'MixUp/CutMix (DeiT)'), ('tokenmix_block', 'MixUp/TokenMix block masks')]:
+    for kind, label in kinds:
         print(f'  -- {label}', flush=True)
-        rows.append(('timm (tokenaug-train)', label, *timm_run(world, out, kind, args.epochs)))
+        rows.append(('timm (tokenaug-train)', label, *timm_run(world, out, kind, args.epochs, curves)))
     print(f'== 3/3 mmpretrain: DeiT-Tiny at 112 px, {args.epochs} epochs (mmpretrain tools/train.py)', flush=True)
-    for config, label in [('deit-tiny_world_cutmix', 'MixUp/CutMix (DeiT)'),
-                          ('deit-tiny_world_tokenmix-block', 'MixUp/TokenMix block masks')]:
+    for config, label in [('deit-tiny_world_cutmix', kinds[0][1]), ('deit-tiny_world_tokenmix-block', kinds[1][1]),
+                          ('deit-tiny_world_tl-align', kinds[2][1])]:
         print(f'  -- {label}', flush=True)
         rows.append(('mmpretrain (tools/train.py)', label, *mmpretrain_run(world, out, config, args.epochs)))
 
     table = [f'Synthetic world: 10 classes, 112 px, 400 train / 100 val images; {args.epochs} epochs, 2 CPU cores.',
              '', '| ecosystem | mixing | val top-1 | val top-5 | wall s |', '|---|---|---|---|---|']
     table += [f'| {eco} | {mix} | {t1:.1f} | {t5:.1f} | {s:.0f} |' for eco, mix, t1, t5, s in rows]
+    table += ['', 'Per epoch, timm runs: train loss (on each run\'s own targets) / val top-1:', '',
+              '| epoch | ' + ' | '.join(label for _, label in kinds) + ' |', '|---' * (len(kinds) + 1) + '|']
+    for e in range(args.epochs):
+        cells = [f"{float(curves[k][e]['train_loss']):.3f} / {float(curves[k][e]['eval_top1']):.0f}" for k, _ in kinds]
+        table.append(f'| {e} | ' + ' | '.join(cells) + ' |')
     text = '\n'.join(table)
     (out / 'results.md').write_text(text + '\n')
     print('\n' + text)
