@@ -1,8 +1,14 @@
 """Checkpoint key maps between timm and OpenMMLab models, strict: every key is mapped or named in an error.
 
-``timm_vit_to_mmpretrain`` maps a timm ``VisionTransformer`` state dict onto an mmpretrain
-``ImageClassifier`` with a ``VisionTransformer`` backbone and ``VisionTransformerClsHead``.
-(``tokenaug-convert`` for mmseg/mmdet builds on these maps.)
+- ``timm_vit_to_mmpretrain``: a timm ``VisionTransformer`` onto an mmpretrain ``ImageClassifier``
+  (``VisionTransformer`` backbone, ``VisionTransformerClsHead``), for parity tests.
+- ``to_dense_backbone``: timm or mmpretrain classification checkpoints (ViT/DeiT, Swin) onto the
+  mmseg / mmdet backbones, used by ``tokenaug-convert`` (:mod:`mm_plugin.convert_cli`).
+
+Layout facts handled here (DESIGN.md): mmseg's ViT uses ``nn.MultiheadAttention``
+(``attn.attn.in_proj_*`` = timm's ``qkv``); timm's Swin puts ``PatchMerging`` at the *start* of a stage,
+OpenMMLab at the *end* of the previous one, and OpenMMLab merges with ``nn.Unfold`` (channel-major,
+kernel offsets row-major) where timm concatenates the four offsets ``(0,0), (1,0), (0,1), (1,1)``.
 """
 from __future__ import annotations
 
@@ -47,3 +53,107 @@ def timm_vit_to_mmpretrain(state_dict: Dict[str, torch.Tensor]) -> Dict[str, tor
     """timm ``VisionTransformer`` (ViT/DeiT, class token, no registers) -> mmpretrain ``ImageClassifier``
     (``VisionTransformer`` backbone, ``VisionTransformerClsHead``). Unknown keys are an error."""
     return _apply(_VIT_RULES, state_dict, 'timm ViT')
+
+
+# ------------------------------------------------------------------------------------------------
+# classification checkpoints -> mmseg / mmdet backbones (bare backbone keys)
+# ------------------------------------------------------------------------------------------------
+
+#: keys a classification checkpoint has that a dense-prediction backbone does not use (dropped, reported)
+DROP_RULES = (r'^head\.', r'^head_dist\.', r'^fc_norm\.', r'^aux_head\.', r'^dist_token$',
+              r'^neck\.', r'^data_preprocessor\.')
+
+_TIMM_VIT_DENSE = (
+    (r'^cls_token$', 'cls_token'),
+    (r'^pos_embed$', 'pos_embed'),
+    (r'^patch_embed\.proj\.(weight|bias)$', r'patch_embed.projection.\1'),
+    (r'^blocks\.(\d+)\.norm1\.(weight|bias)$', r'layers.\1.ln1.\2'),
+    (r'^blocks\.(\d+)\.attn\.qkv\.(weight|bias)$', r'layers.\1.attn.attn.in_proj_\2'),
+    (r'^blocks\.(\d+)\.attn\.proj\.(weight|bias)$', r'layers.\1.attn.attn.out_proj.\2'),
+    (r'^blocks\.(\d+)\.norm2\.(weight|bias)$', r'layers.\1.ln2.\2'),
+    (r'^blocks\.(\d+)\.mlp\.fc1\.(weight|bias)$', r'layers.\1.ffn.layers.0.0.\2'),
+    (r'^blocks\.(\d+)\.mlp\.fc2\.(weight|bias)$', r'layers.\1.ffn.layers.1.\2'),
+    (r'^norm\.(weight|bias)$', r'ln1.\1'),
+)
+_MMPRETRAIN_VIT_DENSE = (
+    (r'^backbone\.(cls_token|pos_embed)$', r'\1'),
+    (r'^backbone\.patch_embed\.projection\.(weight|bias)$', r'patch_embed.projection.\1'),
+    (r'^backbone\.layers\.(\d+)\.attn\.qkv\.(weight|bias)$', r'layers.\1.attn.attn.in_proj_\2'),
+    (r'^backbone\.layers\.(\d+)\.attn\.proj\.(weight|bias)$', r'layers.\1.attn.attn.out_proj.\2'),
+    (r'^backbone\.layers\.(\d+)\.(ln1|ln2|ffn\.layers\.0\.0|ffn\.layers\.1)\.(weight|bias)$', r'layers.\1.\2.\3'),
+    (r'^backbone\.ln1\.(weight|bias)$', r'ln1.\1'),
+)
+_TIMM_SWIN_DENSE = (
+    (r'^patch_embed\.proj\.(weight|bias)$', r'patch_embed.projection.\1'),
+    (r'^patch_embed\.norm\.(weight|bias)$', r'patch_embed.norm.\1'),
+    (r'^layers\.(\d+)\.blocks\.(\d+)\.(norm1|norm2)\.(weight|bias)$', r'stages.\1.blocks.\2.\3.\4'),
+    (r'^layers\.(\d+)\.blocks\.(\d+)\.attn\.(qkv|proj)\.(weight|bias)$', r'stages.\1.blocks.\2.attn.w_msa.\3.\4'),
+    (r'^layers\.(\d+)\.blocks\.(\d+)\.attn\.relative_position_bias_table$',
+     r'stages.\1.blocks.\2.attn.w_msa.relative_position_bias_table'),
+    (r'^layers\.(\d+)\.blocks\.(\d+)\.mlp\.fc1\.(weight|bias)$', r'stages.\1.blocks.\2.ffn.layers.0.0.\3'),
+    (r'^layers\.(\d+)\.blocks\.(\d+)\.mlp\.fc2\.(weight|bias)$', r'stages.\1.blocks.\2.ffn.layers.1.\3'),
+    # layers.{i}.downsample (start of stage i) -> stages.{i-1}.downsample (end of stage i-1): see _shift_downsample
+    (r'^layers\.(\d+)\.downsample\.(norm\.weight|norm\.bias|reduction\.weight)$', r'DOWNSAMPLE.\1.\2'),
+    (r'^norm\.(weight|bias)$', r'FINALNORM.\1'),  # the last stage's output norm: norm{last stage}
+)
+_MMPRETRAIN_SWIN_DENSE = (
+    (r'^backbone\.(patch_embed\..*|stages\..*)$', r'\1'),
+    (r'^backbone\.norm(\d+)\.(weight|bias)$', r'norm\1.\2'),
+)
+
+
+def _unfold_order_reduction(w: torch.Tensor) -> torch.Tensor:
+    """timm's 4C order (offset-major: (0,0), (1,0), (0,1), (1,1); channels inner) -> nn.Unfold's
+    (channel-major; offsets (0,0), (0,1), (1,0), (1,1)) for the reduction weight ``(out, 4C)``."""
+    out, c4 = w.shape
+    return w.reshape(out, 4, c4 // 4)[:, [0, 2, 1, 3], :].transpose(1, 2).reshape(out, c4)
+
+
+def _unfold_order_norm(v: torch.Tensor) -> torch.Tensor:
+    return v.reshape(4, -1)[[0, 2, 1, 3], :].transpose(0, 1).reshape(-1)
+
+
+def _split(state_dict: Dict[str, torch.Tensor]):
+    dropped = {k: v for k, v in state_dict.items() if any(re.match(p, k) for p in DROP_RULES)}
+    kept = {k: v for k, v in state_dict.items() if k not in dropped}
+    return kept, sorted(dropped)
+
+
+def to_dense_backbone(state_dict: Dict[str, torch.Tensor], arch: str, source: str = 'timm'):
+    """Map a classification checkpoint to OpenMMLab dense-prediction backbone keys (no prefix).
+
+    Args:
+        arch: ``'vit'`` (ViT/DeiT) or ``'swin'``.
+        source: ``'timm'`` (tokenaug-train / plain timm files) or ``'mmpretrain'``.
+    Returns:
+        ``(backbone_state_dict, dropped_keys)``; any key neither mapped nor a known training-only part
+        is an error naming it.
+    """
+    kept, dropped = _split(state_dict)
+    rules = {('vit', 'timm'): _TIMM_VIT_DENSE, ('vit', 'mmpretrain'): _MMPRETRAIN_VIT_DENSE,
+             ('swin', 'timm'): _TIMM_SWIN_DENSE, ('swin', 'mmpretrain'): _MMPRETRAIN_SWIN_DENSE}.get((arch, source))
+    if rules is None:
+        raise ValueError(f'arch/source: no key map for arch={arch!r} from {source!r} (vit, swin; timm, mmpretrain)')
+    out = _apply(rules, kept, f'{source} {arch}')
+    if arch == 'swin' and source == 'timm':
+        out = _shift_downsample(out)
+    return out, dropped
+
+
+def _shift_downsample(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    out = {}
+    last = max(int(m.group(1)) for k in sd for m in [re.match(r'^stages\.(\d+)\.', k)] if m)
+    for k, v in sd.items():
+        m = re.match(r'^DOWNSAMPLE\.(\d+)\.(.*)$', k)
+        if k.startswith('FINALNORM.'):
+            out[f'norm{last}.' + k.split('.', 1)[1]] = v
+            continue
+        if not m:
+            out[k] = v
+            continue
+        stage, part = int(m.group(1)), m.group(2)
+        if stage == 0:
+            raise ValueError(f'state_dict: {k!r}: a downsample at the start of stage 0 has no OpenMMLab place')
+        v = _unfold_order_reduction(v) if part == 'reduction.weight' else _unfold_order_norm(v)
+        out[f'stages.{stage - 1}.downsample.{part}'] = v
+    return out

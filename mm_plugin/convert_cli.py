@@ -1,0 +1,189 @@
+"""``tokenaug-convert``: a pretrained classification checkpoint -> the backbone checkpoint mmseg / mmdet load.
+
+    tokenaug-convert --src CKPT --dst OUT --to {mmseg,mmdet} --model TIMM_MODEL_NAME [--from {timm,mmpretrain}]
+                     [--model-kwargs img_size=112 ...] [--use-ema] [--final-norm]
+
+``CKPT`` is a ``tokenaug-train`` checkpoint or a plain timm state dict (``--from timm``), or an
+mmpretrain/MMEngine checkpoint (``--from mmpretrain``). ``--model`` names the timm architecture the
+weights belong to (its hyper-parameters size the target backbone). Training-only parts (classifier,
+distillation head, aux heads) are dropped. The output is what the target's standard
+``init_cfg=dict(type='Pretrained', checkpoint=OUT)`` reads: ``{'state_dict': ...}`` with bare keys for
+mmseg (its ViT reads no prefix) and ``backbone.``-prefixed keys for mmdet (its Swin keeps only those).
+
+Verification (every run): the target backbone is built and loaded strictly — zero unexpected keys and
+no missing keys except those the source cannot have (Swin's intermediate output norms, derived index
+buffers), listed by name — and then built again with ``init_cfg`` pointing at ``OUT`` through the
+target's own ``init_weights`` (which loads with ``strict=False``), checking that every converted tensor
+arrived. Anything else is an error naming the keys; a wrong checkpoint never "loads" silently.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Dict, List, Tuple
+
+import torch
+
+from .checkpoint import allow_mmengine_checkpoints
+from .convert import to_dense_backbone
+
+__all__ = ['convert_checkpoint', 'main', 'build_backbone']
+
+
+def _timm_arch(model_name: str, model_kwargs: dict) -> Tuple[str, dict]:
+    """The architecture kind and the hyper-parameters of a timm model, read off a randomly initialised one."""
+    import timm
+    from timm.models.swin_transformer import SwinTransformer
+    from timm.models.vision_transformer import VisionTransformer
+    model = timm.create_model(model_name, pretrained=False, **model_kwargs)
+    if isinstance(model, SwinTransformer):
+        blocks = [stage.blocks for stage in model.layers]
+        first = blocks[0][0]
+        return 'swin', dict(
+            embed_dims=model.embed_dim if isinstance(model.embed_dim, int) else model.embed_dim[0],
+            depths=[len(b) for b in blocks], num_heads=[b[0].attn.num_heads for b in blocks],
+            window_size=int(model._ref_window_sizes[0][0]) if hasattr(model, '_ref_window_sizes')
+            else int(first.window_size[0]),
+            patch_size=int(model.patch_embed.patch_size[0]),
+            mlp_ratio=first.mlp.fc1.out_features // first.mlp.fc1.in_features,
+            pretrain_img_size=tuple(model.patch_embed.img_size))
+    if isinstance(model, VisionTransformer):
+        if model.num_prefix_tokens != 1 or not model.has_class_token:
+            raise ValueError(f'model: {model_name} has {model.num_prefix_tokens} prefix tokens; OpenMMLab\'s ViT '
+                             f'backbones take exactly one class token')
+        blk = model.blocks[0]
+        return 'vit', dict(
+            img_size=tuple(model.patch_embed.img_size), patch_size=int(model.patch_embed.patch_size[0]),
+            embed_dims=model.embed_dim, num_layers=len(model.blocks), num_heads=blk.attn.num_heads,
+            mlp_ratio=blk.mlp.fc1.out_features // blk.mlp.fc1.in_features,
+            qkv_bias=blk.attn.qkv.bias is not None)
+    raise ValueError(f'model: tokenaug-convert maps ViT/DeiT and Swin; {model_name} is {type(model).__name__}')
+
+
+def build_backbone(target: str, arch: str, hp: dict, final_norm: bool = False, init_cfg=None):
+    """The mmseg / mmdet backbone for these hyper-parameters (all stages out, as the dense configs use)."""
+    if arch == 'vit':
+        if target != 'mmseg':
+            raise ValueError('to: ViT backbones are converted for mmseg only (mmdet configs here use Swin)')
+        from mmseg.models.backbones import VisionTransformer
+        return VisionTransformer(img_size=hp['img_size'], patch_size=hp['patch_size'], embed_dims=hp['embed_dims'],
+                                 num_layers=hp['num_layers'], num_heads=hp['num_heads'], mlp_ratio=hp['mlp_ratio'],
+                                 qkv_bias=hp['qkv_bias'], out_indices=(hp['num_layers'] - 1,), patch_bias=True,
+                                 final_norm=final_norm, norm_cfg=dict(type='LN', eps=1e-6), drop_path_rate=0.,
+                                 init_cfg=init_cfg)
+    if target == 'mmseg':
+        from mmseg.models.backbones import SwinTransformer
+    elif target == 'mmdet':
+        from mmdet.models.backbones import SwinTransformer
+    else:
+        raise ValueError(f"to: expected 'mmseg' or 'mmdet', got {target!r}")
+    n = len(hp['depths'])
+    return SwinTransformer(pretrain_img_size=hp['pretrain_img_size'], embed_dims=hp['embed_dims'],
+                           patch_size=hp['patch_size'], window_size=hp['window_size'], mlp_ratio=hp['mlp_ratio'],
+                           depths=hp['depths'], num_heads=hp['num_heads'],
+                           strides=(hp['patch_size'],) + (2,) * (n - 1), out_indices=tuple(range(n)),
+                           drop_path_rate=0., init_cfg=init_cfg)
+
+
+def _load_source(path: str, use_ema: bool) -> Dict[str, torch.Tensor]:
+    allow_mmengine_checkpoints()
+    ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    if not isinstance(ckpt, dict):
+        raise ValueError(f'src: {path} holds a {type(ckpt).__name__}, not a checkpoint dict')
+    key = 'state_dict_ema' if use_ema else 'state_dict'
+    if use_ema and key not in ckpt:
+        raise ValueError(f'src: --use-ema but {path} has no state_dict_ema (keys: {sorted(ckpt)[:8]})')
+    sd = ckpt.get(key, ckpt.get('model', ckpt))
+    bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise ValueError(f'src: {path}: entries that are not tensors: {bad[:8]}')
+    return {re.sub(r'^module\.', '', k): v for k, v in sd.items()}
+
+
+def convert_checkpoint(src: str, dst: str, to: str, model: str, source: str = 'timm', model_kwargs=None,
+                       use_ema: bool = False, final_norm: bool = False) -> dict:
+    """Convert, write, verify; returns the report (also printed by the CLI)."""
+    arch, hp = _timm_arch(model, dict(model_kwargs or {}))
+    sd, dropped = to_dense_backbone(_load_source(src, use_ema), arch, source)
+    if arch == 'vit' and not final_norm:
+        norm = [k for k in sd if k.startswith('ln1.')]
+        dropped += [f'{k} (final norm; the target is built with final_norm=False)' for k in norm]
+        sd = {k: v for k, v in sd.items() if k not in norm}
+    backbone = build_backbone(to, arch, hp, final_norm)
+    target = backbone.state_dict()
+    unexpected = sorted(set(sd) - set(target))
+    shape = sorted(k for k in set(sd) & set(target) if sd[k].shape != target[k].shape and k != 'pos_embed')
+    derived = sorted(k for k in set(target) - set(sd) if k.endswith('relative_position_index'))
+    out_norms = sorted(k for k in set(target) - set(sd) if re.match(r'^norm\d+\.(weight|bias)$', k))
+    missing = sorted(set(target) - set(sd) - set(derived) - set(out_norms))
+    if unexpected or missing or shape:
+        raise ValueError(f'src: {src} does not fit a {to} {arch} backbone for {model}: '
+                         f'unexpected {unexpected[:10]}, missing {missing[:10]}, wrong shape '
+                         f'{[(k, tuple(sd[k].shape), tuple(target[k].shape)) for k in shape[:5]]}')
+    for k in derived:  # index buffers are functions of the window size: the target's own
+        sd[k] = target[k]
+    prefix = 'backbone.' if to == 'mmdet' else ''
+    torch.save({'state_dict': {prefix + k: v.contiguous() for k, v in sd.items()},
+                'meta': {'tokenaug_convert': dict(src=str(src), to=to, model=model, source=source, arch=arch,
+                                                  dropped=dropped, not_in_source=out_norms)}}, dst)
+    # through the target's own loader (strict=False there): every converted tensor must have arrived
+    from mmengine.config import ConfigDict  # mmdet's Swin reads init_cfg by attribute
+    loaded = build_backbone(to, arch, hp, final_norm, init_cfg=ConfigDict(type='Pretrained', checkpoint=str(dst)))
+    loaded.init_weights()
+    got = loaded.state_dict()
+    stale = sorted(k for k, v in sd.items() if k in got and got[k].shape == v.shape and not torch.equal(got[k], v))
+    if stale:
+        raise ValueError(f'dst: {to}\'s init_weights did not load {len(stale)} tensors from {dst}: {stale[:10]}')
+    return dict(arch=arch, hyper_parameters=hp, converted=len(sd), dropped=dropped, not_in_source=out_norms,
+                derived_from_target=derived, dst=str(dst), prefix=prefix)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog='tokenaug-convert', description=__doc__.splitlines()[0])
+    p.add_argument('--src', required=True, help='classification checkpoint (tokenaug-train, timm or mmpretrain)')
+    p.add_argument('--dst', required=True, help='output checkpoint for init_cfg=dict(type="Pretrained", ...)')
+    p.add_argument('--to', required=True, choices=('mmseg', 'mmdet'))
+    p.add_argument('--model', required=True, help='timm model name of the source architecture')
+    p.add_argument('--from', dest='source', default='timm', choices=('timm', 'mmpretrain'))
+    p.add_argument('--model-kwargs', nargs='*', default=[], metavar='K=V',
+                   help='timm create_model kwargs of the source (e.g. img_size=112)')
+    p.add_argument('--use-ema', action='store_true', help='take state_dict_ema of a tokenaug-train checkpoint')
+    p.add_argument('--final-norm', action='store_true', help='ViT: keep the final norm (target final_norm=True)')
+    return p
+
+
+def _kwargs(items: List[str]) -> dict:
+    out = {}
+    for item in items:
+        if '=' not in item:
+            raise ValueError(f'model-kwargs: expected K=V, got {item!r}')
+        k, v = item.split('=', 1)
+        try:
+            out[k] = int(v)
+        except ValueError:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                out[k] = v
+    return out
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        report = convert_checkpoint(args.src, args.dst, args.to, args.model, args.source, _kwargs(args.model_kwargs),
+                                    args.use_ema, args.final_norm)
+    except (ValueError, FileNotFoundError) as e:
+        print(f'tokenaug-convert: error: {e}', file=sys.stderr)
+        return 2
+    print(f"tokenaug-convert: {report['arch']} -> {args.to}: {report['converted']} tensors written to {report['dst']}"
+          f"{' (keys prefixed backbone.)' if report['prefix'] else ''}; strict load and {args.to} init_weights verified")
+    print(f"  dropped (training-only): {report['dropped'] or 'none'}")
+    print(f"  not in the source (initialised by the target): {report['not_in_source'] or 'none'}")
+    print(f"  derived buffers taken from the target: {len(report['derived_from_target'])}")
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
