@@ -59,6 +59,9 @@ class MMViTTracer:
                                  f'is {type(layer).__name__}')
             if getattr(layer.attn, 'v_shortcut', False):
                 raise ValueError('backbone: attention with v_shortcut has no TL-Align rule')
+        if tuple(backbone.out_indices) != (len(backbone.layers) - 1,):
+            raise ValueError(f'backbone: TL-Align needs the classification output (out_indices=({len(backbone.layers) - 1},)), '
+                             f'got {backbone.out_indices}')
         if backbone.out_type not in ('cls_token', 'avg_featmap'):
             raise ValueError(f"backbone: out_type={backbone.out_type!r} has no TL-Align rule; use 'cls_token' "
                              f"or 'avg_featmap'")
@@ -220,7 +223,9 @@ class TLAlignClassifier(ImageClassifier):
                                           self.align_fused)
         share = self.tracer.readout(state)[:, 0]
         labels = torch.cat([s.gt_label for s in data_samples]).to(share.device)
-        return feats, aligned_target(share, labels, mix, self.head.num_classes, 0.)
+        # the preprocessor's num_classes sized the stock scores; label smoothing stays with the head's loss
+        num_classes = data_samples[0].gt_score.numel() if 'gt_score' in data_samples[0] else self.head.num_classes
+        return feats, aligned_target(share, labels, mix, num_classes, 0.)
 
     def loss(self, inputs: torch.Tensor, data_samples: List) -> dict:
         feats, targets = self.extract_feat_aligned(inputs, data_samples)

@@ -81,9 +81,12 @@ def attention_labels(q: torch.Tensor, k: torch.Tensor, labels: torch.Tensor,
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             attn_mask = attn_mask.float()
         if fused:
-            out = F.scaled_dot_product_attention(q, k, v.expand(-1, q.shape[1], -1, -1), attn_mask=attn_mask,
-                                                 scale=scale)
-            return out.mean(1)
+            # pad the (1- or 2-wide) label values to 8 columns: fp32 memory-efficient kernels need aligned
+            # head dims, and a misaligned call falls back to the materialising math kernel
+            width = v.shape[-1]
+            v = F.pad(v, (0, -width % 8)).expand(-1, q.shape[1], -1, -1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+            return out[..., :width].mean(1)
         logits = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
         if attn_mask is not None:
             logits = logits.masked_fill(~attn_mask, float('-inf')) if attn_mask.dtype == torch.bool \
@@ -175,4 +178,4 @@ def aligned_target(share: torch.Tensor, labels: torch.Tensor, mix: Mix, num_clas
                    smoothing: float = 0.) -> torch.Tensor:
     """The training target from the compact label of what the classifier reads: ``(B,)`` partner
     shares → ``(1 - s) · y_own + s · y_partner`` with label smoothing (rows sum to 1), detached (Eq. 12)."""
-    return pair_target(labels, mix.partner, 1. - share.detach().float(), num_classes, smoothing)
+    return pair_target(labels.to(share.device), mix.partner, 1. - share.detach().float(), num_classes, smoothing)

@@ -30,7 +30,7 @@ def tiny_vit(cls=VisionTransformer, **kw):
     return sharpen(cls(**args))
 
 
-def reference(model, x, Y, layers=None, normalise=True, attns=None):
+def reference(model, x, Y, layers=None, normalise=True, attns=None, final=None):
     """The ViT forward written out with explicit attention matrices; the labels follow Eq. 9 (a loop over
     heads) and Eq. 11 (average with the residual) at every block (or at ``layers`` only)."""
     P = model.num_prefix_tokens
@@ -53,6 +53,8 @@ def reference(model, x, Y, layers=None, normalise=True, attns=None):
             Y_hat = Y_hat + A[:, head] @ Y
         Y = (Y + Y_hat / a.num_heads) / 2 if normalise else Y_hat / a.num_heads
     out = model.forward_head(model.norm(t))
+    if final is not None:
+        final.append(Y)
     if isinstance(model, VisionTransformerDistilled):
         return out, (Y[:, 0] + Y[:, 1]) / 2
     return out, Y[:, 0] if model.global_pool == 'token' else Y[:, P:].mean(1)
@@ -93,7 +95,11 @@ def test_distilled_deit_reads_both_tokens():
     model.set_distilled_training(True)
     model.train()
     out, label = TLAlign(model).trace(x, Y_tok, cls_label)
-    assert isinstance(out, tuple)  # distilled training: the class head's target is the class token's
+    final = []
+    reference(model, x, Y0, final=final)
+    # distilled training: two outputs, and the class head's target is the class token's label alone
+    assert isinstance(out, tuple) and torch.allclose(label, final[0][:, 0], atol=1e-6)
+    assert not torch.allclose(label, (final[0][:, 0] + final[0][:, 1]) / 2, atol=1e-4)
 
 
 @pytest.mark.parametrize('kind', ['cutmix', 'mixup', 'tokenmix_block', 'tokenmix_random', 'token_box'])
@@ -162,7 +168,7 @@ def test_fused_attention_is_kept(fused):
     sdpa, softmax = F.scaled_dot_product_attention, torch.Tensor.softmax
 
     def count_sdpa(*a, **k):
-        calls.append(a[2].shape[-1])
+        calls.append((a[2].shape[-1], a[0].requires_grad))  # value width; token path (grad) or labels
         return sdpa(*a, **k)
 
     def count_softmax(self, *a, **k):
@@ -176,10 +182,10 @@ def test_fused_attention_is_kept(fused):
     finally:
         F.scaled_dot_product_attention, torch.Tensor.softmax = sdpa, softmax
     head_dim = model.blocks[0].attn.head_dim
-    if fused:
-        assert calls == [head_dim] * 3 + [1] * 3 and softmaxes == []
+    if fused:  # the label values (1 wide) are padded to 8 columns for the aligned fused kernels
+        assert calls == [(head_dim, True)] * 3 + [(8, False)] * 3 and softmaxes == []
     else:
-        assert calls == [head_dim] * 3 and len(softmaxes) == 3
+        assert calls == [(head_dim, True)] * 3 and len(softmaxes) == 3
     _, other = TLAlign(model, fused=not fused)(xm, target)
     assert torch.allclose(aligned, other, atol=1e-6)
 
@@ -429,3 +435,40 @@ def test_tl_align_mixer_api(method_mix):
     assert logits.shape == target.shape == (4, C) and torch.allclose(target.sum(1), torch.ones(4), atol=1e-6)
     with pytest.raises(ValueError, match='method_mix'):
         create_mixer('tl_align', method_mix='tl_align')
+    with pytest.raises(ValueError, match="cutmix_alpha: tl_align over 'cutmix' needs cutmix_alpha > 0"):
+        create_mixer('tl_align', num_classes=C)  # timm's defaults: MixUp only, nothing to align
+
+
+def test_token_grid_step_of_timm_models():
+    import timm
+    from timm_plugin.train import model_patch_size
+    assert model_patch_size(timm.create_model('vit_tiny_patch16_224')) == (16, 16)
+    assert model_patch_size(timm.create_model('swin_tiny_patch4_window7_224')) == (4, 4)
+    assert model_patch_size(timm.create_model('pvt_v2_b0')) == (4, 4)  # 7x7 overlapping embedding, stride 4
+
+
+def test_stochastic_depth_keeps_match_the_reference():
+    """Samples whose attention branch DropPath dropped keep their labels; the others average (Eq. 11).
+    The reference recomputes each block's attention from the normalised input the block saw."""
+    model = tiny_vit(drop_path_rate=0.6).train()
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 3, 32, 32, generator=g)
+    Y_tok = random_token_labels(6, 16, g)
+    seen, keeps = [], []
+    hooks = [h for blk in model.blocks for h in (
+        blk.norm1.register_forward_hook(lambda m, i, o: seen.append(o.detach())),
+        blk.drop_path1.register_forward_hook(lambda m, i, o: keeps.append((o.flatten(1) != 0).any(1))))]
+    torch.manual_seed(0)
+    _, label = TLAlign(model).trace(x, Y_tok)
+    for h in hooks:
+        h.remove()
+    kept = torch.stack(keeps)
+    assert kept.any() and not kept.all()  # both cases occur
+    Y = torch.cat([Y_tok.mean(1, keepdim=True), Y_tok], 1)
+    for blk, h, keep in zip(model.blocks, seen, keeps):
+        a = blk.attn
+        B, T, D = h.shape
+        q, k, _ = a.qkv(h).reshape(B, T, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
+        A = torch.softmax(q @ k.transpose(-1, -2) * a.head_dim ** -0.5, dim=-1).mean(1)
+        Y = torch.where(keep[:, None, None], (Y + A @ Y) / 2, Y)
+    assert torch.allclose(label, Y[:, 0], atol=1e-6)

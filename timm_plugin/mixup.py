@@ -221,6 +221,9 @@ def create_mixer(mixup_type: str = 'mixup', *, mixup_alpha: float = 1., cutmix_a
         if method_mix not in MIXUP_TYPES:
             raise ValueError(f'method_mix must be one of {MIXUP_TYPES} for mixup_type={mixup_type!r}, '
                              f'got {method_mix!r}')
+        if method_mix != 'mixup' and cutmix_alpha <= 0 and cutmix_minmax is None and tokenmix_lam is None:
+            raise ValueError(f"cutmix_alpha: {mixup_type} over {method_mix!r} needs cutmix_alpha > 0; without a cut "
+                             f"branch every token has the same share and the target is the area target")
         mixup_type, carry_mix = method_mix, True
     kwargs = dict(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, cutmix_minmax=cutmix_minmax, prob=prob,
                   switch_prob=switch_prob, correct_lam=correct_lam, label_smoothing=label_smoothing,

@@ -564,7 +564,7 @@ class TransMix(TLAlign):
     share. Default ``'paper'``: the papers are this project's specification; ``'average'`` reproduces
     the public numbers. DeiT distilled: the class token's attention.
 
-    Our extension, for models without a class token (``global_pool='avg'`` ViTs, Swin): ``A`` is the
+    Our extension, for models without a class token (``global_pool='avg'`` ViTs, Swin, PVT v2): ``A`` is the
     mean over all query tokens of the last block's attention (a distribution over keys), i.e. the
     pooled compact label after the last block's attention alone (Swin: at its own window geometry and
     merged resolution).
@@ -576,6 +576,9 @@ class TransMix(TLAlign):
         super().__init__(model, fused=fused)
         if mode not in self.MODES:
             raise ValueError(f'mode must be one of {self.MODES}, got {mode!r}')
+        if isinstance(self.tracer, CaitTracer):
+            raise ValueError('model: TransMix is defined on the class token of a self-attention ViT (DeiT '
+                             'family; our extension: class-free ViT, Swin, PVT v2); CaiT has no rule here')
         self.mode = mode
 
     def partner_share(self, output, captures: List[_BlockCapture], mix: Mix) -> torch.Tensor:

@@ -240,8 +240,12 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def model_patch_size(model: nn.Module, default=16):
-    """The model's patch size (timm ViT/Swin/... expose it on ``patch_embed``), for token-aware mixing."""
+    """The step of the model's first token grid, for token-aware mixing: the stride of its patch
+    embedding convolution (timm ViT/Swin: the patch size; PVT v2's overlapping 7x7 embedding: 4)."""
     pe = getattr(model, 'patch_embed', None)
+    proj = getattr(pe, 'proj', None)
+    if isinstance(proj, nn.Conv2d):
+        return tuple(proj.stride)
     ps = getattr(pe, 'patch_size', None)
     if ps is None:
         return default

@@ -10,3 +10,6 @@ model = dict(
     tl_align=dict(layers=None, normalise=True),
     train_cfg=dict(_delete_=True, augments=[dict(type='TAMixup', alpha=0.8), dict(type='TACutMix', alpha=1.0)]),
 )
+
+# pairwise mixing needs even batches: drop the last, possibly odd, batch of an epoch
+train_dataloader = dict(drop_last=True)

@@ -9,3 +9,6 @@ model = dict(train_cfg=dict(_delete_=True, augments=[
     dict(type='TAMixup', alpha=0.8),
     dict(type='TATokenMix', alpha=1.0, mask='block'),
 ]))
+
+# pairwise mixing needs even batches: drop the last, possibly odd, batch of an epoch
+train_dataloader = dict(drop_last=True)
