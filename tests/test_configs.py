@@ -29,3 +29,21 @@ def test_mmpretrain_config_builds_our_preprocessor(path):
 def test_timm_config_parses(path):
     args = parse_args(['-c', str(path)])
     assert args.model and args.mixup_type in ('cutmix', 'tokenmix_block')
+
+
+SEG_CONFIGS = sorted((REPO / 'configs' / 'mmseg').glob('*.py'))
+
+
+@pytest.mark.parametrize('path', SEG_CONFIGS, ids=lambda p: p.name)
+def test_mmseg_config_builds_with_a_pretrained_backbone(path):
+    from mmseg.registry import MODELS as SEG_MODELS
+    from mmseg.utils import register_all_modules
+    register_all_modules()
+    cfg = Config.fromfile(str(path))
+    assert 'mm_plugin' in cfg.custom_imports['imports']
+    assert cfg.model.backbone.init_cfg['type'] == 'Pretrained' and cfg.model.get('pretrained') is None
+    if 'world' not in path.name:  # the ADE20K recipes: 160k iterations, AdamW 6e-5, wd 0.01, batch 2 x 8 GPUs
+        assert cfg.train_cfg.max_iters == 160000 and cfg.train_dataloader.batch_size == 2
+        assert cfg.optim_wrapper.optimizer.lr == 6e-5 and cfg.optim_wrapper.optimizer.weight_decay == 0.01
+    model = SEG_MODELS.build(cfg.model)
+    assert type(model.backbone).__name__ in ('VisionTransformer', 'SwinTransformer')

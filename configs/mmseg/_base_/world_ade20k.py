@@ -1,0 +1,30 @@
+# The synthetic world's ADE20K-layout copy (tokenaug-data): 0 = background (ignored, reduce_zero_label),
+# k + 1 = class k. Root: $TOKENAUG_WORLD (default data/world). 112 px images, small schedule for CPU.
+world_root = '{{$TOKENAUG_WORLD:data/world}}'
+crop_size = (112, 112)
+world_classes = ('00', '01', '02', '03', '04', '05', '06', '07', '08', '09')
+train_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='LoadAnnotations', reduce_zero_label=True),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='PackSegInputs'),
+]
+test_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='LoadAnnotations', reduce_zero_label=True),
+    dict(type='PackSegInputs'),
+]
+_dataset = dict(type='BaseSegDataset', data_root=world_root + '/ade20k', img_suffix='.jpg', seg_map_suffix='.png',
+                reduce_zero_label=True, metainfo=dict(classes=world_classes))
+train_dataloader = dict(batch_size=4, num_workers=2, persistent_workers=False,
+                        sampler=dict(type='InfiniteSampler', shuffle=True),
+                        dataset=dict(**_dataset, pipeline=train_pipeline,
+                                     data_prefix=dict(img_path='images/training', seg_map_path='annotations/training')))
+val_dataloader = dict(batch_size=1, num_workers=2, persistent_workers=False,
+                      sampler=dict(type='DefaultSampler', shuffle=False),
+                      dataset=dict(**_dataset, pipeline=test_pipeline,
+                                   data_prefix=dict(img_path='images/validation',
+                                                    seg_map_path='annotations/validation')))
+test_dataloader = val_dataloader
+val_evaluator = dict(type='IoUMetric', iou_metrics=['mIoU'])
+test_evaluator = val_evaluator

@@ -1,0 +1,35 @@
+# UperNet on the synthetic world with the ViT-Tiny/16 (112 px) that tokenaug-train pretrains in the demo,
+# converted by tokenaug-convert --to mmseg --model vit_tiny_patch16_224 --model-kwargs img_size=112.
+# Same model family and optimiser as upernet_deit-s16_ade20k-512x512_160k.py (mmseg's DeiT UperNet,
+# no neck, AdamW, warmup + poly), a CPU-sized schedule. Backbone checkpoint: $TOKENAUG_BACKBONE.
+_base_ = ['mmseg::_base_/models/upernet_vit-b16_ln_mln.py', 'mmseg::_base_/default_runtime.py',
+          './_base_/world_ade20k.py']
+
+custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)
+
+backbone_checkpoint = '{{$TOKENAUG_BACKBONE:demo_out/backbones/vit-tiny_mmseg.pth}}'
+norm_cfg = dict(type='BN', requires_grad=True)
+model = dict(
+    pretrained=None,
+    data_preprocessor=dict(size=(112, 112)),
+    backbone=dict(img_size=(112, 112), embed_dims=192, num_heads=3, drop_path_rate=0., patch_bias=True,
+                  init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint)),
+    neck=None,
+    decode_head=dict(in_channels=[192, 192, 192, 192], channels=64, num_classes=10, norm_cfg=norm_cfg),
+    auxiliary_head=dict(in_channels=192, channels=32, num_classes=10, norm_cfg=norm_cfg),
+    test_cfg=dict(mode='whole'),
+)
+optim_wrapper = dict(type='OptimWrapper', optimizer=dict(type='AdamW', lr=2e-4, betas=(0.9, 0.999),
+                                                         weight_decay=0.01),
+                     paramwise_cfg=dict(custom_keys={'pos_embed': dict(decay_mult=0.), 'cls_token': dict(decay_mult=0.),
+                                                     'norm': dict(decay_mult=0.)}))
+param_scheduler = [
+    dict(type='LinearLR', start_factor=1e-3, by_epoch=False, begin=0, end=20),
+    dict(type='PolyLR', eta_min=0.0, power=1.0, begin=20, end=200, by_epoch=False),
+]
+train_cfg = dict(type='IterBasedTrainLoop', max_iters=200, val_interval=100)
+val_cfg = dict(type='ValLoop')
+test_cfg = dict(type='TestLoop')
+default_hooks = dict(logger=dict(type='LoggerHook', interval=10),
+                     checkpoint=dict(type='CheckpointHook', by_epoch=False, interval=100, max_keep_ckpts=1))
+env_cfg = dict(dist_cfg=dict(backend='gloo'))
