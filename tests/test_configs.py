@@ -47,3 +47,21 @@ def test_mmseg_config_builds_with_a_pretrained_backbone(path):
         assert cfg.optim_wrapper.optimizer.lr == 6e-5 and cfg.optim_wrapper.optimizer.weight_decay == 0.01
     model = SEG_MODELS.build(cfg.model)
     assert type(model.backbone).__name__ in ('VisionTransformer', 'SwinTransformer')
+
+
+DET_CONFIGS = sorted((REPO / 'configs' / 'mmdet').glob('*.py'))
+
+
+@pytest.mark.parametrize('path', DET_CONFIGS, ids=lambda p: p.name)
+def test_mmdet_cascade_config_builds(path):
+    from mmdet.registry import MODELS as DET_MODELS
+    from mmdet.utils import register_all_modules
+    register_all_modules()
+    cfg = Config.fromfile(str(path))
+    assert cfg.model.type == 'CascadeRCNN' and cfg.model.backbone.type == 'SwinTransformer'
+    heads = cfg.model.roi_head.bbox_head
+    assert [h.type for h in heads] == ['Shared4Conv1FCBBoxHead'] * 3 and heads[0].loss_bbox.type == 'GIoULoss'
+    if 'world' not in path.name:  # the Swin detection 3x recipe
+        assert cfg.train_cfg.max_epochs == 36 and cfg.param_scheduler[1].milestones == [27, 33]
+        assert cfg.optim_wrapper.optimizer.lr == 1e-4 and cfg.optim_wrapper.optimizer.weight_decay == 0.05
+    DET_MODELS.build(cfg.model)

@@ -2,7 +2,9 @@
 # k + 1 = class k. Root: $TOKENAUG_WORLD (default data/world). 112 px images, small schedule for CPU.
 world_root = '{{$TOKENAUG_WORLD:data/world}}'
 crop_size = (112, 112)
-world_classes = ('00', '01', '02', '03', '04', '05', '06', '07', '08', '09')
+# the default world's 10 classes (tokenaug-data --num-classes 10), as named in its COCO json / world.json
+world_classes = ('00_striped_circle', '01_checkered_square', '02_dotted_triangle', '03_gradient_star', '04_grid_hexagon',
+                 '05_striped_cross', '06_checkered_diamond', '07_dotted_arrow', '08_gradient_pentagon', '09_grid_lshape')
 train_pipeline = [
     dict(type='LoadImageFromFile'),
     dict(type='LoadAnnotations', reduce_zero_label=True),
