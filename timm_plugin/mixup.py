@@ -78,30 +78,36 @@ class MixTarget(torch.Tensor):
                             self.labels.clone())
 
 
-def _forward(owner: str, name: str) -> property:
-    """A property reading/writing ``self.<owner>.<name>``: timm's Mixup attributes stay live."""
-    def get(self):
-        return getattr(getattr(self, owner), name)
-
-    def set(self, value):
-        setattr(getattr(self, owner), name, value)
-    return property(get, set, doc=f'timm ``Mixup.{name}``, kept on ``{owner}``')
+#: timm ``Mixup`` attributes a training loop may read or schedule
+TIMM_ATTRIBUTES = ('mixup_alpha', 'cutmix_alpha', 'cutmix_minmax', 'mix_prob', 'switch_prob', 'correct_lam',
+                   'mixup_enabled')
 
 
+def _forwarding(owner: str, names):
+    """Class decorator: each of ``names`` becomes a property reading/writing ``self.<owner>.<name>``, so
+    timm's Mixup attributes stay live views of where the state really is."""
+    def prop(name):
+        def get(self):
+            return getattr(getattr(self, owner), name)
+
+        def set(self, value):
+            setattr(getattr(self, owner), name, value)
+        return property(get, set, doc=f'timm ``Mixup.{name}``, kept on ``{owner}``')
+
+    def decorate(cls):
+        for name in names:
+            setattr(cls, name, prop(name))
+        return cls
+    return decorate
+
+
+@_forwarding('sampler', TIMM_ATTRIBUTES)
 class TokenMixer:
     """Called like timm's ``Mixup``: ``x, target = mixer(x, y)``. See :func:`create_mixer`.
 
-    timm's attributes (``mixup_alpha``, ``cutmix_alpha``, ``cutmix_minmax``, ``mix_prob``,
-    ``switch_prob``, ``correct_lam``, ``mixup_enabled``) are live views of the sampler, so a training
-    loop that schedules them (or switches mixing off) works as with timm.
+    timm's attributes (:data:`TIMM_ATTRIBUTES`) are live views of the sampler, so a training loop that
+    schedules them (or switches mixing off) works as with timm.
     """
-    mixup_alpha = _forward('sampler', 'mixup_alpha')
-    cutmix_alpha = _forward('sampler', 'cutmix_alpha')
-    cutmix_minmax = _forward('sampler', 'cutmix_minmax')
-    mix_prob = _forward('sampler', 'mix_prob')
-    switch_prob = _forward('sampler', 'switch_prob')
-    correct_lam = _forward('sampler', 'correct_lam')
-    mixup_enabled = _forward('sampler', 'mixup_enabled')
 
     def __init__(self, mixup_type: str = 'mixup', *, mixup_alpha: float = 1., cutmix_alpha: float = 0.,
                  cutmix_minmax: Optional[Sequence[float]] = None, prob: float = 1.0, switch_prob: float = 0.5,
@@ -149,21 +155,13 @@ class TokenMixer:
         return mix_images(x, mix), target
 
 
+@_forwarding('mixer', TIMM_ATTRIBUTES + ('label_smoothing', 'num_classes'))
 class FastCollateTokenMixup(FastCollateMixup):
     """timm's ``FastCollateMixup`` contract (uint8 images in, uint8 mixed batch + soft target out),
     for every mixing kind. The prefetcher normalises afterwards; ``mixup_enabled`` and timm's other
     attributes are live views of the inner :class:`TokenMixer`. ``mode='half'`` (timm) mixes per
     element and returns the first half of the batch (plain-target kinds only: the partners of a half
     batch are not in it, so no mix can be carried)."""
-    mixup_alpha = _forward('mixer', 'mixup_alpha')
-    cutmix_alpha = _forward('mixer', 'cutmix_alpha')
-    cutmix_minmax = _forward('mixer', 'cutmix_minmax')
-    mix_prob = _forward('mixer', 'mix_prob')
-    switch_prob = _forward('mixer', 'switch_prob')
-    correct_lam = _forward('mixer', 'correct_lam')
-    mixup_enabled = _forward('mixer', 'mixup_enabled')
-    label_smoothing = _forward('mixer', 'label_smoothing')
-    num_classes = _forward('mixer', 'num_classes')
 
     def __init__(self, mixup_type: str = 'mixup', *, mode: str = 'batch', **kwargs):
         self.half = 'half' in mode
