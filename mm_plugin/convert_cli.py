@@ -19,6 +19,7 @@ arrived. Anything else is an error naming the keys; a wrong checkpoint never "lo
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import sys
 from typing import Dict, List, Tuple
@@ -160,12 +161,9 @@ def _kwargs(items: List[str]) -> dict:
             raise ValueError(f'model-kwargs: expected K=V, got {item!r}')
         k, v = item.split('=', 1)
         try:
-            out[k] = int(v)
-        except ValueError:
-            try:
-                out[k] = float(v)
-            except ValueError:
-                out[k] = v
+            out[k] = ast.literal_eval(v)  # 112, 0.5, (2, 2, 6, 2), True
+        except (ValueError, SyntaxError):
+            out[k] = v
     return out
 
 

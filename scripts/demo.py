@@ -1,8 +1,15 @@
 #!/usr/bin/env python3
-"""``make demo``: the synthetic world, then a small ViT trained with CutMix, with TokenMix-style block
-masks and with TL-Align (aligned CutMix targets), through ``tokenaug-train`` (timm) and through
-mmpretrain's own ``tools/train.py``; prints one comparison table and the per-epoch curves of the timm
-runs, and writes them to ``demo_out/results.md``.
+"""``make demo``: the whole pipeline on the synthetic world, on 2 CPU cores.
+
+1. the world (``tokenaug-data``: ImageNet, ADE20K and COCO layouts of the same scenes);
+2. classification: a small ViT trained with CutMix, TokenMix-style block masks and TL-Align, through
+   ``tokenaug-train`` (timm) and through mmpretrain's own ``tools/train.py``;
+3. transfer, for CutMix and TL-Align pretraining: ``tokenaug-convert`` -> UperNet (the ViT) with mmseg's
+   ``tools/train.py`` / ``test.py`` -> mIoU; a small Swin pretrained the same way -> Cascade Mask R-CNN
+   with mmdet's ``tools/train.py`` / ``test.py`` -> box / mask AP.
+
+Prints the tables and writes them to ``demo_out/results.md``. Short schedules: the numbers show that
+every stage runs end to end, not which method is better.
 
     .venv/bin/python scripts/demo.py [--epochs 6] [--out demo_out]
 """
@@ -48,6 +55,68 @@ def timm_run(world, out, kind, epochs, curves):
     return final['top1'], final['top5'], secs
 
 
+def convert(src, dst, to, model, *model_kwargs):
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    run([BIN / 'tokenaug-convert', '--src', src, '--dst', dst, '--to', to, '--model', model,
+         *(['--model-kwargs', *model_kwargs] if model_kwargs else [])], log=dst.with_suffix('.log'))
+
+
+def upstream(pkg: str, tool: str) -> Path:
+    import importlib
+    return Path(importlib.import_module(pkg).__file__).parent / '.mim' / 'tools' / tool
+
+
+def metric(log: Path, name: str) -> float:
+    """The last ``name: value`` an mm test script logged (0 when mmdet found no detection at all: its
+    COCO metric then logs that the results are empty and reports nothing)."""
+    import re
+    text = log.read_text()
+    values = re.findall(re.escape(name) + r': (-?[\d.]+)', text)
+    if values:
+        return float(values[-1])
+    if 'results of the whole dataset is empty' in text:
+        return 0.0
+    raise SystemExit(f'demo: no {name} in {log}')
+
+
+def transfer(world, out, method, seg_iters, det_iters, det_epochs):
+    """CutMix or TL-Align pretraining carried to segmentation and detection; returns (mIoU, box AP, mask AP)."""
+    env = dict(os.environ, TOKENAUG_WORLD=str(world), PYTHONPATH=f'{REPO}{os.pathsep}{os.environ.get("PYTHONPATH", "")}')
+    # segmentation: the ViT-Tiny of the classification stage
+    seg_ckpt = out / 'backbones' / f'vit-tiny_{method}_mmseg.pth'
+    convert(out / 'timm' / method / 'last.pth.tar', seg_ckpt, 'mmseg', 'vit_tiny_patch16_224', 'img_size=112')
+    cfg = REPO / 'configs/mmseg/upernet_vit-tiny_world.py'
+    work = out / 'mmseg' / method
+    shutil.rmtree(work, ignore_errors=True)
+    env['TOKENAUG_BACKBONE'] = str(seg_ckpt)
+    run([sys.executable, upstream('mmseg', 'train.py'), cfg, '--work-dir', work, '--cfg-options',
+         f'train_cfg.max_iters={seg_iters}', f'train_cfg.val_interval={seg_iters}',
+         f'default_hooks.checkpoint.interval={seg_iters}'], env=env, log=out / f'mmseg_{method}.log')
+    run([sys.executable, upstream('mmseg', 'test.py'), cfg, work / f'iter_{seg_iters}.pth', '--work-dir', work / 'test'],
+        env=env, log=out / f'mmseg_{method}_test.log')
+    miou = metric(out / f'mmseg_{method}_test.log', 'mIoU')
+    # detection: a small Swin pretrained with the same method, then Cascade Mask R-CNN
+    exp = out / 'timm' / f'swin-mini_{method}'
+    shutil.rmtree(exp, ignore_errors=True)
+    run([BIN / 'tokenaug-train', '-c', REPO / 'configs/timm/world_swin-mini.yaml', '--data-dir', world / 'imagenet',
+         '--epochs', str(det_epochs), '--mixup-type', method, '--output', out / 'timm', '--experiment', exp.name],
+        log=out / f'timm_swin-mini_{method}.log')
+    det_ckpt = out / 'backbones' / f'swin-mini_{method}_mmdet.pth'
+    convert(exp / 'last.pth.tar', det_ckpt, 'mmdet', 'swin_tiny_patch4_window7_224', 'embed_dim=32',
+            'depths=(2,2,2,2)', 'num_heads=(1,2,4,8)')
+    cfg = REPO / 'configs/mmdet/cascade-mask-rcnn_swin-mini_world.py'
+    work = out / 'mmdet' / method
+    shutil.rmtree(work, ignore_errors=True)
+    env['TOKENAUG_BACKBONE'] = str(det_ckpt)
+    run([sys.executable, upstream('mmdet', 'train.py'), cfg, '--work-dir', work, '--cfg-options',
+         f'train_dataloader.dataset.indices={2 * det_iters}', 'train_cfg.max_epochs=1', 'train_cfg.val_interval=2'],
+        env=env, log=out / f'mmdet_{method}.log')
+    run([sys.executable, upstream('mmdet', 'test.py'), cfg, work / 'epoch_1.pth', '--work-dir', work / 'test'],
+        env=env, log=out / f'mmdet_{method}_test.log')
+    log = out / f'mmdet_{method}_test.log'
+    return miou, metric(log, 'coco/bbox_mAP'), metric(log, 'coco/segm_mAP')
+
+
 def mmpretrain_run(world, out, config, epochs):
     import mmpretrain
     train_py = Path(mmpretrain.__file__).parent / '.mim' / 'tools' / 'train.py'
@@ -65,22 +134,25 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--epochs', type=int, default=int(os.environ.get('DEMO_EPOCHS', 6)))
     p.add_argument('--out', type=Path, default=REPO / 'demo_out')
+    p.add_argument('--seg-iters', type=int, default=int(os.environ.get('DEMO_SEG_ITERS', 80)))
+    p.add_argument('--det-iters', type=int, default=int(os.environ.get('DEMO_DET_ITERS', 30)))
+    p.add_argument('--det-pretrain-epochs', type=int, default=int(os.environ.get('DEMO_DET_PRETRAIN_EPOCHS', 3)))
     args = p.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     world = out / 'world'
     t0 = time.time()
-    print('== 1/3 synthetic world (tokenaug-data)', flush=True)
+    print('== 1/4 synthetic world (tokenaug-data)', flush=True)
     subprocess.run([BIN / 'tokenaug-data', '--out', world, '--seed', '0'], check=True)
 
     rows, curves = [], {}
     kinds = [('cutmix', 'MixUp/CutMix (DeiT)'), ('tokenmix_block', 'MixUp/TokenMix block masks'),
              ('tl_align', 'MixUp/CutMix + TL-Align')]
-    print(f'== 2/3 timm: ViT-Tiny/16 at 112 px, {args.epochs} epochs (tokenaug-train)', flush=True)
+    print(f'== 2/4 timm: ViT-Tiny/16 at 112 px, {args.epochs} epochs (tokenaug-train)', flush=True)
     for kind, label in kinds:
         print(f'  -- {label}', flush=True)
         rows.append(('timm (tokenaug-train)', label, *timm_run(world, out, kind, args.epochs, curves)))
-    print(f'== 3/3 mmpretrain: DeiT-Tiny at 112 px, {args.epochs} epochs (mmpretrain tools/train.py)', flush=True)
+    print(f'== 3/4 mmpretrain: DeiT-Tiny at 112 px, {args.epochs} epochs (mmpretrain tools/train.py)', flush=True)
     for config, label in [('deit-tiny_world_cutmix', kinds[0][1]), ('deit-tiny_world_tokenmix-block', kinds[1][1]),
                           ('deit-tiny_world_tl-align', kinds[2][1])]:
         print(f'  -- {label}', flush=True)
@@ -94,6 +166,17 @@ def main():
     for e in range(args.epochs):
         cells = [f"{float(curves[k][e]['train_loss']):.3f} / {float(curves[k][e]['eval_top1']):.0f}" for k, _ in kinds]
         table.append(f'| {e} | ' + ' | '.join(cells) + ' |')
+    print(f'== 4/4 transfer: UperNet {args.seg_iters} iterations (mmseg), Cascade Mask R-CNN {args.det_iters} '
+          f'iterations after a {args.det_pretrain_epochs}-epoch small-Swin pretraining (mmdet)', flush=True)
+    transfer_rows = []
+    for method, label in [('cutmix', kinds[0][1]), ('tl_align', kinds[2][1])]:
+        print(f'  -- pretrained with {label}', flush=True)
+        transfer_rows.append((label, *transfer(world, out, method, args.seg_iters, args.det_iters,
+                                              args.det_pretrain_epochs)))
+    table += ['', f'Transfer (upstream test scripts; UperNet {args.seg_iters} it., Cascade Mask R-CNN '
+                  f'{args.det_iters} it.):', '', '| pretraining | ADE20K-world mIoU | COCO-world box AP | '
+                  'COCO-world mask AP |', '|---|---|---|---|']
+    table += [f'| {label} | {miou:.2f} | {box:.3f} | {mask:.3f} |' for label, miou, box, mask in transfer_rows]
     text = '\n'.join(table)
     (out / 'results.md').write_text(text + '\n')
     print('\n' + text)

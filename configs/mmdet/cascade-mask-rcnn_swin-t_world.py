@@ -20,11 +20,22 @@ def _box_head(stds):  # the base config's heads (lists replace, not merge), for 
                 loss_bbox=dict(type='GIoULoss', loss_weight=10.0))
 
 
+def _rcnn_stage(iou):  # the recipe's assigners, with 64 instead of 512 sampled RoIs (scenes hold 1-2 objects)
+    return dict(assigner=dict(type='MaxIoUAssigner', pos_iou_thr=iou, neg_iou_thr=iou, min_pos_iou=iou,
+                              match_low_quality=False, ignore_iof_thr=-1),
+                sampler=dict(type='RandomSampler', num=64, pos_fraction=0.25, neg_pos_ub=-1, add_gt_as_proposals=True),
+                mask_size=28, pos_weight=-1, debug=False)
+
+
 model = dict(
     backbone=dict(drop_path_rate=0., init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint)),
     roi_head=dict(bbox_head=[_box_head([0.1, 0.1, 0.2, 0.2]), _box_head([0.05, 0.05, 0.1, 0.1]),
                              _box_head([0.033, 0.033, 0.067, 0.067])],
                   mask_head=dict(num_classes=num_classes)),
+    # CPU-sized proposal and detection counts (the recipe's: 2000/1000 proposals, 512 RoIs, 100 detections)
+    train_cfg=dict(rpn_proposal=dict(nms_pre=500, max_per_img=200),
+                   rcnn=[_rcnn_stage(0.5), _rcnn_stage(0.6), _rcnn_stage(0.7)]),
+    test_cfg=dict(rpn=dict(nms_pre=200, max_per_img=50), rcnn=dict(max_per_img=10)),
 )
 train_pipeline = [
     dict(type='LoadImageFromFile'),
