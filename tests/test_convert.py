@@ -100,3 +100,21 @@ def test_cli_report(tmp_path, run_env):
     assert res.returncode == 0, res.stderr[-2000:]
     assert 'strict load and mmseg init_weights verified' in res.stdout
     assert "dropped (training-only): ['head.bias', 'head.weight', 'ln1.weight (final norm" in res.stdout
+
+
+def test_mmpretrain_swin_to_mmdet_same_features(tmp_path):
+    """An mmpretrain Swin checkpoint (merging already at the end of a stage) onto mmdet's Swin."""
+    torch.manual_seed(0)
+    cls = PRETRAIN_MODELS.build(dict(
+        type='ImageClassifier', neck=dict(type='GlobalAveragePooling'),
+        backbone=dict(type='SwinTransformer', arch=dict(embed_dims=32, depths=[2, 2, 2, 2], num_heads=[1, 2, 4, 8]),
+                      img_size=448, drop_path_rate=0.),
+        head=dict(type='LinearClsHead', num_classes=10, in_channels=256))).eval()
+    torch.save({'state_dict': cls.state_dict(), 'meta': {'epoch': 1}}, tmp_path / 'mmpretrain.pth')
+    kw = dict(img_size=448, embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8))
+    report = convert_checkpoint(tmp_path / 'mmpretrain.pth', tmp_path / 'det.pth', 'mmdet',
+                                'swin_tiny_patch4_window7_224', source='mmpretrain', model_kwargs=kw)
+    assert report['dropped'] == ['head.fc.bias', 'head.fc.weight']
+    det = _loaded('mmdet', 'swin_tiny_patch4_window7_224', tmp_path / 'det.pth', **kw)
+    x = torch.randn(1, 3, 448, 448)  # every stage larger than the 7x7 window: both keep the shift
+    assert torch.allclose(det(x)[-1], cls.backbone(x)[-1], atol=1e-4)

@@ -1,0 +1,49 @@
+# UperNet on the synthetic world with the small Swin of configs/timm/world_swin-mini.yaml (patch 4, window 7,
+# embed 32, depths 2-2-2-2, heads 1-2-4-8; 112 px scenes upsampled to 224 so every stage is whole windows),
+# converted by tokenaug-convert --to mmseg --model swin_tiny_patch4_window7_224
+# --model-kwargs embed_dim=32 'depths=(2,2,2,2)' 'num_heads=(1,2,4,8)'. Backbone checkpoint: $TOKENAUG_BACKBONE.
+_base_ = ['mmseg::_base_/models/upernet_swin.py', 'mmseg::_base_/default_runtime.py', './_base_/world_ade20k.py']
+
+custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)
+
+backbone_checkpoint = '{{$TOKENAUG_BACKBONE:demo_out/backbones/swin-mini_mmseg.pth}}'
+norm_cfg = dict(type='BN', requires_grad=True)
+model = dict(
+    data_preprocessor=dict(size=(224, 224)),
+    backbone=dict(embed_dims=32, depths=[2, 2, 2, 2], num_heads=[1, 2, 4, 8], window_size=7, drop_path_rate=0.,
+                  use_abs_pos_embed=False, patch_norm=True,
+                  init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint)),
+    decode_head=dict(in_channels=[32, 64, 128, 256], channels=64, num_classes=10, norm_cfg=norm_cfg),
+    auxiliary_head=dict(in_channels=128, channels=32, num_classes=10, norm_cfg=norm_cfg),
+    test_cfg=dict(mode='whole'),
+)
+train_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='LoadAnnotations', reduce_zero_label=True),
+    dict(type='Resize', scale=(224, 224), keep_ratio=True),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='PackSegInputs'),
+]
+test_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='Resize', scale=(224, 224), keep_ratio=True),
+    dict(type='LoadAnnotations', reduce_zero_label=True),
+    dict(type='PackSegInputs'),
+]
+train_dataloader = dict(dataset=dict(pipeline=train_pipeline))
+val_dataloader = dict(dataset=dict(pipeline=test_pipeline))
+test_dataloader = val_dataloader
+optim_wrapper = dict(type='OptimWrapper', optimizer=dict(type='AdamW', lr=2e-4, betas=(0.9, 0.999), weight_decay=0.01),
+                     paramwise_cfg=dict(custom_keys={'absolute_pos_embed': dict(decay_mult=0.),
+                                                     'relative_position_bias_table': dict(decay_mult=0.),
+                                                     'norm': dict(decay_mult=0.)}))
+param_scheduler = [
+    dict(type='LinearLR', start_factor=1e-3, by_epoch=False, begin=0, end=20),
+    dict(type='PolyLR', eta_min=0.0, power=1.0, begin=20, end=200, by_epoch=False),
+]
+train_cfg = dict(type='IterBasedTrainLoop', max_iters=200, val_interval=100)
+val_cfg = dict(type='ValLoop')
+test_cfg = dict(type='TestLoop')
+default_hooks = dict(logger=dict(type='LoggerHook', interval=10),
+                     checkpoint=dict(type='CheckpointHook', by_epoch=False, interval=100, max_keep_ckpts=1))
+env_cfg = dict(dist_cfg=dict(backend='gloo'))
