@@ -36,16 +36,18 @@ SEG_CONFIGS = sorted((REPO / 'configs' / 'mmseg').glob('*.py'))
 
 @pytest.mark.parametrize('path', SEG_CONFIGS, ids=lambda p: p.name)
 def test_mmseg_config_builds_with_a_pretrained_backbone(path):
+    from mmengine.registry import DefaultScope
     from mmseg.registry import MODELS as SEG_MODELS
     from mmseg.utils import register_all_modules
-    register_all_modules()
+    register_all_modules(init_default_scope=False)  # a global default scope would leak into other tests
     cfg = Config.fromfile(str(path))
     assert 'mm_plugin' in cfg.custom_imports['imports']
     assert cfg.model.backbone.init_cfg['type'] == 'Pretrained' and cfg.model.get('pretrained') is None
     if 'world' not in path.name:  # the ADE20K recipes: 160k iterations, AdamW 6e-5, wd 0.01, batch 2 x 8 GPUs
         assert cfg.train_cfg.max_iters == 160000 and cfg.train_dataloader.batch_size == 2
         assert cfg.optim_wrapper.optimizer.lr == 6e-5 and cfg.optim_wrapper.optimizer.weight_decay == 0.01
-    model = SEG_MODELS.build(cfg.model)
+    with DefaultScope.overwrite_default_scope('mmseg'):
+        model = SEG_MODELS.build(cfg.model)
     assert type(model.backbone).__name__ in ('VisionTransformer', 'SwinTransformer')
 
 
@@ -56,7 +58,8 @@ DET_CONFIGS = sorted((REPO / 'configs' / 'mmdet').glob('*.py'))
 def test_mmdet_cascade_config_builds(path):
     from mmdet.registry import MODELS as DET_MODELS
     from mmdet.utils import register_all_modules
-    register_all_modules()
+    from mmengine.registry import DefaultScope
+    register_all_modules(init_default_scope=False)
     cfg = Config.fromfile(str(path))
     assert cfg.model.type == 'CascadeRCNN' and cfg.model.backbone.type == 'SwinTransformer'
     heads = cfg.model.roi_head.bbox_head
@@ -64,4 +67,5 @@ def test_mmdet_cascade_config_builds(path):
     if 'world' not in path.name:  # the Swin detection 3x recipe
         assert cfg.train_cfg.max_epochs == 36 and cfg.param_scheduler[1].milestones == [27, 33]
         assert cfg.optim_wrapper.optimizer.lr == 1e-4 and cfg.optim_wrapper.optimizer.weight_decay == 0.05
-    DET_MODELS.build(cfg.model)
+    with DefaultScope.overwrite_default_scope('mmdet'):
+        DET_MODELS.build(cfg.model)
