@@ -33,3 +33,4 @@ test_cfg = dict(type='TestLoop')
 default_hooks = dict(logger=dict(type='LoggerHook', interval=10),
                      checkpoint=dict(type='CheckpointHook', by_epoch=False, interval=100, max_keep_ckpts=1))
 env_cfg = dict(dist_cfg=dict(backend='gloo'))
+randomness = dict(seed=0)  # repeatable demo numbers (mmengine's default draws a fresh seed)
