@@ -23,14 +23,4 @@ optim_wrapper = dict(type='OptimWrapper', optimizer=dict(type='AdamW', lr=2e-4, 
                                                          weight_decay=0.01),
                      paramwise_cfg=dict(custom_keys={'pos_embed': dict(decay_mult=0.), 'cls_token': dict(decay_mult=0.),
                                                      'norm': dict(decay_mult=0.)}))
-param_scheduler = [
-    dict(type='LinearLR', start_factor=1e-3, by_epoch=False, begin=0, end=20),
-    dict(type='PolyLR', eta_min=0.0, power=1.0, begin=20, end=200, by_epoch=False),
-]
-train_cfg = dict(type='IterBasedTrainLoop', max_iters=200, val_interval=100)
-val_cfg = dict(type='ValLoop')
-test_cfg = dict(type='TestLoop')
-default_hooks = dict(logger=dict(type='LoggerHook', interval=10),
-                     checkpoint=dict(type='CheckpointHook', by_epoch=False, interval=100, max_keep_ckpts=1))
 env_cfg = dict(dist_cfg=dict(backend='gloo'))
-randomness = dict(seed=0)  # repeatable demo numbers (mmengine's default draws a fresh seed)

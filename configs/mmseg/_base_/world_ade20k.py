@@ -30,3 +30,15 @@ val_dataloader = dict(batch_size=1, num_workers=2, persistent_workers=False,
 test_dataloader = val_dataloader
 val_evaluator = dict(type='IoUMetric', iou_metrics=['mIoU'])
 test_evaluator = val_evaluator
+
+# a CPU-sized schedule: warmup + poly over 200 iterations (mmseg recipes: 1500 + 160k)
+param_scheduler = [
+    dict(type='LinearLR', start_factor=1e-3, by_epoch=False, begin=0, end=20),
+    dict(type='PolyLR', eta_min=0.0, power=1.0, begin=20, end=200, by_epoch=False),
+]
+train_cfg = dict(type='IterBasedTrainLoop', max_iters=200, val_interval=100)
+val_cfg = dict(type='ValLoop')
+test_cfg = dict(type='TestLoop')
+default_hooks = dict(logger=dict(type='LoggerHook', interval=10),
+                     checkpoint=dict(type='CheckpointHook', by_epoch=False, interval=100, max_keep_ckpts=1))
+randomness = dict(seed=0)  # repeatable demo numbers (mmengine's default draws a fresh seed)
