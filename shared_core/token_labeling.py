@@ -1,0 +1,103 @@
+"""Token labeling's objective and MixToken, framework-free (``token-labeling.md`` Sec. 3.2-3.3).
+
+- MixToken (Eq. 5): the patch tokens of two images are swapped inside a box on the token grid, right
+  after patch embedding (:func:`shared_core.mixing.mix_tokens` with a ``'token_box'`` :class:`Mix`).
+- Dense targets (Eq. 6) stay each sample's own: the model's dense outputs are *un-mixed*
+  (:func:`unmix_tokens`), so the output at a token position of sample ``i`` is the prediction for the
+  content that came from sample ``i``. For the pairwise mixes of MixToken (partner ``B-1-i``, the
+  same box for both members of a pair) this is a permutation of the (output, target) pairs of Eq. 6,
+  so the loss is the same as mixing the targets.
+- The class target (Eq. 7) is mixed by the box's area: ``M̄ · y_i + (1 - M̄) · y_partner``, ``M̄`` the
+  share of the sample's own tokens (``mix.lam``).
+- Loss (Eq. 3-4): ``H(cls, y_cls) + β · mean_tokens H(aux_i, y_i)``, ``H`` the soft-target cross
+  entropy, ``β = 0.5`` in the paper.
+
+The class target can be the ground truth (the paper's Eq. 1/7), the annotator's pooled label over the
+crop (the public code's default; ReLabel, :func:`shared_core.label_maps.crop_targets`) or a blend.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .mixing import Mix
+
+__all__ = ['CLS_TARGETS', 'unmix_tokens', 'mix_dense_targets', 'mix_class_target', 'class_target',
+           'soft_cross_entropy', 'token_labeling_loss']
+
+#: where the class token's target comes from
+CLS_TARGETS = ('gt', 'annotator', 'mix')
+
+
+def _check_involution(mix: Mix) -> None:
+    partner = mix.partner
+    ar = torch.arange(len(partner), device=partner.device)
+    share = mix.token_share_flat()
+    if not torch.equal(partner[partner], ar) or not torch.equal(share, share[partner]) or \
+            not ((share == 0) | (share == 1)).all():
+        raise ValueError('mix: un-mixing needs a pairwise token swap (partner of the partner is the sample, '
+                         'both members with the same 0/1 token mask: MixToken in batch or pair mode)')
+
+
+def unmix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
+    """Undo a pairwise token swap on per-token outputs ``(B, N, D)``: where sample ``i`` received its
+    partner's token, take the output of the partner's row, which holds ``i``'s own token there."""
+    if tokens.dim() != 3 or tokens.shape[0] != mix.batch_size or tokens.shape[1] != mix.num_tokens:
+        raise ValueError(f'tokens: expected (B={mix.batch_size}, N={mix.num_tokens}, D) outputs, '
+                         f'got {tuple(tokens.shape)}')
+    _check_involution(mix)
+    swapped = mix.token_share_flat().to(tokens.device).bool().unsqueeze(-1)
+    return torch.where(swapped, tokens[mix.partner.to(tokens.device)], tokens)
+
+
+def mix_dense_targets(targets: torch.Tensor, mix: Mix) -> torch.Tensor:
+    """Eq. 6: ``Ŷ = Y_i ⊙ (1 - s) + Y_partner ⊙ s`` for dense targets ``(B, N, C)`` (any mix)."""
+    s = mix.token_share_flat().to(targets.device, targets.dtype).unsqueeze(-1)
+    return torch.addcmul(targets * (1. - s), targets[mix.partner.to(targets.device)], s)
+
+
+def mix_class_target(target: torch.Tensor, mix: Optional[Mix]) -> torch.Tensor:
+    """Eq. 7: ``M̄ · y + (1 - M̄) · y[partner]`` with ``M̄ = mix.lam`` (own share); rows still sum to 1."""
+    if mix is None:
+        return target
+    lam = mix.lam.to(target.device, target.dtype).view(-1, 1)
+    return target * lam + target[mix.partner.to(target.device)] * (1. - lam)
+
+
+def class_target(gt: torch.Tensor, annotator: Optional[torch.Tensor], kind: str = 'gt',
+                 mix_weight: float = 0.5) -> torch.Tensor:
+    """The class token's target ``(B, C)`` before mixing: ``'gt'`` the (smoothed) ground truth,
+    ``'annotator'`` the annotator's pooled label over the crop, ``'mix'`` ``w · annotator + (1 - w) · gt``."""
+    if kind not in CLS_TARGETS:
+        raise ValueError(f'cls_target: expected one of {CLS_TARGETS}, got {kind!r}')
+    if kind == 'gt':
+        return gt
+    if annotator is None:
+        raise ValueError(f"cls_target={kind!r} needs the annotator's label maps (no maps were given)")
+    if kind == 'annotator':
+        return annotator
+    if not 0. <= mix_weight <= 1.:
+        raise ValueError(f'cls_target_mix: expected a weight in [0, 1], got {mix_weight}')
+    return annotator * mix_weight + gt * (1. - mix_weight)
+
+
+def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of ``-Σ_c t_c log softmax(z)_c`` (``logits`` and ``target`` of one shape, last dim C)."""
+    if logits.shape != target.shape:
+        raise ValueError(f'target: expected the logits\' shape {tuple(logits.shape)}, got {tuple(target.shape)}')
+    return -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+
+
+def token_labeling_loss(cls_logits: torch.Tensor, cls_target: torch.Tensor,
+                        aux_logits: Optional[torch.Tensor] = None, dense_target: Optional[torch.Tensor] = None,
+                        dense_weight: float = 0.5) -> torch.Tensor:
+    """Eq. 3-4: ``H(cls, y_cls) + β · (1/N) Σ_i H(aux_i, y_i)`` averaged over the batch. ``aux_logits``
+    and ``dense_target`` are ``(B, N, C)``, already aligned (un-mixed outputs, own targets)."""
+    loss = soft_cross_entropy(cls_logits, cls_target)
+    if dense_weight:
+        if aux_logits is None or dense_target is None:
+            raise ValueError('dense_weight > 0 needs aux_logits and dense_target')
+        loss = loss + dense_weight * soft_cross_entropy(aux_logits, dense_target)
+    return loss

@@ -1,0 +1,186 @@
+"""Token labeling + MixToken on timm: un-mixing, the loss against a hand computation, the inference rule."""
+import math
+
+import numpy as np
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+
+from shared_core.label_maps import dense_maps
+from shared_core.mixing import Mix, MixSampler
+from shared_core.token_labeling import mix_dense_targets, token_labeling_loss, unmix_tokens
+from timm_plugin.token_labeling import (TokenLabeling, TokenLabelingLoss, TokenLabelingOutput, TokenLabelTarget,
+                                        attach_aux_head)
+
+
+def tiny_vit(depth=2, num_classes=5, **kw):
+    torch.manual_seed(0)
+    m = timm.create_model('vit_tiny_patch16_224', img_size=64, num_classes=num_classes, depth=depth, **kw)
+    return attach_aux_head(m)
+
+
+def box_mix(B=4, grid=(4, 4), seed=0, mode='batch'):
+    return MixSampler('token_box', mixup_alpha=0., cutmix_alpha=1., mode=mode, patch_size=16).sample(
+        B, (grid[0] * 16, grid[1] * 16), generator=torch.Generator().manual_seed(seed))
+
+
+def test_unmixed_outputs_are_each_samples_own_tokens():
+    """Without blocks no token sees another: after MixToken and un-mixing, every sample's dense output
+    must equal the unmixed model's output for that sample, position by position."""
+    m = tiny_vit(depth=0)
+    w = TokenLabeling(m, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(6, 3, 64, 64)
+    out = w(x)
+    assert out.mix is not None and 0 < out.mix.token_share.sum() < out.mix.token_share.numel()
+    with torch.no_grad():
+        plain = m.aux_head(m.forward_features(x)[:, 1:])
+    torch.testing.assert_close(out.aux, plain, atol=1e-6, rtol=0)
+    # and the mix did something: before un-mixing, the box rows hold the partner's outputs
+    s = out.mix.token_share_flat().bool()
+    raw = torch.where(s[..., None], plain[out.mix.partner], plain)
+    assert not torch.allclose(raw, plain)
+    assert torch.equal(unmix_tokens(raw, out.mix), plain)
+
+
+@pytest.mark.parametrize('mode', ['batch', 'pair'])
+def test_unmixing_gives_the_loss_of_eq6_mixed_targets(mode):
+    """Un-mixed outputs vs own targets == mixed outputs vs mixed targets (Eq. 6), for a deep model."""
+    mix = box_mix(B=6, mode=mode, seed=1)
+    out = torch.randn(6, 16, 5)
+    tgt = torch.softmax(torch.randn(6, 16, 5), -1)
+    a = -(tgt * F.log_softmax(unmix_tokens(out, mix), -1)).sum(-1).mean()
+    b = -(mix_dense_targets(tgt, mix) * F.log_softmax(out, -1)).sum(-1).mean()
+    torch.testing.assert_close(a, b)
+
+
+def test_unmixing_refuses_a_mix_that_is_not_a_pairwise_swap():
+    mix = MixSampler('token_box', mixup_alpha=0., cutmix_alpha=1., mode='elem', patch_size=16).sample(
+        4, (64, 64), generator=torch.Generator().manual_seed(0))
+    if torch.equal(mix.token_share, mix.token_share[mix.partner]):
+        pytest.skip('sampled symmetric boxes')
+    with pytest.raises(ValueError, match='pairwise'):
+        unmix_tokens(torch.zeros(4, 16, 3), mix)
+
+
+def test_loss_against_a_hand_computation():
+    """Eq. 3-4 and 7 written out with explicit loops over samples, tokens and classes."""
+    C, B, N = 3, 2, 4
+    torch.manual_seed(0)
+    cls, aux = torch.randn(B, C), torch.randn(B, N, C)
+    y = torch.tensor([0, 2])
+    dense = torch.softmax(torch.randn(B, N, C), -1)
+    share = torch.tensor([[[0., 1.], [0., 0.]], [[0., 1.], [0., 0.]]])
+    mix = Mix(partner=torch.tensor([1, 0]), lam=torch.tensor([.75, .75]), token_share=share, img_size=(32, 32),
+              patch_size=(16, 16), kind='token_box')
+    eps, beta = 0.1, 0.5
+    # hand: smoothed one-hot, mixed by the own share 3/4 (Eq. 7)
+    onehot = [[(1 - eps + eps / C) if c == y[b] else eps / C for c in range(C)] for b in range(B)]
+    loss_cls = 0.
+    for b in range(B):
+        p = [0.75 * onehot[b][c] + 0.25 * onehot[1 - b][c] for c in range(C)]
+        lse = math.log(sum(math.exp(float(cls[b, c])) for c in range(C)))
+        loss_cls += -sum(p[c] * (float(cls[b, c]) - lse) for c in range(C))
+    loss_tok = 0.
+    for b in range(B):
+        for n in range(N):
+            lse = math.log(sum(math.exp(float(aux[b, n, c])) for c in range(C)))
+            t = [(1 - eps) * float(dense[b, n, c]) + eps / C for c in range(C)]
+            loss_tok += -sum(t[c] * (float(aux[b, n, c]) - lse) for c in range(C))
+    hand = loss_cls / B + beta * loss_tok / (B * N)
+
+    y_cls = TokenLabelingLoss(C, dense_weight=0., cls_target='gt', smoothing=eps).targets(
+        TokenLabelingOutput(cls, None, mix, (2, 2)), y)[0]
+    got = token_labeling_loss(cls, y_cls, aux, dense * (1 - eps) + eps / C, beta)
+    assert abs(float(got) - hand) < 1e-5
+
+
+def maps_target(labels, C, B, k=2, h=4, w=4, seed=0, boxes=None, flips=None):
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.ones(C), size=(B, h, w))
+    order = np.argsort(-p, -1)[..., :k]
+    val = torch.from_numpy(np.take_along_axis(p, order, -1).astype(np.float16)).permute(0, 3, 1, 2).contiguous()
+    idx = torch.from_numpy(order).permute(0, 3, 1, 2).contiguous()
+    boxes = torch.tensor([[0., 0., 1., 1.]] * B) if boxes is None else boxes
+    flips = torch.zeros(B, dtype=torch.bool) if flips is None else flips
+    return TokenLabelTarget.wrap(labels, val, idx, boxes, flips, C)
+
+
+def test_loss_module_uses_the_maps_targets_and_the_class_target_choice():
+    C, B = 5, 4
+    m = tiny_vit(num_classes=C)
+    w = TokenLabeling(m, generator=torch.Generator().manual_seed(0))
+    x, y = torch.randn(B, 3, 64, 64), torch.tensor([0, 1, 2, 3])
+    tgt = maps_target(y, C, B)
+    out = w(x)
+    for kind in ('gt', 'annotator', 'mix'):
+        lossf = TokenLabelingLoss(C, dense_weight=0.5, cls_target=kind, smoothing=0.1)
+        y_cls, dense = lossf.targets(out, tgt)
+        torch.testing.assert_close(y_cls.sum(1), torch.ones(B))
+        torch.testing.assert_close(dense.sum(-1), torch.ones(B, 16))
+        assert dense.shape == (B, 16, C)
+        loss = lossf(out, tgt)
+        assert torch.isfinite(loss)
+    loss.backward()
+    assert m.aux_head.weight.grad is not None and m.patch_embed.proj.weight.grad is not None
+    # the annotator's label is the mean of its map over the crop (here the whole image), mixed by Eq. 7
+    lossf = TokenLabelingLoss(C, dense_weight=0.5, cls_target='annotator', smoothing=0.)
+    y_cls, _ = lossf.targets(out, tgt)
+    pooled = dense_maps(tgt.values, tgt.indices, C).mean((2, 3))
+    lam = out.mix.lam.view(-1, 1)
+    torch.testing.assert_close(y_cls, lam * pooled + (1 - lam) * pooled[out.mix.partner], atol=1e-5, rtol=0)
+
+
+def test_plain_labels_need_no_maps_only_without_dense_term():
+    C = 5
+    m = tiny_vit(num_classes=C)
+    w = TokenLabeling(m, aux=False, generator=torch.Generator().manual_seed(0))
+    out = w(torch.randn(2, 3, 64, 64))
+    assert out.aux is None
+    TokenLabelingLoss(C, dense_weight=0.)(out, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match='label maps'):
+        TokenLabelingLoss(C, dense_weight=0.5)(out, torch.tensor([1, 2]))
+
+
+def test_mix_prob_zero_gives_the_plain_training_loss():
+    """Method on, mixing probability 0, no dense term, ground-truth class target: plain smoothed CE."""
+    C = 5
+    m = tiny_vit(num_classes=C, drop_path_rate=0.)
+    w = TokenLabeling(m, prob=0., aux=True)
+    x, y = torch.randn(4, 3, 64, 64), torch.tensor([0, 1, 2, 3])
+    out = w(x)
+    assert out.mix is None
+    loss = TokenLabelingLoss(C, dense_weight=0., smoothing=0.1)(out, y)
+    m.train()
+    ref = F.cross_entropy(m(x), y, label_smoothing=0.1)
+    torch.testing.assert_close(loss, ref)
+
+
+def test_eval_rule_cls_plus_half_max_aux_or_cls_only():
+    m = tiny_vit()
+    x = torch.randn(2, 3, 64, 64)
+    w = TokenLabeling(m).eval()
+    with torch.no_grad():
+        f = m.forward_features(x)
+        cls = m.head(f[:, 0])
+        aux = m.aux_head(f[:, 1:])
+        torch.testing.assert_close(w(x), cls + 0.5 * aux.max(1).values)
+        w.head_rule = 'cls'
+        torch.testing.assert_close(w(x), cls)
+        m.eval()
+        torch.testing.assert_close(w(x), m(x))  # the plain class head is the unwrapped model
+
+
+def test_bad_arguments_name_themselves():
+    m = timm.create_model('vit_tiny_patch16_224', img_size=64, num_classes=5, depth=1)
+    with pytest.raises(ValueError, match='aux_head'):
+        TokenLabeling(m)
+    attach_aux_head(m)
+    with pytest.raises(ValueError, match='head_rule'):
+        TokenLabeling(m, head_rule='max')
+    with pytest.raises(ValueError, match='mode'):
+        TokenLabeling(m, mode='elem')
+    with pytest.raises(ValueError, match='cls_target'):
+        TokenLabelingLoss(5, cls_target='teacher')
+    with pytest.raises(ValueError, match='patch_embed'):
+        TokenLabeling(torch.nn.Linear(3, 3))
