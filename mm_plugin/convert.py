@@ -2,8 +2,9 @@
 
 - ``timm_vit_to_mmpretrain``: a timm ``VisionTransformer`` onto an mmpretrain ``ImageClassifier``
   (``VisionTransformer`` backbone, ``VisionTransformerClsHead``), for parity tests.
-- ``to_dense_backbone``: timm or mmpretrain classification checkpoints (ViT/DeiT, Swin) onto the
-  mmseg / mmdet backbones, used by ``tokenaug-convert`` (:mod:`mm_plugin.convert_cli`).
+- ``to_dense_backbone``: timm or mmpretrain classification checkpoints (ViT/DeiT, Swin, LV-ViT) onto the
+  mmseg / mmdet backbones (LV-ViT: :class:`mm_plugin.lvvit.LVViT`, same key names), used by
+  ``tokenaug-convert`` (:mod:`mm_plugin.convert_cli`).
 
 Layout facts handled here (DESIGN.md): mmseg's ViT uses ``nn.MultiheadAttention``
 (``attn.attn.in_proj_*`` = timm's ``qkv``); timm's Swin puts ``PatchMerging`` at the *start* of a stage,
@@ -100,6 +101,18 @@ _MMPRETRAIN_SWIN_DENSE = (
     (r'^backbone\.(patch_embed\..*|stages\..*)$', r'\1'),
     (r'^backbone\.norm(\d+)\.(weight|bias)$', r'norm\1.\2'),
 )
+# LV-ViT (timm_plugin.lvvit): mm_plugin's mmseg backbone keeps timm's module names, so the map is the identity
+# on exactly the keys an LV-ViT has (anything else, e.g. a DeiT's qkv bias, stays for the strict check to name)
+_TIMM_LVVIT_DENSE = (
+    (r'^(cls_token|pos_embed)$', r'\1'),
+    (r'^patch_embed\.(conv[123]\.weight|proj\.(?:weight|bias))$', r'patch_embed.\1'),
+    (r'^patch_embed\.(bn[123])\.(weight|bias|running_mean|running_var|num_batches_tracked)$', r'patch_embed.\1.\2'),
+    (r'^blocks\.(\d+)\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(weight|bias)$', r'blocks.\1.\2.\3'),
+    (r'^norm\.(weight|bias)$', r'norm.\1'),
+)
+# mmpretrain's TIMMBackbone holds the timm model as ``backbone.timm_model`` (``features_only=True``: timm's
+# feature wrapper adds ``model.``)
+_MMPRETRAIN_LVVIT_DENSE = tuple((r'^backbone\.timm_model\.(?:model\.)?' + p[1:], r) for p, r in _TIMM_LVVIT_DENSE)
 
 
 def _unfold_order_reduction(w: torch.Tensor) -> torch.Tensor:
@@ -123,17 +136,20 @@ def to_dense_backbone(state_dict: Dict[str, torch.Tensor], arch: str, source: st
     """Map a classification checkpoint to OpenMMLab dense-prediction backbone keys (no prefix).
 
     Args:
-        arch: ``'vit'`` (ViT/DeiT) or ``'swin'``.
-        source: ``'timm'`` (tokenaug-train / plain timm files) or ``'mmpretrain'``.
+        arch: ``'vit'`` (ViT/DeiT), ``'swin'`` or ``'lvvit'`` (:mod:`timm_plugin.lvvit`; keys unchanged).
+        source: ``'timm'`` (tokenaug-train / plain timm files) or ``'mmpretrain'`` (for LV-ViT: an
+            ``ImageClassifier`` with mmpretrain's ``TIMMBackbone``).
     Returns:
         ``(backbone_state_dict, dropped_keys)``; any key neither mapped nor a known training-only part
         is an error naming it.
     """
     kept, dropped = _split(state_dict)
     rules = {('vit', 'timm'): _TIMM_VIT_DENSE, ('vit', 'mmpretrain'): _MMPRETRAIN_VIT_DENSE,
-             ('swin', 'timm'): _TIMM_SWIN_DENSE, ('swin', 'mmpretrain'): _MMPRETRAIN_SWIN_DENSE}.get((arch, source))
+             ('swin', 'timm'): _TIMM_SWIN_DENSE, ('swin', 'mmpretrain'): _MMPRETRAIN_SWIN_DENSE,
+             ('lvvit', 'timm'): _TIMM_LVVIT_DENSE, ('lvvit', 'mmpretrain'): _MMPRETRAIN_LVVIT_DENSE}.get((arch, source))
     if rules is None:
-        raise ValueError(f'arch/source: no key map for arch={arch!r} from {source!r} (vit, swin; timm, mmpretrain)')
+        raise ValueError(f'arch/source: no key map for arch={arch!r} from {source!r} (vit, swin, lvvit; '
+                         f'timm, mmpretrain)')
     out = _apply(rules, kept, f'{source} {arch}')
     if arch == 'swin' and source == 'timm':
         out = _shift_downsample(out)

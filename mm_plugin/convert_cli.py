@@ -5,10 +5,12 @@
 
 ``CKPT`` is a ``tokenaug-train`` checkpoint or a plain timm state dict (``--from timm``), or an
 mmpretrain/MMEngine checkpoint (``--from mmpretrain``). ``--model`` names the timm architecture the
-weights belong to (its hyper-parameters size the target backbone). Training-only parts (classifier,
-distillation head, aux heads) are dropped. The output is what the target's standard
-``init_cfg=dict(type='Pretrained', checkpoint=OUT)`` reads: ``{'state_dict': ...}`` with bare keys for
-mmseg (its ViT reads no prefix) and ``backbone.``-prefixed keys for mmdet (its Swin keeps only those).
+weights belong to (its hyper-parameters size the target backbone): a ViT/DeiT, a Swin, or an LV-ViT
+(``lvvit_t/s/m/l``, :mod:`timm_plugin.lvvit`; mmseg only, onto :class:`mm_plugin.lvvit.LVViT`; from
+mmpretrain: its ``TIMMBackbone``). Training-only parts (classifier, distillation head, aux heads) are
+dropped. The output is what the target's standard ``init_cfg=dict(type='Pretrained', checkpoint=OUT)``
+reads: ``{'state_dict': ...}`` with bare keys for mmseg (its ViT reads no prefix) and
+``backbone.``-prefixed keys for mmdet (its Swin keeps only those).
 
 Verification (every run): the target backbone is built and loaded strictly — zero unexpected keys and
 no missing keys except those the source cannot have (Swin's intermediate output norms, derived index
@@ -37,7 +39,11 @@ def _timm_arch(model_name: str, model_kwargs: dict) -> Tuple[str, dict]:
     import timm
     from timm.models.swin_transformer import SwinTransformer
     from timm.models.vision_transformer import VisionTransformer
+
+    from timm_plugin.lvvit import LVViT  # also registers lvvit_* with timm
     model = timm.create_model(model_name, pretrained=False, **model_kwargs)
+    if isinstance(model, LVViT):  # before VisionTransformer: it is one
+        return 'lvvit', _lvvit_hyper_parameters(model)
     if isinstance(model, SwinTransformer):
         blocks = [stage.blocks for stage in model.layers]
         first = blocks[0][0]
@@ -59,11 +65,29 @@ def _timm_arch(model_name: str, model_kwargs: dict) -> Tuple[str, dict]:
             embed_dims=model.embed_dim, num_layers=len(model.blocks), num_heads=blk.attn.num_heads,
             mlp_ratio=blk.mlp.fc1.out_features // blk.mlp.fc1.in_features,
             qkv_bias=blk.attn.qkv.bias is not None)
-    raise ValueError(f'model: tokenaug-convert maps ViT/DeiT and Swin; {model_name} is {type(model).__name__}')
+    raise ValueError(f'model: tokenaug-convert maps ViT/DeiT, Swin and LV-ViT; {model_name} is '
+                     f'{type(model).__name__}')
+
+
+def _lvvit_hyper_parameters(model) -> dict:
+    """What :class:`mm_plugin.lvvit.LVViT` needs to rebuild this timm LV-ViT's backbone."""
+    blk, pe = model.blocks[0], model.patch_embed
+    return dict(img_size=tuple(pe.img_size), patch_size=int(pe.token_stride[0]),
+                arch=dict(embed_dims=model.embed_dim, num_layers=len(model.blocks), num_heads=blk.attn.num_heads,
+                          mlp_ratio=blk.mlp.fc1.out_features / blk.mlp.fc1.in_features,
+                          qkv_bias=blk.attn.qkv.bias is not None, skip_lam=float(blk.skip_lam),
+                          stem_channels=pe.conv1.out_channels, norm_eps=float(model.norm.eps)))
 
 
 def build_backbone(target: str, arch: str, hp: dict, final_norm: bool = False, init_cfg=None):
     """The mmseg / mmdet backbone for these hyper-parameters (all stages out, as the dense configs use)."""
+    if arch == 'lvvit':
+        if target != 'mmseg':
+            raise ValueError(f'to: LV-ViT backbones are converted for mmseg only, got {target!r}')
+        from .lvvit import LVViT
+        return LVViT(arch=dict(hp['arch']), img_size=hp['img_size'], patch_size=hp['patch_size'],
+                     out_indices=(hp['arch']['num_layers'] - 1,), final_norm=final_norm, drop_path_rate=0.,
+                     init_cfg=init_cfg)
     if arch == 'vit':
         if target != 'mmseg':
             raise ValueError('to: ViT backbones are converted for mmseg only (mmdet configs here use Swin)')
@@ -107,8 +131,9 @@ def convert_checkpoint(src: str, dst: str, to: str, model: str, source: str = 't
     """Convert, write, verify; returns the report (also printed by the CLI)."""
     arch, hp = _timm_arch(model, dict(model_kwargs or {}))
     sd, dropped = to_dense_backbone(_load_source(src, use_ema), arch, source)
-    if arch == 'vit' and not final_norm:
-        norm = [k for k in sd if k.startswith('ln1.')]
+    final_norm_prefix = {'vit': 'ln1.', 'lvvit': 'norm.'}.get(arch)
+    if final_norm_prefix and not final_norm:
+        norm = [k for k in sd if k.startswith(final_norm_prefix)]
         dropped += [f'{k} (final norm; the target is built with final_norm=False)' for k in norm]
         sd = {k: v for k, v in sd.items() if k not in norm}
     backbone = build_backbone(to, arch, hp, final_norm)
@@ -145,12 +170,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument('--src', required=True, help='classification checkpoint (tokenaug-train, timm or mmpretrain)')
     p.add_argument('--dst', required=True, help='output checkpoint for init_cfg=dict(type="Pretrained", ...)')
     p.add_argument('--to', required=True, choices=('mmseg', 'mmdet'))
-    p.add_argument('--model', required=True, help='timm model name of the source architecture')
+    p.add_argument('--model', required=True, help='timm model name of the source architecture (ViT/DeiT, Swin, '
+                                                  'lvvit_t/s/m/l)')
     p.add_argument('--from', dest='source', default='timm', choices=('timm', 'mmpretrain'))
     p.add_argument('--model-kwargs', nargs='*', default=[], metavar='K=V',
                    help='timm create_model kwargs of the source (e.g. img_size=112)')
     p.add_argument('--use-ema', action='store_true', help='take state_dict_ema of a tokenaug-train checkpoint')
-    p.add_argument('--final-norm', action='store_true', help='ViT: keep the final norm (target final_norm=True)')
+    p.add_argument('--final-norm', action='store_true',
+                   help='ViT, LV-ViT: keep the final norm (target final_norm=True)')
     return p
 
 

@@ -118,3 +118,121 @@ def test_mmpretrain_swin_to_mmdet_same_features(tmp_path):
     det = _loaded('mmdet', 'swin_tiny_patch4_window7_224', tmp_path / 'det.pth', **kw)
     x = torch.randn(1, 3, 448, 448)  # every stage larger than the 7x7 window: both keep the shift
     assert torch.allclose(det(x)[-1], cls.backbone(x)[-1], atol=1e-4)
+
+
+# ---- LV-ViT (timm_plugin.lvvit) -> mm_plugin's mmseg LVViT --------------------------------------------
+
+def _lvvit_source(tmp_path, num_classes=10, img_size=64):
+    """A randomly initialised lvvit_t with non-trivial stem BatchNorm statistics, saved as tokenaug-train does."""
+    torch.manual_seed(0)
+    src = timm.create_model('lvvit_t', img_size=img_size, num_classes=num_classes).eval()
+    g = torch.Generator().manual_seed(1)
+    for m in src.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+            m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+    torch.save({'state_dict': src.state_dict(), 'epoch': 1}, tmp_path / 'src.pth')
+    return src
+
+
+def _seg_lvvit(dst, out_indices, img_size=64, final_norm=False):
+    from mmseg.registry import MODELS as SEG_MODELS
+    from mm_plugin.lvvit import LVViT
+    bb = SEG_MODELS.build(dict(type='LVViT', arch='t', img_size=img_size, out_indices=out_indices,
+                               final_norm=final_norm, init_cfg=dict(type='Pretrained', checkpoint=str(dst))))
+    assert isinstance(bb, LVViT)
+    bb.init_weights()  # the backbone's own (strict=False) loading path, as mmseg's runner calls it
+    return bb.eval()
+
+
+def test_lvvit_to_mmseg_same_features_as_the_timm_blocks(tmp_path):
+    src = _lvvit_source(tmp_path)
+    report = convert_checkpoint(tmp_path / 'src.pth', tmp_path / 'seg.pth', 'mmseg', 'lvvit_t',
+                                model_kwargs=dict(img_size=64))
+    assert report['arch'] == 'lvvit' and report['not_in_source'] == []
+    assert report['dropped'] == ['aux_head.bias', 'aux_head.weight', 'head.bias', 'head.weight',
+                                 'norm.weight (final norm; the target is built with final_norm=False)',
+                                 'norm.bias (final norm; the target is built with final_norm=False)']
+    assert report['hyper_parameters']['arch'] == dict(embed_dims=240, num_layers=12, num_heads=4, mlp_ratio=3.,
+                                                      qkv_bias=False, skip_lam=2., stem_channels=64, norm_eps=1e-5)
+    seg = _seg_lvvit(tmp_path / 'seg.pth', out_indices=(3, 7, 11))
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        expected = src.forward_intermediates(x, indices=[3, 7, 11], intermediates_only=True)  # (B, C, 4, 4)
+        got = seg(x)
+    assert len(got) == 3 and all(torch.allclose(g, e, atol=1e-5) for g, e in zip(got, expected))
+
+
+def test_lvvit_final_norm_and_other_input_sizes(tmp_path):
+    """--final-norm keeps ``norm``: the last map is timm's forward_features; at 96 px both resample the
+    64 px position embedding the same way (timm's dynamic_img_size vs the mmseg backbone)."""
+    src = _lvvit_source(tmp_path)
+    report = convert_checkpoint(tmp_path / 'src.pth', tmp_path / 'seg.pth', 'mmseg', 'lvvit_t',
+                                model_kwargs=dict(img_size=64), final_norm=True)
+    assert report['dropped'] == ['aux_head.bias', 'aux_head.weight', 'head.bias', 'head.weight']
+    seg = _seg_lvvit(tmp_path / 'seg.pth', out_indices=-1, final_norm=True)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.allclose(seg(x)[0], src.forward_features(x)[:, 1:].transpose(1, 2).reshape(2, 240, 4, 4),
+                              atol=1e-5)
+        dyn = timm.create_model('lvvit_t', img_size=64, num_classes=10, dynamic_img_size=True).eval()
+        dyn.load_state_dict(src.state_dict())
+        x = torch.randn(1, 3, 96, 80)
+        assert torch.allclose(seg(x)[0], dyn.forward_features(x)[:, 1:].transpose(1, 2).reshape(1, 240, 6, 5),
+                              atol=1e-5)
+    # a 512 px segmentation backbone resamples the 64 px (4x4) position embedding at load
+    big = _seg_lvvit(tmp_path / 'seg.pth', out_indices=-1, img_size=512, final_norm=True)
+    assert big.pos_embed.shape == (1, 1 + 32 * 32, 240)
+    assert torch.equal(big.blocks[5].attn.qkv.weight, src.blocks[5].attn.qkv.weight)
+
+
+def test_mmpretrain_timm_backbone_lvvit_to_mmseg(tmp_path):
+    """An mmpretrain ImageClassifier around TIMMBackbone(lvvit_t): ``backbone.timm_model.*`` onto mmseg."""
+    torch.manual_seed(0)
+    cls = PRETRAIN_MODELS.build(dict(
+        type='ImageClassifier', neck=None, head=dict(type='LinearClsHead', num_classes=10, in_channels=240),
+        backbone=dict(type='TIMMBackbone', model_name='lvvit_t', img_size=64))).eval()
+    torch.save({'state_dict': cls.state_dict(), 'meta': {'epoch': 1}}, tmp_path / 'mmpretrain.pth')
+    report = convert_checkpoint(tmp_path / 'mmpretrain.pth', tmp_path / 'seg.pth', 'mmseg', 'lvvit_t',
+                                source='mmpretrain', model_kwargs=dict(img_size=64), final_norm=True)
+    assert report['dropped'] == ['head.fc.bias', 'head.fc.weight']
+    seg = _seg_lvvit(tmp_path / 'seg.pth', out_indices=-1, final_norm=True)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        tokens = cls.backbone(x)[0]  # TIMMBackbone: the normed tokens
+        assert torch.allclose(seg(x)[0], tokens[:, 1:].transpose(1, 2).reshape(2, 240, 4, 4), atol=1e-5)
+
+
+def test_wrong_lvvit_checkpoints_are_refused_with_the_keys_named(tmp_path, run_env):
+    torch.manual_seed(0)
+    # a DeiT-S state dict declared as lvvit_s: qkv biases unexpected, blocks 12-15 and the stem missing,
+    # MLP ratio 4 instead of 3
+    torch.save({'state_dict': timm.create_model('deit_small_patch16_224', num_classes=10).state_dict()},
+               tmp_path / 'deit.pth')
+    with pytest.raises(ValueError, match=r"unexpected \['blocks.0.attn.qkv.bias'.*missing \['blocks.12.attn.proj.bias'"
+                                         r".*wrong shape \[\('blocks.0.mlp.fc1.bias', \(1536,\), \(1152,\)\)"):
+        convert_checkpoint(tmp_path / 'deit.pth', tmp_path / 'x.pth', 'mmseg', 'lvvit_s')
+    # truncated LV-ViTs: without the last block; without the first stem BatchNorm
+    sd = timm.create_model('lvvit_t', img_size=64, num_classes=10).state_dict()
+    for cut, missing in (('blocks.11.', 'blocks.11.attn.proj.bias'), ('patch_embed.bn1.', 'patch_embed.bn1.bias')):
+        torch.save({'state_dict': {k: v for k, v in sd.items() if not k.startswith(cut)}}, tmp_path / 'truncated.pth')
+        with pytest.raises(ValueError, match=rf"unexpected \[\], missing \['{missing}'"):
+            convert_checkpoint(tmp_path / 'truncated.pth', tmp_path / 'x.pth', 'mmseg', 'lvvit_t',
+                               model_kwargs=dict(img_size=64))
+    # a Swin declared as LV-ViT: its keys have no LV-ViT mapping
+    torch.save({'state_dict': timm.create_model('swin_tiny_patch4_window7_224', num_classes=10).state_dict()},
+               tmp_path / 'swin.pth')
+    with pytest.raises(ValueError, match=r"keys have no mapping: \['patch_embed.norm.weight'"):
+        convert_checkpoint(tmp_path / 'swin.pth', tmp_path / 'x.pth', 'mmseg', 'lvvit_t')
+    torch.save({'state_dict': sd}, tmp_path / 'lvvit.pth')
+    with pytest.raises(ValueError, match=r"to: LV-ViT backbones are converted for mmseg only"):
+        convert_checkpoint(tmp_path / 'lvvit.pth', tmp_path / 'x.pth', 'mmdet', 'lvvit_t',
+                           model_kwargs=dict(img_size=64))
+    assert not (tmp_path / 'x.pth').exists()
+    # the CLI: exit code 2 and the reason
+    res = subprocess.run(['tokenaug-convert', '--src', str(tmp_path / 'truncated.pth'),
+                          '--dst', str(tmp_path / 'x.pth'), '--to', 'mmseg', '--model', 'lvvit_t',
+                          '--model-kwargs', 'img_size=64'],
+                         env=run_env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and 'does not fit a mmseg lvvit backbone' in res.stderr
+    assert not (tmp_path / 'x.pth').exists()
