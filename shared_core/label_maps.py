@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torchvision.ops import roi_align
 
-__all__ = ['dense_maps', 'token_targets', 'token_targets_batch', 'crop_targets', 'check_map_row',
+__all__ = ['dense_maps', 'token_targets', 'token_targets_batch', 'axis_weights', 'crop_targets', 'check_map_row',
            'crop_box', 'smooth']
 
 Box = Union[Sequence[float], torch.Tensor]
@@ -101,21 +101,79 @@ def _rois(boxes: torch.Tensor, map_size: Tuple[int, int]) -> torch.Tensor:
     return torch.cat([idx, b * scale], 1)
 
 
+def axis_weights(lo: torch.Tensor, hi: torch.Tensor, cells: int, out: int) -> torch.Tensor:
+    """RoIAlign's interpolation weights along one axis, ``(B, out, cells)``: ``roi_align`` (aligned,
+    adaptive sampling) of a one-hot basis of ``cells`` rows over the spans ``[lo, hi]`` (normalised).
+    RoIAlign of an axis-aligned box is separable: its 2-D weight of map cell ``(i, j)`` for token
+    ``(a, b)`` is ``Wy[a, i] · Wx[b, j]``, sample counts and border clamping included."""
+    n = lo.shape[0]
+    basis = torch.eye(cells, dtype=torch.float32, device=lo.device).view(1, cells, cells, 1)
+    zero, one = torch.zeros_like(lo), torch.ones_like(lo)
+    # boxes (x1, y1, x2, y2): x over the basis image's single column, y over the span
+    rois = torch.stack([zero, zero, lo.float() * cells, one, hi.float() * cells], 1)
+    return roi_align(basis, rois, output_size=(out, 1), spatial_scale=1., sampling_ratio=-1,
+                     aligned=True)[..., 0].transpose(1, 2)
+
+
+def _support(weights: torch.Tensor):
+    """The non-zero cells of each output row: ``(weights, cell indices)``, ``(B, out, R)``."""
+    r = max(1, int((weights > 0).sum(-1).max()))
+    return weights.topk(r, dim=-1)
+
+
 def token_targets_batch(values: torch.Tensor, indices: torch.Tensor, num_classes: int, boxes: torch.Tensor,
                         flips: torch.Tensor, grid: Tuple[int, int], smoothing: float = 0.) -> torch.Tensor:
     """Per-token targets ``(B, C, gh, gw)`` for a batch: the map rows ``(B, k, h, w)`` under each crop
-    ``boxes (B, 4)`` (normalised ``(x0, y0, x1, y1)``), resampled to ``grid`` by ``roi_align``,
-    flipped where ``flips (B,)`` is set, label-smoothed. Every token's target sums to 1."""
-    dense = dense_maps(values, indices, num_classes)
-    boxes = _as_tensor(boxes).to(dense.device)
-    if boxes.shape[0] != dense.shape[0]:
-        raise ValueError(f'boxes: expected one crop per map row ({dense.shape[0]}), got {boxes.shape[0]}')
+    ``boxes (B, 4)`` (normalised ``(x0, y0, x1, y1)``), resampled to ``grid`` by RoIAlign, flipped where
+    ``flips (B,)`` is set, label-smoothed. Every token's target sums to 1.
+
+    Equal to ``roi_align`` of the full distributions (:func:`dense_maps`), without building them: a cell's
+    distribution is a constant ``f`` (the rest of its mass over the ``C - k`` others) plus its top-k
+    entries ``v - f``, so a token's target is its interpolated ``f`` everywhere plus its few supporting
+    cells' top-k entries, scattered into their classes. The result is channels-last (a ``(B, gh, gw, C)``
+    tensor seen as ``(B, C, gh, gw)``), the layout the per-token loss reads.
+    """
+    values, indices = _as_tensor(values), _as_tensor(indices)
+    if values.dim() != 4 or values.shape != indices.shape:
+        raise ValueError(f'values/indices: expected (B, k, h, w) of one shape, got {tuple(values.shape)} '
+                         f'and {tuple(indices.shape)}')
+    with torch.autocast(values.device.type, enabled=False):  # targets in fp32 under a training autocast
+        return _token_targets(values, indices, num_classes, boxes, flips, grid, smoothing)
+
+
+def _token_targets(values, indices, num_classes, boxes, flips, grid, smoothing) -> torch.Tensor:
+    B, k, h, w = values.shape
+    dev = values.device
+    boxes = _as_tensor(boxes).to(dev, torch.float32)
+    if boxes.shape[0] != B:
+        raise ValueError(f'boxes: expected one crop per map row ({B}), got {boxes.shape[0]}')
+    _rois(boxes, (h, w))  # validates the boxes
     gh, gw = (grid, grid) if isinstance(grid, int) else tuple(grid)
-    out = roi_align(dense, _rois(boxes, dense.shape[-2:]), output_size=(gh, gw), spatial_scale=1.,
-                    sampling_ratio=-1, aligned=True)
-    flips = _as_tensor(flips).to(device=dense.device, dtype=torch.bool).view(-1, 1, 1, 1)
-    out = torch.where(flips, out.flip(-1), out)
-    return smooth(out, smoothing)
+    # each cell: top-k probabilities (renormalised if fp16 rounding made them exceed 1), the rest spread
+    v = values.float().clamp_min(0.)
+    total = v.sum(1, keepdim=True)
+    v = v / total.clamp_min(1.)
+    rest = num_classes - k
+    f = ((1. - v.sum(1)).clamp_min(0.) / rest) if rest else v.new_zeros(B, h, w)  # (B, h, w)
+    u = (v - f[:, None]).flatten(2)  # (B, k, h*w): the top-k entries above the constant
+    wy = axis_weights(boxes[:, 1], boxes[:, 3], h, gh)  # (B, gh, h)
+    wx = axis_weights(boxes[:, 0], boxes[:, 2], w, gw)  # (B, gw, w)
+    wx = torch.where(_as_tensor(flips).to(dev, torch.bool).view(-1, 1, 1), wx.flip(1), wx)  # flip after crop
+    if not 0. <= smoothing < 1.:
+        raise ValueError(f'smoothing must be in [0, 1), got {smoothing}')
+    # label smoothing folded in: (1 - ε) · (constant + top-k entries) + ε / C, one pass over the output
+    base = (wy @ f @ wx.transpose(1, 2)).reshape(B, gh * gw, 1) * (1. - smoothing) + smoothing / num_classes
+    out = base.expand(B, gh * gw, num_classes).contiguous()
+    sy, iy = _support(wy)  # (B, gh, Ry)
+    sx, ix = _support(wx)  # (B, gw, Rx)
+    weight = (sy[:, :, None, :, None] * sx[:, None, :, None, :]).reshape(B, gh * gw, 1, -1)  # (B, N, 1, R)
+    cell = (iy[:, :, None, :, None] * w + ix[:, None, :, None, :]).reshape(B, gh * gw, 1, -1)
+    N, R = gh * gw, cell.shape[-1]
+    cell = cell.expand(B, N, k, R)
+    src = torch.gather(u[:, None].expand(B, N, k, h * w), 3, cell) * (weight * (1. - smoothing))
+    cls = torch.gather(indices.long().flatten(2)[:, None].expand(B, N, k, h * w), 3, cell)
+    out.scatter_add_(2, cls.reshape(B, N, k * R), src.reshape(B, N, k * R))
+    return out.view(B, gh, gw, num_classes).permute(0, 3, 1, 2)
 
 
 def token_targets(values, indices, num_classes: int, box: Box, flip: bool, grid: Tuple[int, int],
@@ -127,7 +185,8 @@ def token_targets(values, indices, num_classes: int, box: Box, flip: bool, grid:
     if v.dim() != 3:
         raise ValueError(f'values: expected one image\'s (k, h, w) top-k map, got {tuple(v.shape)}')
     box_t = _as_tensor(box, torch.float32).reshape(1, 4)
-    return token_targets_batch(v[None], i[None], num_classes, box_t, torch.tensor([bool(flip)]), grid, smoothing)[0]
+    t = token_targets_batch(v[None], i[None], num_classes, box_t, torch.tensor([bool(flip)]), grid, smoothing)
+    return t[0].contiguous()
 
 
 def crop_targets(values: torch.Tensor, indices: torch.Tensor, num_classes: int, boxes: torch.Tensor,

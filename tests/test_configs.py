@@ -8,7 +8,8 @@ from mm_plugin import TokenAugDataPreprocessor
 from timm_plugin.train import parse_args
 from .conftest import REPO
 
-MM_CONFIGS = sorted(p for p in (REPO / 'configs' / 'mmpretrain').glob('*.py'))
+MM_CONFIGS = sorted(p for p in (REPO / 'configs' / 'mmpretrain').glob('*.py') if 'token-labeling' not in p.name)
+TL_CONFIGS = sorted((REPO / 'configs' / 'mmpretrain').glob('*token-labeling*.py'))  # MixToken in the model
 TIMM_CONFIGS = sorted((REPO / 'configs' / 'timm').glob('*.yaml'))
 
 
@@ -25,10 +26,44 @@ def test_mmpretrain_config_builds_our_preprocessor(path):
     assert all(a.sampler.patch_size == pre.patch_size for a in pre.batch_augments.augments if a is not None)
 
 
+@pytest.mark.parametrize('path', TL_CONFIGS, ids=lambda p: p.name)
+def test_token_labeling_config_builds_its_model_and_pipeline(path):
+    from mm_plugin import TokenLabelingClassifier
+    cfg = Config.fromfile(str(path))
+    assert 'mm_plugin' in cfg.custom_imports['imports']
+    model_cfg = cfg.model
+    model_cfg.data_preprocessor = cfg.data_preprocessor
+    model = MODELS.build(model_cfg)
+    assert isinstance(model, TokenLabelingClassifier) and model.data_preprocessor.batch_augments is None
+    assert model.sampler.mode == 'batch' and model.sampler.cutmix_alpha == 1.0 and model.head.dense_weight == 0.5
+    assert model.head.cls_target == 'gt' and model.head.head_rule == 'cls+aux'
+    steps = [t['type'] for t in cfg.train_dataloader.dataset.pipeline]
+    assert steps[:4] == ['LoadImageFromFile', 'LoadTokenLabelMap', 'TokenLabelRandomResizedCrop', 'RandomFlip']
+    assert steps[-1] == 'PackTokenLabelInputs' and 'RandAugment' not in steps and 'TokenLabelRandAugment' in steps
+    assert cfg.train_dataloader.drop_last
+    if 'in1k' in path.name:  # the paper's recipe (token-labeling.md Sec. 4.1)
+        opt = cfg.optim_wrapper.optimizer
+        assert opt.type == 'AdamW' and opt.weight_decay == 0.05
+        assert abs(opt.lr - 1e-3 * cfg.auto_scale_lr.base_batch_size / 640) < 1e-12
+        assert cfg.train_cfg.max_epochs == 300 and cfg.param_scheduler[0].end == 5
+        assert cfg.model.backbone.drop_path_rate == 0.1
+        ra = cfg.train_dataloader.dataset.pipeline[steps.index('TokenLabelRandAugment')]
+        assert ra.magnitude_level == 9 and ra.magnitude_std == 0.5
+        assert cfg.train_dataloader.dataset.pipeline[steps.index('RandomErasing')].erase_prob == 0.25
+    if 'lvvit' in path.name:
+        assert cfg.model.backbone.model_name == 'lvvit_s' and 'timm_plugin' in cfg.custom_imports['imports']
+        assert round(sum(p.numel() for p in model.parameters()) / 1e6) == 26  # Table 1: LV-ViT-S 26M
+
+
 @pytest.mark.parametrize('path', TIMM_CONFIGS, ids=lambda p: p.name)
 def test_timm_config_parses(path):
     args = parse_args(['-c', str(path)])
-    assert args.model and args.mixup_type in ('cutmix', 'tokenmix_block')
+    assert args.model and args.mixup_type in ('cutmix', 'tokenmix_block', 'mixtoken')
+    if args.mixup_type == 'mixtoken':  # token-labeling.md Sec. 4.1 / supplement Table 1: no MixUp, β = 0.5
+        assert args.token_label_dir and args.mixup == 0 and args.dense_weight == 0.5 and args.cls_target == 'gt'
+        if 'in1k' in path.name:
+            assert (args.lr_base, args.lr_base_size, args.weight_decay, args.epochs, args.warmup_epochs,
+                    args.drop_path, args.reprob) == (1e-3, 640, 0.05, 300, 5, 0.1, 0.25)
 
 
 SEG_CONFIGS = sorted((REPO / 'configs' / 'mmseg').glob('*.py'))
@@ -46,9 +81,18 @@ def test_mmseg_config_builds_with_a_pretrained_backbone(path):
     if 'world' not in path.name:  # the ADE20K recipes: 160k iterations, AdamW 6e-5, wd 0.01, batch 2 x 8 GPUs
         assert cfg.train_cfg.max_iters == 160000 and cfg.train_dataloader.batch_size == 2
         assert cfg.optim_wrapper.optimizer.lr == 6e-5 and cfg.optim_wrapper.optimizer.weight_decay == 0.01
+    if 'lvvit' in path.name and 'world' not in path.name:  # Token Labeling Sec. 4.4: linear decay to 5e-6
+        warmup, decay = cfg.param_scheduler
+        assert warmup.type == 'LinearLR' and (warmup.begin, warmup.end) == (0, 1500)
+        assert decay.type == 'PolyLR' and decay.power == 1.0 and decay.eta_min == 5e-6
+        assert (decay.begin, decay.end) == (1500, 160000)
+        assert cfg.model.backbone.type == 'LVViT' and cfg.model.backbone.img_size == (512, 512)
     with DefaultScope.overwrite_default_scope('mmseg'):
         model = SEG_MODELS.build(cfg.model)
-    assert type(model.backbone).__name__ in ('VisionTransformer', 'SwinTransformer')
+    assert type(model.backbone).__name__ in ('VisionTransformer', 'SwinTransformer', 'LVViT')
+    if 'lvvit-s' in path.name:  # Token Labeling Table 7: LV-ViT-S + FCN 30M, + UperNet 44M (all heads counted)
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        assert round(params) == (30 if path.name.startswith('fcn') else 44), params
 
 
 DET_CONFIGS = sorted((REPO / 'configs' / 'mmdet').glob('*.py'))

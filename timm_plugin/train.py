@@ -39,6 +39,8 @@ from timm.utils.model import get_state_dict
 
 from .mixup import METHOD_TYPES, MIXUP_TYPES, create_mixer
 from .tl_align import TLAlign, TransMix
+from .token_labeling import (HEAD_RULES, TokenLabelCollate, TokenLabelDataset, TokenLabeling, TokenLabelingLoss,
+                             attach_aux_head)
 
 _logger = logging.getLogger('tokenaug.train')
 
@@ -129,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--mixup-switch-prob', type=float, default=0.5)
     g.add_argument('--mixup-mode', type=str, default='batch', help='"batch", "pair", or "elem"')
     g.add_argument('--mixup-off-epoch', default=0, type=int, metavar='N')
-    g.add_argument('--mixup-type', default=None, choices=MIXUP_TYPES + METHOD_TYPES,
-                   help='tokenaug mixing kind or method (default: timm behaviour, cutmix if --cutmix > 0 else mixup)')
+    g.add_argument('--mixup-type', default=None, choices=MIXUP_TYPES + METHOD_TYPES + TOKEN_LABELING_TYPES,
+                   help='tokenaug mixing kind or method (default: timm behaviour, cutmix if --cutmix > 0 else mixup); '
+                        'mixtoken: MixToken after patch embedding (token-labeling.md Eq. 5), box ~ Beta(--cutmix or 1)')
     g.add_argument('--method-mix', default='cutmix', choices=MIXUP_TYPES,
                    help='the mixing kind under --mixup-type tl_align/transmix (tl-align.md Table 7; '
                         'cutmix with --mixup > 0 = the MixUp/CutMix switch)')
@@ -142,6 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TransMix λ: 'paper' (attention over the box) or 'average' (with the area, public code)")
     g.add_argument('--tokenmix-lam', type=float, default=None,
                    help='fix λ (own share) of token-mask kinds, e.g. 0.5 as in TokenMix (default: Beta(--cutmix))')
+    g.add_argument('--token-label-dir', default=None, type=str, metavar='DIR',
+                   help='label-map store of the training split (tokenaug-maps generate): token labeling')
+    g.add_argument('--dense-weight', type=float, default=0.5, help='β of the token loss (token-labeling.md Eq. 3)')
+    g.add_argument('--cls-target', default='gt', choices=('gt', 'annotator', 'mix'),
+                   help="class-token target: ground truth (paper), the annotator's pooled label over the crop "
+                        "(public code's default) or --cls-target-mix · annotator + (1 - it) · ground truth")
+    g.add_argument('--cls-target-mix', type=float, default=0.5)
+    g.add_argument('--relabel', action='store_true', default=False,
+                   help='ReLabel: one pooled label per crop from the maps as the class target, no dense term')
+    g.add_argument('--head-rule', default='cls+aux', choices=HEAD_RULES,
+                   help="eval output with an aux head: cls + 0.5 max(aux) (public code) or the class head only")
+    g.add_argument('--keep-geometric-aa', action='store_true', default=False,
+                   help="keep RandAugment's geometric ops under token labeling (the maps do not follow them)")
     g.add_argument('--smoothing', type=float, default=0.1)
     g.add_argument('--train-interpolation', type=str, default='random')
     g.add_argument('--drop', type=float, default=0.0, metavar='PCT')
@@ -187,6 +203,9 @@ def parse_args(argv=None):
     args.config = args_config.config
     return args
 
+
+#: methods that act in the model and the loss (token labeling); their data carries label maps
+TOKEN_LABELING_TYPES = ('mixtoken',)
 
 RUNTIME_KEYS = ('config', 'data', 'distributed', 'prefetcher', 'rank', 'world_size', 'local_rank', 'device')
 
@@ -236,13 +255,18 @@ class PlainCheckpointSaver(utils.CheckpointSaver):
 def unwrap(model: nn.Module) -> nn.Module:
     """The bare timm model inside DDP and a method wrapper."""
     model = utils.unwrap_model(model)
-    return model.model if isinstance(model, TLAlign) else model  # TransMix is a TLAlign
+    return model.model if isinstance(model, (TLAlign, TokenLabeling)) else model  # TransMix is a TLAlign
 
 
 def model_patch_size(model: nn.Module, default=16):
-    """The step of the model's first token grid, for token-aware mixing: the stride of its patch
-    embedding convolution (timm ViT/Swin: the patch size; PVT v2's overlapping 7x7 embedding: 4)."""
+    """The step of the model's first token grid, for token-aware mixing: the patch embedding's
+    ``token_stride`` where it declares one (LV-ViT's conv stem: 16, while its ``proj`` steps 8), else the
+    stride of its patch embedding convolution (timm ViT/Swin: the patch size; PVT v2's overlapping 7x7
+    embedding: 4)."""
     pe = getattr(model, 'patch_embed', None)
+    stride = getattr(pe, 'token_stride', None)
+    if stride is not None:
+        return tuple(stride) if isinstance(stride, (tuple, list)) else int(stride)
     proj = getattr(pe, 'proj', None)
     if isinstance(proj, nn.Conv2d):
         return tuple(proj.stride)
@@ -289,6 +313,18 @@ def run(argv=None) -> dict:
                          **factory_kwargs, **model_kwargs)
     if args.num_classes is None:
         args.num_classes = model.num_classes
+    token_labeling = args.mixup_type in TOKEN_LABELING_TYPES or bool(args.token_label_dir) or args.relabel
+    dense = bool(args.token_label_dir) and not args.relabel and args.dense_weight > 0
+    if token_labeling:
+        if args.mixup > 0:
+            raise ValueError('--mixup: MixUp is not combined with token labeling / MixToken (token-labeling.md '
+                             'Table 3 and supplement Table 1 drop it); set --mixup 0')
+        if args.relabel and not args.token_label_dir:
+            raise ValueError('--relabel needs --token-label-dir (the pooled labels come from the label maps)')
+        if args.cls_target != 'gt' and not args.token_label_dir:
+            raise ValueError(f'--cls-target {args.cls_target} needs --token-label-dir')
+        if dense:  # before the optimizer, EMA and resume: the aux head is part of the trained model
+            attach_aux_head(model, args.num_classes)
     if utils.is_primary(args):
         _logger.info(f'Model {safe_model_name(args.model)} created, param count: '
                      f'{sum(m.numel() for m in model.parameters())}')
@@ -315,18 +351,25 @@ def run(argv=None) -> dict:
         resume_epoch = resume_checkpoint(model, args.resume, optimizer=None if args.no_resume_opt else optimizer,
                                          loss_scaler=None if args.no_resume_opt else loss_scaler,
                                          log_info=utils.is_primary(args))
-    model_ema = None
+    model_ema = model_ema_eval = None
     if args.model_ema:
         model_ema = utils.ModelEmaV3(model, decay=args.model_ema_decay, use_warmup=args.model_ema_warmup)
         if args.resume:
             from timm.models import load_checkpoint
             load_checkpoint(model_ema.module, args.resume, use_ema=True)
+        model_ema_eval = model_ema
     # the method wraps the model for training; EMA, optimizer, resume and checkpoints keep the bare model
     bare_model = model
     if args.mixup_type == 'tl_align':
         model = TLAlign(model, layers=args.tl_align_layers, normalise=not args.tl_align_no_residual)
     elif args.mixup_type == 'transmix':
         model = TransMix(model, mode=args.transmix_mode)
+    elif token_labeling:
+        tl_kwargs = dict(aux=dense, head_rule=args.head_rule)
+        model = TokenLabeling(model, mix_token=args.mixup_type == 'mixtoken', beta=args.cutmix or 1.0,
+                              prob=args.mixup_prob, mode=args.mixup_mode, **tl_kwargs)
+        if model_ema is not None:  # evaluated with the same head rule
+            model_ema_eval = TokenLabeling(model_ema.module, mix_token=False, **tl_kwargs)
     if args.distributed:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == 'cuda' else None)
 
@@ -337,11 +380,21 @@ def run(argv=None) -> dict:
                                   class_map=args.class_map, batch_size=args.batch_size,
                                   input_img_mode=args.input_img_mode)
 
-    # mixing: the kind, and where it runs (fast-collate with the prefetcher, else in the loop)
-    mixup_active = args.mixup > 0 or args.cutmix > 0. or args.cutmix_minmax is not None or \
-        (args.mixup_type is not None and args.tokenmix_lam is not None)
     collate_fn = mixer = None
-    if args.mixup_type is not None and not mixup_active:
+    if args.token_label_dir:
+        from shared_core.map_store import LabelMapStore
+        store = LabelMapStore.open(args.token_label_dir)
+        if store.num_classes != args.num_classes:
+            raise ValueError(f'--token-label-dir: the maps have {store.num_classes} classes, the model '
+                             f'{args.num_classes}')
+        dataset_train = TokenLabelDataset(dataset_train, store, keep_geometric_aa=args.keep_geometric_aa)
+        collate_fn = TokenLabelCollate(args.num_classes)
+    # mixing: the kind, and where it runs (fast-collate with the prefetcher, else in the loop);
+    # MixToken runs in the model (TokenLabeling)
+    mixup_active = not token_labeling and (
+        args.mixup > 0 or args.cutmix > 0. or args.cutmix_minmax is not None or
+        (args.mixup_type is not None and args.tokenmix_lam is not None))
+    if args.mixup_type is not None and not mixup_active and not token_labeling:
         raise ValueError(f'--mixup-type {args.mixup_type} needs --mixup and/or --cutmix > 0 (or --tokenmix-lam)')
     if mixup_active:
         mixup_type = args.mixup_type = args.mixup_type or (
@@ -378,7 +431,11 @@ def run(argv=None) -> dict:
         std=data_config['std'], num_workers=args.workers, distributed=args.distributed,
         crop_pct=data_config['crop_pct'], pin_memory=args.pin_mem, device=device, use_prefetcher=args.prefetcher)
 
-    if mixup_active:
+    if token_labeling:
+        train_loss_fn = TokenLabelingLoss(args.num_classes, dense_weight=args.dense_weight if dense else 0.,
+                                          cls_target='annotator' if args.relabel else args.cls_target,
+                                          cls_target_mix=args.cls_target_mix, smoothing=args.smoothing)
+    elif mixup_active:
         train_loss_fn = BinaryCrossEntropy(target_threshold=args.bce_target_thresh, sum_classes=args.bce_sum,
                                            pos_weight=args.bce_pos_weight) if args.bce_loss else SoftTargetCrossEntropy()
     elif args.smoothing:
@@ -431,7 +488,7 @@ def run(argv=None) -> dict:
             utils.distribute_bn(model, args.world_size, True)
         eval_metrics = validate(model, loader_eval, validate_loss_fn, args, device=device, amp_autocast=amp_autocast)
         if model_ema is not None:
-            ema_eval = validate(model_ema, loader_eval, validate_loss_fn, args, device=device,
+            ema_eval = validate(model_ema_eval, loader_eval, validate_loss_fn, args, device=device,
                                 amp_autocast=amp_autocast, log_suffix=' (EMA)')
             eval_metrics = ema_eval
         if output_dir is not None:

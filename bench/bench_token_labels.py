@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Token labeling's data cost: what the label maps add to timm's training pipeline.
+
+1. per-sample loader work (``dataset[i]``: decode, RandomResizedCrop, flip, RandAugment, to tensor) of the
+   plain timm ``ImageDataset`` vs :class:`TokenLabelDataset` (the same plus a memory-mapped map row and
+   the recorded crop), interleaved, median over rounds; ImageNet-like JPEGs (about 500x375);
+2. collate of a batch: timm's ``fast_collate`` vs :class:`TokenLabelCollate` (stacks the rows, checks them);
+3. building the dense targets of a batch on the training device (one ``roi_align``): ImageNet sizes,
+   ``C = 1000``, ``k = 5``, 18x18 maps to the 14x14 token grid.
+
+    .venv/bin/python bench/bench_token_labels.py [--images 64] [--rounds 5] [--batch 128] [--device cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from timm.data import create_dataset, create_transform
+from timm.data.loader import fast_collate
+
+from shared_core.label_maps import token_targets_batch
+from shared_core.map_store import LabelMapStore
+from timm_plugin.token_labeling import TokenLabelCollate, TokenLabelDataset
+
+
+def make_images(root: Path, n: int, seed: int = 0) -> list:
+    """``n`` 500x375 JPEGs with smooth structure (compress like photos, unlike noise)."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    yy, xx = np.mgrid[0:375, 0:500]
+    for i in range(n):
+        d = root / 'train' / f'c{i % 10}'
+        d.mkdir(parents=True, exist_ok=True)
+        f = rng.uniform(0.005, 0.05, size=(3, 2))
+        ph = rng.uniform(0, 6.3, size=3)
+        img = np.stack([127 + 120 * np.sin(f[c, 0] * xx + f[c, 1] * yy + ph[c]) for c in range(3)], -1)
+        img += rng.normal(0, 8, img.shape)
+        Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(d / f'{i:05d}.jpg', quality=90)
+        paths.append(f'c{i % 10}/{i:05d}.jpg')
+    return paths
+
+
+def make_store(path: Path, paths: list, C=1000, k=5, grid=(18, 18), seed=0) -> LabelMapStore:
+    rng = np.random.default_rng(seed)
+    w = LabelMapStore.create(path, paths, num_classes=C, k=k, grid=grid, annotator='bench', input_size=(576, 576))
+    n = len(paths)
+    idx = np.stack([rng.choice(C, size=k, replace=False) for _ in range(n * grid[0] * grid[1])])
+    idx = idx.reshape(n, *grid, k).transpose(0, 3, 1, 2)
+    val = np.sort(rng.dirichlet(np.ones(k) * 0.5, size=(n, *grid)) * 0.9, -1)[..., ::-1].transpose(0, 3, 1, 2)
+    w.write(np.arange(n), val.astype(np.float16), idx)
+    w.finalize()
+    w.close()
+    return LabelMapStore.open(path)
+
+
+def timed(fn, reps: int) -> float:
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--images', type=int, default=64)
+    p.add_argument('--rounds', type=int, default=5)
+    p.add_argument('--batch', type=int, default=128)
+    p.add_argument('--device', default='cpu')
+    p.add_argument('--step-model', default=None,
+                   help='also time a training step of this timm model: plain CE vs token labeling + MixToken '
+                        '(aux head, un-mixing, dense targets built in the step)')
+    p.add_argument('--amp', action='store_true')
+    args = p.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        paths = make_images(root, args.images)
+        store = make_store(root / 'maps', paths)
+        tf = create_transform(224, is_training=True, auto_augment='rand-m9-mstd0.5-inc1', use_prefetcher=True,
+                              interpolation='bicubic')
+        plain = create_dataset('', root=str(root), split='train', is_training=True)
+        plain.transform = tf
+        tl, same = (TokenLabelDataset(create_dataset('', root=str(root), split='train', is_training=True), store,
+                                      keep_geometric_aa=keep) for keep in (False, True))
+        for d in (tl, same):
+            d.transform = create_transform(224, is_training=True, auto_augment='rand-m9-mstd0.5-inc1',
+                                           use_prefetcher=True, interpolation='bicubic')
+        n = len(plain)
+        # 1. per-sample loader work, interleaved rounds (each round re-seeds, so the ops drawn are the same)
+        t_plain, t_tl, t_same = [], [], []
+        for r in range(args.rounds):
+            for ds, acc in ((plain, t_plain), (same, t_same), (tl, t_tl)):
+                torch.manual_seed(r)
+                np.random.seed(r)
+                random.seed(r)
+                acc.append(timed(lambda: [ds[i] for i in range(n)], 1) / n)
+        mp, mt, ms = statistics.median(t_plain), statistics.median(t_tl), statistics.median(t_same)
+        # the map part alone: row read + crop record, no image work
+        t_row = statistics.median(timed(lambda: [store.lookup(q) for q in paths], 1) / n for _ in range(args.rounds))
+        # 2. collate
+        B = min(args.batch, n)
+        sp = [plain[i % n] for i in range(B)]
+        st = [tl[i % n] for i in range(B)]
+        coll = TokenLabelCollate(1000)
+        c_plain, c_tl = [], []
+        for _ in range(args.rounds):
+            c_plain.append(timed(lambda: fast_collate(sp), 3))
+            c_tl.append(timed(lambda: coll(st), 3))
+        # 3. dense targets of a batch on the device
+        _, target = coll([st[i % len(st)] for i in range(args.batch)])
+        target = target.to(args.device)
+        dev = torch.device(args.device)
+        sync = torch.cuda.synchronize if dev.type == 'cuda' else (lambda: None)
+
+        def build():
+            token_targets_batch(target.values, target.indices, 1000, target.boxes, target.flips, (14, 14), 0.1)
+            sync()
+        build()
+        t_build = statistics.median(timed(build, 3) for _ in range(args.rounds))
+
+    step = training_step(args, target) if args.step_model else None
+    print(f'token labeling data cost ({args.images} JPEGs 500x375 -> 224 px, RandAugment m9, median of '
+          f'{args.rounds} interleaved rounds, {torch.get_num_threads()} threads)')
+    print('| stage | plain timm | with label maps | ratio |')
+    print('|---|---|---|---|')
+    print(f'| loader work per sample, same RandAugment ops (keep_geometric_aa) | {mp * 1e3:.2f} ms | '
+          f'{ms * 1e3:.2f} ms | {ms / mp:.3f} |')
+    print(f'| loader work per sample, default (RandAugment without geometric ops) | {mp * 1e3:.2f} ms | '
+          f'{mt * 1e3:.2f} ms | {mt / mp:.3f} |')
+    print(f'| of which: map row read (memmap, k=5, 18x18) | - | {t_row * 1e6:.1f} us | {t_row / mp:.4f} of plain |')
+    print(f'| collate per batch of {B} | {statistics.median(c_plain) * 1e3:.2f} ms | '
+          f'{statistics.median(c_tl) * 1e3:.2f} ms | {statistics.median(c_tl) / statistics.median(c_plain):.2f} |')
+    print(f'| dense targets, batch {args.batch}, C=1000, 18x18 -> 14x14 ({args.device}) | - | '
+          f'{t_build * 1e3:.1f} ms | {t_build / args.batch * 1e3:.3f} ms per sample |')
+
+    if step:
+        tp, tt = step
+        print(f'| training step {args.step_model}, batch {args.batch} ({args.device}, amp={args.amp}) | '
+              f'{tp * 1e3:.1f} ms | {tt * 1e3:.1f} ms | {tt / tp:.3f} |')
+
+
+def training_step(args, target):
+    """Median step times (plain CE on the class head, token labeling + MixToken) on one batch."""
+    import timm
+    import torch.nn.functional as F
+    from timm_plugin.token_labeling import TokenLabeling, TokenLabelingLoss, attach_aux_head
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == 'cuda' else (lambda: None)
+    torch.manual_seed(0)
+    model = attach_aux_head(timm.create_model(args.step_model, num_classes=1000)).to(dev).train()
+    wrapped = TokenLabeling(model)
+    lossf = TokenLabelingLoss(1000)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    x = torch.randn(args.batch, 3, 224, 224, device=dev)
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.amp)
+
+    def plain():
+        with autocast:
+            loss = F.cross_entropy(model(x), target.as_tensor(), label_smoothing=0.1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def tl():
+        with autocast:
+            loss = lossf(wrapped(x), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def timed(fn):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t
+    for _ in range(2):
+        plain(), tl()
+    tp, tt = [], []
+    for _ in range(args.rounds * 2):
+        tp.append(timed(plain))
+        tt.append(timed(tl))
+    return statistics.median(tp), statistics.median(tt)
+
+
+if __name__ == '__main__':
+    main()
