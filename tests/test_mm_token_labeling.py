@@ -1,0 +1,387 @@
+"""Token labeling + MixToken on MMPretrain: maps through the real MMEngine pipeline (quadrant images, token by
+token), the loss against timm_plugin's, un-mixing with token-independent backbones, the inference rule, a run
+of mmpretrain's own tools/train.py, and the errors."""
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import mmpretrain
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from mmpretrain.datasets import CustomDataset
+from mmpretrain.registry import MODELS, TRANSFORMS
+from mmpretrain.structures import DataSample
+
+import mm_plugin  # noqa: F401
+from mm_plugin.token_labeling import GEOMETRIC_RAND_POLICIES, TokenLabelingHead, TokenLabelRandAugment
+from shared_core.map_store import LabelMapStore, MissingLabelMapError
+from timm_plugin.token_labeling import TokenLabelingLoss, TokenLabelingOutput, TokenLabelTarget
+from .conftest import REPO
+
+TRAIN_PY = Path(mmpretrain.__file__).parent / '.mim' / 'tools' / 'train.py'
+COLOURS = np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 255]], np.uint8)  # class c -> RGB colour
+C = 5
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def quadrant_image(h, w, layout):
+    img = np.zeros((h, w, 3), np.uint8)
+    for qi in range(2):
+        for qj in range(2):
+            img[qi * h // 2:(qi + 1) * h // 2, qj * w // 2:(qj + 1) * w // 2] = COLOURS[layout[qi][qj]]
+    return img
+
+
+@pytest.fixture(scope='module')
+def quadrant_data(tmp_path_factory):
+    """6 non-square images with different quadrant layouts (ImageFolder layout) and a store of 8x8 maps."""
+    root = tmp_path_factory.mktemp('mmquad')
+    rng = np.random.default_rng(0)
+    paths, layouts = [], []
+    for i in range(6):
+        layout = rng.permutation(4).reshape(2, 2)
+        h, w = (96, 64) if i % 2 else (64, 112)
+        cls_dir = root / 'train' / f'c{i % 2}'
+        cls_dir.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(quadrant_image(h, w, layout)).save(cls_dir / f'img{i}.png')
+        paths.append(f'c{i % 2}/img{i}.png')
+        layouts.append(layout)
+    writer = LabelMapStore.create(root / 'maps', paths, num_classes=4, k=1, grid=(8, 8), annotator='quadrants',
+                                  input_size=(64, 64))
+    for r, layout in enumerate(layouts):
+        idx = np.kron(layout, np.ones((4, 4), int))[None].astype(np.int64)
+        writer.write([r], np.ones((1, 1, 8, 8), np.float16), idx[None])
+    writer.finalize()
+    writer.close()
+    return root
+
+
+def tl_pipeline(root, flip=dict(type='RandomFlip', prob=0.5, direction='horizontal'), pack='PackTokenLabelInputs'):
+    steps = [dict(type='LoadImageFromFile'),
+             dict(type='LoadTokenLabelMap', store=str(root / 'maps'), split_root=str(root / 'train')),
+             dict(type='TokenLabelRandomResizedCrop', scale=64, crop_ratio_range=(0.08, 1.0), interpolation='nearest')]
+    return steps + ([flip] if flip else []) + [dict(type=pack)]
+
+
+def dataset(root, pipeline):
+    return CustomDataset(data_root=str(root), data_prefix='train', pipeline=pipeline)
+
+
+def pixel_classes(x):
+    """Class of each pixel of (B, 3, H, W) uint8 BGR images (as mmcv loads them): nearest quadrant colour."""
+    cols = torch.tensor(COLOURS[:, ::-1].copy(), dtype=torch.float32)
+    d = ((x.float().permute(0, 2, 3, 1)[..., None, :] - cols) ** 2).sum(-1)
+    return d.argmin(-1)
+
+
+def random_rows(B, num_classes=C, k=2, h=4, w=4, seed=0):
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.ones(num_classes), size=(B, h, w))
+    order = np.argsort(-p, -1)[..., :k]
+    values = np.take_along_axis(p, order, -1).astype(np.float16).transpose(0, 3, 1, 2)
+    return np.ascontiguousarray(values), np.ascontiguousarray(order.transpose(0, 3, 1, 2).astype(np.int64))
+
+
+def packed_samples(labels, values, indices, boxes, flips):
+    """Data samples as PackTokenLabelInputs leaves them."""
+    out = []
+    for i, y in enumerate(labels.tolist()):
+        s = DataSample().set_gt_label(y)
+        s.set_field(values[i], 'token_label_values')
+        s.set_field(indices[i], 'token_label_indices')
+        s.set_field(tuple(boxes[i].tolist()), 'crop_box')
+        s.set_metainfo(dict(img_path=f'img{i}.png', flip=bool(flips[i]),
+                            flip_direction='horizontal' if flips[i] else None))
+        out.append(s)
+    return out
+
+
+def batch(B=4, seed=0):
+    values, indices = random_rows(B, seed=seed)
+    boxes = torch.tensor([[0., 0., 1., 1.], [0.5, 0., 1., 0.5], [0., 0.25, 0.75, 1.], [0.1, 0.2, 0.6, 0.9]])[:B]
+    flips = torch.tensor([False, True, False, True])[:B]
+    labels = torch.arange(B) % C
+    return labels, values, indices, boxes, flips
+
+
+MM_VIT = dict(type='VisionTransformer', img_size=64, patch_size=16, out_type='raw',
+              arch=dict(embed_dims=64, num_layers=2, num_heads=2, feedforward_channels=128))
+TIMM_VIT0 = dict(type='TIMMBackbone', model_name='vit_tiny_patch16_224', img_size=64, depth=0)
+
+
+def tl_model(backbone=MM_VIT, **head):
+    torch.manual_seed(0)
+    dim = 192 if backbone['type'] == 'TIMMBackbone' else backbone['arch']['embed_dims']
+    return MODELS.build(dict(type='TokenLabelingClassifier', backbone=backbone, neck=None,
+                             head=dict(type='TokenLabelingHead', num_classes=C, in_channels=dim, **head)))
+
+
+def token_independent_mm_vit():
+    """mmpretrain's VisionTransformer with one layer whose attention output is zero: token i's output
+    depends on token i only (residual + FFN + norms), as for a 0-layer model (mm refuses num_layers=0)."""
+    model = tl_model(dict(MM_VIT, arch=dict(embed_dims=32, num_layers=1, num_heads=2, feedforward_channels=64)))
+    with torch.no_grad():
+        model.backbone.layers[0].attn.proj.weight.zero_()
+        model.backbone.layers[0].attn.proj.bias.zero_()
+    return model
+
+
+# ------------------------------------------------------------------------------------- (a) orientation
+def test_token_targets_follow_crops_and_flips_through_the_mm_pipeline(quadrant_data):
+    """LoadImageFromFile -> LoadTokenLabelMap -> TokenLabelRandomResizedCrop -> RandomFlip -> PackTokenLabelInputs
+    on quadrant images: the classifier's dense targets equal the pixels' classes on every pure token."""
+    ds = dataset(quadrant_data, tl_pipeline(quadrant_data))
+    head = TokenLabelingHead(num_classes=4, in_channels=8, label_smoothing=0.)
+    np.random.seed(0)
+    checked = flipped = 0
+    boxes = set()
+    for _ in range(8):
+        items = [ds[i] for i in range(len(ds))]
+        x = torch.stack([it['inputs'] for it in items])
+        samples = [it['data_samples'] for it in items]
+        flipped += sum(bool(s.flip) for s in samples)
+        boxes |= {tuple(s.crop_box) for s in samples}
+        y_cls, dense = head.targets(samples, None, (4, 4))  # (B, 16, 4)
+        torch.testing.assert_close(dense.sum(-1), torch.ones(len(x), 16))
+        pix = pixel_classes(x)  # (B, 64, 64)
+        tok = pix.view(-1, 4, 16, 4, 16).permute(0, 1, 3, 2, 4).reshape(len(x), 16, 256)
+        pure = (tok == tok[..., :1]).all(-1)
+        assert pure.any()
+        assert torch.equal(dense.argmax(-1)[pure], tok[..., 0][pure])
+        checked += int(pure.sum())
+    assert checked > 300 and 0 < flipped < 48 and len(boxes) > 40
+
+
+def test_map_store_key_is_the_path_under_the_split_root(quadrant_data):
+    t = TRANSFORMS.build(dict(type='LoadTokenLabelMap', store=str(quadrant_data / 'maps'),
+                              split_root=str(quadrant_data / 'train')))
+    out = t({'img_path': str(quadrant_data / 'train' / 'c1' / 'img3.png')})
+    v, i = LabelMapStore.open(quadrant_data / 'maps').lookup('c1/img3.png')
+    assert np.array_equal(out['token_label_values'], v) and np.array_equal(out['token_label_indices'], i)
+    import pickle
+    assert len(pickle.dumps(t)) < 2000  # the store pickles small; workers reopen its memory maps
+
+
+# ---------------------------------------------------------------------------------- (b) loss and un-mixing
+@pytest.mark.parametrize('cls_target', ['gt', 'annotator', 'mix'])
+@pytest.mark.parametrize('backbone', ['mm', 'timm'])
+def test_loss_equals_timm_token_labeling_loss(cls_target, backbone):
+    model = tl_model(MM_VIT if backbone == 'mm' else dict(TIMM_VIT0, depth=2), cls_target=cls_target,
+                     cls_target_mix=0.3, label_smoothing=0.1).train()
+    labels, values, indices, boxes, flips = batch()
+    x = torch.randn(4, 3, 64, 64)
+    model.generator = torch.Generator().manual_seed(1)
+    feats, mix, grid = model.extract_feat_mixed(x)
+    assert mix is not None and grid == (4, 4) and 0 < mix.token_share.sum() < mix.token_share.numel()
+    samples = packed_samples(labels, values, indices, boxes, flips)
+    losses = model.head.loss(feats, samples, mix=mix, grid=grid)
+    assert set(losses) == {'loss_cls', 'loss_token'}
+    cls, aux = model.head.logits(feats, mix)
+    target = TokenLabelTarget.wrap(labels, torch.from_numpy(values), torch.from_numpy(indices), boxes, flips, C)
+    ref = TokenLabelingLoss(C, dense_weight=0.5, cls_target=cls_target, cls_target_mix=0.3, smoothing=0.1)(
+        TokenLabelingOutput(cls, aux, mix, grid), target)
+    torch.testing.assert_close(losses['loss_cls'] + losses['loss_token'], ref)
+    # the classifier's loss() is the same computation (same MixToken draw)
+    model.generator = torch.Generator().manual_seed(1)
+    again = model.loss(x, packed_samples(labels, values, indices, boxes, flips))
+    torch.testing.assert_close(sum(again.values()), ref)
+    sum(again.values()).backward()
+    assert model.head.aux_head.weight.grad is not None
+    embed = model.backbone.patch_embed.projection if backbone == 'mm' else model.backbone.timm_model.patch_embed.proj
+    assert embed.weight.grad is not None
+
+
+def test_relabel_is_the_annotators_pooled_class_target_without_dense_term():
+    model = tl_model(relabel=True).train()
+    assert model.head.aux_head is None and model.head.head_rule == 'cls'
+    labels, values, indices, boxes, flips = batch(seed=3)
+    x = torch.randn(4, 3, 64, 64)
+    model.generator = torch.Generator().manual_seed(2)
+    feats, mix, grid = model.extract_feat_mixed(x)
+    losses = model.head.loss(feats, packed_samples(labels, values, indices, boxes, flips), mix=mix, grid=grid)
+    assert set(losses) == {'loss_cls'}
+    cls, _ = model.head.logits(feats)
+    target = TokenLabelTarget.wrap(labels, torch.from_numpy(values), torch.from_numpy(indices), boxes, flips, C)
+    ref = TokenLabelingLoss(C, dense_weight=0., cls_target='annotator', smoothing=0.1)(
+        TokenLabelingOutput(cls, None, mix, grid), target)
+    torch.testing.assert_close(losses['loss_cls'], ref)
+
+
+@pytest.mark.parametrize('make', [lambda: tl_model(TIMM_VIT0), token_independent_mm_vit],
+                         ids=['timm-depth0', 'mm-1layer'])
+@pytest.mark.parametrize('mode', ['batch', 'pair'])
+def test_unmixed_dense_outputs_are_each_samples_own(make, mode):
+    """With a token-independent backbone, MixToken then un-mixing gives every sample its own per-token
+    outputs, position by position; before un-mixing the box holds the partner's."""
+    model = make().train()
+    model.sampler.mode = mode
+    x = torch.randn(6, 3, 64, 64)
+    model.generator = torch.Generator().manual_seed(4)
+    feats, mix, grid = model.extract_feat_mixed(x)
+    assert mix is not None and 0 < mix.token_share.sum() < mix.token_share.numel()
+    _, aux = model.head.logits(feats, mix)
+    _, mixed = model.head.logits(feats)
+    with torch.no_grad():
+        _, plain = model.head.logits(model.extract_feat(x))
+    torch.testing.assert_close(aux, plain, atol=1e-5, rtol=0)
+    s = mix.token_share_flat().bool()[..., None]
+    torch.testing.assert_close(mixed, torch.where(s, plain[mix.partner], plain), atol=1e-5, rtol=0)
+    assert not torch.allclose(mixed, plain)
+
+
+def test_mix_prob_zero_gives_the_stock_classifiers_loss():
+    """MixToken on with probability 0, no dense term, ground-truth class target: the loss of mmpretrain's
+    ImageClassifier + VisionTransformerClsHead + LabelSmoothLoss on the same weights."""
+    model = MODELS.build(dict(
+        type='TokenLabelingClassifier', mix_prob=0.,
+        backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=64, patch_size=16, out_type='raw'),
+        neck=None, head=dict(type='TokenLabelingHead', num_classes=C, in_channels=192, dense_weight=0.))).train()
+    stock = MODELS.build(dict(
+        type='ImageClassifier',
+        backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=64, patch_size=16),
+        neck=None, head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192,
+                             loss=dict(type='LabelSmoothLoss', label_smooth_val=0.1, mode='original')))).train()
+    sd = {k: v for k, v in model.state_dict().items() if not k.startswith('head.')}
+    sd.update({'head.layers.head.weight': model.head.head.weight, 'head.layers.head.bias': model.head.head.bias})
+    stock.load_state_dict(sd, strict=True)
+    x, y = torch.randn(4, 3, 64, 64), torch.tensor([0, 1, 2, 3])
+    plain = [DataSample().set_gt_label(int(i)) for i in y]  # no maps needed for this setting
+    loss = model.loss(x, plain)
+    assert set(loss) == {'loss_cls'}
+    torch.testing.assert_close(loss['loss_cls'], stock.loss(x, [DataSample().set_gt_label(int(i)) for i in y])['loss'])
+
+
+# ------------------------------------------------------------------------------------------ (c) predict
+@pytest.mark.parametrize('backbone', ['mm', 'timm'])
+def test_predict_rule_cls_plus_half_max_aux_or_cls(backbone):
+    model = tl_model(MM_VIT if backbone == 'mm' else dict(TIMM_VIT0, depth=1)).eval()
+    with torch.no_grad():  # a visible aux head
+        model.head.aux_head.weight.normal_(0, 0.5)
+    x = torch.randn(3, 3, 64, 64)
+    with torch.no_grad():
+        tokens = model.extract_feat(x)[-1]
+        cls = model.head.head(tokens[:, 0])
+        aux = model.head.aux_head(tokens[:, 1:])
+        expected = cls + 0.5 * aux.max(1).values
+        torch.testing.assert_close(model(x, mode='tensor'), expected)
+        preds = model.predict(x)
+        torch.testing.assert_close(torch.stack([p.pred_score for p in preds]), expected.softmax(1))
+        assert [int(p.pred_label) for p in preds] == expected.argmax(1).tolist()
+        model.head.head_rule = 'cls'
+        torch.testing.assert_close(model(x, mode='tensor'), cls)
+    assert not torch.allclose(cls, expected)
+
+
+# ------------------------------------------------------------------------------------------- (e) errors
+def test_pipeline_refuses_what_the_maps_cannot_follow(quadrant_data, tmp_path):
+    img = str(quadrant_data / 'train' / 'c0' / 'img0.png')
+    for flip in ('vertical', 'diagonal'):
+        ds = dataset(quadrant_data, tl_pipeline(quadrant_data, flip=dict(type='RandomFlip', prob=1., direction=flip)))
+        with pytest.raises(ValueError, match=f"flip_direction: .*img0.png.*flipped '{flip}'"):
+            ds[0]
+    resized = tl_pipeline(quadrant_data)
+    resized.insert(2, dict(type='Resize', scale=(80, 80)))
+    with pytest.raises(ValueError, match='resized or cropped before'):
+        dataset(quadrant_data, resized)[0]
+    flipped_first = tl_pipeline(quadrant_data)
+    flipped_first.insert(2, dict(type='RandomFlip', prob=1., direction='horizontal'))
+    with pytest.raises(ValueError, match='flipped before the crop'):
+        dataset(quadrant_data, flipped_first)[0]
+    no_crop = [s for s in tl_pipeline(quadrant_data) if s['type'] != 'TokenLabelRandomResizedCrop']
+    with pytest.raises(KeyError, match='crop box for image .*img0.png'):
+        dataset(quadrant_data, no_crop)[0]
+    no_map = [s for s in tl_pipeline(quadrant_data) if s['type'] != 'LoadTokenLabelMap']
+    with pytest.raises(KeyError, match='no token-label map for image .*img0.png'):
+        dataset(quadrant_data, no_map)[0]
+    # an image the store does not know: the store's error names it
+    root = tmp_path / 'data'
+    shutil.copytree(quadrant_data / 'train', root / 'train')
+    Image.fromarray(quadrant_image(64, 64, [[0, 1], [2, 3]])).save(root / 'train' / 'c0' / 'zz_new.png')
+    os.symlink(quadrant_data / 'maps', root / 'maps')
+    ds = dataset(root, tl_pipeline(root))
+    with pytest.raises(MissingLabelMapError, match='c0/zz_new.png'):
+        for i in range(len(ds)):
+            ds[i]
+    t = TRANSFORMS.build(dict(type='LoadTokenLabelMap', store=str(quadrant_data / 'maps'), split_root=str(tmp_path)))
+    with pytest.raises(ValueError, match='split_root'):
+        t({'img_path': img})
+
+
+def test_randaugment_keeps_only_colour_policies():
+    ra = TokenLabelRandAugment(policies='timm_increasing', num_policies=2, magnitude_level=9, magnitude_std=0.5)
+    kinds = {p['type'] for p in ra.policies}
+    assert kinds and not kinds & set(GEOMETRIC_RAND_POLICIES) and {'Brightness', 'Equalize'} <= kinds
+    kept = TokenLabelRandAugment(policies='timm_increasing', num_policies=2, magnitude_level=9, keep_geometric=True)
+    assert set(GEOMETRIC_RAND_POLICIES) <= {p['type'] for p in kept.policies}
+    out = ra({'img': np.zeros((32, 48, 3), np.uint8)})
+    assert out['img'].shape == (32, 48, 3)
+    with pytest.raises(ValueError, match='policies: only geometric'):
+        TokenLabelRandAugment(policies=[dict(type='Rotate', magnitude_range=(0, 30))], num_policies=1,
+                              magnitude_level=9)
+
+
+def test_model_errors_name_the_argument():
+    vit = dict(type='VisionTransformer', arch='deit-tiny', img_size=64, patch_size=16, out_type='raw')
+    head = dict(type='TokenLabelingHead', num_classes=C, in_channels=192)
+    with pytest.raises(ValueError, match="out_type='raw'"):
+        MODELS.build(dict(type='TokenLabelingClassifier', backbone=dict(vit, out_type='cls_token'), head=head))
+    with pytest.raises(ValueError, match='backbone: token labeling supports .*ResNet'):
+        MODELS.build(dict(type='TokenLabelingClassifier', backbone=dict(type='ResNet', depth=18),
+                          head=dict(head, in_channels=512)))
+    with pytest.raises(ValueError, match='train_cfg'):
+        MODELS.build(dict(type='TokenLabelingClassifier', backbone=vit, head=head,
+                          train_cfg=dict(augments=[dict(type='CutMix', alpha=1.0)])))
+    with pytest.raises(ValueError, match='head: token labeling needs a TokenLabelingHead'):
+        MODELS.build(dict(type='TokenLabelingClassifier', backbone=vit,
+                          head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192)))
+    with pytest.raises(ValueError, match='mix_mode'):
+        MODELS.build(dict(type='TokenLabelingClassifier', backbone=vit, head=head, mix_mode='elem'))
+    for kw, name in ((dict(relabel=True, dense_weight=0.5), 'dense_weight'), (dict(head_rule='max'), 'head_rule'),
+                     (dict(cls_target='teacher'), 'cls_target'), (dict(relabel=True, cls_target='gt'), 'cls_target'),
+                     (dict(dense_weight=0., head_rule='cls+aux'), 'head_rule')):
+        with pytest.raises(ValueError, match=name):
+            TokenLabelingHead(num_classes=C, in_channels=8, **kw)
+    model = tl_model().train()
+    labels, values, indices, boxes, flips = batch()
+    with pytest.raises(ValueError, match='inputs: pairwise mixing .* got batch size 3'):
+        model.loss(torch.randn(3, 3, 64, 64), packed_samples(labels, values, indices, boxes, flips)[:3])
+    with pytest.raises(ValueError, match='inputs: image size 72x64 is not divisible'):
+        model.loss(torch.randn(4, 3, 72, 64), packed_samples(labels, values, indices, boxes, flips))
+    plain = [DataSample(metainfo=dict(img_path=f'p{i}.jpg')).set_gt_label(0) for i in range(4)]
+    with pytest.raises(ValueError, match="data_samples: no token-label map .*'p0.jpg'"):
+        model.loss(torch.randn(4, 3, 64, 64), plain)
+    vertical = packed_samples(labels, values, indices, boxes, flips)
+    vertical[1].set_metainfo(dict(flip=True, flip_direction='vertical'))
+    with pytest.raises(ValueError, match="flip_direction: .*img1.png.*'vertical'"):
+        model.loss(torch.randn(4, 3, 64, 64), vertical)
+    v7, i7 = random_rows(4, num_classes=7, seed=1)
+    with pytest.raises(ValueError, match='token_label_indices: .* num_classes=5'):
+        model.loss(torch.randn(4, 3, 64, 64), packed_samples(labels, v7, np.maximum(i7, 5), boxes, flips))
+
+
+# ----------------------------------------------------------------------------- (d) upstream tools/train.py
+@pytest.mark.slow
+def test_upstream_train_py_runs_the_token_labeling_config(tiny_world, tmp_path, run_env):
+    split = Path(tiny_world) / 'imagenet' / 'train'
+    paths = sorted(str(p.relative_to(split)) for p in split.rglob('*') if p.is_file())
+    values, indices = random_rows(len(paths), num_classes=10, k=3, h=7, w=7, seed=5)
+    writer = LabelMapStore.create(tmp_path / 'maps', paths, num_classes=10, k=3, grid=(7, 7), annotator='random',
+                                  input_size=(112, 112))
+    writer.write(np.arange(len(paths)), values, indices)
+    writer.finalize()
+    writer.close()
+    run_env.update(TOKENAUG_WORLD=str(tiny_world), TOKENAUG_MAPS=str(tmp_path / 'maps'))
+    work = tmp_path / 'work'
+    cmd = ['python', str(TRAIN_PY), str(REPO / 'configs' / 'mmpretrain' / 'deit-tiny_world_token-labeling.py'),
+           '--work-dir', str(work), '--cfg-options', 'train_dataloader.batch_size=4',
+           'train_dataloader.dataset.indices=8', 'train_dataloader.num_workers=0', 'val_dataloader.num_workers=0',
+           'val_dataloader.batch_size=10', 'train_cfg.max_epochs=1']
+    res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert 'Epoch(train) [1][2/2]' in log and 'loss_token' in log and 'loss_cls' in log and 'accuracy/top1' in log
+    dumped = (work / 'deit-tiny_world_token-labeling.py').read_text()
+    assert "type='TokenLabelingClassifier'" in dumped and str(tmp_path / 'maps') in dumped
