@@ -2,6 +2,7 @@
 import json
 import subprocess
 
+import numpy as np
 import pytest
 import timm
 import torch
@@ -86,3 +87,70 @@ def test_tl_align_over_token_masks_with_ablation_flags(tiny_world, tmp_path):
     assert set(metrics) == {'loss', 'top1', 'top5'}
     args = yaml.safe_load((tmp_path / 'abl' / 'args.yaml').read_text())
     assert args['tl_align_layers'] == [2, 4] and args['tl_align_no_residual'] is True
+
+
+@pytest.mark.slow
+def test_token_labeling_end_to_end_annotator_maps_then_lvvit_with_mixtoken(tiny_world, tmp_path, run_env):
+    """tokenaug-train (annotator) -> tokenaug-maps generate -> tokenaug-train --mixup-type mixtoken on LV-ViT-T,
+    through the console scripts; the LV-ViT checkpoint keeps both heads and loads in timm."""
+    data = str(tiny_world / 'imagenet')
+    res = subprocess.run(['tokenaug-train', '-c', CONFIG, '--data-dir', data, '--epochs', '1', '-b', '8', '--workers',
+                          '0', '--gp', 'avg', '--output', str(tmp_path), '--experiment', 'annotator'],
+                         env=run_env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = subprocess.run(['tokenaug-maps', 'generate', '--data-dir', data, '--split', 'train', '--model',
+                          'vit_tiny_patch16_224', '--model-kwargs', 'img_size=112', 'global_pool=avg',
+                          '--checkpoint', str(tmp_path / 'annotator' / 'last.pth.tar'), '--input-size', '112',
+                          '--topk', '3', '-j', '0', '--device', 'cpu', '--out', str(tmp_path / 'maps')],
+                         env=run_env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    from shared_core.map_store import LabelMapStore
+    store = LabelMapStore.open(tmp_path / 'maps')
+    assert store.grid == (7, 7) and store.k == 3 and store.num_classes == 10 and len(store) == 20
+    cmd = ['tokenaug-train', '-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny_token-labeling.yaml'),
+           '--data-dir', data, '--token-label-dir', str(tmp_path / 'maps'), '--model', 'lvvit_t', '--model-kwargs',
+           'img_size=112', '--epochs', '1', '-b', '8', '--workers', '0', '--cls-target', 'mix', '--model-ema',
+           '--output', str(tmp_path), '--experiment', 'lvvit']
+    res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert 'Acc@1' in res.stderr and 'Test (EMA)' in res.stderr
+    args = yaml.safe_load((tmp_path / 'lvvit' / 'args.yaml').read_text())
+    assert args['mixup_type'] == 'mixtoken' and args['token_label_dir'] == str(tmp_path / 'maps')
+    ckpt = torch.load(tmp_path / 'lvvit' / 'last.pth.tar', map_location='cpu', weights_only=True)
+    assert 'aux_head.weight' in ckpt['state_dict']
+    import timm_plugin  # noqa: F401  (registers lvvit_*)
+    model = timm.create_model('lvvit_t', pretrained=True, img_size=112, num_classes=10,
+                              pretrained_cfg_overlay=dict(file=str(tmp_path / 'lvvit' / 'last.pth.tar'), num_classes=10))
+    # timm's file loading prefers the EMA weights (--model-ema): they hold both heads too
+    assert torch.equal(model.head.weight, ckpt['state_dict_ema']['head.weight'])
+    assert torch.equal(model.aux_head.weight, ckpt['state_dict_ema']['aux_head.weight'])
+
+
+@pytest.mark.slow
+def test_mixtoken_on_a_plain_vit_adds_an_aux_head_that_timm_loads_non_strict(tiny_world, tmp_path):
+    """A DeiT/ViT trained with token labeling gains `aux_head` (in the optimizer, EMA and checkpoint);
+    timm loads the checkpoint into the plain model with pretrained_strict=False."""
+    from shared_core.map_store import LabelMapStore
+    from timm.data import create_dataset
+    ds = create_dataset('', root=str(tiny_world / 'imagenet'), split='train')
+    paths = [ds.filename(i) for i in range(len(ds))]
+    w = LabelMapStore.create(tmp_path / 'maps', paths, num_classes=10, k=2, grid=(4, 4), annotator='test',
+                             input_size=(64, 64))
+    rng = np.random.default_rng(0)
+    idx = np.stack([rng.permutation(10)[:2] for _ in range(len(paths) * 16)]).reshape(len(paths), 4, 4, 2)
+    w.write(np.arange(len(paths)), np.full((len(paths), 2, 4, 4), 0.4, np.float16), idx.transpose(0, 3, 1, 2))
+    w.finalize()
+    w.close()
+    metrics = run(['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny_token-labeling.yaml'), '--data-dir',
+                   str(tiny_world / 'imagenet'), '--token-label-dir', str(tmp_path / 'maps'), '--epochs', '1', '-b',
+                   '8', '--workers', '0', '--no-prefetcher', '--output', str(tmp_path), '--experiment', 'vit'])
+    assert set(metrics) == {'loss', 'top1', 'top5'}
+    ckpt = torch.load(tmp_path / 'vit' / 'last.pth.tar', map_location='cpu', weights_only=True)
+    assert ckpt['state_dict']['aux_head.weight'].shape == (10, 192)
+    model = timm.create_model('vit_tiny_patch16_224', pretrained=True, img_size=112, num_classes=10,
+                              pretrained_strict=False,
+                              pretrained_cfg_overlay=dict(file=str(tmp_path / 'vit' / 'last.pth.tar'), num_classes=10))
+    assert torch.equal(model.head.weight, ckpt['state_dict']['head.weight'])
+    with pytest.raises(ValueError, match='--mixup'):
+        run(['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny_token-labeling.yaml'), '--data-dir',
+             str(tiny_world / 'imagenet'), '--token-label-dir', str(tmp_path / 'maps'), '--mixup', '0.8'])
