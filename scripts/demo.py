@@ -4,7 +4,10 @@
 1. the world (``tokenaug-data``: ImageNet, ADE20K and COCO layouts of the same scenes);
 2. classification: a small ViT trained with CutMix, TokenMix-style block masks and TL-Align, through
    ``tokenaug-train`` (timm) and through mmpretrain's own ``tools/train.py``;
-3. transfer, for CutMix and TL-Align pretraining: ``tokenaug-convert`` -> UperNet (the ViT) with mmseg's
+3. token labeling: a small annotator (ViT-Tiny with average pooling, so its head reads every patch token)
+   trained on the world, its dense maps written by ``tokenaug-maps generate``, then ViT-Tiny trained with
+   token labeling + MixToken (``tokenaug-train --mixup-type mixtoken --token-label-dir ...``);
+4. transfer, for CutMix and TL-Align pretraining: ``tokenaug-convert`` -> UperNet (the ViT) with mmseg's
    ``tools/train.py`` / ``test.py`` -> mIoU; a small Swin pretrained the same way -> Cascade Mask R-CNN
    with mmdet's ``tools/train.py`` / ``test.py`` -> box / mask AP.
 
@@ -53,6 +56,37 @@ def timm_run(world, out, kind, epochs, curves):
     with open(exp / 'summary.csv') as f:
         curves[kind] = list(csv.DictReader(f))
     return final['top1'], final['top5'], secs
+
+
+def token_labeling(world, out, epochs, curves):
+    """Annotator -> maps -> ViT-Tiny with token labeling + MixToken; returns the two table rows."""
+    rows = []
+    ann = out / 'timm' / 'annotator'
+    shutil.rmtree(ann, ignore_errors=True)
+    secs = run([BIN / 'tokenaug-train', '-c', REPO / 'configs/timm/world_vit-tiny.yaml', '--data-dir',
+                world / 'imagenet', '--epochs', str(epochs), '--gp', 'avg', '--output', out / 'timm',
+                '--experiment', 'annotator'], log=out / 'timm_annotator.log')
+    final = json.loads((ann / 'results.json').read_text())['final']
+    rows.append(('timm (tokenaug-train)', 'annotator: ViT-Tiny, avg pool, MixUp/CutMix', final['top1'], final['top5'],
+                 secs))
+    maps = out / 'maps' / 'train'
+    shutil.rmtree(maps, ignore_errors=True)
+    t = time.time()
+    run([BIN / 'tokenaug-maps', 'generate', '--data-dir', world / 'imagenet', '--split', 'train', '--model',
+         'vit_tiny_patch16_224', '--model-kwargs', 'img_size=112', 'global_pool=avg', '--num-classes', '10',
+         '--checkpoint', ann / 'last.pth.tar', '--input-size', '112', '--topk', '5', '--out', maps, '-j', '2'],
+        log=out / 'maps_generate.log')
+    print(f'    maps: {len(list((maps).glob("*")))} files in {maps} ({time.time() - t:.0f} s)', flush=True)
+    exp = out / 'timm' / 'mixtoken'
+    shutil.rmtree(exp, ignore_errors=True)
+    secs = run([BIN / 'tokenaug-train', '-c', REPO / 'configs/timm/world_vit-tiny_token-labeling.yaml', '--data-dir',
+                world / 'imagenet', '--token-label-dir', maps, '--epochs', str(epochs), '--output', out / 'timm',
+                '--experiment', 'mixtoken'], log=out / 'timm_mixtoken.log')
+    final = json.loads((exp / 'results.json').read_text())['final']
+    with open(exp / 'summary.csv') as f:
+        curves['mixtoken'] = list(csv.DictReader(f))
+    rows.append(('timm (tokenaug-train)', 'MixToken + token labeling', final['top1'], final['top5'], secs))
+    return rows
 
 
 def convert(src, dst, to, model, *model_kwargs):
@@ -142,21 +176,26 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     world = out / 'world'
     t0 = time.time()
-    print('== 1/4 synthetic world (tokenaug-data)', flush=True)
+    print('== 1/5 synthetic world (tokenaug-data)', flush=True)
     subprocess.run([BIN / 'tokenaug-data', '--out', world, '--seed', '0'], check=True)
 
     rows, curves = [], {}
     kinds = [('cutmix', 'MixUp/CutMix (DeiT)'), ('tokenmix_block', 'MixUp/TokenMix block masks'),
              ('tl_align', 'MixUp/CutMix + TL-Align')]
-    print(f'== 2/4 timm: ViT-Tiny/16 at 112 px, {args.epochs} epochs (tokenaug-train)', flush=True)
+    print(f'== 2/5 timm: ViT-Tiny/16 at 112 px, {args.epochs} epochs (tokenaug-train)', flush=True)
     for kind, label in kinds:
         print(f'  -- {label}', flush=True)
         rows.append(('timm (tokenaug-train)', label, *timm_run(world, out, kind, args.epochs, curves)))
-    print(f'== 3/4 mmpretrain: DeiT-Tiny at 112 px, {args.epochs} epochs (mmpretrain tools/train.py)', flush=True)
+    print(f'== 3/5 mmpretrain: DeiT-Tiny at 112 px, {args.epochs} epochs (mmpretrain tools/train.py)', flush=True)
     for config, label in [('deit-tiny_world_cutmix', kinds[0][1]), ('deit-tiny_world_tokenmix-block', kinds[1][1]),
                           ('deit-tiny_world_tl-align', kinds[2][1])]:
         print(f'  -- {label}', flush=True)
         rows.append(('mmpretrain (tools/train.py)', label, *mmpretrain_run(world, out, config, args.epochs)))
+
+    print(f'== 4/5 token labeling: annotator, tokenaug-maps generate, MixToken + token labeling ({args.epochs} '
+          'epochs each)', flush=True)
+    rows += token_labeling(world, out, args.epochs, curves)
+    kinds.append(('mixtoken', 'MixToken + token labeling'))
 
     table = [f'Synthetic world: 10 classes, 112 px, 400 train / 100 val images; {args.epochs} epochs, 2 CPU cores.',
              '', '| ecosystem | mixing | val top-1 | val top-5 | wall s |', '|---|---|---|---|---|']
@@ -166,7 +205,7 @@ def main():
     for e in range(args.epochs):
         cells = [f"{float(curves[k][e]['train_loss']):.3f} / {float(curves[k][e]['eval_top1']):.0f}" for k, _ in kinds]
         table.append(f'| {e} | ' + ' | '.join(cells) + ' |')
-    print(f'== 4/4 transfer: UperNet {args.seg_iters} iterations (mmseg), Cascade Mask R-CNN {args.det_iters} '
+    print(f'== 5/5 transfer: UperNet {args.seg_iters} iterations (mmseg), Cascade Mask R-CNN {args.det_iters} '
           f'iterations after a {args.det_pretrain_epochs}-epoch small-Swin pretraining (mmdet)', flush=True)
     transfer_rows = []
     for method, label in [('cutmix', kinds[0][1]), ('tl_align', kinds[2][1])]:
