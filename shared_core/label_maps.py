@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torchvision.ops import roi_align
 
-__all__ = ['dense_maps', 'token_targets', 'token_targets_batch', 'axis_weights', 'crop_targets', 'check_map_row',
+__all__ = ['dense_maps', 'token_targets', 'token_targets_batch', 'axis_weights', 'class_maps', 'crop_targets', 'check_map_row',
            'crop_box', 'smooth']
 
 Box = Union[Sequence[float], torch.Tensor]
@@ -141,24 +141,38 @@ def token_targets_batch(values: torch.Tensor, indices: torch.Tensor, num_classes
         return _token_targets(values, indices, num_classes, boxes, flips, grid, smoothing)
 
 
-def _token_targets(values, indices, num_classes, boxes, flips, grid, smoothing) -> torch.Tensor:
+def _cells(values: torch.Tensor, num_classes: int):
+    """Per cell: ``f (B, h, w)``, the constant probability of every class (the rest of the mass over the
+    ``C - k`` others), and ``u (B, k, h, w)``, the top-k probabilities above it (``v - f``); top-k values
+    renormalised where fp16 rounding made them exceed 1."""
     B, k, h, w = values.shape
-    dev = values.device
-    boxes = _as_tensor(boxes).to(dev, torch.float32)
-    if boxes.shape[0] != B:
-        raise ValueError(f'boxes: expected one crop per map row ({B}), got {boxes.shape[0]}')
+    v = values.float().clamp_min(0.)
+    v = v / v.sum(1, keepdim=True).clamp_min(1.)
+    rest = num_classes - k
+    f = ((1. - v.sum(1)).clamp_min(0.) / rest) if rest else v.new_zeros(B, h, w)
+    return f, v - f[:, None]
+
+
+def _axes(boxes, flips, map_size: Tuple[int, int], grid, device):
+    """RoIAlign's separable weights of a batch of crops: ``wy (B, gh, h)``, ``wx (B, gw, w)`` (flipped
+    rows where the image was flipped after the crop), and the grid."""
+    h, w = map_size
+    boxes = _as_tensor(boxes).to(device, torch.float32)
     _rois(boxes, (h, w))  # validates the boxes
     gh, gw = (grid, grid) if isinstance(grid, int) else tuple(grid)
-    # each cell: top-k probabilities (renormalised if fp16 rounding made them exceed 1), the rest spread
-    v = values.float().clamp_min(0.)
-    total = v.sum(1, keepdim=True)
-    v = v / total.clamp_min(1.)
-    rest = num_classes - k
-    f = ((1. - v.sum(1)).clamp_min(0.) / rest) if rest else v.new_zeros(B, h, w)  # (B, h, w)
-    u = (v - f[:, None]).flatten(2)  # (B, k, h*w): the top-k entries above the constant
-    wy = axis_weights(boxes[:, 1], boxes[:, 3], h, gh)  # (B, gh, h)
-    wx = axis_weights(boxes[:, 0], boxes[:, 2], w, gw)  # (B, gw, w)
-    wx = torch.where(_as_tensor(flips).to(dev, torch.bool).view(-1, 1, 1), wx.flip(1), wx)  # flip after crop
+    wy = axis_weights(boxes[:, 1], boxes[:, 3], h, gh)
+    wx = axis_weights(boxes[:, 0], boxes[:, 2], w, gw)
+    wx = torch.where(_as_tensor(flips).to(device, torch.bool).view(-1, 1, 1), wx.flip(1), wx)
+    return wy, wx, (gh, gw)
+
+
+def _token_targets(values, indices, num_classes, boxes, flips, grid, smoothing) -> torch.Tensor:
+    B, k, h, w = values.shape
+    if _as_tensor(boxes).shape[0] != B:
+        raise ValueError(f'boxes: expected one crop per map row ({B}), got {_as_tensor(boxes).shape[0]}')
+    f, u = _cells(values, num_classes)
+    u = u.flatten(2)  # (B, k, h*w): the top-k entries above the constant
+    wy, wx, (gh, gw) = _axes(boxes, flips, (h, w), grid, values.device)
     if not 0. <= smoothing < 1.:
         raise ValueError(f'smoothing must be in [0, 1), got {smoothing}')
     # label smoothing folded in: (1 - ε) · (constant + top-k entries) + ε / C, one pass over the output
@@ -174,6 +188,26 @@ def _token_targets(values, indices, num_classes, boxes, flips, grid, smoothing) 
     cls = torch.gather(indices.long().flatten(2)[:, None].expand(B, N, k, h * w), 3, cell)
     out.scatter_add_(2, cls.reshape(B, N, k * R), src.reshape(B, N, k * R))
     return out.view(B, gh, gw, num_classes).permute(0, 3, 1, 2)
+
+
+def class_maps(values: torch.Tensor, indices: torch.Tensor, num_classes: int, classes: torch.Tensor,
+               boxes: torch.Tensor, flips: torch.Tensor, grid: Tuple[int, int]) -> torch.Tensor:
+    """One channel of the token targets per image, ``(B, gh, gw)``: the probability of class
+    ``classes[b]`` at each token of image ``b`` (e.g. its true class: TokenMix's activation map), equal to
+    ``token_targets_batch(...)[b, classes[b]]`` without building the other classes."""
+    values, indices = _as_tensor(values), _as_tensor(indices)
+    if values.dim() != 4 or values.shape != indices.shape:
+        raise ValueError(f'values/indices: expected (B, k, h, w) of one shape, got {tuple(values.shape)} '
+                         f'and {tuple(indices.shape)}')
+    B, k, h, w = values.shape
+    classes = _as_tensor(classes).to(values.device).long().view(-1)
+    if classes.numel() != B:
+        raise ValueError(f'classes: expected one class per map row ({B}), got {classes.numel()}')
+    with torch.autocast(values.device.type, enabled=False):
+        f, u = _cells(values, num_classes)
+        d = f + (u * (indices.long() == classes.view(B, 1, 1, 1))).sum(1)  # (B, h, w)
+        wy, wx, _ = _axes(boxes, flips, (h, w), grid, values.device)
+        return wy @ d @ wx.transpose(1, 2)
 
 
 def token_targets(values, indices, num_classes: int, box: Box, flip: bool, grid: Tuple[int, int],

@@ -58,7 +58,13 @@ def test_token_labeling_config_builds_its_model_and_pipeline(path):
 @pytest.mark.parametrize('path', TIMM_CONFIGS, ids=lambda p: p.name)
 def test_timm_config_parses(path):
     args = parse_args(['-c', str(path)])
-    assert args.model and args.mixup_type in ('cutmix', 'tokenmix_block', 'mixtoken')
+    assert args.model and args.mixup_type in ('cutmix', 'tokenmix_block', 'mixtoken', 'tokenmix')
+    if args.activation_map_dir:  # tokenmix.md Sec. 4.2: switch with MixUp at 0.5, BCE (Table 11)
+        assert args.mixup > 0 and args.mixup_switch_prob == 0.5 and args.bce_loss
+        if 'in1k' in path.name:
+            assert args.mixup_type == 'tokenmix' and args.tokenmix_lam == 0.5 and args.tokenmix_mask == 'block'
+            assert (args.lr_base, args.lr_base_size, args.weight_decay, args.epochs, args.warmup_epochs,
+                    args.min_lr) == (1e-3, 1024, 0.05, 300, 5, 1e-6)
     if args.mixup_type == 'mixtoken':  # token-labeling.md Sec. 4.1 / supplement Table 1: no MixUp, β = 0.5
         assert args.token_label_dir and args.mixup == 0 and args.dense_weight == 0.5 and args.cls_target == 'gt'
         if 'in1k' in path.name:

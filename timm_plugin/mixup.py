@@ -29,6 +29,7 @@ import torch
 from timm.data import FastCollateMixup
 
 from shared_core.mixing import MIX_KINDS, Mix, MixSampler, check_pairwise_batch, mix_images, mix_target
+from shared_core.tokenmix import ACTIVATION_TARGETS, activation_target
 
 __all__ = ['CarrierTensor', 'MixTarget', 'TokenMixer', 'FastCollateTokenMixup', 'create_mixer', 'MIXUP_TYPES', 'METHOD_TYPES']
 
@@ -125,7 +126,7 @@ class TokenMixer:
                  mode: str = 'batch', correct_lam: bool = True, label_smoothing: float = 0.1,
                  num_classes: int = 1000, patch_size=16, tokenmix_lam: Optional[float] = None,
                  tokenmix_min_tokens: Optional[int] = None, carry_mix: Optional[bool] = None,
-                 generator: Optional[torch.Generator] = None):
+                 activation_targets: Optional[str] = None, generator: Optional[torch.Generator] = None):
         if not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f'num_classes must be an int >= 2, got {num_classes!r}')
         if not 0. <= label_smoothing < 1.:
@@ -139,6 +140,10 @@ class TokenMixer:
         self.label_smoothing = label_smoothing
         self.num_classes = num_classes
         self.carry_mix = mixup_type not in PLAIN_TARGET_KINDS if carry_mix is None else carry_mix
+        if activation_targets is not None and activation_targets not in ACTIVATION_TARGETS:
+            raise ValueError(f'activation_targets: expected one of {ACTIVATION_TARGETS} or None, '
+                             f'got {activation_targets!r}')
+        self.activation_targets = activation_targets
         self.generator = generator
 
     def sample(self, x: torch.Tensor, target: torch.Tensor, name: str = 'x') -> Mix:
@@ -152,9 +157,19 @@ class TokenMixer:
         return self.sampler.sample(x.shape[0], tuple(x.shape[-2:]), self.generator)
 
     def make_target(self, target: torch.Tensor, mix: Mix) -> torch.Tensor:
-        """The area target (checks the labels); a :class:`MixTarget` carrying the mix on the target's
-        device for the token-aware kinds."""
-        soft = mix_target(target, mix, self.num_classes, self.label_smoothing)
+        """The area target (checks the labels), or with ``activation_targets`` TokenMix's target from the
+        teacher maps the target carries (:func:`shared_core.tokenmix.activation_target`); a
+        :class:`MixTarget` carrying the mix on the target's device for the token-aware kinds."""
+        if self.activation_targets is not None:
+            if not all(hasattr(target, a) for a in ('values', 'indices', 'boxes', 'flips')):
+                raise ValueError('target: activation-map targets need the teacher maps with each label (a '
+                                 'TokenLabelTarget from timm_plugin.token_labeling.TokenLabelCollate)')
+            labels = target.as_tensor()
+            soft = activation_target(labels, mix, target.values, target.indices, target.boxes, target.flips,
+                                     self.num_classes, self.label_smoothing, self.activation_targets)
+            target = labels
+        else:
+            soft = mix_target(target, mix, self.num_classes, self.label_smoothing)
         if not self.carry_mix:
             return soft
         return MixTarget.wrap(soft, mix.to(soft.device, non_blocking=True), target.to(soft.device),
@@ -206,7 +221,8 @@ def create_mixer(mixup_type: str = 'mixup', *, mixup_alpha: float = 1., cutmix_a
                  mode: str = 'batch', correct_lam: bool = True, label_smoothing: float = 0.1,
                  num_classes: int = 1000, patch_size=16, tokenmix_lam: Optional[float] = None,
                  tokenmix_min_tokens: Optional[int] = None, carry_mix: Optional[bool] = None,
-                 method_mix: str = 'cutmix', collate: bool = False, generator: Optional[torch.Generator] = None):
+                 method_mix: str = 'cutmix', collate: bool = False, activation_targets: Optional[str] = None,
+                 generator: Optional[torch.Generator] = None):
     """A mixer with timm ``Mixup``'s arguments and defaults (see the module docstring for the kinds).
 
     Args:
@@ -224,6 +240,10 @@ def create_mixer(mixup_type: str = 'mixup', *, mixup_alpha: float = 1., cutmix_a
             ``mixup_alpha > 0`` is the MixUp/CutMix switch, ``'mixup'``, ``'tokenmix_random'``,
             ``'tokenmix_block'``).
         collate: return a :class:`FastCollateTokenMixup` (for timm's prefetcher loader).
+        activation_targets: TokenMix's targets from a teacher's activation maps (``'true_class'``, the
+            paper / public code, or ``'distribution'``, our extension; :mod:`shared_core.tokenmix`): the
+            mixer is then called with the :class:`~timm_plugin.token_labeling.TokenLabelTarget` of
+            ``TokenLabelCollate`` (the maps follow each crop and flip); not with ``collate=True``.
         generator: a ``torch.Generator`` for reproducible mixing (default: torch's global RNG).
     """
     if mixup_type in METHOD_TYPES:
@@ -238,6 +258,10 @@ def create_mixer(mixup_type: str = 'mixup', *, mixup_alpha: float = 1., cutmix_a
                   switch_prob=switch_prob, correct_lam=correct_lam, label_smoothing=label_smoothing,
                   num_classes=num_classes, patch_size=patch_size, tokenmix_lam=tokenmix_lam,
                   tokenmix_min_tokens=tokenmix_min_tokens, carry_mix=carry_mix, generator=generator)
+    if activation_targets is not None:
+        if collate:
+            raise ValueError('activation_targets: mix on the device (collate=False), after TokenLabelCollate')
+        kwargs['activation_targets'] = activation_targets
     if collate:
         return FastCollateTokenMixup(mixup_type, mode=mode, **kwargs)
     if 'half' in mode:

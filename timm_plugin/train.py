@@ -131,9 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--mixup-switch-prob', type=float, default=0.5)
     g.add_argument('--mixup-mode', type=str, default='batch', help='"batch", "pair", or "elem"')
     g.add_argument('--mixup-off-epoch', default=0, type=int, metavar='N')
-    g.add_argument('--mixup-type', default=None, choices=MIXUP_TYPES + METHOD_TYPES + TOKEN_LABELING_TYPES,
+    g.add_argument('--mixup-type', default=None, choices=MIXUP_TYPES + METHOD_TYPES + TOKEN_LABELING_TYPES + ('tokenmix',),
                    help='tokenaug mixing kind or method (default: timm behaviour, cutmix if --cutmix > 0 else mixup); '
-                        'mixtoken: MixToken after patch embedding (token-labeling.md Eq. 5), box ~ Beta(--cutmix or 1)')
+                        'mixtoken: MixToken after patch embedding (token-labeling.md Eq. 5), box ~ Beta(--cutmix or 1); '
+                        'tokenmix: tokenmix_{--tokenmix-mask} with λ = 0.5 unless --tokenmix-lam (tokenmix.md Sec. 3.2)')
     g.add_argument('--method-mix', default='cutmix', choices=MIXUP_TYPES,
                    help='the mixing kind under --mixup-type tl_align/transmix (tl-align.md Table 7; '
                         'cutmix with --mixup > 0 = the MixUp/CutMix switch)')
@@ -145,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TransMix λ: 'paper' (attention over the box) or 'average' (with the area, public code)")
     g.add_argument('--tokenmix-lam', type=float, default=None,
                    help='fix λ (own share) of token-mask kinds, e.g. 0.5 as in TokenMix (default: Beta(--cutmix))')
+    g.add_argument('--tokenmix-mask', default='block', choices=('block', 'random'),
+                   help='the TokenMix mask of --mixup-type tokenmix (tokenmix.md Table 8-9)')
+    g.add_argument('--activation-map-dir', default=None, type=str, metavar='DIR',
+                   help="teacher maps of the training split (tokenaug-maps generate): TokenMix's targets from "
+                        'activation maps (tokenmix.md Eq. 2), for any cut kind (with cutmix: Table 7 refinement)')
+    g.add_argument('--activation-target', default='true_class', choices=('true_class', 'distribution'),
+                   help="true_class: the maps' channel of each image's class (paper / public code); "
+                        "distribution: the teacher's full class distribution over what each image shows (ours)")
     g.add_argument('--token-label-dir', default=None, type=str, metavar='DIR',
                    help='label-map store of the training split (tokenaug-maps generate): token labeling')
     g.add_argument('--dense-weight', type=float, default=0.5, help='β of the token loss (token-labeling.md Eq. 3)')
@@ -313,6 +322,10 @@ def run(argv=None) -> dict:
                          **factory_kwargs, **model_kwargs)
     if args.num_classes is None:
         args.num_classes = model.num_classes
+    if args.mixup_type == 'tokenmix':  # the paper's TokenMix: block (or random) masks, λ fixed at 0.5
+        args.mixup_type = f'tokenmix_{args.tokenmix_mask}'
+        if args.tokenmix_lam is None:
+            args.tokenmix_lam = 0.5
     token_labeling = args.mixup_type in TOKEN_LABELING_TYPES or bool(args.token_label_dir) or args.relabel
     dense = bool(args.token_label_dir) and not args.relabel and args.dense_weight > 0
     if token_labeling:
@@ -325,6 +338,9 @@ def run(argv=None) -> dict:
             raise ValueError(f'--cls-target {args.cls_target} needs --token-label-dir')
         if dense:  # before the optimizer, EMA and resume: the aux head is part of the trained model
             attach_aux_head(model, args.num_classes)
+    if args.activation_map_dir and (token_labeling or args.mixup_type in METHOD_TYPES):
+        raise ValueError(f'--activation-map-dir: TokenMix targets apply to the mixing kinds {MIXUP_TYPES}, not to '
+                         f'{"token labeling" if token_labeling else args.mixup_type}')
     if utils.is_primary(args):
         _logger.info(f'Model {safe_model_name(args.model)} created, param count: '
                      f'{sum(m.numel() for m in model.parameters())}')
@@ -381,12 +397,13 @@ def run(argv=None) -> dict:
                                   input_img_mode=args.input_img_mode)
 
     collate_fn = mixer = None
-    if args.token_label_dir:
+    maps_dir, maps_flag = (args.token_label_dir, '--token-label-dir') if args.token_label_dir else \
+        (args.activation_map_dir, '--activation-map-dir')
+    if maps_dir:  # the samples carry their map rows, crops and flips
         from shared_core.map_store import LabelMapStore
-        store = LabelMapStore.open(args.token_label_dir)
+        store = LabelMapStore.open(maps_dir)
         if store.num_classes != args.num_classes:
-            raise ValueError(f'--token-label-dir: the maps have {store.num_classes} classes, the model '
-                             f'{args.num_classes}')
+            raise ValueError(f'{maps_flag}: the maps have {store.num_classes} classes, the model {args.num_classes}')
         dataset_train = TokenLabelDataset(dataset_train, store, keep_geometric_aa=args.keep_geometric_aa)
         collate_fn = TokenLabelCollate(args.num_classes)
     # mixing: the kind, and where it runs (fast-collate with the prefetcher, else in the loop);
@@ -403,11 +420,15 @@ def run(argv=None) -> dict:
                           prob=args.mixup_prob, switch_prob=args.mixup_switch_prob, mode=args.mixup_mode,
                           label_smoothing=args.smoothing, num_classes=args.num_classes,
                           patch_size=model_patch_size(bare_model), tokenmix_lam=args.tokenmix_lam)
-        if args.prefetcher:
+        if args.activation_map_dir:  # mixed on the device, where the maps' targets are built
+            mixer = create_mixer(mixup_type, activation_targets=args.activation_target, **mixer_args)
+        elif args.prefetcher:
             collate_fn = create_mixer(mixup_type, collate=True, **mixer_args)
         else:
             mixer = create_mixer(mixup_type, **mixer_args)
         shown = f'{args.method_mix} with {mixup_type}' if mixup_type in METHOD_TYPES else mixup_type
+        if args.activation_map_dir:
+            shown += f' with {args.activation_target} activation-map targets'
         _logger.info(f'Mixing: {shown} (mixup_alpha={args.mixup}, cutmix_alpha={args.cutmix}, '
                      f'prob={args.mixup_prob}, switch_prob={args.mixup_switch_prob}, mode={args.mixup_mode})')
 
@@ -515,10 +536,10 @@ def train_one_epoch(epoch, model, loader, optimizer, loss_fn, args, device, lr_s
                     output_dir=None, amp_autocast=suppress, loss_scaler=None, model_ema=None, mixer=None,
                     num_updates_total=None):
     if args.mixup_off_epoch and epoch >= args.mixup_off_epoch:
-        if args.prefetcher and hasattr(loader, 'mixup_enabled'):
-            loader.mixup_enabled = False
-        elif mixer is not None:
+        if mixer is not None:
             mixer.mixup_enabled = False
+        elif args.prefetcher and hasattr(loader, 'mixup_enabled'):
+            loader.mixup_enabled = False
     accum = args.grad_accum_steps
     method = args.mixup_type in METHOD_TYPES
     second_order = getattr(optimizer, 'is_second_order', False)
@@ -534,8 +555,8 @@ def train_one_epoch(epoch, model, loader, optimizer, loss_fn, args, device, lr_s
         need_update = last_batch or (batch_idx + 1) % accum == 0
         if not args.prefetcher:
             x, target = x.to(device), target.to(device)
-            if mixer is not None:
-                x, target = mixer(x, target)
+        if mixer is not None:  # in the loop: without the prefetcher, or with teacher maps (on the device)
+            x, target = mixer(x, target)
         data_time_m.update(time.time() - data_start)
         # with gradient accumulation under DDP, all-reduce only on the update step
         sync = model.no_sync if (args.distributed and not need_update) else suppress
