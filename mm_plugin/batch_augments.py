@@ -19,6 +19,7 @@ import torch
 from mmpretrain.registry import BATCH_AUGMENTS
 
 from shared_core.mixing import Mix, MixSampler, check_pairwise_batch, mix_images
+from shared_core.tokenmix import ACTIVATION_TARGETS
 
 __all__ = ['MixBatchAugment', 'TAMixup', 'TACutMix', 'TAMixToken', 'TATokenMix']
 
@@ -32,12 +33,21 @@ class MixBatchAugment:
         patch_size: the backbone's patch size (token-aware kinds need the image divisible by it).
             ``None``: the data preprocessor's ``patch_size`` (16 under the stock preprocessor).
         mode: ``'batch'`` (one λ per batch, as mmpretrain's Mixup/CutMix), ``'pair'`` or ``'elem'``.
+        activation_targets: TokenMix's targets from a teacher's activation maps (tokenmix.md Eq. 2;
+            ``'true_class'`` or our ``'distribution'``, see :mod:`shared_core.tokenmix`) instead of the area
+            target; needs :class:`TokenAugDataPreprocessor` and the token-label pipeline
+            (``LoadTokenLabelMap`` ... ``PackTokenLabelInputs``) carrying each image's map, crop and flip.
         **sampler_kwargs: further :class:`MixSampler` arguments.
     """
 
     kind = 'mixup'
 
-    def __init__(self, alpha: float = 1.0, patch_size=None, mode: str = 'batch', **sampler_kwargs):
+    def __init__(self, alpha: float = 1.0, patch_size=None, mode: str = 'batch',
+                 activation_targets: Optional[str] = None, **sampler_kwargs):
+        if activation_targets is not None and activation_targets not in ACTIVATION_TARGETS:
+            raise ValueError(f'activation_targets: expected one of {ACTIVATION_TARGETS} or None, '
+                             f'got {activation_targets!r}')
+        self.activation_targets = activation_targets
         if self.kind == 'mixup':
             args = dict(mixup_alpha=alpha, cutmix_alpha=0.)
         else:
@@ -76,9 +86,10 @@ class TACutMix(MixBatchAugment):
     kind = 'cutmix'
 
     def __init__(self, alpha: float = 1.0, cutmix_minmax: Optional[Sequence[float]] = None,
-                 correct_lam: bool = True, patch_size=None, mode: str = 'batch'):
+                 correct_lam: bool = True, patch_size=None, mode: str = 'batch',
+                 activation_targets: Optional[str] = None):
         super().__init__(alpha, patch_size=patch_size, mode=mode, cutmix_minmax=cutmix_minmax,
-                         correct_lam=correct_lam)
+                         correct_lam=correct_lam, activation_targets=activation_targets)
 
 
 @BATCH_AUGMENTS.register_module()
@@ -94,8 +105,10 @@ class TATokenMix(MixBatchAugment):
     drawing it from Beta(α, α)."""
 
     def __init__(self, alpha: float = 1.0, mask: str = 'block', lam: Optional[float] = None,
-                 min_tokens: Optional[int] = None, patch_size=None, mode: str = 'batch'):
+                 min_tokens: Optional[int] = None, patch_size=None, mode: str = 'batch',
+                 activation_targets: Optional[str] = None):
         if mask not in ('block', 'random'):
             raise ValueError(f"mask must be 'block' or 'random', got {mask!r}")
         self.kind = f'tokenmix_{mask}'
-        super().__init__(alpha, patch_size=patch_size, mode=mode, tokenmix_lam=lam, tokenmix_min_tokens=min_tokens)
+        super().__init__(alpha, patch_size=patch_size, mode=mode, tokenmix_lam=lam, tokenmix_min_tokens=min_tokens,
+                         activation_targets=activation_targets)

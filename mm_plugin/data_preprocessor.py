@@ -25,6 +25,7 @@ from mmpretrain.models.utils.data_preprocessor import ClsDataPreprocessor
 from mmpretrain.registry import MODELS
 
 from shared_core.mixing import Mix, check_labels, identity_mix, mix_images, mix_target, to_2tuple
+from shared_core.tokenmix import activation_target
 from .batch_augments import MixBatchAugment
 
 __all__ = ['TokenAugDataPreprocessor', 'mix_from_samples']
@@ -89,7 +90,13 @@ class TokenAugDataPreprocessor(ClsDataPreprocessor):
             mix = aug.sample_mix(len(samples), img_size)
             inputs = mix_images(inputs, mix)
         mix = mix.to(inputs.device, non_blocking=True)
-        scores = mix_target(labels, mix, self.num_classes)
+        if getattr(aug, 'activation_targets', None):  # TokenMix: targets from the teacher's maps (Eq. 2)
+            from .token_labeling import token_label_batch
+            maps = token_label_batch(samples, self.num_classes, inputs.device)
+            scores = activation_target(labels, mix, maps.values, maps.indices, maps.boxes, maps.flips,
+                                       self.num_classes, 0., aug.activation_targets)
+        else:
+            scores = mix_target(labels, mix, self.num_classes)
         for i, (sample, score) in enumerate(zip(samples, scores)):
             sample.set_gt_score(score)
             # set_field, not set_metainfo: the latter deep-copies, and every sample must share one Mix

@@ -385,3 +385,52 @@ def test_upstream_train_py_runs_the_token_labeling_config(tiny_world, tmp_path, 
     assert 'Epoch(train) [1][2/2]' in log and 'loss_token' in log and 'loss_cls' in log and 'accuracy/top1' in log
     dumped = (work / 'deit-tiny_world_token-labeling.py').read_text()
     assert "type='TokenLabelingClassifier'" in dumped and str(tmp_path / 'maps') in dumped
+
+
+# ----------------------------------------------------------------------------- TokenMix activation-map targets
+def test_preprocessor_gives_tokenmix_activation_targets():
+    """TATokenMix(activation_targets=...) under TokenAugDataPreprocessor: gt_score is Eq. 2's target from the
+    packed maps, crops and flips of the batch, for the mix the preprocessor drew and applied."""
+    from mmengine.registry import DefaultScope
+    from mmpretrain.registry import MODELS as PRE_MODELS
+    from shared_core.mixing import mix_target
+    from shared_core.tokenmix import activation_target
+    from mm_plugin import mix_from_samples
+    labels, values, indices, boxes, flips = batch()
+    samples = packed_samples(labels, values, indices, boxes, flips)
+    with DefaultScope.overwrite_default_scope('mmpretrain'):
+        pre = PRE_MODELS.build(dict(type='TokenAugDataPreprocessor', num_classes=C, patch_size=16, batch_augments=dict(
+            augments=[dict(type='TATokenMix', alpha=1.0, mask='block', activation_targets='true_class')])))
+    torch.manual_seed(0)
+    out = pre(dict(inputs=[torch.randint(0, 255, (3, 64, 64), dtype=torch.uint8) for _ in range(4)],
+                   data_samples=samples), training=True)
+    mix = mix_from_samples(out['data_samples'])
+    got = torch.stack([s.gt_score for s in out['data_samples']])
+    want = activation_target(labels, mix, torch.from_numpy(values), torch.from_numpy(indices), boxes, flips, C)
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(got, mix_target(labels, mix, C))  # not the area target
+    with pytest.raises(ValueError, match='activation_targets'):
+        from mm_plugin import TATokenMix
+        TATokenMix(activation_targets='logits')
+
+
+@pytest.mark.slow
+def test_upstream_train_py_runs_the_tokenmix_activation_config(tiny_world, tmp_path, run_env):
+    split = Path(tiny_world) / 'imagenet' / 'train'
+    paths = sorted(str(p.relative_to(split)) for p in split.rglob('*') if p.is_file())
+    values, indices = random_rows(len(paths), num_classes=10, k=3, h=7, w=7, seed=5)
+    writer = LabelMapStore.create(tmp_path / 'maps', paths, num_classes=10, k=3, grid=(7, 7), annotator='random',
+                                  input_size=(112, 112))
+    writer.write(np.arange(len(paths)), values, indices)
+    writer.finalize()
+    writer.close()
+    run_env.update(TOKENAUG_WORLD=str(tiny_world), TOKENAUG_MAPS=str(tmp_path / 'maps'))
+    cmd = ['python', str(TRAIN_PY), str(REPO / 'configs' / 'mmpretrain' / 'deit-tiny_world_tokenmix.py'),
+           '--work-dir', str(tmp_path / 'work'), '--cfg-options', 'train_dataloader.batch_size=4',
+           'train_dataloader.dataset.indices=8', 'train_dataloader.num_workers=0', 'val_dataloader.num_workers=0',
+           'val_dataloader.batch_size=10', 'train_cfg.max_epochs=1']
+    res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert 'Epoch(train) [1][2/2]' in log and 'accuracy/top1' in log
+    assert "TATokenMix(tokenmix_block)" in log

@@ -1,0 +1,25 @@
+# TokenMix on the synthetic world (CPU-sized DeiT-Tiny at 112 px): block masks, lambda ~ Beta(1, 1) (the paper's
+# choice for small models), switched with MixUp, targets from a teacher's activation maps (Eq. 2), BCE.
+# $TOKENAUG_WORLD: the world root; $TOKENAUG_MAPS: the teacher's map store of <world>/imagenet/train.
+_base_ = ['./_base_/world_deit-tiny.py']
+
+world_root = '{{$TOKENAUG_WORLD:data/world}}'
+label_maps = '{{$TOKENAUG_MAPS:data/world/token_label_maps}}'
+img_size = 112
+
+model = dict(
+    head=dict(loss=dict(_delete_=True, type='CrossEntropyLoss', use_sigmoid=True, loss_weight=1.0)),  # BCE
+    train_cfg=dict(augments=[
+        dict(type='TAMixup', alpha=0.8),
+        dict(type='TATokenMix', alpha=1.0, mask='block', activation_targets='true_class'),
+    ]))
+
+train_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='LoadTokenLabelMap', store=label_maps, split_root=world_root + '/imagenet/train'),
+    dict(type='TokenLabelRandomResizedCrop', scale=img_size, crop_ratio_range=(0.35, 1.0), backend='pillow',
+         interpolation='bicubic'),
+    dict(type='RandomFlip', prob=0.5, direction='horizontal'),
+    dict(type='PackTokenLabelInputs'),
+]
+train_dataloader = dict(dataset=dict(pipeline=train_pipeline))
