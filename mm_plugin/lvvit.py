@@ -37,7 +37,7 @@ ARCHS = {
     't': dict(embed_dims=240, num_layers=12, num_heads=4, stem_channels=64),
     's': dict(embed_dims=384, num_layers=16, num_heads=6, stem_channels=64),
     'm': dict(embed_dims=512, num_layers=20, num_heads=8, stem_channels=64),
-    'l': dict(embed_dims=768, num_layers=24, num_heads=12, stem_channels=128),
+    'l': dict(embed_dims=768, num_layers=24, num_heads=12, stem_channels=128, skip_lam=3.),  # as timm lvvit_l
 }
 _ARCH_DEFAULTS = dict(mlp_ratio=3., qkv_bias=False, skip_lam=2., stem_channels=64, norm_eps=1e-5)
 

@@ -61,6 +61,8 @@ def check_map_row(values, indices, num_classes: int, name: str = 'label map') ->
         raise ValueError(f'{name}: values must be probabilities (finite, >= 0, summing to <= 1 per cell)')
     if i.size and (i.min() < 0 or i.max() >= num_classes):
         raise ValueError(f'{name}: class indices must be in [0, {num_classes}), got [{i.min()}, {i.max()}]')
+    if i.shape[0] > 1 and (np.diff(np.sort(i, axis=0), axis=0) == 0).any():
+        raise ValueError(f'{name}: a cell lists the same class twice among its top-k')
 
 
 def dense_maps(values: torch.Tensor, indices: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -96,6 +98,8 @@ def _rois(boxes: torch.Tensor, map_size: Tuple[int, int]) -> torch.Tensor:
     b = boxes.float()
     if not ((b[:, 0] < b[:, 2]) & (b[:, 1] < b[:, 3])).all():
         raise ValueError('boxes: expected x0 < x1 and y0 < y1 (normalised crop corners)')
+    if not ((b >= -1e-6) & (b <= 1. + 1e-6)).all():
+        raise ValueError('boxes: expected crops inside the image, corners in [0, 1]')
     scale = b.new_tensor([w, h, w, h])
     idx = torch.arange(b.shape[0], device=b.device, dtype=b.dtype)[:, None]
     return torch.cat([idx, b * scale], 1)
@@ -147,8 +151,10 @@ def _cells(values: torch.Tensor, num_classes: int):
     renormalised where fp16 rounding made them exceed 1."""
     B, k, h, w = values.shape
     v = values.float().clamp_min(0.)
-    v = v / v.sum(1, keepdim=True).clamp_min(1.)
     rest = num_classes - k
+    # with classes outside the top-k, only an excess (fp16 rounding) is scaled away; with k == C the
+    # top-k is the whole distribution, renormalised exactly
+    v = v / v.sum(1, keepdim=True).clamp_min(1. if rest else 1e-12)
     f = ((1. - v.sum(1)).clamp_min(0.) / rest) if rest else v.new_zeros(B, h, w)
     return f, v - f[:, None]
 

@@ -167,3 +167,25 @@ def test_bad_rows_and_boxes_are_refused():
 
 def test_crop_box_is_normalised_x0_y0_x1_y1():
     assert crop_box(10, 20, 30, 40, 100, 200) == (0.1, 0.1, 0.3, 0.4)
+
+
+def test_top_k_over_all_classes_is_renormalised_exactly():
+    """k == C: no rest to spread; fp16 rows summing to slightly less than 1 still give targets summing to 1."""
+    rng = np.random.default_rng(1)
+    p = rng.dirichlet(np.ones(4), size=(6, 6))
+    order = np.argsort(-p, -1)
+    val = np.take_along_axis(p, order, -1).astype(np.float16).transpose(2, 0, 1)
+    t = token_targets(val, order.transpose(2, 0, 1), 4, (0.1, 0.2, 0.9, 0.7), True, (5, 3))
+    np.testing.assert_allclose(t.sum(0).numpy(), 1., atol=1e-6)
+    np.testing.assert_allclose(t.numpy(), reference_targets(val, order.transpose(2, 0, 1), 4, (0.1, 0.2, 0.9, 0.7),
+                                                            True, (5, 3)), atol=1e-5)
+
+
+def test_crops_outside_the_image_and_repeated_classes_are_refused():
+    val, idx, C = quadrant_map()
+    with pytest.raises(ValueError, match=r'inside the image'):
+        token_targets(val, idx, C, (-.2, 0., .5, 1.), False, (2, 2))
+    dup = idx.copy()
+    dup[1] = dup[0]
+    with pytest.raises(ValueError, match='same class twice'):
+        check_map_row(val, dup, C)

@@ -37,7 +37,8 @@ def test_sizes_and_parameter_counts_match_table_1(name, depth, dim, heads, img, 
     assert len(model.blocks) == depth and model.embed_dim == dim and model.blocks[0].attn.num_heads == heads
     assert model.patch_embed.img_size == (img, img) and model.patch_embed.conv1.out_channels == stem
     blk = model.blocks[0]
-    assert blk.mlp.fc1.out_features == 3 * dim and blk.attn.qkv.bias is None and blk.skip_lam == 2
+    assert blk.mlp.fc1.out_features == 3 * dim and blk.attn.qkv.bias is None
+    assert blk.skip_lam == (3 if name == 'lvvit_l' else 2)  # the public code's residual scales
     assert model.pretrained_cfg['classifier'] == ('head', 'aux_head')
     assert model.pretrained_cfg['first_conv'] == 'patch_embed.conv1'
 

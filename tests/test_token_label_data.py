@@ -120,3 +120,13 @@ def test_randaugment_posterize_at_full_magnitude_works_with_this_pillow():
     assert np.asarray(op(img)).max() == 0
     op = AugmentOp('PosterizeIncreasing', prob=1., magnitude=5, hparams={})
     assert np.asarray(op(img)).max() == 192  # 200 keeping 2 bits (4 - 2)
+
+
+@pytest.mark.parametrize('policy', ['rand-m9-mstd0.5-tweights', 'rand-m9-t3aw'])
+def test_weighted_randaugment_policies_keep_matching_weights(policy):
+    ra = rand_augment_transform(policy, dict(translate_const=20, img_mean=(124, 116, 104)))
+    _, _, rest = split_train_transform(T.Compose([T.RandomResizedCrop(32), ra]))
+    kept = rest.transforms[0]
+    assert len(kept.choice_weights) == len(kept.ops) < len(ra.ops)
+    assert abs(sum(kept.choice_weights) - 1) < 1e-9
+    kept(Image.fromarray(np.full((32, 32, 3), 100, np.uint8)))

@@ -154,3 +154,36 @@ def test_mixtoken_on_a_plain_vit_adds_an_aux_head_that_timm_loads_non_strict(tin
     with pytest.raises(ValueError, match='--mixup'):
         run(['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny_token-labeling.yaml'), '--data-dir',
              str(tiny_world / 'imagenet'), '--token-label-dir', str(tmp_path / 'maps'), '--mixup', '0.8'])
+
+
+@pytest.mark.parametrize('flags, match', [
+    (['--token-label-dir', 'x', '--cutmix', '1'], '--cutmix'),
+    (['--mixup-type', 'tl_align', '--token-label-dir', 'x'], '--mixup-type tl_align'),
+    (['--mixup-type', 'mixtoken', '--bce-loss'], '--bce-loss'),
+    (['--mixup-type', 'mixtoken', '--mixup', '0.8'], '--mixup: MixUp'),
+    (['--relabel'], '--relabel needs --token-label-dir'),
+    (['--mixup-type', 'cutmix', '--cutmix', '1', '--activation-map-dir', 'x', '--token-label-dir', 'x'],
+     '--mixup-type cutmix'),
+])
+def test_token_labeling_refuses_flags_it_would_ignore(tiny_world, tmp_path, flags, match):
+    cfg = yaml.safe_load((REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml').read_text())
+    for key in ('mixup_type', 'mixup', 'cutmix'):  # no mixing unless the flags ask for it
+        cfg.pop(key)
+    (tmp_path / 'plain.yaml').write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ValueError, match=match):
+        run(['-c', str(tmp_path / 'plain.yaml'), '--data-dir', str(tiny_world / 'imagenet'), '--output', str(tmp_path)]
+            + flags)
+
+
+@pytest.mark.slow
+def test_torchrun_mixtoken_on_lvvit_without_maps(tiny_world, tmp_path, run_env):
+    """MixToken with ImageNet labels only (token-labeling.md Table 2, 'MixToken | ImageNet Label') on LV-ViT under
+    DDP: the idle aux head is frozen (DDP would wait for its gradients) and the class head alone predicts."""
+    cmd = ['torchrun', '--nproc_per_node', '2', '--master_port', '29613', '-m', 'timm_plugin.train', '-c',
+           str(REPO / 'configs' / 'timm' / 'world_vit-tiny_token-labeling.yaml'), '--token-label-dir', '',
+           '--data-dir', str(tiny_world / 'imagenet'), '--model', 'lvvit_t', '--model-kwargs', 'img_size=112',
+           '--epochs', '1', '-b', '4', '--workers', '0', '--output', str(tmp_path), '--experiment', 'ddp']
+    res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert 'Train: 0 [   1/2' in log and 'Acc@1' in log and 'process 1, total 2' in log

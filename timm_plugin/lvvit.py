@@ -11,7 +11,8 @@ pretrained loading, ``forward_intermediates``, ``set_input_size``, dynamic image
   code ``PatchEmbed4_2``): conv 7x7/2 -> BN -> ReLU, conv 3x3 -> BN -> ReLU, conv 3x3 -> BN -> ReLU
   (64 channels, 128 for LV-ViT-L), then ``proj`` with kernel = stride = patch_size / 2. The token grid
   steps ``patch_size`` (16) pixels, not ``proj.stride`` (8): :attr:`ConvPatchEmbed.token_stride`.
-- enhanced residual (supplement Table 4): ``X <- X + F(X) / skip_lam`` for attention and MLP, ``skip_lam=2``.
+- enhanced residual (supplement Table 4): ``X <- X + F(X) / skip_lam`` for attention and MLP, ``skip_lam=2``
+  (T/S/M) and 3 (L), as the public code's models (not in the state dict: a kwarg of the constructor).
 - no qkv bias, MLP ratio 3 (paper Table 1; supplement Table 2).
 - an auxiliary head on the patch tokens (``aux_head``), trained by token labeling. At inference the
   public code predicts ``head(cls) + 0.5 * max_over_tokens(aux_head(patch tokens))``; here that is
@@ -288,6 +289,7 @@ def lvvit_m(pretrained: bool = False, **kwargs) -> LVViT:
 
 @register_model
 def lvvit_l(pretrained: bool = False, **kwargs) -> LVViT:
-    """LV-ViT-L: 24 blocks, dim 768, 12 heads, MLP ratio 3, 128-channel stem, 288 px (Table 1: 150M)."""
-    args = dict(img_size=288, embed_dim=768, depth=24, num_heads=12, mlp_ratio=3., skip_lam=2., stem_chans=128)
+    """LV-ViT-L: 24 blocks, dim 768, 12 heads, MLP ratio 3, 128-channel stem, 288 px (Table 1: 150M); residual
+    scale 1/3 (supplement Table 4's other setting), as the public code's ``lvvit_l``."""
+    args = dict(img_size=288, embed_dim=768, depth=24, num_heads=12, mlp_ratio=3., skip_lam=3., stem_chans=128)
     return _create_lvvit('lvvit_l', pretrained=pretrained, **dict(args, **kwargs))

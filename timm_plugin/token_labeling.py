@@ -104,8 +104,12 @@ def split_train_transform(transform, keep_geometric_aa: bool = False):
             raise ValueError(f'transform: {type(t).__name__} has geometric ops the label maps cannot follow; '
                              'use RandAugment (--aa rand-...), whose geometric ops are removed')
         elif isinstance(t, RandAugment) and not keep_geometric_aa:
-            ra = RandAugment([op for op in t.ops if op.name not in GEOMETRIC_RAND_OPS], t.num_layers, t.choice_weights)
-            rest.append(ra)
+            keep = [i for i, op in enumerate(t.ops) if op.name not in GEOMETRIC_RAND_OPS]
+            weights = t.choice_weights
+            if weights is not None:  # weighted policies ('...-tweights', 't3aw'): drop and renormalise theirs too
+                weights = np.asarray(weights, dtype=np.float64)[keep]
+                weights = weights / weights.sum()
+            rest.append(RandAugment([t.ops[i] for i in keep], t.num_layers, weights))
         else:
             rest.append(t)
     return crop, hflip, T.Compose(rest)
@@ -286,7 +290,11 @@ class TokenLabeling(nn.Module):
             if handle is not None:
                 handle.remove()
         cls = self.model.head(self.model.forward_head(feats, pre_logits=True))
-        aux = self.model.aux_head(feats[:, self.num_prefix_tokens:]) if self.aux else None
+        aux = None
+        if self.aux:  # per token, through the norm the class head's input gets (fc_norm of avg-pooled ViTs)
+            tokens = feats[:, self.num_prefix_tokens:]
+            fc_norm = getattr(self.model, 'fc_norm', None)
+            aux = self.model.aux_head(fc_norm(tokens) if fc_norm is not None else tokens)
         return cls, aux
 
     def forward(self, x: torch.Tensor):

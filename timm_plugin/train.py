@@ -336,8 +336,21 @@ def run(argv=None) -> dict:
             raise ValueError('--relabel needs --token-label-dir (the pooled labels come from the label maps)')
         if args.cls_target != 'gt' and not args.token_label_dir:
             raise ValueError(f'--cls-target {args.cls_target} needs --token-label-dir')
+        if args.mixup_type not in (None,) + TOKEN_LABELING_TYPES:
+            raise ValueError(f'--mixup-type {args.mixup_type}: token labeling mixes with MixToken only '
+                             f'(--mixup-type mixtoken, or none for token labeling without mixing)')
+        if args.mixup_type is None and (args.cutmix > 0 or args.cutmix_minmax):
+            raise ValueError('--cutmix: with --token-label-dir the cut is MixToken; add --mixup-type mixtoken '
+                             '(its box is drawn from Beta(--cutmix)), or set --cutmix 0 for no mixing')
+        if args.cutmix_minmax or args.bce_loss:
+            raise ValueError(f'{"--cutmix-minmax" if args.cutmix_minmax else "--bce-loss"}: not used by token '
+                             'labeling (MixToken draws its box from Beta(--cutmix); the loss is Eq. 3 cross entropy)')
         if dense:  # before the optimizer, EMA and resume: the aux head is part of the trained model
             attach_aux_head(model, args.num_classes)
+        elif getattr(model, 'aux_head', None) is not None:  # LV-ViT without dense targets: its aux head idles
+            model.aux_head.requires_grad_(False)  # (DDP would wait for its gradients)
+            if hasattr(model, 'head_rule'):
+                model.head_rule = 'cls'  # and must not vote at inference
     if args.activation_map_dir and (token_labeling or args.mixup_type in METHOD_TYPES):
         raise ValueError(f'--activation-map-dir: TokenMix targets apply to the mixing kinds {MIXUP_TYPES}, not to '
                          f'{"token labeling" if token_labeling else args.mixup_type}')
@@ -536,6 +549,9 @@ def train_one_epoch(epoch, model, loader, optimizer, loss_fn, args, device, lr_s
                     output_dir=None, amp_autocast=suppress, loss_scaler=None, model_ema=None, mixer=None,
                     num_updates_total=None):
     if args.mixup_off_epoch and epoch >= args.mixup_off_epoch:
+        inner = utils.unwrap_model(model)
+        if isinstance(inner, TokenLabeling):  # MixToken, drawn in the model
+            inner.sampler.mixup_enabled = False
         if mixer is not None:
             mixer.mixup_enabled = False
         elif args.prefetcher and hasattr(loader, 'mixup_enabled'):

@@ -24,7 +24,8 @@ model = dict(
 bgr_mean = [103.53, 116.28, 123.675]
 bgr_std = [57.375, 57.12, 58.395]
 train_pipeline = [
-    dict(type='LoadImageFromFile'),
+    # as read by tokenaug-maps (PIL, EXIF orientation not applied): the map and the image must agree
+    dict(type='LoadImageFromFile', color_type='color_ignore_orientation'),
     dict(type='LoadTokenLabelMap', store=label_maps, split_root=data_root + '/train'),
     dict(type='TokenLabelRandomResizedCrop', scale=224, backend='pillow', interpolation='bicubic'),
     dict(type='RandomFlip', prob=0.5, direction='horizontal'),

@@ -15,7 +15,8 @@ model = dict(
     ]))
 
 train_pipeline = [
-    dict(type='LoadImageFromFile'),
+    # as read by tokenaug-maps (PIL, EXIF orientation not applied): the map and the image must agree
+    dict(type='LoadImageFromFile', color_type='color_ignore_orientation'),
     dict(type='LoadTokenLabelMap', store=label_maps, split_root=world_root + '/imagenet/train'),
     dict(type='TokenLabelRandomResizedCrop', scale=img_size, crop_ratio_range=(0.35, 1.0), backend='pillow',
          interpolation='bicubic'),
