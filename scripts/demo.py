@@ -4,9 +4,11 @@
 1. the world (``tokenaug-data``: ImageNet, ADE20K and COCO layouts of the same scenes);
 2. classification: a small ViT trained with CutMix, TokenMix-style block masks and TL-Align, through
    ``tokenaug-train`` (timm) and through mmpretrain's own ``tools/train.py``;
-3. token labeling: a small annotator (ViT-Tiny with average pooling, so its head reads every patch token)
-   trained on the world, its dense maps written by ``tokenaug-maps generate``, then ViT-Tiny trained with
-   token labeling + MixToken (``tokenaug-train --mixup-type mixtoken --token-label-dir ...``);
+3. token labeling and TokenMix: a small annotator (ViT-Tiny with average pooling, so its head reads every
+   patch token) trained on the world, its dense maps written by ``tokenaug-maps generate``, then ViT-Tiny
+   trained with token labeling + MixToken (``--mixup-type mixtoken --token-label-dir ...``) and with TokenMix
+   block masks whose targets come from the same maps (``--activation-map-dir ...``); ``tokenaug-occlusion``
+   then compares the CutMix and TokenMix models with patches dropped (TokenMix Fig. 5);
 4. transfer, for CutMix and TL-Align pretraining: ``tokenaug-convert`` -> UperNet (the ViT) with mmseg's
    ``tools/train.py`` / ``test.py`` -> mIoU; a small Swin pretrained the same way -> Cascade Mask R-CNN
    with mmdet's ``tools/train.py`` / ``test.py`` -> box / mask AP.
@@ -86,7 +88,31 @@ def token_labeling(world, out, epochs, curves):
     with open(exp / 'summary.csv') as f:
         curves['mixtoken'] = list(csv.DictReader(f))
     rows.append(('timm (tokenaug-train)', 'MixToken + token labeling', final['top1'], final['top5'], secs))
+    exp = out / 'timm' / 'tokenmix'
+    shutil.rmtree(exp, ignore_errors=True)
+    secs = run([BIN / 'tokenaug-train', '-c', REPO / 'configs/timm/world_vit-tiny_tokenmix.yaml', '--data-dir',
+                world / 'imagenet', '--activation-map-dir', maps, '--epochs', str(epochs), '--output', out / 'timm',
+                '--experiment', 'tokenmix'], log=out / 'timm_tokenmix.log')
+    final = json.loads((exp / 'results.json').read_text())['final']
+    with open(exp / 'summary.csv') as f:
+        curves['tokenmix'] = list(csv.DictReader(f))
+    rows.append(('timm (tokenaug-train)', 'MixUp/TokenMix blocks, activation-map targets, BCE', final['top1'],
+                 final['top5'], secs))
     return rows
+
+
+def occlusion(world, out, runs):
+    """tokenaug-occlusion on the given timm runs; returns {label: [(ratio, top1), ...]}."""
+    curves = {}
+    for name, label in runs:
+        dst = out / 'occlusion' / name
+        run([BIN / 'tokenaug-occlusion', '--data-dir', world / 'imagenet', '--split', 'val', '--model',
+             'vit_tiny_patch16_224', '--model-kwargs', 'img_size=112', '--checkpoint',
+             out / 'timm' / name / 'last.pth.tar', '--ratios', '0', '0.2', '0.4', '0.6', '0.8', '--out', dst,
+             '-j', '2', '--no-progress'], log=out / f'occlusion_{name}.log')
+        with open(dst / 'occlusion.csv') as f:
+            curves[label] = [(float(r['ratio']), float(r['top1'])) for r in csv.DictReader(f)]
+    return curves
 
 
 def convert(src, dst, to, model, *model_kwargs):
@@ -192,10 +218,11 @@ def main():
         print(f'  -- {label}', flush=True)
         rows.append(('mmpretrain (tools/train.py)', label, *mmpretrain_run(world, out, config, args.epochs)))
 
-    print(f'== 4/5 token labeling: annotator, tokenaug-maps generate, MixToken + token labeling ({args.epochs} '
-          'epochs each)', flush=True)
+    print(f'== 4/5 token labeling and TokenMix: annotator, tokenaug-maps generate, MixToken + token labeling, '
+          f'TokenMix with activation-map targets ({args.epochs} epochs each), tokenaug-occlusion', flush=True)
     rows += token_labeling(world, out, args.epochs, curves)
-    kinds.append(('mixtoken', 'MixToken + token labeling'))
+    kinds += [('mixtoken', 'MixToken + token labeling'), ('tokenmix', 'TokenMix + activation maps')]
+    occ = occlusion(world, out, [('cutmix', 'MixUp/CutMix (DeiT)'), ('tokenmix', 'TokenMix + activation maps')])
 
     table = [f'Synthetic world: 10 classes, 112 px, 400 train / 100 val images; {args.epochs} epochs, 2 CPU cores.',
              '', '| ecosystem | mixing | val top-1 | val top-5 | wall s |', '|---|---|---|---|---|']
@@ -205,6 +232,10 @@ def main():
     for e in range(args.epochs):
         cells = [f"{float(curves[k][e]['train_loss']):.3f} / {float(curves[k][e]['eval_top1']):.0f}" for k, _ in kinds]
         table.append(f'| {e} | ' + ' | '.join(cells) + ' |')
+    ratios = [r for r, _ in next(iter(occ.values()))]
+    table += ['', 'Occlusion (tokenaug-occlusion, val top-1 with a fraction of the 16x16 patches zeroed):', '',
+              '| pretraining | ' + ' | '.join(f'{r:.0%}' for r in ratios) + ' |', '|---' * (len(ratios) + 1) + '|']
+    table += [f'| {label} | ' + ' | '.join(f'{t:.0f}' for _, t in pts) + ' |' for label, pts in occ.items()]
     print(f'== 5/5 transfer: UperNet {args.seg_iters} iterations (mmseg), Cascade Mask R-CNN {args.det_iters} '
           f'iterations after a {args.det_pretrain_epochs}-epoch small-Swin pretraining (mmdet)', flush=True)
     transfer_rows = []
