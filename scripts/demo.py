@@ -96,7 +96,7 @@ def token_labeling(world, out, epochs, curves):
     final = json.loads((exp / 'results.json').read_text())['final']
     with open(exp / 'summary.csv') as f:
         curves['tokenmix'] = list(csv.DictReader(f))
-    rows.append(('timm (tokenaug-train)', 'MixUp/TokenMix blocks, activation-map targets, BCE', final['top1'],
+    rows.append(('timm (tokenaug-train)', 'MixUp/TokenMix blocks, activation-map targets', final['top1'],
                  final['top5'], secs))
     return rows
 
@@ -195,7 +195,7 @@ def main():
     p.add_argument('--epochs', type=int, default=int(os.environ.get('DEMO_EPOCHS', 6)))
     p.add_argument('--out', type=Path, default=REPO / 'demo_out')
     p.add_argument('--seg-iters', type=int, default=int(os.environ.get('DEMO_SEG_ITERS', 80)))
-    p.add_argument('--det-iters', type=int, default=int(os.environ.get('DEMO_DET_ITERS', 30)))
+    p.add_argument('--det-iters', type=int, default=int(os.environ.get('DEMO_DET_ITERS', 20)))
     p.add_argument('--det-pretrain-epochs', type=int, default=int(os.environ.get('DEMO_DET_PRETRAIN_EPOCHS', 3)))
     args = p.parse_args()
     out = args.out.resolve()
