@@ -19,7 +19,7 @@ for the pairwise swaps of MixToken the same loss, see there), Eq. 7 by
 
 Data (registered in mmpretrain's ``TRANSFORMS``). The map of an image covers the *whole* image as read
 from disk; the crop and the flip the image gets are recorded and applied to the map on the training
-device (:func:`shared_core.label_maps.token_targets_batch`, one ``roi_align`` per batch)::
+device (:func:`shared_core.label_maps.token_targets_sparse`, one batched call)::
 
     LoadImageFromFile -> LoadTokenLabelMap -> TokenLabelRandomResizedCrop -> RandomFlip (horizontal)
         -> TokenLabelRandAugment -> RandomErasing -> PackTokenLabelInputs
@@ -70,7 +70,7 @@ from mmpretrain.models.classifiers import ImageClassifier
 from mmpretrain.registry import MODELS, TRANSFORMS
 from mmpretrain.structures import DataSample
 
-from shared_core.label_maps import check_map_row, crop_box, crop_targets, token_targets_batch
+from shared_core.label_maps import check_map_row, crop_box, crop_targets, token_targets_sparse
 from shared_core.map_store import LabelMapStore
 from shared_core.mixing import (Mix, MixSampler, check_image_size, check_labels, check_pairwise_batch, mix_tokens,
                                 one_hot, to_2tuple)
@@ -379,7 +379,8 @@ class TokenLabelingHead(BaseModule):
 
     def targets(self, data_samples: Sequence[DataSample], mix: Optional[Mix], grid: Tuple[int, int],
                 device=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``(class target (B, C), dense target (B, N, C) or None)``, every row summing to 1."""
+        """``(class target (B, C), per-token targets or None)``, every row summing to 1 (the token targets as
+        :class:`~shared_core.label_maps.SparseTokenTargets`; ``.dense()`` gives ``(B, N, C)``)."""
         C, eps = self.num_classes, self.label_smoothing
         labels = torch.cat([s.gt_label for s in data_samples]).to(device)
         if labels.numel() != len(data_samples):
@@ -392,9 +393,8 @@ class TokenLabelingHead(BaseModule):
         y_cls = class_target(one_hot(labels, C, eps), annotator, self.cls_target, self.cls_target_mix)
         y_cls = mix_class_target(y_cls, mix)  # Eq. 7
         dense = None
-        if self.dense_weight:
-            dense = token_targets_batch(maps.values, maps.indices, C, maps.boxes, maps.flips, grid, eps)
-            dense = dense.flatten(2).transpose(1, 2)  # (B, N, C), row-major tokens
+        if self.dense_weight:  # sparse per-token targets (.dense(): (B, N, C), row-major tokens)
+            dense = token_targets_sparse(maps.values, maps.indices, C, maps.boxes, maps.flips, grid, eps)
         return y_cls, dense
 
     def loss(self, feats: Tuple[torch.Tensor, ...], data_samples: Sequence[DataSample], mix: Optional[Mix] = None,

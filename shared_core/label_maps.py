@@ -29,13 +29,13 @@ batch in one ``roi_align`` call, on whatever device the rows are on.
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple, Union
+from typing import NamedTuple, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torchvision.ops import roi_align
 
-__all__ = ['dense_maps', 'token_targets', 'token_targets_batch', 'axis_weights', 'class_maps', 'crop_targets', 'check_map_row',
+__all__ = ['dense_maps', 'token_targets', 'token_targets_batch', 'token_targets_sparse', 'SparseTokenTargets', 'axis_weights', 'class_maps', 'crop_targets', 'check_map_row',
            'crop_box', 'smooth']
 
 Box = Union[Sequence[float], torch.Tensor]
@@ -125,26 +125,6 @@ def _support(weights: torch.Tensor):
     return weights.topk(r, dim=-1)
 
 
-def token_targets_batch(values: torch.Tensor, indices: torch.Tensor, num_classes: int, boxes: torch.Tensor,
-                        flips: torch.Tensor, grid: Tuple[int, int], smoothing: float = 0.) -> torch.Tensor:
-    """Per-token targets ``(B, C, gh, gw)`` for a batch: the map rows ``(B, k, h, w)`` under each crop
-    ``boxes (B, 4)`` (normalised ``(x0, y0, x1, y1)``), resampled to ``grid`` by RoIAlign, flipped where
-    ``flips (B,)`` is set, label-smoothed. Every token's target sums to 1.
-
-    Equal to ``roi_align`` of the full distributions (:func:`dense_maps`), without building them: a cell's
-    distribution is a constant ``f`` (the rest of its mass over the ``C - k`` others) plus its top-k
-    entries ``v - f``, so a token's target is its interpolated ``f`` everywhere plus its few supporting
-    cells' top-k entries, scattered into their classes. The result is channels-last (a ``(B, gh, gw, C)``
-    tensor seen as ``(B, C, gh, gw)``), the layout the per-token loss reads.
-    """
-    values, indices = _as_tensor(values), _as_tensor(indices)
-    if values.dim() != 4 or values.shape != indices.shape:
-        raise ValueError(f'values/indices: expected (B, k, h, w) of one shape, got {tuple(values.shape)} '
-                         f'and {tuple(indices.shape)}')
-    with torch.autocast(values.device.type, enabled=False):  # targets in fp32 under a training autocast
-        return _token_targets(values, indices, num_classes, boxes, flips, grid, smoothing)
-
-
 def _cells(values: torch.Tensor, num_classes: int):
     """Per cell: ``f (B, h, w)``, the constant probability of every class (the rest of the mass over the
     ``C - k`` others), and ``u (B, k, h, w)``, the top-k probabilities above it (``v - f``); top-k values
@@ -172,28 +152,68 @@ def _axes(boxes, flips, map_size: Tuple[int, int], grid, device):
     return wy, wx, (gh, gw)
 
 
-def _token_targets(values, indices, num_classes, boxes, flips, grid, smoothing) -> torch.Tensor:
+class SparseTokenTargets(NamedTuple):
+    """Per-token targets kept sparse: every class gets ``base``, plus ``weight`` at the classes ``cls``:
+    ``t[b, n] = base[b, n] + Σ_j weight[b, n, j] · onehot(cls[b, n, j])``. ``base (B, N)``,
+    ``cls``/``weight (B, N, M)``; tokens in row-major grid order.
+    :func:`shared_core.token_labeling.soft_cross_entropy` takes it without building the ``(B, N, C)``
+    tensor; :meth:`dense` builds it."""
+    base: torch.Tensor
+    cls: torch.Tensor
+    weight: torch.Tensor
+    num_classes: int
+
+    def dense(self) -> torch.Tensor:
+        B, N = self.base.shape
+        out = self.base.unsqueeze(-1).expand(B, N, self.num_classes).contiguous()
+        return out.scatter_add_(2, self.cls, self.weight)
+
+
+def token_targets_sparse(values: torch.Tensor, indices: torch.Tensor, num_classes: int, boxes: torch.Tensor,
+                         flips: torch.Tensor, grid: Tuple[int, int], smoothing: float = 0.) -> SparseTokenTargets:
+    """:func:`token_targets_batch` as :class:`SparseTokenTargets` (what the training loss reads).
+
+    Equal to ``roi_align`` of the full distributions (:func:`dense_maps`), without building them: a cell's
+    distribution is a constant ``f`` (the rest of its mass over the ``C - k`` others) plus its top-k
+    entries ``v - f``, so a token's target is its interpolated ``f`` for every class plus its few
+    supporting cells' top-k entries at their classes (RoIAlign is separable: :func:`axis_weights`).
+    """
+    values, indices = _as_tensor(values), _as_tensor(indices)
+    if values.dim() != 4 or values.shape != indices.shape:
+        raise ValueError(f'values/indices: expected (B, k, h, w) of one shape, got {tuple(values.shape)} '
+                         f'and {tuple(indices.shape)}')
+    if not 0. <= smoothing < 1.:
+        raise ValueError(f'smoothing must be in [0, 1), got {smoothing}')
     B, k, h, w = values.shape
     if _as_tensor(boxes).shape[0] != B:
         raise ValueError(f'boxes: expected one crop per map row ({B}), got {_as_tensor(boxes).shape[0]}')
-    f, u = _cells(values, num_classes)
-    u = u.flatten(2)  # (B, k, h*w): the top-k entries above the constant
-    wy, wx, (gh, gw) = _axes(boxes, flips, (h, w), grid, values.device)
-    if not 0. <= smoothing < 1.:
-        raise ValueError(f'smoothing must be in [0, 1), got {smoothing}')
-    # label smoothing folded in: (1 - ε) · (constant + top-k entries) + ε / C, one pass over the output
-    base = (wy @ f @ wx.transpose(1, 2)).reshape(B, gh * gw, 1) * (1. - smoothing) + smoothing / num_classes
-    out = base.expand(B, gh * gw, num_classes).contiguous()
-    sy, iy = _support(wy)  # (B, gh, Ry)
-    sx, ix = _support(wx)  # (B, gw, Rx)
-    weight = (sy[:, :, None, :, None] * sx[:, None, :, None, :]).reshape(B, gh * gw, 1, -1)  # (B, N, 1, R)
-    cell = (iy[:, :, None, :, None] * w + ix[:, None, :, None, :]).reshape(B, gh * gw, 1, -1)
-    N, R = gh * gw, cell.shape[-1]
-    cell = cell.expand(B, N, k, R)
-    src = torch.gather(u[:, None].expand(B, N, k, h * w), 3, cell) * (weight * (1. - smoothing))
-    cls = torch.gather(indices.long().flatten(2)[:, None].expand(B, N, k, h * w), 3, cell)
-    out.scatter_add_(2, cls.reshape(B, N, k * R), src.reshape(B, N, k * R))
-    return out.view(B, gh, gw, num_classes).permute(0, 3, 1, 2)
+    with torch.autocast(values.device.type, enabled=False):  # targets in fp32 under a training autocast
+        f, u = _cells(values, num_classes)
+        u = u.flatten(2)  # (B, k, h*w): the top-k entries above the constant
+        wy, wx, (gh, gw) = _axes(boxes, flips, (h, w), grid, values.device)
+        N = gh * gw
+        # label smoothing folded in: (1 - ε) · (constant + top-k entries) + ε / C
+        base = (wy @ f @ wx.transpose(1, 2)).reshape(B, N) * (1. - smoothing) + smoothing / num_classes
+        sy, iy = _support(wy)  # (B, gh, Ry)
+        sx, ix = _support(wx)  # (B, gw, Rx)
+        weight = (sy[:, :, None, :, None] * sx[:, None, :, None, :]).reshape(B, N, 1, -1)  # (B, N, 1, R)
+        cell = (iy[:, :, None, :, None] * w + ix[:, None, :, None, :]).reshape(B, N, 1, -1)
+        R = cell.shape[-1]
+        cell = cell.expand(B, N, k, R)
+        src = torch.gather(u[:, None].expand(B, N, k, h * w), 3, cell) * (weight * (1. - smoothing))
+        cls = torch.gather(indices.long().flatten(2)[:, None].expand(B, N, k, h * w), 3, cell)
+        return SparseTokenTargets(base, cls.reshape(B, N, k * R), src.reshape(B, N, k * R), num_classes)
+
+
+def token_targets_batch(values: torch.Tensor, indices: torch.Tensor, num_classes: int, boxes: torch.Tensor,
+                        flips: torch.Tensor, grid: Tuple[int, int], smoothing: float = 0.) -> torch.Tensor:
+    """Per-token targets ``(B, C, gh, gw)`` for a batch: the map rows ``(B, k, h, w)`` under each crop
+    ``boxes (B, 4)`` (normalised ``(x0, y0, x1, y1)``), resampled to ``grid`` by RoIAlign, flipped where
+    ``flips (B,)`` is set, label-smoothed. Every token's target sums to 1. Built from
+    :func:`token_targets_sparse`; channels-last (a ``(B, gh, gw, C)`` tensor seen as ``(B, C, gh, gw)``)."""
+    t = token_targets_sparse(values, indices, num_classes, boxes, flips, grid, smoothing)
+    gh, gw = (grid, grid) if isinstance(grid, int) else tuple(grid)
+    return t.dense().view(-1, gh, gw, num_classes).permute(0, 3, 1, 2)
 
 
 def class_maps(values: torch.Tensor, indices: torch.Tensor, num_classes: int, classes: torch.Tensor,

@@ -17,11 +17,12 @@ crop (the public code's default; ReLabel, :func:`shared_core.label_maps.crop_tar
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
+from .label_maps import SparseTokenTargets
 from .mixing import Mix
 
 __all__ = ['CLS_TARGETS', 'unmix_tokens', 'mix_dense_targets', 'mix_class_target', 'class_target',
@@ -83,8 +84,19 @@ def class_target(gt: torch.Tensor, annotator: Optional[torch.Tensor], kind: str 
     return annotator * mix_weight + gt * (1. - mix_weight)
 
 
-def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of ``-Σ_c t_c log softmax(z)_c`` (``logits`` and ``target`` of one shape, last dim C)."""
+def soft_cross_entropy(logits: torch.Tensor, target: Union[torch.Tensor, SparseTokenTargets]) -> torch.Tensor:
+    """Mean over rows of ``-Σ_c t_c log softmax(z)_c``: ``target`` a tensor of the logits' shape (last dim C),
+    or per-token :class:`~shared_core.label_maps.SparseTokenTargets` for ``(B, N, C)`` logits. The sparse form
+    never builds the target nor ``log_softmax(z)``: with ``t = base + Σ_j w_j · onehot(c_j)``,
+    ``Σ_c t_c log p_c = base · Σ_c z_c + Σ_j w_j z_{c_j} - lse(z) · (C · base + Σ_j w_j)``."""
+    if isinstance(target, SparseTokenTargets):
+        if logits.dim() != 3 or tuple(logits.shape) != (*target.base.shape, target.num_classes):
+            raise ValueError(f'logits: expected (B, N, C) = {(*target.base.shape, target.num_classes)} for these '
+                             f'token targets, got {tuple(logits.shape)}')
+        z = logits.float()
+        dot = target.base * z.sum(-1) + (target.weight * z.gather(-1, target.cls)).sum(-1)
+        mass = target.base * target.num_classes + target.weight.sum(-1)
+        return (torch.logsumexp(z, -1) * mass - dot).mean()
     if logits.shape != target.shape:
         raise ValueError(f'target: expected the logits\' shape {tuple(logits.shape)}, got {tuple(target.shape)}')
     return -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
@@ -94,7 +106,8 @@ def token_labeling_loss(cls_logits: torch.Tensor, cls_target: torch.Tensor,
                         aux_logits: Optional[torch.Tensor] = None, dense_target: Optional[torch.Tensor] = None,
                         dense_weight: float = 0.5) -> torch.Tensor:
     """Eq. 3-4: ``H(cls, y_cls) + β · (1/N) Σ_i H(aux_i, y_i)`` averaged over the batch. ``aux_logits``
-    and ``dense_target`` are ``(B, N, C)``, already aligned (un-mixed outputs, own targets)."""
+    ``(B, N, C)`` and ``dense_target`` its targets (dense, or :class:`SparseTokenTargets`), already aligned
+    (un-mixed outputs, own targets)."""
     loss = soft_cross_entropy(cls_logits, cls_target)
     if dense_weight:
         if aux_logits is None or dense_target is None:

@@ -25,6 +25,16 @@ def reference_dense(values, indices, C):
     return out
 
 
+def sample_count(lo, hi, cells, out):
+    """RoIAlign's adaptive samples per bin, ceil(span / out), with its float32 arithmetic (coordinates
+    scaled, shifted by -0.5, subtracted): the count is a ceil, so float64 would differ where a span sits on
+    an integer."""
+    f = np.float32
+    start = f(f(lo) * f(cells)) - f(.5)
+    end = f(f(hi) * f(cells)) - f(.5)
+    return int(np.ceil(f(end - start) / f(out)))
+
+
 def reference_targets(values, indices, C, box, flip, grid):
     """RoIAlign written out: the crop (x0, y0, x1, y1) in map cells (cell j spans [j, j+1]); each token
     averages ceil(size/grid)^2 bilinear samples at its sub-bin centres, cell values sitting at the
@@ -34,7 +44,7 @@ def reference_targets(values, indices, C, box, flip, grid):
     gh, gw = grid
     x0, y0, x1, y1 = box[0] * w, box[1] * h, box[2] * w, box[3] * h
     bh, bw = (y1 - y0) / gh, (x1 - x0) / gw
-    ny, nx = math.ceil((y1 - y0) / gh), math.ceil((x1 - x0) / gw)
+    ny, nx = sample_count(box[1], box[3], h, gh), sample_count(box[0], box[2], w, gw)
 
     def bilinear(y, x):
         y, x = min(max(y, 0.), h - 1.), min(max(x, 0.), w - 1.)

@@ -115,7 +115,8 @@ def test_loss_module_uses_the_maps_targets_and_the_class_target_choice():
     out = w(x)
     for kind in ('gt', 'annotator', 'mix'):
         lossf = TokenLabelingLoss(C, dense_weight=0.5, cls_target=kind, smoothing=0.1)
-        y_cls, dense = lossf.targets(out, tgt)
+        y_cls, sparse = lossf.targets(out, tgt)
+        dense = sparse.dense()
         torch.testing.assert_close(y_cls.sum(1), torch.ones(B))
         torch.testing.assert_close(dense.sum(-1), torch.ones(B, 16))
         assert dense.shape == (B, 16, C)
@@ -184,3 +185,28 @@ def test_bad_arguments_name_themselves():
         TokenLabelingLoss(5, cls_target='teacher')
     with pytest.raises(ValueError, match='patch_embed'):
         TokenLabeling(torch.nn.Linear(3, 3))
+
+
+@pytest.mark.parametrize('smoothing', [0., 0.1])
+def test_sparse_soft_cross_entropy_equals_the_dense_one_with_gradients(smoothing):
+    """The loss on SparseTokenTargets (no (B, N, C) target, no log_softmax tensor) equals the dense soft CE,
+    value and gradient, also for bf16 logits."""
+    from shared_core.label_maps import token_targets_sparse
+    from shared_core.token_labeling import soft_cross_entropy
+    C, B = 7, 3
+    tgt = maps_target(torch.tensor([0, 1, 2]), C, B, k=3, boxes=torch.tensor([[0., 0., 1., 1.], [.2, .1, .7, .9],
+                                                                             [.5, 0., 1., .5]]),
+                      flips=torch.tensor([False, True, True]))
+    sparse = token_targets_sparse(tgt.values, tgt.indices, C, tgt.boxes, tgt.flips, (3, 4), smoothing)
+    dense = sparse.dense()
+    torch.testing.assert_close(dense.sum(-1), torch.ones(B, 12))
+    for dtype in (torch.float32, torch.bfloat16):
+        z1 = torch.randn(B, 12, C).to(dtype).requires_grad_()
+        z2 = z1.detach().clone().requires_grad_()
+        a, b = soft_cross_entropy(z1, sparse), soft_cross_entropy(z2, dense)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        a.backward(), b.backward()
+        torch.testing.assert_close(z1.grad.float(), z2.grad.float(), atol=1e-6 if dtype == torch.float32 else 1e-2,
+                                   rtol=1e-3)
+    with pytest.raises(ValueError, match='logits'):
+        soft_cross_entropy(torch.randn(B, 11, C), sparse)

@@ -17,7 +17,7 @@ dataset; the dataset splits it into the geometry it must record and the rest:
 Each sample is ``(image, (label, values, indices, box, flip))``; :class:`TokenLabelCollate` stacks
 them into ``(images, TokenLabelTarget)``, which also works with timm's fast-collate prefetcher (uint8
 images, the target's ``.to`` moves the map rows). The per-token targets are built on the training
-device, one batched ``roi_align`` (:func:`shared_core.label_maps.token_targets_batch`).
+device in one batched call, kept sparse (:func:`shared_core.label_maps.token_targets_sparse`).
 
 Model. :class:`TokenLabeling` wraps a timm ViT (class token or average pooling, any patch embedding
 whose output is the ``(B, N, D)`` or ``(B, gh, gw, D)`` token grid — ViT/DeiT, LV-ViT). In training it
@@ -44,7 +44,7 @@ from timm.layers import trunc_normal_
 from torchvision import transforms as T
 from torchvision.transforms import functional as TF
 
-from shared_core.label_maps import check_map_row, crop_box, crop_targets, smooth, token_targets_batch
+from shared_core.label_maps import SparseTokenTargets, check_map_row, crop_box, crop_targets, token_targets_sparse
 from shared_core.mixing import Mix, MixSampler, check_labels, mix_tokens, one_hot
 from shared_core.token_labeling import (CLS_TARGETS, class_target, mix_class_target, token_labeling_loss,
                                         unmix_tokens)
@@ -76,10 +76,10 @@ class TokenLabelTarget(CarrierTensor):
         return TokenLabelTarget._wrap(labels, dict(values=values, indices=indices, boxes=boxes, flips=flips,
                                                    num_classes=num_classes))
 
-    def token_targets(self, grid: Tuple[int, int], smoothing: float = 0.) -> torch.Tensor:
-        """``(B, gh * gw, C)`` per-token targets (row-major token order), rows summing to 1."""
-        t = token_targets_batch(self.values, self.indices, self.num_classes, self.boxes, self.flips, grid, smoothing)
-        return t.flatten(2).transpose(1, 2)
+    def token_targets(self, grid: Tuple[int, int], smoothing: float = 0.) -> SparseTokenTargets:
+        """Per-token targets (row-major token order; ``.dense()`` is ``(B, gh * gw, C)``, rows summing to 1)."""
+        return token_targets_sparse(self.values, self.indices, self.num_classes, self.boxes, self.flips, grid,
+                                    smoothing)
 
     def crop_targets(self, smoothing: float = 0.) -> torch.Tensor:
         """``(B, C)`` the annotator's pooled label over each crop (ReLabel)."""
@@ -338,7 +338,8 @@ class TokenLabelingLoss(nn.Module):
         self.cls_target, self.cls_target_mix, self.smoothing = cls_target, float(cls_target_mix), float(smoothing)
 
     def targets(self, output: TokenLabelingOutput, target: torch.Tensor):
-        """``(class target (B, C), dense target (B, N, C) or None)``, both summing to 1 per row."""
+        """``(class target (B, C), per-token targets or None)``, both summing to 1 per row (the token targets
+        as :class:`SparseTokenTargets`; ``.dense()`` gives ``(B, N, C)``)."""
         labels = target.as_tensor() if isinstance(target, CarrierTensor) else target
         check_labels(labels, self.num_classes)
         maps = target if isinstance(target, TokenLabelTarget) else None
