@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ from PIL import Image
 
 from shared_core.map_store import LabelMapStore, MapWriter, store_status
 from timm_plugin import maps
+
+from common import device_sync, median_times
 
 
 def write_images(root: Path, n: int, size: tuple[int, int], seed: int = 0) -> None:
@@ -91,7 +92,6 @@ def bench_annotator(args) -> float:
     device = torch.device(args.device)
     model = maps.create_annotator(args.model, num_classes=1000).to(device)
     x = torch.randn(args.batch_size, 3, args.input_size, args.input_size, device=device)
-    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
     amp_dtype = torch.float16 if device.type == 'cuda' else torch.bfloat16
 
     def step():
@@ -99,16 +99,7 @@ def bench_annotator(args) -> float:
             v, i = maps.annotate(model, x, 5)
         v.cpu(), i.cpu()
 
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(args.repeats):
-        sync()
-        t = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t)
-    return args.batch_size / statistics.median(times)
+    return args.batch_size / median_times([step], args.repeats, warmup=2, sync=device_sync(device))[0]
 
 
 def main() -> None:

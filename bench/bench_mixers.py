@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
 
 import numpy as np
 import torch
@@ -20,23 +18,11 @@ from timm.data import FastCollateMixup, Mixup
 
 from timm_plugin import create_mixer
 
-
-def timed(fn, sync):
-    sync()
-    t = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t
+from common import device_sync, median_times
 
 
 def compare(name, ours, theirs, repeats, sync):
-    for _ in range(3):
-        ours(), theirs()
-    t_ours, t_theirs = [], []
-    for _ in range(repeats):
-        t_theirs.append(timed(theirs, sync))
-        t_ours.append(timed(ours, sync))
-    a, b = statistics.median(t_ours), statistics.median(t_theirs)
+    b, a = median_times([theirs, ours], repeats, warmup=3, sync=sync)
     print(f'| {name} | {b * 1e3:.2f} | {a * 1e3:.2f} | {a / b:.2f} |', flush=True)
 
 
@@ -51,7 +37,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
-    sync = torch.cuda.synchronize if dev.type == 'cuda' else (lambda: None)
+    sync = device_sync(dev)
     B, S, C = args.batch, args.size, 1000
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(B, 3, S, S, generator=gen).to(dev)
@@ -89,7 +75,7 @@ def main():
         reps = max(5, args.repeats // 3)
         # timm's pair mode mutates the arrays in place: every call gets its own copies, made outside the timing
         copies = iter([[(im.copy(), lab) for im, lab in zip(imgs, labels)] for _ in range(2 * (reps + 3))])
-        compare(name, lambda: ours(next(copies)), lambda: theirs(next(copies)), reps, lambda: None)
+        compare(name, lambda: ours(next(copies)), lambda: theirs(next(copies)), reps, None)
 
 
 if __name__ == '__main__':

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
 
 import timm
 import torch
@@ -16,6 +14,8 @@ from timm.loss import SoftTargetCrossEntropy
 
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign
+
+from common import device_sync, median_times, optimizer_step
 
 
 def main():
@@ -27,7 +27,6 @@ def main():
     p.add_argument('--amp', action='store_true')
     args = p.parse_args()
     dev = torch.device(args.device)
-    sync = torch.cuda.synchronize if dev.type == 'cuda' else (lambda: None)
     torch.manual_seed(0)
     model = timm.create_model(args.model, num_classes=1000).to(dev).train()
     wrapped = TLAlign(model)
@@ -39,35 +38,9 @@ def main():
     xm, target = mixer(x, y)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.amp)
 
-    def plain():
-        with autocast:
-            loss = loss_fn(model(xm), target)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def aligned():
-        with autocast:
-            out, t = wrapped(xm, target)
-            loss = loss_fn(out, t)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def timed(fn):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - t
-
-    for _ in range(2):
-        plain(), aligned()
-    tp, ta = [], []
-    for _ in range(args.repeats):
-        tp.append(timed(plain))
-        ta.append(timed(aligned))
-    a, b = statistics.median(ta), statistics.median(tp)
+    plain = optimizer_step(lambda: loss_fn(model(xm), target), opt, autocast)
+    aligned = optimizer_step(lambda: loss_fn(*wrapped(xm, target)), opt, autocast)  # (logits, aligned target)
+    b, a = median_times([plain, aligned], args.repeats, warmup=2, sync=device_sync(dev))
     name = torch.cuda.get_device_name(dev) if dev.type == 'cuda' else (platform.processor() or platform.machine())
     print(f'# {args.model}, batch {args.batch}x3x224x224, device {dev} ({name}), amp={args.amp}, '
           f'torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}')

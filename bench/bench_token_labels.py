@@ -29,6 +29,8 @@ from shared_core.label_maps import token_targets_batch
 from shared_core.map_store import LabelMapStore
 from timm_plugin.token_labeling import TokenLabelCollate, TokenLabelDataset
 
+from common import device_sync, median_times, optimizer_step
+
 
 def make_images(root: Path, n: int, seed: int = 0) -> list:
     """``n`` 500x375 JPEGs with smooth structure (compress like photos, unlike noise)."""
@@ -116,8 +118,7 @@ def main():
         # 3. dense targets of a batch on the device
         _, target = coll([st[i % len(st)] for i in range(args.batch)])
         target = target.to(args.device)
-        dev = torch.device(args.device)
-        sync = torch.cuda.synchronize if dev.type == 'cuda' else (lambda: None)
+        sync = device_sync(args.device)
 
         def build():
             token_targets_batch(target.values, target.indices, 1000, target.boxes, target.flips, (14, 14), 0.1)
@@ -152,7 +153,6 @@ def training_step(args, target):
     import torch.nn.functional as F
     from timm_plugin.token_labeling import TokenLabeling, TokenLabelingLoss, attach_aux_head
     dev = torch.device(args.device)
-    sync = torch.cuda.synchronize if dev.type == 'cuda' else (lambda: None)
     torch.manual_seed(0)
     model = attach_aux_head(timm.create_model(args.step_model, num_classes=1000)).to(dev).train()
     wrapped = TokenLabeling(model)
@@ -161,33 +161,9 @@ def training_step(args, target):
     x = torch.randn(args.batch, 3, 224, 224, device=dev)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.amp)
 
-    def plain():
-        with autocast:
-            loss = F.cross_entropy(model(x), target.as_tensor(), label_smoothing=0.1)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def tl():
-        with autocast:
-            loss = lossf(wrapped(x), target)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def timed(fn):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - t
-    for _ in range(2):
-        plain(), tl()
-    tp, tt = [], []
-    for _ in range(args.rounds * 2):
-        tp.append(timed(plain))
-        tt.append(timed(tl))
-    return statistics.median(tp), statistics.median(tt)
+    plain = optimizer_step(lambda: F.cross_entropy(model(x), target.as_tensor(), label_smoothing=0.1), opt, autocast)
+    tl = optimizer_step(lambda: lossf(wrapped(x), target), opt, autocast)
+    return tuple(median_times([plain, tl], args.rounds * 2, warmup=2, sync=device_sync(dev)))
 
 
 if __name__ == '__main__':

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
 
 import numpy as np
 import torch
@@ -30,19 +28,11 @@ from timm.data.mixup import Mixup, cutmix_bbox_and_lam
 
 from shared_core.mixing import MixSampler, sample_beta, tokenmix_masks
 
+from common import median_times
+
 
 def compare(name, ours, theirs, repeats):
-    for _ in range(5):
-        ours(), theirs()
-    t_ours, t_theirs = [], []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        theirs()
-        t_theirs.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        ours()
-        t_ours.append(time.perf_counter() - t)
-    a, b = statistics.median(t_ours), statistics.median(t_theirs)
+    b, a = median_times([theirs, ours], repeats, warmup=5)
     print(f'| {name} | {b * 1e3:.3f} | {a * 1e3:.3f} | {a / b:.2f} |', flush=True)
 
 

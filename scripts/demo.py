@@ -48,29 +48,27 @@ def run(cmd, env=None, log=None):
     return time.time() - t
 
 
-def timm_run(world, out, kind, epochs, curves):
-    exp = out / 'timm' / kind
+def timm_run(world, out, experiment, epochs, *flags, config='world_vit-tiny.yaml', curves=None):
+    """``tokenaug-train -c configs/timm/<config>`` with ``flags`` on the world, as ``experiment`` in out/timm
+    (a fresh run folder); its final top-1, top-5 and seconds. The epochs of its summary.csv go to
+    ``curves[experiment]`` when ``curves`` is given."""
+    exp = out / 'timm' / experiment
     shutil.rmtree(exp, ignore_errors=True)  # timm appends to summary.csv of an existing run folder
-    secs = run([BIN / 'tokenaug-train', '-c', REPO / 'configs/timm/world_vit-tiny.yaml', '--data-dir',
-                world / 'imagenet', '--epochs', str(epochs), '--mixup-type', kind, '--output', out / 'timm',
-                '--experiment', kind], log=out / f'timm_{kind}.log')
+    secs = run([BIN / 'tokenaug-train', '-c', REPO / 'configs/timm' / config, '--data-dir', world / 'imagenet',
+                '--epochs', str(epochs), *flags, '--output', out / 'timm', '--experiment', experiment],
+               log=out / f'timm_{experiment}.log')
     final = json.loads((exp / 'results.json').read_text())['final']
-    with open(exp / 'summary.csv') as f:
-        curves[kind] = list(csv.DictReader(f))
+    if curves is not None:
+        with open(exp / 'summary.csv') as f:
+            curves[experiment] = list(csv.DictReader(f))
     return final['top1'], final['top5'], secs
 
 
 def token_labeling(world, out, epochs, curves):
     """Annotator -> maps -> ViT-Tiny with token labeling + MixToken; returns the two table rows."""
-    rows = []
+    rows = [('timm (tokenaug-train)', 'annotator: ViT-Tiny, avg pool, MixUp/CutMix',
+             *timm_run(world, out, 'annotator', epochs, '--gp', 'avg'))]
     ann = out / 'timm' / 'annotator'
-    shutil.rmtree(ann, ignore_errors=True)
-    secs = run([BIN / 'tokenaug-train', '-c', REPO / 'configs/timm/world_vit-tiny.yaml', '--data-dir',
-                world / 'imagenet', '--epochs', str(epochs), '--gp', 'avg', '--output', out / 'timm',
-                '--experiment', 'annotator'], log=out / 'timm_annotator.log')
-    final = json.loads((ann / 'results.json').read_text())['final']
-    rows.append(('timm (tokenaug-train)', 'annotator: ViT-Tiny, avg pool, MixUp/CutMix', final['top1'], final['top5'],
-                 secs))
     maps = out / 'maps' / 'train'
     shutil.rmtree(maps, ignore_errors=True)
     t = time.time()
@@ -79,25 +77,12 @@ def token_labeling(world, out, epochs, curves):
          '--checkpoint', ann / 'last.pth.tar', '--input-size', '112', '--topk', '5', '--out', maps, '-j', '2'],
         log=out / 'maps_generate.log')
     print(f'    maps: {len(list((maps).glob("*")))} files in {maps} ({time.time() - t:.0f} s)', flush=True)
-    exp = out / 'timm' / 'mixtoken'
-    shutil.rmtree(exp, ignore_errors=True)
-    secs = run([BIN / 'tokenaug-train', '-c', REPO / 'configs/timm/world_vit-tiny_token-labeling.yaml', '--data-dir',
-                world / 'imagenet', '--token-label-dir', maps, '--epochs', str(epochs), '--output', out / 'timm',
-                '--experiment', 'mixtoken'], log=out / 'timm_mixtoken.log')
-    final = json.loads((exp / 'results.json').read_text())['final']
-    with open(exp / 'summary.csv') as f:
-        curves['mixtoken'] = list(csv.DictReader(f))
-    rows.append(('timm (tokenaug-train)', 'MixToken + token labeling', final['top1'], final['top5'], secs))
-    exp = out / 'timm' / 'tokenmix'
-    shutil.rmtree(exp, ignore_errors=True)
-    secs = run([BIN / 'tokenaug-train', '-c', REPO / 'configs/timm/world_vit-tiny_tokenmix.yaml', '--data-dir',
-                world / 'imagenet', '--activation-map-dir', maps, '--epochs', str(epochs), '--output', out / 'timm',
-                '--experiment', 'tokenmix'], log=out / 'timm_tokenmix.log')
-    final = json.loads((exp / 'results.json').read_text())['final']
-    with open(exp / 'summary.csv') as f:
-        curves['tokenmix'] = list(csv.DictReader(f))
-    rows.append(('timm (tokenaug-train)', 'MixUp/TokenMix blocks, activation-map targets', final['top1'],
-                 final['top5'], secs))
+    rows.append(('timm (tokenaug-train)', 'MixToken + token labeling',
+                 *timm_run(world, out, 'mixtoken', epochs, '--token-label-dir', maps,
+                           config='world_vit-tiny_token-labeling.yaml', curves=curves)))
+    rows.append(('timm (tokenaug-train)', 'MixUp/TokenMix blocks, activation-map targets',
+                 *timm_run(world, out, 'tokenmix', epochs, '--activation-map-dir', maps,
+                           config='world_vit-tiny_tokenmix.yaml', curves=curves)))
     return rows
 
 
@@ -156,14 +141,10 @@ def transfer(world, out, method, seg_iters, det_iters, det_epochs):
         env=env, log=out / f'mmseg_{method}_test.log')
     miou = metric(out / f'mmseg_{method}_test.log', 'mIoU')
     # detection: a small Swin pretrained with the same method, then Cascade Mask R-CNN
-    exp = out / 'timm' / f'swin-mini_{method}'
-    shutil.rmtree(exp, ignore_errors=True)
-    run([BIN / 'tokenaug-train', '-c', REPO / 'configs/timm/world_swin-mini.yaml', '--data-dir', world / 'imagenet',
-         '--epochs', str(det_epochs), '--mixup-type', method, '--output', out / 'timm', '--experiment', exp.name],
-        log=out / f'timm_swin-mini_{method}.log')
+    timm_run(world, out, f'swin-mini_{method}', det_epochs, '--mixup-type', method, config='world_swin-mini.yaml')
     det_ckpt = out / 'backbones' / f'swin-mini_{method}_mmdet.pth'
-    convert(exp / 'last.pth.tar', det_ckpt, 'mmdet', 'swin_tiny_patch4_window7_224', 'embed_dim=32',
-            'depths=(2,2,2,2)', 'num_heads=(1,2,4,8)')
+    convert(out / 'timm' / f'swin-mini_{method}' / 'last.pth.tar', det_ckpt, 'mmdet', 'swin_tiny_patch4_window7_224',
+            'embed_dim=32', 'depths=(2,2,2,2)', 'num_heads=(1,2,4,8)')
     cfg = REPO / 'configs/mmdet/cascade-mask-rcnn_swin-mini_world.py'
     work = out / 'mmdet' / method
     shutil.rmtree(work, ignore_errors=True)
@@ -211,7 +192,8 @@ def main():
     print(f'== 2/5 timm: ViT-Tiny/16 at 112 px, {args.epochs} epochs (tokenaug-train)', flush=True)
     for kind, label in kinds:
         print(f'  -- {label}', flush=True)
-        rows.append(('timm (tokenaug-train)', label, *timm_run(world, out, kind, args.epochs, curves)))
+        rows.append(('timm (tokenaug-train)', label,
+                     *timm_run(world, out, kind, args.epochs, '--mixup-type', kind, curves=curves)))
     print(f'== 3/5 mmpretrain: DeiT-Tiny at 112 px, {args.epochs} epochs (mmpretrain tools/train.py)', flush=True)
     for config, label in [('deit-tiny_world_cutmix', kinds[0][1]), ('deit-tiny_world_tokenmix-block', kinds[1][1]),
                           ('deit-tiny_world_tl-align', kinds[2][1])]:

@@ -1,4 +1,4 @@
-"""Shared fixtures: one tiny synthetic world (tokenaug-data) for the end-to-end runs."""
+"""Shared fixtures: one tiny synthetic world (tokenaug-data) for the end-to-end runs, quadrant images."""
 import os
 import sys
 from pathlib import Path
@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from shared_core.world import generate_world
+from .helpers import REPO, write_quadrant_data
 
-REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -26,3 +26,9 @@ def run_env():
     env['PATH'] = f'{VENV_BIN}{os.pathsep}{env.get("PATH", "")}'
     env['PYTHONPATH'] = f'{REPO}{os.pathsep}{env.get("PYTHONPATH", "")}'
     return env
+
+
+@pytest.fixture(scope='module')
+def quadrant_data(tmp_path_factory):
+    """6 non-square quadrant images (ImageFolder layout under train/) and a store of their 8x8 maps (maps/)."""
+    return write_quadrant_data(tmp_path_factory.mktemp('quad'))

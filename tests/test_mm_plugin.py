@@ -1,8 +1,4 @@
 """MMPretrain adapter: real data preprocessor, real ImageClassifier, real upstream tools/train.py."""
-import subprocess
-from pathlib import Path
-
-import mmpretrain
 import pytest
 import torch
 from mmengine.config import Config
@@ -14,8 +10,8 @@ import mm_plugin  # noqa: F401  (registers the modules)
 from mm_plugin import TokenAugDataPreprocessor, mix_from_samples
 from shared_core.mixing import mix_images
 from .conftest import REPO
+from .helpers import mmpretrain_train
 
-TRAIN_PY = Path(mmpretrain.__file__).parent / '.mim' / 'tools' / 'train.py'
 CONFIGS = REPO / 'configs' / 'mmpretrain'
 
 
@@ -116,18 +112,9 @@ def test_upstream_train_py_two_iterations_and_resume(tiny_world, tmp_path, run_e
     """mmpretrain's shipped tools/train.py runs our config unchanged; the checkpoint it writes resumes
     under torch's default weights_only=True (mm_plugin.checkpoint)."""
     run_env['TOKENAUG_WORLD'] = str(tiny_world)
-    opts = ['--cfg-options', 'train_dataloader.batch_size=4', 'train_dataloader.dataset.indices=8',
-            'train_dataloader.num_workers=0', 'val_dataloader.num_workers=0', 'val_dataloader.batch_size=10']
-    cmd = ['python', str(TRAIN_PY), str(CONFIGS / config), '--work-dir', str(tmp_path)]
-    res = subprocess.run(cmd + opts + ['train_cfg.max_epochs=1'], env=run_env, capture_output=True, text=True,
-                         timeout=600, cwd=tmp_path)
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, log[-4000:]
+    log = mmpretrain_train(config, tmp_path, run_env, tmp_path)
     assert 'Epoch(train) [1][2/2]' in log and 'accuracy/top1' in log
     assert 'TokenAugDataPreprocessor: mixes with' in log  # the runner built our preprocessor from the config
     assert (tmp_path / 'epoch_1.pth').exists()
-    res = subprocess.run(cmd + ['--resume'] + opts + ['train_cfg.max_epochs=2'], env=run_env, capture_output=True,
-                         text=True, timeout=600, cwd=tmp_path)
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, log[-4000:]
+    log = mmpretrain_train(config, tmp_path, run_env, tmp_path, '--resume', max_epochs=2)
     assert 'resumed epoch: 1, iter: 2' in log and 'Epoch(train) [2][2/2]' in log

@@ -1,8 +1,4 @@
 """TL-Align on MMPretrain: parity with timm on converted weights, Swin against explicit geometry, a real run."""
-import subprocess
-from pathlib import Path
-
-import mmpretrain
 import pytest
 import torch
 from mmpretrain.registry import MODELS
@@ -15,10 +11,9 @@ from mm_plugin.convert import timm_vit_to_mmpretrain
 from shared_core.mixing import MixSampler, mix_images, mix_target, one_hot
 from timm_plugin import MixTarget
 from timm_plugin.tl_align import TLAlign
-from .conftest import REPO
+from .helpers import mmpretrain_train
 
 C = 6
-TRAIN_PY = Path(mmpretrain.__file__).parent / '.mim' / 'tools' / 'train.py'
 
 
 def samples_with_mix(labels, mix):
@@ -152,12 +147,6 @@ def test_bad_backbone_and_config():
 @pytest.mark.slow
 def test_upstream_train_py_runs_the_tl_align_config(tiny_world, tmp_path, run_env):
     run_env['TOKENAUG_WORLD'] = str(tiny_world)
-    cmd = ['python', str(TRAIN_PY), str(REPO / 'configs' / 'mmpretrain' / 'deit-tiny_world_tl-align.py'),
-           '--work-dir', str(tmp_path), '--cfg-options', 'train_dataloader.batch_size=4',
-           'train_dataloader.dataset.indices=8', 'train_dataloader.num_workers=0', 'val_dataloader.num_workers=0',
-           'val_dataloader.batch_size=10', 'train_cfg.max_epochs=1']
-    res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, log[-4000:]
+    log = mmpretrain_train('deit-tiny_world_tl-align.py', tmp_path, run_env, tmp_path)
     assert 'Epoch(train) [1][2/2]' in log and 'accuracy/top1' in log
     assert "type='TLAlignClassifier'" in (tmp_path / 'deit-tiny_world_tl-align.py').read_text()

@@ -3,10 +3,8 @@ token), the loss against timm_plugin's, un-mixing with token-independent backbon
 of mmpretrain's own tools/train.py, and the errors."""
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
-import mmpretrain
 import numpy as np
 import pytest
 import torch
@@ -19,46 +17,12 @@ import mm_plugin  # noqa: F401
 from mm_plugin.token_labeling import GEOMETRIC_RAND_POLICIES, TokenLabelingHead, TokenLabelRandAugment
 from shared_core.map_store import LabelMapStore, MissingLabelMapError
 from timm_plugin.token_labeling import TokenLabelingLoss, TokenLabelingOutput, TokenLabelTarget
-from .conftest import REPO
+from .helpers import COLOURS, mmpretrain_train, quadrant_image, write_store  # quadrant_data: conftest.py
 
-TRAIN_PY = Path(mmpretrain.__file__).parent / '.mim' / 'tools' / 'train.py'
-COLOURS = np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 255]], np.uint8)  # class c -> RGB colour
 C = 5
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def quadrant_image(h, w, layout):
-    img = np.zeros((h, w, 3), np.uint8)
-    for qi in range(2):
-        for qj in range(2):
-            img[qi * h // 2:(qi + 1) * h // 2, qj * w // 2:(qj + 1) * w // 2] = COLOURS[layout[qi][qj]]
-    return img
-
-
-@pytest.fixture(scope='module')
-def quadrant_data(tmp_path_factory):
-    """6 non-square images with different quadrant layouts (ImageFolder layout) and a store of 8x8 maps."""
-    root = tmp_path_factory.mktemp('mmquad')
-    rng = np.random.default_rng(0)
-    paths, layouts = [], []
-    for i in range(6):
-        layout = rng.permutation(4).reshape(2, 2)
-        h, w = (96, 64) if i % 2 else (64, 112)
-        cls_dir = root / 'train' / f'c{i % 2}'
-        cls_dir.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(quadrant_image(h, w, layout)).save(cls_dir / f'img{i}.png')
-        paths.append(f'c{i % 2}/img{i}.png')
-        layouts.append(layout)
-    writer = LabelMapStore.create(root / 'maps', paths, num_classes=4, k=1, grid=(8, 8), annotator='quadrants',
-                                  input_size=(64, 64))
-    for r, layout in enumerate(layouts):
-        idx = np.kron(layout, np.ones((4, 4), int))[None].astype(np.int64)
-        writer.write([r], np.ones((1, 1, 8, 8), np.float16), idx[None])
-    writer.finalize()
-    writer.close()
-    return root
-
-
 def tl_pipeline(root, flip=dict(type='RandomFlip', prob=0.5, direction='horizontal'), pack='PackTokenLabelInputs'):
     steps = [dict(type='LoadImageFromFile'),
              dict(type='LoadTokenLabelMap', store=str(root / 'maps'), split_root=str(root / 'train')),
@@ -83,6 +47,15 @@ def random_rows(B, num_classes=C, k=2, h=4, w=4, seed=0):
     order = np.argsort(-p, -1)[..., :k]
     values = np.take_along_axis(p, order, -1).astype(np.float16).transpose(0, 3, 1, 2)
     return np.ascontiguousarray(values), np.ascontiguousarray(order.transpose(0, 3, 1, 2).astype(np.int64))
+
+
+def random_world_maps(world, out):
+    """A store of random top-3 7x7 maps for every image of the world's train split (keyed as tokenaug-maps
+    keys them: relative to <world>/imagenet/train); returns ``out``."""
+    split = Path(world) / 'imagenet' / 'train'
+    paths = sorted(str(p.relative_to(split)) for p in split.rglob('*') if p.is_file())
+    values, indices = random_rows(len(paths), num_classes=10, k=3, h=7, w=7, seed=5)
+    return write_store(out, paths, values, indices, num_classes=10, annotator='random', input_size=(112, 112))
 
 
 def packed_samples(labels, values, indices, boxes, flips):
@@ -144,7 +117,8 @@ def test_token_targets_follow_crops_and_flips_through_the_mm_pipeline(quadrant_d
         samples = [it['data_samples'] for it in items]
         flipped += sum(bool(s.flip) for s in samples)
         boxes |= {tuple(s.crop_box) for s in samples}
-        y_cls, dense = head.targets(samples, None, (4, 4))  # (B, 16, 4)
+        y_cls, dense = head.targets(samples, None, (4, 4))
+        dense = dense.dense()  # (B, 16, 4)
         torch.testing.assert_close(dense.sum(-1), torch.ones(len(x), 16))
         pix = pixel_classes(x)  # (B, 64, 64)
         tok = pix.view(-1, 4, 16, 4, 16).permute(0, 1, 3, 2, 4).reshape(len(x), 16, 256)
@@ -365,23 +339,9 @@ def test_model_errors_name_the_argument():
 # ----------------------------------------------------------------------------- (d) upstream tools/train.py
 @pytest.mark.slow
 def test_upstream_train_py_runs_the_token_labeling_config(tiny_world, tmp_path, run_env):
-    split = Path(tiny_world) / 'imagenet' / 'train'
-    paths = sorted(str(p.relative_to(split)) for p in split.rglob('*') if p.is_file())
-    values, indices = random_rows(len(paths), num_classes=10, k=3, h=7, w=7, seed=5)
-    writer = LabelMapStore.create(tmp_path / 'maps', paths, num_classes=10, k=3, grid=(7, 7), annotator='random',
-                                  input_size=(112, 112))
-    writer.write(np.arange(len(paths)), values, indices)
-    writer.finalize()
-    writer.close()
-    run_env.update(TOKENAUG_WORLD=str(tiny_world), TOKENAUG_MAPS=str(tmp_path / 'maps'))
+    run_env.update(TOKENAUG_WORLD=str(tiny_world), TOKENAUG_MAPS=str(random_world_maps(tiny_world, tmp_path / 'maps')))
     work = tmp_path / 'work'
-    cmd = ['python', str(TRAIN_PY), str(REPO / 'configs' / 'mmpretrain' / 'deit-tiny_world_token-labeling.py'),
-           '--work-dir', str(work), '--cfg-options', 'train_dataloader.batch_size=4',
-           'train_dataloader.dataset.indices=8', 'train_dataloader.num_workers=0', 'val_dataloader.num_workers=0',
-           'val_dataloader.batch_size=10', 'train_cfg.max_epochs=1']
-    res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, log[-4000:]
+    log = mmpretrain_train('deit-tiny_world_token-labeling.py', work, run_env, tmp_path)
     assert 'Epoch(train) [1][2/2]' in log and 'loss_token' in log and 'loss_cls' in log and 'accuracy/top1' in log
     dumped = (work / 'deit-tiny_world_token-labeling.py').read_text()
     assert "type='TokenLabelingClassifier'" in dumped and str(tmp_path / 'maps') in dumped
@@ -416,21 +376,7 @@ def test_preprocessor_gives_tokenmix_activation_targets():
 
 @pytest.mark.slow
 def test_upstream_train_py_runs_the_tokenmix_activation_config(tiny_world, tmp_path, run_env):
-    split = Path(tiny_world) / 'imagenet' / 'train'
-    paths = sorted(str(p.relative_to(split)) for p in split.rglob('*') if p.is_file())
-    values, indices = random_rows(len(paths), num_classes=10, k=3, h=7, w=7, seed=5)
-    writer = LabelMapStore.create(tmp_path / 'maps', paths, num_classes=10, k=3, grid=(7, 7), annotator='random',
-                                  input_size=(112, 112))
-    writer.write(np.arange(len(paths)), values, indices)
-    writer.finalize()
-    writer.close()
-    run_env.update(TOKENAUG_WORLD=str(tiny_world), TOKENAUG_MAPS=str(tmp_path / 'maps'))
-    cmd = ['python', str(TRAIN_PY), str(REPO / 'configs' / 'mmpretrain' / 'deit-tiny_world_tokenmix.py'),
-           '--work-dir', str(tmp_path / 'work'), '--cfg-options', 'train_dataloader.batch_size=4',
-           'train_dataloader.dataset.indices=8', 'train_dataloader.num_workers=0', 'val_dataloader.num_workers=0',
-           'val_dataloader.batch_size=10', 'train_cfg.max_epochs=1']
-    res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, log[-4000:]
+    run_env.update(TOKENAUG_WORLD=str(tiny_world), TOKENAUG_MAPS=str(random_world_maps(tiny_world, tmp_path / 'maps')))
+    log = mmpretrain_train('deit-tiny_world_tokenmix.py', tmp_path / 'work', run_env, tmp_path)
     assert 'Epoch(train) [1][2/2]' in log and 'accuracy/top1' in log
     assert "TATokenMix(tokenmix_block)" in log

@@ -11,41 +11,7 @@ from torchvision import transforms as T
 from shared_core.map_store import LabelMapStore, MissingLabelMapError
 from timm_plugin.token_labeling import (GEOMETRIC_RAND_OPS, TokenLabelCollate, TokenLabelDataset, TokenLabelTarget,
                                         split_train_transform)
-
-COLOURS = np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 255]], np.uint8)  # class c -> colour
-
-
-def quadrant_image(h, w, layout):
-    """``layout`` (2x2 classes) painted as four quadrants of an h x w image."""
-    img = np.zeros((h, w, 3), np.uint8)
-    for qi in range(2):
-        for qj in range(2):
-            img[qi * h // 2:(qi + 1) * h // 2, qj * w // 2:(qj + 1) * w // 2] = COLOURS[layout[qi][qj]]
-    return img
-
-
-@pytest.fixture(scope='module')
-def quadrant_data(tmp_path_factory):
-    """6 non-square images with different quadrant layouts, and a store of 8x8 maps of the same layouts."""
-    root = tmp_path_factory.mktemp('quad')
-    rng = np.random.default_rng(0)
-    paths, layouts = [], []
-    for i in range(6):
-        layout = rng.permutation(4).reshape(2, 2)
-        h, w = (96, 64) if i % 2 else (64, 112)
-        cls_dir = root / 'train' / f'c{i % 2}'
-        cls_dir.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(quadrant_image(h, w, layout)).save(cls_dir / f'img{i}.png')
-        paths.append(f'c{i % 2}/img{i}.png')
-        layouts.append(layout)
-    writer = LabelMapStore.create(root / 'maps', paths, num_classes=4, k=1, grid=(8, 8), annotator='quadrants',
-                                  input_size=(64, 64))
-    for r, layout in enumerate(layouts):
-        idx = np.kron(layout, np.ones((4, 4), int))[None].astype(np.int64)
-        writer.write([r], np.ones((1, 1, 8, 8), np.float16), idx[None])
-    writer.finalize()
-    writer.close()
-    return root
+from .helpers import COLOURS, quadrant_image  # quadrant_data: the fixture of conftest.py
 
 
 def pixel_classes(x):
@@ -72,7 +38,7 @@ def test_token_targets_follow_crops_and_flips_through_timms_loader(quadrant_data
         for x, target in loader(quadrant_data, prefetcher):
             assert isinstance(target, TokenLabelTarget)
             flipped += int(target.flips.sum())
-            t = target.token_targets((4, 4))  # (B, 16, C)
+            t = target.token_targets((4, 4)).dense()  # (B, 16, C)
             torch.testing.assert_close(t.sum(-1), torch.ones_like(t[..., 0]))
             pix = pixel_classes(x.float())  # (B, 64, 64)
             tok = pix.view(-1, 4, 16, 4, 16).permute(0, 1, 3, 2, 4).reshape(len(x), 16, 256)

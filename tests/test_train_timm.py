@@ -10,6 +10,7 @@ import yaml
 
 from timm_plugin.train import run
 from .conftest import REPO
+from .helpers import write_store
 
 CONFIG = str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml')
 
@@ -130,17 +131,13 @@ def test_token_labeling_end_to_end_annotator_maps_then_lvvit_with_mixtoken(tiny_
 def test_mixtoken_on_a_plain_vit_adds_an_aux_head_that_timm_loads_non_strict(tiny_world, tmp_path):
     """A DeiT/ViT trained with token labeling gains `aux_head` (in the optimizer, EMA and checkpoint);
     timm loads the checkpoint into the plain model with pretrained_strict=False."""
-    from shared_core.map_store import LabelMapStore
     from timm.data import create_dataset
     ds = create_dataset('', root=str(tiny_world / 'imagenet'), split='train')
     paths = [ds.filename(i) for i in range(len(ds))]
-    w = LabelMapStore.create(tmp_path / 'maps', paths, num_classes=10, k=2, grid=(4, 4), annotator='test',
-                             input_size=(64, 64))
     rng = np.random.default_rng(0)
     idx = np.stack([rng.permutation(10)[:2] for _ in range(len(paths) * 16)]).reshape(len(paths), 4, 4, 2)
-    w.write(np.arange(len(paths)), np.full((len(paths), 2, 4, 4), 0.4, np.float16), idx.transpose(0, 3, 1, 2))
-    w.finalize()
-    w.close()
+    write_store(tmp_path / 'maps', paths, np.full((len(paths), 2, 4, 4), 0.4, np.float16), idx.transpose(0, 3, 1, 2),
+                num_classes=10, annotator='test', input_size=(64, 64))
     metrics = run(['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny_token-labeling.yaml'), '--data-dir',
                    str(tiny_world / 'imagenet'), '--token-label-dir', str(tmp_path / 'maps'), '--epochs', '1', '-b',
                    '8', '--workers', '0', '--no-prefetcher', '--output', str(tmp_path), '--experiment', 'vit'])

@@ -1,5 +1,4 @@
 """Transfer end to end: a converted tokenaug checkpoint trained and tested by the upstream mmseg tools."""
-import subprocess
 from pathlib import Path
 
 import mmdet
@@ -10,73 +9,63 @@ import torch
 
 from shared_core.world import generate_world
 from .conftest import REPO
+from .helpers import run_tool
 
 SEG_TOOLS = Path(mmseg.__file__).parent / '.mim' / 'tools'
+DET_TOOLS = Path(mmdet.__file__).parent / '.mim' / 'tools'
+
+
+def convert(tmp_path, env, model, to, dst, img_size=None):
+    """A freshly initialised (seed 0) 10-class timm ``model`` saved as tmp_path/cls.pth and converted by
+    tokenaug-convert to tmp_path/``dst`` for ``to``; tokenaug-convert's stdout."""
+    size = {} if img_size is None else dict(img_size=img_size)
+    torch.manual_seed(0)
+    torch.save({'state_dict': timm.create_model(model, **size, num_classes=10).state_dict()}, tmp_path / 'cls.pth')
+    return run_tool(['tokenaug-convert', '--src', tmp_path / 'cls.pth', '--dst', tmp_path / dst, '--to', to,
+                     '--model', model, *(['--model-kwargs', f'img_size={img_size}'] if size else [])],
+                    env, timeout=300)
+
+
+def train_and_test(tools, config, checkpoint, tmp_path, env, train_opts, test_opts, timeout=600):
+    """The upstream ``tools``' train.py (work dir tmp_path/work) then test.py on the ``checkpoint`` it wrote
+    (work dir tmp_path/test), both run in tmp_path; their logs."""
+    train_log = run_tool(['python', tools / 'train.py', config, '--work-dir', tmp_path / 'work', '--cfg-options',
+                          *train_opts], env, timeout=timeout, cwd=tmp_path)
+    test_log = run_tool(['python', tools / 'test.py', config, tmp_path / 'work' / checkpoint, '--work-dir',
+                         tmp_path / 'test', '--cfg-options', *test_opts], env, timeout=timeout, cwd=tmp_path)
+    return train_log, test_log
+
+
+def mmseg_world_transfer(tmp_path, env, model, config):
+    """A 112 px ``model`` converted for mmseg, then our world ``config`` (configs/mmseg) through mmseg's own
+    train.py (2 iterations, from the converted backbone) and test.py; tokenaug-convert's stdout."""
+    world = tmp_path / 'world'
+    generate_world(world, seed=0, num_classes=10, image_size=112, train_per_class=2, val_per_class=1,
+                   formats=('ade20k',))
+    converted = convert(tmp_path, env, model, 'mmseg', 'seg.pth', img_size=112)
+    env.update(TOKENAUG_WORLD=str(world), TOKENAUG_BACKBONE=str(tmp_path / 'seg.pth'))
+    train_log, test_log = train_and_test(
+        SEG_TOOLS, REPO / 'configs' / 'mmseg' / config, 'iter_2.pth', tmp_path, env,
+        train_opts=['train_cfg.max_iters=2', 'train_cfg.val_interval=2', 'train_dataloader.num_workers=0',
+                    'val_dataloader.num_workers=0', 'default_hooks.checkpoint.interval=2'],
+        test_opts=['test_dataloader.num_workers=0'])
+    assert f'Loads checkpoint by local backend from path: {tmp_path / "seg.pth"}' in train_log
+    assert 'unexpected key' not in train_log and 'missing keys' not in train_log
+    assert 'mIoU:' in test_log
+    return converted
 
 
 @pytest.mark.slow
 def test_mmseg_train_and_test_from_a_converted_checkpoint(tmp_path, run_env):
-    world = tmp_path / 'world'
-    generate_world(world, seed=0, num_classes=10, image_size=112, train_per_class=2, val_per_class=1,
-                   formats=('ade20k',))
-    torch.manual_seed(0)
-    torch.save({'state_dict': timm.create_model('vit_tiny_patch16_224', img_size=112, num_classes=10).state_dict()},
-               tmp_path / 'cls.pth')
-    res = subprocess.run(['tokenaug-convert', '--src', str(tmp_path / 'cls.pth'), '--dst', str(tmp_path / 'seg.pth'),
-                          '--to', 'mmseg', '--model', 'vit_tiny_patch16_224', '--model-kwargs', 'img_size=112'],
-                         env=run_env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    run_env.update(TOKENAUG_WORLD=str(world), TOKENAUG_BACKBONE=str(tmp_path / 'seg.pth'))
-    config = str(REPO / 'configs' / 'mmseg' / 'upernet_vit-tiny_world.py')
-    res = subprocess.run(['python', str(SEG_TOOLS / 'train.py'), config, '--work-dir', str(tmp_path / 'work'),
-                          '--cfg-options', 'train_cfg.max_iters=2', 'train_cfg.val_interval=2',
-                          'train_dataloader.num_workers=0', 'val_dataloader.num_workers=0',
-                          'default_hooks.checkpoint.interval=2'],
-                         env=run_env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, log[-4000:]
-    assert f'Loads checkpoint by local backend from path: {tmp_path / "seg.pth"}' in log
-    assert 'unexpected key' not in log and 'missing keys' not in log
-    res = subprocess.run(['python', str(SEG_TOOLS / 'test.py'), config, str(tmp_path / 'work' / 'iter_2.pth'),
-                          '--work-dir', str(tmp_path / 'test'), '--cfg-options', 'test_dataloader.num_workers=0'],
-                         env=run_env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, log[-4000:]
-    assert 'mIoU:' in log
+    mmseg_world_transfer(tmp_path, run_env, 'vit_tiny_patch16_224', 'upernet_vit-tiny_world.py')
 
 
 @pytest.mark.slow
 def test_mmseg_fcn_train_and_test_from_a_converted_lvvit(tmp_path, run_env):
     """LV-ViT-T (112 px) -> tokenaug-convert -> our FCN world config through mmseg's own tools."""
-    world = tmp_path / 'world'
-    generate_world(world, seed=0, num_classes=10, image_size=112, train_per_class=2, val_per_class=1,
-                   formats=('ade20k',))
     import timm_plugin  # noqa: F401  (registers lvvit_*)
-    torch.manual_seed(0)
-    torch.save({'state_dict': timm.create_model('lvvit_t', img_size=112, num_classes=10).state_dict()},
-               tmp_path / 'cls.pth')
-    res = subprocess.run(['tokenaug-convert', '--src', str(tmp_path / 'cls.pth'), '--dst', str(tmp_path / 'seg.pth'),
-                          '--to', 'mmseg', '--model', 'lvvit_t', '--model-kwargs', 'img_size=112'],
-                         env=run_env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "dropped (training-only): ['aux_head.bias', 'aux_head.weight', 'head.bias', 'head.weight'" in res.stdout
-    run_env.update(TOKENAUG_WORLD=str(world), TOKENAUG_BACKBONE=str(tmp_path / 'seg.pth'))
-    config = str(REPO / 'configs' / 'mmseg' / 'fcn_lvvit-tiny_world.py')
-    res = subprocess.run(['python', str(SEG_TOOLS / 'train.py'), config, '--work-dir', str(tmp_path / 'work'),
-                          '--cfg-options', 'train_cfg.max_iters=2', 'train_cfg.val_interval=2',
-                          'train_dataloader.num_workers=0', 'val_dataloader.num_workers=0',
-                          'default_hooks.checkpoint.interval=2'],
-                         env=run_env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, log[-4000:]
-    assert f'Loads checkpoint by local backend from path: {tmp_path / "seg.pth"}' in log
-    assert 'unexpected key' not in log and 'missing keys' not in log
-    res = subprocess.run(['python', str(SEG_TOOLS / 'test.py'), config, str(tmp_path / 'work' / 'iter_2.pth'),
-                          '--work-dir', str(tmp_path / 'test'), '--cfg-options', 'test_dataloader.num_workers=0'],
-                         env=run_env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, log[-4000:]
-    assert 'mIoU:' in log
+    converted = mmseg_world_transfer(tmp_path, run_env, 'lvvit_t', 'fcn_lvvit-tiny_world.py')
+    assert "dropped (training-only): ['aux_head.bias', 'aux_head.weight', 'head.bias', 'head.weight'" in converted
 
 
 @pytest.mark.slow
@@ -86,28 +75,14 @@ def test_mmdet_cascade_train_and_test_from_a_converted_swin(tmp_path, run_env):
     world = tmp_path / 'world'
     generate_world(world, seed=0, num_classes=10, image_size=112, train_per_class=2, val_per_class=1,
                    formats=('coco',))
-    torch.manual_seed(0)
-    torch.save({'state_dict': timm.create_model('swin_tiny_patch4_window7_224', num_classes=10).state_dict()},
-               tmp_path / 'cls.pth')
-    res = subprocess.run(['tokenaug-convert', '--src', str(tmp_path / 'cls.pth'), '--dst', str(tmp_path / 'det.pth'),
-                          '--to', 'mmdet', '--model', 'swin_tiny_patch4_window7_224'],
-                         env=run_env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
+    convert(tmp_path, run_env, 'swin_tiny_patch4_window7_224', 'mmdet', 'det.pth')
     run_env.update(TOKENAUG_WORLD=str(world), TOKENAUG_BACKBONE=str(tmp_path / 'det.pth'))
-    tools = Path(mmdet.__file__).parent / '.mim' / 'tools'
-    config = str(REPO / 'configs' / 'mmdet' / 'cascade-mask-rcnn_swin-t_world.py')
     small = ['train_dataloader.num_workers=0', 'val_dataloader.num_workers=0', 'test_dataloader.num_workers=0',
              'val_dataloader.dataset.indices=2', 'test_dataloader.dataset.indices=2']
-    res = subprocess.run(['python', str(tools / 'train.py'), config, '--work-dir', str(tmp_path / 'work'),
-                          '--cfg-options', 'train_dataloader.dataset.indices=4', 'train_cfg.max_epochs=1',
-                          'train_cfg.val_interval=2', *small],
-                         env=run_env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, log[-4000:]
-    assert 'Epoch(train) [1][2/2]' in log and 'unexpected key' not in log and 'missing keys' not in log
-    res = subprocess.run(['python', str(tools / 'test.py'), config, str(tmp_path / 'work' / 'epoch_1.pth'),
-                          '--work-dir', str(tmp_path / 'test'), '--cfg-options', *small],
-                         env=run_env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, log[-4000:]
-    assert 'coco/bbox_mAP' in log and 'coco/segm_mAP' in log
+    train_log, test_log = train_and_test(
+        DET_TOOLS, REPO / 'configs' / 'mmdet' / 'cascade-mask-rcnn_swin-t_world.py', 'epoch_1.pth', tmp_path,
+        run_env, train_opts=['train_dataloader.dataset.indices=4', 'train_cfg.max_epochs=1', 'train_cfg.val_interval=2',
+                             *small], test_opts=small, timeout=900)
+    assert 'Epoch(train) [1][2/2]' in train_log
+    assert 'unexpected key' not in train_log and 'missing keys' not in train_log
+    assert 'coco/bbox_mAP' in test_log and 'coco/segm_mAP' in test_log

@@ -81,8 +81,8 @@ from shared_core.map_store import (VOLATILE_META_KEYS, LabelMapError, MapWriter,
                                    new_meta, normalize_path, read_store_paths, remove_store, store_status)
 
 __all__ = ['dense_logits', 'logits_from_features', 'feature_layout', 'head_kind', 'annotate', 'create_annotator',
-           'eval_transform', 'parse_model_kwargs', 'shard_rows', 'shard_dir', 'generate', 'merge', 'info', 'main',
-           'parse_args']
+           'eval_transform', 'parse_model_kwargs', 'add_data_model_args', 'shard_rows', 'shard_dir', 'generate',
+           'merge', 'info', 'main', 'parse_args']
 
 SHARD_DIR_RE = re.compile(r'^shard-(\d+)-of-(\d+)$')
 OnBatch = Callable[[np.ndarray], None]
@@ -570,19 +570,27 @@ def _format_status(status: dict) -> str:
 
 
 # -------------------------------------------------------------------------------------------- CLI
+def add_data_model_args(parser: argparse.ArgumentParser, split: str, role: str | None = None) -> None:
+    """The flags of a dataset split (``--data-dir``, ``--split``, default ``split``) and of a model for
+    :func:`create_annotator` (``--model``, ``--checkpoint``, ``--use-ema``, ``--model-kwargs``, ``--num-classes``),
+    as ``tokenaug-maps generate`` and ``tokenaug-occlusion`` take them; ``role`` names the model in the help."""
+    parser.add_argument('--data-dir', required=True, help='dataset root holding SPLIT/<class>/<image>')
+    parser.add_argument('--split', default=split, help="split folder under --data-dir ('' = --data-dir itself)")
+    parser.add_argument('--model', required=True, help='timm model name' + (f' of the {role}' if role else ''))
+    parser.add_argument('--checkpoint', default=None, help='local checkpoint (state_dict / state_dict_ema / raw, '
+                        'loaded with weights_only=True); random weights without it')
+    parser.add_argument('--use-ema', action='store_true', help='take state_dict_ema from the checkpoint when present')
+    parser.add_argument('--model-kwargs', nargs='*', default=[], metavar='K=V', help='extra timm.create_model kwargs')
+    parser.add_argument('--num-classes', type=int, default=None,
+                        help=f'{role + " " if role else ""}classes (default: from the checkpoint)')
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog='tokenaug-maps', description=__doc__.split('\n\n')[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest='command', required=True)
     g = sub.add_parser('generate', help='annotate a dataset split into a label-map store')
-    g.add_argument('--data-dir', required=True, help='dataset root holding SPLIT/<class>/<image>')
-    g.add_argument('--split', default='train', help="split folder under --data-dir ('' = --data-dir itself)")
-    g.add_argument('--model', required=True, help='timm model name of the annotator')
-    g.add_argument('--checkpoint', default=None, help='local checkpoint (state_dict / state_dict_ema / raw); '
-                   'random weights without it')
-    g.add_argument('--use-ema', action='store_true', help='take state_dict_ema from the checkpoint when present')
-    g.add_argument('--model-kwargs', nargs='*', default=[], metavar='K=V', help='extra timm.create_model kwargs')
-    g.add_argument('--num-classes', type=int, default=None, help='annotator classes (default: from the checkpoint)')
+    add_data_model_args(g, split='train', role='annotator')
     g.add_argument('--out', required=True, help='output store directory')
     g.add_argument('--input-size', type=int, nargs='+', default=[576], metavar='S',
                    help='annotator input: S (square) or H W; the whole image is resized to it (default 576)')

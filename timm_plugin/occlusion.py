@@ -63,7 +63,7 @@ from torch.utils.data import DataLoader, Dataset
 from timm.data import create_dataset, create_transform, resolve_data_config
 from timm.models.vision_transformer import VisionTransformer
 
-from timm_plugin.maps import create_annotator, parse_model_kwargs
+from timm_plugin.maps import add_data_model_args, create_annotator, parse_model_kwargs
 
 __all__ = ['DEFAULT_RATIOS', 'MODES', 'FILLS', 'num_dropped', 'patch_ranks', 'occlusion_mask', 'batch_masks',
            'token_stride', 'patch_grid', 'fill_values', 'zero_patches', 'keep_indices', 'token_drop',
@@ -403,14 +403,7 @@ def write_results(rows: Sequence[dict], out: str | Path, *, header: str, repeats
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='tokenaug-occlusion', description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--data-dir', required=True, help='dataset root holding SPLIT/<class>/<image>')
-    p.add_argument('--split', default='val', help="split folder under --data-dir ('' = --data-dir itself)")
-    p.add_argument('--model', required=True, help='timm model name')
-    p.add_argument('--checkpoint', default=None, help='local checkpoint (state_dict / state_dict_ema / raw, loaded '
-                   'with weights_only=True); random weights without it')
-    p.add_argument('--use-ema', action='store_true', help='take state_dict_ema from the checkpoint when present')
-    p.add_argument('--model-kwargs', nargs='*', default=[], metavar='K=V', help='extra timm.create_model kwargs')
-    p.add_argument('--num-classes', type=int, default=None, help='classes (default: from the checkpoint)')
+    add_data_model_args(p, split='val')
     p.add_argument('--ratios', type=float, nargs='+', default=list(DEFAULT_RATIOS), metavar='R',
                    help='fractions of patches to drop, each in [0, 1) (default 0 0.1 ... 0.9)')
     p.add_argument('--mode', default='zero', choices=MODES,

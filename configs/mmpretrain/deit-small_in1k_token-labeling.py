@@ -4,14 +4,10 @@
 # RandAugment m9 / std 0.5 *without* its geometric policies (the token labels cannot follow them),
 # random erasing 0.25, no MixUp / CutMix: MixToken (beta = 1, one box per batch) is in the model,
 # beta = 0.5 weighs the token loss (Eq. 3).
-# Data: data_root as mmpretrain's ImageNet configs (data/imagenet); the label-map store of the train split
-# (`tokenaug-maps generate --data-dir data/imagenet --split train --out ...`) from $TOKENAUG_MAPS.
-_base_ = ['mmpretrain::deit/deit-small_4xb256_in1k.py']
+# Data and the map-carrying train pipeline: _base_/deit-small_in1k_label-maps.py (data/imagenet; the label-map
+# store of the train split from $TOKENAUG_MAPS).
+_base_ = ['./_base_/deit-small_in1k_label-maps.py']
 
-custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)
-
-data_root = 'data/imagenet'
-label_maps = '{{$TOKENAUG_MAPS:data/imagenet/token_label_maps}}'
 num_classes = 1000
 
 model = dict(
@@ -23,24 +19,7 @@ model = dict(
     train_cfg=None,  # no image batch augments: MixToken replaces MixUp / CutMix
 )
 
-bgr_mean = [103.53, 116.28, 123.675]
-bgr_std = [57.375, 57.12, 58.395]
-train_pipeline = [
-    # as read by tokenaug-maps (PIL, EXIF orientation not applied): the map and the image must agree
-    dict(type='LoadImageFromFile', color_type='color_ignore_orientation'),
-    dict(type='LoadTokenLabelMap', store=label_maps, split_root=data_root + '/train'),
-    dict(type='TokenLabelRandomResizedCrop', scale=224, backend='pillow', interpolation='bicubic'),
-    dict(type='RandomFlip', prob=0.5, direction='horizontal'),
-    # mmpretrain's 'timm_increasing' policies less Rotate / Shear / Translate (TokenLabelRandAugment)
-    dict(type='TokenLabelRandAugment', policies='timm_increasing', num_policies=2, total_level=10,
-         magnitude_level=9, magnitude_std=0.5,
-         hparams=dict(pad_val=[round(x) for x in bgr_mean], interpolation='bicubic')),
-    dict(type='RandomErasing', erase_prob=0.25, mode='rand', min_area_ratio=0.02, max_area_ratio=1 / 3,
-         fill_color=bgr_mean, fill_std=bgr_std),
-    dict(type='PackTokenLabelInputs'),
-]
-# pairwise mixing needs even batches: drop the last, possibly odd, batch of an epoch
-train_dataloader = dict(batch_size=256, drop_last=True, dataset=dict(pipeline=train_pipeline))
+train_dataloader = dict(batch_size=256)  # 4 x 256
 
 # lr = 1e-3 * batch / 640 for the 4 x 256 batch; --auto-scale-lr rescales it for other batches
 optim_wrapper = dict(optimizer=dict(lr=1e-3 * 1024 / 640, weight_decay=0.05))

@@ -1,0 +1,51 @@
+"""Timing helpers shared by the bench scripts. They run as ``python bench/<script>.py`` (from any working
+directory): Python puts the script's folder, this one, first on ``sys.path``, so ``from common import ...``
+finds this module."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+
+def device_sync(device) -> Callable[[], None]:
+    """What waits for the work queued on ``device``: ``torch.cuda.synchronize`` on CUDA, nothing elsewhere."""
+    return torch.cuda.synchronize if torch.device(device).type == 'cuda' else (lambda: None)
+
+
+def optimizer_step(loss: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, autocast) -> Callable[[], None]:
+    """One training step as a function: ``loss()`` under ``autocast``, backward, ``opt.step()``, zeroed grads."""
+    def step():
+        with autocast:
+            value = loss()
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def timed(fn: Callable[[], object], sync: Optional[Callable[[], None]] = None) -> float:
+    """Seconds of one call of ``fn``; with ``sync``, between two ``sync()`` calls (the device work counted)."""
+    if sync is not None:
+        sync()
+    t = time.perf_counter()
+    fn()
+    if sync is not None:
+        sync()
+    return time.perf_counter() - t
+
+
+def median_times(fns: Sequence[Callable[[], object]], repeats: int, warmup: int = 0,
+                 sync: Optional[Callable[[], None]] = None) -> List[float]:
+    """Median seconds per call of each of ``fns``: ``warmup`` untimed rounds, then ``repeats`` rounds that
+    time each function once, in the given order (interleaved: a drift of the machine's speed hits all alike)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, acc in zip(fns, times):
+            acc.append(timed(fn, sync))
+    return [statistics.median(t) for t in times]
