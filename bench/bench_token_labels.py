@@ -5,7 +5,8 @@
    plain timm ``ImageDataset`` vs :class:`TokenLabelDataset` (the same plus a memory-mapped map row and
    the recorded crop), interleaved, median over rounds; ImageNet-like JPEGs (about 500x375);
 2. collate of a batch: timm's ``fast_collate`` vs :class:`TokenLabelCollate` (stacks the rows, checks them);
-3. building the dense targets of a batch on the training device (one ``roi_align``): ImageNet sizes,
+3. building the per-token targets of a batch on the training device, as the loss reads them (sparse:
+   ``token_targets_sparse``) and as a dense ``(B, N, C)`` tensor (``token_targets_batch``): ImageNet sizes,
    ``C = 1000``, ``k = 5``, 18x18 maps to the 14x14 token grid.
 
     .venv/bin/python bench/bench_token_labels.py [--images 64] [--rounds 5] [--batch 128] [--device cpu]
@@ -25,7 +26,7 @@ from PIL import Image
 from timm.data import create_dataset, create_transform
 from timm.data.loader import fast_collate
 
-from shared_core.label_maps import token_targets_batch
+from shared_core.label_maps import token_targets_batch, token_targets_sparse
 from shared_core.map_store import LabelMapStore
 from timm_plugin.token_labeling import TokenLabelCollate, TokenLabelDataset
 
@@ -115,16 +116,17 @@ def main():
         for _ in range(args.rounds):
             c_plain.append(timed(lambda: fast_collate(sp), 3))
             c_tl.append(timed(lambda: coll(st), 3))
-        # 3. dense targets of a batch on the device
+        # 3. the per-token targets of a batch on the device: sparse (what the loss reads) and dense
         _, target = coll([st[i % len(st)] for i in range(args.batch)])
         target = target.to(args.device)
         sync = device_sync(args.device)
-
-        def build():
-            token_targets_batch(target.values, target.indices, 1000, target.boxes, target.flips, (14, 14), 0.1)
-            sync()
-        build()
-        t_build = statistics.median(timed(build, 3) for _ in range(args.rounds))
+        t_build = {}
+        for name, fn in (('sparse', token_targets_sparse), ('dense', token_targets_batch)):
+            def build(fn=fn):
+                fn(target.values, target.indices, 1000, target.boxes, target.flips, (14, 14), 0.1)
+                sync()
+            build()
+            t_build[name] = statistics.median(timed(build, 3) for _ in range(args.rounds))
 
     step = training_step(args, target) if args.step_model else None
     print(f'token labeling data cost ({args.images} JPEGs 500x375 -> 224 px, RandAugment m9, median of '
@@ -138,8 +140,9 @@ def main():
     print(f'| of which: map row read (memmap, k=5, 18x18) | - | {t_row * 1e6:.1f} us | {t_row / mp:.4f} of plain |')
     print(f'| collate per batch of {B} | {statistics.median(c_plain) * 1e3:.2f} ms | '
           f'{statistics.median(c_tl) * 1e3:.2f} ms | {statistics.median(c_tl) / statistics.median(c_plain):.2f} |')
-    print(f'| dense targets, batch {args.batch}, C=1000, 18x18 -> 14x14 ({args.device}) | - | '
-          f'{t_build * 1e3:.1f} ms | {t_build / args.batch * 1e3:.3f} ms per sample |')
+    for name, t in t_build.items():
+        print(f'| {name} token targets, batch {args.batch}, C=1000, 18x18 -> 14x14 ({args.device}) | - | '
+              f'{t * 1e3:.1f} ms | {t / args.batch * 1e3:.3f} ms per sample |')
 
     if step:
         tp, tt = step
