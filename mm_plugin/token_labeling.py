@@ -70,11 +70,12 @@ from mmpretrain.models.classifiers import ImageClassifier
 from mmpretrain.registry import MODELS, TRANSFORMS
 from mmpretrain.structures import DataSample
 
-from shared_core.label_maps import check_map_row, crop_box, crop_targets, token_targets_sparse
+from shared_core.label_maps import check_boxes, check_map_row, crop_box, crop_targets, token_targets_sparse
 from shared_core.map_store import LabelMapStore
 from shared_core.mixing import (Mix, MixSampler, check_image_size, check_labels, check_pairwise_batch, mix_tokens,
                                 one_hot, to_2tuple)
-from shared_core.token_labeling import CLS_TARGETS, class_target, mix_class_target, soft_cross_entropy, unmix_tokens
+from shared_core.token_labeling import (CLS_TARGETS, check_pairwise_swap, class_target, mix_class_target,
+                                        soft_cross_entropy, unmix_tokens)
 
 __all__ = ['GEOMETRIC_RAND_POLICIES', 'TOKEN_LABEL_KEYS', 'HEAD_RULES', 'AUX_WEIGHT', 'LoadTokenLabelMap',
            'TokenLabelRandomResizedCrop', 'TokenLabelRandAugment', 'PackTokenLabelInputs', 'TokenLabelBatch',
@@ -278,6 +279,7 @@ def token_label_batch(data_samples: Sequence[DataSample], num_classes: int, devi
                          f'{int(indices.max())}], the head has num_classes={num_classes}; was the store made '
                          'for this dataset?')
     boxes = torch.tensor(np.array([np.asarray(s.crop_box, np.float32) for s in data_samples]).reshape(-1, 4))
+    check_boxes(boxes)  # on the CPU (no device sync)
     flips = torch.tensor([bool(s.metainfo.get('flip', False)) for s in data_samples])
     return TokenLabelBatch(*(t.to(device, non_blocking=True) for t in (values, indices, boxes, flips)))
 
@@ -520,9 +522,10 @@ class TokenLabelingClassifier(ImageClassifier):
             return None
         check_pairwise_batch(inputs.shape[0], 'inputs')
         mix = self.sampler.sample(inputs.shape[0], tuple(inputs.shape[-2:]), generator=self.generator)
-        if not bool((mix.lam < 1).any()):
+        if not bool((mix.lam < 1).any()):  # the mix is on the CPU: no device sync
             return None
-        return mix.to(inputs.device)
+        check_pairwise_swap(mix)  # here, on the CPU; unmix_tokens does not repeat it on the device
+        return mix.pin_memory().to(inputs.device, non_blocking=True) if inputs.is_cuda else mix.to(inputs.device)
 
     def extract_feat_mixed(self, inputs: torch.Tensor):
         """``(feats, mix or None, grid)``: the backbone run with the patch tokens mixed by MixToken."""

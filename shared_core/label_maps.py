@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torchvision.ops import roi_align
 
-__all__ = ['dense_maps', 'token_targets', 'token_targets_batch', 'token_targets_sparse', 'SparseTokenTargets', 'axis_weights', 'class_maps', 'crop_targets', 'check_map_row',
+__all__ = ['check_boxes', 'dense_maps', 'token_targets', 'token_targets_batch', 'token_targets_sparse', 'SparseTokenTargets', 'axis_weights', 'class_maps', 'crop_targets', 'check_map_row',
            'crop_box', 'smooth']
 
 Box = Union[Sequence[float], torch.Tensor]
@@ -90,16 +90,26 @@ def smooth(target: torch.Tensor, smoothing: float, dim: int = 1) -> torch.Tensor
     return target * (1. - smoothing) + smoothing / target.shape[dim]
 
 
-def _rois(boxes: torch.Tensor, map_size: Tuple[int, int]) -> torch.Tensor:
-    """``roi_align`` boxes ``(B, 5)``: batch index, then ``(x1, y1, x2, y2)`` in map cells."""
+def check_boxes(boxes: torch.Tensor) -> None:
+    """Refuse crops that are not ``(B, 4)`` normalised ``(x0, y0, x1, y1)`` inside the image with
+    ``x0 < x1``, ``y0 < y1``. Values are checked on the CPU only (the collates check them there): on an
+    accelerator a check would stall every training step on a device sync."""
     if boxes.dim() != 2 or boxes.shape[1] != 4:
         raise ValueError(f'boxes: expected (B, 4) crops (x0, y0, x1, y1), got {tuple(boxes.shape)}')
-    h, w = map_size
+    if boxes.device.type != 'cpu':
+        return
     b = boxes.float()
     if not ((b[:, 0] < b[:, 2]) & (b[:, 1] < b[:, 3])).all():
         raise ValueError('boxes: expected x0 < x1 and y0 < y1 (normalised crop corners)')
     if not ((b >= -1e-6) & (b <= 1. + 1e-6)).all():
         raise ValueError('boxes: expected crops inside the image, corners in [0, 1]')
+
+
+def _rois(boxes: torch.Tensor, map_size: Tuple[int, int]) -> torch.Tensor:
+    """``roi_align`` boxes ``(B, 5)``: batch index, then ``(x1, y1, x2, y2)`` in map cells."""
+    check_boxes(boxes)
+    h, w = map_size
+    b = boxes.float()
     scale = b.new_tensor([w, h, w, h])
     idx = torch.arange(b.shape[0], device=b.device, dtype=b.dtype)[:, None]
     return torch.cat([idx, b * scale], 1)
@@ -120,9 +130,12 @@ def axis_weights(lo: torch.Tensor, hi: torch.Tensor, cells: int, out: int) -> to
 
 
 def _support(weights: torch.Tensor):
-    """The non-zero cells of each output row: ``(weights, cell indices)``, ``(B, out, R)``."""
-    r = max(1, int((weights > 0).sum(-1).max()))
-    return weights.topk(r, dim=-1)
+    """The cells each output row reads, ``(weights, cell indices)``, ``(B, out, R)``. A bin spans at most
+    ``cells / out`` cells and its bilinear samples touch at most ``ceil(span) + 1`` of them, so
+    ``R = min(cells, ceil(cells / out) + 2)`` holds every non-zero weight (the rest are zeros): a static
+    bound, no device sync."""
+    out, cells = weights.shape[-2:]
+    return weights.topk(min(cells, -(-cells // out) + 2), dim=-1)
 
 
 def _cells(values: torch.Tensor, num_classes: int):
@@ -144,7 +157,7 @@ def _axes(boxes, flips, map_size: Tuple[int, int], grid, device):
     rows where the image was flipped after the crop), and the grid."""
     h, w = map_size
     boxes = _as_tensor(boxes).to(device, torch.float32)
-    _rois(boxes, (h, w))  # validates the boxes
+    check_boxes(boxes)
     gh, gw = (grid, grid) if isinstance(grid, int) else tuple(grid)
     wy = axis_weights(boxes[:, 1], boxes[:, 3], h, gh)
     wx = axis_weights(boxes[:, 0], boxes[:, 2], w, gw)

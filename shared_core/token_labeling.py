@@ -25,14 +25,15 @@ import torch.nn.functional as F
 from .label_maps import SparseTokenTargets
 from .mixing import Mix
 
-__all__ = ['CLS_TARGETS', 'unmix_tokens', 'mix_dense_targets', 'mix_class_target', 'class_target',
+__all__ = ['CLS_TARGETS', 'check_pairwise_swap', 'unmix_tokens', 'mix_dense_targets', 'mix_class_target', 'class_target',
            'soft_cross_entropy', 'token_labeling_loss']
 
 #: where the class token's target comes from
 CLS_TARGETS = ('gt', 'annotator', 'mix')
 
 
-def _check_involution(mix: Mix) -> None:
+def check_pairwise_swap(mix: Mix) -> None:
+    """Refuse a mix that :func:`unmix_tokens` cannot undo (call it on the CPU mix, before moving it)."""
     partner = mix.partner
     ar = torch.arange(len(partner), device=partner.device)
     share = mix.token_share_flat()
@@ -44,11 +45,15 @@ def _check_involution(mix: Mix) -> None:
 
 def unmix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
     """Undo a pairwise token swap on per-token outputs ``(B, N, D)``: where sample ``i`` received its
-    partner's token, take the output of the partner's row, which holds ``i``'s own token there."""
+    partner's token, take the output of the partner's row, which holds ``i``'s own token there. The mix is
+    checked (:func:`check_pairwise_swap`) when it is on the CPU; on an accelerator that is the caller's job
+    (a check there would stall the step on a device sync): :class:`timm_plugin.TokenLabeling` checks its
+    mix before moving it."""
     if tokens.dim() != 3 or tokens.shape[0] != mix.batch_size or tokens.shape[1] != mix.num_tokens:
         raise ValueError(f'tokens: expected (B={mix.batch_size}, N={mix.num_tokens}, D) outputs, '
                          f'got {tuple(tokens.shape)}')
-    _check_involution(mix)
+    if mix.partner.device.type == 'cpu':
+        check_pairwise_swap(mix)
     swapped = mix.token_share_flat().to(tokens.device).bool().unsqueeze(-1)
     return torch.where(swapped, tokens[mix.partner.to(tokens.device)], tokens)
 

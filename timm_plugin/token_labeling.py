@@ -44,10 +44,11 @@ from timm.layers import trunc_normal_
 from torchvision import transforms as T
 from torchvision.transforms import functional as TF
 
-from shared_core.label_maps import SparseTokenTargets, check_map_row, crop_box, crop_targets, token_targets_sparse
+from shared_core.label_maps import (SparseTokenTargets, check_boxes, check_map_row, crop_box, crop_targets,
+                                    token_targets_sparse)
 from shared_core.mixing import Mix, MixSampler, check_labels, mix_tokens, one_hot
-from shared_core.token_labeling import (CLS_TARGETS, class_target, mix_class_target, token_labeling_loss,
-                                        unmix_tokens)
+from shared_core.token_labeling import (CLS_TARGETS, check_pairwise_swap, class_target, mix_class_target,
+                                        token_labeling_loss, unmix_tokens)
 
 from .mixup import CarrierTensor
 
@@ -191,12 +192,14 @@ class TokenLabelCollate:
         imgs = [torch.as_tensor(np.asarray(b[0])) if not torch.is_tensor(b[0]) else b[0] for b in batch]
         x = torch.stack(imgs)
         labels = torch.tensor([b[1][0] for b in batch], dtype=torch.int64)
+        check_labels(labels, self.num_classes)
         if self.check:
             for b in batch:
                 check_map_row(b[1][1], b[1][2], self.num_classes)
         values = torch.from_numpy(np.stack([b[1][1] for b in batch]))
         indices = torch.from_numpy(np.stack([b[1][2] for b in batch]).astype(np.int64))
         boxes = torch.tensor([b[1][3] for b in batch], dtype=torch.float32)
+        check_boxes(boxes)
         flips = torch.tensor([b[1][4] for b in batch], dtype=torch.bool)
         return x, TokenLabelTarget.wrap(labels, values, indices, boxes, flips, self.num_classes)
 
@@ -304,10 +307,13 @@ class TokenLabeling(nn.Module):
                 return cls + 0.5 * aux.max(1).values
             return cls
         grid = self._grid(x)
-        mix = self.sampler.sample(x.shape[0], tuple(x.shape[-2:]), generator=self.generator, device=x.device) \
+        mix = self.sampler.sample(x.shape[0], tuple(x.shape[-2:]), generator=self.generator) \
             if self.sampler.mix_prob > 0 and self.sampler.mixup_enabled else None
         if mix is not None and mix.kind == 'none':
             mix = None
+        if mix is not None:  # drawn and checked on the CPU, then copied without stalling the device
+            check_pairwise_swap(mix)
+            mix = mix.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else mix.to(x.device)
         cls, aux = self._logits(x, mix)
         if aux is not None and aux.shape[1] != grid[0] * grid[1]:
             raise ValueError(f'model: {aux.shape[1]} patch tokens for a {grid[0]}x{grid[1]} token grid')

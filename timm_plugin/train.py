@@ -37,6 +37,8 @@ from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from timm.utils import NativeScaler
 from timm.utils.model import get_state_dict
 
+from shared_core.mixing import check_labels
+
 from .mixup import METHOD_TYPES, MIXUP_TYPES, create_mixer
 from .tl_align import TLAlign, TransMix
 from .token_labeling import (HEAD_RULES, TokenLabelCollate, TokenLabelDataset, TokenLabeling, TokenLabelingLoss,
@@ -570,6 +572,8 @@ def train_one_epoch(epoch, model, loader, optimizer, loss_fn, args, device, lr_s
         last_batch = batch_idx == last_batch_idx
         need_update = last_batch or (batch_idx + 1) % accum == 0
         if not args.prefetcher:
+            if mixer is not None or method:  # label range checked here, on the CPU (not on the device)
+                check_labels(target, args.num_classes)
             x, target = x.to(device), target.to(device)
         if mixer is not None:  # in the loop: without the prefetcher, or with teacher maps (on the device)
             x, target = mixer(x, target)
