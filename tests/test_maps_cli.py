@@ -140,7 +140,7 @@ def test_aux_head_is_used_per_token_when_present():
 
 
 def test_lvvit_annotates_with_its_aux_head():
-    pytest.importorskip('timm_plugin.lvvit')
+    import timm_plugin.lvvit  # noqa: F401  (registers lvvit_*)
     torch.manual_seed(0)
     model = maps.create_annotator('lvvit_t', num_classes=5, model_kwargs={'img_size': 32, 'depth': 1}).eval()
     x = torch.randn(1, 3, 32, 32)
