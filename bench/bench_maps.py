@@ -28,7 +28,8 @@ import torch
 from PIL import Image
 
 from shared_core.map_store import LabelMapStore, MapWriter, store_status
-from timm_plugin import maps
+from timm_plugin import annotator
+from timm_plugin.tools import maps_cli as maps
 
 from common import device_sync, median_times
 
@@ -90,13 +91,13 @@ def bench_generate(tmp: Path, args) -> dict:
 
 def bench_annotator(args) -> float:
     device = torch.device(args.device)
-    model = maps.create_annotator(args.model, num_classes=1000).to(device)
+    model = annotator.create_annotator(args.model, num_classes=1000).to(device)
     x = torch.randn(args.batch_size, 3, args.input_size, args.input_size, device=device)
     amp_dtype = torch.float16 if device.type == 'cuda' else torch.bfloat16
 
     def step():
         with torch.inference_mode(), torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
-            v, i = maps.annotate(model, x, 5)
+            v, i = annotator.annotate(model, x, 5)
         v.cpu(), i.cpu()
 
     return args.batch_size / median_times([step], args.repeats, warmup=2, sync=device_sync(device))[0]

@@ -28,7 +28,7 @@ from timm.data.loader import fast_collate
 
 from shared_core.label_maps import token_targets_batch, token_targets_sparse
 from shared_core.map_store import LabelMapStore
-from timm_plugin.token_labeling import TokenLabelCollate, TokenLabelDataset
+from timm_plugin.token_label_data import TokenLabelCollate, TokenLabelDataset
 
 from common import device_sync, median_times, optimizer_step
 

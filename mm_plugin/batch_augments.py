@@ -1,11 +1,13 @@
-"""Batch augments for MMPretrain that draw a :class:`shared_core.mixing.Mix`.
+"""Token-aware batch augments for MMPretrain that draw a :class:`shared_core.mix.Mix`. ``TA`` = *token-aware*:
+``TAMixup`` / ``TACutMix`` are mmpretrain's ``Mixup`` / ``CutMix`` whose mix (partner, λ, per-token shares)
+stays known, and ``TAMixToken`` / ``TATokenMix`` add the token-grid kinds.
 
 Each class is registered in mmpretrain's ``BATCH_AUGMENTS`` and works two ways:
 
 - with the stock ``ClsDataPreprocessor``: ``inputs, score = aug(inputs, batch_score)`` (the stock
   contract; the mix is applied and then forgotten);
-- with :class:`mm_plugin.TokenAugDataPreprocessor`: ``aug.sample_mix(batch_size, img_size)`` draws the
-  mix, and the preprocessor applies it and puts it on the data samples, where token-aware heads read it.
+- with :class:`mm_plugin.TokenAugDataPreprocessor`: the same call, and the preprocessor reads the mix it
+  kept (``aug.last_mix``) and puts it on the data samples, where token-aware heads read it.
 
 The mixing itself (λ, boxes, masks, images, targets) lives in :mod:`shared_core.mixing`; these
 classes only translate config keys. As in timm, sample ``i`` is paired with ``B - 1 - i`` (the
@@ -18,7 +20,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 from mmpretrain.registry import BATCH_AUGMENTS
 
-from shared_core.mixing import Mix, MixSampler, check_pairwise_batch, mix_images
+from shared_core.mix import Mix, check_pairwise_batch, mix_images, mix_rows
+from shared_core.samplers import MixSampler
 from shared_core.tokenmix import ACTIVATION_TARGETS
 
 __all__ = ['MixBatchAugment', 'TAMixup', 'TACutMix', 'TAMixToken', 'TATokenMix']
@@ -28,7 +31,6 @@ class MixBatchAugment:
     """Base: one mixing kind of :class:`shared_core.mixing.MixSampler` (its cut branch only).
 
     Args:
-        kind: the sampler kind.
         alpha: Beta(α, α) parameter of λ.
         patch_size: the backbone's patch size (token-aware kinds need the image divisible by it).
             ``None``: the data preprocessor's ``patch_size`` (16 under the stock preprocessor).
@@ -40,7 +42,8 @@ class MixBatchAugment:
         **sampler_kwargs: further :class:`MixSampler` arguments.
     """
 
-    kind = 'mixup'
+    #: the sampler's mixing kind (set by each subclass)
+    mix_kind = 'mixup'
 
     def __init__(self, alpha: float = 1.0, patch_size=None, mode: str = 'batch',
                  activation_targets: Optional[str] = None, **sampler_kwargs):
@@ -48,19 +51,21 @@ class MixBatchAugment:
             raise ValueError(f'activation_targets: expected one of {ACTIVATION_TARGETS} or None, '
                              f'got {activation_targets!r}')
         self.activation_targets = activation_targets
-        if self.kind == 'mixup':
+        if self.mix_kind == 'mixup':
             args = dict(mixup_alpha=alpha, cutmix_alpha=0.)
         else:
             args = dict(mixup_alpha=0., cutmix_alpha=alpha)
         self.alpha = alpha
         self.patch_size_given = patch_size is not None
-        self.sampler = MixSampler(self.kind, patch_size=16 if patch_size is None else patch_size, mode=mode,
+        self.generator: Optional[torch.Generator] = None  # set by TokenAugDataPreprocessor(generator=...)
+        self.last_mix: Optional[Mix] = None
+        self.sampler = MixSampler(self.mix_kind, patch_size=16 if patch_size is None else patch_size, mode=mode,
                                   **args, **sampler_kwargs)
 
     def sample_mix(self, batch_size: int, img_size: Tuple[int, int]) -> Mix:
         """The mix of a batch (on the CPU; :func:`mix_images` and :func:`mix_target` move what they need)."""
         check_pairwise_batch(batch_size, 'inputs')
-        return self.sampler.sample(batch_size, img_size)
+        return self.sampler.sample(batch_size, img_size, self.generator)
 
     def __call__(self, batch_inputs: torch.Tensor, batch_score: torch.Tensor):
         """The stock mmpretrain contract: mix images and one-hot (or soft) scores ``(N, C)``."""
@@ -68,22 +73,21 @@ class MixBatchAugment:
             raise ValueError(f'batch_score: expected (N={batch_inputs.shape[0]}, num_classes) scores, '
                              f'got {tuple(batch_score.shape)}')
         mix = self.sample_mix(batch_inputs.shape[0], tuple(batch_inputs.shape[-2:]))
-        lam = mix.lam.to(batch_score.device).unsqueeze(1)
-        score = batch_score.float()
-        return mix_images(batch_inputs, mix), score * lam + score[mix.partner.to(score.device)] * (1. - lam)
+        self.last_mix = mix
+        return mix_images(batch_inputs, mix), mix_rows(batch_score.float(), mix.partner, 1. - mix.lam)
 
 
 @BATCH_AUGMENTS.register_module()
 class TAMixup(MixBatchAugment):
     """MixUp (λ ~ Beta(α, α), every token gets the partner share 1 - λ)."""
-    kind = 'mixup'
+    mix_kind = 'mixup'
 
 
 @BATCH_AUGMENTS.register_module()
 class TACutMix(MixBatchAugment):
     """CutMix with timm's box sampling: λ corrected to the clipped box area (``correct_lam``), or a
     box from ``cutmix_minmax``. Patch tokens cut by the box get fractional partner shares."""
-    kind = 'cutmix'
+    mix_kind = 'cutmix'
 
     def __init__(self, alpha: float = 1.0, cutmix_minmax: Optional[Sequence[float]] = None,
                  correct_lam: bool = True, patch_size=None, mode: str = 'batch',
@@ -95,7 +99,7 @@ class TACutMix(MixBatchAugment):
 @BATCH_AUGMENTS.register_module()
 class TAMixToken(MixBatchAugment):
     """MixToken's box on the token grid (Token Labeling, Sec. 3.3)."""
-    kind = 'token_box'
+    mix_kind = 'token_box'
 
 
 @BATCH_AUGMENTS.register_module()
@@ -109,6 +113,6 @@ class TATokenMix(MixBatchAugment):
                  activation_targets: Optional[str] = None):
         if mask not in ('block', 'random'):
             raise ValueError(f"mask must be 'block' or 'random', got {mask!r}")
-        self.kind = f'tokenmix_{mask}'
+        self.mix_kind = f'tokenmix_{mask}'
         super().__init__(alpha, patch_size=patch_size, mode=mode, tokenmix_lam=lam, tokenmix_min_tokens=min_tokens,
                          activation_targets=activation_targets)

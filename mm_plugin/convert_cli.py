@@ -28,7 +28,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .checkpoint import allow_mmengine_checkpoints
+from .mmengine_safe_load import allow_mmengine_checkpoints
 from .convert import to_dense_backbone
 
 __all__ = ['convert_checkpoint', 'main', 'build_backbone']

@@ -28,7 +28,6 @@ from mmengine.runner.checkpoint import CheckpointLoader, load_state_dict
 from mmseg.registry import MODELS
 from timm.layers import LayerNorm, calculate_drop_path_rates, resample_abs_pos_embed, to_2tuple, trunc_normal_
 
-from timm_plugin.lvvit import ConvPatchEmbed, LVBlock
 
 __all__ = ['LVViT', 'ARCHS']
 
@@ -103,6 +102,9 @@ class LVViT(BaseModule):
         self.final_norm = final_norm
         self.norm_eval = norm_eval
         # any size: mmseg pads to the crop, slide / whole inference may not; pad to the token stride as mmseg's ViT
+        # the timm modules, imported when an LV-ViT is built: `import mm_plugin` does not load timm_plugin
+        from timm_plugin.lvvit import ConvPatchEmbed, LVBlock
+
         self.patch_embed = ConvPatchEmbed(img_size=self.img_size, patch_size=patch_size, in_chans=in_channels,
                                           embed_dim=dims, stem_chans=self.arch['stem_channels'],
                                           strict_img_size=False, dynamic_img_pad=True)

@@ -1,19 +1,25 @@
-"""TL-Align for MMPretrain: ``TLAlignClassifier``, an ``ImageClassifier`` whose training targets are aligned.
+"""TL-Align and TransMix for MMPretrain: ``TLAlignClassifier`` and ``TransMixClassifier``, ``ImageClassifier`` classes
+whose training targets are re-weighted by the attention.
 
 Config: ``model = dict(type='TLAlignClassifier', backbone=..., neck=..., head=..., train_cfg=dict(augments=[...]))``
 with ``data_preprocessor = dict(type='TokenAugDataPreprocessor', ...)``, which puts the batch's mix on the
 data samples. In ``loss`` the classifier runs the backbone with hooks that keep what each block's token
 path computed (``q``/``k`` of mmpretrain's ``MultiheadAttention``, the softmax of ``WindowMSA``), traces
-the compact label state with the rules of :mod:`shared_core.tl_align`, and replaces each sample's
+the compact label state with the driver and rules of :mod:`shared_core.tl_align` (the same driver as the timm
+adapter, :mod:`timm_plugin.tl_align`; only the tracers here are mm's), and replaces each sample's
 ``gt_score`` by its aligned target before the head's loss (which applies its own label smoothing, as
 for the stock mixed scores). Prediction and batches without a mix are the stock ``ImageClassifier``.
+
+``TransMixClassifier`` replaces the target by TransMix's (:func:`shared_core.tl_align.transmix_share`: the
+last block's class-token attention over the pasted region, ``mode='paper'`` or the public code's
+``'average'``).
 
 Supported backbones: mmpretrain ``VisionTransformer`` (DeiT archs; ``out_type`` ``'cls_token'`` or
 ``'avg_featmap'``) and ``SwinTransformer`` (the classification output: last stage, average pooled).
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
@@ -25,28 +31,20 @@ from mmpretrain.models.utils.attention import MultiheadAttention, ShiftWindowMSA
 from mmpretrain.registry import MODELS
 
 from shared_core.tl_align import (
-    aligned_target, compact_labels, merge_2x2_labels, residual_labels, self_attention_labels, window_labels,
+    TRANSMIX_MODES, LabelCapture, aligned_target, capture_forward, check_layers, compact_labels, fused_label_attn,
+    kept_samples, self_attention_labels, swin_labels, trace_labels, tracer_for, transmix_share, window_labels,
 )
+
 from .data_preprocessor import mix_from_samples
 
-__all__ = ['TLAlignClassifier', 'MM_SUPPORTED_BACKBONES']
+__all__ = ['TLAlignClassifier', 'TransMixClassifier', 'MM_SUPPORTED_BACKBONES', 'mm_tracer']
 
 
-class _Capture:
-    __slots__ = ('q', 'k', 'keep', 'attn', 'hw')
-
-    def __init__(self):
-        self.q = self.k = self.keep = self.attn = self.hw = None
-
-
-def _kept(inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    return (out.flatten(1) != 0).any(1) | (inp.flatten(1) == 0).all(1)
-
-
-def _hook_drop(module: nn.Module, cap: _Capture, handles: list) -> None:
+def _hook_drop(module: nn.Module, cap: LabelCapture, handles: list) -> None:
     """mmcv's DropPath (``drop_prob``) zeroes whole samples of a residual branch."""
     if getattr(module, 'drop_prob', 0.) > 0 and module.training:
-        handles.append(module.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'keep', _kept(i[0], o))))
+        handles.append(module.register_forward_hook(
+            lambda m, i, o, c=cap: setattr(c, 'keep', kept_samples(i[0], o))))
 
 
 class MMViTTracer:
@@ -68,31 +66,40 @@ class MMViTTracer:
         self.backbone = backbone
         self.num_prefix_tokens = backbone.num_extra_tokens
 
-    def register(self, captures: List[_Capture]) -> list:
+    def register(self, captures: List[LabelCapture]) -> list:
         handles = []
         for layer in self.backbone.layers:
-            cap = _Capture()
+            cap = LabelCapture()
             captures.append(cap)
             a = layer.attn
             handles.append(a.qkv.register_forward_hook(lambda m, i, o, c=cap, a=a: _set_qk(c, o.detach(), a)))
             _hook_drop(a.out_drop, cap, handles)
         return handles
 
-    def propagate(self, captures, labels, layers, normalise, fused):
-        blocks = ((c.q, c.k, _scale(layer.attn), c.keep) for c, layer in zip(captures, self.backbone.layers))
-        return self_attention_labels(blocks, labels, layers, normalise, fused)
+    def num_tokens(self, captures: List[LabelCapture]) -> int:
+        return captures[0].q.shape[2]
 
-    def readout(self, labels: torch.Tensor) -> torch.Tensor:
+    def propagate(self, captures, labels, layers, residual):
+        blocks = ((c.q, c.k, _scale(layer.attn), c.keep) for c, layer in zip(captures, self.backbone.layers))
+        return self_attention_labels(blocks, labels, layers, residual)
+
+    def readout(self, labels: torch.Tensor, output=None) -> torch.Tensor:
         if self.backbone.out_type == 'cls_token':
             return labels[:, 0]
         return labels[:, self.num_prefix_tokens:].mean(1)
+
+    def class_attention(self, captures: List[LabelCapture]):
+        if self.backbone.out_type != 'cls_token':
+            return None
+        last = captures[-1]
+        return last.q[:, :, :1], last.k, _scale(self.backbone.layers[-1].attn)
 
     @property
     def depth(self) -> int:
         return len(self.backbone.layers)
 
 
-def _set_qk(cap: _Capture, qkv: torch.Tensor, attn: MultiheadAttention) -> None:
+def _set_qk(cap: LabelCapture, qkv: torch.Tensor, attn: MultiheadAttention) -> None:
     B, N, _ = qkv.shape
     q, k, _ = qkv.reshape(B, N, 3, attn.num_heads, attn.head_dims).permute(2, 0, 3, 1, 4).unbind(0)
     cap.q, cap.k = q, k
@@ -124,13 +131,14 @@ class MMSwinTracer:
                                      f'{type(blk).__name__}')
         self.backbone = backbone
 
-    def register(self, captures: List[_Capture]) -> list:
+    def register(self, captures: List[LabelCapture]) -> list:
         handles = []
         for stage in self.backbone.stages:
             for blk in stage.blocks:
-                cap = _Capture()
+                cap = LabelCapture()
                 captures.append(cap)
-                handles.append(blk.attn.register_forward_pre_hook(lambda m, a, c=cap: setattr(c, 'hw', tuple(a[1]))))
+                handles.append(blk.attn.register_forward_pre_hook(
+                    lambda m, a, c=cap: setattr(c, 'tokens', tuple(a[1]))))
                 handles.append(blk.attn.w_msa.softmax.register_forward_hook(
                     lambda m, i, o, c=cap: setattr(c, 'attn', o.detach())))
                 _hook_drop(blk.attn.drop, cap, handles)
@@ -145,25 +153,26 @@ class MMSwinTracer:
             return 0
         return attn.shift_size
 
-    def propagate(self, captures, labels, layers, normalise, fused):
-        H, W = captures[0].hw
-        Y = labels.view(labels.shape[0], H, W, labels.shape[-1])
-        idx = 0
-        for stage in self.backbone.stages:
-            for blk in stage.blocks:
-                cap = captures[idx]
-                if layers is None or idx in layers:
-                    a = blk.attn
-                    s = self._shift(a, *cap.hw)
-                    branch = window_labels(Y, (a.window_size,) * 2, (s, s), attn=cap.attn)
-                    Y = residual_labels(Y, branch, cap.keep, normalise)
-                idx += 1
-            if stage.downsample is not None:
-                Y = merge_2x2_labels(Y)
-        return Y.flatten(1, 2)
+    def num_tokens(self, captures: List[LabelCapture]) -> int:
+        H, W = captures[0].tokens
+        return H * W
 
-    def readout(self, labels: torch.Tensor) -> torch.Tensor:
+    def _window_labels(self, attn: ShiftWindowMSA, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        s = self._shift(attn, *cap.tokens)
+        return window_labels(Y, (attn.window_size,) * 2, (s, s), attn=cap.attn)
+
+    def propagate(self, captures, labels, layers, residual):
+        attns = [blk.attn for stage in self.backbone.stages for blk in stage.blocks]
+        stages = [(len(stage.blocks), stage.downsample is not None) for stage in self.backbone.stages]
+        return swin_labels(labels, captures[0].tokens, stages,
+                           lambda idx, Y: self._window_labels(attns[idx], captures[idx], Y),
+                           [c.keep for c in captures], merge_at='end', layers=layers, residual=residual)
+
+    def readout(self, labels: torch.Tensor, output=None) -> torch.Tensor:
         return labels.mean(1)
+
+    def class_attention(self, captures: List[LabelCapture]):
+        return None
 
     @property
     def depth(self) -> int:
@@ -173,10 +182,11 @@ class MMSwinTracer:
 MM_SUPPORTED_BACKBONES = {VisionTransformer: MMViTTracer, SwinTransformer: MMSwinTracer}
 
 
-def _tracer_for(backbone: nn.Module):
-    for cls, tracer in MM_SUPPORTED_BACKBONES.items():
-        if type(backbone) is cls:
-            return tracer(backbone)
+def mm_tracer(backbone: nn.Module):
+    """The TL-Align tracer of a supported mmpretrain backbone (exact classes: a subclass may change the rules)."""
+    exact = {cls: tracer for cls, tracer in MM_SUPPORTED_BACKBONES.items() if type(backbone) is cls}
+    if exact:
+        return tracer_for(backbone, exact, 'backbone')
     names = ', '.join(f'{c.__module__}.{c.__name__}' for c in MM_SUPPORTED_BACKBONES)
     raise ValueError(f'backbone: TL-Align has no tracer for {type(backbone).__module__}.{type(backbone).__name__}; '
                      f'supported: {names}')
@@ -187,41 +197,38 @@ class TLAlignClassifier(ImageClassifier):
     """``ImageClassifier`` trained on TL-Align's aligned targets (see the module docstring).
 
     Args:
-        tl_align: ``dict(layers=None, normalise=True, fused=None)`` as :class:`timm_plugin.TLAlign`.
+        tl_align: ``dict(layers=None, residual=True, fused=None)``: align only at these block indices
+            (Table 8), keep the residual in the label path (``False``: Table 8's "normalization disabled"),
+            the label attention fused or not (default :func:`shared_core.tl_align.use_fused_label_attn`).
         Other args: as ``ImageClassifier``.
     """
+    config_key, config_keys = 'tl_align', ('layers', 'residual', 'fused')
 
     def __init__(self, *args, tl_align: Optional[dict] = None, **kwargs):
         super().__init__(*args, **kwargs)
-        cfg = dict(tl_align or {})
-        self.tracer = _tracer_for(self.backbone)
-        layers: Optional[Iterable[int]] = cfg.pop('layers', None)
-        self.align_layers = None if layers is None else set(int(i) for i in layers)
-        if self.align_layers is not None and not self.align_layers <= set(range(self.tracer.depth)):
-            raise ValueError(f'tl_align.layers: block indices must be in [0, {self.tracer.depth}), '
-                             f'got {sorted(self.align_layers)}')
-        self.align_normalise = bool(cfg.pop('normalise', True))
-        self.align_fused = cfg.pop('fused', None)
-        if cfg:
-            raise ValueError(f'tl_align: unknown keys {sorted(cfg)} (expected layers, normalise, fused)')
+        self.tracer = mm_tracer(self.backbone)
+        self._configure(dict(tl_align or {}))
+
+    def _configure(self, cfg: dict) -> None:
+        unknown = sorted(set(cfg) - set(self.config_keys))
+        if unknown:
+            raise ValueError(f'{self.config_key}: unknown keys {unknown} (expected {", ".join(self.config_keys)})')
+        self.align_layers = check_layers(cfg.get('layers'), self.tracer.depth, f'{self.config_key}.layers')
+        self.align_residual = bool(cfg.get('residual', True))
+        self.align_fused = cfg.get('fused', None)
+
+    def _share(self, feats, captures, mix) -> torch.Tensor:
+        labels0 = compact_labels(mix, self.tracer.num_prefix_tokens)
+        return trace_labels(self.tracer, captures, feats, labels0, self.align_layers, self.align_residual)[:, 0]
 
     def extract_feat_aligned(self, inputs: torch.Tensor, data_samples: List):
-        """Features and, if the batch carries a mix, the aligned ``(B, C)`` targets (else ``None``)."""
+        """Features and, if the batch carries a mix, the re-weighted ``(B, C)`` targets (else ``None``)."""
         mix = mix_from_samples(data_samples)
         if mix is None:
             return self.extract_feat(inputs), None
-        captures: List[_Capture] = []
-        handles = self.tracer.register(captures)
-        try:
-            feats = self.extract_feat(inputs)
-        finally:
-            for h in handles:
-                h.remove()
-        with torch.no_grad(), torch.autocast(device_type=inputs.device.type, enabled=False):
-            labels0 = compact_labels(mix.to(inputs.device), self.tracer.num_prefix_tokens)
-            state = self.tracer.propagate(captures, labels0, self.align_layers, self.align_normalise,
-                                          self.align_fused)
-        share = self.tracer.readout(state)[:, 0]
+        feats, captures = capture_forward(self.tracer, lambda: self.extract_feat(inputs))
+        with fused_label_attn(self.align_fused):
+            share = self._share(feats, captures, mix.to(inputs.device))
         labels = torch.cat([s.gt_label for s in data_samples]).to(share.device)
         # the preprocessor's num_classes sized the stock scores; label smoothing stays with the head's loss
         num_classes = data_samples[0].gt_score.numel() if 'gt_score' in data_samples[0] else self.head.num_classes
@@ -233,3 +240,30 @@ class TLAlignClassifier(ImageClassifier):
             for sample, t in zip(data_samples, targets):
                 sample.set_gt_score(t)
         return self.head.loss(feats, data_samples)
+
+
+@MODELS.register_module()
+class TransMixClassifier(TLAlignClassifier):
+    """``ImageClassifier`` trained on TransMix's targets (Chen et al., the baseline TL-Align compares with):
+    the partner share is the last block's head-mean class-token attention over the pasted patches
+    (:func:`shared_core.tl_align.transmix_share`; without a class token, our extension: the pooled label
+    after the last block's attention alone).
+
+    Args:
+        transmix: ``dict(mode='paper', fused=None)``; ``mode='average'`` is the public code's mean of the
+            attention share and the area share.
+        Other args: as ``ImageClassifier``.
+    """
+    config_key, config_keys = 'transmix', ('mode', 'fused')
+
+    def __init__(self, *args, transmix: Optional[dict] = None, **kwargs):
+        ImageClassifier.__init__(self, *args, **kwargs)
+        self.tracer = mm_tracer(self.backbone)
+        cfg = dict(transmix or {})
+        self.transmix_mode = cfg.pop('mode', 'paper')
+        if self.transmix_mode not in TRANSMIX_MODES:
+            raise ValueError(f'transmix.mode: expected one of {TRANSMIX_MODES}, got {self.transmix_mode!r}')
+        self._configure(cfg)
+
+    def _share(self, feats, captures, mix) -> torch.Tensor:
+        return transmix_share(self.tracer, captures, feats, mix, self.transmix_mode)

@@ -22,15 +22,61 @@ The rules (each a function here, used by every architecture's tracer):
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import contextvars
+import os
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from .mixing import Mix, pair_target
+from .mix import Mix, pair_target
 
 __all__ = ['compact_labels', 'dense_labels', 'attention_labels', 'residual_labels', 'merge_labels',
-           'merge_2x2_labels', 'window_labels', 'self_attention_labels', 'aligned_target']
+           'merge_2x2_labels', 'window_labels', 'self_attention_labels', 'swin_labels', 'talking_heads_labels',
+           'conv_pool_labels', 'aligned_target', 'kept_samples', 'LabelCapture', 'LabelTracer', 'capture_forward',
+           'trace_labels', 'tracer_for', 'check_layers', 'TRANSMIX_MODES', 'transmix_share',
+           'use_fused_label_attn', 'set_fused_label_attn', 'fused_label_attn']
+
+
+# ----------------------------------------------------------------------------------------------
+# The one switch: the label attention as a fused SDPA call or a transient softmax
+# ----------------------------------------------------------------------------------------------
+
+#: environment override: ``TOKENAUG_FUSED_LABEL_ATTN=1`` (always fused) / ``0`` (never); unset: per device
+FUSED_ENV = 'TOKENAUG_FUSED_LABEL_ATTN'
+_FUSED: Optional[bool] = None if os.environ.get(FUSED_ENV, '') == '' else os.environ[FUSED_ENV] not in ('0', 'false')
+_FUSED_SCOPE: contextvars.ContextVar = contextvars.ContextVar('tokenaug_fused_label_attn', default=None)
+
+
+def set_fused_label_attn(enable: Optional[bool]) -> None:
+    """Process-wide choice (as timm's ``set_fused_attn``): ``True``/``False``, or ``None`` for the default."""
+    global _FUSED
+    _FUSED = enable
+
+
+@contextlib.contextmanager
+def fused_label_attn(enable: Optional[bool]):
+    """The choice inside a ``with`` block (what a wrapper's ``fused=`` argument sets); ``None`` leaves it."""
+    token = _FUSED_SCOPE.set(enable) if enable is not None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _FUSED_SCOPE.reset(token)
+
+
+def use_fused_label_attn(device: torch.device) -> bool:
+    """Whether the label attention runs as a fused ``scaled_dot_product_attention`` call: the innermost
+    :func:`fused_label_attn` scope, else :func:`set_fused_label_attn` / ``$TOKENAUG_FUSED_LABEL_ATTN``, else
+    fused on accelerators and a transient softmax on the CPU (PyTorch's fused CPU kernel is slower for the
+    1-wide values of the compact state, ``bench/RESULTS.md``)."""
+    scoped = _FUSED_SCOPE.get()
+    if scoped is not None:
+        return scoped
+    if _FUSED is not None:
+        return _FUSED
+    return torch.device(device).type != 'cpu'
 
 
 def compact_labels(mix: Mix, num_prefix_tokens: int = 1) -> torch.Tensor:
@@ -69,13 +115,12 @@ def attention_labels(q: torch.Tensor, k: torch.Tensor, labels: torch.Tensor,
     ``labels``: ``(B, T_k, K)``; ``attn_mask``: an additive float bias or a boolean mask broadcastable
     to ``(B, H, T_q, T_k)``. Returns ``(B, T_q, K)`` in fp32.
 
-    ``fused`` (default: on accelerators) computes it with ``scaled_dot_product_attention`` and the labels
-    as values, never materialising the attention. On the CPU the default is one transient
-    ``softmax(q kᵀ)`` per call instead: PyTorch's fused CPU kernel is 2-3x slower than that for the
-    1-wide values of the compact state (``bench/RESULTS.md``). Either way the token path is untouched.
+    ``fused`` (default: :func:`use_fused_label_attn`) computes it with ``scaled_dot_product_attention`` and
+    the labels as values, never materialising the attention; otherwise one transient ``softmax(q kᵀ)`` per
+    call. Either way the token path is untouched.
     """
     if fused is None:
-        fused = q.device.type != 'cpu'
+        fused = use_fused_label_attn(q.device)
     with torch.autocast(device_type=q.device.type, enabled=False):
         q, k, v = q.detach().float(), k.detach().float(), labels.float().unsqueeze(1)
         if attn_mask is not None and attn_mask.dtype != torch.bool:
@@ -95,11 +140,12 @@ def attention_labels(q: torch.Tensor, k: torch.Tensor, labels: torch.Tensor,
 
 
 def residual_labels(labels: torch.Tensor, branch: torch.Tensor, keep: Optional[torch.Tensor] = None,
-                    normalise: bool = True) -> torch.Tensor:
+                    residual: bool = True) -> torch.Tensor:
     """Eq. 11: ``Norm(Y + branch)`` with Norm the plain average; ``keep`` (B,) bool marks the samples
     whose residual branch ran (stochastic depth drops it for the others: their labels stay).
-    ``normalise=False`` (Table 8 ablation) drops the residual from the label path: ``Y ← branch``."""
-    new = (labels + branch) * 0.5 if normalise else branch
+    ``residual=False`` (Table 8 ablation, "normalization disabled") drops the residual from the label
+    path: ``Y ← branch``."""
+    new = (labels + branch) * 0.5 if residual else branch
     if keep is not None:
         new = torch.where(keep.view(-1, *([1] * (labels.dim() - 1))), new, labels)
     return new
@@ -111,16 +157,59 @@ def merge_labels(labels: torch.Tensor) -> torch.Tensor:
     return labels.mean(-2)
 
 
-def self_attention_labels(blocks, labels: torch.Tensor, layers: Optional[set] = None, normalise: bool = True,
-                          fused: Optional[bool] = None) -> torch.Tensor:
+def self_attention_labels(blocks, labels: torch.Tensor, layers: Optional[set] = None,
+                          residual: bool = True) -> torch.Tensor:
     """A stack of pre-norm transformer blocks (attention residual, then MLP residual, which leaves labels
     as they are): ``blocks`` yields ``(q, k, scale, keep)`` per block, ``keep`` the samples whose
     attention branch stochastic depth kept (``None``: all). ``layers``: align only at these indices."""
     for idx, (q, k, scale, keep) in enumerate(blocks):
         if layers is not None and idx not in layers:
             continue  # not aligned here: the labels pass unchanged
-        labels = residual_labels(labels, attention_labels(q, k, labels, scale=scale, fused=fused), keep, normalise)
+        labels = residual_labels(labels, attention_labels(q, k, labels, scale=scale), keep, residual)
     return labels
+
+
+def swin_labels(labels: torch.Tensor, grid: Tuple[int, int], stages: Sequence[Tuple[int, bool]],
+                block_branch: Callable[[int, torch.Tensor], torch.Tensor], keeps: Sequence[Optional[torch.Tensor]],
+                merge_at: str, layers: Optional[set] = None, residual: bool = True) -> torch.Tensor:
+    """Swin's stage rule on the ``(B, H·W, K)`` labels of the first token grid ``grid``: per stage of
+    ``(num_blocks, merges)``, a 2x2 patch merging (:func:`merge_2x2_labels`) at the ``'start'`` of the
+    stage (timm) or its ``'end'`` (mmpretrain), and per block ``Y ← Norm(Y + block_branch(idx, Y))``
+    (Eq. 9/11; ``block_branch`` the block's window-attention labels, :func:`window_labels`) for the
+    samples whose branch ``keeps[idx]`` kept. Returns the last grid's labels ``(B, H'·W', K)``."""
+    if merge_at not in ('start', 'end'):
+        raise ValueError(f"merge_at: expected 'start' or 'end', got {merge_at!r}")
+    Y = labels.view(labels.shape[0], grid[0], grid[1], labels.shape[-1])
+    idx = 0
+    for num_blocks, merges in stages:
+        if merges and merge_at == 'start':
+            Y = merge_2x2_labels(Y)
+        for _ in range(num_blocks):
+            if layers is None or idx in layers:
+                Y = residual_labels(Y, block_branch(idx, Y), keeps[idx], residual)
+            idx += 1
+        if merges and merge_at == 'end':
+            Y = merge_2x2_labels(Y)
+    return Y.flatten(1, 2)
+
+
+def talking_heads_labels(attn: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Table 9 spatial mixing for talking-heads attention (CaiT): ``attn`` the per-head attention that
+    multiplies ``v`` ``(B, N, N, H)`` (after the post-softmax head mixing, before attention dropout);
+    ``W = mean_h attn`` (Eq. 9), ``Y ← Norm(|W|) · Y`` with Norm the row sum. Equals ``Norm(W) · Y``
+    whenever ``W ≥ 0``; the learnt head mixing is signed, and a signed row sum can vanish, so the
+    magnitudes are normalised (labels stay convex combinations, the compact state stays exact)."""
+    with torch.autocast(device_type=attn.device.type, enabled=False):
+        W = attn.detach().mean(-1, dtype=torch.float32).abs_()
+        W = W / W.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        return W @ labels.float()
+
+
+def conv_pool_labels(labels: torch.Tensor, kernel_size, stride, padding) -> torch.Tensor:
+    """Table 9 spatial aggregation for a strided conv on a ``(B, K, H, W)`` label map: every output token's
+    label is the Norm of the sum (the mean) of the labels in its window, with the conv's kernel, stride and
+    padding; padding positions are not tokens (``count_include_pad=False``)."""
+    return F.avg_pool2d(labels, kernel_size, stride, padding, count_include_pad=False)
 
 
 def merge_2x2_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -148,8 +237,7 @@ def _window_reverse(w: torch.Tensor, ws, B: int, H: int, W: int) -> torch.Tensor
 
 def window_labels(labels: torch.Tensor, window, shift, attn: Optional[torch.Tensor] = None,
                   q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None,
-                  bias: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                  fused: Optional[bool] = None) -> torch.Tensor:
+                  bias: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> torch.Tensor:
     """Eq. 9 for (shifted-)window attention on a ``(B, H, W, K)`` label map: cyclic shift by ``-shift``,
     window partition, the head-mean window attention, window reverse, shift back.
 
@@ -169,7 +257,7 @@ def window_labels(labels: torch.Tensor, window, shift, attn: Optional[torch.Tens
         with torch.autocast(device_type=attn.device.type, enabled=False):
             out = attn.float().mean(1) @ Yw.float()
     else:
-        out = attention_labels(q, k, Yw, attn_mask=bias, scale=scale, fused=fused)
+        out = attention_labels(q, k, Yw, attn_mask=bias, scale=scale)
     out = _window_reverse(out, window, B, H, W)
     return torch.roll(out, shifts=tuple(shift), dims=(1, 2)) if shifted else out
 
@@ -179,3 +267,134 @@ def aligned_target(share: torch.Tensor, labels: torch.Tensor, mix: Mix, num_clas
     """The training target from the compact label of what the classifier reads: ``(B,)`` partner
     shares → ``(1 - s) · y_own + s · y_partner`` with label smoothing (rows sum to 1), detached (Eq. 12)."""
     return pair_target(labels.to(share.device), mix.partner, 1. - share.detach().float(), num_classes, smoothing)
+
+
+# ----------------------------------------------------------------------------------------------
+# The driver: what every adapter runs (hooks -> forward -> label path -> readout)
+# ----------------------------------------------------------------------------------------------
+
+def kept_samples(inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` bool: the samples whose residual branch survived DropPath (it zeroes whole samples; a
+    branch input that is all zero counts as kept), from a drop-path module's input and output."""
+    return (out.flatten(1) != 0).any(1) | (inp.flatten(1) == 0).all(1)
+
+
+class LabelCapture:
+    """What one block's token path left for the label path (each tracer fills the fields it needs):
+    ``q``/``k`` ``(B, H, T, d)`` (or the projections they are split from), ``keep`` the samples whose
+    attention branch ran, ``attn`` materialised attention probabilities, ``mask`` an attention mask,
+    ``tokens`` the token grid or count the block saw."""
+    __slots__ = ('q', 'k', 'keep', 'attn', 'mask', 'tokens')
+
+    def __init__(self):
+        self.q = self.k = self.keep = self.attn = self.mask = self.tokens = None
+
+
+class LabelTracer(Protocol):
+    """The rules of one architecture (one per framework and model family; see the adapters).
+
+    - ``num_prefix_tokens``: leading non-patch tokens of the label state (class, distillation, register);
+    - ``depth``: the number of blocks that ``layers`` indexes;
+    - ``register(captures)``: forward hooks that append/fill :class:`LabelCapture` records; returns handles;
+    - ``num_tokens(captures)``: tokens of the label state for the captured forward (prefix + patches);
+    - ``propagate(captures, labels, layers, residual)``: the label state through every block (no grad);
+    - ``readout(labels, output)``: ``(B, K)`` the label of what the classifier reads;
+    - ``class_attention(captures)``: ``(q_cls (B, H, 1, d), k (B, H, T, d), scale)`` of the last block for
+      TransMix's class-token rule, or ``None`` where the classifier reads no class token.
+    """
+    num_prefix_tokens: int
+
+    @property
+    def depth(self) -> int: ...
+
+    def register(self, captures: List[LabelCapture]) -> list: ...
+
+    def num_tokens(self, captures: List[LabelCapture]) -> int: ...
+
+    def propagate(self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set],
+                  residual: bool) -> torch.Tensor: ...
+
+    def readout(self, labels: torch.Tensor, output: Any) -> torch.Tensor: ...
+
+    def class_attention(self, captures: List[LabelCapture]) -> Optional[tuple]: ...
+
+
+def tracer_for(model, supported: dict, name: str = 'model') -> LabelTracer:
+    """The tracer of ``model`` from ``{model class: tracer class}`` (most specific first); an error
+    listing the supported classes otherwise."""
+    for cls, tracer in supported.items():
+        if isinstance(model, cls):
+            return tracer(model)
+    names = ', '.join(f'{c.__module__}.{c.__name__}' for c in supported)
+    raise ValueError(f'{name}: TL-Align has no tracer for {type(model).__module__}.{type(model).__name__}; '
+                     f'supported: {names}')
+
+
+def check_layers(layers, depth: int, name: str = 'layers') -> Optional[set]:
+    """``None`` (every block) or the set of block indices, each in ``[0, depth)``."""
+    if layers is None:
+        return None
+    out = set(int(i) for i in layers)
+    if not out <= set(range(depth)):
+        raise ValueError(f'{name}: block indices must be in [0, {depth}), got {sorted(out)}')
+    return out
+
+
+def capture_forward(tracer: LabelTracer, forward: Callable[[], Any]) -> Tuple[Any, List[LabelCapture]]:
+    """Run ``forward()`` (the token path, unchanged) with the tracer's hooks; returns its output and the
+    captures. The hooks are removed whatever happens."""
+    captures: List[LabelCapture] = []
+    handles = tracer.register(captures)
+    try:
+        output = forward()
+    finally:
+        for h in handles:
+            h.remove()
+    return output, captures
+
+
+def trace_labels(tracer: LabelTracer, captures: List[LabelCapture], output: Any, labels: torch.Tensor,
+                 layers: Optional[set] = None, residual: bool = True) -> torch.Tensor:
+    """The label path after a captured forward: the initial state ``labels`` ``(B, T, K)`` through every
+    block (no gradients, fp32 whatever autocast the token path ran under), read out as ``(B, K)``."""
+    if tracer.num_tokens(captures) != labels.shape[1]:
+        raise ValueError(f'labels: {labels.shape[1]} token labels for {tracer.num_tokens(captures)} tokens '
+                         f'(prefix {tracer.num_prefix_tokens} + patches): the patch grid of x does not match')
+    with torch.no_grad(), torch.autocast(device_type=labels.device.type, enabled=False):
+        state = tracer.propagate(captures, labels.float(), layers, residual)
+        return tracer.readout(state, output)
+
+
+#: TransMix's rules: ``'paper'`` (the attention share alone) and ``'average'`` (its mean with the area share)
+TRANSMIX_MODES = ('paper', 'average')
+
+
+def transmix_share(tracer: LabelTracer, captures: List[LabelCapture], output: Any, mix: Mix,
+                   mode: str = 'paper') -> torch.Tensor:
+    """TransMix's ``(B,)`` partner share of the target from the last block's attention.
+
+    Class-token models (``tracer.class_attention``): ``λ_partner = A · M``, ``A`` the head-mean attention of
+    the class token to the patch tokens in the last block, renormalised over the patches, ``M`` the partner
+    share of each patch token (both sums from one call with two value columns). Models without a class token
+    (our extension): the pooled compact label after the last block's attention alone. ``mode='average'``:
+    the mean of that and the area share ``1 - λ``."""
+    if mode not in TRANSMIX_MODES:
+        raise ValueError(f'mode: expected one of {TRANSMIX_MODES}, got {mode!r}')
+    qk = tracer.class_attention(captures)
+    with torch.no_grad():
+        if qk is not None:
+            q_cls, k, scale = qk
+            with torch.autocast(device_type=q_cls.device.type, enabled=False):
+                P = tracer.num_prefix_tokens
+                s = mix.token_share_flat().float().to(q_cls.device)
+                v = torch.zeros(s.shape[0], P + s.shape[1], 2, device=s.device)
+                v[:, P:, 0], v[:, P:, 1] = s, 1.
+                num_den = attention_labels(q_cls, k, v, scale=scale)[:, 0]
+                share = num_den[:, 0] / num_den[:, 1]
+        else:
+            labels = compact_labels(mix, tracer.num_prefix_tokens)
+            dev = next(t for c in captures[::-1] for t in (c.q, c.k, c.attn) if t is not None).device
+            share = trace_labels(tracer, captures, output, labels.to(dev), {tracer.depth - 1}, False)[:, 0]
+    if mode == 'average':
+        share = 0.5 * share + 0.5 * (1. - mix.lam.to(share.device))
+    return share

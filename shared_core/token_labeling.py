@@ -17,19 +17,28 @@ crop (the public code's default; ReLabel, :func:`shared_core.label_maps.crop_tar
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-from .label_maps import SparseTokenTargets
-from .mixing import Mix
+from .label_maps import SparseTokenTargets, crop_targets, token_targets_sparse
+from .mix import Mix, check_labels, mix_rows, mix_tokens, one_hot
+from .samplers import MixSampler
 
-__all__ = ['CLS_TARGETS', 'check_pairwise_swap', 'unmix_tokens', 'mix_dense_targets', 'mix_class_target', 'class_target',
-           'soft_cross_entropy', 'token_labeling_loss']
+__all__ = ['CLS_TARGETS', 'HEAD_RULES', 'AUX_WEIGHT', 'MIXTOKEN_MODES', 'check_pairwise_swap', 'unmix_tokens',
+           'mix_dense_targets', 'mix_class_target', 'class_target', 'token_labeling_targets', 'inference_logits',
+           'check_head_rule', 'mixtoken_sampler', 'draw_mixtoken', 'mix_patch_embed_output', 'soft_cross_entropy',
+           'token_labeling_loss']
 
 #: where the class token's target comes from
 CLS_TARGETS = ('gt', 'annotator', 'mix')
+#: inference rules of a model with an aux head: ``cls + AUX_WEIGHT · max_tokens(aux)`` (the public code) or ``cls``
+HEAD_RULES = ('cls+aux', 'cls')
+#: weight of the aux term in the ``'cls+aux'`` rule (public code: ``x_cls + 0.5 * x_aux.max(1)[0]``)
+AUX_WEIGHT = 0.5
+#: MixToken's un-mixing needs pairwise swaps: one box per batch (the public code) or per pair (i, B-1-i)
+MIXTOKEN_MODES = ('batch', 'pair')
 
 
 def check_pairwise_swap(mix: Mix) -> None:
@@ -47,8 +56,8 @@ def unmix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
     """Undo a pairwise token swap on per-token outputs ``(B, N, D)``: where sample ``i`` received its
     partner's token, take the output of the partner's row, which holds ``i``'s own token there. The mix is
     checked (:func:`check_pairwise_swap`) when it is on the CPU; on an accelerator that is the caller's job
-    (a check there would stall the step on a device sync): :class:`timm_plugin.TokenLabeling` checks its
-    mix before moving it."""
+    (a check there would stall the step on a device sync): :func:`draw_mixtoken` checks the mix before
+    moving it."""
     if tokens.dim() != 3 or tokens.shape[0] != mix.batch_size or tokens.shape[1] != mix.num_tokens:
         raise ValueError(f'tokens: expected (B={mix.batch_size}, N={mix.num_tokens}, D) outputs, '
                          f'got {tuple(tokens.shape)}')
@@ -60,16 +69,14 @@ def unmix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
 
 def mix_dense_targets(targets: torch.Tensor, mix: Mix) -> torch.Tensor:
     """Eq. 6: ``Ŷ = Y_i ⊙ (1 - s) + Y_partner ⊙ s`` for dense targets ``(B, N, C)`` (any mix)."""
-    s = mix.token_share_flat().to(targets.device, targets.dtype).unsqueeze(-1)
-    return torch.addcmul(targets * (1. - s), targets[mix.partner.to(targets.device)], s)
+    return mix_rows(targets, mix.partner, mix.token_share_flat())
 
 
 def mix_class_target(target: torch.Tensor, mix: Optional[Mix]) -> torch.Tensor:
     """Eq. 7: ``M̄ · y + (1 - M̄) · y[partner]`` with ``M̄ = mix.lam`` (own share); rows still sum to 1."""
     if mix is None:
         return target
-    lam = mix.lam.to(target.device, target.dtype).view(-1, 1)
-    return target * lam + target[mix.partner.to(target.device)] * (1. - lam)
+    return mix_rows(target, mix.partner, 1. - mix.lam)
 
 
 def class_target(gt: torch.Tensor, annotator: Optional[torch.Tensor], kind: str = 'gt',
@@ -87,6 +94,85 @@ def class_target(gt: torch.Tensor, annotator: Optional[torch.Tensor], kind: str 
     if not 0. <= mix_weight <= 1.:
         raise ValueError(f'cls_target_mix: expected a weight in [0, 1], got {mix_weight}')
     return annotator * mix_weight + gt * (1. - mix_weight)
+
+
+def token_labeling_targets(labels: torch.Tensor, num_classes: int, smoothing: float = 0., mix: Optional[Mix] = None,
+                           maps=None, grid: Optional[Tuple[int, int]] = None, cls_target: str = 'gt',
+                           cls_target_mix: float = 0.5, dense: bool = True, name: str = 'labels'):
+    """Token labeling's targets for a batch: ``(class target (B, C), per-token targets or None)``.
+
+    One-hot (smoothed) ground truth → the annotator's label pooled over each crop where ``cls_target``
+    asks for it (ReLabel) → :func:`class_target` → Eq. 7's mix by the MixToken ``mix`` → with ``dense``,
+    the sparse per-token targets of the crops on the token ``grid`` (Eq. 2;
+    :class:`~shared_core.label_maps.SparseTokenTargets`, ``.dense()`` is ``(B, N, C)``). ``maps``: anything
+    with the batch's map rows ``.values``/``.indices`` ``(B, k, h, w)``, crops ``.boxes`` ``(B, 4)`` and
+    ``.flips`` ``(B,)`` on the training device (needed for ``dense`` or a non-``'gt'`` class target).
+    Every row sums to 1."""
+    check_labels(labels, num_classes, name)
+    if maps is None and (dense or cls_target != 'gt'):
+        raise ValueError('maps: token labeling needs the label maps of the batch (dense token targets or an '
+                         f"annotator class target, cls_target={cls_target!r}); none were given")
+    annotator = None
+    if cls_target != 'gt':  # ReLabel: the map's mean over the crop
+        annotator = crop_targets(maps.values, maps.indices, num_classes, maps.boxes, smoothing)
+    gt = one_hot(labels, num_classes, smoothing)
+    y_cls = mix_class_target(class_target(gt, annotator, cls_target, cls_target_mix), mix)  # Eq. 7
+    tokens = None
+    if dense:
+        if grid is None:
+            raise ValueError('grid: dense token targets need the token grid (gh, gw)')
+        tokens = token_targets_sparse(maps.values, maps.indices, num_classes, maps.boxes, maps.flips, grid, smoothing)
+    return y_cls, tokens
+
+
+def check_head_rule(head_rule: str, name: str = 'head_rule') -> str:
+    if head_rule not in HEAD_RULES:
+        raise ValueError(f'{name}: expected one of {HEAD_RULES}, got {head_rule!r}')
+    return head_rule
+
+
+def inference_logits(cls: torch.Tensor, aux: Optional[torch.Tensor], head_rule: str = 'cls+aux') -> torch.Tensor:
+    """The prediction of a model with an aux head: ``cls + AUX_WEIGHT · max_tokens(aux)`` (``'cls+aux'``,
+    the public code's rule; ``aux`` ``(B, N, C)``) or ``cls`` (``'cls'``, or no aux logits)."""
+    if check_head_rule(head_rule) == 'cls+aux' and aux is not None:
+        return cls + AUX_WEIGHT * aux.max(1).values
+    return cls
+
+
+def mixtoken_sampler(beta: float = 1.0, prob: float = 1.0, mode: str = 'batch', patch_size=16) -> MixSampler:
+    """MixToken's sampler (Eq. 5): a box on the token grid, ``λ ~ Beta(beta, beta)``, mixing a batch with
+    probability ``prob``, one box per ``mode`` unit (``'batch'`` or ``'pair'``: un-mixing needs pairwise swaps)."""
+    if mode not in MIXTOKEN_MODES:
+        raise ValueError(f'mode: MixToken un-mixes pairwise swaps, expected one of {MIXTOKEN_MODES}, got {mode!r}')
+    if not beta > 0:
+        raise ValueError(f'beta: expected > 0, got {beta}')
+    return MixSampler('token_box', mixup_alpha=0., cutmix_alpha=beta, prob=prob, mode=mode, patch_size=patch_size)
+
+
+def draw_mixtoken(sampler: MixSampler, batch_size: int, img_size: Tuple[int, int], device,
+                  generator: Optional[torch.Generator] = None) -> Optional[Mix]:
+    """The batch's MixToken mix on ``device``, or ``None`` when the batch is not mixed (off, ``prob`` missed,
+    or mixing switched off by ``sampler.mixup_enabled``). Drawn and checked on the CPU
+    (:func:`check_pairwise_swap`), then copied pinned and non-blocking: no device sync."""
+    if not sampler.mix_prob or not sampler.mixup_enabled:
+        return None
+    mix = sampler.sample(batch_size, tuple(img_size), generator=generator)
+    if not bool((mix.lam < 1).any()):
+        return None
+    check_pairwise_swap(mix)
+    device = torch.device(device)
+    return mix.pin_memory().to(device, non_blocking=True) if device.type == 'cuda' else mix.to(device)
+
+
+def mix_patch_embed_output(out, mix: Mix):
+    """Eq. 5 on a patch embedding's output, for a forward hook: timm's ``(B, N, D)`` or ``(B, gh, gw, D)``
+    (dynamic image size), or mmcv's ``(tokens (B, N, D), hw_shape)``."""
+    if isinstance(out, tuple):
+        return (mix_tokens(out[0], mix),) + tuple(out[1:])
+    if out.dim() == 4:
+        B, gh, gw, D = out.shape
+        return mix_tokens(out.reshape(B, gh * gw, D), mix).view(B, gh, gw, D)
+    return mix_tokens(out, mix)
 
 
 def soft_cross_entropy(logits: torch.Tensor, target: Union[torch.Tensor, SparseTokenTargets]) -> torch.Tensor:

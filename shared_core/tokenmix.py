@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from .label_maps import class_maps, smooth, token_targets_batch
-from .mixing import Mix, check_labels, pair_target
+from .mix import Mix, check_labels, mix_rows, pair_target
 
 __all__ = ['ACTIVATION_TARGETS', 'activation_lam', 'activation_target']
 
@@ -71,6 +71,5 @@ def activation_target(labels: torch.Tensor, mix: Mix, values: torch.Tensor, indi
         return pair_target(labels, mix.partner, activation_lam(maps, mix), num_classes, smoothing)
     p = token_targets_batch(values, indices, num_classes, boxes, flips, mix.grid_size)  # (B, C, gh, gw)
     p = p.flatten(2).transpose(1, 2)  # (B, N, C)
-    s = mix.token_share_flat().to(p.device, p.dtype).unsqueeze(-1)
-    shown = torch.addcmul(p * (1. - s), p[mix.partner], s)
+    shown = mix_rows(p, mix.partner, mix.token_share_flat())
     return smooth(shown.mean(1), smoothing)

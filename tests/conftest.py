@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from shared_core.world import generate_world
+from shared_core.tools.world import generate_world
 from .helpers import REPO, write_quadrant_data
 
 VENV_BIN = Path(sys.executable).parent

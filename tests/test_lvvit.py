@@ -10,7 +10,7 @@ from timm.models.vision_transformer import Block
 
 import timm_plugin  # noqa: F401  (registers lvvit_*)
 from timm_plugin.lvvit import AUX_WEIGHT, ConvPatchEmbed, LVBlock, LVViT
-from timm_plugin.train import model_patch_size
+from timm_plugin.token_grid import token_stride
 
 
 def _randomise_bn(model):
@@ -58,7 +58,7 @@ def test_conv_patch_embedding_layout_and_token_grid():
     assert [c.padding for c in convs] == [(3, 3), (1, 1), (1, 1), (0, 0)]
     assert [c.bias is None for c in convs] == [True, True, True, False]
     assert pe.patch_size == pe.token_stride == (16, 16) and pe.grid_size == (14, 14) and pe.num_patches == 196
-    assert model_patch_size(model) == (16, 16)  # not proj.stride (8)
+    assert token_stride(model) == (16, 16)  # not proj.stride (8)
     assert model.num_prefix_tokens == 1
     x = torch.randn(2, 3, 224, 224)
     assert pe(x).shape == (2, 196, 384)

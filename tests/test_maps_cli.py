@@ -1,4 +1,4 @@
-"""Tests for timm_plugin.maps (``tokenaug-maps``): dense annotation with real timm models, generation on the
+"""Tests for timm_plugin.annotator and timm_plugin.tools.maps_cli (``tokenaug-maps``): dense annotation with real timm models, generation on the
 synthetic world, resume after a killed run, sharding + merge, torchrun, info."""
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from hypothesis import given, settings, strategies as st
 from PIL import Image
 
 from shared_core.map_store import LabelMapError, LabelMapStore, store_status
-from timm_plugin import maps
+from timm_plugin import annotator
+from timm_plugin.tools import maps_cli as maps
 
 INPUT = 64  # resnet18 at 64 px -> a 2x2 grid
 BATCH = 4
@@ -70,10 +71,10 @@ def test_cnn_dense_logits_equal_model_logits_on_a_1x1_map():
     model = timm.create_model('resnet18', num_classes=7).eval()
     x = torch.randn(3, 3, 32, 32)  # stride 32 -> a 1x1 map: the dense head is the model's own head
     with torch.inference_mode():
-        dense = maps.dense_logits(model, x)
+        dense = annotator.dense_logits(model, x)
         assert dense.shape == (3, 1, 1, 7)
         torch.testing.assert_close(dense[:, 0, 0], model(x), rtol=0, atol=1e-6)
-        values, indices = maps.annotate(model, x, k=7)
+        values, indices = annotator.annotate(model, x, k=7)
         probs = model(x).softmax(-1)
         torch.testing.assert_close(values[:, :, 0, 0].float(), probs.sort(-1, descending=True).values.half().float())
         assert torch.equal(indices[:, :, 0, 0], probs.argsort(-1, descending=True))
@@ -85,7 +86,7 @@ def test_cnn_dense_logits_apply_the_head_at_every_location():
     x = torch.randn(2, 3, 96, 64)
     with torch.inference_mode():
         feats = model.forward_features(x)  # (2, 512, 3, 2)
-        dense = maps.dense_logits(model, x)
+        dense = annotator.dense_logits(model, x)
         assert dense.shape == (2, 3, 2, 5)
         expect = model.fc(feats.permute(0, 2, 3, 1))
         torch.testing.assert_close(dense, expect, rtol=0, atol=1e-5)
@@ -97,7 +98,7 @@ def test_vit_per_token_head_is_head_of_fc_norm():
     x = torch.randn(2, 3, 48, 48)
     with torch.inference_mode():
         tokens = model.forward_features(x)[:, model.num_prefix_tokens:]  # (2, 9, 192)
-        dense = maps.dense_logits(model, x)
+        dense = annotator.dense_logits(model, x)
         assert dense.shape == (2, 3, 3, 6)
         expect = model.head(model.fc_norm(tokens)).reshape(2, 3, 3, 6)  # row-major token order
         torch.testing.assert_close(dense, expect, rtol=0, atol=0)
@@ -109,7 +110,7 @@ def test_vit_single_token_dense_equals_model_logits():
                               global_pool='avg').eval()
     x = torch.randn(3, 3, 16, 16)
     with torch.inference_mode():
-        torch.testing.assert_close(maps.dense_logits(model, x)[:, 0, 0], model(x), rtol=0, atol=1e-6)
+        torch.testing.assert_close(annotator.dense_logits(model, x)[:, 0, 0], model(x), rtol=0, atol=1e-6)
 
 
 def test_swin_nhwc_features_use_forward_head():
@@ -119,13 +120,13 @@ def test_swin_nhwc_features_use_forward_head():
     x = torch.randn(2, 3, 64, 64)
     with torch.inference_mode():
         feats = model.forward_features(x)  # NHWC (2, 2, 2, 192)
-        dense = maps.dense_logits(model, x)
+        dense = annotator.dense_logits(model, x)
         assert dense.shape == (2, 2, 2, 5)
         torch.testing.assert_close(dense, model.head.fc(feats), rtol=0, atol=1e-5)
         small = torch.randn(2, 3, 32, 32)  # 1x1 final map: dense == the model's logits
         model32 = timm.create_model('swin_tiny_patch4_window7_224', img_size=32, window_size=1, embed_dim=24,
                                     depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), num_classes=5).eval()
-        torch.testing.assert_close(maps.dense_logits(model32, small)[:, 0, 0], model32(small), rtol=0, atol=1e-5)
+        torch.testing.assert_close(annotator.dense_logits(model32, small)[:, 0, 0], model32(small), rtol=0, atol=1e-5)
 
 
 def test_aux_head_is_used_per_token_when_present():
@@ -135,25 +136,25 @@ def test_aux_head_is_used_per_token_when_present():
     x = torch.randn(1, 3, 32, 32)
     with torch.inference_mode():
         tokens = model.forward_features(x)[:, 1:]
-        torch.testing.assert_close(maps.dense_logits(model, x).reshape(1, 4, 6), model.aux_head(tokens))
-        assert maps.head_kind(model, 3) == 'aux_head'
+        torch.testing.assert_close(annotator.dense_logits(model, x).reshape(1, 4, 6), model.aux_head(tokens))
+        assert annotator.head_kind(model, 3) == 'aux_head'
 
 
 def test_lvvit_annotates_with_its_aux_head():
     import timm_plugin.lvvit  # noqa: F401  (registers lvvit_*)
     torch.manual_seed(0)
-    model = maps.create_annotator('lvvit_t', num_classes=5, model_kwargs={'img_size': 32, 'depth': 1}).eval()
+    model = annotator.create_annotator('lvvit_t', num_classes=5, model_kwargs={'img_size': 32, 'depth': 1}).eval()
     x = torch.randn(1, 3, 32, 32)
     with torch.inference_mode():
         tokens = model.forward_features(x)[:, model.num_prefix_tokens:]
-        dense = maps.dense_logits(model, x)
+        dense = annotator.dense_logits(model, x)
         torch.testing.assert_close(dense.reshape(1, -1, 5), model.aux_head(tokens))
 
 
 def test_attention_pooling_is_refused():
     model = timm.create_model('vit_tiny_patch16_224', img_size=32, num_classes=3, global_pool='map').eval()
     with pytest.raises(ValueError, match='pools with attention'):
-        maps.dense_logits(model, torch.randn(1, 3, 32, 32))
+        annotator.dense_logits(model, torch.randn(1, 3, 32, 32))
 
 
 @settings(max_examples=15, deadline=None)
@@ -163,7 +164,7 @@ def test_annotations_are_sorted_probabilities(seed, k, scale):
     model = _tiny_cnn()
     x = torch.randn(2, 3, 64, 64) * scale
     with torch.inference_mode():
-        values, indices = maps.annotate(model, x, k)
+        values, indices = annotator.annotate(model, x, k)
     v = values.float()
     assert values.dtype == torch.float16 and indices.dtype == torch.int64 and v.shape == (2, k, 2, 2)
     assert (v >= 0).all() and (v <= 1).all()
@@ -195,12 +196,12 @@ def test_generate_writes_the_annotation_of_each_image(reference, data_dir, check
     ds = timm.data.create_dataset('', root=str(data_dir), split='train')
     assert store.paths == [ds.filename(i) for i in range(len(ds))]
     # rows 4..7 are one batch of the run: annotate them the same way here
-    model = maps.create_annotator('resnet18', checkpoint=str(checkpoint))
-    transform, _ = maps.eval_transform(model, (INPUT, INPUT))
+    model = annotator.create_annotator('resnet18', checkpoint=str(checkpoint))
+    transform, _ = annotator.eval_transform(model, (INPUT, INPUT))
     imgs = torch.stack([transform(Image.open(data_dir / 'train' / store.paths[r]).convert('RGB'))
                         for r in range(4, 8)])
     with torch.inference_mode():
-        values, indices = maps.annotate(model, imgs, 5)
+        values, indices = annotator.annotate(model, imgs, 5)
     for j, r in enumerate(range(4, 8)):
         v, i = store.lookup(store.paths[r])
         assert np.array_equal(v, values[j].numpy()) and np.array_equal(i, indices[j].numpy())
@@ -212,8 +213,8 @@ def test_checkpoint_layouts_load_the_same_weights(tmp_path, checkpoint, layout):
     path = tmp_path / 'c.pth'
     torch.save(sd if layout == 'raw' else {'state_dict': {k: v * 0 for k, v in sd.items()}, 'state_dict_ema': sd},
                path)
-    ref = maps.create_annotator('resnet18', checkpoint=str(checkpoint))
-    model = maps.create_annotator('resnet18', checkpoint=str(path), use_ema=layout != 'raw')
+    ref = annotator.create_annotator('resnet18', checkpoint=str(checkpoint))
+    model = annotator.create_annotator('resnet18', checkpoint=str(path), use_ema=layout != 'raw')
     assert model.num_classes == 10  # read from the checkpoint's classifier
     x = torch.randn(1, 3, 32, 32)
     with torch.inference_mode():
@@ -227,7 +228,7 @@ def test_resume_after_a_killed_run_equals_an_uninterrupted_run(tmp_path, referen
     script = tmp_path / 'killed.py'
     script.write_text(textwrap.dedent('''
         import os, signal, sys
-        from timm_plugin import maps
+        from timm_plugin.tools import maps_cli as maps
         log, batches = sys.argv[1], [0]
         def on_batch(rows):
             with open(log, 'a') as f:
@@ -344,7 +345,7 @@ def test_torchrun_two_processes_equal_a_single_run(tmp_path, reference, data_dir
     out = tmp_path / 'maps'
     env = dict(run_env, OMP_NUM_THREADS=str(torch.get_num_threads()))  # as the reference run
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '2',
-           '-m', 'timm_plugin.maps', *_argv(data_dir, checkpoint, out)]
+           '-m', 'timm_plugin.tools.maps_cli', *_argv(data_dir, checkpoint, out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (out / 'shards').exists() and 'merged 2 shards' in proc.stderr

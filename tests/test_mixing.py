@@ -10,10 +10,10 @@ from hypothesis import given, settings, strategies as st
 from scipy.ndimage import label
 from scipy.stats import kstest
 
-from shared_core import mixing
+from shared_core import token_masks as mixing  # TOKENMIX_MAX_ROUNDS lives there
 from shared_core.mixing import (
     CUT_KINDS, MIX_KINDS, TOKENMIX_MAX_ROUNDS, Mix, MixSampler, box_token_share, identity_mix, mix_images,
-    mix_target, mix_tokens, one_hot, rand_box, random_token_mask, tokenmix_mask, tokenmix_masks,
+    mix_target, mix_tokens, one_hot, rand_box, random_token_mask, tokenmix_masks,
 )
 from .conftest import REPO
 
@@ -137,7 +137,7 @@ def test_rand_box_minmax_sides_and_lambda(H, W, lo, span, seed):
 
 
 def test_shared_core_imports_neither_timm_nor_mm():
-    code = ('import sys, shared_core.mixing, shared_core.world; '
+    code = ('import sys, shared_core.mixing, shared_core.tools.world; '
             'bad = [m for m in sys.modules if m.split(".")[0] in ("timm", "mmengine", "mmcv", "mmpretrain", '
             '"mmseg", "mmdet")]; print(bad); sys.exit(1 if bad else 0)')
     res = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=REPO)
@@ -275,7 +275,7 @@ def test_mix_properties(kind, mode, half_batch, gh, gw, smoothing, seed, prob):
 def test_tokenmix_mask_exact_count(gh, gw, seed, data):
     k = data.draw(st.integers(0, gh * gw))
     g = torch.Generator().manual_seed(seed)
-    m = tokenmix_mask(gh, gw, k, generator=g, min_tokens=max(1, gh * gw // 14))
+    m = tokenmix_masks((gh, gw), torch.tensor([k]), g, max(1, gh * gw // 14))[0]
     assert m.shape == (gh, gw) and m.dtype == torch.bool and int(m.sum()) == k
     r = random_token_mask((gh, gw), torch.tensor([k, gh * gw - k]), g)
     assert r.flatten(1).sum(1).tolist() == [k, gh * gw - k]
@@ -494,9 +494,9 @@ def test_tokenmix_masks_are_reproducible():
     assert torch.equal(a, b)
     assert not torch.equal(tokenmix_masks((14, 14), k, g), a)  # the generator moved on
     assert not torch.equal(tokenmix_masks((14, 14), k, torch.Generator().manual_seed(6)), a)
-    one = tokenmix_mask(14, 14, 98, generator=torch.Generator().manual_seed(3))
+    one = tokenmix_masks((14, 14), torch.tensor([98]), torch.Generator().manual_seed(3), 14)[0]
     assert torch.equal(one, tokenmix_masks((14, 14), torch.tensor([98]), torch.Generator().manual_seed(3), 14)[0])
-    assert torch.equal(one, tokenmix_mask(np.int64(14), 14, np.int64(98), generator=torch.Generator().manual_seed(3)))
+    assert torch.equal(one, tokenmix_masks((np.int64(14), 14), torch.tensor([np.int64(98)]), torch.Generator().manual_seed(3), 14)[0])
     torch.manual_seed(11)
     c = tokenmix_masks((7, 9), torch.tensor([5, 30]))
     torch.manual_seed(11)
@@ -518,14 +518,14 @@ def test_tokenmix_bad_arguments_name_the_argument():
     for aspect in [(0.0, 1.0), (2.0, 1.0), (1.0,), (0.3, float('inf'))]:
         with pytest.raises(ValueError, match='aspect'):
             tokenmix_masks((3, 3), k, aspect=aspect)
-    with pytest.raises(ValueError, match='grid_h'):
-        tokenmix_mask(0, 3, 1)
-    with pytest.raises(ValueError, match='grid_w'):
-        tokenmix_mask(3, -1, 1)
+    with pytest.raises(ValueError, match='grid_size'):
+        tokenmix_masks((0, 3), torch.tensor([1]))
+    with pytest.raises(ValueError, match='grid_size'):
+        tokenmix_masks((3, -1), torch.tensor([1]))
     with pytest.raises(ValueError, match='num_masked'):
-        tokenmix_mask(3, 3, 10)
+        tokenmix_masks((3, 3), torch.tensor([10]))
     with pytest.raises(ValueError, match='num_masked'):
-        tokenmix_mask(3, 3, 2.0)
+        tokenmix_masks((3, 3), torch.tensor([2.0]))
 
 
 # ---------------------------------------------------------------- bad input
@@ -543,7 +543,7 @@ def test_bad_input_errors_name_the_argument():
         mix_target(torch.tensor([0, 1, 2, 3]), mix, 3)
     with pytest.raises(ValueError, match='target'):
         mix_target(torch.tensor([0, -1, 2, 1]), mix, 3)
-    with pytest.raises(ValueError, match='mixup_type'):
+    with pytest.raises(ValueError, match='mix_kind must be one of'):
         MixSampler('cutout')
     with pytest.raises(ValueError, match='cutmix_alpha'):
         MixSampler('mixup', cutmix_alpha=1.0)
@@ -556,6 +556,6 @@ def test_bad_input_errors_name_the_argument():
     with pytest.raises(ValueError, match='x:'):
         mix_images(torch.zeros(4, 3, 16, 16), mix)
     with pytest.raises(ValueError, match='num_masked'):
-        tokenmix_mask(3, 3, 10)
+        tokenmix_masks((3, 3), torch.tensor([10]))
     with pytest.raises(ValueError, match='label_smoothing'):
         mix_target(torch.tensor([0, 1, 2, 0]), mix, 3, smoothing=1.0)

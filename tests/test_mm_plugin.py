@@ -110,7 +110,7 @@ def test_bad_input():
 @pytest.mark.parametrize('config', ['deit-tiny_world_tokenmix-block.py', 'deit-tiny_world_cutmix.py'])
 def test_upstream_train_py_two_iterations_and_resume(tiny_world, tmp_path, run_env, config):
     """mmpretrain's shipped tools/train.py runs our config unchanged; the checkpoint it writes resumes
-    under torch's default weights_only=True (mm_plugin.checkpoint)."""
+    under torch's default weights_only=True (mm_plugin.enable_safe_load in the config)."""
     run_env['TOKENAUG_WORLD'] = str(tiny_world)
     log = mmpretrain_train(config, tmp_path, run_env, tmp_path)
     assert 'Epoch(train) [1][2/2]' in log and 'accuracy/top1' in log

@@ -6,11 +6,11 @@ from mmpretrain.structures import DataSample
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 
 import mm_plugin  # noqa: F401
-from mm_plugin import TLAlignClassifier
+from mm_plugin import TLAlignClassifier, TransMixClassifier
 from mm_plugin.convert import timm_vit_to_mmpretrain
 from shared_core.mixing import MixSampler, mix_images, mix_target, one_hot
 from timm_plugin import MixTarget
-from timm_plugin.tl_align import TLAlign
+from timm_plugin.tl_align import TLAlign, TransMix
 from .helpers import mmpretrain_train
 
 C = 6
@@ -56,6 +56,51 @@ def test_timm_and_mmpretrain_give_the_same_aligned_target(kind):
     assert torch.allclose(mm_model.head(feats), timm_logits, atol=1e-4)
     assert torch.allclose(mm_target, timm_target, atol=1e-5)
     assert not torch.allclose(mm_target, target.as_tensor(), atol=1e-3) or kind == 'mixup'
+
+
+@pytest.mark.parametrize('mode', ['paper', 'average'])
+@pytest.mark.parametrize('pool', ['cls_token', 'avg_featmap'])
+def test_timm_and_mmpretrain_give_the_same_transmix_target(mode, pool):
+    """TransMix through the shared rule (shared_core.tl_align.transmix_share) from both adapters: converted
+    weights, the same input and CutMix boxes give the same target (class-token rule, and our extension for
+    average pooling)."""
+    torch.manual_seed(0)
+    gp = 'token' if pool == 'cls_token' else 'avg'
+    timm_model = TimmViT(img_size=32, patch_size=8, embed_dim=192, depth=12, num_heads=3, num_classes=C,
+                         global_pool=gp, fc_norm=False).train()
+    with torch.no_grad():
+        for blk in timm_model.blocks:
+            blk.attn.qkv.weight.normal_(0, 0.15)
+    mm_model = MODELS.build(dict(
+        type='TransMixClassifier', transmix=dict(mode=mode),
+        backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8, out_type=pool),
+        neck=None, head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192))).train()
+    missing, unexpected = mm_model.load_state_dict(timm_vit_to_mmpretrain(timm_model.state_dict()), strict=False)
+    # mm's average pooling adds a norm after the pooling (ln2), which timm's has not: it changes the logits,
+    # not the attention the target is read from
+    assert not unexpected and set(missing) <= {'backbone.ln2.weight', 'backbone.ln2.bias'}
+    g = torch.Generator().manual_seed(2)
+    mix = MixSampler('cutmix', mixup_alpha=0., cutmix_alpha=1.0, mode='elem', patch_size=8).sample(4, 32, g)
+    y = torch.tensor([0, 1, 2, 3])
+    x = mix_images(torch.randn(4, 3, 32, 32, generator=g), mix)
+    target = MixTarget.wrap(mix_target(y, mix, C), mix, y, C, 0.)
+    _, timm_target = TransMix(timm_model, mode=mode)(x, target)
+    _, mm_target = mm_model.extract_feat_aligned(x, samples_with_mix(y, mix))
+    assert isinstance(mm_model, TransMixClassifier)
+    assert torch.allclose(mm_target, timm_target, atol=1e-5)
+    assert not torch.allclose(mm_target, target.as_tensor(), atol=1e-3)  # not the area target
+    if mode == 'paper' and pool == 'cls_token':  # the rule itself, from materialised attention
+        caps = {}
+        last = timm_model.blocks[-1]
+        h = last.norm1.register_forward_hook(lambda m, i, o: caps.__setitem__('x', o))
+        timm_model(x)
+        h.remove()
+        B, T, _ = caps['x'].shape
+        qkv = last.attn.qkv(caps['x']).reshape(B, T, 3, 3, 64).permute(2, 0, 3, 1, 4)
+        A = (qkv[0] @ qkv[1].transpose(-2, -1) * 64 ** -0.5).softmax(-1).mean(1)[:, 0, 1:]  # (B, N)
+        share = (A * mix.token_share_flat()).sum(1) / A.sum(1)
+        expected = (1 - share)[:, None] * one_hot(y, C) + share[:, None] * one_hot(y.flip(0), C)
+        assert torch.allclose(timm_target, expected, atol=1e-5)
 
 
 def test_loss_uses_the_aligned_target_and_predict_is_stock():
@@ -145,8 +190,10 @@ def test_bad_backbone_and_config():
 
 
 @pytest.mark.slow
-def test_upstream_train_py_runs_the_tl_align_config(tiny_world, tmp_path, run_env):
+@pytest.mark.parametrize('config, cls', [('deit-tiny_world_tl-align.py', 'TLAlignClassifier'),
+                                         ('deit-tiny_world_transmix.py', 'TransMixClassifier')])
+def test_upstream_train_py_runs_the_tl_align_config(tiny_world, tmp_path, run_env, config, cls):
     run_env['TOKENAUG_WORLD'] = str(tiny_world)
-    log = mmpretrain_train('deit-tiny_world_tl-align.py', tmp_path, run_env, tmp_path)
+    log = mmpretrain_train(config, tmp_path, run_env, tmp_path)
     assert 'Epoch(train) [1][2/2]' in log and 'accuracy/top1' in log
-    assert "type='TLAlignClassifier'" in (tmp_path / 'deit-tiny_world_tl-align.py').read_text()
+    assert f"type='{cls}'" in (tmp_path / config).read_text()

@@ -14,9 +14,11 @@ from mmpretrain.registry import MODELS, TRANSFORMS
 from mmpretrain.structures import DataSample
 
 import mm_plugin  # noqa: F401
-from mm_plugin.token_labeling import GEOMETRIC_RAND_POLICIES, TokenLabelingHead, TokenLabelRandAugment
+from mm_plugin.token_label_transforms import GEOMETRIC_RAND_POLICIES, TokenLabelRandAugment
+from mm_plugin.token_labeling import TokenLabelingHead
 from shared_core.map_store import LabelMapStore, MissingLabelMapError
-from timm_plugin.token_labeling import TokenLabelingLoss, TokenLabelingOutput, TokenLabelTarget
+from timm_plugin.token_label_data import TokenLabelTarget
+from timm_plugin.token_labeling import TokenLabelingLoss, TokenLabelingOutput
 from .helpers import COLOURS, mmpretrain_train, quadrant_image, write_store  # quadrant_data: conftest.py
 
 C = 5

@@ -11,6 +11,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from timm_plugin import occlusion as occ
+from timm_plugin.tools import occlusion_cli
+from timm_plugin.tools.common import split_dataset
 
 IMG = 112  # the world's image size: a 7 x 7 grid of 16 px patches
 GRID = (7, 7)
@@ -41,9 +43,9 @@ def resnet():
 
 
 def _loader(model, data_dir, batch_size, img_size=IMG):
-    config = occ._data_config(model, img_size, None)
-    dataset = occ._dataset(str(data_dir), 'val', timm.data.create_transform(**config, is_training=False))
-    return DataLoader(occ._Indexed(dataset), batch_size=batch_size, shuffle=False, num_workers=0)
+    config = occ.data_config(model, img_size, None)
+    dataset, _ = split_dataset(str(data_dir), 'val', timm.data.create_transform(**config, is_training=False))
+    return DataLoader(occ.Indexed(dataset), batch_size=batch_size, shuffle=False, num_workers=0)
 
 
 # ------------------------------------------------------------------------------------------ masks
@@ -182,7 +184,7 @@ def test_cli_writes_csv_md_png_one_row_per_ratio(tmp_path, data_dir, vit, capsys
     ckpt = tmp_path / 'vit.pth'
     torch.save({'epoch': 1, 'state_dict': vit.state_dict()}, ckpt)
     out = tmp_path / 'drop'
-    assert occ.main(_argv(data_dir, out, '--model', 'vit_tiny_patch16_224', '--model-kwargs', f'img_size={IMG}',
+    assert occlusion_cli.main(_argv(data_dir, out, '--model', 'vit_tiny_patch16_224', '--model-kwargs', f'img_size={IMG}',
                           f'depth={DEPTH}', '--checkpoint', ckpt, '--mode', 'drop')) == 0
     rows = _read_csv(out / 'occlusion.csv')
     assert [float(r['ratio']) for r in rows] == pytest.approx(occ.DEFAULT_RATIOS)
@@ -215,7 +217,7 @@ def test_console_script_zero_mode_on_a_cnn(tmp_path, data_dir, run_env):
 ])
 def test_bad_arguments_are_named(tmp_path, data_dir, capsys, extra, needle):
     with pytest.raises(SystemExit) as e:
-        occ.main(_argv(data_dir, tmp_path, '--model', 'resnet18', *extra))
+        occlusion_cli.main(_argv(data_dir, tmp_path, '--model', 'resnet18', *extra))
     assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
@@ -227,7 +229,7 @@ def test_bad_arguments_are_named(tmp_path, data_dir, capsys, extra, needle):
     (['--model', 'resnet18', '--split', 'nope'], '--split'),
 ])
 def test_bad_setups_give_clear_errors(tmp_path, data_dir, capsys, extra, needle):
-    assert occ.main(_argv(data_dir, tmp_path / 'out', '--num-classes', 10, '--img-size', IMG, *extra)) == 2
+    assert occlusion_cli.main(_argv(data_dir, tmp_path / 'out', '--num-classes', 10, '--img-size', IMG, *extra)) == 2
     assert needle in capsys.readouterr().err
     assert not (tmp_path / 'out' / 'occlusion.csv').exists()
 

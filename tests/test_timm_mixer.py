@@ -113,7 +113,7 @@ def test_bad_input_errors():
         mixer(torch.randn(4, 3, 32, 32), torch.rand(4))
     with pytest.raises(ValueError, match='x: image size 32x40 is not divisible by patch_size 16x16'):
         mixer(torch.randn(4, 3, 32, 40), torch.tensor([0, 1, 2, 3]))
-    with pytest.raises(ValueError, match='mixup_type'):
+    with pytest.raises(ValueError, match='mix_kind'):
         create_mixer('transmixx')
     with pytest.raises(ValueError, match='num_classes'):
         create_mixer('mixup', num_classes=0)

@@ -211,7 +211,7 @@ def test_align_only_at_chosen_layers_and_no_residual():
     assert torch.allclose(label, cls, atol=1e-6)
     Y0 = torch.cat([cls[:, None], Y_tok], 1)
     for layers, normalise in [([2], False), ([0, 2], True), (None, False)]:
-        _, label = TLAlign(model, layers=layers, normalise=normalise).trace(x, Y_tok)
+        _, label = TLAlign(model, layers=layers, residual=normalise).trace(x, Y_tok)
         _, ref = reference(model, x, Y0, layers, normalise)
         assert torch.allclose(label, ref, atol=1e-6) and torch.allclose(label.sum(1), torch.ones(2), atol=1e-6)
     with pytest.raises(ValueError, match='layers'):
@@ -424,27 +424,30 @@ def test_swin_label_path_is_fp32_under_autocast():
     assert torch.allclose(aligned, ref, atol=2e-2)  # the token path ran in bf16, the labels did not
 
 
-@pytest.mark.parametrize('method_mix', ['cutmix', 'mixup', 'tokenmix_random', 'tokenmix_block'])
-def test_tl_align_mixer_api(method_mix):
-    """The issue's API: x, mix = create_mixer('tl_align', ...)(x, y); logits, target = TLAlign(model)(x, mix)."""
-    kw = dict(mixup_alpha=0.8) if method_mix == 'mixup' else dict(mixup_alpha=0.8, cutmix_alpha=1.0)
-    mixer = create_mixer('tl_align', method_mix=method_mix, num_classes=C, patch_size=8, **kw)
+@pytest.mark.parametrize('mix_kind', ['cutmix', 'mixup', 'tokenmix_random', 'tokenmix_block'])
+def test_tl_align_mixer_api(mix_kind):
+    """x, mix = create_mixer(mix_kind, method='tl_align', ...)(x, y); logits, target = TLAlign(model)(x, mix):
+    the method and the mixing kind are two parameters."""
+    kw = dict(mixup_alpha=0.8) if mix_kind == 'mixup' else dict(mixup_alpha=0.8, cutmix_alpha=1.0)
+    mixer = create_mixer(mix_kind, method='tl_align', num_classes=C, patch_size=8, **kw)
     x, mix = mixer(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3]))
-    assert isinstance(mix, MixTarget) and mix.mix.kind in (method_mix, 'mixup')
+    assert isinstance(mix, MixTarget) and mix.mix.kind in (mix_kind, 'mixup')
     logits, target = TLAlign(tiny_vit()).train()(x, mix)
     assert logits.shape == target.shape == (4, C) and torch.allclose(target.sum(1), torch.ones(4), atol=1e-6)
-    with pytest.raises(ValueError, match='method_mix'):
-        create_mixer('tl_align', method_mix='tl_align')
-    with pytest.raises(ValueError, match="cutmix_alpha: tl_align over 'cutmix' needs cutmix_alpha > 0"):
-        create_mixer('tl_align', num_classes=C)  # timm's defaults: MixUp only, nothing to align
+    with pytest.raises(ValueError, match="mix_kind: 'tl_align' is a method"):
+        create_mixer('tl_align')
+    with pytest.raises(ValueError, match="method: expected one of"):
+        create_mixer('cutmix', method='cutmix', cutmix_alpha=1.0)
+    with pytest.raises(ValueError, match="cutmix_alpha: tl_align over mix_kind='cutmix' needs cutmix_alpha > 0"):
+        create_mixer('cutmix', method='tl_align', num_classes=C)  # timm's defaults: MixUp only, nothing to align
 
 
 def test_token_grid_step_of_timm_models():
     import timm
-    from timm_plugin.train import model_patch_size
-    assert model_patch_size(timm.create_model('vit_tiny_patch16_224')) == (16, 16)
-    assert model_patch_size(timm.create_model('swin_tiny_patch4_window7_224')) == (4, 4)
-    assert model_patch_size(timm.create_model('pvt_v2_b0')) == (4, 4)  # 7x7 overlapping embedding, stride 4
+    from timm_plugin.token_grid import token_stride
+    assert token_stride(timm.create_model('vit_tiny_patch16_224')) == (16, 16)
+    assert token_stride(timm.create_model('swin_tiny_patch4_window7_224')) == (4, 4)
+    assert token_stride(timm.create_model('pvt_v2_b0')) == (4, 4)  # 7x7 overlapping embedding, stride 4
 
 
 def test_stochastic_depth_keeps_match_the_reference():

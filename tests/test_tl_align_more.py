@@ -9,6 +9,7 @@ from timm.models.pvt_v2 import PyramidVisionTransformerV2
 
 from shared_core.mixing import mix_target, one_hot
 from timm_plugin import create_mixer
+from shared_core.tl_align import capture_forward
 from timm_plugin.tl_align import TLAlign, TransMix
 
 from .test_tl_align import C, random_token_labels
@@ -139,7 +140,7 @@ def test_cait_layers_and_no_residual():
     _, label = TLAlign(model, layers=[0, 1]).trace(x, Y_tok)  # patches aligned, class label never updated
     assert torch.allclose(label, Y_tok.mean(1), atol=1e-6)
     for layers, normalise in [([3], False), ([1, 2], True), (None, False)]:
-        _, label = TLAlign(model, layers=layers, normalise=normalise).trace(x, Y_tok)
+        _, label = TLAlign(model, layers=layers, residual=normalise).trace(x, Y_tok)
         _, ref = cait_reference(model, x, Y0, layers, normalise)
         assert torch.allclose(label, ref, atol=1e-6) and torch.allclose(label.sum(1), torch.ones(2), atol=1e-6)
     assert TLAlign(model).depth == 4
@@ -158,7 +159,7 @@ def test_cait_stochastic_depth_uses_the_attention_branch_call():
         ((o.flatten(1) != 0).any(1)).clone())) for b in blocks]
     wrapped = TLAlign(model)
     torch.manual_seed(11)
-    _, captures = wrapped._capture(torch.randn(16, 3, 32, 32))
+    _, captures = capture_forward(wrapped.tracer, lambda: model(torch.randn(16, 3, 32, 32)))
     for h in hooks:
         h.remove()
     assert any(not torch.equal(calls[id(b)][0], calls[id(b)][1]) for b in blocks)  # the two calls differ
@@ -174,10 +175,10 @@ def test_cait_stochastic_depth_uses_the_attention_branch_call():
     keeps = [cap.keep for cap in captures[:len(blocks)]] + [torch.arange(16) % 2 == 0]  # and there
     assert all(not k.all() for k in keeps)
     wrapped = TLAlign(model)
-    _, caps = wrapped._capture(x)
+    _, caps = capture_forward(wrapped.tracer, lambda: model(x))
     for cap, keep in zip(caps, keeps):
         cap.keep = keep
-    label = wrapped.tracer.readout(wrapped.tracer.propagate(caps, Y0, None, True, None), None)
+    label = wrapped.tracer.readout(wrapped.tracer.propagate(caps, Y0, None, True), None)
     _, ref = cait_reference(model, x, Y0, keeps=keeps)
     assert torch.allclose(label, ref, atol=1e-6)
 
@@ -306,7 +307,7 @@ def test_pvt_dense_trace_matches_materialised_reference(case):
         assert torch.allclose(label.sum(1), torch.ones(2), atol=1e-6) and label.min() >= 0
     if case == 'three-stages-odd-grids':
         for layers, normalise in [([], True), ([1, 3], False), ([0, 2], True)]:
-            _, label = TLAlign(model, layers=layers, normalise=normalise).trace(x, Y_tok)
+            _, label = TLAlign(model, layers=layers, residual=normalise).trace(x, Y_tok)
             _, ref = pvt_reference(model, x, Y_tok, layers, normalise)
             assert torch.allclose(label, ref, atol=1e-6)
         assert TLAlign(model).depth == 4

@@ -9,8 +9,8 @@ from timm.data.auto_augment import rand_augment_transform
 from torchvision import transforms as T
 
 from shared_core.map_store import LabelMapStore, MissingLabelMapError
-from timm_plugin.token_labeling import (GEOMETRIC_RAND_OPS, TokenLabelCollate, TokenLabelDataset, TokenLabelTarget,
-                                        split_train_transform)
+from timm_plugin.token_label_data import (GEOMETRIC_RAND_OPS, TokenLabelCollate, TokenLabelDataset, TokenLabelTarget,
+                                          split_train_transform)
 from .helpers import COLOURS, quadrant_image  # quadrant_data: the fixture of conftest.py
 
 
@@ -78,9 +78,14 @@ def test_a_missing_map_names_the_image(quadrant_data, tmp_path):
 
 
 def test_randaugment_posterize_at_full_magnitude_works_with_this_pillow():
-    """timm asks Posterize for 0 bits at magnitude 10 (inc1); Pillow refuses; timm_plugin.compat fixes it."""
-    import timm_plugin  # noqa: F401  (applies the fix)
+    """timm asks Posterize for 0 bits at magnitude 10 (inc1); Pillow refuses; timm_plugin.fix_posterize fixes it
+    (an explicit call: tokenaug-train makes it, and importing timm_plugin does not)."""
+    from timm.data import auto_augment
     from timm.data.auto_augment import AugmentOp
+
+    import timm_plugin
+    assert auto_augment.NAME_TO_OP['PosterizeIncreasing'] is auto_augment.posterize  # import patches nothing
+    timm_plugin.fix_posterize()
     img = Image.fromarray(np.full((8, 8, 3), 200, np.uint8))
     op = AugmentOp('PosterizeIncreasing', prob=1., magnitude=10, hparams={})
     assert np.asarray(op(img)).max() == 0

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from shared_core.label_maps import dense_maps
 from shared_core.mixing import Mix, MixSampler
 from shared_core.token_labeling import mix_dense_targets, token_labeling_loss, unmix_tokens
-from timm_plugin.token_labeling import (TokenLabeling, TokenLabelingLoss, TokenLabelingOutput, TokenLabelTarget,
-                                        attach_aux_head)
+from timm_plugin.token_label_data import TokenLabelTarget
+from timm_plugin.token_labeling import TokenLabeling, TokenLabelingLoss, TokenLabelingOutput, attach_aux_head
 
 
 def tiny_vit(depth=2, num_classes=5, **kw):

@@ -7,7 +7,7 @@ import pytest
 import timm
 import torch
 
-from shared_core.world import generate_world
+from shared_core.tools.world import generate_world
 from .conftest import REPO
 from .helpers import run_tool
 

@@ -1,4 +1,4 @@
-"""Tests for shared_core.world (the synthetic ImageNet / ADE20K / COCO world)."""
+"""Tests for shared_core.tools.world (the synthetic ImageNet / ADE20K / COCO world)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from shared_core import world as W
+from shared_core.tools import world as W
 
 SMALL = dict(seed=3, num_classes=4, image_size=48, train_per_class=3, val_per_class=2,
              max_extra_objects=2, min_area=0.1, max_area=0.3)
@@ -507,7 +507,7 @@ def test_cli(tmp_path, capsys):
 
 
 def test_imports_no_timm_or_openmmlab():
-    code = ("import sys, shared_core.world; "
+    code = ("import sys, shared_core.tools.world; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('timm', 'mmcv', 'mmengine', 'mmpretrain', 'mmseg', 'mmdet')); "
             "assert not bad, bad")

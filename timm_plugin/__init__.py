@@ -1,11 +1,38 @@
-"""tokenaug's timm adapters: timm-Mixup-compatible mixers and collators, TL-Align, the training entry.
-``import timm_plugin`` registers the LV-ViT models (``lvvit_t/s/m/l``) with timm."""
-from . import compat
-from .mixup import METHOD_TYPES, MIXUP_TYPES, FastCollateTokenMixup, MixTarget, TokenMixer, create_mixer
-from .tl_align import TLAlign, TransMix
+"""tokenaug's timm adapters: timm-``Mixup``-compatible mixers and collators, the methods as model wrappers and
+as ``timm.task`` training tasks, LV-ViT, the training entry and the CLI tools.
+
+``import timm_plugin`` registers the LV-ViT models (``lvvit_t/s/m/l``) with timm and nothing else happens on
+import (timm's Posterize fix is the explicit :func:`fix_posterize`). The other names load on first use.
+"""
+from importlib import import_module
+
+from . import lvvit  # noqa: F401  (registers lvvit_* with timm)
 from .lvvit import LVViT
 
-compat.apply()  # timm RandAugment Posterize vs Pillow >= 11 (see timm_plugin.compat)
+#: public name -> module that defines it (loaded on first access)
+_LAZY = {
+    'MixTarget': 'carrier', 'CarrierTensor': 'carrier',
+    'TokenAwareMixup': 'mixup', 'FastCollateTokenMixup': 'mixup', 'create_mixer': 'mixup', 'MIX_KINDS': 'mixup',
+    'TARGET_METHODS': 'mixup',
+    'TLAlign': 'tl_align', 'TransMix': 'tl_align',
+    'TokenLabeling': 'token_labeling', 'TokenLabelingLoss': 'token_labeling', 'attach_aux_head': 'token_labeling',
+    'token_stride': 'token_grid',
+    'TokenLabelTarget': 'token_label_data', 'TokenLabelDataset': 'token_label_data',
+    'TokenLabelCollate': 'token_label_data',
+    'TLAlignTask': 'tasks', 'TransMixTask': 'tasks', 'TokenLabelingTask': 'tasks',
+    'fix_posterize': 'timm_fixes',
+}
 
-__all__ = ['METHOD_TYPES', 'MIXUP_TYPES', 'FastCollateTokenMixup', 'MixTarget', 'TokenMixer', 'create_mixer',
-           'TLAlign', 'TransMix', 'LVViT']
+__all__ = ['LVViT'] + sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(f'.{_LAZY[name]}', __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -38,12 +38,11 @@ from timm.layers import trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import Block, VisionTransformer
 
+from shared_core.token_labeling import AUX_WEIGHT, HEAD_RULES, inference_logits
+
 __all__ = ['ConvPatchEmbed', 'LVBlock', 'LVViT', 'HEAD_RULES', 'AUX_WEIGHT', 'checkpoint_filter_fn']
 
 #: inference rules of :meth:`LVViT.forward_head`
-HEAD_RULES = ('cls+aux', 'cls')
-#: weight of the aux-head term in the ``'cls+aux'`` rule (public code: ``x_cls + 0.5 * x_aux.max(1)[0]``)
-AUX_WEIGHT = 0.5
 
 
 class ConvPatchEmbed(PatchEmbed):
@@ -212,13 +211,14 @@ class LVViT(VisionTransformer):
         self.aux_head.train(self.training)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """timm's head on the class token; with ``head_rule='cls+aux'`` (and classifiers present) plus
-        ``0.5 * aux_head(patch tokens).max(dim=1)`` (the public code's inference rule)."""
+        """timm's head on the class token; in eval mode with ``head_rule='cls+aux'`` (and classifiers present)
+        the public code's inference rule, :func:`shared_core.token_labeling.inference_logits`. In training the
+        class logits alone (as the public model, which returns the aux logits separately there): the method
+        (:class:`timm_plugin.TokenLabelingTask`) reads the aux head itself."""
         out = super().forward_head(x, pre_logits=pre_logits)
-        if pre_logits or self.head_rule == 'cls' or not isinstance(self.aux_head, nn.Linear):
+        if pre_logits or self.training or self.head_rule == 'cls' or not isinstance(self.aux_head, nn.Linear):
             return out
-        aux = self.aux_head(x[:, self.num_prefix_tokens:])
-        return out + AUX_WEIGHT * aux.max(dim=1).values
+        return inference_logits(out, self.aux_head(x[:, self.num_prefix_tokens:]), self.head_rule)
 
 
 def checkpoint_filter_fn(state_dict: dict, model: LVViT) -> dict:

@@ -1,9 +1,10 @@
 """timm-compatible mixers over the shared mixing core.
 
-``create_mixer`` takes timm ``Mixup``'s argument names and defaults plus ``mixup_type`` and
-``patch_size``, and returns a callable used exactly like timm's Mixup: ``x, target = mixer(x, y)``.
+``create_mixer`` takes timm ``Mixup``'s argument names and defaults plus ``mix_kind`` (what the sampler
+draws), ``method`` (what will re-weight the target: ``'tl_align'``, ``'transmix'``) and ``patch_size``, and
+returns a callable used exactly like timm's Mixup: ``x, target = mixer(x, y)``.
 
-| mixup_type        | cut branch (``cutmix_alpha > 0``)   | target returned                          |
+| mix_kind          | cut branch (``cutmix_alpha > 0``)   | target returned                          |
 |-------------------|-------------------------------------|------------------------------------------|
 | ``mixup``         | none (MixUp only)                   | ``(B, C)`` float tensor                  |
 | ``cutmix``        | pixel box, timm's λ correction      | ``(B, C)`` float tensor                  |
@@ -14,80 +15,32 @@
 With ``mixup_alpha > 0`` as well, every cut kind switches with a MixUp blend by ``switch_prob``,
 as timm does for CutMix. A :class:`MixTarget` *is* the ``(B, C)`` soft target (a ``torch.Tensor``
 subclass, so ``SoftTargetCrossEntropy`` and friends take it unchanged) and carries the
-:class:`shared_core.mixing.Mix` as ``target.mix`` for methods that need where the mix happened.
+:class:`shared_core.mix.Mix` as ``target.mix`` for methods that need where the mix happened.
 
 ``create_mixer(..., collate=True)`` gives :class:`FastCollateTokenMixup`, a subclass of timm's
 ``FastCollateMixup``, so timm's prefetcher and ``--mixup-off-epoch`` (``mixup_enabled``) keep working.
 """
 from __future__ import annotations
 
-import copy
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 from timm.data import FastCollateMixup
 
-from shared_core.mixing import MIX_KINDS, Mix, MixSampler, check_pairwise_batch, mix_images, mix_target
+from shared_core.mix import Mix, check_pairwise_batch, mix_images, mix_target
+from shared_core.samplers import MIX_KINDS, MixSampler
 from shared_core.tokenmix import ACTIVATION_TARGETS, activation_target
 
-__all__ = ['CarrierTensor', 'MixTarget', 'TokenMixer', 'FastCollateTokenMixup', 'create_mixer', 'MIXUP_TYPES', 'METHOD_TYPES']
+from .carrier import CarrierTensor, MixTarget
 
-MIXUP_TYPES = MIX_KINDS
-#: methods that re-weight the target of a mixing kind (``method_mix``); their mixers carry the mix
-METHOD_TYPES = ('tl_align', 'transmix')
+__all__ = ['CarrierTensor', 'MixTarget', 'TokenAwareMixup', 'FastCollateTokenMixup', 'create_mixer', 'MIX_KINDS',
+           'TARGET_METHODS']
+
+#: methods that re-weight the target of a mixing kind (``create_mixer(mix_kind, method=...)``); their mixers
+#: carry the mix
+TARGET_METHODS = ('tl_align', 'transmix')
 PLAIN_TARGET_KINDS = ('mixup', 'cutmix')
-
-
-class CarrierTensor(torch.Tensor):
-    """A tensor that carries side data to where the training step needs it (targets travel through
-    DataLoader workers, ``pin_memory`` and timm's prefetcher, which calls ``.to(device, non_blocking=True)``).
-
-    Every torch operation on it returns a plain tensor (torch-function dispatch is disabled), so losses
-    treat it as the tensor it wraps. The names in ``_carried`` are kept by ``.to`` / ``.pin_memory`` /
-    ``deepcopy`` (values with those methods are moved along: tensors, :class:`Mix`) and by pickling.
-    """
-    __torch_function__ = torch._C._disabled_torch_function_impl
-    _carried: tuple = ()
-
-    @classmethod
-    def _wrap(cls, data: torch.Tensor, carried: dict):
-        out = data.as_subclass(cls)
-        for name in cls._carried:
-            setattr(out, name, carried[name])
-        return out
-
-    def carried(self) -> dict:
-        return {name: getattr(self, name) for name in self._carried}
-
-    def as_tensor(self) -> torch.Tensor:
-        return self.as_subclass(torch.Tensor)
-
-    def to(self, *args, **kwargs):
-        moved = self.as_tensor().to(*args, **kwargs)
-        nb = kwargs.get('non_blocking', False)
-        return self._wrap(moved, {k: v.to(moved.device, non_blocking=nb) if hasattr(v, 'to') else v
-                                  for k, v in self.carried().items()})
-
-    def pin_memory(self, *args, **kwargs):
-        return self._wrap(self.as_tensor().pin_memory(*args, **kwargs),
-                          {k: v.pin_memory() if hasattr(v, 'pin_memory') else v for k, v in self.carried().items()})
-
-    def __deepcopy__(self, memo):
-        return self._wrap(copy.deepcopy(self.as_tensor(), memo), copy.deepcopy(self.carried(), memo))
-
-
-class MixTarget(CarrierTensor):
-    """A ``(B, C)`` soft target that carries its :class:`Mix` as ``.mix``, and what it was made from:
-    the class indices ``.labels``, ``.num_classes`` and ``.smoothing`` (methods that re-weight the
-    two source labels, such as TL-Align, rebuild the target from them). See :class:`CarrierTensor`.
-    """
-    _carried = ('mix', 'labels', 'num_classes', 'smoothing')
-
-    @staticmethod
-    def wrap(target: torch.Tensor, mix: Mix, labels: torch.Tensor, num_classes: int,
-             smoothing: float) -> 'MixTarget':
-        return MixTarget._wrap(target, dict(mix=mix, labels=labels, num_classes=num_classes, smoothing=smoothing))
 
 
 #: timm ``Mixup`` attributes a training loop may read or schedule
@@ -114,14 +67,15 @@ def _forwarding(owner: str, names):
 
 
 @_forwarding('sampler', TIMM_ATTRIBUTES)
-class TokenMixer:
-    """Called like timm's ``Mixup``: ``x, target = mixer(x, y)``. See :func:`create_mixer`.
+class TokenAwareMixup:
+    """timm's ``Mixup`` for every mixing kind: ``x, target = mixer(x, y)``. See :func:`create_mixer` for the
+    arguments (timm ``Mixup``'s, plus ``mix_kind``, ``patch_size``, TokenMix's and the carried mix).
 
     timm's attributes (:data:`TIMM_ATTRIBUTES`) are live views of the sampler, so a training loop that
     schedules them (or switches mixing off) works as with timm.
     """
 
-    def __init__(self, mixup_type: str = 'mixup', *, mixup_alpha: float = 1., cutmix_alpha: float = 0.,
+    def __init__(self, mix_kind: str = 'mixup', *, mixup_alpha: float = 1., cutmix_alpha: float = 0.,
                  cutmix_minmax: Optional[Sequence[float]] = None, prob: float = 1.0, switch_prob: float = 0.5,
                  mode: str = 'batch', correct_lam: bool = True, label_smoothing: float = 0.1,
                  num_classes: int = 1000, patch_size=16, tokenmix_lam: Optional[float] = None,
@@ -131,15 +85,15 @@ class TokenMixer:
             raise ValueError(f'num_classes must be an int >= 2, got {num_classes!r}')
         if not 0. <= label_smoothing < 1.:
             raise ValueError(f'label_smoothing must be in [0, 1), got {label_smoothing}')
-        self.sampler = MixSampler(mixup_type, mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha,
+        self.sampler = MixSampler(mix_kind, mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha,
                                   cutmix_minmax=cutmix_minmax, prob=prob, switch_prob=switch_prob,
                                   mode=mode, correct_lam=correct_lam, patch_size=patch_size,
                                   tokenmix_lam=tokenmix_lam, tokenmix_min_tokens=tokenmix_min_tokens)
-        self.mixup_type = mixup_type
+        self.mix_kind = mix_kind
         self.mode = mode
         self.label_smoothing = label_smoothing
         self.num_classes = num_classes
-        self.carry_mix = mixup_type not in PLAIN_TARGET_KINDS if carry_mix is None else carry_mix
+        self.carry_mix = mix_kind not in PLAIN_TARGET_KINDS if carry_mix is None else carry_mix
         if activation_targets is not None and activation_targets not in ACTIVATION_TARGETS:
             raise ValueError(f'activation_targets: expected one of {ACTIVATION_TARGETS} or None, '
                              f'got {activation_targets!r}')
@@ -185,16 +139,16 @@ class TokenMixer:
 class FastCollateTokenMixup(FastCollateMixup):
     """timm's ``FastCollateMixup`` contract (uint8 images in, uint8 mixed batch + soft target out),
     for every mixing kind. The prefetcher normalises afterwards; ``mixup_enabled`` and timm's other
-    attributes are live views of the inner :class:`TokenMixer`. ``mode='half'`` (timm) mixes per
+    attributes are live views of the inner :class:`TokenAwareMixup`. ``mode='half'`` (timm) mixes per
     element and returns the first half of the batch (plain-target kinds only: the partners of a half
     batch are not in it, so no mix can be carried)."""
 
-    def __init__(self, mixup_type: str = 'mixup', *, mode: str = 'batch', **kwargs):
+    def __init__(self, mix_kind: str = 'mixup', *, mode: str = 'batch', **kwargs):
         self.half = 'half' in mode
-        self.mixer = TokenMixer(mixup_type, mode='elem' if self.half else mode, **kwargs)
+        self.mixer = TokenAwareMixup(mix_kind, mode='elem' if self.half else mode, **kwargs)
         if self.half and self.mixer.carry_mix:
             raise ValueError(f"mode={mode!r} keeps only the first half of the batch, whose partners are dropped, "
-                             f"so a mix cannot be carried: use mode 'batch', 'pair' or 'elem' for {mixup_type!r}")
+                             f"so a mix cannot be carried: use mode 'batch', 'pair' or 'elem' for {mix_kind!r}")
         m = self.mixer
         # timm's constructor assigns its attributes; they land on the mixer through the properties above
         super().__init__(mixup_alpha=m.mixup_alpha, cutmix_alpha=m.cutmix_alpha, cutmix_minmax=m.cutmix_minmax,
@@ -216,44 +170,43 @@ class FastCollateTokenMixup(FastCollateMixup):
         return x, soft
 
 
-def create_mixer(mixup_type: str = 'mixup', *, mixup_alpha: float = 1., cutmix_alpha: float = 0.,
+def create_mixer(mix_kind: str = 'mixup', *, mixup_alpha: float = 1., cutmix_alpha: float = 0.,
                  cutmix_minmax: Optional[Sequence[float]] = None, prob: float = 1.0, switch_prob: float = 0.5,
                  mode: str = 'batch', correct_lam: bool = True, label_smoothing: float = 0.1,
                  num_classes: int = 1000, patch_size=16, tokenmix_lam: Optional[float] = None,
                  tokenmix_min_tokens: Optional[int] = None, carry_mix: Optional[bool] = None,
-                 method_mix: str = 'cutmix', collate: bool = False, activation_targets: Optional[str] = None,
+                 method: Optional[str] = None, collate: bool = False, activation_targets: Optional[str] = None,
                  generator: Optional[torch.Generator] = None):
     """A mixer with timm ``Mixup``'s arguments and defaults (see the module docstring for the kinds).
 
     Args:
-        mixup_type: one of :data:`MIXUP_TYPES`, or a method of :data:`METHOD_TYPES` (``'tl_align'``,
-            ``'transmix'``): the mixer of ``method_mix`` with ``carry_mix=True``, whose targets
-            :class:`timm_plugin.TLAlign` / ``TransMix`` re-weight.
+        mix_kind: what the sampler draws, one of :data:`MIX_KINDS`.
         mixup_alpha, cutmix_alpha, cutmix_minmax, prob, switch_prob, mode, correct_lam,
         label_smoothing, num_classes: as in ``timm.data.Mixup``.
         patch_size: the model's patch size (int or (h, w)); token kinds need images divisible by it.
         tokenmix_lam: fix λ of the TokenMix kinds (TokenMix uses 0.5) instead of Beta(cutmix_alpha).
         tokenmix_min_tokens: smallest block of ``tokenmix_block`` (default 14 on a 14x14 grid, scaled).
-        carry_mix: return a :class:`MixTarget` (default: for the token kinds only); TL-Align needs it with
-            ``mixup``/``cutmix`` too.
-        method_mix: the mixing kind under a method (tl-align.md Table 7: ``'cutmix'`` with
-            ``mixup_alpha > 0`` is the MixUp/CutMix switch, ``'mixup'``, ``'tokenmix_random'``,
-            ``'tokenmix_block'``).
+        carry_mix: return a :class:`MixTarget` (default: for the token kinds, and under a ``method``).
+        method: the method that will re-weight the target (``'tl_align'``, ``'transmix'``, :data:`TARGET_METHODS`):
+            the mixer carries the mix (tl-align.md Table 7: ``'cutmix'`` with ``mixup_alpha > 0`` is the
+            MixUp/CutMix switch; ``'mixup'``, ``'tokenmix_random'``, ``'tokenmix_block'``).
         collate: return a :class:`FastCollateTokenMixup` (for timm's prefetcher loader).
         activation_targets: TokenMix's targets from a teacher's activation maps (``'true_class'``, the
             paper / public code, or ``'distribution'``, our extension; :mod:`shared_core.tokenmix`): the
-            mixer is then called with the :class:`~timm_plugin.token_labeling.TokenLabelTarget` of
+            mixer is then called with the :class:`~timm_plugin.token_label_data.TokenLabelTarget` of
             ``TokenLabelCollate`` (the maps follow each crop and flip); not with ``collate=True``.
         generator: a ``torch.Generator`` for reproducible mixing (default: torch's global RNG).
     """
-    if mixup_type in METHOD_TYPES:
-        if method_mix not in MIXUP_TYPES:
-            raise ValueError(f'method_mix must be one of {MIXUP_TYPES} for mixup_type={mixup_type!r}, '
-                             f'got {method_mix!r}')
-        if method_mix != 'mixup' and cutmix_alpha <= 0 and cutmix_minmax is None and tokenmix_lam is None:
-            raise ValueError(f"cutmix_alpha: {mixup_type} over {method_mix!r} needs cutmix_alpha > 0; without a cut "
-                             f"branch every token has the same share and the target is the area target")
-        mixup_type, carry_mix = method_mix, True
+    if mix_kind in TARGET_METHODS:
+        raise ValueError(f'mix_kind: {mix_kind!r} is a method, not a mixing kind; pass method={mix_kind!r} and the '
+                         f'mix_kind it re-weights (one of {MIX_KINDS}, e.g. \'cutmix\')')
+    if method is not None:
+        if method not in TARGET_METHODS:
+            raise ValueError(f'method: expected one of {TARGET_METHODS} or None, got {method!r}')
+        if mix_kind != 'mixup' and cutmix_alpha <= 0 and cutmix_minmax is None and tokenmix_lam is None:
+            raise ValueError(f"cutmix_alpha: {method} over mix_kind={mix_kind!r} needs cutmix_alpha > 0; without a "
+                             f"cut branch every token has the same share and the target is the area target")
+        carry_mix = True
     kwargs = dict(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, cutmix_minmax=cutmix_minmax, prob=prob,
                   switch_prob=switch_prob, correct_lam=correct_lam, label_smoothing=label_smoothing,
                   num_classes=num_classes, patch_size=patch_size, tokenmix_lam=tokenmix_lam,
@@ -263,7 +216,7 @@ def create_mixer(mixup_type: str = 'mixup', *, mixup_alpha: float = 1., cutmix_a
             raise ValueError('activation_targets: mix on the device (collate=False), after TokenLabelCollate')
         kwargs['activation_targets'] = activation_targets
     if collate:
-        return FastCollateTokenMixup(mixup_type, mode=mode, **kwargs)
+        return FastCollateTokenMixup(mix_kind, mode=mode, **kwargs)
     if 'half' in mode:
         raise ValueError(f"mode={mode!r} exists only for the collate mixer (collate=True)")
-    return TokenMixer(mixup_type, mode=mode, **kwargs)
+    return TokenAwareMixup(mix_kind, mode=mode, **kwargs)

@@ -40,28 +40,22 @@ from timm.models.swin_transformer import (
 )
 from timm.models.vision_transformer import Block, VisionTransformer
 
+from shared_core.mix import Mix
 from shared_core.tl_align import (
-    aligned_target, attention_labels, compact_labels, dense_labels, merge_2x2_labels, residual_labels,
-    self_attention_labels, window_labels,
+    TRANSMIX_MODES, LabelCapture, aligned_target, attention_labels, capture_forward, check_layers, compact_labels,
+    conv_pool_labels, dense_labels, fused_label_attn, kept_samples, residual_labels, self_attention_labels,
+    swin_labels, talking_heads_labels, trace_labels, tracer_for, transmix_share, window_labels,
 )
-from shared_core.mixing import Mix
-from .mixup import MixTarget
 
-__all__ = ['TLAlign', 'TransMix', 'SUPPORTED_MODELS']
+from .carrier import MixTarget
 
-
-class _BlockCapture:
-    """What one block's token path left for the label path."""
-    __slots__ = ('q', 'k', 'keep', 'attn', 'mask', 'tokens')
-
-    def __init__(self):
-        self.q = self.k = self.keep = self.attn = self.mask = self.tokens = None
+__all__ = ['TLAlign', 'TransMix', 'SUPPORTED_MODELS', 'timm_tracer']
 
 
-def _hook_drop_path(blk: nn.Module, cap: _BlockCapture, handles: list) -> None:
+def _hook_drop_path(blk: nn.Module, cap: LabelCapture, handles: list) -> None:
     if isinstance(blk.drop_path1, DropPath) and blk.drop_path1.drop_prob > 0 and blk.training:
         handles.append(blk.drop_path1.register_forward_hook(
-            lambda m, i, o, c=cap: setattr(c, 'keep', _kept_samples(i[0], o))))
+            lambda m, i, o, c=cap: setattr(c, 'keep', kept_samples(i[0], o))))
 
 
 class ViTTracer:
@@ -81,23 +75,33 @@ class ViTTracer:
         self.model = model
         self.num_prefix_tokens = model.num_prefix_tokens
 
-    def register(self, captures: List[_BlockCapture]) -> list:
+    @property
+    def depth(self) -> int:
+        return len(self.model.blocks)
+
+    def register(self, captures: List[LabelCapture]) -> list:
         handles = []
         for blk in self.model.blocks:
-            cap = _BlockCapture()
+            cap = LabelCapture()
             captures.append(cap)
             handles.append(blk.attn.q_norm.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'q', o.detach())))
             handles.append(blk.attn.k_norm.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'k', o.detach())))
             _hook_drop_path(blk, cap, handles)
         return handles
 
-    def num_tokens(self, captures: List[_BlockCapture]) -> int:
+    def num_tokens(self, captures: List[LabelCapture]) -> int:
         return captures[0].q.shape[2]
 
-    def propagate(self, captures: List[_BlockCapture], labels: torch.Tensor, layers: Optional[set],
-                  normalise: bool, fused: Optional[bool]) -> torch.Tensor:
+    def propagate(self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set],
+                  residual: bool) -> torch.Tensor:
         blocks = ((c.q, c.k, blk.attn.scale, c.keep) for blk, c in zip(self.model.blocks, captures))
-        return self_attention_labels(blocks, labels, layers, normalise, fused)  # Eq. 9, 11
+        return self_attention_labels(blocks, labels, layers, residual)  # Eq. 9, 11
+
+    def class_attention(self, captures: List[LabelCapture]):
+        if self.model.global_pool != 'token':
+            return None
+        last = captures[-1]
+        return last.q[:, :, :1], last.k, self.model.blocks[-1].attn.scale
 
     def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
         """The label of what the classifier reads."""
@@ -116,11 +120,6 @@ class DistilledViTTracer(ViTTracer):
         if isinstance(output, (tuple, list)):
             return labels[:, 0]
         return (labels[:, 0] + labels[:, 1]) / 2
-
-
-def _kept_samples(inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Samples whose residual branch survived DropPath (it zeroes whole samples)."""
-    return (out.flatten(1) != 0).any(1) | (inp.flatten(1) == 0).all(1)
 
 
 class SwinTracer:
@@ -151,10 +150,14 @@ class SwinTracer:
     def _blocks(self):
         return [blk for stage in self.model.layers for blk in stage.blocks]
 
-    def register(self, captures: List[_BlockCapture]) -> list:
+    @property
+    def depth(self) -> int:
+        return len(self._blocks())
+
+    def register(self, captures: List[LabelCapture]) -> list:
         handles = []
         for blk in self._blocks():
-            cap = _BlockCapture()
+            cap = LabelCapture()
             captures.append(cap)
             handles.append(blk.register_forward_pre_hook(
                 lambda m, i, c=cap: setattr(c, 'tokens', tuple(i[0].shape[1:3]))))
@@ -170,12 +173,11 @@ class SwinTracer:
             _hook_drop_path(blk, cap, handles)
         return handles
 
-    def num_tokens(self, captures: List[_BlockCapture]) -> int:
+    def num_tokens(self, captures: List[LabelCapture]) -> int:
         H, W = captures[0].tokens
         return H * W
 
-    def _window_labels(self, blk: SwinTransformerBlock, cap: _BlockCapture, Y: torch.Tensor,
-                       fused: Optional[bool]) -> torch.Tensor:
+    def _window_labels(self, blk: SwinTransformerBlock, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
         if cap.attn is not None:  # the token path's own attention probabilities
             return window_labels(Y, blk.window_size, blk.shift_size, attn=cap.attn)
         a = blk.attn
@@ -185,29 +187,24 @@ class SwinTracer:
             nw = cap.mask.shape[0]
             mask = cap.mask.view(1, nw, 1, N, N).expand(cap.q.shape[0] // nw, -1, a.num_heads, -1, -1)
             bias = bias + mask.reshape(-1, a.num_heads, N, N)
-        return window_labels(Y, blk.window_size, blk.shift_size, q=cap.q, k=cap.k, bias=bias, scale=a.scale,
-                             fused=fused)
+        return window_labels(Y, blk.window_size, blk.shift_size, q=cap.q, k=cap.k, bias=bias, scale=a.scale)
 
-    def propagate(self, captures: List[_BlockCapture], labels: torch.Tensor, layers: Optional[set],
-                  normalise: bool, fused: Optional[bool]) -> torch.Tensor:
-        H, W = captures[0].tokens
-        Y = labels.view(labels.shape[0], H, W, labels.shape[-1])
-        idx = 0
-        for stage in self.model.layers:
-            if isinstance(stage.downsample, PatchMerging):
-                Y = merge_2x2_labels(Y)
-            for blk in stage.blocks:
-                cap = captures[idx]
-                if layers is None or idx in layers:
-                    Y = residual_labels(Y, self._window_labels(blk, cap, Y, fused), cap.keep, normalise)
-                idx += 1
-        return Y.flatten(1, 2)
+    def propagate(self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set],
+                  residual: bool) -> torch.Tensor:
+        blocks = self._blocks()
+        stages = [(len(stage.blocks), isinstance(stage.downsample, PatchMerging)) for stage in self.model.layers]
+        return swin_labels(labels, captures[0].tokens, stages,
+                           lambda idx, Y: self._window_labels(blocks[idx], captures[idx], Y),
+                           [c.keep for c in captures], merge_at='start', layers=layers, residual=residual)
 
     def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
         return labels.mean(1)
 
+    def class_attention(self, captures: List[LabelCapture]):
+        return None
 
-def _set_qk(cap: _BlockCapture, qkv: torch.Tensor, num_heads: int) -> None:
+
+def _set_qk(cap: LabelCapture, qkv: torch.Tensor, num_heads: int) -> None:
     B_, N, _ = qkv.shape
     q, k, _ = qkv.reshape(B_, N, 3, num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
     cap.q, cap.k = q, k
@@ -216,26 +213,14 @@ def _set_qk(cap: _BlockCapture, qkv: torch.Tensor, num_heads: int) -> None:
 # ---------------------------------------------------------------------------------------------- CaiT
 
 
-def _hook_first_drop_path(blk: nn.Module, cap: _BlockCapture, handles: list) -> None:
+def _hook_first_drop_path(blk: nn.Module, cap: LabelCapture, handles: list) -> None:
     """CaiT's blocks call one ``drop_path`` module twice (attention branch, then MLP branch): the kept
     samples of the first call are the attention residual's."""
     def hook(m, i, o, c=cap):
         if c.keep is None:
-            c.keep = _kept_samples(i[0], o)
+            c.keep = kept_samples(i[0], o)
     if isinstance(blk.drop_path, DropPath) and blk.drop_path.drop_prob > 0 and blk.training:
         handles.append(blk.drop_path.register_forward_hook(hook))
-
-
-def _talking_heads_labels(attn: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Table 9 spatial mixing for talking-heads attention: ``attn`` is ``proj_w``'s output ``(B, N, N, H)``
-    (the per-head attention that multiplies ``v``, before attention dropout); ``W = mean_h attn`` (Eq. 9),
-    ``Y ← Norm(|W|) · Y`` with Norm the row sum. Equals ``Norm(W) · Y`` whenever ``W ≥ 0``; the learnt
-    head mixing ``proj_w`` is signed, and a signed row sum can vanish, so the magnitudes are normalised
-    (labels stay convex combinations, rows sum to 1, the compact state stays exact)."""
-    with torch.autocast(device_type=attn.device.type, enabled=False):
-        W = attn.detach().mean(-1, dtype=torch.float32).abs_()
-        W = W / W.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        return W @ labels.float()
 
 
 class CaitTracer:
@@ -250,7 +235,7 @@ class CaitTracer:
       per-head attention that multiplies ``v`` is ``proj_w``'s output, which the token path materialises
       anyway (it has no fused form). A forward hook on ``attn.proj_w`` keeps it (pre attention dropout,
       as the ViT rule ignores SDPA's dropout); the patch labels take ``Norm(|mean_h A'_h|)`` (see
-      :func:`_talking_heads_labels`), then the residual average. ``fused`` does not apply here: the
+      :func:`talking_heads_labels`), then the residual average. ``fused`` does not apply here: the
       token path's own attention is used, which is exact and cheaper than any recomputation.
     - Class-attention stage (``blocks_token_only``, ``ClassAttn``): the class token attends over
       ``[cls; patches]``; hooks on ``attn.q`` / ``attn.k`` keep the projections, the class label takes
@@ -287,12 +272,12 @@ class CaitTracer:
     def depth(self) -> int:
         return len(self.model.blocks) + len(self.model.blocks_token_only)
 
-    def register(self, captures: List[_BlockCapture]) -> list:
+    def register(self, captures: List[LabelCapture]) -> list:
         """One capture per block (``blocks``, then ``blocks_token_only``); the first also keeps the
         number of patch tokens (``tokens``) from ``patch_embed``."""
         handles = []
         for i, blk in enumerate(list(self.model.blocks) + list(self.model.blocks_token_only)):
-            cap = _BlockCapture()
+            cap = LabelCapture()
             captures.append(cap)
             if i < len(self.model.blocks):
                 handles.append(blk.attn.proj_w.register_forward_hook(
@@ -302,23 +287,23 @@ class CaitTracer:
                 handles.append(blk.attn.k.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'k', o.detach())))
             _hook_first_drop_path(blk, cap, handles)
         if not captures:
-            captures.append(_BlockCapture())
+            captures.append(LabelCapture())
         handles.append(self.model.patch_embed.register_forward_hook(
             lambda m, i, o, c=captures[0]: setattr(c, 'tokens', o.shape[1])))
         return handles
 
-    def num_tokens(self, captures: List[_BlockCapture]) -> int:
+    def num_tokens(self, captures: List[LabelCapture]) -> int:
         return 1 + captures[0].tokens
 
-    def propagate(self, captures: List[_BlockCapture], labels: torch.Tensor, layers: Optional[set],
-                  normalise: bool, fused: Optional[bool]) -> torch.Tensor:
+    def propagate(self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set],
+                  residual: bool) -> torch.Tensor:
         labels = labels.float()
         cls, patches = labels[:, :1], labels[:, 1:]
         n_sa = len(self.model.blocks)
         for idx, cap in enumerate(captures[:n_sa]):
             if layers is not None and idx not in layers:
                 continue
-            patches = residual_labels(patches, _talking_heads_labels(cap.attn, patches), cap.keep, normalise)
+            patches = residual_labels(patches, talking_heads_labels(cap.attn, patches), cap.keep, residual)
         for j, blk in enumerate(self.model.blocks_token_only):
             idx, cap, a = n_sa + j, captures[n_sa + j], blk.attn
             if layers is not None and idx not in layers:
@@ -326,24 +311,25 @@ class CaitTracer:
             B, T, D = cap.k.shape
             q = cap.q.reshape(B, 1, a.num_heads, D // a.num_heads).transpose(1, 2)
             k = cap.k.reshape(B, T, a.num_heads, D // a.num_heads).transpose(1, 2)
-            branch = attention_labels(q, k, torch.cat([cls, patches], 1), scale=a.scale, fused=fused)  # (B, 1, K)
-            cls = residual_labels(cls, branch, cap.keep, normalise)
+            branch = attention_labels(q, k, torch.cat([cls, patches], 1), scale=a.scale)  # (B, 1, K)
+            cls = residual_labels(cls, branch, cap.keep, residual)
         return torch.cat([cls, patches], 1)
 
     def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
         return labels[:, 0] if self.model.global_pool == 'token' else labels[:, 1:].mean(1)
+
+    def class_attention(self, captures: List[LabelCapture]):
+        return None  # TransMix is not defined for CaiT (refused by TransMix)
 
 
 # ---------------------------------------------------------------------------------------------- PVT v2
 
 
 def _pool_like(labels: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
-    """Table 9 spatial aggregation for a strided conv on a ``(B, K, H, W)`` label map: every output
-    token's label is the Norm of the sum (the mean) of the labels in its window, with the conv's kernel,
-    stride and padding; padding positions are not tokens (``count_include_pad=False``)."""
+    """:func:`~shared_core.tl_align.conv_pool_labels` with the geometry of ``conv``."""
     if tuple(conv.dilation) != (1, 1) or isinstance(conv.padding, str):
         raise ValueError(f'model: TL-Align pools labels for undilated, explicitly padded convs, got {conv}')
-    return F.avg_pool2d(labels, conv.kernel_size, conv.stride, conv.padding, count_include_pad=False)
+    return conv_pool_labels(labels, conv.kernel_size, conv.stride, conv.padding)
 
 
 class PvtV2Tracer:
@@ -391,15 +377,15 @@ class PvtV2Tracer:
     def depth(self) -> int:
         return len(self._blocks())
 
-    def register(self, captures: List[_BlockCapture]) -> list:
+    def register(self, captures: List[LabelCapture]) -> list:
         """``captures[0]`` keeps the first token grid (``patch_embed``'s output), then one per block
         (its ``feat_size``, ``q``, the ``kv`` projection and the kept samples)."""
-        stem = _BlockCapture()
+        stem = LabelCapture()
         captures.append(stem)
         handles = [self.model.patch_embed.register_forward_hook(
             lambda m, i, o, c=stem: setattr(c, 'tokens', tuple(o.shape[1:3])))]
         for blk in self._blocks():
-            cap = _BlockCapture()
+            cap = LabelCapture()
             captures.append(cap)
             handles.append(blk.register_forward_pre_hook(
                 lambda m, a, kw, c=cap: setattr(c, 'tokens', tuple(kw['feat_size'] if 'feat_size' in kw else a[1])),
@@ -409,7 +395,7 @@ class PvtV2Tracer:
             _hook_drop_path(blk, cap, handles)
         return handles
 
-    def num_tokens(self, captures: List[_BlockCapture]) -> int:
+    def num_tokens(self, captures: List[LabelCapture]) -> int:
         H, W = captures[0].tokens
         return H * W
 
@@ -422,8 +408,8 @@ class PvtV2Tracer:
             Y = _pool_like(Y, a.sr)
         return Y.flatten(2).transpose(1, 2)
 
-    def propagate(self, captures: List[_BlockCapture], labels: torch.Tensor, layers: Optional[set],
-                  normalise: bool, fused: Optional[bool]) -> torch.Tensor:
+    def propagate(self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set],
+                  residual: bool) -> torch.Tensor:
         H, W = captures[0].tokens
         B, _, K = labels.shape
         with torch.autocast(device_type=labels.device.type, enabled=False):
@@ -442,8 +428,8 @@ class PvtV2Tracer:
                         q = cap.q.reshape(B, N, a.num_heads, a.head_dim).transpose(1, 2)
                         k = cap.k.reshape(B, Nk, 2, a.num_heads, a.head_dim)[:, :, 0].transpose(1, 2)
                         flat = Y.flatten(2).transpose(1, 2)
-                        branch = attention_labels(q, k, self._key_labels(a, Y), scale=a.scale, fused=fused)
-                        flat = residual_labels(flat, branch, cap.keep, normalise)  # MLP residual: Y
+                        branch = attention_labels(q, k, self._key_labels(a, Y), scale=a.scale)
+                        flat = residual_labels(flat, branch, cap.keep, residual)  # MLP residual: Y
                         Y = flat.transpose(1, 2).reshape(B, K, *Y.shape[-2:])
                     idx += 1
         return Y.flatten(2).transpose(1, 2)
@@ -451,44 +437,43 @@ class PvtV2Tracer:
     def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
         return labels.mean(1)
 
+    def class_attention(self, captures: List[LabelCapture]):
+        return None
+
 
 # most specific class first
 SUPPORTED_MODELS = {VisionTransformerDistilled: DistilledViTTracer, VisionTransformer: ViTTracer,
                     SwinTransformer: SwinTracer, Cait: CaitTracer, PyramidVisionTransformerV2: PvtV2Tracer}
 
 
-def _tracer_for(model: nn.Module):
-    for cls, tracer in SUPPORTED_MODELS.items():
-        if isinstance(model, cls):
-            return tracer(model)
-    names = ', '.join(f'{c.__module__}.{c.__name__}' for c in SUPPORTED_MODELS)
-    raise ValueError(f'model: TL-Align has no tracer for {type(model).__module__}.{type(model).__name__}; '
-                     f'supported: {names}')
+def timm_tracer(model: nn.Module):
+    """The TL-Align tracer of a supported timm model (:data:`SUPPORTED_MODELS`)."""
+    return tracer_for(model, SUPPORTED_MODELS)
 
 
 class TLAlign(nn.Module):
-    """Token-label alignment around a timm model (see the module docstring).
+    """Token-label alignment around a timm model (see the module docstring); the label path is
+    :func:`shared_core.tl_align.trace_labels` with this model's tracer. :class:`timm_plugin.TLAlignTask` is
+    the same as a timm ``TrainingTask``.
 
     Args:
         model: a supported timm model.
         layers: align only at these block indices (Table 8 ablation); ``None``: every block.
-        normalise: ``False`` drops the residual from the label path (Table 8, "normalization disabled").
-        fused: the label attention as a fused SDPA call (``True``), or a transient softmax (``False``);
-            default: fused on accelerators, transient on the CPU, whichever is faster there
-            (:func:`shared_core.tl_align.attention_labels`). The token path is the model's either way.
+        residual: ``False`` drops the residual from the label path (Table 8, "normalization disabled").
+        fused: the label attention as a fused SDPA call (``True``) or a transient softmax (``False``) for this
+            wrapper; default :func:`shared_core.tl_align.use_fused_label_attn` (``$TOKENAUG_FUSED_LABEL_ATTN``,
+            else fused on accelerators). The token path is the model's either way.
     """
 
     method = 'tl_align'
 
-    def __init__(self, model: nn.Module, layers: Optional[Iterable[int]] = None, normalise: bool = True,
+    def __init__(self, model: nn.Module, layers: Optional[Iterable[int]] = None, residual: bool = True,
                  fused: Optional[bool] = None):
         super().__init__()
-        self.tracer = _tracer_for(model)
+        self.tracer = timm_tracer(model)
         self.model = model
-        self.layers = None if layers is None else set(int(i) for i in layers)
-        if self.layers is not None and not self.layers <= set(range(self.depth)):
-            raise ValueError(f'layers: block indices must be in [0, {self.depth}), got {sorted(self.layers)}')
-        self.normalise = normalise
+        self.layers = check_layers(layers, self.tracer.depth)
+        self.residual = residual
         self.fused = fused
 
     @property
@@ -497,46 +482,26 @@ class TLAlign(nn.Module):
 
     @property
     def depth(self) -> int:
-        m = self.model
-        if isinstance(self.tracer, (CaitTracer, PvtV2Tracer)):
-            return self.tracer.depth
-        return sum(len(s.blocks) for s in m.layers) if isinstance(m, SwinTransformer) else len(m.blocks)
-
-    def _capture(self, x: torch.Tensor):
-        """The model's forward, keeping what each block's token path leaves for the label path."""
-        captures: List[_BlockCapture] = []
-        handles = self.tracer.register(captures)
-        try:
-            output = self.model(x)
-        finally:
-            for h in handles:
-                h.remove()
-        return output, captures
+        return self.tracer.depth
 
     def _check_mix(self, target) -> Mix:
-        if not isinstance(target, MixTarget):
-            raise ValueError(f'target: {type(self).__name__} needs the MixTarget of a mixer with carry_mix '
-                             f"(create_mixer(..., carry_mix=True) / --mixup-type {self.method}), got a plain tensor")
-        return target.mix
+        return check_mix_target(target, self.method, type(self).__name__)
 
-    def _run(self, x: torch.Tensor, labels: torch.Tensor):
-        output, captures = self._capture(x)
-        if self.tracer.num_tokens(captures) != labels.shape[1]:
-            raise ValueError(f'labels: {labels.shape[1]} token labels for {self.tracer.num_tokens(captures)} '
-                             f'tokens (prefix {self.num_prefix_tokens} + patches): the patch grid of x does not match')
-        # the label path: no gradients, fp32 whatever autocast the caller runs the token path under
-        with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False):
-            state = self.tracer.propagate(captures, labels.to(x.device).float(), self.layers, self.normalise,
-                                          self.fused)
-        return output, self.tracer.readout(state, output)
+    def _run(self, x: torch.Tensor, labels: torch.Tensor, forward=None):
+        output, captures = capture_forward(self.tracer, forward or (lambda: self.model(x)))
+        with fused_label_attn(self.fused):
+            return output, trace_labels(self.tracer, captures, output, labels.to(x.device), self.layers, self.residual)
 
     def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None):
         if not self.training or target is None:
             return self.model(x)
+        return self.align(x, target)
+
+    def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):
+        """``(output, aligned (B, C) target)``; ``forward`` (default ``self.model(x)``) runs the token path."""
         mix = self._check_mix(target)
-        output, share = self._run(x, compact_labels(mix, self.num_prefix_tokens))
-        aligned = aligned_target(share[:, 0], target.labels, mix, target.num_classes, target.smoothing)
-        return output, aligned
+        output, share = self._run(x, compact_labels(mix, self.num_prefix_tokens), forward)
+        return output, aligned_target(share[:, 0], target.labels, mix, target.num_classes, target.smoothing)
 
     def trace(self, x: torch.Tensor, token_labels: torch.Tensor, cls_label: Optional[torch.Tensor] = None):
         """Reference entry point: dense per-patch labels ``(B, N_patches, C)`` (rows sum to 1, row-major
@@ -546,31 +511,26 @@ class TLAlign(nn.Module):
         return self._run(x, dense_labels(token_labels, cls_label, self.num_prefix_tokens))
 
 
-def last_device(captures: List[_BlockCapture]) -> str:
-    cap = captures[-1]
-    t = next(v for v in (cap.q, cap.k, cap.attn) if v is not None)
-    return t.device.type
+def check_mix_target(target, method: str, who: str) -> Mix:
+    """The :class:`Mix` a :class:`MixTarget` carries; a clear error for a plain target."""
+    if not isinstance(target, MixTarget):
+        raise ValueError(f'target: {who} needs the MixTarget of a mixer with carry_mix '
+                         f"(create_mixer(..., carry_mix=True) / --mixup-type {method}), got a plain tensor")
+    return target.mix
 
 
 class TransMix(TLAlign):
     """TransMix (Chen et al., "TransMix: Attend to Mix for Vision Transformers"), the baseline TL-Align
     compares with: the partner share of the target is read from the last block's attention over the
-    mixed region instead of the area.
+    mixed region instead of the area (:func:`shared_core.tl_align.transmix_share`).
 
-    Rule (``mode='paper'``): ``λ_partner = A · M``, with ``A`` the head-mean attention of the class
-    token to the patch tokens in the last block, renormalised to sum to 1 over the patches (heads are
-    averaged first, as TransMix does), and ``M`` the partner share of each patch token (fractional where a pixel box cuts a
-    patch). ``mode='average'`` is what the public TransMix code does: the mean of that and the area
-    share. Default ``'paper'``: the papers are this project's specification; ``'average'`` reproduces
-    the public numbers. DeiT distilled: the class token's attention.
-
-    Our extension, for models without a class token (``global_pool='avg'`` ViTs, Swin, PVT v2): ``A`` is the
-    mean over all query tokens of the last block's attention (a distribution over keys), i.e. the
-    pooled compact label after the last block's attention alone (Swin: at its own window geometry and
-    merged resolution).
+    ``mode='paper'``: the attention share alone; ``'average'``: the mean of that and the area share, as
+    the public TransMix code does. Default ``'paper'``: the papers are this project's specification.
+    DeiT distilled: the class token's attention. Models without a class token (``global_pool='avg'`` ViTs,
+    Swin, PVT v2; our extension): the pooled compact label after the last block's attention alone.
     """
     method = 'transmix'
-    MODES = ('paper', 'average')
+    MODES = TRANSMIX_MODES
 
     def __init__(self, model: nn.Module, mode: str = 'paper', fused: Optional[bool] = None):
         super().__init__(model, fused=fused)
@@ -581,32 +541,9 @@ class TransMix(TLAlign):
                              'family; our extension: class-free ViT, Swin, PVT v2); CaiT has no rule here')
         self.mode = mode
 
-    def partner_share(self, output, captures: List[_BlockCapture], mix: Mix) -> torch.Tensor:
-        """``(B,)`` partner share of the target from the last block's attention."""
-        t, last = self.tracer, captures[-1]
-        with torch.no_grad(), torch.autocast(device_type=last_device(captures), enabled=False):
-            if isinstance(t, ViTTracer) and t.model.global_pool == 'token':
-                # head-mean class-token attention over all keys, then its patch part renormalised:
-                # share = Σ_patch a_j s_j / Σ_patch a_j, both sums from one call with two value columns
-                P = t.num_prefix_tokens
-                s = mix.token_share_flat().float().to(last.q.device)
-                v = torch.zeros(s.shape[0], P + s.shape[1], 2, device=s.device)
-                v[:, P:, 0], v[:, P:, 1] = s, 1.
-                num_den = attention_labels(last.q[:, :, :1], last.k, v, scale=t.model.blocks[-1].attn.scale,
-                                           fused=self.fused)[:, 0]
-                share = num_den[:, 0] / num_den[:, 1]
-            else:
-                state = t.propagate(captures, compact_labels(mix, t.num_prefix_tokens), {self.depth - 1},
-                                    False, self.fused)
-                share = t.readout(state, output)[:, 0]
-        if self.mode == 'average':
-            share = 0.5 * share + 0.5 * (1. - mix.lam.to(share.device))
-        return share
-
-    def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None):
-        if not self.training or target is None:
-            return self.model(x)
+    def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):
         mix = self._check_mix(target)
-        output, captures = self._capture(x)
-        share = self.partner_share(output, captures, mix)
+        output, captures = capture_forward(self.tracer, forward or (lambda: self.model(x)))
+        with fused_label_attn(self.fused):
+            share = transmix_share(self.tracer, captures, output, mix.to(x.device), self.mode)
         return output, aligned_target(share, target.labels, mix, target.num_classes, target.smoothing)

@@ -37,12 +37,18 @@ from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from timm.utils import NativeScaler
 from timm.utils.model import get_state_dict
 
-from shared_core.mixing import check_labels
+from timm.task import ClassificationTask
 
-from .mixup import METHOD_TYPES, MIXUP_TYPES, create_mixer
-from .tl_align import TLAlign, TransMix
-from .token_labeling import (HEAD_RULES, TokenLabelCollate, TokenLabelDataset, TokenLabeling, TokenLabelingLoss,
-                             attach_aux_head)
+from shared_core.mix import check_labels
+from shared_core.tl_align import TRANSMIX_MODES
+from shared_core.token_labeling import HEAD_RULES
+
+from .mixup import MIX_KINDS, TARGET_METHODS, create_mixer
+from .tasks import TLAlignTask, TokenLabelingTask, TransMixTask
+from .timm_fixes import fix_posterize
+from .token_label_data import TokenLabelCollate, TokenLabelDataset
+from .token_grid import token_stride
+from .token_labeling import TokenLabelingLoss, attach_aux_head
 
 _logger = logging.getLogger('tokenaug.train')
 
@@ -133,18 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--mixup-switch-prob', type=float, default=0.5)
     g.add_argument('--mixup-mode', type=str, default='batch', help='"batch", "pair", or "elem"')
     g.add_argument('--mixup-off-epoch', default=0, type=int, metavar='N')
-    g.add_argument('--mixup-type', default=None, choices=MIXUP_TYPES + METHOD_TYPES + TOKEN_LABELING_TYPES + ('tokenmix',),
+    g.add_argument('--mixup-type', default=None, choices=MIX_KINDS + TARGET_METHODS + TOKEN_LABELING_TYPES + ('tokenmix',),
                    help='tokenaug mixing kind or method (default: timm behaviour, cutmix if --cutmix > 0 else mixup); '
                         'mixtoken: MixToken after patch embedding (token-labeling.md Eq. 5), box ~ Beta(--cutmix or 1); '
                         'tokenmix: tokenmix_{--tokenmix-mask} with λ = 0.5 unless --tokenmix-lam (tokenmix.md Sec. 3.2)')
-    g.add_argument('--method-mix', default='cutmix', choices=MIXUP_TYPES,
+    g.add_argument('--method-mix', default='cutmix', choices=MIX_KINDS,
                    help='the mixing kind under --mixup-type tl_align/transmix (tl-align.md Table 7; '
                         'cutmix with --mixup > 0 = the MixUp/CutMix switch)')
     g.add_argument('--tl-align-layers', type=int, nargs='*', default=None,
                    help='align only at these block indices (Table 8 ablation; default: all)')
     g.add_argument('--tl-align-no-residual', action='store_true', default=False,
                    help='drop the residual from the label path (Table 8, normalisation disabled)')
-    g.add_argument('--transmix-mode', default='paper', choices=TransMix.MODES,
+    g.add_argument('--transmix-mode', default='paper', choices=TRANSMIX_MODES,
                    help="TransMix λ: 'paper' (attention over the box) or 'average' (with the area, public code)")
     g.add_argument('--tokenmix-lam', type=float, default=None,
                    help='fix λ (own share) of token-mask kinds, e.g. 0.5 as in TokenMix (default: Beta(--cutmix))')
@@ -263,28 +269,31 @@ class PlainCheckpointSaver(utils.CheckpointSaver):
         torch.save(save_state, save_path)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The bare timm model inside DDP and a method wrapper."""
-    model = utils.unwrap_model(model)
-    return model.model if isinstance(model, (TLAlign, TokenLabeling)) else model  # TransMix is a TLAlign
+def mixing_patch_size(model: nn.Module, default=16):
+    """The token grid step a mixer draws on: :func:`~timm_plugin.token_grid.token_stride` for models with
+    a patch embedding, ``default`` for the others (CNNs: only MixUp/CutMix, which need no grid)."""
+    return token_stride(model) if hasattr(model, 'patch_embed') else default
 
 
-def model_patch_size(model: nn.Module, default=16):
-    """The step of the model's first token grid, for token-aware mixing: the patch embedding's
-    ``token_stride`` where it declares one (LV-ViT's conv stem: 16, while its ``proj`` steps 8), else the
-    stride of its patch embedding convolution (timm ViT/Swin: the patch size; PVT v2's overlapping 7x7
-    embedding: 4)."""
-    pe = getattr(model, 'patch_embed', None)
-    stride = getattr(pe, 'token_stride', None)
-    if stride is not None:
-        return tuple(stride) if isinstance(stride, (tuple, list)) else int(stride)
-    proj = getattr(pe, 'proj', None)
-    if isinstance(proj, nn.Conv2d):
-        return tuple(proj.stride)
-    ps = getattr(pe, 'patch_size', None)
-    if ps is None:
-        return default
-    return tuple(ps) if isinstance(ps, (tuple, list)) else int(ps)
+def method_and_mix_kind(args):
+    """``--mixup-type`` names either a mixing kind or a method: ``(method or None, mix_kind or None)``."""
+    if args.mixup_type in TARGET_METHODS:
+        return args.mixup_type, args.method_mix
+    return None, args.mixup_type
+
+
+def build_task(args, model: nn.Module, criterion: nn.Module, token_labeling: bool, dense: bool, device):
+    """The ``timm.task`` training task of the method the arguments name (``ClassificationTask`` without one)."""
+    method, _ = method_and_mix_kind(args)
+    if method == 'tl_align':
+        return TLAlignTask(model, criterion, layers=args.tl_align_layers, residual=not args.tl_align_no_residual,
+                           device=device)
+    if method == 'transmix':
+        return TransMixTask(model, criterion, mode=args.transmix_mode, device=device)
+    if token_labeling:
+        return TokenLabelingTask(model, criterion, mix_token=args.mixup_type == 'mixtoken', beta=args.cutmix or 1.0,
+                                 prob=args.mixup_prob, mode=args.mixup_mode, head_rule=args.head_rule, device=device)
+    return ClassificationTask(model, criterion, device=device)
 
 
 def main(argv=None) -> None:
@@ -295,6 +304,7 @@ def main(argv=None) -> None:
 def run(argv=None) -> dict:
     """Train and evaluate; returns the last evaluation metrics (``loss``, ``top1``, ``top5``)."""
     utils.setup_default_logging()
+    fix_posterize()  # before any transform is built (timm_plugin.timm_fixes)
     args = parse_args(argv)
     if args.data and not args.data_dir:
         args.data_dir = args.data
@@ -353,8 +363,8 @@ def run(argv=None) -> dict:
             model.aux_head.requires_grad_(False)  # (DDP would wait for its gradients)
             if hasattr(model, 'head_rule'):
                 model.head_rule = 'cls'  # and must not vote at inference
-    if args.activation_map_dir and (token_labeling or args.mixup_type in METHOD_TYPES):
-        raise ValueError(f'--activation-map-dir: TokenMix targets apply to the mixing kinds {MIXUP_TYPES}, not to '
+    if args.activation_map_dir and (token_labeling or args.mixup_type in TARGET_METHODS):
+        raise ValueError(f'--activation-map-dir: TokenMix targets apply to the mixing kinds {MIX_KINDS}, not to '
                          f'{"token labeling" if token_labeling else args.mixup_type}')
     if utils.is_primary(args):
         _logger.info(f'Model {safe_model_name(args.model)} created, param count: '
@@ -382,28 +392,6 @@ def run(argv=None) -> dict:
         resume_epoch = resume_checkpoint(model, args.resume, optimizer=None if args.no_resume_opt else optimizer,
                                          loss_scaler=None if args.no_resume_opt else loss_scaler,
                                          log_info=utils.is_primary(args))
-    model_ema = model_ema_eval = None
-    if args.model_ema:
-        model_ema = utils.ModelEmaV3(model, decay=args.model_ema_decay, use_warmup=args.model_ema_warmup)
-        if args.resume:
-            from timm.models import load_checkpoint
-            load_checkpoint(model_ema.module, args.resume, use_ema=True)
-        model_ema_eval = model_ema
-    # the method wraps the model for training; EMA, optimizer, resume and checkpoints keep the bare model
-    bare_model = model
-    if args.mixup_type == 'tl_align':
-        model = TLAlign(model, layers=args.tl_align_layers, normalise=not args.tl_align_no_residual)
-    elif args.mixup_type == 'transmix':
-        model = TransMix(model, mode=args.transmix_mode)
-    elif token_labeling:
-        tl_kwargs = dict(aux=dense, head_rule=args.head_rule)
-        model = TokenLabeling(model, mix_token=args.mixup_type == 'mixtoken', beta=args.cutmix or 1.0,
-                              prob=args.mixup_prob, mode=args.mixup_mode, **tl_kwargs)
-        if model_ema is not None:  # evaluated with the same head rule
-            model_ema_eval = TokenLabeling(model_ema.module, mix_token=False, **tl_kwargs)
-    if args.distributed:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == 'cuda' else None)
-
     dataset_train = create_dataset(args.dataset, root=args.data_dir, split=args.train_split, is_training=True,
                                    class_map=args.class_map, batch_size=args.batch_size, seed=args.seed,
                                    input_img_mode=args.input_img_mode)
@@ -422,26 +410,26 @@ def run(argv=None) -> dict:
         dataset_train = TokenLabelDataset(dataset_train, store, keep_geometric_aa=args.keep_geometric_aa)
         collate_fn = TokenLabelCollate(args.num_classes)
     # mixing: the kind, and where it runs (fast-collate with the prefetcher, else in the loop);
-    # MixToken runs in the model (TokenLabeling)
+    # MixToken runs in the task (TokenLabelingTask)
     mixup_active = not token_labeling and (
         args.mixup > 0 or args.cutmix > 0. or args.cutmix_minmax is not None or
         (args.mixup_type is not None and args.tokenmix_lam is not None))
     if args.mixup_type is not None and not mixup_active and not token_labeling:
         raise ValueError(f'--mixup-type {args.mixup_type} needs --mixup and/or --cutmix > 0 (or --tokenmix-lam)')
     if mixup_active:
-        mixup_type = args.mixup_type = args.mixup_type or (
-            'cutmix' if (args.cutmix > 0 or args.cutmix_minmax) else 'mixup')
-        mixer_args = dict(method_mix=args.method_mix, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
-                          prob=args.mixup_prob, switch_prob=args.mixup_switch_prob, mode=args.mixup_mode,
-                          label_smoothing=args.smoothing, num_classes=args.num_classes,
-                          patch_size=model_patch_size(bare_model), tokenmix_lam=args.tokenmix_lam)
+        args.mixup_type = args.mixup_type or ('cutmix' if (args.cutmix > 0 or args.cutmix_minmax) else 'mixup')
+        method, mix_kind = method_and_mix_kind(args)
+        mixer_args = dict(method=method, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
+                          cutmix_minmax=args.cutmix_minmax, prob=args.mixup_prob, switch_prob=args.mixup_switch_prob,
+                          mode=args.mixup_mode, label_smoothing=args.smoothing, num_classes=args.num_classes,
+                          patch_size=mixing_patch_size(model), tokenmix_lam=args.tokenmix_lam)
         if args.activation_map_dir:  # mixed on the device, where the maps' targets are built
-            mixer = create_mixer(mixup_type, activation_targets=args.activation_target, **mixer_args)
+            mixer = create_mixer(mix_kind, activation_targets=args.activation_target, **mixer_args)
         elif args.prefetcher:
-            collate_fn = create_mixer(mixup_type, collate=True, **mixer_args)
+            collate_fn = create_mixer(mix_kind, collate=True, **mixer_args)
         else:
-            mixer = create_mixer(mixup_type, **mixer_args)
-        shown = f'{args.method_mix} with {mixup_type}' if mixup_type in METHOD_TYPES else mixup_type
+            mixer = create_mixer(mix_kind, **mixer_args)
+        shown = f'{method} over {mix_kind}' if method else mix_kind
         if args.activation_map_dir:
             shown += f' with {args.activation_target} activation-map targets'
         _logger.info(f'Mixing: {shown} (mixup_alpha={args.mixup}, cutmix_alpha={args.cutmix}, '
@@ -484,6 +472,19 @@ def run(argv=None) -> dict:
     train_loss_fn = train_loss_fn.to(device=device)
     validate_loss_fn = nn.CrossEntropyLoss().to(device=device)
 
+    # the method is the training task; EMA, optimizer, resume and checkpoints hold the bare model
+    task = build_task(args, model, train_loss_fn, token_labeling, dense, device)
+    if args.model_ema:
+        task.setup_ema(decay=args.model_ema_decay, use_warmup=args.model_ema_warmup)
+        if args.resume:
+            from timm.models import load_checkpoint
+            load_checkpoint(task.get_trainable_module(ema=True).module, args.resume, use_ema=True)
+    if args.distributed:
+        task.prepare_distributed(device_ids=[device] if device.type == 'cuda' else None)
+    # what --mixup-off-epoch switches off: the collate mixer, the loop's mixer, or MixToken in the task
+    mixing = (collate_fn if hasattr(collate_fn, 'mixup_enabled') else None) or mixer or \
+        getattr(task, 'sampler', None)
+
     eval_metric = args.eval_metric
     saver = None
     output_dir = None
@@ -491,7 +492,8 @@ def run(argv=None) -> dict:
         exp_name = args.experiment or '-'.join([time.strftime('%Y%m%d-%H%M%S'), safe_model_name(args.model),
                                                 str(data_config['input_size'][-1])])
         output_dir = utils.get_outdir(args.output if args.output else './output/train', exp_name)
-        saver = PlainCheckpointSaver(model=bare_model, optimizer=optimizer, args=args, model_ema=model_ema,
+        saver = PlainCheckpointSaver(model=model, optimizer=optimizer, args=args,
+                                     model_ema=task.get_trainable_module(ema=True),
                                      amp_scaler=loss_scaler, checkpoint_dir=output_dir, recovery_dir=output_dir,
                                      decreasing=eval_metric == 'loss', max_history=args.checkpoint_hist)
         with open(os.path.join(output_dir, 'args.yaml'), 'w') as f:
@@ -516,15 +518,17 @@ def run(argv=None) -> dict:
             dataset_train.set_epoch(epoch)
         elif args.distributed and hasattr(loader_train.sampler, 'set_epoch'):
             loader_train.sampler.set_epoch(epoch)
-        train_metrics = train_one_epoch(epoch, model, loader_train, optimizer, train_loss_fn, args, device=device,
-                                        lr_scheduler=lr_scheduler, saver=saver, output_dir=output_dir,
-                                        amp_autocast=amp_autocast, loss_scaler=loss_scaler, model_ema=model_ema,
-                                        mixer=mixer, num_updates_total=num_epochs * updates_per_epoch)
+        if args.mixup_off_epoch and epoch >= args.mixup_off_epoch and mixing is not None:
+            mixing.mixup_enabled = False
+        train_metrics = train_one_epoch(epoch, task, loader_train, optimizer, args, device=device,
+                                        lr_scheduler=lr_scheduler, amp_autocast=amp_autocast, loss_scaler=loss_scaler,
+                                        mixer=mixer)
         if args.distributed:
             utils.distribute_bn(model, args.world_size, True)
-        eval_metrics = validate(model, loader_eval, validate_loss_fn, args, device=device, amp_autocast=amp_autocast)
-        if model_ema is not None:
-            ema_eval = validate(model_ema_eval, loader_eval, validate_loss_fn, args, device=device,
+        eval_metrics = validate(task.get_eval_model(), loader_eval, validate_loss_fn, args, device=device,
+                                amp_autocast=amp_autocast)
+        if task.has_ema():
+            ema_eval = validate(task.get_eval_model(ema=True), loader_eval, validate_loss_fn, args, device=device,
                                 amp_autocast=amp_autocast, log_suffix=' (EMA)')
             eval_metrics = ema_eval
         if output_dir is not None:
@@ -547,22 +551,13 @@ def run(argv=None) -> dict:
     return eval_metrics
 
 
-def train_one_epoch(epoch, model, loader, optimizer, loss_fn, args, device, lr_scheduler=None, saver=None,
-                    output_dir=None, amp_autocast=suppress, loss_scaler=None, model_ema=None, mixer=None,
-                    num_updates_total=None):
-    if args.mixup_off_epoch and epoch >= args.mixup_off_epoch:
-        inner = utils.unwrap_model(model)
-        if isinstance(inner, TokenLabeling):  # MixToken, drawn in the model
-            inner.sampler.mixup_enabled = False
-        if mixer is not None:
-            mixer.mixup_enabled = False
-        elif args.prefetcher and hasattr(loader, 'mixup_enabled'):
-            loader.mixup_enabled = False
+def train_one_epoch(epoch, task, loader, optimizer, args, device, lr_scheduler=None, amp_autocast=suppress,
+                    loss_scaler=None, mixer=None):
+    """One epoch of timm's loop over a training task: ``loss = task(x, target)['loss']``."""
     accum = args.grad_accum_steps
-    method = args.mixup_type in METHOD_TYPES
     second_order = getattr(optimizer, 'is_second_order', False)
     losses_m, data_time_m, update_time_m = utils.AverageMeter(), utils.AverageMeter(), utils.AverageMeter()
-    model.train()
+    task.train()
     num_batches = len(loader)
     last_batch_idx = num_batches - 1
     num_updates = epoch * ((num_batches + accum - 1) // accum)
@@ -572,32 +567,29 @@ def train_one_epoch(epoch, model, loader, optimizer, loss_fn, args, device, lr_s
         last_batch = batch_idx == last_batch_idx
         need_update = last_batch or (batch_idx + 1) % accum == 0
         if not args.prefetcher:
-            if mixer is not None or method:  # label range checked here, on the CPU (not on the device)
+            if mixer is not None:  # label range checked here, on the CPU (the device would sync)
                 check_labels(target, args.num_classes)
             x, target = x.to(device), target.to(device)
         if mixer is not None:  # in the loop: without the prefetcher, or with teacher maps (on the device)
             x, target = mixer(x, target)
         data_time_m.update(time.time() - data_start)
         # with gradient accumulation under DDP, all-reduce only on the update step
-        sync = model.no_sync if (args.distributed and not need_update) else suppress
+        sync = task.no_sync if (args.distributed and not need_update) else suppress
         with sync():
             with amp_autocast():
-                if method:  # TL-Align / TransMix: the logits and the re-weighted target
-                    output, target = model(x, target)
-                else:
-                    output = model(x)
-                loss = loss_fn(output, target)
+                loss = task(x, target)['loss']
             if accum > 1:
                 loss = loss / accum
+            params = task.get_trainable_module().parameters()
             if loss_scaler is not None:
                 loss_scaler(loss, optimizer, clip_grad=args.clip_grad, clip_mode=args.clip_mode,
-                            parameters=model.parameters(), create_graph=second_order, need_update=need_update)
+                            parameters=params, create_graph=second_order, need_update=need_update)
             else:
                 loss.backward(create_graph=second_order)
         if loss_scaler is None:
             if need_update:
                 if args.clip_grad is not None:
-                    utils.dispatch_clip_grad(model.parameters(), value=args.clip_grad, mode=args.clip_mode)
+                    utils.dispatch_clip_grad(task.get_clip_parameters(), value=args.clip_grad, mode=args.clip_mode)
                 optimizer.step()
         losses_m.update(loss.item() * accum, x.size(0))
         if not need_update:
@@ -605,8 +597,7 @@ def train_one_epoch(epoch, model, loader, optimizer, loss_fn, args, device, lr_s
             continue
         num_updates += 1
         optimizer.zero_grad()
-        if model_ema is not None:
-            model_ema.update(unwrap(model), step=num_updates)
+        task.update_ema(step=num_updates)
         update_time_m.update(time.time() - update_start)
         update_start = time.time()
         if (last_batch or batch_idx % args.log_interval == 0) and utils.is_primary(args):

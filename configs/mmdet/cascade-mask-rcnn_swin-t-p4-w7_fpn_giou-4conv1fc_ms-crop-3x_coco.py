@@ -6,7 +6,7 @@
 #   tokenaug-convert --src CKPT --dst OUT --to mmdet --model swin_tiny_patch4_window7_224     ($TOKENAUG_BACKBONE)
 _base_ = ['mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco.py']
 
-custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)  # weights_only-safe mmengine checkpoints
+custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)  # weights_only-safe mmengine checkpoints
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:pretrain/swin-tiny_tokenaug_mmdet.pth}}'
 num_classes = 80

@@ -2,7 +2,7 @@
 # data_root as in mmpretrain's ImageNet configs (data/imagenet).
 _base_ = ['mmpretrain::deit/deit-small_4xb256_in1k.py']
 
-custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)
+custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)
 
 data_preprocessor = dict(type='TokenAugDataPreprocessor', patch_size=16)
 model = dict(train_cfg=dict(_delete_=True, augments=[

@@ -6,7 +6,7 @@
 # after LV-ViT's final norm; TokenLabelingHead is the class head and the aux head.
 _base_ = ['./deit-small_in1k_token-labeling.py']
 
-custom_imports = dict(imports=['timm_plugin', 'mm_plugin'], allow_failed_imports=False)
+custom_imports = dict(imports=['timm_plugin', 'mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)
 
 model = dict(
     backbone=dict(_delete_=True, type='TIMMBackbone', model_name='lvvit_s', img_size=224, drop_path_rate=0.1),

@@ -2,12 +2,12 @@
 # (tl-align.md Table 1: 81.2 -> 81.4). Swin's token grid has patch size 4.
 _base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py']
 
-custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)
+custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)
 
 data_preprocessor = dict(type='TokenAugDataPreprocessor', patch_size=4)
 model = dict(
     type='TLAlignClassifier',
-    tl_align=dict(layers=None, normalise=True),
+    tl_align=dict(layers=None, residual=True),
     train_cfg=dict(_delete_=True, augments=[dict(type='TAMixup', alpha=0.8), dict(type='TACutMix', alpha=1.0)]),
 )
 

@@ -8,7 +8,7 @@
 # The backbone checkpoint: $TOKENAUG_BACKBONE.
 _base_ = ['mmseg::fcn/fcn_r50-d8_4xb4-160k_ade20k-512x512.py']
 
-custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)  # LVViT; weights_only-safe checkpoints
+custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)  # LVViT; weights_only-safe checkpoints
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:pretrain/lvvit-s_tokenaug_mmseg.pth}}'
 model = dict(

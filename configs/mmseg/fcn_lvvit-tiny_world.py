@@ -4,7 +4,7 @@
 # on block 9, AdamW, warmup + linear decay), a CPU-sized schedule. Backbone checkpoint: $TOKENAUG_BACKBONE.
 _base_ = ['mmseg::_base_/models/fcn_r50-d8.py', 'mmseg::_base_/default_runtime.py', './_base_/world_ade20k.py']
 
-custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)
+custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:demo_out/backbones/lvvit-tiny_mmseg.pth}}'
 norm_cfg = dict(type='BN', requires_grad=True)

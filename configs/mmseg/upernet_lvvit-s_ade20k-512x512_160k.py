@@ -8,7 +8,7 @@
 # (43.6M, auxiliary head counted). The backbone checkpoint: $TOKENAUG_BACKBONE.
 _base_ = ['mmseg::vit/vit_deit-s16_upernet_8xb2-160k_ade20k-512x512.py']
 
-custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)  # LVViT; weights_only-safe checkpoints
+custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)  # LVViT; weights_only-safe checkpoints
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:pretrain/lvvit-s_tokenaug_mmseg.pth}}'
 model = dict(

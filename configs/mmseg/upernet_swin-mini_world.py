@@ -4,7 +4,7 @@
 # --model-kwargs embed_dim=32 'depths=(2,2,2,2)' 'num_heads=(1,2,4,8)'. Backbone checkpoint: $TOKENAUG_BACKBONE.
 _base_ = ['mmseg::_base_/models/upernet_swin.py', 'mmseg::_base_/default_runtime.py', './_base_/world_ade20k.py']
 
-custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)
+custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:demo_out/backbones/swin-mini_mmseg.pth}}'
 norm_cfg = dict(type='BN', requires_grad=True)

@@ -5,7 +5,7 @@
 _base_ = ['mmseg::_base_/models/upernet_vit-b16_ln_mln.py', 'mmseg::_base_/default_runtime.py',
           './_base_/world_ade20k.py']
 
-custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)
+custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:demo_out/backbones/vit-tiny_mmseg.pth}}'
 norm_cfg = dict(type='BN', requires_grad=True)

@@ -5,7 +5,7 @@
 # (`tokenaug-maps generate --data-dir data/imagenet --split train --out ...`) from $TOKENAUG_MAPS.
 _base_ = ['mmpretrain::deit/deit-small_4xb256_in1k.py']
 
-custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)
+custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)
 
 data_root = 'data/imagenet'
 label_maps = '{{$TOKENAUG_MAPS:data/imagenet/token_label_maps}}'

@@ -4,7 +4,7 @@
 # (default: data/world, relative to the working directory).
 _base_ = ['mmpretrain::deit/deit-tiny_4xb256_in1k.py']
 
-custom_imports = dict(imports=['mm_plugin'], allow_failed_imports=False)
+custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)
 
 world_root = '{{$TOKENAUG_WORLD:data/world}}'
 num_classes = 10

@@ -14,8 +14,10 @@ or ``weights_only=False`` everywhere):
    ``__setstate__`` restores anyway (custom registered ones are still pickled, and such a checkpoint
    then needs the user's explicit ``weights_only=False``).
 
-Checkpoints written with ``mm_plugin`` imported (any of our configs) then resume with the upstream
-``tools/train.py --resume`` under the default ``weights_only=True``. Our own code passes
+Nothing happens on import: :func:`allow_mmengine_checkpoints` is an explicit call. Our configs make it by
+importing :mod:`mm_plugin.enable_safe_load` (``custom_imports=dict(imports=['mm_plugin',
+'mm_plugin.enable_safe_load'])``), ``tokenaug-convert`` calls it; checkpoints written that way resume with
+the upstream ``tools/train.py --resume`` under the default ``weights_only=True``. Our own code passes
 ``weights_only`` explicitly to every ``torch.load``.
 """
 from __future__ import annotations
@@ -50,7 +52,8 @@ MMENGINE_SAFE_GLOBALS: list = []
 
 
 def allow_mmengine_checkpoints() -> None:
-    """Idempotent; called by ``import mm_plugin``."""
+    """Idempotent. Allow MMEngine's checkpoint types under ``torch.load(weights_only=True)`` (see the module
+    docstring); configs call it through ``custom_imports`` of :mod:`mm_plugin.enable_safe_load`."""
     from mmengine.logging import HistoryBuffer
     if MMENGINE_SAFE_GLOBALS:
         return

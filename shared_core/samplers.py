@@ -1,0 +1,177 @@
+"""The sampler: timm ``Mixup``'s parameter logic (which batches mix, MixUp/cut switching, λ, modes) for
+every mixing kind, drawing a :class:`~shared_core.mix.Mix` without applying it.
+
+Papers: MixUp (https://arxiv.org/abs/1710.09412); CutMix (https://arxiv.org/abs/1905.04899), with box
+sampling, λ correction and min/max boxes as timm's ``timm/data/mixup.py``; MixToken (Token Labeling,
+``token-labeling.md`` Sec. 3.3): a box on the token grid; TokenMix (``tokenmix.md`` Sec. 3.2): token masks.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .boxes import box_token_share, minmax_sides, rand, rand_box, rand_box_minmax, sample_beta
+from .mix import IntPair, Mix, check_image_size, check_pairwise_batch, grid_size, to_2tuple
+from .token_masks import grid_box_mask, random_token_mask, tokenmix_masks
+
+__all__ = ['MIX_KINDS', 'CUT_KINDS', 'MODES', 'MixSampler']
+
+#: kinds whose "cut" branch replaces a region (pixel box, token box, token masks)
+CUT_KINDS = ('cutmix', 'token_box', 'tokenmix_block', 'tokenmix_random')
+#: every mixing kind a :class:`MixSampler` can draw
+MIX_KINDS = ('mixup',) + CUT_KINDS
+MODES = ('batch', 'pair', 'elem')
+
+class MixSampler:
+    """Draws a :class:`Mix` with timm ``Mixup``'s parameter logic.
+
+    ``mix_kind`` names the *cut* branch: ``'cutmix'`` (pixel box, timm's λ correction and min/max
+    option), ``'token_box'`` (MixToken: a box on the token grid), ``'tokenmix_block'`` /
+    ``'tokenmix_random'`` (TokenMix masks). ``'mixup'`` has no cut branch. As in timm, the MixUp
+    blend is active when ``mixup_alpha > 0``, the cut branch when ``cutmix_alpha > 0`` (or
+    ``cutmix_minmax`` is set for ``'cutmix'``), and with both the cut branch is taken with
+    probability ``switch_prob``. ``prob`` is the probability of mixing at all; ``mode`` draws one
+    set of parameters per ``'batch'``, per ``'pair'`` (i and B-1-i) or per ``'elem'``.
+    ``cutmix_alpha = 0`` (and no ``cutmix_minmax`` / ``tokenmix_lam``) leaves MixUp only, as in timm.
+
+    Token kinds need the patch size to divide the image. ``'mixup'`` and ``'cutmix'`` do not (timm's
+    Mixup works at any size, e.g. 299 px CNN inputs): the token grid then ends in clipped patches.
+
+    The cut branch's λ is always the exact own share afterwards for token kinds
+    (``1 - masked / N``); for ``'cutmix'`` it is corrected to the clipped box area when
+    ``correct_lam`` (or with ``cutmix_minmax``), as timm does. For token masks λ ~ Beta(cutmix_alpha)
+    unless ``tokenmix_lam`` fixes it (TokenMix's λ = 0.5: the partner gets half of the tokens).
+    """
+
+    def __init__(self, mix_kind: str = 'mixup', *, mixup_alpha: float = 1., cutmix_alpha: float = 0.,
+                 cutmix_minmax: Optional[Sequence[float]] = None, prob: float = 1.0,
+                 switch_prob: float = 0.5, mode: str = 'batch', correct_lam: bool = True,
+                 patch_size: IntPair = 16, tokenmix_lam: Optional[float] = None,
+                 tokenmix_min_tokens: Optional[int] = None):
+        if mix_kind not in MIX_KINDS:
+            raise ValueError(f'mix_kind must be one of {MIX_KINDS}, got {mix_kind!r}')
+        if mode not in MODES:
+            raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
+        if not 0. <= prob <= 1.:
+            raise ValueError(f'prob must be in [0, 1], got {prob}')
+        if not 0. <= switch_prob <= 1.:
+            raise ValueError(f'switch_prob must be in [0, 1], got {switch_prob}')
+        if mixup_alpha < 0 or cutmix_alpha < 0:
+            raise ValueError(f'mixup_alpha and cutmix_alpha must be >= 0, got {mixup_alpha}, {cutmix_alpha}')
+        if cutmix_minmax is not None:
+            if mix_kind != 'cutmix':
+                raise ValueError(f"cutmix_minmax applies to mix_kind='cutmix' only, got {mix_kind!r}")
+            if len(cutmix_minmax) != 2 or not 0 < cutmix_minmax[0] < cutmix_minmax[1] <= 1:
+                raise ValueError(f'cutmix_minmax must be (min, max) with 0 < min < max <= 1, got {cutmix_minmax}')
+            cutmix_alpha = 1.0  # as timm: minmax forces the cut branch on
+        if tokenmix_lam is not None:
+            if not mix_kind.startswith('tokenmix'):
+                raise ValueError(f"tokenmix_lam applies to the TokenMix kinds only, got mix_kind={mix_kind!r}")
+            if not 0. <= tokenmix_lam <= 1.:
+                raise ValueError(f'tokenmix_lam must be in [0, 1], got {tokenmix_lam}')
+        if mix_kind == 'mixup' and cutmix_alpha > 0:
+            raise ValueError("cutmix_alpha: mix_kind='mixup' only blends; use mix_kind='cutmix' "
+                             "(with mixup_alpha > 0) for timm's MixUp/CutMix switching")
+        if mixup_alpha <= 0 and cutmix_alpha <= 0 and tokenmix_lam is None:
+            raise ValueError(f'mixup_alpha and cutmix_alpha are both 0: nothing to mix for mix_kind={mix_kind!r} '
+                             f'(MixUp is active when mixup_alpha > 0, the {mix_kind!r} cut when cutmix_alpha > 0)')
+        self.mix_kind = mix_kind
+        self.mixup_alpha = float(mixup_alpha)
+        self.cutmix_alpha = float(cutmix_alpha)
+        self.cutmix_minmax = tuple(cutmix_minmax) if cutmix_minmax is not None else None
+        self.mix_prob = float(prob)
+        self.switch_prob = float(switch_prob)
+        self.mode = mode
+        self.correct_lam = correct_lam
+        self.patch_size = to_2tuple(patch_size, 'patch_size')
+        self.tokenmix_lam = tokenmix_lam
+        self.tokenmix_min_tokens = tokenmix_min_tokens
+        self.mixup_enabled = True  # timm's train loop switches this off after --mixup-off-epoch
+
+    @property
+    def has_blend(self) -> bool:
+        return self.mixup_alpha > 0
+
+    @property
+    def has_cut(self) -> bool:
+        return self.mix_kind != 'mixup' and (self.cutmix_alpha > 0 or self.tokenmix_lam is not None)
+
+    def _unit_params(self, n: int, generator) -> Tuple[torch.Tensor, torch.Tensor]:
+        """λ (float64) and use-cut (bool) for ``n`` parameter units; λ = 1 where not mixed."""
+        lam = torch.ones(n, dtype=torch.float64)
+        use_cut = torch.zeros(n, dtype=torch.bool)
+        if not self.mixup_enabled or n == 0:
+            return lam, use_cut
+        active = rand(n, generator) < self.mix_prob
+        if self.has_blend and self.has_cut:
+            use_cut = rand(n, generator) < self.switch_prob
+        elif self.has_cut:
+            use_cut = torch.ones(n, dtype=torch.bool)
+        lam_blend = sample_beta(self.mixup_alpha, n, generator) if self.has_blend else lam
+        if self.has_cut and self.mix_kind.startswith('tokenmix') and self.tokenmix_lam is not None:
+            lam_cut = torch.full((n,), float(self.tokenmix_lam), dtype=torch.float64)
+        elif self.has_cut:
+            lam_cut = sample_beta(self.cutmix_alpha, n, generator)
+        else:
+            lam_cut = lam
+        lam = torch.where(active, torch.where(use_cut, lam_cut, lam_blend), lam)
+        return lam, use_cut & active
+
+    def sample(self, batch_size: int, img_size: IntPair, generator: Optional[torch.Generator] = None,
+               device=None) -> Mix:
+        """A mix for a batch of ``batch_size`` images of ``img_size``."""
+        check_pairwise_batch(batch_size)
+        img_size = to_2tuple(img_size, 'img_size')
+        if self.mix_kind not in ('mixup', 'cutmix'):
+            check_image_size(img_size, self.patch_size)
+        if self.cutmix_minmax is not None:
+            minmax_sides(img_size, self.cutmix_minmax)  # fail on every batch, not only when a box is drawn
+        n = {'batch': 1, 'pair': batch_size // 2, 'elem': batch_size}[self.mode]
+        lam, use_cut = self._unit_params(n, generator)
+        grid = grid_size(img_size, self.patch_size)
+        N = grid[0] * grid[1]
+        share = (1. - lam).float()[:, None, None].expand(n, *grid).clone()
+        boxes = valid = None
+        cut = use_cut.nonzero().flatten()
+        if cut.numel():
+            lam_c = lam[cut]
+            if self.mix_kind == 'cutmix':
+                if self.cutmix_minmax is not None:
+                    b = rand_box_minmax(img_size, self.cutmix_minmax, cut.numel(), generator)
+                else:
+                    b = rand_box(img_size, lam_c, generator)
+                if self.correct_lam or self.cutmix_minmax is not None:
+                    area = (b[:, 1] - b[:, 0]) * (b[:, 3] - b[:, 2])
+                    lam_c = 1. - area.double() / (img_size[0] * img_size[1])
+                share[cut] = box_token_share(b, img_size, self.patch_size)
+                boxes = torch.zeros(n, 4, dtype=torch.long)
+                boxes[cut] = b
+                valid = use_cut
+            else:
+                if self.mix_kind == 'token_box':
+                    m = grid_box_mask(grid, lam_c, generator)
+                else:
+                    k = torch.round((1. - lam_c) * N).long()
+                    if self.mix_kind == 'tokenmix_block':
+                        m = tokenmix_masks(grid, k, generator, self.tokenmix_min_tokens)
+                    else:
+                        m = random_token_mask(grid, k, generator)
+                share[cut] = m.float()
+                lam_c = 1. - m.flatten(1).sum(1).double() / N
+            lam = lam.clone()
+            lam[cut] = lam_c
+        # expand parameter units to samples
+        if self.mode == 'batch':
+            idx = torch.zeros(batch_size, dtype=torch.long)
+        elif self.mode == 'pair':
+            half = torch.arange(batch_size // 2)
+            idx = torch.cat([half, half.flip(0)])
+        else:
+            idx = torch.arange(batch_size)
+        mix = Mix(partner=torch.arange(batch_size - 1, -1, -1), lam=lam[idx].float(),
+                  token_share=share[idx], img_size=img_size, patch_size=self.patch_size,
+                  kind=self.mix_kind if self.mixup_enabled else 'none',
+                  boxes=None if boxes is None else boxes[idx], box_valid=None if valid is None else valid[idx])
+        return mix if device is None else mix.to(device)
+

@@ -1,0 +1,174 @@
+"""``tokenaug-occlusion``: top-1 / top-5 accuracy vs the fraction of dropped patches (TokenMix, Fig. 5).
+
+TokenMix (tokenmix.md, Sec. 5.3 "TokenMix enhances the occlusion robustness of vision transformers",
+Fig. 4 and Fig. 5) evaluates a converged DeiT-S on ImageNet val while "we gradually drop 10% more
+patches and set the pixels inside to zero": top-1 vs drop ratio 0 %, 10 %, ..., 90 %. This is the
+random PatchDrop protocol of Naseer et al. 2021, "Intriguing Properties of Vision Transformers" (random
+patches of the model's 16 x 16 px patch grid are blanked out). This tool runs that sweep for any timm
+classifier and checkpoint::
+
+    tokenaug-occlusion --data-dir DIR [--split val] --model NAME [--checkpoint FILE [--use-ema]]
+                       [--model-kwargs k=v ...] [--num-classes N] [--ratios 0 0.1 ... 0.9]
+                       [--mode zero|drop] [--fill zero|black] [--patch-size P] [--img-size S]
+                       [--seed 0] [--repeats 1] [-b 64] [-j 2] [--device cpu|cuda] [--amp] [--out DIR]
+
+and writes ``OUT/occlusion.csv``, ``OUT/occlusion.md`` and ``OUT/occlusion.png`` (and prints the table).
+
+The protocol: :mod:`timm_plugin.occlusion`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from torch.utils.data import DataLoader
+
+from timm.data import create_transform
+
+from ..annotator import create_annotator
+from ..occlusion import (CNN_PATCH, CSV_FIELDS, DEFAULT_RATIOS, FILLS, MODES, Indexed, check_drop_model, check_ratios,
+                         data_config, evaluate, fill_values, patch_grid)
+from .common import add_data_model_args, parse_model_kwargs, resolve_device, split_dataset
+
+__all__ = ['write_results', 'format_table', 'parse_args', 'run', 'main']
+
+
+# ----------------------------------------------------------------------------------------- output
+def format_table(rows: Sequence[dict], repeats: int = 1) -> str:
+    """Markdown table of the rows (``± std`` over repeats when there are several)."""
+    def acc(row: dict, key: str) -> str:
+        return f'{row[key]:.2f}' + (f' ± {row[key + "_std"]:.2f}' if repeats > 1 else '')
+    lines = ['| drop ratio | dropped patches | top-1 (%) | top-5 (%) |', '|---:|---:|---:|---:|']
+    for row in rows:
+        lines.append(f'| {row["ratio"]:.0%} | {row["dropped_patches"]}/{row["num_patches"]} | '
+                     f'{acc(row, "top1")} | {acc(row, "top5")} |')
+    return '\n'.join(lines)
+
+
+def _plot(rows: Sequence[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    x = [100 * row['ratio'] for row in rows]
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    for key, style in (('top1', 'o-'), ('top5', 's--')):
+        y, err = [row[key] for row in rows], [row[key + '_std'] for row in rows]
+        ax.errorbar(x, y, yerr=err if any(err) else None, fmt=style, capsize=3, label=key.replace('top', 'top-'))
+    ax.set_xlabel('drop ratio (% of patches)')
+    ax.set_ylabel('accuracy (%)')
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_results(rows: Sequence[dict], out: str | Path, *, header: str, repeats: int = 1,
+                  title: str | None = None) -> dict[str, Path]:
+    """``occlusion.csv`` (one row per ratio), ``occlusion.md`` (header + table) and ``occlusion.png`` in ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {'csv': out / 'occlusion.csv', 'md': out / 'occlusion.md', 'png': out / 'occlusion.png'}
+    with open(paths['csv'], 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    paths['md'].write_text(f'# Occlusion robustness\n\n{header}\n\n{format_table(rows, repeats)}\n')
+    _plot(rows, paths['png'], title or header.splitlines()[0])
+    return paths
+
+
+# -------------------------------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog='tokenaug-occlusion', description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_data_model_args(p, split='val')
+    p.add_argument('--ratios', type=float, nargs='+', default=list(DEFAULT_RATIOS), metavar='R',
+                   help='fractions of patches to drop, each in [0, 1) (default 0 0.1 ... 0.9)')
+    p.add_argument('--mode', default='zero', choices=MODES,
+                   help='zero: blank the pixels (any model); drop: remove the tokens (timm ViTs)')
+    p.add_argument('--fill', default='zero', choices=FILLS,
+                   help='zero mode: 0 in normalised space (= mean colour, default) or black (raw pixel 0)')
+    p.add_argument('--patch-size', type=int, default=None, help='occlusion patch in px (default: the model\'s '
+                   f'token stride; {CNN_PATCH} for models without patch_embed)')
+    p.add_argument('--img-size', type=int, default=None, help='eval input size (default: the model\'s)')
+    p.add_argument('--crop-pct', type=float, default=None, help='eval centre-crop fraction (default: the model\'s)')
+    p.add_argument('--seed', type=int, default=0, help='mask seed (the same for every checkpoint)')
+    p.add_argument('--repeats', type=int, default=1, help='independent mask draws to average')
+    p.add_argument('-b', '--batch-size', type=int, default=64)
+    p.add_argument('-j', '--workers', type=int, default=2, help='DataLoader workers')
+    p.add_argument('--device', default=None, help='cpu | cuda | cuda:N (default: cuda when available)')
+    p.add_argument('--amp', action='store_true', help='autocast (float16 on CUDA, bfloat16 on CPU)')
+    p.add_argument('--out', default='occlusion', help='output directory (default ./occlusion)')
+    p.add_argument('--no-progress', action='store_true', help='no progress bar')
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        args.ratios = check_ratios(args.ratios)
+    except ValueError as e:
+        parser.error(str(e))
+    checks = {'seed': args.seed >= 0, 'repeats': args.repeats >= 1, 'batch_size': args.batch_size >= 1,
+              'workers': args.workers >= 0, 'patch_size': args.patch_size is None or args.patch_size >= 1,
+              'img_size': args.img_size is None or args.img_size >= 1}
+    for name, ok in checks.items():
+        if not ok:
+            parser.error(f'--{name.replace("_", "-")}: got {getattr(args, name)}, expected '
+                         f'{">= 0" if name in ("seed", "workers") else ">= 1"}')
+    return args
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """The whole CLI run: model, data, sweep, files; returns the rows."""
+    device = resolve_device(args.device)
+    model = create_annotator(args.model, checkpoint=args.checkpoint, num_classes=args.num_classes,
+                             model_kwargs=parse_model_kwargs(args.model_kwargs), use_ema=args.use_ema)
+    if args.mode == 'drop':
+        check_drop_model(model)
+    model.to(device)
+    config = data_config(model, args.img_size, args.crop_pct)
+    grid, patch = patch_grid(model, config['input_size'][-2:], args.patch_size, args.mode)
+    transform = create_transform(**config, is_training=False)
+    images, root = split_dataset(args.data_dir, args.split, transform)
+    if len(images) == 0:
+        raise FileNotFoundError(f'--data-dir {args.data_dir} / --split {args.split!r}: no images under {root}')
+    dataset = Indexed(images)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=False, num_workers=args.workers,
+                        pin_memory=device.type == 'cuda')
+    fill = fill_values(args.fill, config['mean'], config['std'])
+    rows = evaluate(model, loader, grid=grid, patch=patch, ratios=args.ratios, mode=args.mode, fill=fill,
+                    seed=args.seed, repeats=args.repeats, device=device, amp=args.amp,
+                    progress=not args.no_progress)
+    weights = f'{args.checkpoint}{" (EMA)" if args.use_ema else ""}' if args.checkpoint else 'random weights'
+    header = (f'{args.model} ({weights}), mode {args.mode}'
+              + (f' (fill {args.fill})' if args.mode == 'zero' else '') + '\n\n'
+              f'data {args.data_dir} / {args.split or "."}: {len(dataset)} images at '
+              f'{config["input_size"][1]}x{config["input_size"][2]}, {grid[0]}x{grid[1]} patches of '
+              f'{patch[0]}x{patch[1]} px; seed {args.seed}, {args.repeats} repeat(s)')
+    title = f'{args.model} ({Path(args.checkpoint).name if args.checkpoint else "random weights"}), mode {args.mode}'
+    paths = write_results(rows, args.out, header=header, repeats=args.repeats, title=title)
+    print(f'{header}\n\n{format_table(rows, args.repeats)}\n\nwrote {", ".join(str(p) for p in paths.values())}')
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f'tokenaug-occlusion: error: {e}', file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
