@@ -2,15 +2,20 @@
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: install test test-quick demo bench clean
+.PHONY: install lint test test-quick demo bench clean
 
 install:
 	@bash scripts/install.sh $(VENV)
 
-test: install
+# ruff (config in pyproject.toml): lint and format check
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PYTHON) -m pytest
 
-test-quick: install
+test-quick: lint
 	$(PYTHON) -m pytest -m "not slow"
 
 demo: install

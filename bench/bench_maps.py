@@ -15,6 +15,7 @@ Three measurements, printed as one table:
     .venv/bin/python bench/bench_maps.py [--model resnet50] [--input-size 576] [--batch-size 16]
         [--images 64] [--workers 2] [--device cpu] [--amp] [--store-rows 20000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,13 +26,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import device_sync, median_times
 from PIL import Image
 
 from shared_core.map_store import LabelMapStore, MapWriter, store_status
 from timm_plugin import annotator
 from timm_plugin.tools import maps_cli as maps
-
-from common import device_sync, median_times
 
 
 def write_images(root: Path, n: int, size: tuple[int, int], seed: int = 0) -> None:
@@ -49,8 +49,9 @@ def bench_size(tmp: Path, rows: int) -> dict:
     """Create and fill a 18x18 top-5 store of 1000 classes with ``rows`` rows; its size and the store."""
     paths = [f'n{c:08d}/n{c:08d}_{i:06d}.JPEG' for i in range(rows) for c in [i % 1000]]
     rng = np.random.default_rng(0)
-    with MapWriter.create(tmp / 'store', paths, num_classes=1000, k=5, grid=(18, 18), annotator='bench',
-                          input_size=(576, 576)) as w:
+    with MapWriter.create(
+        tmp / 'store', paths, num_classes=1000, k=5, grid=(18, 18), annotator='bench', input_size=(576, 576)
+    ) as w:
         for a in range(0, rows, 2048):
             b = min(rows, a + 2048)
             values = np.sort(rng.random((b - a, 5, 18, 18), dtype=np.float32) / 5, axis=1)[:, ::-1]
@@ -80,9 +81,26 @@ def bench_reads(store_dir: Path, repeats: int) -> tuple[float, float]:
 def bench_generate(tmp: Path, args) -> dict:
     data = tmp / 'data'
     write_images(data / 'train', args.images, tuple(args.image_size))
-    argv = ['generate', '--data-dir', str(data), '--model', args.model, '--num-classes', '1000',
-            '--out', str(tmp / 'maps'), '--input-size', str(args.input_size), '-b', str(args.batch_size),
-            '-j', str(args.workers), '--device', args.device, '--no-progress']
+    argv = [
+        'generate',
+        '--data-dir',
+        str(data),
+        '--model',
+        args.model,
+        '--num-classes',
+        '1000',
+        '--out',
+        str(tmp / 'maps'),
+        '--input-size',
+        str(args.input_size),
+        '-b',
+        str(args.batch_size),
+        '-j',
+        str(args.workers),
+        '--device',
+        args.device,
+        '--no-progress',
+    ]
     if args.amp:
         argv.append('--amp')
     result = maps.generate(maps.parse_args(argv))
@@ -127,8 +145,10 @@ def main() -> None:
         n = args.store_rows
         print('| measurement | value |')
         print('|---|---|')
-        print(f'| payload bytes / image (18x18, top-5, 1000 classes: fp16 + uint16) | '
-              f'{status["payload_bytes_per_image"]} |')
+        print(
+            f'| payload bytes / image (18x18, top-5, 1000 classes: fp16 + uint16) | '
+            f'{status["payload_bytes_per_image"]} |'
+        )
         print(f'| on-disk bytes / image, all files, {n} rows | {status["file_bytes_per_image"]:.1f} |')
         print(f'| allocated bytes / image, all files, {n} rows | {sum(status["allocated_bytes"].values()) / n:.1f} |')
         print(f'| random row() read, {n}-row memmapped store | {row_us:.1f} µs |')
@@ -137,10 +157,14 @@ def main() -> None:
             return
         gen = bench_generate(tmp, args)
         ann = bench_annotator(args)
-        what = (f'{args.model} @ {args.input_size} px (grid {gen["grid"][0]}x{gen["grid"][1]}), batch '
-                f'{args.batch_size}, {args.device}{" AMP" if args.amp else ""}')
-        print(f'| generate end to end, {args.images} JPEGs {args.image_size[0]}x{args.image_size[1]}, '
-              f'{args.workers} workers: {what} | {gen["img_s"]:.2f} img/s |')
+        what = (
+            f'{args.model} @ {args.input_size} px (grid {gen["grid"][0]}x{gen["grid"][1]}), batch '
+            f'{args.batch_size}, {args.device}{" AMP" if args.amp else ""}'
+        )
+        print(
+            f'| generate end to end, {args.images} JPEGs {args.image_size[0]}x{args.image_size[1]}, '
+            f'{args.workers} workers: {what} | {gen["img_s"]:.2f} img/s |'
+        )
         print(f'| annotator only (annotate on a preloaded batch): {what} | {ann:.2f} img/s |')
 
 

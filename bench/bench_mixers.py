@@ -7,6 +7,7 @@ switch rows each side draws its own branch per call, so those medians mix both k
 
     .venv/bin/python bench/bench_mixers.py [--batch 128] [--size 224] [--repeats 30] [--device cpu]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,11 +15,10 @@ import platform
 
 import numpy as np
 import torch
+from common import device_sync, median_times
 from timm.data import FastCollateMixup, Mixup
 
 from timm_plugin import create_mixer
-
-from common import device_sync, median_times
 
 
 def compare(name, ours, theirs, repeats, sync):
@@ -42,23 +42,30 @@ def main():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(B, 3, S, S, generator=gen).to(dev)
     y = torch.randint(0, C, (B,), generator=gen).to(dev)
-    print(f'# batch {B}x3x{S}x{S}, {C} classes, device {dev} '
-          f'({torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()}), '
-          f'torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}')
+    print(
+        f'# batch {B}x3x{S}x{S}, {C} classes, device {dev} '
+        f'({torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()}), '
+        f'torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}'
+    )
     print('| mixer (on-device, x, y -> x, target) | timm ms | tokenaug ms | ratio |')
     print('|---|---|---|---|')
     cases = [
-        ('mixup α=0.8, batch', 'mixup', dict(mixup_alpha=0.8, cutmix_alpha=0.), 'batch'),
-        ('cutmix α=1, batch', 'cutmix', dict(mixup_alpha=0., cutmix_alpha=1.), 'batch'),
-        ('mixup/cutmix switch, batch (DeiT)', 'cutmix', dict(mixup_alpha=0.8, cutmix_alpha=1.), 'batch'),
-        ('mixup/cutmix switch, elem', 'cutmix', dict(mixup_alpha=0.8, cutmix_alpha=1.), 'elem'),
-        ('tokenmix_block elem vs timm cutmix elem', 'tokenmix_block', dict(mixup_alpha=0., cutmix_alpha=1.), 'elem'),
-        ('tokenmix_random elem vs timm cutmix elem', 'tokenmix_random', dict(mixup_alpha=0., cutmix_alpha=1.), 'elem'),
-        ('token_box elem vs timm cutmix elem', 'token_box', dict(mixup_alpha=0., cutmix_alpha=1.), 'elem'),
+        ('mixup α=0.8, batch', 'mixup', dict(mixup_alpha=0.8, cutmix_alpha=0.0), 'batch'),
+        ('cutmix α=1, batch', 'cutmix', dict(mixup_alpha=0.0, cutmix_alpha=1.0), 'batch'),
+        ('mixup/cutmix switch, batch (DeiT)', 'cutmix', dict(mixup_alpha=0.8, cutmix_alpha=1.0), 'batch'),
+        ('mixup/cutmix switch, elem', 'cutmix', dict(mixup_alpha=0.8, cutmix_alpha=1.0), 'elem'),
+        ('tokenmix_block elem vs timm cutmix elem', 'tokenmix_block', dict(mixup_alpha=0.0, cutmix_alpha=1.0), 'elem'),
+        (
+            'tokenmix_random elem vs timm cutmix elem',
+            'tokenmix_random',
+            dict(mixup_alpha=0.0, cutmix_alpha=1.0),
+            'elem',
+        ),
+        ('token_box elem vs timm cutmix elem', 'token_box', dict(mixup_alpha=0.0, cutmix_alpha=1.0), 'elem'),
     ]
     for name, kind, alphas, mode in cases:
         ours = create_mixer(kind, mode=mode, num_classes=C, patch_size=16, **alphas)
-        timm_alphas = alphas if kind in ('mixup', 'cutmix') else dict(mixup_alpha=0., cutmix_alpha=1.)
+        timm_alphas = alphas if kind in ('mixup', 'cutmix') else dict(mixup_alpha=0.0, cutmix_alpha=1.0)
         theirs = Mixup(mode=mode, num_classes=C, **timm_alphas)
         compare(name, lambda: ours(x.clone(), y), lambda: theirs(x.clone(), y), args.repeats, sync)
 
@@ -70,7 +77,7 @@ def main():
     labels = rng.randint(0, C, B).tolist()
     for name, kind, alphas, mode in cases[:4] + cases[4:5]:
         ours = create_mixer(kind, mode=mode, num_classes=C, patch_size=16, collate=True, **alphas)
-        timm_alphas = alphas if kind in ('mixup', 'cutmix') else dict(mixup_alpha=0., cutmix_alpha=1.)
+        timm_alphas = alphas if kind in ('mixup', 'cutmix') else dict(mixup_alpha=0.0, cutmix_alpha=1.0)
         theirs = FastCollateMixup(mode=mode, num_classes=C, **timm_alphas)
         reps = max(5, args.repeats // 3)
         # timm's pair mode mutates the arrays in place: every call gets its own copies, made outside the timing

@@ -3,6 +3,7 @@ same step with the plain area target, on the same mixed batch; interleaved, medi
 
     .venv/bin/python bench/bench_tl_align.py [--model deit_tiny_patch16_224] [--batch 32] [--repeats 10]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -10,12 +11,11 @@ import platform
 
 import timm
 import torch
+from common import device_sync, median_times, optimizer_step
 from timm.loss import SoftTargetCrossEntropy
 
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign
-
-from common import device_sync, median_times, optimizer_step
 
 
 def main():
@@ -32,7 +32,7 @@ def main():
     wrapped = TLAlign(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     loss_fn = SoftTargetCrossEntropy()
-    mixer = create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1.0, num_classes=1000, patch_size=16, carry_mix=True)
+    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=1000, patch_size=16, carry_mix=True)
     x = torch.randn(args.batch, 3, 224, 224, device=dev)
     y = torch.randint(0, 1000, (args.batch,), device=dev)
     xm, target = mixer(x, y)
@@ -42,8 +42,10 @@ def main():
     aligned = optimizer_step(lambda: loss_fn(*wrapped(xm, target)), opt, autocast)  # (logits, aligned target)
     b, a = median_times([plain, aligned], args.repeats, warmup=2, sync=device_sync(dev))
     name = torch.cuda.get_device_name(dev) if dev.type == 'cuda' else (platform.processor() or platform.machine())
-    print(f'# {args.model}, batch {args.batch}x3x224x224, device {dev} ({name}), amp={args.amp}, '
-          f'torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}')
+    print(
+        f'# {args.model}, batch {args.batch}x3x224x224, device {dev} ({name}), amp={args.amp}, '
+        f'torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}'
+    )
     print('| training step | plain (area target) ms | TL-Align ms | ratio |')
     print('|---|---|---|---|')
     print(f'| {args.model} | {b * 1e3:.1f} | {a * 1e3:.1f} | {a / b:.3f} |')

@@ -11,6 +11,7 @@
 
     .venv/bin/python bench/bench_token_labels.py [--images 64] [--rounds 5] [--batch 128] [--device cpu]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,15 +23,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import device_sync, median_times, optimizer_step
 from PIL import Image
 from timm.data import create_dataset, create_transform
 from timm.data.loader import fast_collate
 
 from shared_core.label_maps import token_targets_batch, token_targets_sparse
-from shared_core.map_store import LabelMapStore
+from shared_core.map_store import LabelMapStore, MapWriter
 from timm_plugin.token_label_data import TokenLabelCollate, TokenLabelDataset
-
-from common import device_sync, median_times, optimizer_step
 
 
 def make_images(root: Path, n: int, seed: int = 0) -> list:
@@ -52,7 +52,7 @@ def make_images(root: Path, n: int, seed: int = 0) -> list:
 
 def make_store(path: Path, paths: list, C=1000, k=5, grid=(18, 18), seed=0) -> LabelMapStore:
     rng = np.random.default_rng(seed)
-    w = LabelMapStore.create(path, paths, num_classes=C, k=k, grid=grid, annotator='bench', input_size=(576, 576))
+    w = MapWriter.create(path, paths, num_classes=C, k=k, grid=grid, annotator='bench', input_size=(576, 576))
     n = len(paths)
     idx = np.stack([rng.choice(C, size=k, replace=False) for _ in range(n * grid[0] * grid[1])])
     idx = idx.reshape(n, *grid, k).transpose(0, 3, 1, 2)
@@ -76,9 +76,12 @@ def main():
     p.add_argument('--rounds', type=int, default=5)
     p.add_argument('--batch', type=int, default=128)
     p.add_argument('--device', default='cpu')
-    p.add_argument('--step-model', default=None,
-                   help='also time a training step of this timm model: plain CE vs token labeling + MixToken '
-                        '(aux head, un-mixing, dense targets built in the step)')
+    p.add_argument(
+        '--step-model',
+        default=None,
+        help='also time a training step of this timm model: plain CE vs token labeling + MixToken '
+        '(aux head, un-mixing, dense targets built in the step)',
+    )
     p.add_argument('--amp', action='store_true')
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -86,15 +89,21 @@ def main():
         root = Path(tmp)
         paths = make_images(root, args.images)
         store = make_store(root / 'maps', paths)
-        tf = create_transform(224, is_training=True, auto_augment='rand-m9-mstd0.5-inc1', use_prefetcher=True,
-                              interpolation='bicubic')
+        tf = create_transform(
+            224, is_training=True, auto_augment='rand-m9-mstd0.5-inc1', use_prefetcher=True, interpolation='bicubic'
+        )
         plain = create_dataset('', root=str(root), split='train', is_training=True)
         plain.transform = tf
-        tl, same = (TokenLabelDataset(create_dataset('', root=str(root), split='train', is_training=True), store,
-                                      keep_geometric_aa=keep) for keep in (False, True))
+        tl, same = (
+            TokenLabelDataset(
+                create_dataset('', root=str(root), split='train', is_training=True), store, keep_geometric_aa=keep
+            )
+            for keep in (False, True)
+        )
         for d in (tl, same):
-            d.transform = create_transform(224, is_training=True, auto_augment='rand-m9-mstd0.5-inc1',
-                                           use_prefetcher=True, interpolation='bicubic')
+            d.transform = create_transform(
+                224, is_training=True, auto_augment='rand-m9-mstd0.5-inc1', use_prefetcher=True, interpolation='bicubic'
+            )
         n = len(plain)
         # 1. per-sample loader work, interleaved rounds (each round re-seeds, so the ops drawn are the same)
         t_plain, t_tl, t_same = [], [], []
@@ -122,39 +131,55 @@ def main():
         sync = device_sync(args.device)
         t_build = {}
         for name, fn in (('sparse', token_targets_sparse), ('dense', token_targets_batch)):
+
             def build(fn=fn):
                 fn(target.values, target.indices, 1000, target.boxes, target.flips, (14, 14), 0.1)
                 sync()
+
             build()
             t_build[name] = statistics.median(timed(build, 3) for _ in range(args.rounds))
 
     step = training_step(args, target) if args.step_model else None
-    print(f'token labeling data cost ({args.images} JPEGs 500x375 -> 224 px, RandAugment m9, median of '
-          f'{args.rounds} interleaved rounds, {torch.get_num_threads()} threads)')
+    print(
+        f'token labeling data cost ({args.images} JPEGs 500x375 -> 224 px, RandAugment m9, median of '
+        f'{args.rounds} interleaved rounds, {torch.get_num_threads()} threads)'
+    )
     print('| stage | plain timm | with label maps | ratio |')
     print('|---|---|---|---|')
-    print(f'| loader work per sample, same RandAugment ops (keep_geometric_aa) | {mp * 1e3:.2f} ms | '
-          f'{ms * 1e3:.2f} ms | {ms / mp:.3f} |')
-    print(f'| loader work per sample, default (RandAugment without geometric ops) | {mp * 1e3:.2f} ms | '
-          f'{mt * 1e3:.2f} ms | {mt / mp:.3f} |')
+    print(
+        f'| loader work per sample, same RandAugment ops (keep_geometric_aa) | {mp * 1e3:.2f} ms | '
+        f'{ms * 1e3:.2f} ms | {ms / mp:.3f} |'
+    )
+    print(
+        f'| loader work per sample, default (RandAugment without geometric ops) | {mp * 1e3:.2f} ms | '
+        f'{mt * 1e3:.2f} ms | {mt / mp:.3f} |'
+    )
     print(f'| of which: map row read (memmap, k=5, 18x18) | - | {t_row * 1e6:.1f} us | {t_row / mp:.4f} of plain |')
-    print(f'| collate per batch of {B} | {statistics.median(c_plain) * 1e3:.2f} ms | '
-          f'{statistics.median(c_tl) * 1e3:.2f} ms | {statistics.median(c_tl) / statistics.median(c_plain):.2f} |')
+    print(
+        f'| collate per batch of {B} | {statistics.median(c_plain) * 1e3:.2f} ms | '
+        f'{statistics.median(c_tl) * 1e3:.2f} ms | {statistics.median(c_tl) / statistics.median(c_plain):.2f} |'
+    )
     for name, t in t_build.items():
-        print(f'| {name} token targets, batch {args.batch}, C=1000, 18x18 -> 14x14 ({args.device}) | - | '
-              f'{t * 1e3:.1f} ms | {t / args.batch * 1e3:.3f} ms per sample |')
+        print(
+            f'| {name} token targets, batch {args.batch}, C=1000, 18x18 -> 14x14 ({args.device}) | - | '
+            f'{t * 1e3:.1f} ms | {t / args.batch * 1e3:.3f} ms per sample |'
+        )
 
     if step:
         tp, tt = step
-        print(f'| training step {args.step_model}, batch {args.batch} ({args.device}, amp={args.amp}) | '
-              f'{tp * 1e3:.1f} ms | {tt * 1e3:.1f} ms | {tt / tp:.3f} |')
+        print(
+            f'| training step {args.step_model}, batch {args.batch} ({args.device}, amp={args.amp}) | '
+            f'{tp * 1e3:.1f} ms | {tt * 1e3:.1f} ms | {tt / tp:.3f} |'
+        )
 
 
 def training_step(args, target):
     """Median step times (plain CE on the class head, token labeling + MixToken) on one batch."""
     import timm
     import torch.nn.functional as F
+
     from timm_plugin.token_labeling import TokenLabeling, TokenLabelingLoss, attach_aux_head
+
     dev = torch.device(args.device)
     torch.manual_seed(0)
     model = attach_aux_head(timm.create_model(args.step_model, num_classes=1000)).to(dev).train()

@@ -17,6 +17,7 @@ ratio ours / timm (< 1: ours is faster).
 
     .venv/bin/python bench/bench_tokenmix_sampler.py [--batch 128] [--grid 14] [--repeats 200] [--threads N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,10 @@ import platform
 
 import numpy as np
 import torch
+from common import median_times
 from timm.data.mixup import Mixup, cutmix_bbox_and_lam
 
 from shared_core.mixing import MixSampler, sample_beta, tokenmix_masks
-
-from common import median_times
 
 
 def compare(name, ours, theirs, repeats):
@@ -50,9 +50,11 @@ def main():
     img_shape = (3, S, S)
     gen = torch.Generator().manual_seed(0)
     np.random.seed(0)
-    print(f'# {B} masks on a {G}x{G} token grid ({S} px, patch 16) vs {B} timm CutMix boxes (elem mode), '
-          f'CPU ({platform.processor() or platform.machine()}), torch {torch.__version__}, numpy {np.__version__}, '
-          f'{torch.get_num_threads()} threads, median of {args.repeats}')
+    print(
+        f'# {B} masks on a {G}x{G} token grid ({S} px, patch 16) vs {B} timm CutMix boxes (elem mode), '
+        f'CPU ({platform.processor() or platform.machine()}), torch {torch.__version__}, numpy {np.__version__}, '
+        f'{torch.get_num_threads()} threads, median of {args.repeats}'
+    )
     print('| sampler (batch of %d) | timm CutMix ms | tokenaug TokenMix block ms | ratio |' % B)
     print('|---|---|---|---|')
 
@@ -65,28 +67,32 @@ def main():
     compare('λ = 0.5', lambda: tokenmix_masks((G, G), k_half, gen), timm_boxes_half, args.repeats)
 
     def ours_beta():
-        lam = sample_beta(1., B, gen)
-        tokenmix_masks((G, G), torch.round((1. - lam) * N).long(), gen)
+        lam = sample_beta(1.0, B, gen)
+        tokenmix_masks((G, G), torch.round((1.0 - lam) * N).long(), gen)
 
     def timm_beta():
-        lam = np.random.beta(1., 1., size=B)
+        lam = np.random.beta(1.0, 1.0, size=B)
         for i in range(B):
             cutmix_bbox_and_lam(img_shape, lam[i], correct_lam=True)
 
     compare('λ ~ Beta(1, 1)', ours_beta, timm_beta, args.repeats)
 
-    sampler = MixSampler('tokenmix_block', mixup_alpha=0., cutmix_alpha=1., mode='elem', patch_size=16)
-    mixup = Mixup(mixup_alpha=0., cutmix_alpha=1., mode='elem', num_classes=1000)
+    sampler = MixSampler('tokenmix_block', mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', patch_size=16)
+    mixup = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', num_classes=1000)
 
     def timm_elem():  # the drawing part of Mixup._mix_elem, without the pixel copy
         lam_batch, use_cutmix = mixup._params_per_elem(B)
         for i in range(B):
-            if lam_batch[i] != 1. and use_cutmix[i]:
+            if lam_batch[i] != 1.0 and use_cutmix[i]:
                 _, lam_batch[i] = cutmix_bbox_and_lam(img_shape, lam_batch[i], correct_lam=True)
         return torch.tensor(lam_batch).unsqueeze(1)
 
-    compare('full elem-mode draw, α = 1 (MixSampler.sample vs _params_per_elem + boxes)',
-            lambda: sampler.sample(B, S, gen), timm_elem, args.repeats)
+    compare(
+        'full elem-mode draw, α = 1 (MixSampler.sample vs _params_per_elem + boxes)',
+        lambda: sampler.sample(B, S, gen),
+        timm_elem,
+        args.repeats,
+    )
 
 
 if __name__ == '__main__':

@@ -1,6 +1,7 @@
 """Timing helpers shared by the bench scripts. They run as ``python bench/<script>.py`` (from any working
 directory): Python puts the script's folder, this one, first on ``sys.path``, so ``from common import ...``
 finds this module."""
+
 from __future__ import annotations
 
 import statistics
@@ -17,12 +18,14 @@ def device_sync(device) -> Callable[[], None]:
 
 def optimizer_step(loss: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, autocast) -> Callable[[], None]:
     """One training step as a function: ``loss()`` under ``autocast``, backward, ``opt.step()``, zeroed grads."""
+
     def step():
         with autocast:
             value = loss()
         value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return step
 
 
@@ -37,8 +40,9 @@ def timed(fn: Callable[[], object], sync: Optional[Callable[[], None]] = None) -
     return time.perf_counter() - t
 
 
-def median_times(fns: Sequence[Callable[[], object]], repeats: int, warmup: int = 0,
-                 sync: Optional[Callable[[], None]] = None) -> List[float]:
+def median_times(
+    fns: Sequence[Callable[[], object]], repeats: int, warmup: int = 0, sync: Optional[Callable[[], None]] = None
+) -> List[float]:
     """Median seconds per call of each of ``fns``: ``warmup`` untimed rounds, then ``repeats`` rounds that
     time each function once, in the given order (interleaved: a drift of the machine's speed hits all alike)."""
     for _ in range(warmup):

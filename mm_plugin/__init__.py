@@ -5,16 +5,36 @@ else happens on import. MMEngine's checkpoints under ``torch.load(weights_only=T
 
 ``TA*`` = *token-aware*: the batch augments whose mix (partner, λ, per-token shares) stays known.
 """
-from .mmengine_safe_load import allow_mmengine_checkpoints
+
 from .batch_augments import MixBatchAugment, TACutMix, TAMixToken, TAMixup, TATokenMix
 from .data_preprocessor import TokenAugDataPreprocessor, mix_from_samples
-from .token_label_transforms import (LoadTokenLabelMap, PackTokenLabelInputs, TokenLabelRandAugment,
-                                     TokenLabelRandomResizedCrop)
-from .tl_align import TLAlignClassifier, TransMixClassifier
-from .token_labeling import TokenLabelingClassifier, TokenLabelingHead
 from .lvvit import LVViT
+from .mmengine_safe_load import allow_mmengine_checkpoints
+from .tl_align import TLAlignClassifier, TransMixClassifier
+from .token_label_transforms import (
+    LoadTokenLabelMap,
+    PackTokenLabelInputs,
+    TokenLabelRandAugment,
+    TokenLabelRandomResizedCrop,
+)
+from .token_labeling import TokenLabelingClassifier, TokenLabelingHead
 
-__all__ = ['MixBatchAugment', 'TACutMix', 'TAMixToken', 'TAMixup', 'TATokenMix', 'TokenAugDataPreprocessor',
-           'mix_from_samples', 'allow_mmengine_checkpoints', 'LoadTokenLabelMap', 'PackTokenLabelInputs',
-           'TokenLabelRandAugment', 'TokenLabelRandomResizedCrop', 'TLAlignClassifier', 'TransMixClassifier',
-           'TokenLabelingClassifier', 'TokenLabelingHead', 'LVViT']
+__all__ = [
+    'MixBatchAugment',
+    'TACutMix',
+    'TAMixToken',
+    'TAMixup',
+    'TATokenMix',
+    'TokenAugDataPreprocessor',
+    'mix_from_samples',
+    'allow_mmengine_checkpoints',
+    'LoadTokenLabelMap',
+    'PackTokenLabelInputs',
+    'TokenLabelRandAugment',
+    'TokenLabelRandomResizedCrop',
+    'TLAlignClassifier',
+    'TransMixClassifier',
+    'TokenLabelingClassifier',
+    'TokenLabelingHead',
+    'LVViT',
+]

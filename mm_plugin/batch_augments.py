@@ -13,6 +13,7 @@ The mixing itself (λ, boxes, masks, images, targets) lives in :mod:`shared_core
 classes only translate config keys. As in timm, sample ``i`` is paired with ``B - 1 - i`` (the
 dataloader shuffles, so this is a random pairing) and λ is the share of the sample's own image.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
@@ -45,22 +46,30 @@ class MixBatchAugment:
     #: the sampler's mixing kind (set by each subclass)
     mix_kind = 'mixup'
 
-    def __init__(self, alpha: float = 1.0, patch_size=None, mode: str = 'batch',
-                 activation_targets: Optional[str] = None, **sampler_kwargs):
+    def __init__(
+        self,
+        alpha: float = 1.0,
+        patch_size=None,
+        mode: str = 'batch',
+        activation_targets: Optional[str] = None,
+        **sampler_kwargs,
+    ):
         if activation_targets is not None and activation_targets not in ACTIVATION_TARGETS:
-            raise ValueError(f'activation_targets: expected one of {ACTIVATION_TARGETS} or None, '
-                             f'got {activation_targets!r}')
+            raise ValueError(
+                f'activation_targets: expected one of {ACTIVATION_TARGETS} or None, got {activation_targets!r}'
+            )
         self.activation_targets = activation_targets
         if self.mix_kind == 'mixup':
-            args = dict(mixup_alpha=alpha, cutmix_alpha=0.)
+            args = dict(mixup_alpha=alpha, cutmix_alpha=0.0)
         else:
-            args = dict(mixup_alpha=0., cutmix_alpha=alpha)
+            args = dict(mixup_alpha=0.0, cutmix_alpha=alpha)
         self.alpha = alpha
         self.patch_size_given = patch_size is not None
         self.generator: Optional[torch.Generator] = None  # set by TokenAugDataPreprocessor(generator=...)
         self.last_mix: Optional[Mix] = None
-        self.sampler = MixSampler(self.mix_kind, patch_size=16 if patch_size is None else patch_size, mode=mode,
-                                  **args, **sampler_kwargs)
+        self.sampler = MixSampler(
+            self.mix_kind, patch_size=16 if patch_size is None else patch_size, mode=mode, **args, **sampler_kwargs
+        )
 
     def sample_mix(self, batch_size: int, img_size: Tuple[int, int]) -> Mix:
         """The mix of a batch (on the CPU; :func:`mix_images` and :func:`mix_target` move what they need)."""
@@ -70,16 +79,18 @@ class MixBatchAugment:
     def __call__(self, batch_inputs: torch.Tensor, batch_score: torch.Tensor):
         """The stock mmpretrain contract: mix images and one-hot (or soft) scores ``(N, C)``."""
         if batch_score.ndim != 2 or batch_score.shape[0] != batch_inputs.shape[0]:
-            raise ValueError(f'batch_score: expected (N={batch_inputs.shape[0]}, num_classes) scores, '
-                             f'got {tuple(batch_score.shape)}')
+            raise ValueError(
+                f'batch_score: expected (N={batch_inputs.shape[0]}, num_classes) scores, got {tuple(batch_score.shape)}'
+            )
         mix = self.sample_mix(batch_inputs.shape[0], tuple(batch_inputs.shape[-2:]))
         self.last_mix = mix
-        return mix_images(batch_inputs, mix), mix_rows(batch_score.float(), mix.partner, 1. - mix.lam)
+        return mix_images(batch_inputs, mix), mix_rows(batch_score.float(), mix.partner, 1.0 - mix.lam)
 
 
 @BATCH_AUGMENTS.register_module()
 class TAMixup(MixBatchAugment):
     """MixUp (λ ~ Beta(α, α), every token gets the partner share 1 - λ)."""
+
     mix_kind = 'mixup'
 
 
@@ -87,18 +98,32 @@ class TAMixup(MixBatchAugment):
 class TACutMix(MixBatchAugment):
     """CutMix with timm's box sampling: λ corrected to the clipped box area (``correct_lam``), or a
     box from ``cutmix_minmax``. Patch tokens cut by the box get fractional partner shares."""
+
     mix_kind = 'cutmix'
 
-    def __init__(self, alpha: float = 1.0, cutmix_minmax: Optional[Sequence[float]] = None,
-                 correct_lam: bool = True, patch_size=None, mode: str = 'batch',
-                 activation_targets: Optional[str] = None):
-        super().__init__(alpha, patch_size=patch_size, mode=mode, cutmix_minmax=cutmix_minmax,
-                         correct_lam=correct_lam, activation_targets=activation_targets)
+    def __init__(
+        self,
+        alpha: float = 1.0,
+        cutmix_minmax: Optional[Sequence[float]] = None,
+        correct_lam: bool = True,
+        patch_size=None,
+        mode: str = 'batch',
+        activation_targets: Optional[str] = None,
+    ):
+        super().__init__(
+            alpha,
+            patch_size=patch_size,
+            mode=mode,
+            cutmix_minmax=cutmix_minmax,
+            correct_lam=correct_lam,
+            activation_targets=activation_targets,
+        )
 
 
 @BATCH_AUGMENTS.register_module()
 class TAMixToken(MixBatchAugment):
     """MixToken's box on the token grid (Token Labeling, Sec. 3.3)."""
+
     mix_kind = 'token_box'
 
 
@@ -108,11 +133,24 @@ class TATokenMix(MixBatchAugment):
     ``min_tokens`` each) or ``'random'`` (single tokens); ``lam`` fixes λ (TokenMix: 0.5) instead of
     drawing it from Beta(α, α)."""
 
-    def __init__(self, alpha: float = 1.0, mask: str = 'block', lam: Optional[float] = None,
-                 min_tokens: Optional[int] = None, patch_size=None, mode: str = 'batch',
-                 activation_targets: Optional[str] = None):
+    def __init__(
+        self,
+        alpha: float = 1.0,
+        mask: str = 'block',
+        lam: Optional[float] = None,
+        min_tokens: Optional[int] = None,
+        patch_size=None,
+        mode: str = 'batch',
+        activation_targets: Optional[str] = None,
+    ):
         if mask not in ('block', 'random'):
             raise ValueError(f"mask must be 'block' or 'random', got {mask!r}")
         self.mix_kind = f'tokenmix_{mask}'
-        super().__init__(alpha, patch_size=patch_size, mode=mode, tokenmix_lam=lam, tokenmix_min_tokens=min_tokens,
-                         activation_targets=activation_targets)
+        super().__init__(
+            alpha,
+            patch_size=patch_size,
+            mode=mode,
+            tokenmix_lam=lam,
+            tokenmix_min_tokens=min_tokens,
+            activation_targets=activation_targets,
+        )

@@ -11,6 +11,7 @@ Layout facts handled here (DESIGN.md): mmseg's ViT uses ``nn.MultiheadAttention`
 OpenMMLab at the *end* of the previous one, and OpenMMLab merges with ``nn.Unfold`` (channel-major,
 kernel offsets row-major) where timm concatenates the four offsets ``(0,0), (1,0), (0,1), (1,1)``.
 """
+
 from __future__ import annotations
 
 import re
@@ -45,8 +46,10 @@ def _apply(rules, state_dict: Dict[str, torch.Tensor], what: str) -> Dict[str, t
         else:
             unmapped.append(key)
     if unmapped:
-        raise ValueError(f'state_dict: {len(unmapped)} {what} keys have no mapping: {unmapped[:10]}'
-                         f'{" ..." if len(unmapped) > 10 else ""}')
+        raise ValueError(
+            f'state_dict: {len(unmapped)} {what} keys have no mapping: {unmapped[:10]}'
+            f'{" ..." if len(unmapped) > 10 else ""}'
+        )
     return out
 
 
@@ -61,8 +64,15 @@ def timm_vit_to_mmpretrain(state_dict: Dict[str, torch.Tensor]) -> Dict[str, tor
 # ------------------------------------------------------------------------------------------------
 
 #: keys a classification checkpoint has that a dense-prediction backbone does not use (dropped, reported)
-DROP_RULES = (r'^head\.', r'^head_dist\.', r'^fc_norm\.', r'^aux_head\.', r'^dist_token$',
-              r'^neck\.', r'^data_preprocessor\.')
+DROP_RULES = (
+    r'^head\.',
+    r'^head_dist\.',
+    r'^fc_norm\.',
+    r'^aux_head\.',
+    r'^dist_token$',
+    r'^neck\.',
+    r'^data_preprocessor\.',
+)
 
 _TIMM_VIT_DENSE = (
     (r'^cls_token$', 'cls_token'),
@@ -89,8 +99,10 @@ _TIMM_SWIN_DENSE = (
     (r'^patch_embed\.norm\.(weight|bias)$', r'patch_embed.norm.\1'),
     (r'^layers\.(\d+)\.blocks\.(\d+)\.(norm1|norm2)\.(weight|bias)$', r'stages.\1.blocks.\2.\3.\4'),
     (r'^layers\.(\d+)\.blocks\.(\d+)\.attn\.(qkv|proj)\.(weight|bias)$', r'stages.\1.blocks.\2.attn.w_msa.\3.\4'),
-    (r'^layers\.(\d+)\.blocks\.(\d+)\.attn\.relative_position_bias_table$',
-     r'stages.\1.blocks.\2.attn.w_msa.relative_position_bias_table'),
+    (
+        r'^layers\.(\d+)\.blocks\.(\d+)\.attn\.relative_position_bias_table$',
+        r'stages.\1.blocks.\2.attn.w_msa.relative_position_bias_table',
+    ),
     (r'^layers\.(\d+)\.blocks\.(\d+)\.mlp\.fc1\.(weight|bias)$', r'stages.\1.blocks.\2.ffn.layers.0.0.\3'),
     (r'^layers\.(\d+)\.blocks\.(\d+)\.mlp\.fc2\.(weight|bias)$', r'stages.\1.blocks.\2.ffn.layers.1.\3'),
     # layers.{i}.downsample (start of stage i) -> stages.{i-1}.downsample (end of stage i-1): see _shift_downsample
@@ -144,12 +156,18 @@ def to_dense_backbone(state_dict: Dict[str, torch.Tensor], arch: str, source: st
         is an error naming it.
     """
     kept, dropped = _split(state_dict)
-    rules = {('vit', 'timm'): _TIMM_VIT_DENSE, ('vit', 'mmpretrain'): _MMPRETRAIN_VIT_DENSE,
-             ('swin', 'timm'): _TIMM_SWIN_DENSE, ('swin', 'mmpretrain'): _MMPRETRAIN_SWIN_DENSE,
-             ('lvvit', 'timm'): _TIMM_LVVIT_DENSE, ('lvvit', 'mmpretrain'): _MMPRETRAIN_LVVIT_DENSE}.get((arch, source))
+    rules = {
+        ('vit', 'timm'): _TIMM_VIT_DENSE,
+        ('vit', 'mmpretrain'): _MMPRETRAIN_VIT_DENSE,
+        ('swin', 'timm'): _TIMM_SWIN_DENSE,
+        ('swin', 'mmpretrain'): _MMPRETRAIN_SWIN_DENSE,
+        ('lvvit', 'timm'): _TIMM_LVVIT_DENSE,
+        ('lvvit', 'mmpretrain'): _MMPRETRAIN_LVVIT_DENSE,
+    }.get((arch, source))
     if rules is None:
-        raise ValueError(f'arch/source: no key map for arch={arch!r} from {source!r} (vit, swin, lvvit; '
-                         f'timm, mmpretrain)')
+        raise ValueError(
+            f'arch/source: no key map for arch={arch!r} from {source!r} (vit, swin, lvvit; timm, mmpretrain)'
+        )
     out = _apply(rules, kept, f'{source} {arch}')
     if arch == 'swin' and source == 'timm':
         out = _shift_downsample(out)

@@ -18,6 +18,7 @@ buffers), listed by name — and then built again with ``init_cfg`` pointing at 
 target's own ``init_weights`` (which loads with ``strict=False``), checking that every converted tensor
 arrived. Anything else is an error naming the keys; a wrong checkpoint never "loads" silently.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .mmengine_safe_load import allow_mmengine_checkpoints
 from .convert import to_dense_backbone
+from .mmengine_safe_load import allow_mmengine_checkpoints
 
 __all__ = ['convert_checkpoint', 'main', 'build_backbone']
 
@@ -41,6 +42,7 @@ def _timm_arch(model_name: str, model_kwargs: dict) -> Tuple[str, dict]:
     from timm.models.vision_transformer import VisionTransformer
 
     from timm_plugin.lvvit import LVViT  # also registers lvvit_* with timm
+
     model = timm.create_model(model_name, pretrained=False, **model_kwargs)
     if isinstance(model, LVViT):  # before VisionTransformer: it is one
         return 'lvvit', _lvvit_hyper_parameters(model)
@@ -49,34 +51,51 @@ def _timm_arch(model_name: str, model_kwargs: dict) -> Tuple[str, dict]:
         first = blocks[0][0]
         return 'swin', dict(
             embed_dims=model.embed_dim if isinstance(model.embed_dim, int) else model.embed_dim[0],
-            depths=[len(b) for b in blocks], num_heads=[b[0].attn.num_heads for b in blocks],
-            window_size=int(model._ref_window_sizes[0][0]) if hasattr(model, '_ref_window_sizes')
+            depths=[len(b) for b in blocks],
+            num_heads=[b[0].attn.num_heads for b in blocks],
+            window_size=int(model._ref_window_sizes[0][0])
+            if hasattr(model, '_ref_window_sizes')
             else int(first.window_size[0]),
             patch_size=int(model.patch_embed.patch_size[0]),
             mlp_ratio=first.mlp.fc1.out_features // first.mlp.fc1.in_features,
-            pretrain_img_size=tuple(model.patch_embed.img_size))
+            pretrain_img_size=tuple(model.patch_embed.img_size),
+        )
     if isinstance(model, VisionTransformer):
         if model.num_prefix_tokens != 1 or not model.has_class_token:
-            raise ValueError(f'model: {model_name} has {model.num_prefix_tokens} prefix tokens; OpenMMLab\'s ViT '
-                             f'backbones take exactly one class token')
+            raise ValueError(
+                f"model: {model_name} has {model.num_prefix_tokens} prefix tokens; OpenMMLab's ViT "
+                f'backbones take exactly one class token'
+            )
         blk = model.blocks[0]
         return 'vit', dict(
-            img_size=tuple(model.patch_embed.img_size), patch_size=int(model.patch_embed.patch_size[0]),
-            embed_dims=model.embed_dim, num_layers=len(model.blocks), num_heads=blk.attn.num_heads,
+            img_size=tuple(model.patch_embed.img_size),
+            patch_size=int(model.patch_embed.patch_size[0]),
+            embed_dims=model.embed_dim,
+            num_layers=len(model.blocks),
+            num_heads=blk.attn.num_heads,
             mlp_ratio=blk.mlp.fc1.out_features // blk.mlp.fc1.in_features,
-            qkv_bias=blk.attn.qkv.bias is not None)
-    raise ValueError(f'model: tokenaug-convert maps ViT/DeiT, Swin and LV-ViT; {model_name} is '
-                     f'{type(model).__name__}')
+            qkv_bias=blk.attn.qkv.bias is not None,
+        )
+    raise ValueError(f'model: tokenaug-convert maps ViT/DeiT, Swin and LV-ViT; {model_name} is {type(model).__name__}')
 
 
 def _lvvit_hyper_parameters(model) -> dict:
     """What :class:`mm_plugin.lvvit.LVViT` needs to rebuild this timm LV-ViT's backbone."""
     blk, pe = model.blocks[0], model.patch_embed
-    return dict(img_size=tuple(pe.img_size), patch_size=int(pe.token_stride[0]),
-                arch=dict(embed_dims=model.embed_dim, num_layers=len(model.blocks), num_heads=blk.attn.num_heads,
-                          mlp_ratio=blk.mlp.fc1.out_features / blk.mlp.fc1.in_features,
-                          qkv_bias=blk.attn.qkv.bias is not None, skip_lam=float(blk.skip_lam),
-                          stem_channels=pe.conv1.out_channels, norm_eps=float(model.norm.eps)))
+    return dict(
+        img_size=tuple(pe.img_size),
+        patch_size=int(pe.token_stride[0]),
+        arch=dict(
+            embed_dims=model.embed_dim,
+            num_layers=len(model.blocks),
+            num_heads=blk.attn.num_heads,
+            mlp_ratio=blk.mlp.fc1.out_features / blk.mlp.fc1.in_features,
+            qkv_bias=blk.attn.qkv.bias is not None,
+            skip_lam=float(blk.skip_lam),
+            stem_channels=pe.conv1.out_channels,
+            norm_eps=float(model.norm.eps),
+        ),
+    )
 
 
 def build_backbone(target: str, arch: str, hp: dict, final_norm: bool = False, init_cfg=None):
@@ -85,18 +104,36 @@ def build_backbone(target: str, arch: str, hp: dict, final_norm: bool = False, i
         if target != 'mmseg':
             raise ValueError(f'to: LV-ViT backbones are converted for mmseg only, got {target!r}')
         from .lvvit import LVViT
-        return LVViT(arch=dict(hp['arch']), img_size=hp['img_size'], patch_size=hp['patch_size'],
-                     out_indices=(hp['arch']['num_layers'] - 1,), final_norm=final_norm, drop_path_rate=0.,
-                     init_cfg=init_cfg)
+
+        return LVViT(
+            arch=dict(hp['arch']),
+            img_size=hp['img_size'],
+            patch_size=hp['patch_size'],
+            out_indices=(hp['arch']['num_layers'] - 1,),
+            final_norm=final_norm,
+            drop_path_rate=0.0,
+            init_cfg=init_cfg,
+        )
     if arch == 'vit':
         if target != 'mmseg':
             raise ValueError('to: ViT backbones are converted for mmseg only (mmdet configs here use Swin)')
         from mmseg.models.backbones import VisionTransformer
-        return VisionTransformer(img_size=hp['img_size'], patch_size=hp['patch_size'], embed_dims=hp['embed_dims'],
-                                 num_layers=hp['num_layers'], num_heads=hp['num_heads'], mlp_ratio=hp['mlp_ratio'],
-                                 qkv_bias=hp['qkv_bias'], out_indices=(hp['num_layers'] - 1,), patch_bias=True,
-                                 final_norm=final_norm, norm_cfg=dict(type='LN', eps=1e-6), drop_path_rate=0.,
-                                 init_cfg=init_cfg)
+
+        return VisionTransformer(
+            img_size=hp['img_size'],
+            patch_size=hp['patch_size'],
+            embed_dims=hp['embed_dims'],
+            num_layers=hp['num_layers'],
+            num_heads=hp['num_heads'],
+            mlp_ratio=hp['mlp_ratio'],
+            qkv_bias=hp['qkv_bias'],
+            out_indices=(hp['num_layers'] - 1,),
+            patch_bias=True,
+            final_norm=final_norm,
+            norm_cfg=dict(type='LN', eps=1e-6),
+            drop_path_rate=0.0,
+            init_cfg=init_cfg,
+        )
     if target == 'mmseg':
         from mmseg.models.backbones import SwinTransformer
     elif target == 'mmdet':
@@ -104,11 +141,19 @@ def build_backbone(target: str, arch: str, hp: dict, final_norm: bool = False, i
     else:
         raise ValueError(f"to: expected 'mmseg' or 'mmdet', got {target!r}")
     n = len(hp['depths'])
-    return SwinTransformer(pretrain_img_size=hp['pretrain_img_size'], embed_dims=hp['embed_dims'],
-                           patch_size=hp['patch_size'], window_size=hp['window_size'], mlp_ratio=hp['mlp_ratio'],
-                           depths=hp['depths'], num_heads=hp['num_heads'],
-                           strides=(hp['patch_size'],) + (2,) * (n - 1), out_indices=tuple(range(n)),
-                           drop_path_rate=0., init_cfg=init_cfg)
+    return SwinTransformer(
+        pretrain_img_size=hp['pretrain_img_size'],
+        embed_dims=hp['embed_dims'],
+        patch_size=hp['patch_size'],
+        window_size=hp['window_size'],
+        mlp_ratio=hp['mlp_ratio'],
+        depths=hp['depths'],
+        num_heads=hp['num_heads'],
+        strides=(hp['patch_size'],) + (2,) * (n - 1),
+        out_indices=tuple(range(n)),
+        drop_path_rate=0.0,
+        init_cfg=init_cfg,
+    )
 
 
 def _load_source(path: str, use_ema: bool) -> Dict[str, torch.Tensor]:
@@ -126,8 +171,16 @@ def _load_source(path: str, use_ema: bool) -> Dict[str, torch.Tensor]:
     return {re.sub(r'^module\.', '', k): v for k, v in sd.items()}
 
 
-def convert_checkpoint(src: str, dst: str, to: str, model: str, source: str = 'timm', model_kwargs=None,
-                       use_ema: bool = False, final_norm: bool = False) -> dict:
+def convert_checkpoint(
+    src: str,
+    dst: str,
+    to: str,
+    model: str,
+    source: str = 'timm',
+    model_kwargs=None,
+    use_ema: bool = False,
+    final_norm: bool = False,
+) -> dict:
     """Convert, write, verify; returns the report (also printed by the CLI)."""
     arch, hp = _timm_arch(model, dict(model_kwargs or {}))
     sd, dropped = to_dense_backbone(_load_source(src, use_ema), arch, source)
@@ -144,25 +197,44 @@ def convert_checkpoint(src: str, dst: str, to: str, model: str, source: str = 't
     out_norms = sorted(k for k in set(target) - set(sd) if re.match(r'^norm\d+\.(weight|bias)$', k))
     missing = sorted(set(target) - set(sd) - set(derived) - set(out_norms))
     if unexpected or missing or shape:
-        raise ValueError(f'src: {src} does not fit a {to} {arch} backbone for {model}: '
-                         f'unexpected {unexpected[:10]}, missing {missing[:10]}, wrong shape '
-                         f'{[(k, tuple(sd[k].shape), tuple(target[k].shape)) for k in shape[:5]]}')
+        raise ValueError(
+            f'src: {src} does not fit a {to} {arch} backbone for {model}: '
+            f'unexpected {unexpected[:10]}, missing {missing[:10]}, wrong shape '
+            f'{[(k, tuple(sd[k].shape), tuple(target[k].shape)) for k in shape[:5]]}'
+        )
     for k in derived:  # index buffers are functions of the window size: the target's own
         sd[k] = target[k]
     prefix = 'backbone.' if to == 'mmdet' else ''
-    torch.save({'state_dict': {prefix + k: v.contiguous() for k, v in sd.items()},
-                'meta': {'tokenaug_convert': dict(src=str(src), to=to, model=model, source=source, arch=arch,
-                                                  dropped=dropped, not_in_source=out_norms)}}, dst)
+    torch.save(
+        {
+            'state_dict': {prefix + k: v.contiguous() for k, v in sd.items()},
+            'meta': {
+                'tokenaug_convert': dict(
+                    src=str(src), to=to, model=model, source=source, arch=arch, dropped=dropped, not_in_source=out_norms
+                )
+            },
+        },
+        dst,
+    )
     # through the target's own loader (strict=False there): every converted tensor must have arrived
     from mmengine.config import ConfigDict  # mmdet's Swin reads init_cfg by attribute
+
     loaded = build_backbone(to, arch, hp, final_norm, init_cfg=ConfigDict(type='Pretrained', checkpoint=str(dst)))
     loaded.init_weights()
     got = loaded.state_dict()
     stale = sorted(k for k, v in sd.items() if k in got and got[k].shape == v.shape and not torch.equal(got[k], v))
     if stale:
-        raise ValueError(f'dst: {to}\'s init_weights did not load {len(stale)} tensors from {dst}: {stale[:10]}')
-    return dict(arch=arch, hyper_parameters=hp, converted=len(sd), dropped=dropped, not_in_source=out_norms,
-                derived_from_target=derived, dst=str(dst), prefix=prefix)
+        raise ValueError(f"dst: {to}'s init_weights did not load {len(stale)} tensors from {dst}: {stale[:10]}")
+    return dict(
+        arch=arch,
+        hyper_parameters=hp,
+        converted=len(sd),
+        dropped=dropped,
+        not_in_source=out_norms,
+        derived_from_target=derived,
+        dst=str(dst),
+        prefix=prefix,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -170,14 +242,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument('--src', required=True, help='classification checkpoint (tokenaug-train, timm or mmpretrain)')
     p.add_argument('--dst', required=True, help='output checkpoint for init_cfg=dict(type="Pretrained", ...)')
     p.add_argument('--to', required=True, choices=('mmseg', 'mmdet'))
-    p.add_argument('--model', required=True, help='timm model name of the source architecture (ViT/DeiT, Swin, '
-                                                  'lvvit_t/s/m/l)')
+    p.add_argument(
+        '--model', required=True, help='timm model name of the source architecture (ViT/DeiT, Swin, lvvit_t/s/m/l)'
+    )
     p.add_argument('--from', dest='source', default='timm', choices=('timm', 'mmpretrain'))
-    p.add_argument('--model-kwargs', nargs='*', default=[], metavar='K=V',
-                   help='timm create_model kwargs of the source (e.g. img_size=112)')
+    p.add_argument(
+        '--model-kwargs',
+        nargs='*',
+        default=[],
+        metavar='K=V',
+        help='timm create_model kwargs of the source (e.g. img_size=112)',
+    )
     p.add_argument('--use-ema', action='store_true', help='take state_dict_ema of a tokenaug-train checkpoint')
-    p.add_argument('--final-norm', action='store_true',
-                   help='ViT, LV-ViT: keep the final norm (target final_norm=True)')
+    p.add_argument(
+        '--final-norm', action='store_true', help='ViT, LV-ViT: keep the final norm (target final_norm=True)'
+    )
     return p
 
 
@@ -197,16 +276,26 @@ def _kwargs(items: List[str]) -> dict:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        report = convert_checkpoint(args.src, args.dst, args.to, args.model, args.source, _kwargs(args.model_kwargs),
-                                    args.use_ema, args.final_norm)
+        report = convert_checkpoint(
+            args.src,
+            args.dst,
+            args.to,
+            args.model,
+            args.source,
+            _kwargs(args.model_kwargs),
+            args.use_ema,
+            args.final_norm,
+        )
     except (ValueError, FileNotFoundError) as e:
         print(f'tokenaug-convert: error: {e}', file=sys.stderr)
         return 2
-    print(f"tokenaug-convert: {report['arch']} -> {args.to}: {report['converted']} tensors written to {report['dst']}"
-          f"{' (keys prefixed backbone.)' if report['prefix'] else ''}; strict load and {args.to} init_weights verified")
-    print(f"  dropped (training-only): {report['dropped'] or 'none'}")
-    print(f"  not in the source (initialised by the target): {report['not_in_source'] or 'none'}")
-    print(f"  derived buffers taken from the target: {len(report['derived_from_target'])}")
+    print(
+        f'tokenaug-convert: {report["arch"]} -> {args.to}: {report["converted"]} tensors written to {report["dst"]}'
+        f'{" (keys prefixed backbone.)" if report["prefix"] else ""}; strict load and {args.to} init_weights verified'
+    )
+    print(f'  dropped (training-only): {report["dropped"] or "none"}')
+    print(f'  not in the source (initialised by the target): {report["not_in_source"] or "none"}')
+    print(f'  derived buffers taken from the target: {len(report["derived_from_target"])}')
     return 0
 
 

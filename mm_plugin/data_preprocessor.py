@@ -14,6 +14,7 @@ apply it to the images and the scores and keep it. The preprocessor then sets on
 Training batches that no augment mixed (``probs`` left room for "none") get the identity mix, so a
 token-aware head needs no special case; evaluation batches (``training=False``) carry no mix.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -57,17 +58,23 @@ class TokenAugDataPreprocessor(ClsDataPreprocessor):
         augments = [a for a in self.batch_augments.augments if a is not None]
         bad = [type(a).__name__ for a in augments if not isinstance(a, MixBatchAugment)]
         if bad:
-            raise ValueError(f'batch_augments: {bad} cannot describe their mix; use tokenaug\'s TAMixup, '
-                             f'TACutMix, TAMixToken or TATokenMix (or the stock ClsDataPreprocessor)')
+            raise ValueError(
+                f"batch_augments: {bad} cannot describe their mix; use tokenaug's TAMixup, "
+                f'TACutMix, TAMixToken or TATokenMix (or the stock ClsDataPreprocessor)'
+            )
         for a in augments:
             if a.patch_size_given and a.sampler.patch_size != self.patch_size:
-                raise ValueError(f'patch_size: {type(a).__name__} names {a.sampler.patch_size}, the data '
-                                 f'preprocessor {self.patch_size}; set it once, on the data preprocessor')
+                raise ValueError(
+                    f'patch_size: {type(a).__name__} names {a.sampler.patch_size}, the data '
+                    f'preprocessor {self.patch_size}; set it once, on the data preprocessor'
+                )
             a.sampler.patch_size = self.patch_size
             a.generator = generator
+        kinds = [f'{type(a).__name__}({a.sampler.mix_kind})' for a in augments]
         MMLogger.get_current_instance().info(
-            f'TokenAugDataPreprocessor: mixes with {[type(a).__name__ + "(" + a.sampler.mix_kind + ")" for a in augments]} '
-            f'(probs {self.batch_augments.probs}), patch size {self.patch_size}; the mix goes on the data samples')
+            f'TokenAugDataPreprocessor: mixes with {kinds} '
+            f'(probs {self.batch_augments.probs}), patch size {self.patch_size}; the mix goes on the data samples'
+        )
 
     def forward(self, data: dict, training: bool = False) -> dict:
         if not training or self.batch_augments is None:
@@ -95,8 +102,17 @@ class TokenAugDataPreprocessor(ClsDataPreprocessor):
         if aug is not None and aug.activation_targets:  # TokenMix: targets from the teacher's maps (Eq. 2)
             labels = torch.cat([s.gt_label for s in samples]).to(inputs.device)
             maps = token_label_batch(samples, self.num_classes, inputs.device)
-            scores = activation_target(labels, mix, maps.values, maps.indices, maps.boxes, maps.flips,
-                                       self.num_classes, 0., aug.activation_targets)
+            scores = activation_target(
+                labels,
+                mix,
+                maps.values,
+                maps.indices,
+                maps.boxes,
+                maps.flips,
+                self.num_classes,
+                0.0,
+                aug.activation_targets,
+            )
             for sample, score in zip(samples, scores):
                 sample.set_gt_score(score)
         for i, sample in enumerate(samples):

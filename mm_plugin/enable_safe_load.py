@@ -3,6 +3,7 @@
 ``load_from``, the test scripts) load under torch's ``weights_only=True`` default. This module exists only to
 make that call from a config, which can list imports but not calls; ``import mm_plugin`` itself changes nothing.
 """
+
 from .mmengine_safe_load import allow_mmengine_checkpoints
 
 allow_mmengine_checkpoints()

@@ -15,6 +15,7 @@ position embedding is resampled when the input grid differs from ``img_size``'s 
 whole file), resampling ``pos_embed`` from the checkpoint's square grid, with ``strict=False`` and a
 logged list of unexpected / missing keys (mmengine's ``load_state_dict``).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,7 +29,6 @@ from mmengine.runner.checkpoint import CheckpointLoader, load_state_dict
 from mmseg.registry import MODELS
 from timm.layers import LayerNorm, calculate_drop_path_rates, resample_abs_pos_embed, to_2tuple, trunc_normal_
 
-
 __all__ = ['LVViT', 'ARCHS']
 
 #: paper Table 1 (and the public code's stems); ``arch`` may also be a dict with these keys
@@ -36,9 +36,9 @@ ARCHS = {
     't': dict(embed_dims=240, num_layers=12, num_heads=4, stem_channels=64),
     's': dict(embed_dims=384, num_layers=16, num_heads=6, stem_channels=64),
     'm': dict(embed_dims=512, num_layers=20, num_heads=8, stem_channels=64),
-    'l': dict(embed_dims=768, num_layers=24, num_heads=12, stem_channels=128, skip_lam=3.),  # as timm lvvit_l
+    'l': dict(embed_dims=768, num_layers=24, num_heads=12, stem_channels=128, skip_lam=3.0),  # as timm lvvit_l
 }
-_ARCH_DEFAULTS = dict(mlp_ratio=3., qkv_bias=False, skip_lam=2., stem_channels=64, norm_eps=1e-5)
+_ARCH_DEFAULTS = dict(mlp_ratio=3.0, qkv_bias=False, skip_lam=2.0, stem_channels=64, norm_eps=1e-5)
 
 
 def _resolve_arch(arch: Union[str, dict]) -> dict:
@@ -76,19 +76,21 @@ class LVViT(BaseModule):
         init_cfg: ``dict(type='Pretrained', checkpoint=PATH)`` for a ``tokenaug-convert`` output.
     """
 
-    def __init__(self,
-                 arch: Union[str, dict] = 's',
-                 img_size: Union[int, Tuple[int, int]] = 224,
-                 patch_size: int = 16,
-                 in_channels: int = 3,
-                 out_indices: Union[int, Sequence[int]] = -1,
-                 drop_rate: float = 0.,
-                 attn_drop_rate: float = 0.,
-                 drop_path_rate: float = 0.,
-                 final_norm: bool = False,
-                 norm_eval: bool = False,
-                 pretrained: str = None,
-                 init_cfg=None):
+    def __init__(
+        self,
+        arch: Union[str, dict] = 's',
+        img_size: Union[int, Tuple[int, int]] = 224,
+        patch_size: int = 16,
+        in_channels: int = 3,
+        out_indices: Union[int, Sequence[int]] = -1,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        final_norm: bool = False,
+        norm_eval: bool = False,
+        pretrained: str = None,
+        init_cfg=None,
+    ):
         if pretrained is not None:
             if init_cfg is not None:
                 raise ValueError('pretrained: give either pretrained or init_cfg, not both')
@@ -105,19 +107,35 @@ class LVViT(BaseModule):
         # the timm modules, imported when an LV-ViT is built: `import mm_plugin` does not load timm_plugin
         from timm_plugin.lvvit import ConvPatchEmbed, LVBlock
 
-        self.patch_embed = ConvPatchEmbed(img_size=self.img_size, patch_size=patch_size, in_chans=in_channels,
-                                          embed_dim=dims, stem_chans=self.arch['stem_channels'],
-                                          strict_img_size=False, dynamic_img_pad=True)
+        self.patch_embed = ConvPatchEmbed(
+            img_size=self.img_size,
+            patch_size=patch_size,
+            in_chans=in_channels,
+            embed_dim=dims,
+            stem_chans=self.arch['stem_channels'],
+            strict_img_size=False,
+            dynamic_img_pad=True,
+        )
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dims))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, dims))
         self.drop_after_pos = nn.Dropout(p=drop_rate)
         norm_layer = partial(LayerNorm, eps=self.arch['norm_eps'])
         dpr = calculate_drop_path_rates(drop_path_rate, depth)
-        self.blocks = nn.Sequential(*[
-            LVBlock(dim=dims, num_heads=self.arch['num_heads'], mlp_ratio=self.arch['mlp_ratio'],
-                    qkv_bias=self.arch['qkv_bias'], attn_drop=attn_drop_rate, drop_path=dpr[i],
-                    norm_layer=norm_layer, skip_lam=self.arch['skip_lam'])
-            for i in range(depth)])
+        self.blocks = nn.Sequential(
+            *[
+                LVBlock(
+                    dim=dims,
+                    num_heads=self.arch['num_heads'],
+                    mlp_ratio=self.arch['mlp_ratio'],
+                    qkv_bias=self.arch['qkv_bias'],
+                    attn_drop=attn_drop_rate,
+                    drop_path=dpr[i],
+                    norm_layer=norm_layer,
+                    skip_lam=self.arch['skip_lam'],
+                )
+                for i in range(depth)
+            ]
+        )
         self.norm = norm_layer(dims) if final_norm else None
 
     @staticmethod
@@ -141,11 +159,11 @@ class LVViT(BaseModule):
         elif self.init_cfg is not None:
             super().init_weights()
         else:
-            trunc_normal_(self.pos_embed, std=.02)
+            trunc_normal_(self.pos_embed, std=0.02)
             nn.init.normal_(self.cls_token, std=1e-6)
             for m in self.modules():
                 if isinstance(m, nn.Linear):
-                    trunc_normal_(m.weight, std=.02)
+                    trunc_normal_(m.weight, std=0.02)
                     if m.bias is not None:
                         nn.init.zeros_(m.bias)
 
@@ -154,10 +172,13 @@ class LVViT(BaseModule):
             return pos_embed
         side = math.isqrt(pos_embed.shape[1] - 1)
         if pos_embed.ndim != 3 or side * side != pos_embed.shape[1] - 1 or pos_embed.shape[2] != self.embed_dims:
-            raise ValueError(f'init_cfg: pos_embed of shape {tuple(pos_embed.shape)} is not a class token plus a '
-                             f'square grid of {self.embed_dims}-d embeddings')
-        return resample_abs_pos_embed(pos_embed, new_size=self.patch_embed.grid_size, old_size=(side, side),
-                                      num_prefix_tokens=1, verbose=True)
+            raise ValueError(
+                f'init_cfg: pos_embed of shape {tuple(pos_embed.shape)} is not a class token plus a '
+                f'square grid of {self.embed_dims}-d embeddings'
+            )
+        return resample_abs_pos_embed(
+            pos_embed, new_size=self.patch_embed.grid_size, old_size=(side, side), num_prefix_tokens=1, verbose=True
+        )
 
     def train(self, mode: bool = True):
         super().train(mode)

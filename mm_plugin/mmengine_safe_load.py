@@ -20,6 +20,7 @@ importing :mod:`mm_plugin.enable_safe_load` (``custom_imports=dict(imports=['mm_
 the upstream ``tools/train.py --resume`` under the default ``weights_only=True``. Our own code passes
 ``weights_only`` explicitly to every ``torch.load``.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -38,8 +39,13 @@ def _numpy_globals():
 def _history_buffer_getstate(self) -> dict:
     """``HistoryBuffer.__getstate__`` without the built-in statistics methods (restored on load)."""
     from mmengine.logging import HistoryBuffer
-    builtin = {'min': HistoryBuffer.min, 'max': HistoryBuffer.max, 'current': HistoryBuffer.current,
-               'mean': HistoryBuffer.mean}
+
+    builtin = {
+        'min': HistoryBuffer.min,
+        'max': HistoryBuffer.max,
+        'current': HistoryBuffer.current,
+        'mean': HistoryBuffer.mean,
+    }
     state = dict(self.__dict__)
     state.pop('statistics_methods', None)
     custom = {k: v for k, v in self._statistics_methods.items() if builtin.get(k) is not v}
@@ -55,6 +61,7 @@ def allow_mmengine_checkpoints() -> None:
     """Idempotent. Allow MMEngine's checkpoint types under ``torch.load(weights_only=True)`` (see the module
     docstring); configs call it through ``custom_imports`` of :mod:`mm_plugin.enable_safe_load`."""
     from mmengine.logging import HistoryBuffer
+
     if MMENGINE_SAFE_GLOBALS:
         return
     MMENGINE_SAFE_GLOBALS.extend([HistoryBuffer] + _numpy_globals())

@@ -17,6 +17,7 @@ last block's class-token attention over the pasted region, ``mode='paper'`` or t
 Supported backbones: mmpretrain ``VisionTransformer`` (DeiT archs; ``out_type`` ``'cls_token'`` or
 ``'avg_featmap'``) and ``SwinTransformer`` (the classification output: last stage, average pooled).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -31,8 +32,20 @@ from mmpretrain.models.utils.attention import MultiheadAttention, ShiftWindowMSA
 from mmpretrain.registry import MODELS
 
 from shared_core.tl_align import (
-    TRANSMIX_MODES, LabelCapture, aligned_target, capture_forward, check_layers, compact_labels, fused_label_attn,
-    kept_samples, self_attention_labels, swin_labels, trace_labels, tracer_for, transmix_share, window_labels,
+    TRANSMIX_MODES,
+    LabelCapture,
+    aligned_target,
+    capture_forward,
+    check_layers,
+    compact_labels,
+    fused_label_attn,
+    kept_samples,
+    self_attention_labels,
+    swin_labels,
+    trace_labels,
+    tracer_for,
+    transmix_share,
+    window_labels,
 )
 
 from .data_preprocessor import mix_from_samples
@@ -42,9 +55,8 @@ __all__ = ['TLAlignClassifier', 'TransMixClassifier', 'MM_SUPPORTED_BACKBONES', 
 
 def _hook_drop(module: nn.Module, cap: LabelCapture, handles: list) -> None:
     """mmcv's DropPath (``drop_prob``) zeroes whole samples of a residual branch."""
-    if getattr(module, 'drop_prob', 0.) > 0 and module.training:
-        handles.append(module.register_forward_hook(
-            lambda m, i, o, c=cap: setattr(c, 'keep', kept_samples(i[0], o))))
+    if getattr(module, 'drop_prob', 0.0) > 0 and module.training:
+        handles.append(module.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'keep', kept_samples(i[0], o))))
 
 
 class MMViTTracer:
@@ -53,16 +65,21 @@ class MMViTTracer:
     def __init__(self, backbone: VisionTransformer):
         for i, layer in enumerate(backbone.layers):
             if type(layer) is not TransformerEncoderLayer or type(layer.attn) is not MultiheadAttention:
-                raise ValueError(f'backbone: TL-Align traces TransformerEncoderLayer/MultiheadAttention, layer {i} '
-                                 f'is {type(layer).__name__}')
+                raise ValueError(
+                    f'backbone: TL-Align traces TransformerEncoderLayer/MultiheadAttention, layer {i} '
+                    f'is {type(layer).__name__}'
+                )
             if getattr(layer.attn, 'v_shortcut', False):
                 raise ValueError('backbone: attention with v_shortcut has no TL-Align rule')
         if tuple(backbone.out_indices) != (len(backbone.layers) - 1,):
-            raise ValueError(f'backbone: TL-Align needs the classification output (out_indices=({len(backbone.layers) - 1},)), '
-                             f'got {backbone.out_indices}')
+            raise ValueError(
+                f'backbone: TL-Align needs the classification output (out_indices=({len(backbone.layers) - 1},)), '
+                f'got {backbone.out_indices}'
+            )
         if backbone.out_type not in ('cls_token', 'avg_featmap'):
-            raise ValueError(f"backbone: out_type={backbone.out_type!r} has no TL-Align rule; use 'cls_token' "
-                             f"or 'avg_featmap'")
+            raise ValueError(
+                f"backbone: out_type={backbone.out_type!r} has no TL-Align rule; use 'cls_token' or 'avg_featmap'"
+            )
         self.backbone = backbone
         self.num_prefix_tokens = backbone.num_extra_tokens
 
@@ -86,7 +103,7 @@ class MMViTTracer:
     def readout(self, labels: torch.Tensor, output=None) -> torch.Tensor:
         if self.backbone.out_type == 'cls_token':
             return labels[:, 0]
-        return labels[:, self.num_prefix_tokens:].mean(1)
+        return labels[:, self.num_prefix_tokens :].mean(1)
 
     def class_attention(self, captures: List[LabelCapture]):
         if self.backbone.out_type != 'cls_token':
@@ -108,7 +125,7 @@ def _set_qk(cap: LabelCapture, qkv: torch.Tensor, attn: MultiheadAttention) -> N
 def _scale(attn: MultiheadAttention) -> Optional[float]:
     """mmpretrain's ``qk_scale`` binds ``scale`` into its SDPA partial; default ``head_dims ** -0.5``."""
     fn = attn.scaled_dot_product_attention
-    return getattr(fn, 'keywords', {}).get('scale', attn.head_dims ** -0.5)
+    return getattr(fn, 'keywords', {}).get('scale', attn.head_dims**-0.5)
 
 
 class MMSwinTracer:
@@ -121,14 +138,20 @@ class MMSwinTracer:
 
     def __init__(self, backbone: SwinTransformer):
         if tuple(backbone.out_indices) != (len(backbone.stages) - 1,):
-            raise ValueError(f'backbone: TL-Align needs the classification output (out_indices=({len(backbone.stages) - 1},)), '
-                             f'got {backbone.out_indices}')
+            raise ValueError(
+                f'backbone: TL-Align needs the classification output (out_indices=({len(backbone.stages) - 1},)), '
+                f'got {backbone.out_indices}'
+            )
         for stage in backbone.stages:
             for blk in stage.blocks:
-                if type(blk) is not SwinBlock or type(blk.attn) is not ShiftWindowMSA or \
-                        type(blk.attn.w_msa) is not WindowMSA:
-                    raise ValueError(f'backbone: TL-Align traces SwinBlock/ShiftWindowMSA/WindowMSA, got '
-                                     f'{type(blk).__name__}')
+                if (
+                    type(blk) is not SwinBlock
+                    or type(blk.attn) is not ShiftWindowMSA
+                    or type(blk.attn.w_msa) is not WindowMSA
+                ):
+                    raise ValueError(
+                        f'backbone: TL-Align traces SwinBlock/ShiftWindowMSA/WindowMSA, got {type(blk).__name__}'
+                    )
         self.backbone = backbone
 
     def register(self, captures: List[LabelCapture]) -> list:
@@ -137,10 +160,12 @@ class MMSwinTracer:
             for blk in stage.blocks:
                 cap = LabelCapture()
                 captures.append(cap)
-                handles.append(blk.attn.register_forward_pre_hook(
-                    lambda m, a, c=cap: setattr(c, 'tokens', tuple(a[1]))))
-                handles.append(blk.attn.w_msa.softmax.register_forward_hook(
-                    lambda m, i, o, c=cap: setattr(c, 'attn', o.detach())))
+                handles.append(
+                    blk.attn.register_forward_pre_hook(lambda m, a, c=cap: setattr(c, 'tokens', tuple(a[1])))
+                )
+                handles.append(
+                    blk.attn.w_msa.softmax.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'attn', o.detach()))
+                )
                 _hook_drop(blk.attn.drop, cap, handles)
         return handles
 
@@ -164,9 +189,16 @@ class MMSwinTracer:
     def propagate(self, captures, labels, layers, residual):
         attns = [blk.attn for stage in self.backbone.stages for blk in stage.blocks]
         stages = [(len(stage.blocks), stage.downsample is not None) for stage in self.backbone.stages]
-        return swin_labels(labels, captures[0].tokens, stages,
-                           lambda idx, Y: self._window_labels(attns[idx], captures[idx], Y),
-                           [c.keep for c in captures], merge_at='end', layers=layers, residual=residual)
+        return swin_labels(
+            labels,
+            captures[0].tokens,
+            stages,
+            lambda idx, Y: self._window_labels(attns[idx], captures[idx], Y),
+            [c.keep for c in captures],
+            merge_at='end',
+            layers=layers,
+            residual=residual,
+        )
 
     def readout(self, labels: torch.Tensor, output=None) -> torch.Tensor:
         return labels.mean(1)
@@ -188,8 +220,10 @@ def mm_tracer(backbone: nn.Module):
     if exact:
         return tracer_for(backbone, exact, 'backbone')
     names = ', '.join(f'{c.__module__}.{c.__name__}' for c in MM_SUPPORTED_BACKBONES)
-    raise ValueError(f'backbone: TL-Align has no tracer for {type(backbone).__module__}.{type(backbone).__name__}; '
-                     f'supported: {names}')
+    raise ValueError(
+        f'backbone: TL-Align has no tracer for {type(backbone).__module__}.{type(backbone).__name__}; '
+        f'supported: {names}'
+    )
 
 
 @MODELS.register_module()
@@ -202,6 +236,7 @@ class TLAlignClassifier(ImageClassifier):
             the label attention fused or not (default :func:`shared_core.tl_align.use_fused_label_attn`).
         Other args: as ``ImageClassifier``.
     """
+
     config_key, config_keys = 'tl_align', ('layers', 'residual', 'fused')
 
     def __init__(self, *args, tl_align: Optional[dict] = None, **kwargs):
@@ -232,7 +267,7 @@ class TLAlignClassifier(ImageClassifier):
         labels = torch.cat([s.gt_label for s in data_samples]).to(share.device)
         # the preprocessor's num_classes sized the stock scores; label smoothing stays with the head's loss
         num_classes = data_samples[0].gt_score.numel() if 'gt_score' in data_samples[0] else self.head.num_classes
-        return feats, aligned_target(share, labels, mix, num_classes, 0.)
+        return feats, aligned_target(share, labels, mix, num_classes, 0.0)
 
     def loss(self, inputs: torch.Tensor, data_samples: List) -> dict:
         feats, targets = self.extract_feat_aligned(inputs, data_samples)
@@ -254,6 +289,7 @@ class TransMixClassifier(TLAlignClassifier):
             attention share and the area share.
         Other args: as ``ImageClassifier``.
     """
+
     config_key, config_keys = 'transmix', ('mode', 'fused')
 
     def __init__(self, *args, transmix: Optional[dict] = None, **kwargs):

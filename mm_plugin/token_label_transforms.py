@@ -23,6 +23,7 @@ device (:func:`shared_core.label_maps.token_targets_sparse`, one batched call)::
   refuses a vertical or diagonal flip. ``PackInputs(algorithm_keys=TOKEN_LABEL_KEYS)`` works too (the
   classifier repeats the flip check).
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,16 @@ from mmpretrain.structures import DataSample
 from shared_core.label_maps import check_boxes, check_map_row, crop_box
 from shared_core.map_store import LabelMapStore
 
-__all__ = ['GEOMETRIC_RAND_POLICIES', 'TOKEN_LABEL_KEYS', 'LoadTokenLabelMap', 'TokenLabelRandomResizedCrop',
-           'TokenLabelRandAugment', 'PackTokenLabelInputs', 'TokenLabelBatch', 'token_label_batch']
+__all__ = [
+    'GEOMETRIC_RAND_POLICIES',
+    'TOKEN_LABEL_KEYS',
+    'LoadTokenLabelMap',
+    'TokenLabelRandomResizedCrop',
+    'TokenLabelRandAugment',
+    'PackTokenLabelInputs',
+    'TokenLabelBatch',
+    'token_label_batch',
+]
 
 #: mmpretrain RandAugment policies that move pixels (removed by :class:`TokenLabelRandAugment`)
 GEOMETRIC_RAND_POLICIES = ('Rotate', 'Shear', 'Translate')
@@ -52,6 +61,7 @@ TOKEN_LABEL_KEYS = ('token_label_values', 'token_label_indices', 'crop_box')
 # ----------------------------------------------------------------------------------------------
 # Data: transforms
 # ----------------------------------------------------------------------------------------------
+
 
 def _image_name(results: dict) -> str:
     return repr(results.get('img_path', '<image without img_path>'))
@@ -74,28 +84,32 @@ class LoadTokenLabelMap(BaseTransform):
     A missing row raises the store's :class:`~shared_core.map_store.MissingLabelMapError` naming the image.
     """
 
-    def __init__(self, store: Union[str, os.PathLike, LabelMapStore], split_root: Union[str, os.PathLike],
-                 check: bool = True):
+    def __init__(
+        self, store: Union[str, os.PathLike, LabelMapStore], split_root: Union[str, os.PathLike], check: bool = True
+    ):
         if not isinstance(store, LabelMapStore):
             if not isinstance(store, (str, os.PathLike)):
                 raise ValueError(f'store: expected a label-map store directory, got {store!r}')
             store = LabelMapStore.open(store)
         if not isinstance(split_root, (str, os.PathLike)) or not os.fspath(split_root):
-            raise ValueError(f'split_root: expected the directory the store\'s image paths are relative to, '
-                             f'got {split_root!r}')
+            raise ValueError(
+                f"split_root: expected the directory the store's image paths are relative to, got {split_root!r}"
+            )
         self.store, self.split_root, self.check = store, os.path.abspath(os.fspath(split_root)), bool(check)
 
     def key(self, img_path: str) -> str:
         """The store key of an image: its path relative to ``split_root``."""
         rel = os.path.relpath(os.path.abspath(img_path), self.split_root)
         if rel == os.curdir or rel.split(os.sep)[0] == os.pardir:
-            raise ValueError(f'img_path: {img_path!r} is not inside split_root {self.split_root!r} '
-                             f'(the label-map store {self.store.root} is keyed by paths relative to it)')
+            raise ValueError(
+                f'img_path: {img_path!r} is not inside split_root {self.split_root!r} '
+                f'(the label-map store {self.store.root} is keyed by paths relative to it)'
+            )
         return rel
 
     def transform(self, results: dict) -> dict:
         if 'img_path' not in results:
-            raise KeyError('results: LoadTokenLabelMap needs the image\'s img_path (a file-based dataset)')
+            raise KeyError("results: LoadTokenLabelMap needs the image's img_path (a file-based dataset)")
         rel = self.key(results['img_path'])
         values, indices = self.store.lookup(rel)
         if self.check:
@@ -111,19 +125,25 @@ class LoadTokenLabelMap(BaseTransform):
 def _check_uncropped(results: dict, name: str) -> None:
     """The crop's box is in the coordinates of the image the map covers: the image as loaded."""
     if 'crop_box' in results:
-        raise ValueError(f'{name}: the image {_image_name(results)} was already cropped by a crop that records '
-                         'its box; use one TokenLabelRandomResizedCrop per pipeline')
+        raise ValueError(
+            f'{name}: the image {_image_name(results)} was already cropped by a crop that records '
+            'its box; use one TokenLabelRandomResizedCrop per pipeline'
+        )
     if results.get('flip'):
-        raise ValueError(f'{name}: the image {_image_name(results)} was flipped before the crop; put RandomFlip '
-                         'after TokenLabelRandomResizedCrop')
+        raise ValueError(
+            f'{name}: the image {_image_name(results)} was flipped before the crop; put RandomFlip '
+            'after TokenLabelRandomResizedCrop'
+        )
     ori = results.get('ori_shape')
     now = tuple(results['img'].shape[:2])
     shape = tuple(results.get('img_shape', now)[:2])
     if ori is not None and (tuple(ori[:2]) != now or shape != now):
-        raise ValueError(f'{name}: the image {_image_name(results)} was resized or cropped before '
-                         f'(ori_shape {tuple(ori[:2])}, img_shape {shape}); the token-label map covers the image '
-                         'as loaded, so the recorded crop must be the first geometric transform after '
-                         'LoadImageFromFile')
+        raise ValueError(
+            f'{name}: the image {_image_name(results)} was resized or cropped before '
+            f'(ori_shape {tuple(ori[:2])}, img_shape {shape}); the token-label map covers the image '
+            'as loaded, so the recorded crop must be the first geometric transform after '
+            'LoadImageFromFile'
+        )
 
 
 @TRANSFORMS.register_module()
@@ -157,8 +177,14 @@ class TokenLabelRandAugment(RandAugment):
         Other args: as ``RandAugment`` (``policies`` a preset name such as ``'timm_increasing'`` or a list).
     """
 
-    def __init__(self, policies: Union[str, List[dict]], num_policies: int, magnitude_level: int,
-                 keep_geometric: bool = False, **kwargs):
+    def __init__(
+        self,
+        policies: Union[str, List[dict]],
+        num_policies: int,
+        magnitude_level: int,
+        keep_geometric: bool = False,
+        **kwargs,
+    ):
         if isinstance(policies, str):
             if policies not in RANDAUG_POLICIES:
                 raise ValueError(f'policies: expected one of {list(RANDAUG_POLICIES)} or a list, got {policies!r}')
@@ -168,16 +194,20 @@ class TokenLabelRandAugment(RandAugment):
         if not keep_geometric:
             policies = [p for p in policies if p['type'] not in GEOMETRIC_RAND_POLICIES]
             if not policies:
-                raise ValueError('policies: only geometric policies given; nothing is left once '
-                                 f'{GEOMETRIC_RAND_POLICIES} are removed')
+                raise ValueError(
+                    'policies: only geometric policies given; nothing is left once '
+                    f'{GEOMETRIC_RAND_POLICIES} are removed'
+                )
         self.keep_geometric = bool(keep_geometric)
         super().__init__(list(policies), num_policies, magnitude_level, **kwargs)
 
 
 def _check_flip(flip: bool, direction: Optional[str], image: str) -> None:
     if flip and direction != 'horizontal':
-        raise ValueError(f'flip_direction: the image {image} was flipped {direction!r}; token labels follow '
-                         "horizontal flips only (RandomFlip(direction='horizontal'))")
+        raise ValueError(
+            f'flip_direction: the image {image} was flipped {direction!r}; token labels follow '
+            "horizontal flips only (RandomFlip(direction='horizontal'))"
+        )
 
 
 @TRANSFORMS.register_module()
@@ -186,8 +216,12 @@ class PackTokenLabelInputs(PackInputs):
     crop box; ``flip`` and ``flip_direction`` are default meta keys), after checking that they are
     there and that the image was flipped horizontally if at all. Args: as ``PackInputs``."""
 
-    def __init__(self, input_key: str = 'img', algorithm_keys: Sequence[str] = (),
-                 meta_keys: Sequence[str] = PackInputs.DEFAULT_META_KEYS):
+    def __init__(
+        self,
+        input_key: str = 'img',
+        algorithm_keys: Sequence[str] = (),
+        meta_keys: Sequence[str] = PackInputs.DEFAULT_META_KEYS,
+    ):
         missing = {'flip', 'flip_direction'} - set(meta_keys)
         if missing:
             raise ValueError(f'meta_keys: token labeling needs {sorted(missing)} in the data samples')
@@ -199,8 +233,10 @@ class PackTokenLabelInputs(PackInputs):
         if 'token_label_values' not in results or 'token_label_indices' not in results:
             raise KeyError(f'results: no token-label map for image {image}; put LoadTokenLabelMap in the pipeline')
         if 'crop_box' not in results:
-            raise KeyError(f'results: no crop box for image {image}; crop it with TokenLabelRandomResizedCrop '
-                           '(the first geometric transform)')
+            raise KeyError(
+                f'results: no crop box for image {image}; crop it with TokenLabelRandomResizedCrop '
+                '(the first geometric transform)'
+            )
         _check_flip(bool(results.get('flip', False)), results.get('flip_direction'), image)
         return super().transform(results)
 
@@ -209,9 +245,11 @@ class PackTokenLabelInputs(PackInputs):
 # Data: the batch's maps
 # ----------------------------------------------------------------------------------------------
 
+
 class TokenLabelBatch(NamedTuple):
     """The map rows of a batch on one device: ``values (B, k, h, w)`` float16, ``indices (B, k, h, w)``
     int64, ``boxes (B, 4)`` normalised crops, ``flips (B,)`` bool."""
+
     values: torch.Tensor
     indices: torch.Tensor
     boxes: torch.Tensor
@@ -221,21 +259,31 @@ class TokenLabelBatch(NamedTuple):
 def token_label_batch(data_samples: Sequence[DataSample], num_classes: int, device=None) -> TokenLabelBatch:
     """Stack the samples' packed map rows, crops and flips (see :class:`PackTokenLabelInputs`); refuse
     samples without them, vertical flips and class indices outside ``[0, num_classes)``."""
-    missing = [s.metainfo.get('img_path', f'sample {i}') for i, s in enumerate(data_samples)
-               if not all(k in s for k in TOKEN_LABEL_KEYS)]
+    missing = [
+        s.metainfo.get('img_path', f'sample {i}')
+        for i, s in enumerate(data_samples)
+        if not all(k in s for k in TOKEN_LABEL_KEYS)
+    ]
     if missing:
-        raise ValueError(f'data_samples: no token-label map or crop box for {len(missing)} of {len(data_samples)} '
-                         f'images (first: {missing[0]!r}); the train pipeline needs LoadTokenLabelMap, '
-                         'TokenLabelRandomResizedCrop and PackTokenLabelInputs')
+        raise ValueError(
+            f'data_samples: no token-label map or crop box for {len(missing)} of {len(data_samples)} '
+            f'images (first: {missing[0]!r}); the train pipeline needs LoadTokenLabelMap, '
+            'TokenLabelRandomResizedCrop and PackTokenLabelInputs'
+        )
     for i, s in enumerate(data_samples):
-        _check_flip(bool(s.metainfo.get('flip', False)), s.metainfo.get('flip_direction'),
-                    repr(s.metainfo.get('img_path', f'sample {i}')))
+        _check_flip(
+            bool(s.metainfo.get('flip', False)),
+            s.metainfo.get('flip_direction'),
+            repr(s.metainfo.get('img_path', f'sample {i}')),
+        )
     values = torch.from_numpy(np.stack([np.asarray(s.token_label_values) for s in data_samples]))
     indices = torch.from_numpy(np.stack([np.asarray(s.token_label_indices) for s in data_samples]).astype(np.int64))
     if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= num_classes):
-        raise ValueError(f'token_label_indices: the maps hold class indices in [{int(indices.min())}, '
-                         f'{int(indices.max())}], the head has num_classes={num_classes}; was the store made '
-                         'for this dataset?')
+        raise ValueError(
+            f'token_label_indices: the maps hold class indices in [{int(indices.min())}, '
+            f'{int(indices.max())}], the head has num_classes={num_classes}; was the store made '
+            'for this dataset?'
+        )
     boxes = torch.tensor(np.array([np.asarray(s.crop_box, np.float32) for s in data_samples]).reshape(-1, 4))
     check_boxes(boxes)  # on the CPU (no device sync)
     flips = torch.tensor([bool(s.metainfo.get('flip', False)) for s in data_samples])

@@ -24,8 +24,9 @@ Model (registered in mmpretrain's ``MODELS``):
 
 - :class:`TokenLabelingHead`: a linear head on the class token and a linear ``aux_head`` on every patch
   token of the backbone's ``(B, prefix + N, D)`` output; owns the loss (Eq. 3-4, 7) and the inference
-  rule :func:`~shared_core.token_labeling.inference_logits` ``cls + 0.5 · max_tokens(aux)`` (``head_rule='cls+aux'``, the public code) or ``'cls'``; with
-  ``relabel=True`` the class target is the annotator's label pooled over the crop (ReLabel, Table 2),
+  rule :func:`~shared_core.token_labeling.inference_logits` ``cls + 0.5 · max_tokens(aux)``
+  (``head_rule='cls+aux'``, the public code) or ``'cls'``; with ``relabel=True`` the class target is the
+  annotator's label pooled over the crop (ReLabel, Table 2),
   without dense term and aux head.
 - :class:`TokenLabelingClassifier`: an ``ImageClassifier`` that draws the MixToken box (λ ~ Beta(β, β)
   on the token grid, one box per batch as the public code, or per pair), mixes the tokens by a forward
@@ -48,18 +49,35 @@ from mmpretrain.registry import MODELS
 from mmpretrain.structures import DataSample
 
 from shared_core.mix import Mix, check_image_size, check_pairwise_batch, to_2tuple
-from shared_core.token_labeling import (AUX_WEIGHT, CLS_TARGETS, HEAD_RULES, check_head_rule, draw_mixtoken,
-                                        inference_logits, mix_patch_embed_output, mixtoken_sampler,
-                                        soft_cross_entropy, token_labeling_targets, unmix_tokens)
+from shared_core.token_labeling import (
+    AUX_WEIGHT,
+    CLS_TARGETS,
+    HEAD_RULES,
+    check_head_rule,
+    draw_mixtoken,
+    inference_logits,
+    mix_patch_embed_output,
+    mixtoken_sampler,
+    soft_cross_entropy,
+    token_labeling_targets,
+    unmix_tokens,
+)
 
 from .token_label_transforms import token_label_batch
 
-__all__ = ['HEAD_RULES', 'AUX_WEIGHT', 'TokenLabelingHead', 'TokenLabelingClassifier', 'backbone_tokens',
-           'token_stride']
+__all__ = [
+    'HEAD_RULES',
+    'AUX_WEIGHT',
+    'TokenLabelingHead',
+    'TokenLabelingClassifier',
+    'backbone_tokens',
+    'token_stride',
+]
 
 # ----------------------------------------------------------------------------------------------
 # Head
 # ----------------------------------------------------------------------------------------------
+
 
 @MODELS.register_module()
 class TokenLabelingHead(BaseModule):
@@ -82,10 +100,19 @@ class TokenLabelingHead(BaseModule):
         init_cfg: as timm initialises ViT heads (truncated normal, std 0.02, zero bias).
     """
 
-    def __init__(self, num_classes: int, in_channels: int, dense_weight: Optional[float] = None,
-                 cls_target: Optional[str] = None, cls_target_mix: float = 0.5, label_smoothing: float = 0.1,
-                 relabel: bool = False, head_rule: Optional[str] = None, num_prefix_tokens: int = 1,
-                 init_cfg: Optional[dict] = dict(type='TruncNormal', layer='Linear', std=.02, bias=0.)):
+    def __init__(
+        self,
+        num_classes: int,
+        in_channels: int,
+        dense_weight: Optional[float] = None,
+        cls_target: Optional[str] = None,
+        cls_target_mix: float = 0.5,
+        label_smoothing: float = 0.1,
+        relabel: bool = False,
+        head_rule: Optional[str] = None,
+        num_prefix_tokens: int = 1,
+        init_cfg: Optional[dict] = dict(type='TruncNormal', layer='Linear', std=0.02, bias=0.0),
+    ):
         super().__init__(init_cfg=init_cfg)
         if not isinstance(num_classes, int) or num_classes <= 0:
             raise ValueError(f'num_classes: expected a positive int, got {num_classes!r}')
@@ -93,16 +120,16 @@ class TokenLabelingHead(BaseModule):
             raise ValueError(f'dense_weight: ReLabel (relabel=True) has no dense term, got {dense_weight}')
         if relabel and cls_target not in (None, 'annotator'):
             raise ValueError(f"cls_target: ReLabel's class target is the annotator's, got {cls_target!r}")
-        dense_weight = (0. if relabel else 0.5) if dense_weight is None else float(dense_weight)
+        dense_weight = (0.0 if relabel else 0.5) if dense_weight is None else float(dense_weight)
         cls_target = ('annotator' if relabel else 'gt') if cls_target is None else cls_target
         head_rule = ('cls+aux' if dense_weight else 'cls') if head_rule is None else head_rule
         if dense_weight < 0:
             raise ValueError(f'dense_weight: expected >= 0, got {dense_weight}')
         if cls_target not in CLS_TARGETS:
             raise ValueError(f'cls_target: expected one of {CLS_TARGETS}, got {cls_target!r}')
-        if not 0. <= cls_target_mix <= 1.:
+        if not 0.0 <= cls_target_mix <= 1.0:
             raise ValueError(f'cls_target_mix: expected a weight in [0, 1], got {cls_target_mix}')
-        if not 0. <= label_smoothing < 1.:
+        if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f'label_smoothing: expected [0, 1), got {label_smoothing}')
         check_head_rule(head_rule)
         if head_rule == 'cls+aux' and not dense_weight:
@@ -122,46 +149,68 @@ class TokenLabelingHead(BaseModule):
     def tokens(self, feats: Tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The backbone's last output: ``(B, prefix + N, D)`` tokens."""
         x = feats[-1] if isinstance(feats, (tuple, list)) else feats
-        if not torch.is_tensor(x) or x.dim() != 3 or x.shape[1] <= self.num_prefix_tokens or \
-                x.shape[-1] != self.in_channels:
-            raise ValueError(f'feats: expected (B, {self.num_prefix_tokens} + N, {self.in_channels}) tokens (class '
-                             f'token first; mmpretrain VisionTransformer with out_type=\'raw\'), got '
-                             f'{tuple(x.shape) if torch.is_tensor(x) else type(x).__name__}')
+        if (
+            not torch.is_tensor(x)
+            or x.dim() != 3
+            or x.shape[1] <= self.num_prefix_tokens
+            or x.shape[-1] != self.in_channels
+        ):
+            raise ValueError(
+                f'feats: expected (B, {self.num_prefix_tokens} + N, {self.in_channels}) tokens (class '
+                f"token first; mmpretrain VisionTransformer with out_type='raw'), got "
+                f'{tuple(x.shape) if torch.is_tensor(x) else type(x).__name__}'
+            )
         return x
 
     def pre_logits(self, feats: Tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The class token ``(B, D)``."""
         return self.tokens(feats)[:, 0]
 
-    def logits(self, feats: Tuple[torch.Tensor, ...], mix: Optional[Mix] = None
-               ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def logits(
+        self, feats: Tuple[torch.Tensor, ...], mix: Optional[Mix] = None
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Class logits ``(B, C)`` and per-token logits ``(B, N, C)`` (``None`` without aux head),
         un-mixed when the tokens were mixed by ``mix``."""
         x = self.tokens(feats)
         cls = self.head(x[:, 0])
         if self.aux_head is None:
             return cls, None
-        aux = self.aux_head(x[:, self.num_prefix_tokens:])
+        aux = self.aux_head(x[:, self.num_prefix_tokens :])
         return cls, (aux if mix is None else unmix_tokens(aux, mix))
 
     def forward(self, feats: Tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Inference logits: ``cls + 0.5 · max_tokens(aux)`` or ``cls`` (``head_rule``)."""
         return inference_logits(*self.logits(feats), self.head_rule)
 
-    def targets(self, data_samples: Sequence[DataSample], mix: Optional[Mix], grid: Tuple[int, int],
-                device=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def targets(
+        self, data_samples: Sequence[DataSample], mix: Optional[Mix], grid: Tuple[int, int], device=None
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(class target (B, C), per-token targets or None)``, every row summing to 1 (the token targets as
         :class:`~shared_core.label_maps.SparseTokenTargets`; ``.dense()`` gives ``(B, N, C)``)."""
         labels = torch.cat([s.gt_label for s in data_samples]).to(device)
         if labels.numel() != len(data_samples):
             raise ValueError('data_samples: token labeling needs exactly one gt_label per sample')
         maps = token_label_batch(data_samples, self.num_classes, device) if self.needs_maps else None
-        return token_labeling_targets(labels, self.num_classes, self.label_smoothing, mix, maps, grid,
-                                      self.cls_target, self.cls_target_mix, dense=bool(self.dense_weight),
-                                      name='gt_label')
+        return token_labeling_targets(
+            labels,
+            self.num_classes,
+            self.label_smoothing,
+            mix,
+            maps,
+            grid,
+            self.cls_target,
+            self.cls_target_mix,
+            dense=bool(self.dense_weight),
+            name='gt_label',
+        )
 
-    def loss(self, feats: Tuple[torch.Tensor, ...], data_samples: Sequence[DataSample], mix: Optional[Mix] = None,
-             grid: Optional[Tuple[int, int]] = None) -> dict:
+    def loss(
+        self,
+        feats: Tuple[torch.Tensor, ...],
+        data_samples: Sequence[DataSample],
+        mix: Optional[Mix] = None,
+        grid: Optional[Tuple[int, int]] = None,
+    ) -> dict:
         """``loss_cls = H(cls, ŷ^cls)`` (Eq. 1, 7) and ``loss_token = β · mean_i H(aux_i, y^i)`` (Eq. 2-4);
         their sum is :func:`shared_core.token_labeling.token_labeling_loss`. ``grid``: the token grid
         ``(gh, gw)`` (default: square)."""
@@ -177,50 +226,62 @@ class TokenLabelingHead(BaseModule):
             losses['loss_token'] = self.dense_weight * soft_cross_entropy(aux, dense)
         return losses
 
-    def predict(self, feats: Tuple[torch.Tensor, ...], data_samples: Optional[List[Optional[DataSample]]] = None
-                ) -> List[DataSample]:
+    def predict(
+        self, feats: Tuple[torch.Tensor, ...], data_samples: Optional[List[Optional[DataSample]]] = None
+    ) -> List[DataSample]:
         """Softmax of the inference logits as ``pred_score``, their argmax as ``pred_label``."""
         scores = self(feats).softmax(dim=1)
         labels = scores.argmax(dim=1, keepdim=True).detach()
         samples = data_samples if data_samples is not None else [None] * len(scores)
-        return [(s if s is not None else DataSample()).set_pred_score(p).set_pred_label(y)
-                for s, p, y in zip(samples, scores, labels)]
+        return [
+            (s if s is not None else DataSample()).set_pred_score(p).set_pred_label(y)
+            for s, p, y in zip(samples, scores, labels)
+        ]
 
 
 # ----------------------------------------------------------------------------------------------
 # Classifier
 # ----------------------------------------------------------------------------------------------
 
+
 def backbone_tokens(backbone: nn.Module) -> Tuple[nn.Module, int]:
     """``(patch embedding, number of prefix tokens)`` of a supported backbone whose output is every token."""
     if isinstance(backbone, VisionTransformer):
         if backbone.out_type != 'raw':
-            raise ValueError(f"backbone: token labeling reads every output token; set out_type='raw' on "
-                             f"mmpretrain's VisionTransformer (got {backbone.out_type!r})")
+            raise ValueError(
+                f"backbone: token labeling reads every output token; set out_type='raw' on "
+                f"mmpretrain's VisionTransformer (got {backbone.out_type!r})"
+            )
         if not backbone.with_cls_token:
             raise ValueError('backbone: token labeling needs a class token (with_cls_token=True)')
         if max(backbone.out_indices) != backbone.num_layers - 1:
-            raise ValueError(f'backbone: token labeling reads the last layer (out_indices containing '
-                             f'{backbone.num_layers - 1}), got {backbone.out_indices}')
+            raise ValueError(
+                f'backbone: token labeling reads the last layer (out_indices containing '
+                f'{backbone.num_layers - 1}), got {backbone.out_indices}'
+            )
         return backbone.patch_embed, int(backbone.num_extra_tokens)
     if isinstance(backbone, TIMMBackbone):
         model = backbone.timm_model
         for name in ('patch_embed', 'num_prefix_tokens', 'forward_features'):
             if not hasattr(model, name):
-                raise ValueError(f'backbone: token labeling needs a timm ViT (no features_only) with {name!r}; '
-                                 f'{type(model).__name__} has none')
+                raise ValueError(
+                    f'backbone: token labeling needs a timm ViT (no features_only) with {name!r}; '
+                    f'{type(model).__name__} has none'
+                )
         if not getattr(model, 'has_class_token', False) or model.num_prefix_tokens < 1:
             raise ValueError(f'backbone: token labeling needs a class token; {type(model).__name__} has none')
         return model.patch_embed, int(model.num_prefix_tokens)
-    raise ValueError(f'backbone: token labeling supports mmpretrain.models.VisionTransformer (out_type=\'raw\') and '
-                     f'TIMMBackbone around a timm ViT; got {type(backbone).__module__}.{type(backbone).__name__}')
+    raise ValueError(
+        f"backbone: token labeling supports mmpretrain.models.VisionTransformer (out_type='raw') and "
+        f'TIMMBackbone around a timm ViT; got {type(backbone).__module__}.{type(backbone).__name__}'
+    )
 
 
 def token_stride(patch_embed: nn.Module) -> Tuple[int, int]:
     """Pixels per token along (h, w): LV-ViT's ``token_stride``, timm's ``patch_size``, mm's conv stride."""
     s = getattr(patch_embed, 'token_stride', None) or getattr(patch_embed, 'patch_size', None)
     if s is None and hasattr(patch_embed, 'projection'):  # mmcv PatchEmbed (its corner padding adds nothing
-        s = patch_embed.projection.stride                   # to an image of whole tokens)
+        s = patch_embed.projection.stride  # to an image of whole tokens)
     if s is None:
         raise ValueError(f'backbone: {type(patch_embed).__name__} has no token_stride/patch_size/projection stride')
     return to_2tuple(tuple(s) if isinstance(s, (tuple, list)) else int(s), 'patch size')
@@ -239,16 +300,25 @@ class TokenLabelingClassifier(ImageClassifier):
         and ``train_cfg`` without image batch augments.
     """
 
-    def __init__(self, *args, mix_token: bool = True, mix_beta: float = 1.0, mix_prob: float = 1.0,
-                 mix_mode: str = 'batch', **kwargs):
+    def __init__(
+        self,
+        *args,
+        mix_token: bool = True,
+        mix_beta: float = 1.0,
+        mix_prob: float = 1.0,
+        mix_mode: str = 'batch',
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         if not isinstance(self.head, TokenLabelingHead):
             raise ValueError(f'head: token labeling needs a TokenLabelingHead, got {type(self.head).__name__}')
         if self.neck is not None:
-            raise ValueError('neck: token labeling reads the backbone\'s tokens; set neck=None')
+            raise ValueError("neck: token labeling reads the backbone's tokens; set neck=None")
         if getattr(self.data_preprocessor, 'batch_augments', None) is not None:
-            raise ValueError('train_cfg: image batch augments (MixUp/CutMix) mix pixels that the token labels do '
-                             'not follow; MixToken is in the model; remove train_cfg.augments')
+            raise ValueError(
+                'train_cfg: image batch augments (MixUp/CutMix) mix pixels that the token labels do '
+                'not follow; MixToken is in the model; remove train_cfg.augments'
+            )
         patch_embed, self.head.num_prefix_tokens = backbone_tokens(self.backbone)
         self.token_stride = token_stride(patch_embed)
         try:

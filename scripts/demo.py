@@ -18,6 +18,7 @@ every stage runs end to end, not which method is better.
 
     .venv/bin/python scripts/demo.py [--epochs 6] [--out demo_out]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,9 +55,23 @@ def timm_run(world, out, experiment, epochs, *flags, config='world_vit-tiny.yaml
     ``curves[experiment]`` when ``curves`` is given."""
     exp = out / 'timm' / experiment
     shutil.rmtree(exp, ignore_errors=True)  # timm appends to summary.csv of an existing run folder
-    secs = run([BIN / 'tokenaug-train', '-c', REPO / 'configs/timm' / config, '--data-dir', world / 'imagenet',
-                '--epochs', str(epochs), *flags, '--output', out / 'timm', '--experiment', experiment],
-               log=out / f'timm_{experiment}.log')
+    secs = run(
+        [
+            BIN / 'tokenaug-train',
+            '-c',
+            REPO / 'configs/timm' / config,
+            '--data-dir',
+            world / 'imagenet',
+            '--epochs',
+            str(epochs),
+            *flags,
+            '--output',
+            out / 'timm',
+            '--experiment',
+            experiment,
+        ],
+        log=out / f'timm_{experiment}.log',
+    )
     final = json.loads((exp / 'results.json').read_text())['final']
     if curves is not None:
         with open(exp / 'summary.csv') as f:
@@ -66,23 +81,78 @@ def timm_run(world, out, experiment, epochs, *flags, config='world_vit-tiny.yaml
 
 def token_labeling(world, out, epochs, curves):
     """Annotator -> maps -> ViT-Tiny with token labeling + MixToken; returns the two table rows."""
-    rows = [('timm (tokenaug-train)', 'annotator: ViT-Tiny, avg pool, MixUp/CutMix',
-             *timm_run(world, out, 'annotator', epochs, '--gp', 'avg'))]
+    rows = [
+        (
+            'timm (tokenaug-train)',
+            'annotator: ViT-Tiny, avg pool, MixUp/CutMix',
+            *timm_run(world, out, 'annotator', epochs, '--gp', 'avg'),
+        )
+    ]
     ann = out / 'timm' / 'annotator'
     maps = out / 'maps' / 'train'
     shutil.rmtree(maps, ignore_errors=True)
     t = time.time()
-    run([BIN / 'tokenaug-maps', 'generate', '--data-dir', world / 'imagenet', '--split', 'train', '--model',
-         'vit_tiny_patch16_224', '--model-kwargs', 'img_size=112', 'global_pool=avg', '--num-classes', '10',
-         '--checkpoint', ann / 'last.pth.tar', '--input-size', '112', '--topk', '5', '--out', maps, '-j', '2'],
-        log=out / 'maps_generate.log')
+    run(
+        [
+            BIN / 'tokenaug-maps',
+            'generate',
+            '--data-dir',
+            world / 'imagenet',
+            '--split',
+            'train',
+            '--model',
+            'vit_tiny_patch16_224',
+            '--model-kwargs',
+            'img_size=112',
+            'global_pool=avg',
+            '--num-classes',
+            '10',
+            '--checkpoint',
+            ann / 'last.pth.tar',
+            '--input-size',
+            '112',
+            '--topk',
+            '5',
+            '--out',
+            maps,
+            '-j',
+            '2',
+        ],
+        log=out / 'maps_generate.log',
+    )
     print(f'    maps: {len(list((maps).glob("*")))} files in {maps} ({time.time() - t:.0f} s)', flush=True)
-    rows.append(('timm (tokenaug-train)', 'MixToken + token labeling',
-                 *timm_run(world, out, 'mixtoken', epochs, '--token-label-dir', maps,
-                           config='world_vit-tiny_token-labeling.yaml', curves=curves)))
-    rows.append(('timm (tokenaug-train)', 'MixUp/TokenMix blocks, activation-map targets',
-                 *timm_run(world, out, 'tokenmix', epochs, '--activation-map-dir', maps,
-                           config='world_vit-tiny_tokenmix.yaml', curves=curves)))
+    rows.append(
+        (
+            'timm (tokenaug-train)',
+            'MixToken + token labeling',
+            *timm_run(
+                world,
+                out,
+                'mixtoken',
+                epochs,
+                '--token-label-dir',
+                maps,
+                config='world_vit-tiny_token-labeling.yaml',
+                curves=curves,
+            ),
+        )
+    )
+    rows.append(
+        (
+            'timm (tokenaug-train)',
+            'MixUp/TokenMix blocks, activation-map targets',
+            *timm_run(
+                world,
+                out,
+                'tokenmix',
+                epochs,
+                '--activation-map-dir',
+                maps,
+                config='world_vit-tiny_tokenmix.yaml',
+                curves=curves,
+            ),
+        )
+    )
     return rows
 
 
@@ -91,10 +161,33 @@ def occlusion(world, out, runs):
     curves = {}
     for name, label in runs:
         dst = out / 'occlusion' / name
-        run([BIN / 'tokenaug-occlusion', '--data-dir', world / 'imagenet', '--split', 'val', '--model',
-             'vit_tiny_patch16_224', '--model-kwargs', 'img_size=112', '--checkpoint',
-             out / 'timm' / name / 'last.pth.tar', '--ratios', '0', '0.2', '0.4', '0.6', '0.8', '--out', dst,
-             '-j', '2', '--no-progress'], log=out / f'occlusion_{name}.log')
+        run(
+            [
+                BIN / 'tokenaug-occlusion',
+                '--data-dir',
+                world / 'imagenet',
+                '--split',
+                'val',
+                '--model',
+                'vit_tiny_patch16_224',
+                '--model-kwargs',
+                'img_size=112',
+                '--checkpoint',
+                out / 'timm' / name / 'last.pth.tar',
+                '--ratios',
+                '0',
+                '0.2',
+                '0.4',
+                '0.6',
+                '0.8',
+                '--out',
+                dst,
+                '-j',
+                '2',
+                '--no-progress',
+            ],
+            log=out / f'occlusion_{name}.log',
+        )
         with open(dst / 'occlusion.csv') as f:
             curves[label] = [(float(r['ratio']), float(r['top1'])) for r in csv.DictReader(f)]
     return curves
@@ -102,12 +195,26 @@ def occlusion(world, out, runs):
 
 def convert(src, dst, to, model, *model_kwargs):
     dst.parent.mkdir(parents=True, exist_ok=True)
-    run([BIN / 'tokenaug-convert', '--src', src, '--dst', dst, '--to', to, '--model', model,
-         *(['--model-kwargs', *model_kwargs] if model_kwargs else [])], log=dst.with_suffix('.log'))
+    run(
+        [
+            BIN / 'tokenaug-convert',
+            '--src',
+            src,
+            '--dst',
+            dst,
+            '--to',
+            to,
+            '--model',
+            model,
+            *(['--model-kwargs', *model_kwargs] if model_kwargs else []),
+        ],
+        log=dst.with_suffix('.log'),
+    )
 
 
 def upstream(pkg: str, tool: str) -> Path:
     import importlib
+
     return Path(importlib.import_module(pkg).__file__).parent / '.mim' / 'tools' / tool
 
 
@@ -115,6 +222,7 @@ def metric(log: Path, name: str) -> float:
     """The last ``name: value`` an mm test script logged (0 when mmdet found no detection at all: its
     COCO metric then logs that the results are empty and reports nothing)."""
     import re
+
     text = log.read_text()
     values = re.findall(re.escape(name) + r': (-?[\d.]+)', text)
     if values:
@@ -126,7 +234,9 @@ def metric(log: Path, name: str) -> float:
 
 def transfer(world, out, method, seg_iters, det_iters, det_epochs):
     """CutMix or TL-Align pretraining carried to segmentation and detection; returns (mIoU, box AP, mask AP)."""
-    env = dict(os.environ, TOKENAUG_WORLD=str(world), PYTHONPATH=f'{REPO}{os.pathsep}{os.environ.get("PYTHONPATH", "")}')
+    env = dict(
+        os.environ, TOKENAUG_WORLD=str(world), PYTHONPATH=f'{REPO}{os.pathsep}{os.environ.get("PYTHONPATH", "")}'
+    )
     # segmentation: the ViT-Tiny of the classification stage
     seg_ckpt = out / 'backbones' / f'vit-tiny_{method}_mmseg.pth'
     convert(out / 'timm' / method / 'last.pth.tar', seg_ckpt, 'mmseg', 'vit_tiny_patch16_224', 'img_size=112')
@@ -134,38 +244,96 @@ def transfer(world, out, method, seg_iters, det_iters, det_epochs):
     work = out / 'mmseg' / method
     shutil.rmtree(work, ignore_errors=True)
     env['TOKENAUG_BACKBONE'] = str(seg_ckpt)
-    run([sys.executable, upstream('mmseg', 'train.py'), cfg, '--work-dir', work, '--cfg-options',
-         f'train_cfg.max_iters={seg_iters}', f'train_cfg.val_interval={seg_iters}',
-         f'default_hooks.checkpoint.interval={seg_iters}'], env=env, log=out / f'mmseg_{method}.log')
-    run([sys.executable, upstream('mmseg', 'test.py'), cfg, work / f'iter_{seg_iters}.pth', '--work-dir', work / 'test'],
-        env=env, log=out / f'mmseg_{method}_test.log')
+    run(
+        [
+            sys.executable,
+            upstream('mmseg', 'train.py'),
+            cfg,
+            '--work-dir',
+            work,
+            '--cfg-options',
+            f'train_cfg.max_iters={seg_iters}',
+            f'train_cfg.val_interval={seg_iters}',
+            f'default_hooks.checkpoint.interval={seg_iters}',
+        ],
+        env=env,
+        log=out / f'mmseg_{method}.log',
+    )
+    run(
+        [
+            sys.executable,
+            upstream('mmseg', 'test.py'),
+            cfg,
+            work / f'iter_{seg_iters}.pth',
+            '--work-dir',
+            work / 'test',
+        ],
+        env=env,
+        log=out / f'mmseg_{method}_test.log',
+    )
     miou = metric(out / f'mmseg_{method}_test.log', 'mIoU')
     # detection: a small Swin pretrained with the same method, then Cascade Mask R-CNN
     timm_run(world, out, f'swin-mini_{method}', det_epochs, '--mixup-type', method, config='world_swin-mini.yaml')
     det_ckpt = out / 'backbones' / f'swin-mini_{method}_mmdet.pth'
-    convert(out / 'timm' / f'swin-mini_{method}' / 'last.pth.tar', det_ckpt, 'mmdet', 'swin_tiny_patch4_window7_224',
-            'embed_dim=32', 'depths=(2,2,2,2)', 'num_heads=(1,2,4,8)')
+    convert(
+        out / 'timm' / f'swin-mini_{method}' / 'last.pth.tar',
+        det_ckpt,
+        'mmdet',
+        'swin_tiny_patch4_window7_224',
+        'embed_dim=32',
+        'depths=(2,2,2,2)',
+        'num_heads=(1,2,4,8)',
+    )
     cfg = REPO / 'configs/mmdet/cascade-mask-rcnn_swin-mini_world.py'
     work = out / 'mmdet' / method
     shutil.rmtree(work, ignore_errors=True)
     env['TOKENAUG_BACKBONE'] = str(det_ckpt)
-    run([sys.executable, upstream('mmdet', 'train.py'), cfg, '--work-dir', work, '--cfg-options',
-         f'train_dataloader.dataset.indices={2 * det_iters}', 'train_cfg.max_epochs=1', 'train_cfg.val_interval=2'],
-        env=env, log=out / f'mmdet_{method}.log')
-    run([sys.executable, upstream('mmdet', 'test.py'), cfg, work / 'epoch_1.pth', '--work-dir', work / 'test'],
-        env=env, log=out / f'mmdet_{method}_test.log')
+    run(
+        [
+            sys.executable,
+            upstream('mmdet', 'train.py'),
+            cfg,
+            '--work-dir',
+            work,
+            '--cfg-options',
+            f'train_dataloader.dataset.indices={2 * det_iters}',
+            'train_cfg.max_epochs=1',
+            'train_cfg.val_interval=2',
+        ],
+        env=env,
+        log=out / f'mmdet_{method}.log',
+    )
+    run(
+        [sys.executable, upstream('mmdet', 'test.py'), cfg, work / 'epoch_1.pth', '--work-dir', work / 'test'],
+        env=env,
+        log=out / f'mmdet_{method}_test.log',
+    )
     log = out / f'mmdet_{method}_test.log'
     return miou, metric(log, 'coco/bbox_mAP'), metric(log, 'coco/segm_mAP')
 
 
 def mmpretrain_run(world, out, config, epochs):
     import mmpretrain
+
     train_py = Path(mmpretrain.__file__).parent / '.mim' / 'tools' / 'train.py'
     work = out / 'mmpretrain' / config
     shutil.rmtree(work, ignore_errors=True)
-    env = dict(os.environ, TOKENAUG_WORLD=str(world), PYTHONPATH=f'{REPO}{os.pathsep}{os.environ.get("PYTHONPATH", "")}')
-    secs = run([sys.executable, train_py, REPO / 'configs/mmpretrain' / f'{config}.py', '--work-dir', work,
-                '--cfg-options', f'train_cfg.max_epochs={epochs}'], env=env, log=out / f'mmpretrain_{config}.log')
+    env = dict(
+        os.environ, TOKENAUG_WORLD=str(world), PYTHONPATH=f'{REPO}{os.pathsep}{os.environ.get("PYTHONPATH", "")}'
+    )
+    secs = run(
+        [
+            sys.executable,
+            train_py,
+            REPO / 'configs/mmpretrain' / f'{config}.py',
+            '--work-dir',
+            work,
+            '--cfg-options',
+            f'train_cfg.max_epochs={epochs}',
+        ],
+        env=env,
+        log=out / f'mmpretrain_{config}.log',
+    )
     scalars = sorted(work.glob('*/vis_data/scalars.json'))[-1]
     last = [json.loads(line) for line in scalars.read_text().splitlines() if 'accuracy/top1' in line][-1]
     return last['accuracy/top1'], last['accuracy/top5'], secs
@@ -187,47 +355,83 @@ def main():
     subprocess.run([BIN / 'tokenaug-data', '--out', world, '--seed', '0'], check=True)
 
     rows, curves = [], {}
-    kinds = [('cutmix', 'MixUp/CutMix (DeiT)'), ('tokenmix_block', 'MixUp/TokenMix block masks'),
-             ('tl_align', 'MixUp/CutMix + TL-Align')]
+    kinds = [
+        ('cutmix', 'MixUp/CutMix (DeiT)'),
+        ('tokenmix_block', 'MixUp/TokenMix block masks'),
+        ('tl_align', 'MixUp/CutMix + TL-Align'),
+    ]
     print(f'== 2/5 timm: ViT-Tiny/16 at 112 px, {args.epochs} epochs (tokenaug-train)', flush=True)
     for kind, label in kinds:
         print(f'  -- {label}', flush=True)
-        rows.append(('timm (tokenaug-train)', label,
-                     *timm_run(world, out, kind, args.epochs, '--mixup-type', kind, curves=curves)))
+        rows.append(
+            (
+                'timm (tokenaug-train)',
+                label,
+                *timm_run(world, out, kind, args.epochs, '--mixup-type', kind, curves=curves),
+            )
+        )
     print(f'== 3/5 mmpretrain: DeiT-Tiny at 112 px, {args.epochs} epochs (mmpretrain tools/train.py)', flush=True)
-    for config, label in [('deit-tiny_world_cutmix', kinds[0][1]), ('deit-tiny_world_tokenmix-block', kinds[1][1]),
-                          ('deit-tiny_world_tl-align', kinds[2][1])]:
+    for config, label in [
+        ('deit-tiny_world_cutmix', kinds[0][1]),
+        ('deit-tiny_world_tokenmix-block', kinds[1][1]),
+        ('deit-tiny_world_tl-align', kinds[2][1]),
+    ]:
         print(f'  -- {label}', flush=True)
         rows.append(('mmpretrain (tools/train.py)', label, *mmpretrain_run(world, out, config, args.epochs)))
 
-    print(f'== 4/5 token labeling and TokenMix: annotator, tokenaug-maps generate, MixToken + token labeling, '
-          f'TokenMix with activation-map targets ({args.epochs} epochs each), tokenaug-occlusion', flush=True)
+    print(
+        f'== 4/5 token labeling and TokenMix: annotator, tokenaug-maps generate, MixToken + token labeling, '
+        f'TokenMix with activation-map targets ({args.epochs} epochs each), tokenaug-occlusion',
+        flush=True,
+    )
     rows += token_labeling(world, out, args.epochs, curves)
     kinds += [('mixtoken', 'MixToken + token labeling'), ('tokenmix', 'TokenMix + activation maps')]
     occ = occlusion(world, out, [('cutmix', 'MixUp/CutMix (DeiT)'), ('tokenmix', 'TokenMix + activation maps')])
 
-    table = [f'Synthetic world: 10 classes, 112 px, 400 train / 100 val images; {args.epochs} epochs, 2 CPU cores.',
-             '', '| ecosystem | mixing | val top-1 | val top-5 | wall s |', '|---|---|---|---|---|']
+    table = [
+        f'Synthetic world: 10 classes, 112 px, 400 train / 100 val images; {args.epochs} epochs, 2 CPU cores.',
+        '',
+        '| ecosystem | mixing | val top-1 | val top-5 | wall s |',
+        '|---|---|---|---|---|',
+    ]
     table += [f'| {eco} | {mix} | {t1:.1f} | {t5:.1f} | {s:.0f} |' for eco, mix, t1, t5, s in rows]
-    table += ['', 'Per epoch, timm runs: train loss (on each run\'s own targets) / val top-1:', '',
-              '| epoch | ' + ' | '.join(label for _, label in kinds) + ' |', '|---' * (len(kinds) + 1) + '|']
+    table += [
+        '',
+        "Per epoch, timm runs: train loss (on each run's own targets) / val top-1:",
+        '',
+        '| epoch | ' + ' | '.join(label for _, label in kinds) + ' |',
+        '|---' * (len(kinds) + 1) + '|',
+    ]
     for e in range(args.epochs):
-        cells = [f"{float(curves[k][e]['train_loss']):.3f} / {float(curves[k][e]['eval_top1']):.0f}" for k, _ in kinds]
+        cells = [f'{float(curves[k][e]["train_loss"]):.3f} / {float(curves[k][e]["eval_top1"]):.0f}' for k, _ in kinds]
         table.append(f'| {e} | ' + ' | '.join(cells) + ' |')
     ratios = [r for r, _ in next(iter(occ.values()))]
-    table += ['', 'Occlusion (tokenaug-occlusion, val top-1 with a fraction of the 16x16 patches zeroed):', '',
-              '| pretraining | ' + ' | '.join(f'{r:.0%}' for r in ratios) + ' |', '|---' * (len(ratios) + 1) + '|']
+    table += [
+        '',
+        'Occlusion (tokenaug-occlusion, val top-1 with a fraction of the 16x16 patches zeroed):',
+        '',
+        '| pretraining | ' + ' | '.join(f'{r:.0%}' for r in ratios) + ' |',
+        '|---' * (len(ratios) + 1) + '|',
+    ]
     table += [f'| {label} | ' + ' | '.join(f'{t:.0f}' for _, t in pts) + ' |' for label, pts in occ.items()]
-    print(f'== 5/5 transfer: UperNet {args.seg_iters} iterations (mmseg), Cascade Mask R-CNN {args.det_iters} '
-          f'iterations after a {args.det_pretrain_epochs}-epoch small-Swin pretraining (mmdet)', flush=True)
+    print(
+        f'== 5/5 transfer: UperNet {args.seg_iters} iterations (mmseg), Cascade Mask R-CNN {args.det_iters} '
+        f'iterations after a {args.det_pretrain_epochs}-epoch small-Swin pretraining (mmdet)',
+        flush=True,
+    )
     transfer_rows = []
     for method, label in [('cutmix', kinds[0][1]), ('tl_align', kinds[2][1])]:
         print(f'  -- pretrained with {label}', flush=True)
-        transfer_rows.append((label, *transfer(world, out, method, args.seg_iters, args.det_iters,
-                                              args.det_pretrain_epochs)))
-    table += ['', f'Transfer (upstream test scripts; UperNet {args.seg_iters} it., Cascade Mask R-CNN '
-                  f'{args.det_iters} it.):', '', '| pretraining | ADE20K-world mIoU | COCO-world box AP | '
-                  'COCO-world mask AP |', '|---|---|---|---|']
+        transfer_rows.append(
+            (label, *transfer(world, out, method, args.seg_iters, args.det_iters, args.det_pretrain_epochs))
+        )
+    table += [
+        '',
+        f'Transfer (upstream test scripts; UperNet {args.seg_iters} it., Cascade Mask R-CNN {args.det_iters} it.):',
+        '',
+        '| pretraining | ADE20K-world mIoU | COCO-world box AP | COCO-world mask AP |',
+        '|---|---|---|---|',
+    ]
     table += [f'| {label} | {miou:.2f} | {box:.3f} | {mask:.3f} |' for label, miou, box, mask in transfer_rows]
     text = '\n'.join(table)
     (out / 'results.md').write_text(text + '\n')

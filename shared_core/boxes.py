@@ -2,6 +2,7 @@
 from an explicit ``torch.Generator`` instead of numpy's global RNG, and the share of each patch a pixel box
 covers. Boxes are ``(y0, y1, x0, x1)`` half-open pixel (or token) coordinates.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
@@ -12,6 +13,7 @@ from scipy.special import betaincinv
 from .mix import grid_size
 
 __all__ = ['rand', 'randint', 'sample_beta', 'rand_box', 'minmax_sides', 'rand_box_minmax', 'box_token_share']
+
 
 def rand(n: int, generator: Optional[torch.Generator]) -> torch.Tensor:
     """``n`` uniforms in [0, 1) as float64 from ``generator``."""
@@ -38,7 +40,7 @@ def rand_box(img_size: Tuple[int, int], lam: torch.Tensor, generator: Optional[t
     """timm's ``rand_bbox`` for a vector of λ: a box of side ``sqrt(1 - λ)`` times the image side,
     centred uniformly, clipped by the borders. Returns ``(n, 4)`` int64 ``(y0, y1, x0, x1)``."""
     H, W = img_size
-    ratio = torch.sqrt(1. - lam.double())
+    ratio = torch.sqrt(1.0 - lam.double())
     cut_h, cut_w = (H * ratio).long(), (W * ratio).long()
     n = lam.numel()
     cy = randint(torch.zeros(n, dtype=torch.long), torch.full((n,), H), generator)
@@ -56,13 +58,16 @@ def minmax_sides(img_size: Tuple[int, int], minmax: Sequence[float]) -> Tuple[Tu
     lo_h, hi_h = int(H * minmax[0]), int(H * minmax[1])
     lo_w, hi_w = int(W * minmax[0]), int(W * minmax[1])
     if lo_h >= hi_h or lo_w >= hi_w:
-        raise ValueError(f'cutmix_minmax {tuple(minmax)} gives an empty range of box sides on a {H}x{W} image '
-                         f'(heights [{lo_h}, {hi_h}), widths [{lo_w}, {hi_w})): widen it')
+        raise ValueError(
+            f'cutmix_minmax {tuple(minmax)} gives an empty range of box sides on a {H}x{W} image '
+            f'(heights [{lo_h}, {hi_h}), widths [{lo_w}, {hi_w})): widen it'
+        )
     return (lo_h, hi_h), (lo_w, hi_w)
 
 
-def rand_box_minmax(img_size: Tuple[int, int], minmax: Sequence[float], n: int,
-                    generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def rand_box_minmax(
+    img_size: Tuple[int, int], minmax: Sequence[float], n: int, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
     """timm's ``rand_bbox_minmax``: box sides uniform in ``[min, max)`` times the image sides."""
     H, W = img_size
     (lo_h, hi_h), (lo_w, hi_w) = minmax_sides(img_size, minmax)
@@ -88,4 +93,3 @@ def box_token_share(boxes: torch.Tensor, img_size: Tuple[int, int], patch_size: 
     oy = (torch.minimum(y1[:, None], bottom) - torch.maximum(y0[:, None], top)).clamp(min=0) / (bottom - top)
     ox = (torch.minimum(x1[:, None], right) - torch.maximum(x0[:, None], left)).clamp(min=0) / (right - left)
     return (oy[:, :, None] * ox[:, None, :]).float()
-

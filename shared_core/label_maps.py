@@ -27,6 +27,7 @@ Conventions, all in one place:
 :func:`token_targets` is the one-image reference entry point; :func:`token_targets_batch` does a
 batch in one ``roi_align`` call, on whatever device the rows are on.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence, Tuple, Union
@@ -35,8 +36,20 @@ import numpy as np
 import torch
 from torchvision.ops import roi_align
 
-__all__ = ['check_boxes', 'dense_maps', 'token_targets', 'token_targets_batch', 'token_targets_sparse', 'SparseTokenTargets', 'axis_weights', 'class_maps', 'crop_targets', 'check_map_row',
-           'crop_box', 'smooth']
+__all__ = [
+    'check_boxes',
+    'dense_maps',
+    'token_targets',
+    'token_targets_batch',
+    'token_targets_sparse',
+    'SparseTokenTargets',
+    'axis_weights',
+    'class_maps',
+    'crop_targets',
+    'check_map_row',
+    'crop_box',
+    'smooth',
+]
 
 Box = Union[Sequence[float], torch.Tensor]
 
@@ -70,12 +83,13 @@ def dense_maps(values: torch.Tensor, indices: torch.Tensor, num_classes: int) ->
     probabilities, the rest of the mass spread uniformly over the other classes, renormalised."""
     values, indices = _as_tensor(values), _as_tensor(indices)
     if values.dim() != 4 or values.shape != indices.shape:
-        raise ValueError(f'values/indices: expected (B, k, h, w) of one shape, got {tuple(values.shape)} '
-                         f'and {tuple(indices.shape)}')
+        raise ValueError(
+            f'values/indices: expected (B, k, h, w) of one shape, got {tuple(values.shape)} and {tuple(indices.shape)}'
+        )
     B, k, h, w = values.shape
-    v = values.float().clamp_min(0.)
+    v = values.float().clamp_min(0.0)
     rest = num_classes - k
-    fill = (1. - v.sum(1, keepdim=True)).clamp_min(0.) / rest if rest else v.new_zeros(B, 1, h, w)
+    fill = (1.0 - v.sum(1, keepdim=True)).clamp_min(0.0) / rest if rest else v.new_zeros(B, 1, h, w)
     out = fill.expand(B, num_classes, h, w).clone()
     out.scatter_(1, indices.long(), v)
     return out / out.sum(1, keepdim=True).clamp_min(1e-12)
@@ -83,11 +97,11 @@ def dense_maps(values: torch.Tensor, indices: torch.Tensor, num_classes: int) ->
 
 def smooth(target: torch.Tensor, smoothing: float, dim: int = 1) -> torch.Tensor:
     """``(1 - ε) · p + ε / C`` along ``dim`` (rows that summed to 1 still do)."""
-    if not 0. <= smoothing < 1.:
+    if not 0.0 <= smoothing < 1.0:
         raise ValueError(f'smoothing must be in [0, 1), got {smoothing}')
     if not smoothing:
         return target
-    return target * (1. - smoothing) + smoothing / target.shape[dim]
+    return target * (1.0 - smoothing) + smoothing / target.shape[dim]
 
 
 def check_boxes(boxes: torch.Tensor) -> None:
@@ -101,7 +115,7 @@ def check_boxes(boxes: torch.Tensor) -> None:
     b = boxes.float()
     if not ((b[:, 0] < b[:, 2]) & (b[:, 1] < b[:, 3])).all():
         raise ValueError('boxes: expected x0 < x1 and y0 < y1 (normalised crop corners)')
-    if not ((b >= -1e-6) & (b <= 1. + 1e-6)).all():
+    if not ((b >= -1e-6) & (b <= 1.0 + 1e-6)).all():
         raise ValueError('boxes: expected crops inside the image, corners in [0, 1]')
 
 
@@ -120,13 +134,13 @@ def axis_weights(lo: torch.Tensor, hi: torch.Tensor, cells: int, out: int) -> to
     adaptive sampling) of a one-hot basis of ``cells`` rows over the spans ``[lo, hi]`` (normalised).
     RoIAlign of an axis-aligned box is separable: its 2-D weight of map cell ``(i, j)`` for token
     ``(a, b)`` is ``Wy[a, i] · Wx[b, j]``, sample counts and border clamping included."""
-    n = lo.shape[0]
     basis = torch.eye(cells, dtype=torch.float32, device=lo.device).view(1, cells, cells, 1)
     zero, one = torch.zeros_like(lo), torch.ones_like(lo)
     # boxes (x1, y1, x2, y2): x over the basis image's single column, y over the span
     rois = torch.stack([zero, zero, lo.float() * cells, one, hi.float() * cells], 1)
-    return roi_align(basis, rois, output_size=(out, 1), spatial_scale=1., sampling_ratio=-1,
-                     aligned=True)[..., 0].transpose(1, 2)
+    return roi_align(basis, rois, output_size=(out, 1), spatial_scale=1.0, sampling_ratio=-1, aligned=True)[
+        ..., 0
+    ].transpose(1, 2)
 
 
 def _support(weights: torch.Tensor):
@@ -143,12 +157,12 @@ def _cells(values: torch.Tensor, num_classes: int):
     ``C - k`` others), and ``u (B, k, h, w)``, the top-k probabilities above it (``v - f``); top-k values
     renormalised where fp16 rounding made them exceed 1."""
     B, k, h, w = values.shape
-    v = values.float().clamp_min(0.)
+    v = values.float().clamp_min(0.0)
     rest = num_classes - k
     # with classes outside the top-k, only an excess (fp16 rounding) is scaled away; with k == C the
     # top-k is the whole distribution, renormalised exactly
-    v = v / v.sum(1, keepdim=True).clamp_min(1. if rest else 1e-12)
-    f = ((1. - v.sum(1)).clamp_min(0.) / rest) if rest else v.new_zeros(B, h, w)
+    v = v / v.sum(1, keepdim=True).clamp_min(1.0 if rest else 1e-12)
+    f = ((1.0 - v.sum(1)).clamp_min(0.0) / rest) if rest else v.new_zeros(B, h, w)
     return f, v - f[:, None]
 
 
@@ -171,6 +185,7 @@ class SparseTokenTargets(NamedTuple):
     ``cls``/``weight (B, N, M)``; tokens in row-major grid order.
     :func:`shared_core.token_labeling.soft_cross_entropy` takes it without building the ``(B, N, C)``
     tensor; :meth:`dense` builds it."""
+
     base: torch.Tensor
     cls: torch.Tensor
     weight: torch.Tensor
@@ -182,8 +197,15 @@ class SparseTokenTargets(NamedTuple):
         return out.scatter_add_(2, self.cls, self.weight)
 
 
-def token_targets_sparse(values: torch.Tensor, indices: torch.Tensor, num_classes: int, boxes: torch.Tensor,
-                         flips: torch.Tensor, grid: Tuple[int, int], smoothing: float = 0.) -> SparseTokenTargets:
+def token_targets_sparse(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    num_classes: int,
+    boxes: torch.Tensor,
+    flips: torch.Tensor,
+    grid: Tuple[int, int],
+    smoothing: float = 0.0,
+) -> SparseTokenTargets:
     """:func:`token_targets_batch` as :class:`SparseTokenTargets` (what the training loss reads).
 
     Equal to ``roi_align`` of the full distributions (:func:`dense_maps`), without building them: a cell's
@@ -193,9 +215,10 @@ def token_targets_sparse(values: torch.Tensor, indices: torch.Tensor, num_classe
     """
     values, indices = _as_tensor(values), _as_tensor(indices)
     if values.dim() != 4 or values.shape != indices.shape:
-        raise ValueError(f'values/indices: expected (B, k, h, w) of one shape, got {tuple(values.shape)} '
-                         f'and {tuple(indices.shape)}')
-    if not 0. <= smoothing < 1.:
+        raise ValueError(
+            f'values/indices: expected (B, k, h, w) of one shape, got {tuple(values.shape)} and {tuple(indices.shape)}'
+        )
+    if not 0.0 <= smoothing < 1.0:
         raise ValueError(f'smoothing must be in [0, 1), got {smoothing}')
     B, k, h, w = values.shape
     if _as_tensor(boxes).shape[0] != B:
@@ -206,20 +229,27 @@ def token_targets_sparse(values: torch.Tensor, indices: torch.Tensor, num_classe
         wy, wx, (gh, gw) = _axes(boxes, flips, (h, w), grid, values.device)
         N = gh * gw
         # label smoothing folded in: (1 - ε) · (constant + top-k entries) + ε / C
-        base = (wy @ f @ wx.transpose(1, 2)).reshape(B, N) * (1. - smoothing) + smoothing / num_classes
+        base = (wy @ f @ wx.transpose(1, 2)).reshape(B, N) * (1.0 - smoothing) + smoothing / num_classes
         sy, iy = _support(wy)  # (B, gh, Ry)
         sx, ix = _support(wx)  # (B, gw, Rx)
         weight = (sy[:, :, None, :, None] * sx[:, None, :, None, :]).reshape(B, N, 1, -1)  # (B, N, 1, R)
         cell = (iy[:, :, None, :, None] * w + ix[:, None, :, None, :]).reshape(B, N, 1, -1)
         R = cell.shape[-1]
         cell = cell.expand(B, N, k, R)
-        src = torch.gather(u[:, None].expand(B, N, k, h * w), 3, cell) * (weight * (1. - smoothing))
+        src = torch.gather(u[:, None].expand(B, N, k, h * w), 3, cell) * (weight * (1.0 - smoothing))
         cls = torch.gather(indices.long().flatten(2)[:, None].expand(B, N, k, h * w), 3, cell)
         return SparseTokenTargets(base, cls.reshape(B, N, k * R), src.reshape(B, N, k * R), num_classes)
 
 
-def token_targets_batch(values: torch.Tensor, indices: torch.Tensor, num_classes: int, boxes: torch.Tensor,
-                        flips: torch.Tensor, grid: Tuple[int, int], smoothing: float = 0.) -> torch.Tensor:
+def token_targets_batch(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    num_classes: int,
+    boxes: torch.Tensor,
+    flips: torch.Tensor,
+    grid: Tuple[int, int],
+    smoothing: float = 0.0,
+) -> torch.Tensor:
     """Per-token targets ``(B, C, gh, gw)`` for a batch: the map rows ``(B, k, h, w)`` under each crop
     ``boxes (B, 4)`` (normalised ``(x0, y0, x1, y1)``), resampled to ``grid`` by RoIAlign, flipped where
     ``flips (B,)`` is set, label-smoothed. Every token's target sums to 1. Built from
@@ -229,15 +259,23 @@ def token_targets_batch(values: torch.Tensor, indices: torch.Tensor, num_classes
     return t.dense().view(-1, gh, gw, num_classes).permute(0, 3, 1, 2)
 
 
-def class_maps(values: torch.Tensor, indices: torch.Tensor, num_classes: int, classes: torch.Tensor,
-               boxes: torch.Tensor, flips: torch.Tensor, grid: Tuple[int, int]) -> torch.Tensor:
+def class_maps(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    num_classes: int,
+    classes: torch.Tensor,
+    boxes: torch.Tensor,
+    flips: torch.Tensor,
+    grid: Tuple[int, int],
+) -> torch.Tensor:
     """One channel of the token targets per image, ``(B, gh, gw)``: the probability of class
     ``classes[b]`` at each token of image ``b`` (e.g. its true class: TokenMix's activation map), equal to
     ``token_targets_batch(...)[b, classes[b]]`` without building the other classes."""
     values, indices = _as_tensor(values), _as_tensor(indices)
     if values.dim() != 4 or values.shape != indices.shape:
-        raise ValueError(f'values/indices: expected (B, k, h, w) of one shape, got {tuple(values.shape)} '
-                         f'and {tuple(indices.shape)}')
+        raise ValueError(
+            f'values/indices: expected (B, k, h, w) of one shape, got {tuple(values.shape)} and {tuple(indices.shape)}'
+        )
     B, k, h, w = values.shape
     classes = _as_tensor(classes).to(values.device).long().view(-1)
     if classes.numel() != B:
@@ -249,21 +287,23 @@ def class_maps(values: torch.Tensor, indices: torch.Tensor, num_classes: int, cl
         return wy @ d @ wx.transpose(1, 2)
 
 
-def token_targets(values, indices, num_classes: int, box: Box, flip: bool, grid: Tuple[int, int],
-                  smoothing: float = 0.) -> torch.Tensor:
+def token_targets(
+    values, indices, num_classes: int, box: Box, flip: bool, grid: Tuple[int, int], smoothing: float = 0.0
+) -> torch.Tensor:
     """One image: ``values``/``indices`` its ``(k, h, w)`` top-k map, ``box = (x0, y0, x1, y1)`` the crop
     in normalised full-image coordinates, ``flip`` a horizontal flip after the crop, ``grid`` the
     model's token grid ``(gh, gw)``. Returns ``(num_classes, gh, gw)`` probabilities."""
     v, i = _as_tensor(values), _as_tensor(indices)
     if v.dim() != 3:
-        raise ValueError(f'values: expected one image\'s (k, h, w) top-k map, got {tuple(v.shape)}')
+        raise ValueError(f"values: expected one image's (k, h, w) top-k map, got {tuple(v.shape)}")
     box_t = _as_tensor(box, torch.float32).reshape(1, 4)
     t = token_targets_batch(v[None], i[None], num_classes, box_t, torch.tensor([bool(flip)]), grid, smoothing)
     return t[0].contiguous()
 
 
-def crop_targets(values: torch.Tensor, indices: torch.Tensor, num_classes: int, boxes: torch.Tensor,
-                 smoothing: float = 0.) -> torch.Tensor:
+def crop_targets(
+    values: torch.Tensor, indices: torch.Tensor, num_classes: int, boxes: torch.Tensor, smoothing: float = 0.0
+) -> torch.Tensor:
     """ReLabel: one label ``(B, C)`` per crop, the mean of the map's distribution over the crop (a flip
     does not change it)."""
     flips = torch.zeros(len(boxes), dtype=torch.bool)

@@ -41,6 +41,7 @@ Public API: :func:`normalize_path`, :func:`index_dtype`, :class:`MapWriter` (``c
 
 Plain numpy + json: this module imports neither torch, timm nor mm*.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -52,9 +53,21 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 __all__ = [
-    'FORMAT', 'VERSION', 'LabelMapError', 'IncompleteStoreError', 'MissingLabelMapError',
-    'normalize_path', 'index_dtype', 'MapWriter', 'LabelMapStore', 'store_status', 'merge_stores',
-    'remove_store', 'compatibility_diff', 'new_meta', 'read_store_paths',
+    'FORMAT',
+    'VERSION',
+    'LabelMapError',
+    'IncompleteStoreError',
+    'MissingLabelMapError',
+    'normalize_path',
+    'index_dtype',
+    'MapWriter',
+    'LabelMapStore',
+    'store_status',
+    'merge_stores',
+    'remove_store',
+    'compatibility_diff',
+    'new_meta',
+    'read_store_paths',
 ]
 
 FORMAT = 'tokenaug-label-maps'
@@ -70,14 +83,40 @@ MAX_UINT16_CLASSES = 65536  # class indices 0..65535 fit uint16
 REGION = {'covers': 'full_image', 'resize': 'squash'}
 # Meta keys allowed to differ between a store and a resumed run / between shards of one run.
 VOLATILE_META_KEYS = frozenset({'created', 'completed', 'complete', 'shard', 'num_images', 'run', 'merged_from'})
-_REQUIRED_META = {'format': str, 'version': int, 'num_images': int, 'num_classes': int, 'k': int,
-                  'grid': list, 'values_dtype': str, 'indices_dtype': str, 'input_size': list}
+_REQUIRED_META = {
+    'format': str,
+    'version': int,
+    'num_images': int,
+    'num_classes': int,
+    'k': int,
+    'grid': list,
+    'values_dtype': str,
+    'indices_dtype': str,
+    'input_size': list,
+}
 _WRITE_CHUNK_ROWS = 4096
 # Keys that MapWriter.create writes itself (everything else in meta.json is extra_meta).
-_FORMAT_META_KEYS = frozenset({
-    'format', 'version', 'num_images', 'num_classes', 'k', 'grid', 'values', 'values_order', 'values_dtype',
-    'indices_dtype', 'remaining_mass', 'annotator', 'annotator_checkpoint', 'input_size', 'region', 'complete',
-    'created'})
+_FORMAT_META_KEYS = frozenset(
+    {
+        'format',
+        'version',
+        'num_images',
+        'num_classes',
+        'k',
+        'grid',
+        'values',
+        'values_order',
+        'values_dtype',
+        'indices_dtype',
+        'remaining_mass',
+        'annotator',
+        'annotator_checkpoint',
+        'input_size',
+        'region',
+        'complete',
+        'created',
+    }
+)
 
 
 class LabelMapError(ValueError):
@@ -175,8 +214,10 @@ def _check_meta(meta: Any, where: Path) -> None:
         raise LabelMapError(f'{where}: values_dtype {meta["values_dtype"]!r}, expected {VALUES_DTYPE.name!r}')
     expected_ix = index_dtype(meta['num_classes']).name
     if meta['indices_dtype'] != expected_ix:
-        raise LabelMapError(f'{where}: indices_dtype {meta["indices_dtype"]!r} for {meta["num_classes"]} classes, '
-                            f'expected {expected_ix!r}')
+        raise LabelMapError(
+            f'{where}: indices_dtype {meta["indices_dtype"]!r} for {meta["num_classes"]} classes, '
+            f'expected {expected_ix!r}'
+        )
     if not 1 <= meta['k'] <= meta['num_classes']:
         raise LabelMapError(f'{where}: k={meta["k"]} must be in [1, num_classes={meta["num_classes"]}]')
     if meta['num_images'] < 0:
@@ -196,8 +237,10 @@ def _load_array(root: Path, name: str, shape: tuple, dtype: np.dtype, mode: str)
     except (OSError, ValueError) as e:
         raise LabelMapError(f'label-map store {root}: {name} is not a readable .npy array ({e})') from e
     if arr.shape != tuple(shape) or arr.dtype != dtype:
-        raise LabelMapError(f'label-map store {root}: {name} has shape {arr.shape} dtype {arr.dtype}, '
-                            f'expected {tuple(shape)} {dtype} (from {META_FILE})')
+        raise LabelMapError(
+            f'label-map store {root}: {name} has shape {arr.shape} dtype {arr.dtype}, '
+            f'expected {tuple(shape)} {dtype} (from {META_FILE})'
+        )
     return arr
 
 
@@ -235,16 +278,25 @@ def _write_paths(root: Path, paths: Sequence[str]) -> None:
     os.replace(tmp, root / PATHS_FILE)
 
 
-def compatibility_diff(a: Mapping[str, Any], b: Mapping[str, Any],
-                       ignore: Iterable[str] = VOLATILE_META_KEYS) -> list[str]:
+def compatibility_diff(
+    a: Mapping[str, Any], b: Mapping[str, Any], ignore: Iterable[str] = VOLATILE_META_KEYS
+) -> list[str]:
     """The meta keys (outside ``ignore``) whose values differ between ``a`` and ``b``, as readable lines."""
     ignore = set(ignore)
     keys = sorted((set(a) | set(b)) - ignore)
     return [f'{k}: {a.get(k)!r} != {b.get(k)!r}' for k in keys if a.get(k) != b.get(k)]
 
 
-def new_meta(n: int, *, num_classes: int, k: int, grid: Sequence[int], annotator: str,
-             input_size: Sequence[int], annotator_checkpoint: str | None = None) -> dict:
+def new_meta(
+    n: int,
+    *,
+    num_classes: int,
+    k: int,
+    grid: Sequence[int],
+    annotator: str,
+    input_size: Sequence[int],
+    annotator_checkpoint: str | None = None,
+) -> dict:
     """The format part of ``meta.json`` for a new store of ``n`` images (incomplete; see the module doc)."""
     grid, input_size = [int(g) for g in grid], [int(s) for s in input_size]
     if len(grid) != 2 or min(grid) < 1:
@@ -254,13 +306,23 @@ def new_meta(n: int, *, num_classes: int, k: int, grid: Sequence[int], annotator
     if not 1 <= k <= num_classes:
         raise ValueError(f'k must be in [1, num_classes={num_classes}], got {k}')
     return {
-        'format': FORMAT, 'version': VERSION, 'num_images': n, 'num_classes': int(num_classes),
-        'k': int(k), 'grid': grid, 'values': 'probabilities', 'values_order': 'descending',
-        'values_dtype': VALUES_DTYPE.name, 'indices_dtype': index_dtype(num_classes).name,
+        'format': FORMAT,
+        'version': VERSION,
+        'num_images': n,
+        'num_classes': int(num_classes),
+        'k': int(k),
+        'grid': grid,
+        'values': 'probabilities',
+        'values_order': 'descending',
+        'values_dtype': VALUES_DTYPE.name,
+        'indices_dtype': index_dtype(num_classes).name,
         'remaining_mass': 'consumer spreads 1 - sum(top-k) uniformly over the other num_classes - k classes',
         'annotator': str(annotator),
         'annotator_checkpoint': None if annotator_checkpoint is None else str(annotator_checkpoint),
-        'input_size': input_size, 'region': dict(REGION), 'complete': False, 'created': _now(),
+        'input_size': input_size,
+        'region': dict(REGION),
+        'complete': False,
+        'created': _now(),
     }
 
 
@@ -277,10 +339,19 @@ class MapWriter:
 
     # -- construction
     @classmethod
-    def create(cls, path: str | os.PathLike, paths: Sequence[str], *, num_classes: int, k: int,
-               grid: Sequence[int], annotator: str, input_size: Sequence[int],
-               annotator_checkpoint: str | None = None, extra_meta: Mapping[str, Any] | None = None
-               ) -> 'MapWriter':
+    def create(
+        cls,
+        path: str | os.PathLike,
+        paths: Sequence[str],
+        *,
+        num_classes: int,
+        k: int,
+        grid: Sequence[int],
+        annotator: str,
+        input_size: Sequence[int],
+        annotator_checkpoint: str | None = None,
+        extra_meta: Mapping[str, Any] | None = None,
+    ) -> 'MapWriter':
         """Preallocate a new, empty store at ``path`` (a directory; created, must not hold a store).
 
         ``paths`` are the images' paths relative to the split root, in row order (normalised with
@@ -292,17 +363,26 @@ class MapWriter:
             raise LabelMapError(f'{root} already holds a label-map store; remove it or resume it')
         paths = [normalize_path(p) for p in paths]
         _index_paths(paths, root)
-        meta = new_meta(len(paths), num_classes=num_classes, k=k, grid=grid, annotator=annotator,
-                             input_size=input_size, annotator_checkpoint=annotator_checkpoint)
+        meta = new_meta(
+            len(paths),
+            num_classes=num_classes,
+            k=k,
+            grid=grid,
+            annotator=annotator,
+            input_size=input_size,
+            annotator_checkpoint=annotator_checkpoint,
+        )
         clash = set(extra_meta or ()) & set(meta)
         if clash:
             raise ValueError(f'extra_meta may not override the format keys {sorted(clash)}')
         meta.update(extra_meta or {})
         root.mkdir(parents=True, exist_ok=True)
         n, shape = len(paths), _row_shape(meta)
-        for name, dtype, full in ((VALUES_FILE, VALUES_DTYPE, (n, *shape)),
-                                  (INDICES_FILE, np.dtype(meta['indices_dtype']), (n, *shape)),
-                                  (DONE_FILE, np.dtype(np.uint8), (n,))):
+        for name, dtype, full in (
+            (VALUES_FILE, VALUES_DTYPE, (n, *shape)),
+            (INDICES_FILE, np.dtype(meta['indices_dtype']), (n, *shape)),
+            (DONE_FILE, np.dtype(np.uint8), (n,)),
+        ):
             arr = np.lib.format.open_memmap(root / name, mode='w+', dtype=dtype, shape=full)
             arr.flush()
             del arr
@@ -370,8 +450,9 @@ class MapWriter:
             raise ValueError(f'rows must be a 1-D integer array, got shape {rows.shape} dtype {rows.dtype}')
         rows = rows.astype(np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= self.num_images):
-            raise IndexError(f'rows must be in [0, {self.num_images}) for store {self.root}, '
-                             f'got [{rows.min()}, {rows.max()}]')
+            raise IndexError(
+                f'rows must be in [0, {self.num_images}) for store {self.root}, got [{rows.min()}, {rows.max()}]'
+            )
         if np.unique(rows).size != rows.size:
             raise ValueError(f'rows contain duplicates: {rows.tolist()[:16]}')
         return rows
@@ -380,8 +461,9 @@ class MapWriter:
         shape = (n, *_row_shape(self._meta))
         values, indices = np.asarray(values), np.asarray(indices)
         if values.shape != shape or indices.shape != shape:
-            raise ValueError(f'values and indices must have shape {shape} (rows, k, h, w), '
-                             f'got {values.shape} and {indices.shape}')
+            raise ValueError(
+                f'values and indices must have shape {shape} (rows, k, h, w), got {values.shape} and {indices.shape}'
+            )
         if not np.issubdtype(values.dtype, np.floating):
             raise ValueError(f'values must be floating point probabilities, got dtype {values.dtype}')
         if not np.issubdtype(indices.dtype, np.integer):
@@ -407,7 +489,8 @@ class MapWriter:
         if missing.size:
             raise IncompleteStoreError(
                 f'label-map store {self.root}: cannot finalize, {missing.size} of {self.num_images} rows missing '
-                f'(first: row {missing[0]} = {self._paths[missing[0]]!r})')
+                f'(first: row {missing[0]} = {self._paths[missing[0]]!r})'
+            )
         for arr in (self._values, self._indices, self._done):
             arr.flush()
         self._meta.update(complete=True, completed=_now())
@@ -434,9 +517,8 @@ class LabelMapStore:
     ``LabelMapStore.open(path)`` validates the store once. Rows are read from memory-mapped arrays
     opened on first use in each process, and ``__getstate__`` drops the memmaps and the path index,
     so a Dataset holding a store pickles to a few hundred bytes (spawn / forkserver workers).
+    Writing is :class:`MapWriter` (``MapWriter.create``).
     """
-
-    create = staticmethod(MapWriter.create)
 
     def __init__(self, root: Path, meta: dict):
         self.root, self._meta = root, meta
@@ -457,7 +539,8 @@ class LabelMapStore:
             raise IncompleteStoreError(
                 f'label-map store {root} is incomplete: {n_missing} of {n} rows missing'
                 f'{"" if n_missing else " (never finalized)"}; finish it with `tokenaug-maps generate ... --resume`'
-                ' (or `tokenaug-maps merge` for a sharded run)')
+                ' (or `tokenaug-maps merge` for a sharded run)'
+            )
         store = cls(root, meta)
         store._open_arrays()
         store._load_paths()
@@ -565,8 +648,10 @@ class LabelMapStore:
 
     def __repr__(self) -> str:
         m = self._meta
-        return (f'LabelMapStore({str(self.root)!r}, num_images={m["num_images"]}, num_classes={m["num_classes"]}, '
-                f'k={m["k"]}, grid={tuple(m["grid"])}, annotator={m.get("annotator")!r})')
+        return (
+            f'LabelMapStore({str(self.root)!r}, num_images={m["num_images"]}, num_classes={m["num_classes"]}, '
+            f'k={m["k"]}, grid={tuple(m["grid"])}, annotator={m.get("annotator")!r})'
+        )
 
 
 # ------------------------------------------------------------------------------ status, merge, remove
@@ -583,15 +668,20 @@ def store_status(path: str | os.PathLike) -> dict:
     k, h, w = _row_shape(meta)
     payload = k * h * w * (VALUES_DTYPE.itemsize + np.dtype(meta['indices_dtype']).itemsize)
     return {
-        'meta': meta, 'rows_done': n_done, 'rows_missing': n - n_done,
+        'meta': meta,
+        'rows_done': n_done,
+        'rows_missing': n - n_done,
         'complete': bool(meta.get('complete')) and n_done == n,
-        'file_bytes': files, 'allocated_bytes': allocated, 'payload_bytes_per_image': payload,
+        'file_bytes': files,
+        'allocated_bytes': allocated,
+        'payload_bytes_per_image': payload,
         'file_bytes_per_image': (sum(files.values()) / n) if n else float('nan'),
     }
 
 
-def merge_stores(shard_paths: Sequence[str | os.PathLike], out: str | os.PathLike,
-                 meta_update: Mapping[str, Any] | None = None) -> Path:
+def merge_stores(
+    shard_paths: Sequence[str | os.PathLike], out: str | os.PathLike, meta_update: Mapping[str, Any] | None = None
+) -> Path:
     """Merge complete shard stores into one store at ``out``; returns ``out``.
 
     Every shard's meta must carry ``shard = {"index", "num_shards", "row_start", "row_stop",
@@ -613,9 +703,17 @@ def merge_stores(shard_paths: Sequence[str | os.PathLike], out: str | os.PathLik
     extra = {key: v for key, v in meta0.items() if key not in _FORMAT_META_KEYS | {'shard', 'completed'}}
     extra['merged_from'] = {'num_shards': len(shards), 'shards': [str(s.root) for s in shards]}
     extra.update(meta_update or {})
-    writer = MapWriter.create(out, paths, num_classes=meta0['num_classes'], k=meta0['k'], grid=meta0['grid'],
-                              annotator=meta0['annotator'], input_size=meta0['input_size'],
-                              annotator_checkpoint=meta0['annotator_checkpoint'], extra_meta=extra)
+    writer = MapWriter.create(
+        out,
+        paths,
+        num_classes=meta0['num_classes'],
+        k=meta0['k'],
+        grid=meta0['grid'],
+        annotator=meta0['annotator'],
+        input_size=meta0['input_size'],
+        annotator_checkpoint=meta0['annotator_checkpoint'],
+        extra_meta=extra,
+    )
     with writer:
         for s in shards:
             start = _shard_info(s)['row_start']
@@ -640,16 +738,21 @@ def _check_shards(shards: Sequence[LabelMapStore]) -> None:
     num_shards, total = infos[0]['num_shards'], infos[0]['num_images_total']
     indices = [i['index'] for i in infos]
     if indices != list(range(num_shards)) or any(i['num_shards'] != num_shards for i in infos):
-        raise LabelMapError(f'merge: expected shards 0..{num_shards - 1} of {num_shards} exactly once, '
-                            f'got indices {indices} (num_shards {sorted({i["num_shards"] for i in infos})})')
+        raise LabelMapError(
+            f'merge: expected shards 0..{num_shards - 1} of {num_shards} exactly once, '
+            f'got indices {indices} (num_shards {sorted({i["num_shards"] for i in infos})})'
+        )
     expect = 0
     for s, info in zip(shards, infos):
         if info['num_images_total'] != total:
-            raise LabelMapError(f'merge: {s.root} belongs to a run of {info["num_images_total"]} images, '
-                                f'shard 0 to one of {total}')
+            raise LabelMapError(
+                f'merge: {s.root} belongs to a run of {info["num_images_total"]} images, shard 0 to one of {total}'
+            )
         if info['row_start'] != expect or info['row_stop'] - info['row_start'] != len(s):
-            raise LabelMapError(f'merge: {s.root} holds rows [{info["row_start"]}, {info["row_stop"]}) with '
-                                f'{len(s)} images; expected to start at row {expect}')
+            raise LabelMapError(
+                f'merge: {s.root} holds rows [{info["row_start"]}, {info["row_stop"]}) with '
+                f'{len(s)} images; expected to start at row {expect}'
+            )
         expect = info['row_stop']
         diff = compatibility_diff(shards[0].meta, s.meta)
         if diff:

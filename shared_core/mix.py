@@ -14,6 +14,7 @@ The samplers live in :mod:`shared_core.samplers`, the token masks in :mod:`share
 
 This module imports neither timm nor any OpenMMLab package.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
@@ -22,11 +23,24 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 __all__ = [
-    'Mix', 'identity_mix', 'mix_rows', 'mix_images', 'mix_tokens', 'mix_target', 'pair_target', 'one_hot',
-    'check_labels', 'check_pairwise_batch', 'check_image_size', 'grid_size', 'to_2tuple', 'IntPair',
+    'Mix',
+    'identity_mix',
+    'mix_rows',
+    'mix_images',
+    'mix_tokens',
+    'mix_target',
+    'pair_target',
+    'one_hot',
+    'check_labels',
+    'check_pairwise_batch',
+    'check_image_size',
+    'grid_size',
+    'to_2tuple',
+    'IntPair',
 ]
 
 IntPair = Union[int, Sequence[int]]
+
 
 def to_2tuple(value: IntPair, name: str) -> Tuple[int, int]:
     """``16 -> (16, 16)``; ``(h, w)`` stays; anything else is a ``ValueError`` naming ``name``."""
@@ -45,6 +59,7 @@ def to_2tuple(value: IntPair, name: str) -> Tuple[int, int]:
 # The mix description
 # ----------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, eq=False)
 class Mix:
     """Who is mixed with whom, and where.
@@ -62,6 +77,7 @@ class Mix:
         patch_size: ``(ph, pw)`` of the token grid.
         kind: the sampler kind that produced it (``'mixup'``, ``'cutmix'``, ...; ``'none'``).
     """
+
     partner: torch.Tensor
     lam: torch.Tensor
     token_share: torch.Tensor
@@ -99,14 +115,24 @@ class Mix:
             ys = torch.arange(H, device=share.device)
             xs = torch.arange(W, device=share.device)
             y0, y1, x0, x1 = self.boxes.unbind(1)
-            inside = ((ys[None, :, None] >= y0[:, None, None]) & (ys[None, :, None] < y1[:, None, None])
-                      & (xs[None, None, :] >= x0[:, None, None]) & (xs[None, None, :] < x1[:, None, None]))
+            inside = (
+                (ys[None, :, None] >= y0[:, None, None])
+                & (ys[None, :, None] < y1[:, None, None])
+                & (xs[None, None, :] >= x0[:, None, None])
+                & (xs[None, None, :] < x1[:, None, None])
+            )
             share = torch.where(self.box_valid[:, None, None], inside.to(dtype), share)
         return share.unsqueeze(1)
 
     def _map(self, fn) -> 'Mix':
-        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
-                                if isinstance(getattr(self, f.name), torch.Tensor)})
+        return replace(
+            self,
+            **{
+                f.name: fn(getattr(self, f.name))
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
 
     def to(self, device, non_blocking: bool = False) -> 'Mix':
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -115,25 +141,31 @@ class Mix:
         return self._map(lambda t: t.pin_memory())
 
 
-def identity_mix(batch_size: int, img_size: IntPair, patch_size: IntPair = 16,
-                 device=None) -> Mix:
+def identity_mix(batch_size: int, img_size: IntPair, patch_size: IntPair = 16, device=None) -> Mix:
     """The mix that mixes nothing (λ = 1 everywhere)."""
     img_size, patch_size = to_2tuple(img_size, 'img_size'), to_2tuple(patch_size, 'patch_size')
     gh, gw = grid_size(img_size, patch_size)
-    return Mix(partner=torch.arange(batch_size, device=device),
-               lam=torch.ones(batch_size, device=device),
-               token_share=torch.zeros(batch_size, gh, gw, device=device),
-               img_size=img_size, patch_size=patch_size, kind='none')
+    return Mix(
+        partner=torch.arange(batch_size, device=device),
+        lam=torch.ones(batch_size, device=device),
+        token_share=torch.zeros(batch_size, gh, gw, device=device),
+        img_size=img_size,
+        patch_size=patch_size,
+        kind='none',
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Input checks shared by every adapter
 # ----------------------------------------------------------------------------------------------
 
+
 def check_pairwise_batch(batch_size: int, name: str = 'x') -> None:
     if batch_size % 2 != 0 or batch_size == 0:
-        raise ValueError(f'{name}: pairwise mixing pairs sample i with B-1-i and needs an even, '
-                         f'non-empty batch; got batch size {batch_size}')
+        raise ValueError(
+            f'{name}: pairwise mixing pairs sample i with B-1-i and needs an even, '
+            f'non-empty batch; got batch size {batch_size}'
+        )
 
 
 def check_labels(labels: torch.Tensor, num_classes: int, name: str = 'target') -> None:
@@ -141,12 +173,15 @@ def check_labels(labels: torch.Tensor, num_classes: int, name: str = 'target') -
     are on the CPU (the collates and loaders of tokenaug check them there): on an accelerator the check
     would stall every training step on a device sync, and the device's own index check still fails loudly."""
     if labels.dim() != 1 or labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise ValueError(f'{name}: expected a 1-d integer tensor of class indices, '
-                         f'got dtype {labels.dtype} and shape {tuple(labels.shape)}')
-    if labels.numel() and labels.device.type == 'cpu' and \
-            (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
-        raise ValueError(f'{name}: class indices must lie in [0, num_classes={num_classes}), '
-                         f'got min {int(labels.min())} and max {int(labels.max())}')
+        raise ValueError(
+            f'{name}: expected a 1-d integer tensor of class indices, '
+            f'got dtype {labels.dtype} and shape {tuple(labels.shape)}'
+        )
+    if labels.numel() and labels.device.type == 'cpu' and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise ValueError(
+            f'{name}: class indices must lie in [0, num_classes={num_classes}), '
+            f'got min {int(labels.min())} and max {int(labels.max())}'
+        )
 
 
 def grid_size(img_size: Tuple[int, int], patch_size: Tuple[int, int]) -> Tuple[int, int]:
@@ -157,15 +192,17 @@ def grid_size(img_size: Tuple[int, int], patch_size: Tuple[int, int]) -> Tuple[i
 
 def check_image_size(img_size: Tuple[int, int], patch_size: Tuple[int, int], name: str = 'x') -> None:
     if img_size[0] % patch_size[0] or img_size[1] % patch_size[1]:
-        raise ValueError(f'{name}: image size {img_size[0]}x{img_size[1]} is not divisible by '
-                         f'patch_size {patch_size[0]}x{patch_size[1]}; token-aware mixing needs a whole '
-                         f'patch grid')
-
+        raise ValueError(
+            f'{name}: image size {img_size[0]}x{img_size[1]} is not divisible by '
+            f'patch_size {patch_size[0]}x{patch_size[1]}; token-aware mixing needs a whole '
+            f'patch grid'
+        )
 
 
 # ----------------------------------------------------------------------------------------------
 # Applying a mix
 # ----------------------------------------------------------------------------------------------
+
 
 def mix_images(x: torch.Tensor, mix: Mix) -> torch.Tensor:
     """Mixed images: each pixel is ``x · (1 - s) + x[partner] · s`` with ``s`` its partner share.
@@ -177,8 +214,10 @@ def mix_images(x: torch.Tensor, mix: Mix) -> torch.Tensor:
     ``x`` is not modified.
     """
     if x.dim() != 4 or tuple(x.shape[-2:]) != tuple(mix.img_size) or x.shape[0] != mix.batch_size:
-        raise ValueError(f'x: expected images (B={mix.batch_size}, C, {mix.img_size[0]}, {mix.img_size[1]}) '
-                         f'for this mix, got {tuple(x.shape)}')
+        raise ValueError(
+            f'x: expected images (B={mix.batch_size}, C, {mix.img_size[0]}, {mix.img_size[1]}) '
+            f'for this mix, got {tuple(x.shape)}'
+        )
     dev = x.device
     partner = mix.partner.to(dev, non_blocking=True)
     share = mix.token_share.to(dev, non_blocking=True)
@@ -189,7 +228,7 @@ def mix_images(x: torch.Tensor, mix: Mix) -> torch.Tensor:
         out = x.clone()
     else:  # token shares (blends, masks, token boxes) on a patch view; box rows keep their own pixels here
         if n_box:
-            share = share.masked_fill(is_box[:, None, None], 0.)
+            share = share.masked_fill(is_box[:, None, None], 0.0)
         out = _mix_token_rows(x, partner, share, mix.patch_size)
     if n_box:
         boxes, valid = mix.boxes.tolist(), mix.box_valid.tolist()
@@ -218,7 +257,7 @@ def _mix_token_rows(x: torch.Tensor, partner: torch.Tensor, share: torch.Tensor,
         x6, xp6, s6 = x, xp, share[:, :1, :1].view(B, 1, 1, 1)
     if x.dtype.is_floating_point:
         # xp + (x - xp) · (1 - s): exactly xp where s = 1 and exactly x where s = 0 (torch.lerp's rule)
-        xp6.lerp_(x6, (1. - s6).to(x.dtype))
+        xp6.lerp_(x6, (1.0 - s6).to(x.dtype))
     else:  # integer images: select where every share of a chunk is 0/1, else blend in float and round
         binary = ((share == 0) | (share == 1)).flatten(1).all(1).tolist()
         for i in range(0, B, 8):  # a few rows at a time: small, reused float buffers
@@ -238,38 +277,40 @@ def mix_rows(t: torch.Tensor, partner: torch.Tensor, share: torch.Tensor) -> tor
     share = torch.as_tensor(share).to(t.device, t.dtype)
     if share.dim() < t.dim():
         share = share.reshape(*share.shape, *([1] * (t.dim() - share.dim())))
-    return torch.addcmul(t * (1. - share), t[partner.to(t.device)], share)
+    return torch.addcmul(t * (1.0 - share), t[partner.to(t.device)], share)
 
 
 def mix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
     """Mix patch-token sequences ``(B, N, D)`` (row-major grid, no class token) by the token shares:
     ``t · (1 - s) + t[partner] · s``. For 0/1 token masks this is the token swap of MixToken/TokenMix."""
     if tokens.dim() != 3 or tokens.shape[0] != mix.batch_size or tokens.shape[1] != mix.num_tokens:
-        raise ValueError(f'tokens: expected (B={mix.batch_size}, N={mix.num_tokens}, D) patch tokens, '
-                         f'got {tuple(tokens.shape)}')
+        raise ValueError(
+            f'tokens: expected (B={mix.batch_size}, N={mix.num_tokens}, D) patch tokens, got {tuple(tokens.shape)}'
+        )
     return mix_rows(tokens, mix.partner, mix.token_share_flat())
 
 
-def one_hot(labels: torch.Tensor, num_classes: int, smoothing: float = 0.) -> torch.Tensor:
+def one_hot(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
     """Label-smoothed one-hot rows (timm's convention: off = ε/C, on = 1 - ε + ε/C); rows sum to 1."""
     off = smoothing / num_classes
     out = torch.full((labels.shape[0], num_classes), off, device=labels.device)
-    return out.scatter_(1, labels.long().view(-1, 1), 1. - smoothing + off)
+    return out.scatter_(1, labels.long().view(-1, 1), 1.0 - smoothing + off)
 
 
-def pair_target(labels: torch.Tensor, partner: torch.Tensor, lam: torch.Tensor, num_classes: int,
-                smoothing: float = 0.) -> torch.Tensor:
+def pair_target(
+    labels: torch.Tensor, partner: torch.Tensor, lam: torch.Tensor, num_classes: int, smoothing: float = 0.0
+) -> torch.Tensor:
     """``λ · y + (1 - λ) · y[partner]`` with label smoothing: ``(B, C)`` float32, rows sum to 1.
     ``lam`` is the weight of each sample's own label (a scalar or ``(B,)``)."""
-    if not 0. <= smoothing < 1.:
+    if not 0.0 <= smoothing < 1.0:
         raise ValueError(f'label_smoothing must be in [0, 1), got {smoothing}')
     check_labels(labels, num_classes)
     y = one_hot(labels, num_classes, smoothing)
     lam = torch.as_tensor(lam, dtype=torch.float32).to(y.device).reshape(-1)
-    return mix_rows(y, partner, 1. - lam)
+    return mix_rows(y, partner, 1.0 - lam)
 
 
-def mix_target(labels: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.) -> torch.Tensor:
+def mix_target(labels: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
     """The area target ``λ · y + (1 - λ) · y[partner]`` with label smoothing: ``(B, C)`` float32,
     every row sums to 1."""
     return pair_target(labels, mix.partner, mix.lam, num_classes, smoothing)

@@ -5,6 +5,7 @@ Papers: MixUp (https://arxiv.org/abs/1710.09412); CutMix (https://arxiv.org/abs/
 sampling, λ correction and min/max boxes as timm's ``timm/data/mixup.py``; MixToken (Token Labeling,
 ``token-labeling.md`` Sec. 3.3): a box on the token grid; TokenMix (``tokenmix.md`` Sec. 3.2): token masks.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
@@ -22,6 +23,7 @@ CUT_KINDS = ('cutmix', 'token_box', 'tokenmix_block', 'tokenmix_random')
 #: every mixing kind a :class:`MixSampler` can draw
 MIX_KINDS = ('mixup',) + CUT_KINDS
 MODES = ('batch', 'pair', 'elem')
+
 
 class MixSampler:
     """Draws a :class:`Mix` with timm ``Mixup``'s parameter logic.
@@ -44,18 +46,28 @@ class MixSampler:
     unless ``tokenmix_lam`` fixes it (TokenMix's λ = 0.5: the partner gets half of the tokens).
     """
 
-    def __init__(self, mix_kind: str = 'mixup', *, mixup_alpha: float = 1., cutmix_alpha: float = 0.,
-                 cutmix_minmax: Optional[Sequence[float]] = None, prob: float = 1.0,
-                 switch_prob: float = 0.5, mode: str = 'batch', correct_lam: bool = True,
-                 patch_size: IntPair = 16, tokenmix_lam: Optional[float] = None,
-                 tokenmix_min_tokens: Optional[int] = None):
+    def __init__(
+        self,
+        mix_kind: str = 'mixup',
+        *,
+        mixup_alpha: float = 1.0,
+        cutmix_alpha: float = 0.0,
+        cutmix_minmax: Optional[Sequence[float]] = None,
+        prob: float = 1.0,
+        switch_prob: float = 0.5,
+        mode: str = 'batch',
+        correct_lam: bool = True,
+        patch_size: IntPair = 16,
+        tokenmix_lam: Optional[float] = None,
+        tokenmix_min_tokens: Optional[int] = None,
+    ):
         if mix_kind not in MIX_KINDS:
             raise ValueError(f'mix_kind must be one of {MIX_KINDS}, got {mix_kind!r}')
         if mode not in MODES:
             raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
-        if not 0. <= prob <= 1.:
+        if not 0.0 <= prob <= 1.0:
             raise ValueError(f'prob must be in [0, 1], got {prob}')
-        if not 0. <= switch_prob <= 1.:
+        if not 0.0 <= switch_prob <= 1.0:
             raise ValueError(f'switch_prob must be in [0, 1], got {switch_prob}')
         if mixup_alpha < 0 or cutmix_alpha < 0:
             raise ValueError(f'mixup_alpha and cutmix_alpha must be >= 0, got {mixup_alpha}, {cutmix_alpha}')
@@ -67,15 +79,19 @@ class MixSampler:
             cutmix_alpha = 1.0  # as timm: minmax forces the cut branch on
         if tokenmix_lam is not None:
             if not mix_kind.startswith('tokenmix'):
-                raise ValueError(f"tokenmix_lam applies to the TokenMix kinds only, got mix_kind={mix_kind!r}")
-            if not 0. <= tokenmix_lam <= 1.:
+                raise ValueError(f'tokenmix_lam applies to the TokenMix kinds only, got mix_kind={mix_kind!r}')
+            if not 0.0 <= tokenmix_lam <= 1.0:
                 raise ValueError(f'tokenmix_lam must be in [0, 1], got {tokenmix_lam}')
         if mix_kind == 'mixup' and cutmix_alpha > 0:
-            raise ValueError("cutmix_alpha: mix_kind='mixup' only blends; use mix_kind='cutmix' "
-                             "(with mixup_alpha > 0) for timm's MixUp/CutMix switching")
+            raise ValueError(
+                "cutmix_alpha: mix_kind='mixup' only blends; use mix_kind='cutmix' "
+                "(with mixup_alpha > 0) for timm's MixUp/CutMix switching"
+            )
         if mixup_alpha <= 0 and cutmix_alpha <= 0 and tokenmix_lam is None:
-            raise ValueError(f'mixup_alpha and cutmix_alpha are both 0: nothing to mix for mix_kind={mix_kind!r} '
-                             f'(MixUp is active when mixup_alpha > 0, the {mix_kind!r} cut when cutmix_alpha > 0)')
+            raise ValueError(
+                f'mixup_alpha and cutmix_alpha are both 0: nothing to mix for mix_kind={mix_kind!r} '
+                f'(MixUp is active when mixup_alpha > 0, the {mix_kind!r} cut when cutmix_alpha > 0)'
+            )
         self.mix_kind = mix_kind
         self.mixup_alpha = float(mixup_alpha)
         self.cutmix_alpha = float(cutmix_alpha)
@@ -118,8 +134,9 @@ class MixSampler:
         lam = torch.where(active, torch.where(use_cut, lam_cut, lam_blend), lam)
         return lam, use_cut & active
 
-    def sample(self, batch_size: int, img_size: IntPair, generator: Optional[torch.Generator] = None,
-               device=None) -> Mix:
+    def sample(
+        self, batch_size: int, img_size: IntPair, generator: Optional[torch.Generator] = None, device=None
+    ) -> Mix:
         """A mix for a batch of ``batch_size`` images of ``img_size``."""
         check_pairwise_batch(batch_size)
         img_size = to_2tuple(img_size, 'img_size')
@@ -131,7 +148,7 @@ class MixSampler:
         lam, use_cut = self._unit_params(n, generator)
         grid = grid_size(img_size, self.patch_size)
         N = grid[0] * grid[1]
-        share = (1. - lam).float()[:, None, None].expand(n, *grid).clone()
+        share = (1.0 - lam).float()[:, None, None].expand(n, *grid).clone()
         boxes = valid = None
         cut = use_cut.nonzero().flatten()
         if cut.numel():
@@ -143,7 +160,7 @@ class MixSampler:
                     b = rand_box(img_size, lam_c, generator)
                 if self.correct_lam or self.cutmix_minmax is not None:
                     area = (b[:, 1] - b[:, 0]) * (b[:, 3] - b[:, 2])
-                    lam_c = 1. - area.double() / (img_size[0] * img_size[1])
+                    lam_c = 1.0 - area.double() / (img_size[0] * img_size[1])
                 share[cut] = box_token_share(b, img_size, self.patch_size)
                 boxes = torch.zeros(n, 4, dtype=torch.long)
                 boxes[cut] = b
@@ -152,13 +169,13 @@ class MixSampler:
                 if self.mix_kind == 'token_box':
                     m = grid_box_mask(grid, lam_c, generator)
                 else:
-                    k = torch.round((1. - lam_c) * N).long()
+                    k = torch.round((1.0 - lam_c) * N).long()
                     if self.mix_kind == 'tokenmix_block':
                         m = tokenmix_masks(grid, k, generator, self.tokenmix_min_tokens)
                     else:
                         m = random_token_mask(grid, k, generator)
                 share[cut] = m.float()
-                lam_c = 1. - m.flatten(1).sum(1).double() / N
+                lam_c = 1.0 - m.flatten(1).sum(1).double() / N
             lam = lam.clone()
             lam[cut] = lam_c
         # expand parameter units to samples
@@ -169,9 +186,14 @@ class MixSampler:
             idx = torch.cat([half, half.flip(0)])
         else:
             idx = torch.arange(batch_size)
-        mix = Mix(partner=torch.arange(batch_size - 1, -1, -1), lam=lam[idx].float(),
-                  token_share=share[idx], img_size=img_size, patch_size=self.patch_size,
-                  kind=self.mix_kind if self.mixup_enabled else 'none',
-                  boxes=None if boxes is None else boxes[idx], box_valid=None if valid is None else valid[idx])
+        mix = Mix(
+            partner=torch.arange(batch_size - 1, -1, -1),
+            lam=lam[idx].float(),
+            token_share=share[idx],
+            img_size=img_size,
+            patch_size=self.patch_size,
+            kind=self.mix_kind if self.mixup_enabled else 'none',
+            boxes=None if boxes is None else boxes[idx],
+            box_valid=None if valid is None else valid[idx],
+        )
         return mix if device is None else mix.to(device)
-

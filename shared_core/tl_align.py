@@ -20,6 +20,7 @@ The rules (each a function here, used by every architecture's tracer):
 - the target: the label of the token the classifier reads (class token), or the mean over the tokens
   it pools.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,11 +33,32 @@ import torch.nn.functional as F
 
 from .mix import Mix, pair_target
 
-__all__ = ['compact_labels', 'dense_labels', 'attention_labels', 'residual_labels', 'merge_labels',
-           'merge_2x2_labels', 'window_labels', 'self_attention_labels', 'swin_labels', 'talking_heads_labels',
-           'conv_pool_labels', 'aligned_target', 'kept_samples', 'LabelCapture', 'LabelTracer', 'capture_forward',
-           'trace_labels', 'tracer_for', 'check_layers', 'TRANSMIX_MODES', 'transmix_share',
-           'use_fused_label_attn', 'set_fused_label_attn', 'fused_label_attn']
+__all__ = [
+    'compact_labels',
+    'dense_labels',
+    'attention_labels',
+    'residual_labels',
+    'merge_labels',
+    'merge_2x2_labels',
+    'window_labels',
+    'self_attention_labels',
+    'swin_labels',
+    'talking_heads_labels',
+    'conv_pool_labels',
+    'aligned_target',
+    'kept_samples',
+    'LabelCapture',
+    'LabelTracer',
+    'capture_forward',
+    'trace_labels',
+    'tracer_for',
+    'check_layers',
+    'TRANSMIX_MODES',
+    'transmix_share',
+    'use_fused_label_attn',
+    'set_fused_label_attn',
+    'fused_label_attn',
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,12 +106,13 @@ def compact_labels(mix: Mix, num_prefix_tokens: int = 1) -> torch.Tensor:
     start at the area label (partner share ``1 - λ``), each patch token at its partner share
     (fractional where a pixel box cuts the patch, ``1 - λ`` everywhere for MixUp)."""
     share = mix.token_share_flat().float()
-    prefix = (1. - mix.lam.float())[:, None].expand(-1, num_prefix_tokens)
+    prefix = (1.0 - mix.lam.float())[:, None].expand(-1, num_prefix_tokens)
     return torch.cat([prefix.to(share.device), share], 1).unsqueeze(-1)
 
 
-def dense_labels(token_labels: torch.Tensor, cls_label: Optional[torch.Tensor] = None,
-                 num_prefix_tokens: int = 1) -> torch.Tensor:
+def dense_labels(
+    token_labels: torch.Tensor, cls_label: Optional[torch.Tensor] = None, num_prefix_tokens: int = 1
+) -> torch.Tensor:
     """Initial dense state ``(B, P + N, C)`` from per-patch labels ``(B, N, C)``; prefix tokens start at
     ``cls_label`` (default: the mean of the patch labels, i.e. the area label)."""
     if token_labels.dim() != 3:
@@ -98,16 +121,23 @@ def dense_labels(token_labels: torch.Tensor, cls_label: Optional[torch.Tensor] =
     if cls_label is None:
         cls_label = token_labels.mean(1)
     if cls_label.shape != (token_labels.shape[0], token_labels.shape[2]):
-        raise ValueError(f'cls_label: expected (B, C) = {(token_labels.shape[0], token_labels.shape[2])}, '
-                         f'got {tuple(cls_label.shape)}')
+        raise ValueError(
+            f'cls_label: expected (B, C) = {(token_labels.shape[0], token_labels.shape[2])}, '
+            f'got {tuple(cls_label.shape)}'
+        )
     prefix = cls_label.float()[:, None].expand(-1, num_prefix_tokens, -1)
     return torch.cat([prefix, token_labels], 1)
 
 
 @torch.no_grad()
-def attention_labels(q: torch.Tensor, k: torch.Tensor, labels: torch.Tensor,
-                     attn_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                     fused: Optional[bool] = None) -> torch.Tensor:
+def attention_labels(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    labels: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    fused: Optional[bool] = None,
+) -> torch.Tensor:
     """Eq. 9: the head-mean of the attention ``softmax(q kᵀ · scale + attn_mask)`` applied to the labels.
 
     ``q``, ``k``: ``(B, H, T, d)`` as the token path's attention saw them (``k`` may have fewer tokens
@@ -134,13 +164,15 @@ def attention_labels(q: torch.Tensor, k: torch.Tensor, labels: torch.Tensor,
             return out[..., :width].mean(1)
         logits = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
         if attn_mask is not None:
-            logits = logits.masked_fill(~attn_mask, float('-inf')) if attn_mask.dtype == torch.bool \
-                else logits + attn_mask
-        return (logits.softmax(-1).mean(1) @ labels.float())
+            logits = (
+                logits.masked_fill(~attn_mask, float('-inf')) if attn_mask.dtype == torch.bool else logits + attn_mask
+            )
+        return logits.softmax(-1).mean(1) @ labels.float()
 
 
-def residual_labels(labels: torch.Tensor, branch: torch.Tensor, keep: Optional[torch.Tensor] = None,
-                    residual: bool = True) -> torch.Tensor:
+def residual_labels(
+    labels: torch.Tensor, branch: torch.Tensor, keep: Optional[torch.Tensor] = None, residual: bool = True
+) -> torch.Tensor:
     """Eq. 11: ``Norm(Y + branch)`` with Norm the plain average; ``keep`` (B,) bool marks the samples
     whose residual branch ran (stochastic depth drops it for the others: their labels stay).
     ``residual=False`` (Table 8 ablation, "normalization disabled") drops the residual from the label
@@ -157,8 +189,9 @@ def merge_labels(labels: torch.Tensor) -> torch.Tensor:
     return labels.mean(-2)
 
 
-def self_attention_labels(blocks, labels: torch.Tensor, layers: Optional[set] = None,
-                          residual: bool = True) -> torch.Tensor:
+def self_attention_labels(
+    blocks, labels: torch.Tensor, layers: Optional[set] = None, residual: bool = True
+) -> torch.Tensor:
     """A stack of pre-norm transformer blocks (attention residual, then MLP residual, which leaves labels
     as they are): ``blocks`` yields ``(q, k, scale, keep)`` per block, ``keep`` the samples whose
     attention branch stochastic depth kept (``None``: all). ``layers``: align only at these indices."""
@@ -169,9 +202,16 @@ def self_attention_labels(blocks, labels: torch.Tensor, layers: Optional[set] = 
     return labels
 
 
-def swin_labels(labels: torch.Tensor, grid: Tuple[int, int], stages: Sequence[Tuple[int, bool]],
-                block_branch: Callable[[int, torch.Tensor], torch.Tensor], keeps: Sequence[Optional[torch.Tensor]],
-                merge_at: str, layers: Optional[set] = None, residual: bool = True) -> torch.Tensor:
+def swin_labels(
+    labels: torch.Tensor,
+    grid: Tuple[int, int],
+    stages: Sequence[Tuple[int, bool]],
+    block_branch: Callable[[int, torch.Tensor], torch.Tensor],
+    keeps: Sequence[Optional[torch.Tensor]],
+    merge_at: str,
+    layers: Optional[set] = None,
+    residual: bool = True,
+) -> torch.Tensor:
     """Swin's stage rule on the ``(B, H·W, K)`` labels of the first token grid ``grid``: per stage of
     ``(num_blocks, merges)``, a 2x2 patch merging (:func:`merge_2x2_labels`) at the ``'start'`` of the
     stage (timm) or its ``'end'`` (mmpretrain), and per block ``Y ← Norm(Y + block_branch(idx, Y))``
@@ -218,8 +258,9 @@ def merge_2x2_labels(labels: torch.Tensor) -> torch.Tensor:
     B, H, W, K = labels.shape
     if H % 2 or W % 2:
         raise ValueError(f'x: patch merging pads a {H}x{W} token grid; TL-Align traces even grids only')
-    return merge_labels(labels.view(B, H // 2, 2, W // 2, 2, K).permute(0, 1, 3, 2, 4, 5).reshape(
-        B, H // 2, W // 2, 4, K))
+    return merge_labels(
+        labels.view(B, H // 2, 2, W // 2, 2, K).permute(0, 1, 3, 2, 4, 5).reshape(B, H // 2, W // 2, 4, K)
+    )
 
 
 def _window_partition(x: torch.Tensor, ws) -> torch.Tensor:
@@ -235,9 +276,16 @@ def _window_reverse(w: torch.Tensor, ws, B: int, H: int, W: int) -> torch.Tensor
     return x.reshape(B, H, W, K)
 
 
-def window_labels(labels: torch.Tensor, window, shift, attn: Optional[torch.Tensor] = None,
-                  q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None,
-                  bias: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> torch.Tensor:
+def window_labels(
+    labels: torch.Tensor,
+    window,
+    shift,
+    attn: Optional[torch.Tensor] = None,
+    q: Optional[torch.Tensor] = None,
+    k: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
     """Eq. 9 for (shifted-)window attention on a ``(B, H, W, K)`` label map: cyclic shift by ``-shift``,
     window partition, the head-mean window attention, window reverse, shift back.
 
@@ -248,8 +296,10 @@ def window_labels(labels: torch.Tensor, window, shift, attn: Optional[torch.Tens
     B, H, W, K = labels.shape
     window, shift = tuple(window), tuple(shift)
     if H % window[0] or W % window[1]:
-        raise ValueError(f'x: a {H}x{W} token grid is padded to {window[0]}x{window[1]} windows; TL-Align '
-                         f'traces unpadded grids only (choose the image size accordingly)')
+        raise ValueError(
+            f'x: a {H}x{W} token grid is padded to {window[0]}x{window[1]} windows; TL-Align '
+            f'traces unpadded grids only (choose the image size accordingly)'
+        )
     shifted = any(shift)
     Y = torch.roll(labels, shifts=(-shift[0], -shift[1]), dims=(1, 2)) if shifted else labels
     Yw = _window_partition(Y, window)
@@ -262,16 +312,18 @@ def window_labels(labels: torch.Tensor, window, shift, attn: Optional[torch.Tens
     return torch.roll(out, shifts=tuple(shift), dims=(1, 2)) if shifted else out
 
 
-def aligned_target(share: torch.Tensor, labels: torch.Tensor, mix: Mix, num_classes: int,
-                   smoothing: float = 0.) -> torch.Tensor:
+def aligned_target(
+    share: torch.Tensor, labels: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.0
+) -> torch.Tensor:
     """The training target from the compact label of what the classifier reads: ``(B,)`` partner
     shares → ``(1 - s) · y_own + s · y_partner`` with label smoothing (rows sum to 1), detached (Eq. 12)."""
-    return pair_target(labels.to(share.device), mix.partner, 1. - share.detach().float(), num_classes, smoothing)
+    return pair_target(labels.to(share.device), mix.partner, 1.0 - share.detach().float(), num_classes, smoothing)
 
 
 # ----------------------------------------------------------------------------------------------
 # The driver: what every adapter runs (hooks -> forward -> label path -> readout)
 # ----------------------------------------------------------------------------------------------
+
 
 def kept_samples(inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``(B,)`` bool: the samples whose residual branch survived DropPath (it zeroes whole samples; a
@@ -284,6 +336,7 @@ class LabelCapture:
     ``q``/``k`` ``(B, H, T, d)`` (or the projections they are split from), ``keep`` the samples whose
     attention branch ran, ``attn`` materialised attention probabilities, ``mask`` an attention mask,
     ``tokens`` the token grid or count the block saw."""
+
     __slots__ = ('q', 'k', 'keep', 'attn', 'mask', 'tokens')
 
     def __init__(self):
@@ -302,6 +355,7 @@ class LabelTracer(Protocol):
     - ``class_attention(captures)``: ``(q_cls (B, H, 1, d), k (B, H, T, d), scale)`` of the last block for
       TransMix's class-token rule, or ``None`` where the classifier reads no class token.
     """
+
     num_prefix_tokens: int
 
     @property
@@ -311,8 +365,9 @@ class LabelTracer(Protocol):
 
     def num_tokens(self, captures: List[LabelCapture]) -> int: ...
 
-    def propagate(self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set],
-                  residual: bool) -> torch.Tensor: ...
+    def propagate(
+        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
+    ) -> torch.Tensor: ...
 
     def readout(self, labels: torch.Tensor, output: Any) -> torch.Tensor: ...
 
@@ -326,8 +381,9 @@ def tracer_for(model, supported: dict, name: str = 'model') -> LabelTracer:
         if isinstance(model, cls):
             return tracer(model)
     names = ', '.join(f'{c.__module__}.{c.__name__}' for c in supported)
-    raise ValueError(f'{name}: TL-Align has no tracer for {type(model).__module__}.{type(model).__name__}; '
-                     f'supported: {names}')
+    raise ValueError(
+        f'{name}: TL-Align has no tracer for {type(model).__module__}.{type(model).__name__}; supported: {names}'
+    )
 
 
 def check_layers(layers, depth: int, name: str = 'layers') -> Optional[set]:
@@ -353,13 +409,21 @@ def capture_forward(tracer: LabelTracer, forward: Callable[[], Any]) -> Tuple[An
     return output, captures
 
 
-def trace_labels(tracer: LabelTracer, captures: List[LabelCapture], output: Any, labels: torch.Tensor,
-                 layers: Optional[set] = None, residual: bool = True) -> torch.Tensor:
+def trace_labels(
+    tracer: LabelTracer,
+    captures: List[LabelCapture],
+    output: Any,
+    labels: torch.Tensor,
+    layers: Optional[set] = None,
+    residual: bool = True,
+) -> torch.Tensor:
     """The label path after a captured forward: the initial state ``labels`` ``(B, T, K)`` through every
     block (no gradients, fp32 whatever autocast the token path ran under), read out as ``(B, K)``."""
     if tracer.num_tokens(captures) != labels.shape[1]:
-        raise ValueError(f'labels: {labels.shape[1]} token labels for {tracer.num_tokens(captures)} tokens '
-                         f'(prefix {tracer.num_prefix_tokens} + patches): the patch grid of x does not match')
+        raise ValueError(
+            f'labels: {labels.shape[1]} token labels for {tracer.num_tokens(captures)} tokens '
+            f'(prefix {tracer.num_prefix_tokens} + patches): the patch grid of x does not match'
+        )
     with torch.no_grad(), torch.autocast(device_type=labels.device.type, enabled=False):
         state = tracer.propagate(captures, labels.float(), layers, residual)
         return tracer.readout(state, output)
@@ -369,8 +433,9 @@ def trace_labels(tracer: LabelTracer, captures: List[LabelCapture], output: Any,
 TRANSMIX_MODES = ('paper', 'average')
 
 
-def transmix_share(tracer: LabelTracer, captures: List[LabelCapture], output: Any, mix: Mix,
-                   mode: str = 'paper') -> torch.Tensor:
+def transmix_share(
+    tracer: LabelTracer, captures: List[LabelCapture], output: Any, mix: Mix, mode: str = 'paper'
+) -> torch.Tensor:
     """TransMix's ``(B,)`` partner share of the target from the last block's attention.
 
     Class-token models (``tracer.class_attention``): ``λ_partner = A · M``, ``A`` the head-mean attention of
@@ -388,7 +453,7 @@ def transmix_share(tracer: LabelTracer, captures: List[LabelCapture], output: An
                 P = tracer.num_prefix_tokens
                 s = mix.token_share_flat().float().to(q_cls.device)
                 v = torch.zeros(s.shape[0], P + s.shape[1], 2, device=s.device)
-                v[:, P:, 0], v[:, P:, 1] = s, 1.
+                v[:, P:, 0], v[:, P:, 1] = s, 1.0
                 num_den = attention_labels(q_cls, k, v, scale=scale)[:, 0]
                 share = num_den[:, 0] / num_den[:, 1]
         else:
@@ -396,5 +461,5 @@ def transmix_share(tracer: LabelTracer, captures: List[LabelCapture], output: An
             dev = next(t for c in captures[::-1] for t in (c.q, c.k, c.attn) if t is not None).device
             share = trace_labels(tracer, captures, output, labels.to(dev), {tracer.depth - 1}, False)[:, 0]
     if mode == 'average':
-        share = 0.5 * share + 0.5 * (1. - mix.lam.to(share.device))
+        share = 0.5 * share + 0.5 * (1.0 - mix.lam.to(share.device))
     return share

@@ -15,6 +15,7 @@
 The class target can be the ground truth (the paper's Eq. 1/7), the annotator's pooled label over the
 crop (the public code's default; ReLabel, :func:`shared_core.label_maps.crop_targets`) or a blend.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple, Union
@@ -26,10 +27,25 @@ from .label_maps import SparseTokenTargets, crop_targets, token_targets_sparse
 from .mix import Mix, check_labels, mix_rows, mix_tokens, one_hot
 from .samplers import MixSampler
 
-__all__ = ['CLS_TARGETS', 'HEAD_RULES', 'AUX_WEIGHT', 'MIXTOKEN_MODES', 'check_pairwise_swap', 'unmix_tokens',
-           'mix_dense_targets', 'mix_class_target', 'class_target', 'token_labeling_targets', 'inference_logits',
-           'check_head_rule', 'mixtoken_sampler', 'draw_mixtoken', 'mix_patch_embed_output', 'soft_cross_entropy',
-           'token_labeling_loss']
+__all__ = [
+    'CLS_TARGETS',
+    'HEAD_RULES',
+    'AUX_WEIGHT',
+    'MIXTOKEN_MODES',
+    'check_pairwise_swap',
+    'unmix_tokens',
+    'mix_dense_targets',
+    'mix_class_target',
+    'class_target',
+    'token_labeling_targets',
+    'inference_logits',
+    'check_head_rule',
+    'mixtoken_sampler',
+    'draw_mixtoken',
+    'mix_patch_embed_output',
+    'soft_cross_entropy',
+    'token_labeling_loss',
+]
 
 #: where the class token's target comes from
 CLS_TARGETS = ('gt', 'annotator', 'mix')
@@ -46,10 +62,15 @@ def check_pairwise_swap(mix: Mix) -> None:
     partner = mix.partner
     ar = torch.arange(len(partner), device=partner.device)
     share = mix.token_share_flat()
-    if not torch.equal(partner[partner], ar) or not torch.equal(share, share[partner]) or \
-            not ((share == 0) | (share == 1)).all():
-        raise ValueError('mix: un-mixing needs a pairwise token swap (partner of the partner is the sample, '
-                         'both members with the same 0/1 token mask: MixToken in batch or pair mode)')
+    if (
+        not torch.equal(partner[partner], ar)
+        or not torch.equal(share, share[partner])
+        or not ((share == 0) | (share == 1)).all()
+    ):
+        raise ValueError(
+            'mix: un-mixing needs a pairwise token swap (partner of the partner is the sample, '
+            'both members with the same 0/1 token mask: MixToken in batch or pair mode)'
+        )
 
 
 def unmix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
@@ -59,8 +80,9 @@ def unmix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
     (a check there would stall the step on a device sync): :func:`draw_mixtoken` checks the mix before
     moving it."""
     if tokens.dim() != 3 or tokens.shape[0] != mix.batch_size or tokens.shape[1] != mix.num_tokens:
-        raise ValueError(f'tokens: expected (B={mix.batch_size}, N={mix.num_tokens}, D) outputs, '
-                         f'got {tuple(tokens.shape)}')
+        raise ValueError(
+            f'tokens: expected (B={mix.batch_size}, N={mix.num_tokens}, D) outputs, got {tuple(tokens.shape)}'
+        )
     if mix.partner.device.type == 'cpu':
         check_pairwise_swap(mix)
     swapped = mix.token_share_flat().to(tokens.device).bool().unsqueeze(-1)
@@ -76,11 +98,12 @@ def mix_class_target(target: torch.Tensor, mix: Optional[Mix]) -> torch.Tensor:
     """Eq. 7: ``M̄ · y + (1 - M̄) · y[partner]`` with ``M̄ = mix.lam`` (own share); rows still sum to 1."""
     if mix is None:
         return target
-    return mix_rows(target, mix.partner, 1. - mix.lam)
+    return mix_rows(target, mix.partner, 1.0 - mix.lam)
 
 
-def class_target(gt: torch.Tensor, annotator: Optional[torch.Tensor], kind: str = 'gt',
-                 mix_weight: float = 0.5) -> torch.Tensor:
+def class_target(
+    gt: torch.Tensor, annotator: Optional[torch.Tensor], kind: str = 'gt', mix_weight: float = 0.5
+) -> torch.Tensor:
     """The class token's target ``(B, C)`` before mixing: ``'gt'`` the (smoothed) ground truth,
     ``'annotator'`` the annotator's pooled label over the crop, ``'mix'`` ``w · annotator + (1 - w) · gt``."""
     if kind not in CLS_TARGETS:
@@ -91,14 +114,23 @@ def class_target(gt: torch.Tensor, annotator: Optional[torch.Tensor], kind: str 
         raise ValueError(f"cls_target={kind!r} needs the annotator's label maps (no maps were given)")
     if kind == 'annotator':
         return annotator
-    if not 0. <= mix_weight <= 1.:
+    if not 0.0 <= mix_weight <= 1.0:
         raise ValueError(f'cls_target_mix: expected a weight in [0, 1], got {mix_weight}')
-    return annotator * mix_weight + gt * (1. - mix_weight)
+    return annotator * mix_weight + gt * (1.0 - mix_weight)
 
 
-def token_labeling_targets(labels: torch.Tensor, num_classes: int, smoothing: float = 0., mix: Optional[Mix] = None,
-                           maps=None, grid: Optional[Tuple[int, int]] = None, cls_target: str = 'gt',
-                           cls_target_mix: float = 0.5, dense: bool = True, name: str = 'labels'):
+def token_labeling_targets(
+    labels: torch.Tensor,
+    num_classes: int,
+    smoothing: float = 0.0,
+    mix: Optional[Mix] = None,
+    maps=None,
+    grid: Optional[Tuple[int, int]] = None,
+    cls_target: str = 'gt',
+    cls_target_mix: float = 0.5,
+    dense: bool = True,
+    name: str = 'labels',
+):
     """Token labeling's targets for a batch: ``(class target (B, C), per-token targets or None)``.
 
     One-hot (smoothed) ground truth → the annotator's label pooled over each crop where ``cls_target``
@@ -110,8 +142,10 @@ def token_labeling_targets(labels: torch.Tensor, num_classes: int, smoothing: fl
     Every row sums to 1."""
     check_labels(labels, num_classes, name)
     if maps is None and (dense or cls_target != 'gt'):
-        raise ValueError('maps: token labeling needs the label maps of the batch (dense token targets or an '
-                         f"annotator class target, cls_target={cls_target!r}); none were given")
+        raise ValueError(
+            'maps: token labeling needs the label maps of the batch (dense token targets or an '
+            f'annotator class target, cls_target={cls_target!r}); none were given'
+        )
     annotator = None
     if cls_target != 'gt':  # ReLabel: the map's mean over the crop
         annotator = crop_targets(maps.values, maps.indices, num_classes, maps.boxes, smoothing)
@@ -146,11 +180,12 @@ def mixtoken_sampler(beta: float = 1.0, prob: float = 1.0, mode: str = 'batch', 
         raise ValueError(f'mode: MixToken un-mixes pairwise swaps, expected one of {MIXTOKEN_MODES}, got {mode!r}')
     if not beta > 0:
         raise ValueError(f'beta: expected > 0, got {beta}')
-    return MixSampler('token_box', mixup_alpha=0., cutmix_alpha=beta, prob=prob, mode=mode, patch_size=patch_size)
+    return MixSampler('token_box', mixup_alpha=0.0, cutmix_alpha=beta, prob=prob, mode=mode, patch_size=patch_size)
 
 
-def draw_mixtoken(sampler: MixSampler, batch_size: int, img_size: Tuple[int, int], device,
-                  generator: Optional[torch.Generator] = None) -> Optional[Mix]:
+def draw_mixtoken(
+    sampler: MixSampler, batch_size: int, img_size: Tuple[int, int], device, generator: Optional[torch.Generator] = None
+) -> Optional[Mix]:
     """The batch's MixToken mix on ``device``, or ``None`` when the batch is not mixed (off, ``prob`` missed,
     or mixing switched off by ``sampler.mixup_enabled``). Drawn and checked on the CPU
     (:func:`check_pairwise_swap`), then copied pinned and non-blocking: no device sync."""
@@ -182,20 +217,26 @@ def soft_cross_entropy(logits: torch.Tensor, target: Union[torch.Tensor, SparseT
     ``Σ_c t_c log p_c = base · Σ_c z_c + Σ_j w_j z_{c_j} - lse(z) · (C · base + Σ_j w_j)``."""
     if isinstance(target, SparseTokenTargets):
         if logits.dim() != 3 or tuple(logits.shape) != (*target.base.shape, target.num_classes):
-            raise ValueError(f'logits: expected (B, N, C) = {(*target.base.shape, target.num_classes)} for these '
-                             f'token targets, got {tuple(logits.shape)}')
+            raise ValueError(
+                f'logits: expected (B, N, C) = {(*target.base.shape, target.num_classes)} for these '
+                f'token targets, got {tuple(logits.shape)}'
+            )
         z = logits.float()
         dot = target.base * z.sum(-1) + (target.weight * z.gather(-1, target.cls)).sum(-1)
         mass = target.base * target.num_classes + target.weight.sum(-1)
         return (torch.logsumexp(z, -1) * mass - dot).mean()
     if logits.shape != target.shape:
-        raise ValueError(f'target: expected the logits\' shape {tuple(logits.shape)}, got {tuple(target.shape)}')
+        raise ValueError(f"target: expected the logits' shape {tuple(logits.shape)}, got {tuple(target.shape)}")
     return -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
 
 
-def token_labeling_loss(cls_logits: torch.Tensor, cls_target: torch.Tensor,
-                        aux_logits: Optional[torch.Tensor] = None, dense_target: Optional[torch.Tensor] = None,
-                        dense_weight: float = 0.5) -> torch.Tensor:
+def token_labeling_loss(
+    cls_logits: torch.Tensor,
+    cls_target: torch.Tensor,
+    aux_logits: Optional[torch.Tensor] = None,
+    dense_target: Optional[torch.Tensor] = None,
+    dense_weight: float = 0.5,
+) -> torch.Tensor:
     """Eq. 3-4: ``H(cls, y_cls) + β · (1/N) Σ_i H(aux_i, y_i)`` averaged over the batch. ``aux_logits``
     ``(B, N, C)`` and ``dense_target`` its targets (dense, or :class:`SparseTokenTargets`), already aligned
     (un-mixed outputs, own targets)."""

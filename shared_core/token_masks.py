@@ -4,6 +4,7 @@ until exactly ``round((1 - λ) · N)`` tokens come from the partner). True = tok
 
 All randomness comes from an explicit ``torch.Generator`` (``None``: torch's default generator).
 """
+
 from __future__ import annotations
 
 import math
@@ -14,11 +15,21 @@ import torch
 
 from .boxes import rand_box
 
-__all__ = ['grid_box_mask', 'random_token_mask', 'tokenmix_masks', 'TOKENMIX_MAX_ROUNDS', 'num_dropped', 'patch_ranks',
-           'occlusion_mask', 'batch_masks']
+__all__ = [
+    'grid_box_mask',
+    'random_token_mask',
+    'tokenmix_masks',
+    'TOKENMIX_MAX_ROUNDS',
+    'num_dropped',
+    'patch_ranks',
+    'occlusion_mask',
+    'batch_masks',
+]
 
-def grid_box_mask(grid_size: Tuple[int, int], lam: torch.Tensor,
-                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
+
+def grid_box_mask(
+    grid_size: Tuple[int, int], lam: torch.Tensor, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
     """MixToken's box on the token grid: :func:`rand_box` applied to the ``(gh, gw)`` grid.
     Returns ``(n, gh, gw)`` bool (True = token from the partner)."""
     gh, gw = grid_size
@@ -29,8 +40,9 @@ def grid_box_mask(grid_size: Tuple[int, int], lam: torch.Tensor,
     return (ys >= y0) & (ys < y1) & (xs >= x0) & (xs < x1)
 
 
-def random_token_mask(grid_size: Tuple[int, int], num_masked: torch.Tensor,
-                      generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def random_token_mask(
+    grid_size: Tuple[int, int], num_masked: torch.Tensor, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
     """TokenMix's *random* variant: exactly ``num_masked[i]`` tokens, uniformly without replacement.
     Returns ``(n, gh, gw)`` bool."""
     gh, gw = grid_size
@@ -73,8 +85,16 @@ def _tokenmix_part_sides(size: np.ndarray, ratio: np.ndarray, gh: int, gw: int) 
     return h.astype(np.int64), w.astype(np.int64)
 
 
-def _compact_first(free: np.ndarray, count: np.ndarray, cy2: np.ndarray, cx2: np.ndarray, h: np.ndarray,
-                   w: np.ndarray, gh: int, gw: int) -> np.ndarray:
+def _compact_first(
+    free: np.ndarray,
+    count: np.ndarray,
+    cy2: np.ndarray,
+    cx2: np.ndarray,
+    h: np.ndarray,
+    w: np.ndarray,
+    gh: int,
+    gw: int,
+) -> np.ndarray:
     """The first ``count[i]`` cells of ``free[i]`` (``(c, N)`` bool) in compact order around the point
     ``(cy2 / 2, cx2 / 2)`` (in cells; ``cy2``, ``cx2`` integers): with ``dy``, ``dx`` the distances of a
     cell's centre from it, cells come by ``max(dy / h, dx / w)`` (rings shaped like an ``h x w`` box),
@@ -103,17 +123,29 @@ def _check_tokenmix_args(grid_size, min_tokens, aspect) -> Tuple[int, int]:
         raise ValueError(f'grid_size must be two positive ints (grid_h, grid_w), got {grid_size!r}')
     if min_tokens is not None and not _is_int(min_tokens, 1):
         raise ValueError(f'min_tokens must be an int >= 1, got {min_tokens!r}')
-    if (not isinstance(aspect, (tuple, list)) or len(aspect) != 2
-            or not all(isinstance(a, (int, float, np.integer, np.floating)) and not isinstance(a, (bool, np.bool_))
-                       and math.isfinite(a) and a > 0 for a in aspect)
-            or aspect[0] > aspect[1]):
+    if (
+        not isinstance(aspect, (tuple, list))
+        or len(aspect) != 2
+        or not all(
+            isinstance(a, (int, float, np.integer, np.floating))
+            and not isinstance(a, (bool, np.bool_))
+            and math.isfinite(a)
+            and a > 0
+            for a in aspect
+        )
+        or aspect[0] > aspect[1]
+    ):
         raise ValueError(f'aspect must be (low, high) with 0 < low <= high, got {aspect!r}')
     return int(grid_size[0]), int(grid_size[1])
 
 
-def tokenmix_masks(grid_size: Tuple[int, int], num_masked: torch.Tensor,
-                   generator: Optional[torch.Generator] = None, min_tokens: Optional[int] = None,
-                   aspect: Tuple[float, float] = (0.3, 1 / 0.3)) -> torch.Tensor:
+def tokenmix_masks(
+    grid_size: Tuple[int, int],
+    num_masked: torch.Tensor,
+    generator: Optional[torch.Generator] = None,
+    min_tokens: Optional[int] = None,
+    aspect: Tuple[float, float] = (0.3, 1 / 0.3),
+) -> torch.Tensor:
     """TokenMix's *block* masks (tokenmix.md Sec. 3.2) for a batch: ``(n, gh, gw)`` bool, mask ``i``
     with exactly ``num_masked[i]`` True (True = token from the partner).
 
@@ -182,8 +214,11 @@ def tokenmix_masks(grid_size: Tuple[int, int], num_masked: torch.Tensor,
         cols = (xs - left[..., None]).view(np.uint64) < w.view(np.uint64)[..., None]  # (a, K, gw)
         free = ~mask[act]
         if K > 1:  # new tokens of each candidate, rows · free · cols (exact in float32); the first that adds one
-            cnt = np.einsum('akx,akx->ak', rows.astype(np.float32) @ free.reshape(a, gh, gw).astype(np.float32),
-                            cols.astype(np.float32))
+            cnt = np.einsum(
+                'akx,akx->ak',
+                rows.astype(np.float32) @ free.reshape(a, gh, gw).astype(np.float32),
+                cols.astype(np.float32),
+            )
             pick = np.arange(a), (cnt > 0).argmax(1)  # none adds a token: candidate 0, a no-op
         else:
             pick = slice(None), 0
@@ -192,8 +227,9 @@ def tokenmix_masks(grid_size: Tuple[int, int], num_masked: torch.Tensor,
         cnt = new.view(np.uint8).sum(1, dtype=np.int64)
         over = np.flatnonzero(cnt > r)
         if over.size:  # these masks' last part: clipped to R after the loop
-            last.append((act[over], new[over], r[over], 2 * top[over] + h[over], 2 * left[over] + w[over],
-                         h[over], w[over]))
+            last.append(
+                (act[over], new[over], r[over], 2 * top[over] + h[over], 2 * left[over] + w[over], h[over], w[over])
+            )
             new[over] = False
             cnt[over] = r[over]
         mask[act] = ~free | new
@@ -215,16 +251,17 @@ def tokenmix_masks(grid_size: Tuple[int, int], num_masked: torch.Tensor,
 
 # Occlusion masks (TokenMix Sec. 5.3, PatchDrop of Naseer et al.): a fixed random drop order per image --------
 
+
 def num_dropped(num_patches: int, ratio: float) -> int:
     """Patches dropped at ``ratio``: ``round(ratio * num_patches)``, halves rounded up."""
     if not 0 <= ratio < 1:
-        raise ValueError(f'--ratios: each ratio must be in [0, 1), got {ratio}')
+        raise ValueError(f'ratio: expected a fraction in [0, 1), got {ratio}')
     return int(math.floor(round(ratio * num_patches, 9) + 0.5))
 
 
 def _generator(seed: int, index: int, repeat: int) -> torch.Generator:
     if min(seed, index, repeat) < 0:
-        raise ValueError(f'--seed, image index and repeat must be >= 0, got {seed}, {index}, {repeat}')
+        raise ValueError(f'seed, index, repeat: expected values >= 0, got {seed}, {index}, {repeat}')
     state = np.random.SeedSequence((seed, repeat, index)).generate_state(1, dtype=np.uint64)[0]
     return torch.Generator().manual_seed(int(state))
 
@@ -239,8 +276,9 @@ def patch_ranks(num_patches: int, seed: int, index: int, repeat: int = 0) -> tor
     return ranks
 
 
-def occlusion_mask(num_patches_h: int, num_patches_w: int, ratio: float, seed: int, index: int,
-                   repeat: int = 0) -> torch.Tensor:
+def occlusion_mask(
+    num_patches_h: int, num_patches_w: int, ratio: float, seed: int, index: int, repeat: int = 0
+) -> torch.Tensor:
     """Bool ``(num_patches_h, num_patches_w)``: True where image ``index`` has its patch dropped at ``ratio``."""
     n = num_patches_h * num_patches_w
     k = num_dropped(n, ratio)

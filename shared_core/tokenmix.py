@@ -25,6 +25,7 @@ patch: the refinement of CutMix, Table 7; constant for MixUp, where λ' is the a
   what each sample shows, ``ỹ = mean_i [(1 - s_i) · p_a,i + s_i · p_b,i]`` (``p`` the per-token
   distributions of :func:`shared_core.label_maps.token_targets_batch`), then label smoothing.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,24 +42,33 @@ ACTIVATION_TARGETS = ('true_class', 'distribution')
 def activation_lam(maps: torch.Tensor, mix: Mix, eps: float = 1e-12) -> torch.Tensor:
     """Eq. 2's own-label weight ``λ' (B,)`` from each sample's activation map ``(B, gh, gw)`` (or
     ``(B, N)``) on the mix's token grid; the area λ where both weights vanish."""
-    A = maps.reshape(maps.shape[0], -1).float().clamp_min(0.)
+    A = maps.reshape(maps.shape[0], -1).float().clamp_min(0.0)
     if A.shape != (mix.batch_size, mix.num_tokens):
-        raise ValueError(f'maps: expected one (grid {mix.grid_size}) map per sample of the mix, got '
-                         f'{tuple(maps.shape)}')
+        raise ValueError(
+            f'maps: expected one (grid {mix.grid_size}) map per sample of the mix, got {tuple(maps.shape)}'
+        )
     total = A.sum(1, keepdim=True)
-    A = torch.where(total > eps, A / total.clamp_min(eps), torch.full_like(A, 1. / A.shape[1]))
+    A = torch.where(total > eps, A / total.clamp_min(eps), torch.full_like(A, 1.0 / A.shape[1]))
     s = mix.token_share_flat().to(A.device, A.dtype)
     partner = mix.partner.to(A.device)
-    w_own = ((1. - s) * A).sum(1)
+    w_own = ((1.0 - s) * A).sum(1)
     w_partner = (s * A[partner]).sum(1)
     both = w_own + w_partner
     area = mix.lam.to(A.device, A.dtype)
     return torch.where(both > eps, w_own / both.clamp_min(eps), area)
 
 
-def activation_target(labels: torch.Tensor, mix: Mix, values: torch.Tensor, indices: torch.Tensor,
-                      boxes: torch.Tensor, flips: torch.Tensor, num_classes: int, smoothing: float = 0.,
-                      mode: str = 'true_class') -> torch.Tensor:
+def activation_target(
+    labels: torch.Tensor,
+    mix: Mix,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    boxes: torch.Tensor,
+    flips: torch.Tensor,
+    num_classes: int,
+    smoothing: float = 0.0,
+    mode: str = 'true_class',
+) -> torch.Tensor:
     """The ``(B, C)`` target of a mixed batch from the teacher's map rows ``(B, k, h, w)`` under each
     image's crop ``boxes`` / ``flips``; rows sum to 1 (label smoothing included). See the module docstring."""
     if mode not in ACTIVATION_TARGETS:

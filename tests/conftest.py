@@ -1,4 +1,5 @@
 """Shared fixtures: one tiny synthetic world (tokenaug-data) for the end-to-end runs, quadrant images."""
+
 import os
 import sys
 from pathlib import Path
@@ -6,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from shared_core.tools.world import generate_world
+
 from .helpers import REPO, write_quadrant_data
 
 VENV_BIN = Path(sys.executable).parent

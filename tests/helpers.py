@@ -1,12 +1,13 @@
 """Helpers shared by the test modules: quadrant images and their label maps, map stores of given rows, and
 running an upstream tool (tools/train.py, tools/test.py, a console script) in a subprocess."""
+
 import subprocess
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from shared_core.map_store import LabelMapStore
+from shared_core.map_store import MapWriter
 
 REPO = Path(__file__).resolve().parents[1]
 COLOURS = np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 255]], np.uint8)  # class c -> RGB colour
@@ -17,7 +18,7 @@ def quadrant_image(h, w, layout):
     img = np.zeros((h, w, 3), np.uint8)
     for qi in range(2):
         for qj in range(2):
-            img[qi * h // 2:(qi + 1) * h // 2, qj * w // 2:(qj + 1) * w // 2] = COLOURS[layout[qi][qj]]
+            img[qi * h // 2 : (qi + 1) * h // 2, qj * w // 2 : (qj + 1) * w // 2] = COLOURS[layout[qi][qj]]
     return img
 
 
@@ -35,8 +36,15 @@ def write_quadrant_data(root):
         paths.append(f'c{i % 2}/img{i}.png')
         layouts.append(layout)
     indices = np.stack([np.kron(layout, np.ones((4, 4), int))[None] for layout in layouts]).astype(np.int64)
-    write_store(root / 'maps', paths, np.ones((len(paths), 1, 8, 8), np.float16), indices, num_classes=4,
-                annotator='quadrants', input_size=(64, 64))
+    write_store(
+        root / 'maps',
+        paths,
+        np.ones((len(paths), 1, 8, 8), np.float16),
+        indices,
+        num_classes=4,
+        annotator='quadrants',
+        input_size=(64, 64),
+    )
     return root
 
 
@@ -44,8 +52,9 @@ def write_store(out, paths, values, indices, num_classes, annotator, input_size)
     """A complete label-map store at ``out`` whose row r (image ``paths[r]``) is ``values[r]``,
     ``indices[r]`` ((N, k, h, w) arrays: k and the grid come from their shape)."""
     _, k, h, w = values.shape
-    writer = LabelMapStore.create(out, paths, num_classes=num_classes, k=k, grid=(h, w), annotator=annotator,
-                                  input_size=input_size)
+    writer = MapWriter.create(
+        out, paths, num_classes=num_classes, k=k, grid=(h, w), annotator=annotator, input_size=input_size
+    )
     writer.write(np.arange(len(paths)), values, indices)
     writer.finalize()
     writer.close()
@@ -61,14 +70,33 @@ def run_tool(cmd, env, timeout=600, cwd=None):
 
 
 # the world configs cut to 2 iterations of batch 4 and a 10-image validation, no worker processes
-MM_WORLD_OPTS = ['train_dataloader.batch_size=4', 'train_dataloader.dataset.indices=8',
-                 'train_dataloader.num_workers=0', 'val_dataloader.num_workers=0', 'val_dataloader.batch_size=10']
+MM_WORLD_OPTS = [
+    'train_dataloader.batch_size=4',
+    'train_dataloader.dataset.indices=8',
+    'train_dataloader.num_workers=0',
+    'val_dataloader.num_workers=0',
+    'val_dataloader.batch_size=10',
+]
 
 
 def mmpretrain_train(config, work_dir, env, cwd, *args, max_epochs=1):
     """mmpretrain's shipped tools/train.py, run in ``cwd``, on configs/mmpretrain/``config`` (``args``: more
     flags, before the --cfg-options) for ``max_epochs`` with MM_WORLD_OPTS; asserts it succeeds, returns its log."""
     import mmpretrain
+
     train_py = Path(mmpretrain.__file__).parent / '.mim' / 'tools' / 'train.py'
-    return run_tool(['python', train_py, REPO / 'configs' / 'mmpretrain' / config, '--work-dir', work_dir, *args,
-                     '--cfg-options', *MM_WORLD_OPTS, f'train_cfg.max_epochs={max_epochs}'], env, cwd=cwd)
+    return run_tool(
+        [
+            'python',
+            train_py,
+            REPO / 'configs' / 'mmpretrain' / config,
+            '--work-dir',
+            work_dir,
+            *args,
+            '--cfg-options',
+            *MM_WORLD_OPTS,
+            f'train_cfg.max_epochs={max_epochs}',
+        ],
+        env,
+        cwd=cwd,
+    )

@@ -1,4 +1,5 @@
 """Every shipped config loads with its upstream tooling and builds what it names."""
+
 import pytest
 from mmengine.config import Config
 from mmpretrain.registry import MODELS
@@ -6,6 +7,7 @@ from mmpretrain.registry import MODELS
 import mm_plugin  # noqa: F401
 from mm_plugin import TokenAugDataPreprocessor
 from timm_plugin.train import parse_args
+
 from .conftest import REPO
 
 MM_CONFIGS = sorted(p for p in (REPO / 'configs' / 'mmpretrain').glob('*.py') if 'token-labeling' not in p.name)
@@ -29,6 +31,7 @@ def test_mmpretrain_config_builds_our_preprocessor(path):
 @pytest.mark.parametrize('path', TL_CONFIGS, ids=lambda p: p.name)
 def test_token_labeling_config_builds_its_model_and_pipeline(path):
     from mm_plugin import TokenLabelingClassifier
+
     cfg = Config.fromfile(str(path))
     assert 'mm_plugin' in cfg.custom_imports['imports']
     model_cfg = cfg.model
@@ -65,13 +68,26 @@ def test_timm_config_parses(path):
         assert args.bce_loss == ('in1k' in path.name and args.mixup_type != 'cutmix')
         if 'in1k' in path.name and 'tokenmix' in path.name:
             assert args.mixup_type == 'tokenmix' and args.tokenmix_lam == 0.5 and args.tokenmix_mask == 'block'
-            assert (args.lr_base, args.lr_base_size, args.weight_decay, args.epochs, args.warmup_epochs,
-                    args.min_lr) == (1e-3, 1024, 0.05, 300, 5, 1e-6)
+            assert (
+                args.lr_base,
+                args.lr_base_size,
+                args.weight_decay,
+                args.epochs,
+                args.warmup_epochs,
+                args.min_lr,
+            ) == (1e-3, 1024, 0.05, 300, 5, 1e-6)
     if args.mixup_type == 'mixtoken':  # token-labeling.md Sec. 4.1 / supplement Table 1: no MixUp, β = 0.5
         assert args.token_label_dir and args.mixup == 0 and args.dense_weight == 0.5 and args.cls_target == 'gt'
         if 'in1k' in path.name:
-            assert (args.lr_base, args.lr_base_size, args.weight_decay, args.epochs, args.warmup_epochs,
-                    args.drop_path, args.reprob) == (1e-3, 640, 0.05, 300, 5, 0.1, 0.25)
+            assert (
+                args.lr_base,
+                args.lr_base_size,
+                args.weight_decay,
+                args.epochs,
+                args.warmup_epochs,
+                args.drop_path,
+                args.reprob,
+            ) == (1e-3, 640, 0.05, 300, 5, 0.1, 0.25)
 
 
 SEG_CONFIGS = sorted((REPO / 'configs' / 'mmseg').glob('*.py'))
@@ -82,6 +98,7 @@ def test_mmseg_config_builds_with_a_pretrained_backbone(path):
     from mmengine.registry import DefaultScope
     from mmseg.registry import MODELS as SEG_MODELS
     from mmseg.utils import register_all_modules
+
     register_all_modules(init_default_scope=False)  # a global default scope would leak into other tests
     cfg = Config.fromfile(str(path))
     assert 'mm_plugin' in cfg.custom_imports['imports']
@@ -111,6 +128,7 @@ def test_mmdet_cascade_config_builds(path):
     from mmdet.registry import MODELS as DET_MODELS
     from mmdet.utils import register_all_modules
     from mmengine.registry import DefaultScope
+
     register_all_modules(init_default_scope=False)
     cfg = Config.fromfile(str(path))
     assert cfg.model.type == 'CascadeRCNN' and cfg.model.backbone.type == 'SwinTransformer'

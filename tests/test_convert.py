@@ -1,4 +1,5 @@
 """tokenaug-convert: converted backbones compute the source's features through the targets' own loaders."""
+
 import subprocess
 
 import pytest
@@ -8,7 +9,7 @@ from mmengine.config import ConfigDict
 from mmpretrain.registry import MODELS as PRETRAIN_MODELS
 
 import mm_plugin  # noqa: F401
-from mm_plugin.convert_cli import build_backbone, convert_checkpoint, _timm_arch
+from mm_plugin.convert_cli import _timm_arch, build_backbone, convert_checkpoint
 
 
 def _loaded(to, model, dst, final_norm=False, **model_kwargs):
@@ -23,8 +24,14 @@ def test_deit_to_mmseg_vit_same_features(tmp_path):
     torch.manual_seed(0)
     src = timm.create_model('deit_tiny_patch16_224', img_size=32, patch_size=8, num_classes=10).eval()
     torch.save({'state_dict': src.state_dict(), 'epoch': 1}, tmp_path / 'src.pth')
-    report = convert_checkpoint(tmp_path / 'src.pth', tmp_path / 'seg.pth', 'mmseg', 'deit_tiny_patch16_224',
-                                model_kwargs=dict(img_size=32, patch_size=8), final_norm=True)
+    report = convert_checkpoint(
+        tmp_path / 'src.pth',
+        tmp_path / 'seg.pth',
+        'mmseg',
+        'deit_tiny_patch16_224',
+        model_kwargs=dict(img_size=32, patch_size=8),
+        final_norm=True,
+    )
     assert report['dropped'] == ['head.bias', 'head.weight'] and report['not_in_source'] == []
     seg = _loaded('mmseg', 'deit_tiny_patch16_224', tmp_path / 'seg.pth', final_norm=True, img_size=32, patch_size=8)
     x = torch.randn(2, 3, 32, 32)
@@ -42,8 +49,9 @@ def test_swin_t_to_mmseg_and_mmdet_same_features(tmp_path, to):
     kw = dict(img_size=448)
     src = timm.create_model('swin_tiny_patch4_window7_224', num_classes=10, **kw).eval()
     torch.save({'state_dict': src.state_dict()}, tmp_path / 'src.pth')
-    report = convert_checkpoint(tmp_path / 'src.pth', tmp_path / 'dst.pth', to, 'swin_tiny_patch4_window7_224',
-                                model_kwargs=kw)
+    report = convert_checkpoint(
+        tmp_path / 'src.pth', tmp_path / 'dst.pth', to, 'swin_tiny_patch4_window7_224', model_kwargs=kw
+    )
     assert report['not_in_source'] == [f'norm{i}.{p}' for i in range(3) for p in ('bias', 'weight')]
     if to == 'mmdet':
         keys = torch.load(tmp_path / 'dst.pth', weights_only=True)['state_dict']
@@ -56,13 +64,27 @@ def test_swin_t_to_mmseg_and_mmdet_same_features(tmp_path, to):
 
 def test_mmpretrain_vit_to_mmseg(tmp_path):
     torch.manual_seed(0)
-    cls = PRETRAIN_MODELS.build(dict(type='ImageClassifier', backbone=dict(
-        type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8, out_type='featmap'), neck=None,
-        head=dict(type='LinearClsHead', num_classes=10, in_channels=192))).eval()
-    torch.save({'state_dict': cls.state_dict(), 'meta': {'epoch': 1, 'dataset_meta': {'classes': ('a', 'b')}}},
-               tmp_path / 'mmpretrain.pth')
-    convert_checkpoint(tmp_path / 'mmpretrain.pth', tmp_path / 'seg.pth', 'mmseg', 'deit_tiny_patch16_224',
-                       source='mmpretrain', model_kwargs=dict(img_size=32, patch_size=8), final_norm=True)
+    cls = PRETRAIN_MODELS.build(
+        dict(
+            type='ImageClassifier',
+            backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8, out_type='featmap'),
+            neck=None,
+            head=dict(type='LinearClsHead', num_classes=10, in_channels=192),
+        )
+    ).eval()
+    torch.save(
+        {'state_dict': cls.state_dict(), 'meta': {'epoch': 1, 'dataset_meta': {'classes': ('a', 'b')}}},
+        tmp_path / 'mmpretrain.pth',
+    )
+    convert_checkpoint(
+        tmp_path / 'mmpretrain.pth',
+        tmp_path / 'seg.pth',
+        'mmseg',
+        'deit_tiny_patch16_224',
+        source='mmpretrain',
+        model_kwargs=dict(img_size=32, patch_size=8),
+        final_norm=True,
+    )
     seg = _loaded('mmseg', 'deit_tiny_patch16_224', tmp_path / 'seg.pth', final_norm=True, img_size=32, patch_size=8)
     x = torch.randn(2, 3, 32, 32)
     assert torch.allclose(seg(x)[-1], cls.backbone(x)[-1], atol=1e-5)
@@ -75,17 +97,39 @@ def test_wrong_checkpoints_are_refused_with_the_keys_named(tmp_path, run_env):
     truncated = {k: v for k, v in sd.items() if not k.startswith('blocks.11.')}
     torch.save({'state_dict': truncated}, tmp_path / 'truncated.pth')
     with pytest.raises(ValueError, match=r"missing \['layers.11.attn.attn.in_proj_bias'"):
-        convert_checkpoint(tmp_path / 'truncated.pth', tmp_path / 'x.pth', 'mmseg', 'deit_tiny_patch16_224',
-                           model_kwargs=dict(img_size=32, patch_size=8))
+        convert_checkpoint(
+            tmp_path / 'truncated.pth',
+            tmp_path / 'x.pth',
+            'mmseg',
+            'deit_tiny_patch16_224',
+            model_kwargs=dict(img_size=32, patch_size=8),
+        )
     swin = timm.create_model('swin_tiny_patch4_window7_224', num_classes=10)
     torch.save({'state_dict': swin.state_dict()}, tmp_path / 'swin.pth')
     # a Swin checkpoint declared as a DeiT: its keys have no ViT mapping
     with pytest.raises(ValueError, match=r"keys have no mapping: \['patch_embed.norm.weight'"):
         convert_checkpoint(tmp_path / 'swin.pth', tmp_path / 'x.pth', 'mmseg', 'deit_tiny_patch16_224')
     # the CLI: exit code 2 and the reason
-    res = subprocess.run(['tokenaug-convert', '--src', str(tmp_path / 'truncated.pth'), '--dst', str(tmp_path / 'x.pth'),
-                          '--to', 'mmseg', '--model', 'deit_tiny_patch16_224', '--model-kwargs', 'img_size=32',
-                          'patch_size=8'], env=run_env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            'tokenaug-convert',
+            '--src',
+            str(tmp_path / 'truncated.pth'),
+            '--dst',
+            str(tmp_path / 'x.pth'),
+            '--to',
+            'mmseg',
+            '--model',
+            'deit_tiny_patch16_224',
+            '--model-kwargs',
+            'img_size=32',
+            'patch_size=8',
+        ],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 2 and 'does not fit a mmseg vit backbone' in res.stderr
     assert not (tmp_path / 'x.pth').exists()
 
@@ -94,9 +138,26 @@ def test_cli_report(tmp_path, run_env):
     torch.manual_seed(0)
     vit = timm.create_model('deit_tiny_patch16_224', img_size=32, patch_size=8, num_classes=10)
     torch.save({'state_dict': vit.state_dict()}, tmp_path / 'src.pth')
-    res = subprocess.run(['tokenaug-convert', '--src', str(tmp_path / 'src.pth'), '--dst', str(tmp_path / 'o.pth'),
-                          '--to', 'mmseg', '--model', 'deit_tiny_patch16_224', '--model-kwargs', 'img_size=32',
-                          'patch_size=8'], env=run_env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            'tokenaug-convert',
+            '--src',
+            str(tmp_path / 'src.pth'),
+            '--dst',
+            str(tmp_path / 'o.pth'),
+            '--to',
+            'mmseg',
+            '--model',
+            'deit_tiny_patch16_224',
+            '--model-kwargs',
+            'img_size=32',
+            'patch_size=8',
+        ],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert 'strict load and mmseg init_weights verified' in res.stdout
     assert "dropped (training-only): ['head.bias', 'head.weight', 'ln1.weight (final norm" in res.stdout
@@ -105,15 +166,29 @@ def test_cli_report(tmp_path, run_env):
 def test_mmpretrain_swin_to_mmdet_same_features(tmp_path):
     """An mmpretrain Swin checkpoint (merging already at the end of a stage) onto mmdet's Swin."""
     torch.manual_seed(0)
-    cls = PRETRAIN_MODELS.build(dict(
-        type='ImageClassifier', neck=dict(type='GlobalAveragePooling'),
-        backbone=dict(type='SwinTransformer', arch=dict(embed_dims=32, depths=[2, 2, 2, 2], num_heads=[1, 2, 4, 8]),
-                      img_size=448, drop_path_rate=0.),
-        head=dict(type='LinearClsHead', num_classes=10, in_channels=256))).eval()
+    cls = PRETRAIN_MODELS.build(
+        dict(
+            type='ImageClassifier',
+            neck=dict(type='GlobalAveragePooling'),
+            backbone=dict(
+                type='SwinTransformer',
+                arch=dict(embed_dims=32, depths=[2, 2, 2, 2], num_heads=[1, 2, 4, 8]),
+                img_size=448,
+                drop_path_rate=0.0,
+            ),
+            head=dict(type='LinearClsHead', num_classes=10, in_channels=256),
+        )
+    ).eval()
     torch.save({'state_dict': cls.state_dict(), 'meta': {'epoch': 1}}, tmp_path / 'mmpretrain.pth')
     kw = dict(img_size=448, embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8))
-    report = convert_checkpoint(tmp_path / 'mmpretrain.pth', tmp_path / 'det.pth', 'mmdet',
-                                'swin_tiny_patch4_window7_224', source='mmpretrain', model_kwargs=kw)
+    report = convert_checkpoint(
+        tmp_path / 'mmpretrain.pth',
+        tmp_path / 'det.pth',
+        'mmdet',
+        'swin_tiny_patch4_window7_224',
+        source='mmpretrain',
+        model_kwargs=kw,
+    )
     assert report['dropped'] == ['head.fc.bias', 'head.fc.weight']
     det = _loaded('mmdet', 'swin_tiny_patch4_window7_224', tmp_path / 'det.pth', **kw)
     x = torch.randn(1, 3, 448, 448)  # every stage larger than the 7x7 window: both keep the shift
@@ -121,6 +196,7 @@ def test_mmpretrain_swin_to_mmdet_same_features(tmp_path):
 
 
 # ---- LV-ViT (timm_plugin.lvvit) -> mm_plugin's mmseg LVViT --------------------------------------------
+
 
 def _lvvit_source(tmp_path, num_classes=10, img_size=64):
     """A randomly initialised lvvit_t with non-trivial stem BatchNorm statistics, saved as tokenaug-train does."""
@@ -137,9 +213,19 @@ def _lvvit_source(tmp_path, num_classes=10, img_size=64):
 
 def _seg_lvvit(dst, out_indices, img_size=64, final_norm=False):
     from mmseg.registry import MODELS as SEG_MODELS
+
     from mm_plugin.lvvit import LVViT
-    bb = SEG_MODELS.build(dict(type='LVViT', arch='t', img_size=img_size, out_indices=out_indices,
-                               final_norm=final_norm, init_cfg=dict(type='Pretrained', checkpoint=str(dst))))
+
+    bb = SEG_MODELS.build(
+        dict(
+            type='LVViT',
+            arch='t',
+            img_size=img_size,
+            out_indices=out_indices,
+            final_norm=final_norm,
+            init_cfg=dict(type='Pretrained', checkpoint=str(dst)),
+        )
+    )
     assert isinstance(bb, LVViT)
     bb.init_weights()  # the backbone's own (strict=False) loading path, as mmseg's runner calls it
     return bb.eval()
@@ -147,14 +233,28 @@ def _seg_lvvit(dst, out_indices, img_size=64, final_norm=False):
 
 def test_lvvit_to_mmseg_same_features_as_the_timm_blocks(tmp_path):
     src = _lvvit_source(tmp_path)
-    report = convert_checkpoint(tmp_path / 'src.pth', tmp_path / 'seg.pth', 'mmseg', 'lvvit_t',
-                                model_kwargs=dict(img_size=64))
+    report = convert_checkpoint(
+        tmp_path / 'src.pth', tmp_path / 'seg.pth', 'mmseg', 'lvvit_t', model_kwargs=dict(img_size=64)
+    )
     assert report['arch'] == 'lvvit' and report['not_in_source'] == []
-    assert report['dropped'] == ['aux_head.bias', 'aux_head.weight', 'head.bias', 'head.weight',
-                                 'norm.weight (final norm; the target is built with final_norm=False)',
-                                 'norm.bias (final norm; the target is built with final_norm=False)']
-    assert report['hyper_parameters']['arch'] == dict(embed_dims=240, num_layers=12, num_heads=4, mlp_ratio=3.,
-                                                      qkv_bias=False, skip_lam=2., stem_channels=64, norm_eps=1e-5)
+    assert report['dropped'] == [
+        'aux_head.bias',
+        'aux_head.weight',
+        'head.bias',
+        'head.weight',
+        'norm.weight (final norm; the target is built with final_norm=False)',
+        'norm.bias (final norm; the target is built with final_norm=False)',
+    ]
+    assert report['hyper_parameters']['arch'] == dict(
+        embed_dims=240,
+        num_layers=12,
+        num_heads=4,
+        mlp_ratio=3.0,
+        qkv_bias=False,
+        skip_lam=2.0,
+        stem_channels=64,
+        norm_eps=1e-5,
+    )
     seg = _seg_lvvit(tmp_path / 'seg.pth', out_indices=(3, 7, 11))
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
@@ -167,19 +267,22 @@ def test_lvvit_final_norm_and_other_input_sizes(tmp_path):
     """--final-norm keeps ``norm``: the last map is timm's forward_features; at 96 px both resample the
     64 px position embedding the same way (timm's dynamic_img_size vs the mmseg backbone)."""
     src = _lvvit_source(tmp_path)
-    report = convert_checkpoint(tmp_path / 'src.pth', tmp_path / 'seg.pth', 'mmseg', 'lvvit_t',
-                                model_kwargs=dict(img_size=64), final_norm=True)
+    report = convert_checkpoint(
+        tmp_path / 'src.pth', tmp_path / 'seg.pth', 'mmseg', 'lvvit_t', model_kwargs=dict(img_size=64), final_norm=True
+    )
     assert report['dropped'] == ['aux_head.bias', 'aux_head.weight', 'head.bias', 'head.weight']
     seg = _seg_lvvit(tmp_path / 'seg.pth', out_indices=-1, final_norm=True)
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
-        assert torch.allclose(seg(x)[0], src.forward_features(x)[:, 1:].transpose(1, 2).reshape(2, 240, 4, 4),
-                              atol=1e-5)
+        assert torch.allclose(
+            seg(x)[0], src.forward_features(x)[:, 1:].transpose(1, 2).reshape(2, 240, 4, 4), atol=1e-5
+        )
         dyn = timm.create_model('lvvit_t', img_size=64, num_classes=10, dynamic_img_size=True).eval()
         dyn.load_state_dict(src.state_dict())
         x = torch.randn(1, 3, 96, 80)
-        assert torch.allclose(seg(x)[0], dyn.forward_features(x)[:, 1:].transpose(1, 2).reshape(1, 240, 6, 5),
-                              atol=1e-5)
+        assert torch.allclose(
+            seg(x)[0], dyn.forward_features(x)[:, 1:].transpose(1, 2).reshape(1, 240, 6, 5), atol=1e-5
+        )
     # a 512 px segmentation backbone resamples the 64 px (4x4) position embedding at load
     big = _seg_lvvit(tmp_path / 'seg.pth', out_indices=-1, img_size=512, final_norm=True)
     assert big.pos_embed.shape == (1, 1 + 32 * 32, 240)
@@ -189,12 +292,24 @@ def test_lvvit_final_norm_and_other_input_sizes(tmp_path):
 def test_mmpretrain_timm_backbone_lvvit_to_mmseg(tmp_path):
     """An mmpretrain ImageClassifier around TIMMBackbone(lvvit_t): ``backbone.timm_model.*`` onto mmseg."""
     torch.manual_seed(0)
-    cls = PRETRAIN_MODELS.build(dict(
-        type='ImageClassifier', neck=None, head=dict(type='LinearClsHead', num_classes=10, in_channels=240),
-        backbone=dict(type='TIMMBackbone', model_name='lvvit_t', img_size=64))).eval()
+    cls = PRETRAIN_MODELS.build(
+        dict(
+            type='ImageClassifier',
+            neck=None,
+            head=dict(type='LinearClsHead', num_classes=10, in_channels=240),
+            backbone=dict(type='TIMMBackbone', model_name='lvvit_t', img_size=64),
+        )
+    ).eval()
     torch.save({'state_dict': cls.state_dict(), 'meta': {'epoch': 1}}, tmp_path / 'mmpretrain.pth')
-    report = convert_checkpoint(tmp_path / 'mmpretrain.pth', tmp_path / 'seg.pth', 'mmseg', 'lvvit_t',
-                                source='mmpretrain', model_kwargs=dict(img_size=64), final_norm=True)
+    report = convert_checkpoint(
+        tmp_path / 'mmpretrain.pth',
+        tmp_path / 'seg.pth',
+        'mmseg',
+        'lvvit_t',
+        source='mmpretrain',
+        model_kwargs=dict(img_size=64),
+        final_norm=True,
+    )
     assert report['dropped'] == ['head.fc.bias', 'head.fc.weight']
     seg = _seg_lvvit(tmp_path / 'seg.pth', out_indices=-1, final_norm=True)
     x = torch.randn(2, 3, 64, 64)
@@ -207,32 +322,55 @@ def test_wrong_lvvit_checkpoints_are_refused_with_the_keys_named(tmp_path, run_e
     torch.manual_seed(0)
     # a DeiT-S state dict declared as lvvit_s: qkv biases unexpected, blocks 12-15 and the stem missing,
     # MLP ratio 4 instead of 3
-    torch.save({'state_dict': timm.create_model('deit_small_patch16_224', num_classes=10).state_dict()},
-               tmp_path / 'deit.pth')
-    with pytest.raises(ValueError, match=r"unexpected \['blocks.0.attn.qkv.bias'.*missing \['blocks.12.attn.proj.bias'"
-                                         r".*wrong shape \[\('blocks.0.mlp.fc1.bias', \(1536,\), \(1152,\)\)"):
+    torch.save(
+        {'state_dict': timm.create_model('deit_small_patch16_224', num_classes=10).state_dict()}, tmp_path / 'deit.pth'
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"unexpected \['blocks.0.attn.qkv.bias'.*missing \['blocks.12.attn.proj.bias'"
+        r".*wrong shape \[\('blocks.0.mlp.fc1.bias', \(1536,\), \(1152,\)\)",
+    ):
         convert_checkpoint(tmp_path / 'deit.pth', tmp_path / 'x.pth', 'mmseg', 'lvvit_s')
     # truncated LV-ViTs: without the last block; without the first stem BatchNorm
     sd = timm.create_model('lvvit_t', img_size=64, num_classes=10).state_dict()
     for cut, missing in (('blocks.11.', 'blocks.11.attn.proj.bias'), ('patch_embed.bn1.', 'patch_embed.bn1.bias')):
         torch.save({'state_dict': {k: v for k, v in sd.items() if not k.startswith(cut)}}, tmp_path / 'truncated.pth')
         with pytest.raises(ValueError, match=rf"unexpected \[\], missing \['{missing}'"):
-            convert_checkpoint(tmp_path / 'truncated.pth', tmp_path / 'x.pth', 'mmseg', 'lvvit_t',
-                               model_kwargs=dict(img_size=64))
+            convert_checkpoint(
+                tmp_path / 'truncated.pth', tmp_path / 'x.pth', 'mmseg', 'lvvit_t', model_kwargs=dict(img_size=64)
+            )
     # a Swin declared as LV-ViT: its keys have no LV-ViT mapping
-    torch.save({'state_dict': timm.create_model('swin_tiny_patch4_window7_224', num_classes=10).state_dict()},
-               tmp_path / 'swin.pth')
+    torch.save(
+        {'state_dict': timm.create_model('swin_tiny_patch4_window7_224', num_classes=10).state_dict()},
+        tmp_path / 'swin.pth',
+    )
     with pytest.raises(ValueError, match=r"keys have no mapping: \['patch_embed.norm.weight'"):
         convert_checkpoint(tmp_path / 'swin.pth', tmp_path / 'x.pth', 'mmseg', 'lvvit_t')
     torch.save({'state_dict': sd}, tmp_path / 'lvvit.pth')
-    with pytest.raises(ValueError, match=r"to: LV-ViT backbones are converted for mmseg only"):
-        convert_checkpoint(tmp_path / 'lvvit.pth', tmp_path / 'x.pth', 'mmdet', 'lvvit_t',
-                           model_kwargs=dict(img_size=64))
+    with pytest.raises(ValueError, match=r'to: LV-ViT backbones are converted for mmseg only'):
+        convert_checkpoint(
+            tmp_path / 'lvvit.pth', tmp_path / 'x.pth', 'mmdet', 'lvvit_t', model_kwargs=dict(img_size=64)
+        )
     assert not (tmp_path / 'x.pth').exists()
     # the CLI: exit code 2 and the reason
-    res = subprocess.run(['tokenaug-convert', '--src', str(tmp_path / 'truncated.pth'),
-                          '--dst', str(tmp_path / 'x.pth'), '--to', 'mmseg', '--model', 'lvvit_t',
-                          '--model-kwargs', 'img_size=64'],
-                         env=run_env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            'tokenaug-convert',
+            '--src',
+            str(tmp_path / 'truncated.pth'),
+            '--dst',
+            str(tmp_path / 'x.pth'),
+            '--to',
+            'mmseg',
+            '--model',
+            'lvvit_t',
+            '--model-kwargs',
+            'img_size=64',
+        ],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 2 and 'does not fit a mmseg lvvit backbone' in res.stderr
     assert not (tmp_path / 'x.pth').exists()

@@ -1,13 +1,14 @@
 """Token labeling targets from top-k maps: orientation against an explicit reference, sums, ReLabel."""
+
 import math
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from shared_core.label_maps import (check_map_row, crop_box, crop_targets, dense_maps, token_targets,
-                                    token_targets_batch)
+from shared_core.label_maps import check_map_row, crop_box, crop_targets, dense_maps, token_targets, token_targets_batch
 
 
 def reference_dense(values, indices, C):
@@ -17,8 +18,8 @@ def reference_dense(values, indices, C):
     for i in range(h):
         for j in range(w):
             v = values[:, i, j].astype(np.float64)
-            rest = max(0., 1. - v.sum())
-            out[:, i, j] = rest / (C - k) if C > k else 0.
+            rest = max(0.0, 1.0 - v.sum())
+            out[:, i, j] = rest / (C - k) if C > k else 0.0
             for kk in range(k):
                 out[indices[kk, i, j], i, j] = v[kk]
             out[:, i, j] /= out[:, i, j].sum()
@@ -30,8 +31,8 @@ def sample_count(lo, hi, cells, out):
     scaled, shifted by -0.5, subtracted): the count is a ceil, so float64 would differ where a span sits on
     an integer."""
     f = np.float32
-    start = f(f(lo) * f(cells)) - f(.5)
-    end = f(f(hi) * f(cells)) - f(.5)
+    start = f(f(lo) * f(cells)) - f(0.5)
+    end = f(f(hi) * f(cells)) - f(0.5)
     return int(np.ceil(f(end - start) / f(out)))
 
 
@@ -47,12 +48,16 @@ def reference_targets(values, indices, C, box, flip, grid):
     ny, nx = sample_count(box[1], box[3], h, gh), sample_count(box[0], box[2], w, gw)
 
     def bilinear(y, x):
-        y, x = min(max(y, 0.), h - 1.), min(max(x, 0.), w - 1.)
+        y, x = min(max(y, 0.0), h - 1.0), min(max(x, 0.0), w - 1.0)
         yl, xl = int(math.floor(y)), int(math.floor(x))
         yh, xh = min(yl + 1, h - 1), min(xl + 1, w - 1)
         ly, lx = y - yl, x - xl
-        return ((1 - ly) * (1 - lx) * dense[:, yl, xl] + (1 - ly) * lx * dense[:, yl, xh]
-                + ly * (1 - lx) * dense[:, yh, xl] + ly * lx * dense[:, yh, xh])
+        return (
+            (1 - ly) * (1 - lx) * dense[:, yl, xl]
+            + (1 - ly) * lx * dense[:, yl, xh]
+            + ly * (1 - lx) * dense[:, yh, xl]
+            + ly * lx * dense[:, yh, xh]
+        )
 
     out = np.zeros((C, gh, gw))
     for a in range(gh):
@@ -60,9 +65,9 @@ def reference_targets(values, indices, C, box, flip, grid):
             acc = np.zeros(C)
             for sy in range(ny):
                 for sx in range(nx):
-                    yc = y0 + a * bh + (sy + .5) * bh / ny  # continuous, cell centres at +0.5
-                    xc = x0 + b * bw + (sx + .5) * bw / nx
-                    acc += bilinear(yc - .5, xc - .5)
+                    yc = y0 + a * bh + (sy + 0.5) * bh / ny  # continuous, cell centres at +0.5
+                    xc = x0 + b * bw + (sx + 0.5) * bw / nx
+                    acc += bilinear(yc - 0.5, xc - 0.5)
             out[:, a, b] = acc / (ny * nx)
     return out[:, :, ::-1] if flip else out
 
@@ -70,9 +75,9 @@ def reference_targets(values, indices, C, box, flip, grid):
 def quadrant_map(h=8, w=8, k=2, C=6):
     """Top-left class 0, top-right 1, bottom-left 2, bottom-right 3 (prob 0.9), class 4 second (0.05)."""
     idx = np.zeros((k, h, w), np.uint16)
-    idx[0, :h // 2, w // 2:] = 1
-    idx[0, h // 2:, :w // 2] = 2
-    idx[0, h // 2:, w // 2:] = 3
+    idx[0, : h // 2, w // 2 :] = 1
+    idx[0, h // 2 :, : w // 2] = 2
+    idx[0, h // 2 :, w // 2 :] = 3
     idx[1] = 4
     val = np.zeros((k, h, w), np.float16)
     val[0], val[1] = 0.9, 0.05
@@ -80,9 +85,12 @@ def quadrant_map(h=8, w=8, k=2, C=6):
 
 
 QUADRANTS = {  # crop box -> the class every token must read
-    'top-left': ((0., 0., .5, .5), 0), 'top-right': ((.5, 0., 1., .5), 1),
-    'bottom-left': ((0., .5, .5, 1.), 2), 'bottom-right': ((.5, .5, 1., 1.), 3),
-    'top-right inner': ((.6, .1, .9, .4), 1), 'bottom-left inner': ((.1, .6, .4, .9), 2),
+    'top-left': ((0.0, 0.0, 0.5, 0.5), 0),
+    'top-right': ((0.5, 0.0, 1.0, 0.5), 1),
+    'bottom-left': ((0.0, 0.5, 0.5, 1.0), 2),
+    'bottom-right': ((0.5, 0.5, 1.0, 1.0), 3),
+    'top-right inner': ((0.6, 0.1, 0.9, 0.4), 1),
+    'bottom-left inner': ((0.1, 0.6, 0.4, 0.9), 2),
 }
 
 
@@ -100,27 +108,37 @@ def test_a_crop_of_a_quadrant_reads_that_quadrants_labels(name, flip):
 @pytest.mark.parametrize('flip', [False, True])
 def test_a_crop_straddling_the_centre_keeps_orientation(flip):
     val, idx, C = quadrant_map()
-    t = token_targets(val, idx, C, (.25, .25, .75, .75), flip, (2, 2))
+    t = token_targets(val, idx, C, (0.25, 0.25, 0.75, 0.75), flip, (2, 2))
     expect = np.array([[0, 1], [2, 3]])
     if flip:
         expect = expect[:, ::-1]
     assert (t.argmax(0).numpy() == expect).all()
-    np.testing.assert_allclose(t.numpy(), reference_targets(val, idx, C, (.25, .25, .75, .75), flip, (2, 2)),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        t.numpy(), reference_targets(val, idx, C, (0.25, 0.25, 0.75, 0.75), flip, (2, 2)), atol=1e-5
+    )
 
 
 def test_transposed_box_order_would_read_mirrored_labels():
     """The public code's (y1, x1, y2, x2): a top-right crop would read the bottom-left quadrant."""
     val, idx, C = quadrant_map()
-    right = token_targets(val, idx, C, (.5, 0., 1., .5), False, (2, 2))
-    wrong = token_targets(val, idx, C, (0., .5, .5, 1.), False, (2, 2))
+    right = token_targets(val, idx, C, (0.5, 0.0, 1.0, 0.5), False, (2, 2))
+    wrong = token_targets(val, idx, C, (0.0, 0.5, 0.5, 1.0), False, (2, 2))
     assert (right.argmax(0) == 1).all() and (wrong.argmax(0) == 2).all()
 
 
 @settings(max_examples=40, deadline=None)
-@given(x0=st.floats(0, .8), y0=st.floats(0, .8), w=st.floats(.1, 1.), h=st.floats(.1, 1.), flip=st.booleans(),
-       gh=st.integers(1, 7), gw=st.integers(1, 7), seed=st.integers(0, 2 ** 16), k=st.integers(1, 4),
-       smoothing=st.sampled_from([0., .1]))
+@given(
+    x0=st.floats(0, 0.8),
+    y0=st.floats(0, 0.8),
+    w=st.floats(0.1, 1.0),
+    h=st.floats(0.1, 1.0),
+    flip=st.booleans(),
+    gh=st.integers(1, 7),
+    gw=st.integers(1, 7),
+    seed=st.integers(0, 2**16),
+    k=st.integers(1, 4),
+    smoothing=st.sampled_from([0.0, 0.1]),
+)
 def test_targets_match_the_reference_and_sum_to_one(x0, y0, w, h, flip, gh, gw, seed, k, smoothing):
     rng = np.random.default_rng(seed)
     C, mh, mw = 7, 5, 6
@@ -128,19 +146,19 @@ def test_targets_match_the_reference_and_sum_to_one(x0, y0, w, h, flip, gh, gw, 
     p = np.exp(logits) / np.exp(logits).sum(0)
     order = np.argsort(-p, 0)[:k]
     val = np.take_along_axis(p, order, 0).astype(np.float16)
-    box = (x0, y0, min(1., x0 + w), min(1., y0 + h))
+    box = (x0, y0, min(1.0, x0 + w), min(1.0, y0 + h))
     t = token_targets(val, order.astype(np.uint16), C, box, flip, (gh, gw), smoothing=smoothing)
     ref = reference_targets(val, order, C, box, flip, (gh, gw)) * (1 - smoothing) + smoothing / C
     np.testing.assert_allclose(t.numpy(), ref, atol=1e-5)
     assert (t >= 0).all()
-    np.testing.assert_allclose(t.sum(0).numpy(), 1., atol=1e-5)
+    np.testing.assert_allclose(t.sum(0).numpy(), 1.0, atol=1e-5)
 
 
 def test_dense_maps_spreads_the_rest_uniformly():
-    val = np.array([[[.5]], [[.3]]], np.float16)
+    val = np.array([[[0.5]], [[0.3]]], np.float16)
     idx = np.array([[[2]], [[0]]], np.uint16)
     d = dense_maps(torch.from_numpy(val)[None], torch.from_numpy(idx.astype(np.int64))[None], 5)[0, :, 0, 0]
-    np.testing.assert_allclose(d.numpy(), [.3, .2 / 3, .5, .2 / 3, .2 / 3], atol=1e-3)
+    np.testing.assert_allclose(d.numpy(), [0.3, 0.2 / 3, 0.5, 0.2 / 3, 0.2 / 3], atol=1e-3)
 
 
 def test_batch_equals_one_image_at_a_time_and_relabel_is_the_crop_mean():
@@ -150,14 +168,14 @@ def test_batch_equals_one_image_at_a_time_and_relabel_is_the_crop_mean():
     idx = torch.from_numpy(rng.integers(0, C, (B, k, 4, 4)))
     idx[:, 1] = (idx[:, 0] + 1) % C
     idx[:, 2] = (idx[:, 0] + 2) % C
-    boxes = torch.tensor([[0, 0, 1, 1], [.2, .1, .7, .9], [.5, .5, 1, 1]], dtype=torch.float32)
+    boxes = torch.tensor([[0, 0, 1, 1], [0.2, 0.1, 0.7, 0.9], [0.5, 0.5, 1, 1]], dtype=torch.float32)
     flips = torch.tensor([True, False, True])
     batch = token_targets_batch(val, idx, C, boxes, flips, (3, 2))
     for b in range(B):
         one = token_targets(val[b], idx[b], C, boxes[b], bool(flips[b]), (3, 2))
         torch.testing.assert_close(batch[b], one)
     # the whole image pooled = the mean of the cells' distributions
-    full = crop_targets(val, idx, C, torch.tensor([[0., 0., 1., 1.]] * B))
+    full = crop_targets(val, idx, C, torch.tensor([[0.0, 0.0, 1.0, 1.0]] * B))
     torch.testing.assert_close(full, dense_maps(val, idx, C).mean((2, 3)), atol=1e-6, rtol=0)
 
 
@@ -166,13 +184,13 @@ def test_bad_rows_and_boxes_are_refused():
     with pytest.raises(ValueError, match='class indices'):
         check_map_row(val, idx, 3)
     bad = val.copy()
-    bad[0, 0, 0] = 2.
+    bad[0, 0, 0] = 2.0
     with pytest.raises(ValueError, match='probabilities'):
         check_map_row(bad, idx, C)
     with pytest.raises(ValueError, match='same shape|one shape'):
         check_map_row(val[:1], idx, C)
     with pytest.raises(ValueError, match='x0 < x1'):
-        token_targets(val, idx, C, (.5, 0., .5, 1.), False, (2, 2))
+        token_targets(val, idx, C, (0.5, 0.0, 0.5, 1.0), False, (2, 2))
 
 
 def test_crop_box_is_normalised_x0_y0_x1_y1():
@@ -186,15 +204,16 @@ def test_top_k_over_all_classes_is_renormalised_exactly():
     order = np.argsort(-p, -1)
     val = np.take_along_axis(p, order, -1).astype(np.float16).transpose(2, 0, 1)
     t = token_targets(val, order.transpose(2, 0, 1), 4, (0.1, 0.2, 0.9, 0.7), True, (5, 3))
-    np.testing.assert_allclose(t.sum(0).numpy(), 1., atol=1e-6)
-    np.testing.assert_allclose(t.numpy(), reference_targets(val, order.transpose(2, 0, 1), 4, (0.1, 0.2, 0.9, 0.7),
-                                                            True, (5, 3)), atol=1e-5)
+    np.testing.assert_allclose(t.sum(0).numpy(), 1.0, atol=1e-6)
+    np.testing.assert_allclose(
+        t.numpy(), reference_targets(val, order.transpose(2, 0, 1), 4, (0.1, 0.2, 0.9, 0.7), True, (5, 3)), atol=1e-5
+    )
 
 
 def test_crops_outside_the_image_and_repeated_classes_are_refused():
     val, idx, C = quadrant_map()
     with pytest.raises(ValueError, match=r'inside the image'):
-        token_targets(val, idx, C, (-.2, 0., .5, 1.), False, (2, 2))
+        token_targets(val, idx, C, (-0.2, 0.0, 0.5, 1.0), False, (2, 2))
     dup = idx.copy()
     dup[1] = dup[0]
     with pytest.raises(ValueError, match='same class twice'):

@@ -1,4 +1,5 @@
 """LV-ViT as timm models (timm_plugin.lvvit) and through mmpretrain's TIMMBackbone."""
+
 import subprocess
 import sys
 
@@ -23,12 +24,15 @@ def _randomise_bn(model):
 
 
 # paper Table 1: #Params with the 1000-class heads (both counted)
-@pytest.mark.parametrize('name, depth, dim, heads, img, stem, params, digits', [
-    ('lvvit_t', 12, 240, 4, 224, 64, 8.5, 1),
-    ('lvvit_s', 16, 384, 6, 224, 64, 26, 0),
-    ('lvvit_m', 20, 512, 8, 224, 64, 56, 0),
-    ('lvvit_l', 24, 768, 12, 288, 128, 150, 0),
-])
+@pytest.mark.parametrize(
+    'name, depth, dim, heads, img, stem, params, digits',
+    [
+        ('lvvit_t', 12, 240, 4, 224, 64, 8.5, 1),
+        ('lvvit_s', 16, 384, 6, 224, 64, 26, 0),
+        ('lvvit_m', 20, 512, 8, 224, 64, 56, 0),
+        ('lvvit_l', 24, 768, 12, 288, 128, 150, 0),
+    ],
+)
 def test_sizes_and_parameter_counts_match_table_1(name, depth, dim, heads, img, stem, params, digits):
     model = timm.create_model(name, num_classes=1000, device='meta')  # shapes only: no memory, no init time
     assert isinstance(model, LVViT) and model.aux_head.weight.device.type == 'meta'
@@ -47,10 +51,16 @@ def test_conv_patch_embedding_layout_and_token_grid():
     model = timm.create_model('lvvit_s', num_classes=10)
     pe = model.patch_embed
     assert isinstance(pe, ConvPatchEmbed)
-    keys = sorted(k[len('patch_embed.'):] for k in model.state_dict() if k.startswith('patch_embed.'))
-    assert keys == sorted([f'{c}.weight' for c in ('conv1', 'conv2', 'conv3')] + ['proj.weight', 'proj.bias'] + [
-        f'bn{i}.{p}' for i in (1, 2, 3) for p in ('weight', 'bias', 'running_mean', 'running_var',
-                                                   'num_batches_tracked')])
+    keys = sorted(k[len('patch_embed.') :] for k in model.state_dict() if k.startswith('patch_embed.'))
+    assert keys == sorted(
+        [f'{c}.weight' for c in ('conv1', 'conv2', 'conv3')]
+        + ['proj.weight', 'proj.bias']
+        + [
+            f'bn{i}.{p}'
+            for i in (1, 2, 3)
+            for p in ('weight', 'bias', 'running_mean', 'running_var', 'num_batches_tracked')
+        ]
+    )
     # supplement Table 3 row [7,3,3,8] / [2,1,1,8]
     convs = [pe.conv1, pe.conv2, pe.conv3, pe.proj]
     assert [c.kernel_size for c in convs] == [(7, 7), (3, 3), (3, 3), (8, 8)]
@@ -69,7 +79,7 @@ def test_conv_patch_embedding_layout_and_token_grid():
 def test_enhanced_residual_against_an_explicit_block():
     """Supplement Table 4: x <- x + SA(LN(x)) / 2, then x <- x + FF(LN(x)) / 2, recomputed by hand."""
     torch.manual_seed(0)
-    blk = LVBlock(dim=48, num_heads=4, mlp_ratio=3., qkv_bias=False, skip_lam=2.).eval()
+    blk = LVBlock(dim=48, num_heads=4, mlp_ratio=3.0, qkv_bias=False, skip_lam=2.0).eval()
     for p in blk.parameters():  # non-trivial norms and biases
         p.data.add_(0.1 * torch.randn_like(p))
     x = torch.randn(2, 10, 48)
@@ -84,12 +94,12 @@ def test_enhanced_residual_against_an_explicit_block():
     expected = y + ff / 2
     assert torch.allclose(blk(x), expected, atol=1e-5)
     # skip_lam=1 is timm's Block
-    plain = Block(dim=48, num_heads=4, mlp_ratio=3., qkv_bias=False).eval()
+    plain = Block(dim=48, num_heads=4, mlp_ratio=3.0, qkv_bias=False).eval()
     plain.load_state_dict(blk.state_dict())
-    blk.skip_lam = 1.
+    blk.skip_lam = 1.0
     assert torch.allclose(blk(x), plain(x), atol=1e-6)
     with pytest.raises(ValueError, match='skip_lam'):
-        LVBlock(dim=48, num_heads=4, skip_lam=0.)
+        LVBlock(dim=48, num_heads=4, skip_lam=0.0)
 
 
 def test_head_rule_cls_plus_aux_and_cls_only():
@@ -161,14 +171,14 @@ def test_image_sizes_as_timm_vit():
     assert [f.shape for f in feats] == [(1, 240, 14, 14)] * 2
 
 
-_TIMM_BACKBONE_CONFIG = '''
+_TIMM_BACKBONE_CONFIG = """
 custom_imports = dict(imports=['timm_plugin'], allow_failed_imports=False)
 model = dict(type='ImageClassifier',
              backbone=dict(type='TIMMBackbone', model_name='lvvit_t', img_size=64, num_classes=10,
                            checkpoint_path={ckpt!r}),
              neck=None, head=dict(type='LinearClsHead', num_classes=10, in_channels=240))
-'''
-_TIMM_BACKBONE_SCRIPT = '''
+"""
+_TIMM_BACKBONE_SCRIPT = """
 import sys, torch
 from mmengine.config import Config
 from mmengine.registry import DefaultScope
@@ -177,7 +187,7 @@ from mmpretrain.registry import MODELS
 with DefaultScope.overwrite_default_scope('mmpretrain'):
     model = MODELS.build(cfg.model).eval()
 torch.save(model.backbone(torch.load(sys.argv[2], weights_only=True))[0], sys.argv[3])
-'''
+"""
 
 
 def test_mmpretrain_timm_backbone_builds_lvvit_from_custom_imports(tmp_path, run_env):
@@ -192,9 +202,21 @@ def test_mmpretrain_timm_backbone_builds_lvvit_from_custom_imports(tmp_path, run
     (tmp_path / 'cfg.py').write_text(_TIMM_BACKBONE_CONFIG.format(ckpt=str(tmp_path / 'cls.pth')))
     x = torch.randn(2, 3, 64, 64)
     torch.save(x, tmp_path / 'x.pth')
-    res = subprocess.run([sys.executable, '-c', _TIMM_BACKBONE_SCRIPT, str(tmp_path / 'cfg.py'),
-                          str(tmp_path / 'x.pth'), str(tmp_path / 'out.pth')],
-                         env=run_env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    res = subprocess.run(
+        [
+            sys.executable,
+            '-c',
+            _TIMM_BACKBONE_SCRIPT,
+            str(tmp_path / 'cfg.py'),
+            str(tmp_path / 'x.pth'),
+            str(tmp_path / 'out.pth'),
+        ],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     with torch.no_grad():
         assert torch.allclose(torch.load(tmp_path / 'out.pth', weights_only=True), src.forward_features(x), atol=1e-5)
@@ -206,12 +228,18 @@ def test_mmpretrain_timm_backbone_features_only_trains_a_classifier():
     from mmengine.registry import DefaultScope
     from mmpretrain.registry import MODELS
     from mmpretrain.structures import DataSample
+
     with DefaultScope.overwrite_default_scope('mmpretrain'):
-        model = MODELS.build(dict(
-            type='ImageClassifier', neck=dict(type='GlobalAveragePooling'),
-            backbone=dict(type='TIMMBackbone', model_name='lvvit_t', img_size=64, features_only=True,
-                          out_indices=(11,)),
-            head=dict(type='LinearClsHead', num_classes=10, in_channels=240)))
+        model = MODELS.build(
+            dict(
+                type='ImageClassifier',
+                neck=dict(type='GlobalAveragePooling'),
+                backbone=dict(
+                    type='TIMMBackbone', model_name='lvvit_t', img_size=64, features_only=True, out_indices=(11,)
+                ),
+                head=dict(type='LinearClsHead', num_classes=10, in_channels=240),
+            )
+        )
     x = torch.randn(2, 3, 64, 64)
     assert [f.shape for f in model.backbone(x)] == [(2, 240, 4, 4)]
     loss = model(x, [DataSample().set_gt_label(1), DataSample().set_gt_label(3)], mode='loss')['loss']

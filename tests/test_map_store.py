@@ -1,4 +1,5 @@
 """Tests for shared_core.map_store: the on-disk dense label-map store (format, writer, reader, merge)."""
+
 from __future__ import annotations
 
 import json
@@ -7,11 +8,18 @@ import pickle
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shared_core import map_store as M
-from shared_core.map_store import (IncompleteStoreError, LabelMapError, LabelMapStore, MapWriter,
-                                   MissingLabelMapError, normalize_path)
+from shared_core.map_store import (
+    IncompleteStoreError,
+    LabelMapError,
+    LabelMapStore,
+    MapWriter,
+    MissingLabelMapError,
+    normalize_path,
+)
 
 PATHS = [f'{c:02d}_class/{i:06d}.jpg' for c in range(3) for i in range(4)]  # 12 images
 
@@ -21,14 +29,18 @@ def _random_rows(n, k=5, grid=(3, 4), num_classes=1000, seed=0):
     rng = np.random.default_rng(seed)
     v = np.sort(rng.dirichlet(np.ones(k + 2), size=(n, *grid))[..., :k], axis=-1)[..., ::-1]
     values = np.ascontiguousarray(np.moveaxis(v, -1, 1)).astype(np.float16)
-    idx = np.argsort(rng.random((n, *grid, num_classes)), axis=-1)[..., :k] if num_classes <= 2000 else \
-        rng.choice(num_classes, size=(n, *grid, k), replace=True)
+    idx = (
+        np.argsort(rng.random((n, *grid, num_classes)), axis=-1)[..., :k]
+        if num_classes <= 2000
+        else rng.choice(num_classes, size=(n, *grid, k), replace=True)
+    )
     return values, np.ascontiguousarray(np.moveaxis(idx, -1, 1))
 
 
 def _create(path, paths=PATHS, num_classes=1000, k=5, grid=(3, 4), **kw):
-    return MapWriter.create(path, paths, num_classes=num_classes, k=k, grid=grid, annotator='resnet18',
-                            input_size=(96, 128), **kw)
+    return MapWriter.create(
+        path, paths, num_classes=num_classes, k=k, grid=grid, annotator='resnet18', input_size=(96, 128), **kw
+    )
 
 
 def _full_store(path, paths=PATHS, num_classes=1000, k=5, grid=(3, 4)):
@@ -190,15 +202,18 @@ def test_create_refuses_existing_store_duplicates_and_newlines(tmp_path):
         _create(tmp_path / 'k', num_classes=3, k=5)
 
 
-@pytest.mark.parametrize('corrupt, match', [
-    ('format', "format is 'other', expected 'tokenaug-label-maps'"),
-    ('version', 'version 7 is not supported'),
-    ('shape', r'values.npy has shape \(12, 5, 3, 3\) dtype float16, expected \(12, 5, 3, 4\) float16'),
-    ('dtype', r'indices.npy has shape .* dtype int64, expected .* uint16'),
-    ('count', 'paths.txt: 11 paths, expected num_images=12'),
-    ('duplicate', "duplicate image path '00_class/000000.jpg' at rows 0 and 1"),
-    ('missing', 'indices.npy is missing'),
-])
+@pytest.mark.parametrize(
+    'corrupt, match',
+    [
+        ('format', "format is 'other', expected 'tokenaug-label-maps'"),
+        ('version', 'version 7 is not supported'),
+        ('shape', r'values.npy has shape \(12, 5, 3, 3\) dtype float16, expected \(12, 5, 3, 4\) float16'),
+        ('dtype', r'indices.npy has shape .* dtype int64, expected .* uint16'),
+        ('count', 'paths.txt: 11 paths, expected num_images=12'),
+        ('duplicate', "duplicate image path '00_class/000000.jpg' at rows 0 and 1"),
+        ('missing', 'indices.npy is missing'),
+    ],
+)
 def test_open_validates(tmp_path, corrupt, match):
     root = tmp_path / 's'
     _full_store(root)
@@ -247,10 +262,17 @@ def test_paths_with_odd_characters_round_trip(tmp_path):
 
 # ------------------------------------------------------------------------------------------- merge
 def _shard(root, paths, start, index, num_shards, total, values, indices):
-    extra = {'shard': {'index': index, 'num_shards': num_shards, 'row_start': start,
-                       'row_stop': start + len(paths), 'num_images_total': total}}
+    extra = {
+        'shard': {
+            'index': index,
+            'num_shards': num_shards,
+            'row_start': start,
+            'row_stop': start + len(paths),
+            'num_images_total': total,
+        }
+    }
     with _create(root, paths=paths, extra_meta=extra) as w:
-        w.write(np.arange(len(paths)), values[start:start + len(paths)], indices[start:start + len(paths)])
+        w.write(np.arange(len(paths)), values[start : start + len(paths)], indices[start : start + len(paths)])
         w.finalize()
 
 
@@ -280,8 +302,16 @@ def test_merge_refuses_gaps_overlaps_and_incompatible_shards(tmp_path):
     with pytest.raises(LabelMapError, match="duplicate image path '00_class/000000.jpg' at rows 0 and 12"):
         M.merge_stores([tmp_path / 'a13', tmp_path / 'dup'], tmp_path / 'out2')
     extra = {'shard': {'index': 1, 'num_shards': 2, 'row_start': 6, 'row_stop': 12, 'num_images_total': 12}}
-    with MapWriter.create(tmp_path / 'other', PATHS[6:], num_classes=1000, k=5, grid=(3, 4), annotator='resnet50',
-                          input_size=(96, 128), extra_meta=extra) as w:
+    with MapWriter.create(
+        tmp_path / 'other',
+        PATHS[6:],
+        num_classes=1000,
+        k=5,
+        grid=(3, 4),
+        annotator='resnet50',
+        input_size=(96, 128),
+        extra_meta=extra,
+    ) as w:
         w.write(np.arange(6), values[6:], indices[6:])
         w.finalize()
     with pytest.raises(LabelMapError, match="annotator: 'resnet18' != 'resnet50'"):
@@ -290,16 +320,23 @@ def test_merge_refuses_gaps_overlaps_and_incompatible_shards(tmp_path):
 
 # -------------------------------------------------------------------------------------- properties
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 6), k=st.integers(1, 4), h=st.integers(1, 4), w=st.integers(1, 4),
-       num_classes=st.sampled_from([4, 1000, 65536, 65537, 200_000]), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 6),
+    k=st.integers(1, 4),
+    h=st.integers(1, 4),
+    w=st.integers(1, 4),
+    num_classes=st.sampled_from([4, 1000, 65536, 65537, 200_000]),
+    seed=st.integers(0, 2**16),
+)
 def test_round_trip_is_bit_exact(tmp_path_factory, n, k, h, w, num_classes, seed):
     rng = np.random.default_rng(seed)
     values = rng.random((n, k, h, w)).astype(np.float16)
     indices = rng.integers(0, num_classes, (n, k, h, w))
     root = tmp_path_factory.mktemp('prop') / 's'
     paths = [f'x/{i}.png' for i in range(n)]
-    with MapWriter.create(root, paths, num_classes=num_classes, k=k, grid=(h, w), annotator='m',
-                          input_size=(32, 32)) as wr:
+    with MapWriter.create(
+        root, paths, num_classes=num_classes, k=k, grid=(h, w), annotator='m', input_size=(32, 32)
+    ) as wr:
         order = rng.permutation(n)
         wr.write(order, values[order], indices[order])
         wr.finalize()

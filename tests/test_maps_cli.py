@@ -1,5 +1,6 @@
-"""Tests for timm_plugin.annotator and timm_plugin.tools.maps_cli (``tokenaug-maps``): dense annotation with real timm models, generation on the
-synthetic world, resume after a killed run, sharding + merge, torchrun, info."""
+"""Tests for timm_plugin.annotator and timm_plugin.tools.maps_cli (``tokenaug-maps``): dense annotation with real
+timm models, generation on the synthetic world, resume after a killed run, sharding + merge, torchrun, info."""
+
 from __future__ import annotations
 
 import shutil
@@ -13,7 +14,8 @@ import numpy as np
 import pytest
 import timm
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from shared_core.map_store import LabelMapError, LabelMapStore, store_status
@@ -35,15 +37,32 @@ def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     model = timm.create_model('resnet18', num_classes=10)
     path = tmp_path_factory.mktemp('ckpt') / 'resnet18.pth'
-    torch.save({'epoch': 3, 'arch': 'resnet18', 'args': {'model': 'resnet18'}, 'state_dict': model.state_dict()},
-               path)
+    torch.save({'epoch': 3, 'arch': 'resnet18', 'args': {'model': 'resnet18'}, 'state_dict': model.state_dict()}, path)
     return path
 
 
 def _argv(data_dir, checkpoint, out, *extra):
-    return ['generate', '--data-dir', str(data_dir), '--model', 'resnet18', '--checkpoint', str(checkpoint),
-            '--out', str(out), '--input-size', str(INPUT), '-b', str(BATCH), '-j', '0', '--device', 'cpu',
-            '--no-progress', *map(str, extra)]
+    return [
+        'generate',
+        '--data-dir',
+        str(data_dir),
+        '--model',
+        'resnet18',
+        '--checkpoint',
+        str(checkpoint),
+        '--out',
+        str(out),
+        '--input-size',
+        str(INPUT),
+        '-b',
+        str(BATCH),
+        '-j',
+        '0',
+        '--device',
+        'cpu',
+        '--no-progress',
+        *map(str, extra),
+    ]
 
 
 def _generate(argv, on_batch=None):
@@ -97,7 +116,7 @@ def test_vit_per_token_head_is_head_of_fc_norm():
     model = timm.create_model('vit_tiny_patch16_224', img_size=48, num_classes=6, global_pool='avg').eval()
     x = torch.randn(2, 3, 48, 48)
     with torch.inference_mode():
-        tokens = model.forward_features(x)[:, model.num_prefix_tokens:]  # (2, 9, 192)
+        tokens = model.forward_features(x)[:, model.num_prefix_tokens :]  # (2, 9, 192)
         dense = annotator.dense_logits(model, x)
         assert dense.shape == (2, 3, 3, 6)
         expect = model.head(model.fc_norm(tokens)).reshape(2, 3, 3, 6)  # row-major token order
@@ -106,8 +125,9 @@ def test_vit_per_token_head_is_head_of_fc_norm():
 
 def test_vit_single_token_dense_equals_model_logits():
     torch.manual_seed(0)
-    model = timm.create_model('vit_tiny_patch16_224', img_size=16, num_classes=4, class_token=False,
-                              global_pool='avg').eval()
+    model = timm.create_model(
+        'vit_tiny_patch16_224', img_size=16, num_classes=4, class_token=False, global_pool='avg'
+    ).eval()
     x = torch.randn(3, 3, 16, 16)
     with torch.inference_mode():
         torch.testing.assert_close(annotator.dense_logits(model, x)[:, 0, 0], model(x), rtol=0, atol=1e-6)
@@ -115,8 +135,15 @@ def test_vit_single_token_dense_equals_model_logits():
 
 def test_swin_nhwc_features_use_forward_head():
     torch.manual_seed(0)
-    model = timm.create_model('swin_tiny_patch4_window7_224', img_size=64, window_size=2, embed_dim=24,
-                              depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), num_classes=5).eval()
+    model = timm.create_model(
+        'swin_tiny_patch4_window7_224',
+        img_size=64,
+        window_size=2,
+        embed_dim=24,
+        depths=(1, 1, 1, 1),
+        num_heads=(1, 1, 1, 1),
+        num_classes=5,
+    ).eval()
     x = torch.randn(2, 3, 64, 64)
     with torch.inference_mode():
         feats = model.forward_features(x)  # NHWC (2, 2, 2, 192)
@@ -124,8 +151,15 @@ def test_swin_nhwc_features_use_forward_head():
         assert dense.shape == (2, 2, 2, 5)
         torch.testing.assert_close(dense, model.head.fc(feats), rtol=0, atol=1e-5)
         small = torch.randn(2, 3, 32, 32)  # 1x1 final map: dense == the model's logits
-        model32 = timm.create_model('swin_tiny_patch4_window7_224', img_size=32, window_size=1, embed_dim=24,
-                                    depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), num_classes=5).eval()
+        model32 = timm.create_model(
+            'swin_tiny_patch4_window7_224',
+            img_size=32,
+            window_size=1,
+            embed_dim=24,
+            depths=(1, 1, 1, 1),
+            num_heads=(1, 1, 1, 1),
+            num_classes=5,
+        ).eval()
         torch.testing.assert_close(annotator.dense_logits(model32, small)[:, 0, 0], model32(small), rtol=0, atol=1e-5)
 
 
@@ -142,11 +176,12 @@ def test_aux_head_is_used_per_token_when_present():
 
 def test_lvvit_annotates_with_its_aux_head():
     import timm_plugin.lvvit  # noqa: F401  (registers lvvit_*)
+
     torch.manual_seed(0)
     model = annotator.create_annotator('lvvit_t', num_classes=5, model_kwargs={'img_size': 32, 'depth': 1}).eval()
     x = torch.randn(1, 3, 32, 32)
     with torch.inference_mode():
-        tokens = model.forward_features(x)[:, model.num_prefix_tokens:]
+        tokens = model.forward_features(x)[:, model.num_prefix_tokens :]
         dense = annotator.dense_logits(model, x)
         torch.testing.assert_close(dense.reshape(1, -1, 5), model.aux_head(tokens))
 
@@ -169,7 +204,7 @@ def test_annotations_are_sorted_probabilities(seed, k, scale):
     assert values.dtype == torch.float16 and indices.dtype == torch.int64 and v.shape == (2, k, 2, 2)
     assert (v >= 0).all() and (v <= 1).all()
     assert (v[:, :-1] >= v[:, 1:]).all()  # descending
-    assert (v.sum(1) <= 1 + k * 2 ** -11).all()  # fp16 rounding of k values
+    assert (v.sum(1) <= 1 + k * 2**-11).all()  # fp16 rounding of k values
     assert ((indices >= 0) & (indices < 10)).all()
     assert (indices.sort(1).values.diff(dim=1) > 0).all()  # distinct classes per cell
 
@@ -198,8 +233,7 @@ def test_generate_writes_the_annotation_of_each_image(reference, data_dir, check
     # rows 4..7 are one batch of the run: annotate them the same way here
     model = annotator.create_annotator('resnet18', checkpoint=str(checkpoint))
     transform, _ = annotator.eval_transform(model, (INPUT, INPUT))
-    imgs = torch.stack([transform(Image.open(data_dir / 'train' / store.paths[r]).convert('RGB'))
-                        for r in range(4, 8)])
+    imgs = torch.stack([transform(Image.open(data_dir / 'train' / store.paths[r]).convert('RGB')) for r in range(4, 8)])
     with torch.inference_mode():
         values, indices = annotator.annotate(model, imgs, 5)
     for j, r in enumerate(range(4, 8)):
@@ -211,8 +245,7 @@ def test_generate_writes_the_annotation_of_each_image(reference, data_dir, check
 def test_checkpoint_layouts_load_the_same_weights(tmp_path, checkpoint, layout):
     sd = torch.load(checkpoint, weights_only=True)['state_dict']
     path = tmp_path / 'c.pth'
-    torch.save(sd if layout == 'raw' else {'state_dict': {k: v * 0 for k, v in sd.items()}, 'state_dict_ema': sd},
-               path)
+    torch.save(sd if layout == 'raw' else {'state_dict': {k: v * 0 for k, v in sd.items()}, 'state_dict_ema': sd}, path)
     ref = annotator.create_annotator('resnet18', checkpoint=str(checkpoint))
     model = annotator.create_annotator('resnet18', checkpoint=str(path), use_ema=layout != 'raw')
     assert model.num_classes == 10  # read from the checkpoint's classifier
@@ -226,7 +259,8 @@ def test_resume_after_a_killed_run_equals_an_uninterrupted_run(tmp_path, referen
     once over both runs and the store is bit-identical to the uninterrupted one."""
     out, log = tmp_path / 'maps', tmp_path / 'rows.log'
     script = tmp_path / 'killed.py'
-    script.write_text(textwrap.dedent('''
+    script.write_text(
+        textwrap.dedent("""
         import os, signal, sys
         from timm_plugin.tools import maps_cli as maps
         log, batches = sys.argv[1], [0]
@@ -237,11 +271,13 @@ def test_resume_after_a_killed_run_equals_an_uninterrupted_run(tmp_path, referen
             if batches[0] == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
         maps.generate(maps.parse_args(sys.argv[2:]), on_batch=on_batch)
-    '''))
+    """)
+    )
     argv = _argv(data_dir, checkpoint, out)
     argv[argv.index('-j') + 1] = '2'  # with DataLoader workers, as a real run
-    proc = subprocess.run([sys.executable, str(script), str(log), *argv], env=run_env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(log), *argv], env=run_env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     first = [int(r) for r in log.read_text().split()]
     assert first == list(range(2 * BATCH))
@@ -261,8 +297,7 @@ def test_resume_after_a_killed_run_equals_an_uninterrupted_run(tmp_path, referen
     assert again == [] and res['rows_computed'] == 0
 
 
-def test_resume_stops_at_a_test_hook_and_refuses_other_settings(tmp_path, reference, data_dir, checkpoint,
-                                                               capsys):
+def test_resume_stops_at_a_test_hook_and_refuses_other_settings(tmp_path, reference, data_dir, checkpoint, capsys):
     out = tmp_path / 'maps'
 
     class Stop(Exception):
@@ -278,9 +313,9 @@ def test_resume_stops_at_a_test_hook_and_refuses_other_settings(tmp_path, refere
     assert store_status(out)['rows_done'] == 3 * BATCH
     assert maps.main(['info', str(out)]) == 0
     assert 'rows: 12 of 20 done, 8 missing; complete: False' in capsys.readouterr().out
-    with pytest.raises(LabelMapError, match="k: 5 != 3"):
+    with pytest.raises(LabelMapError, match='k: 5 != 3'):
         _generate(_argv(data_dir, checkpoint, out, '--resume', '--topk', '3'))
-    with pytest.raises(LabelMapError, match=r"input_size: \[64, 64\] != \[96, 96\]"):
+    with pytest.raises(LabelMapError, match=r'input_size: \[64, 64\] != \[96, 96\]'):
         _generate(_argv(data_dir, checkpoint, out, '--resume', '--input-size', '96'))
     with pytest.raises(LabelMapError, match='annotator_kwargs'):
         _generate(_argv(data_dir, checkpoint, out, '--resume', '--model-kwargs', 'drop_rate=0.1'))
@@ -302,12 +337,13 @@ def test_shards_then_merge_equal_a_single_run(tmp_path, reference, data_dir, che
     out = tmp_path / 'maps'
     computed = []
     for i in (1, 0, 2):  # 20 rows, batch 4 -> blocks of 8: rows 0-7, 8-15, 16-19
-        _generate(_argv(data_dir, checkpoint, out, '--shard-index', i, '--num-shards', 3),
-                  on_batch=lambda r: computed.extend(r.tolist()))
+        _generate(
+            _argv(data_dir, checkpoint, out, '--shard-index', i, '--num-shards', 3),
+            on_batch=lambda r: computed.extend(r.tolist()),
+        )
     assert sorted(computed) == list(range(20))
     shard1 = LabelMapStore.open(maps.shard_dir(out, 1, 3))
-    assert shard1.meta['shard'] == {'index': 1, 'num_shards': 3, 'row_start': 8, 'row_stop': 16,
-                                    'num_images_total': 20}
+    assert shard1.meta['shard'] == {'index': 1, 'num_shards': 3, 'row_start': 8, 'row_stop': 16, 'num_images_total': 20}
     assert maps.main(['merge', str(out)]) == 0
     _same_arrays(out, reference)
     assert not (out / 'shards').exists()  # merged shards are removed
@@ -320,8 +356,10 @@ def test_merge_refuses_missing_and_unfinished_shards(tmp_path, data_dir, checkpo
     assert maps.main(['merge', str(out)]) == 2
     assert 'expected shards 0..1 of 2 exactly once' in capsys.readouterr().err
     with pytest.raises(RuntimeError):
-        _generate(_argv(data_dir, checkpoint, out, '--shard-index', 1, '--num-shards', 2),
-                  on_batch=lambda r: (_ for _ in ()).throw(RuntimeError('stop')))
+        _generate(
+            _argv(data_dir, checkpoint, out, '--shard-index', 1, '--num-shards', 2),
+            on_batch=lambda r: (_ for _ in ()).throw(RuntimeError('stop')),
+        )
     assert maps.main(['merge', str(out)]) == 2
     err = capsys.readouterr().err
     assert 'shard-1-of-2' in err and 'incomplete' in err and '4 of 8 rows missing' in err  # rows 12-19; 12-15 on disk
@@ -344,8 +382,17 @@ def test_shard_rows_are_batch_aligned_blocks():
 def test_torchrun_two_processes_equal_a_single_run(tmp_path, reference, data_dir, checkpoint, run_env):
     out = tmp_path / 'maps'
     env = dict(run_env, OMP_NUM_THREADS=str(torch.get_num_threads()))  # as the reference run
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '2',
-           '-m', 'timm_plugin.tools.maps_cli', *_argv(data_dir, checkpoint, out)]
+    cmd = [
+        sys.executable,
+        '-m',
+        'torch.distributed.run',
+        '--standalone',
+        '--nproc-per-node',
+        '2',
+        '-m',
+        'timm_plugin.tools.maps_cli',
+        *_argv(data_dir, checkpoint, out),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (out / 'shards').exists() and 'merged 2 shards' in proc.stderr
@@ -364,8 +411,26 @@ def test_info_reports_size_and_completeness(reference, capsys):
 def test_cli_errors_name_the_argument(tmp_path, data_dir, checkpoint, capsys):
     assert maps.main(_argv(data_dir, checkpoint, tmp_path / 'a', '--split', 'nope')) == 2
     assert 'nope' in capsys.readouterr().err
-    assert maps.main(['generate', '--data-dir', str(data_dir), '--model', 'vit_tiny_patch16_224', '--out',
-                      str(tmp_path / 'b'), '--input-size', '64', '--device', 'cpu', '--num-classes', '3']) == 2
+    assert (
+        maps.main(
+            [
+                'generate',
+                '--data-dir',
+                str(data_dir),
+                '--model',
+                'vit_tiny_patch16_224',
+                '--out',
+                str(tmp_path / 'b'),
+                '--input-size',
+                '64',
+                '--device',
+                'cpu',
+                '--num-classes',
+                '3',
+            ]
+        )
+        == 2
+    )
     assert 'img_size=64' in capsys.readouterr().err
     with pytest.raises(SystemExit):
         maps.parse_args(_argv(data_dir, checkpoint, tmp_path / 'c', '--input-size', '0'))

@@ -1,4 +1,5 @@
 """MMPretrain adapter: real data preprocessor, real ImageClassifier, real upstream tools/train.py."""
+
 import pytest
 import torch
 from mmengine.config import Config
@@ -9,6 +10,7 @@ from mmpretrain.structures import DataSample
 import mm_plugin  # noqa: F401  (registers the modules)
 from mm_plugin import TokenAugDataPreprocessor, mix_from_samples
 from shared_core.mixing import mix_images
+
 from .conftest import REPO
 from .helpers import mmpretrain_train
 
@@ -22,19 +24,35 @@ def _batch(n=4, size=32, num_classes=5):
     return dict(inputs=inputs, data_samples=samples)
 
 
-@pytest.mark.parametrize('aug', [dict(type='TAMixup', alpha=0.8), dict(type='TACutMix', alpha=1.0),
-                                 dict(type='TAMixToken', alpha=1.0), dict(type='TATokenMix', alpha=1.0, mask='block'),
-                                 dict(type='TATokenMix', alpha=1.0, mask='random', lam=0.5)])
+@pytest.mark.parametrize(
+    'aug',
+    [
+        dict(type='TAMixup', alpha=0.8),
+        dict(type='TACutMix', alpha=1.0),
+        dict(type='TAMixToken', alpha=1.0),
+        dict(type='TATokenMix', alpha=1.0, mask='block'),
+        dict(type='TATokenMix', alpha=1.0, mask='random', lam=0.5),
+    ],
+)
 def test_preprocessor_carries_the_mix(aug):
-    pre = MODELS.build(dict(type='TokenAugDataPreprocessor', num_classes=5, patch_size=8, mean=[0.] * 3,
-                            std=[255.] * 3, batch_augments=dict(augments=[aug])))
-    plain = ClsDataPreprocessor(num_classes=5, mean=[0.] * 3, std=[255.] * 3)
+    pre = MODELS.build(
+        dict(
+            type='TokenAugDataPreprocessor',
+            num_classes=5,
+            patch_size=8,
+            mean=[0.0] * 3,
+            std=[255.0] * 3,
+            batch_augments=dict(augments=[aug]),
+        )
+    )
+    plain = ClsDataPreprocessor(num_classes=5, mean=[0.0] * 3, std=[255.0] * 3)
     data = _batch()
     ref = plain(_batch(), training=False)['inputs']
     out = pre(data, training=True)
     mix = mix_from_samples(out['data_samples'])
     assert mix is not None and mix.kind == {'TAMixup': 'mixup', 'TACutMix': 'cutmix', 'TAMixToken': 'token_box'}.get(
-        aug['type'], f"tokenmix_{aug.get('mask')}")
+        aug['type'], f'tokenmix_{aug.get("mask")}'
+    )
     assert torch.allclose(out['inputs'], mix_images(ref, mix))
     scores = torch.stack([s.gt_score for s in out['data_samples']])
     assert torch.allclose(scores.sum(1), torch.ones(4))
@@ -51,8 +69,9 @@ def test_preprocessor_carries_the_mix(aug):
 
 
 def test_unmixed_batches_get_the_identity_mix():
-    pre = TokenAugDataPreprocessor(num_classes=5, patch_size=8, batch_augments=dict(
-        augments=[dict(type='TATokenMix', alpha=1.0)], probs=[0.0]))
+    pre = TokenAugDataPreprocessor(
+        num_classes=5, patch_size=8, batch_augments=dict(augments=[dict(type='TATokenMix', alpha=1.0)], probs=[0.0])
+    )
     out = pre(_batch(), training=True)
     mix = mix_from_samples(out['data_samples'])
     assert mix.kind == 'none' and torch.all(mix.lam == 1)
@@ -79,6 +98,7 @@ def test_real_classifier_train_step():
     model = MODELS.build(model_cfg)
     assert isinstance(model.data_preprocessor, TokenAugDataPreprocessor)
     from mmengine.optim import OptimWrapper
+
     optim = OptimWrapper(torch.optim.AdamW(model.parameters(), lr=1e-3))
     losses = model.train_step(_batch(num_classes=10), optim)
     assert torch.isfinite(losses['loss'])
@@ -90,10 +110,14 @@ def test_bad_input():
     with pytest.raises(ValueError, match='num_classes'):
         TokenAugDataPreprocessor(batch_augments=dict(augments=[dict(type='TAMixup', alpha=1.0)]))
     with pytest.raises(ValueError, match='patch_size: TATokenMix names'):
-        TokenAugDataPreprocessor(num_classes=5, patch_size=8, batch_augments=dict(
-            augments=[dict(type='TATokenMix', alpha=1.0, patch_size=16)]))
-    pre = TokenAugDataPreprocessor(num_classes=5, patch_size=8, batch_augments=dict(
-        augments=[dict(type='TATokenMix', alpha=1.0)]))
+        TokenAugDataPreprocessor(
+            num_classes=5,
+            patch_size=8,
+            batch_augments=dict(augments=[dict(type='TATokenMix', alpha=1.0, patch_size=16)]),
+        )
+    pre = TokenAugDataPreprocessor(
+        num_classes=5, patch_size=8, batch_augments=dict(augments=[dict(type='TATokenMix', alpha=1.0)])
+    )
     with pytest.raises(ValueError, match='inputs: .*even'):
         pre(_batch(n=3), training=True)
     with pytest.raises(ValueError, match='patch_size'):

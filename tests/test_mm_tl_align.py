@@ -1,4 +1,5 @@
 """TL-Align on MMPretrain: parity with timm on converted weights, Swin against explicit geometry, a real run."""
+
 import pytest
 import torch
 from mmpretrain.registry import MODELS
@@ -11,6 +12,7 @@ from mm_plugin.convert import timm_vit_to_mmpretrain
 from shared_core.mixing import MixSampler, mix_images, mix_target, one_hot
 from timm_plugin import MixTarget
 from timm_plugin.tl_align import TLAlign, TransMix
+
 from .helpers import mmpretrain_train
 
 C = 6
@@ -28,9 +30,12 @@ def samples_with_mix(labels, mix):
 
 
 def mm_vit(**kw):
-    cfg = dict(type='TLAlignClassifier',
-               backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8, **kw),
-               neck=None, head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192))
+    cfg = dict(
+        type='TLAlignClassifier',
+        backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8, **kw),
+        neck=None,
+        head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192),
+    )
     return MODELS.build(cfg)
 
 
@@ -46,11 +51,11 @@ def test_timm_and_mmpretrain_give_the_same_aligned_target(kind):
     mm_model = mm_vit().train()
     mm_model.load_state_dict(timm_vit_to_mmpretrain(timm_model.state_dict()), strict=True)
     g = torch.Generator().manual_seed(1)
-    kw = dict(mixup_alpha=1.0) if kind == 'mixup' else dict(mixup_alpha=0., cutmix_alpha=1.0)
+    kw = dict(mixup_alpha=1.0) if kind == 'mixup' else dict(mixup_alpha=0.0, cutmix_alpha=1.0)
     mix = MixSampler(kind, mode='elem', patch_size=8, **kw).sample(4, 32, g)
     y = torch.tensor([0, 1, 2, 3])
     x = mix_images(torch.randn(4, 3, 32, 32, generator=g), mix)
-    target = MixTarget.wrap(mix_target(y, mix, C), mix, y, C, 0.)
+    target = MixTarget.wrap(mix_target(y, mix, C), mix, y, C, 0.0)
     timm_logits, timm_target = TLAlign(timm_model)(x, target)
     feats, mm_target = mm_model.extract_feat_aligned(x, samples_with_mix(y, mix))
     assert torch.allclose(mm_model.head(feats), timm_logits, atol=1e-4)
@@ -66,24 +71,30 @@ def test_timm_and_mmpretrain_give_the_same_transmix_target(mode, pool):
     average pooling)."""
     torch.manual_seed(0)
     gp = 'token' if pool == 'cls_token' else 'avg'
-    timm_model = TimmViT(img_size=32, patch_size=8, embed_dim=192, depth=12, num_heads=3, num_classes=C,
-                         global_pool=gp, fc_norm=False).train()
+    timm_model = TimmViT(
+        img_size=32, patch_size=8, embed_dim=192, depth=12, num_heads=3, num_classes=C, global_pool=gp, fc_norm=False
+    ).train()
     with torch.no_grad():
         for blk in timm_model.blocks:
             blk.attn.qkv.weight.normal_(0, 0.15)
-    mm_model = MODELS.build(dict(
-        type='TransMixClassifier', transmix=dict(mode=mode),
-        backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8, out_type=pool),
-        neck=None, head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192))).train()
+    mm_model = MODELS.build(
+        dict(
+            type='TransMixClassifier',
+            transmix=dict(mode=mode),
+            backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8, out_type=pool),
+            neck=None,
+            head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192),
+        )
+    ).train()
     missing, unexpected = mm_model.load_state_dict(timm_vit_to_mmpretrain(timm_model.state_dict()), strict=False)
     # mm's average pooling adds a norm after the pooling (ln2), which timm's has not: it changes the logits,
     # not the attention the target is read from
     assert not unexpected and set(missing) <= {'backbone.ln2.weight', 'backbone.ln2.bias'}
     g = torch.Generator().manual_seed(2)
-    mix = MixSampler('cutmix', mixup_alpha=0., cutmix_alpha=1.0, mode='elem', patch_size=8).sample(4, 32, g)
+    mix = MixSampler('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', patch_size=8).sample(4, 32, g)
     y = torch.tensor([0, 1, 2, 3])
     x = mix_images(torch.randn(4, 3, 32, 32, generator=g), mix)
-    target = MixTarget.wrap(mix_target(y, mix, C), mix, y, C, 0.)
+    target = MixTarget.wrap(mix_target(y, mix, C), mix, y, C, 0.0)
     _, timm_target = TransMix(timm_model, mode=mode)(x, target)
     _, mm_target = mm_model.extract_feat_aligned(x, samples_with_mix(y, mix))
     assert isinstance(mm_model, TransMixClassifier)
@@ -97,7 +108,7 @@ def test_timm_and_mmpretrain_give_the_same_transmix_target(mode, pool):
         h.remove()
         B, T, _ = caps['x'].shape
         qkv = last.attn.qkv(caps['x']).reshape(B, T, 3, 3, 64).permute(2, 0, 3, 1, 4)
-        A = (qkv[0] @ qkv[1].transpose(-2, -1) * 64 ** -0.5).softmax(-1).mean(1)[:, 0, 1:]  # (B, N)
+        A = (qkv[0] @ qkv[1].transpose(-2, -1) * 64**-0.5).softmax(-1).mean(1)[:, 0, 1:]  # (B, N)
         share = (A * mix.token_share_flat()).sum(1) / A.sum(1)
         expected = (1 - share)[:, None] * one_hot(y, C) + share[:, None] * one_hot(y.flip(0), C)
         assert torch.allclose(timm_target, expected, atol=1e-5)
@@ -105,8 +116,9 @@ def test_timm_and_mmpretrain_give_the_same_transmix_target(mode, pool):
 
 def test_loss_uses_the_aligned_target_and_predict_is_stock():
     model = mm_vit()
-    mix = MixSampler('cutmix', mixup_alpha=0., cutmix_alpha=1.0, mode='elem', patch_size=8).sample(
-        4, 32, torch.Generator().manual_seed(3))
+    mix = MixSampler('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', patch_size=8).sample(
+        4, 32, torch.Generator().manual_seed(3)
+    )
     y = torch.tensor([0, 1, 2, 3])
     x = torch.randn(4, 3, 32, 32)
     samples = samples_with_mix(y, mix)
@@ -143,22 +155,34 @@ def test_mm_swin_matches_explicit_geometry(window, shifts):
     """mmpretrain's Swin: merging at the END of a stage; the shift dropped where the map equals the window
     (window 8: the second stage is 8x8), kept where it is larger."""
     torch.manual_seed(0)
-    model = MODELS.build(dict(
-        type='TLAlignClassifier',
-        backbone=dict(type='SwinTransformer', arch=dict(embed_dims=16, depths=[2, 2], num_heads=[2, 2]),
-                      img_size=32, patch_size=2, window_size=window, drop_path_rate=0., out_indices=(1,)),
-        neck=dict(type='GlobalAveragePooling'),
-        head=dict(type='LinearClsHead', num_classes=C, in_channels=32))).eval()
+    model = MODELS.build(
+        dict(
+            type='TLAlignClassifier',
+            backbone=dict(
+                type='SwinTransformer',
+                arch=dict(embed_dims=16, depths=[2, 2], num_heads=[2, 2]),
+                img_size=32,
+                patch_size=2,
+                window_size=window,
+                drop_path_rate=0.0,
+                out_indices=(1,),
+            ),
+            neck=dict(type='GlobalAveragePooling'),
+            head=dict(type='LinearClsHead', num_classes=C, in_channels=32),
+        )
+    ).eval()
     with torch.no_grad():
         for m in model.backbone.modules():
             if isinstance(m, torch.nn.Linear):
                 m.weight.normal_(0, 0.3)
     attns = []
     blocks = [b for s in model.backbone.stages for b in s.blocks]
-    hooks = [b.attn.w_msa.softmax.register_forward_hook(lambda m, i, o: attns.append(o.detach().mean(1)))
-             for b in blocks]
-    mix = MixSampler('cutmix', mixup_alpha=0., cutmix_alpha=1.0, mode='elem', patch_size=2).sample(
-        2, 32, torch.Generator().manual_seed(5))
+    hooks = [
+        b.attn.w_msa.softmax.register_forward_hook(lambda m, i, o: attns.append(o.detach().mean(1))) for b in blocks
+    ]
+    mix = MixSampler('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', patch_size=2).sample(
+        2, 32, torch.Generator().manual_seed(5)
+    )
     y = torch.tensor([1, 4])
     x = torch.randn(2, 3, 32, 32)
     feats, aligned = model.extract_feat_aligned(x, samples_with_mix(y, mix))
@@ -175,23 +199,45 @@ def test_mm_swin_matches_explicit_geometry(window, shifts):
 
 
 def test_bad_backbone_and_config():
-    with pytest.raises(ValueError, match='backbone: TL-Align has no tracer for .*ResNet; supported: .*VisionTransformer'):
-        MODELS.build(dict(type='TLAlignClassifier', backbone=dict(type='ResNet', depth=18), neck=None,
-                          head=dict(type='LinearClsHead', num_classes=C, in_channels=512)))
+    with pytest.raises(
+        ValueError, match='backbone: TL-Align has no tracer for .*ResNet; supported: .*VisionTransformer'
+    ):
+        MODELS.build(
+            dict(
+                type='TLAlignClassifier',
+                backbone=dict(type='ResNet', depth=18),
+                neck=None,
+                head=dict(type='LinearClsHead', num_classes=C, in_channels=512),
+            )
+        )
     assert isinstance(mm_vit(), TLAlignClassifier)
     with pytest.raises(ValueError, match=r'tl_align: unknown keys \[.layer.\]'):
-        MODELS.build(dict(type='TLAlignClassifier', tl_align=dict(layer=3),
-                          backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8),
-                          neck=None, head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192)))
+        MODELS.build(
+            dict(
+                type='TLAlignClassifier',
+                tl_align=dict(layer=3),
+                backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8),
+                neck=None,
+                head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192),
+            )
+        )
     with pytest.raises(ValueError, match='tl_align.layers'):
-        MODELS.build(dict(type='TLAlignClassifier', tl_align=dict(layers=[12]),
-                          backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8),
-                          neck=None, head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192)))
+        MODELS.build(
+            dict(
+                type='TLAlignClassifier',
+                tl_align=dict(layers=[12]),
+                backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8),
+                neck=None,
+                head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192),
+            )
+        )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('config, cls', [('deit-tiny_world_tl-align.py', 'TLAlignClassifier'),
-                                         ('deit-tiny_world_transmix.py', 'TransMixClassifier')])
+@pytest.mark.parametrize(
+    'config, cls',
+    [('deit-tiny_world_tl-align.py', 'TLAlignClassifier'), ('deit-tiny_world_transmix.py', 'TransMixClassifier')],
+)
 def test_upstream_train_py_runs_the_tl_align_config(tiny_world, tmp_path, run_env, config, cls):
     run_env['TOKENAUG_WORLD'] = str(tiny_world)
     log = mmpretrain_train(config, tmp_path, run_env, tmp_path)

@@ -1,6 +1,7 @@
 """Token labeling + MixToken on MMPretrain: maps through the real MMEngine pipeline (quadrant images, token by
 token), the loss against timm_plugin's, un-mixing with token-independent backbones, the inference rule, a run
 of mmpretrain's own tools/train.py, and the errors."""
+
 import os
 import shutil
 from pathlib import Path
@@ -8,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from mmpretrain.datasets import CustomDataset
 from mmpretrain.registry import MODELS, TRANSFORMS
 from mmpretrain.structures import DataSample
+from PIL import Image
 
 import mm_plugin  # noqa: F401
 from mm_plugin.token_label_transforms import GEOMETRIC_RAND_POLICIES, TokenLabelRandAugment
@@ -19,6 +20,7 @@ from mm_plugin.token_labeling import TokenLabelingHead
 from shared_core.map_store import LabelMapStore, MissingLabelMapError
 from timm_plugin.token_label_data import TokenLabelTarget
 from timm_plugin.token_labeling import TokenLabelingLoss, TokenLabelingOutput
+
 from .helpers import COLOURS, mmpretrain_train, quadrant_image, write_store  # quadrant_data: conftest.py
 
 C = 5
@@ -26,9 +28,11 @@ C = 5
 
 # ----------------------------------------------------------------------------------------------- helpers
 def tl_pipeline(root, flip=dict(type='RandomFlip', prob=0.5, direction='horizontal'), pack='PackTokenLabelInputs'):
-    steps = [dict(type='LoadImageFromFile'),
-             dict(type='LoadTokenLabelMap', store=str(root / 'maps'), split_root=str(root / 'train')),
-             dict(type='TokenLabelRandomResizedCrop', scale=64, crop_ratio_range=(0.08, 1.0), interpolation='nearest')]
+    steps = [
+        dict(type='LoadImageFromFile'),
+        dict(type='LoadTokenLabelMap', store=str(root / 'maps'), split_root=str(root / 'train')),
+        dict(type='TokenLabelRandomResizedCrop', scale=64, crop_ratio_range=(0.08, 1.0), interpolation='nearest'),
+    ]
     return steps + ([flip] if flip else []) + [dict(type=pack)]
 
 
@@ -68,30 +72,42 @@ def packed_samples(labels, values, indices, boxes, flips):
         s.set_field(values[i], 'token_label_values')
         s.set_field(indices[i], 'token_label_indices')
         s.set_field(tuple(boxes[i].tolist()), 'crop_box')
-        s.set_metainfo(dict(img_path=f'img{i}.png', flip=bool(flips[i]),
-                            flip_direction='horizontal' if flips[i] else None))
+        s.set_metainfo(
+            dict(img_path=f'img{i}.png', flip=bool(flips[i]), flip_direction='horizontal' if flips[i] else None)
+        )
         out.append(s)
     return out
 
 
 def batch(B=4, seed=0):
     values, indices = random_rows(B, seed=seed)
-    boxes = torch.tensor([[0., 0., 1., 1.], [0.5, 0., 1., 0.5], [0., 0.25, 0.75, 1.], [0.1, 0.2, 0.6, 0.9]])[:B]
+    boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.5, 0.0, 1.0, 0.5], [0.0, 0.25, 0.75, 1.0], [0.1, 0.2, 0.6, 0.9]])[:B]
     flips = torch.tensor([False, True, False, True])[:B]
     labels = torch.arange(B) % C
     return labels, values, indices, boxes, flips
 
 
-MM_VIT = dict(type='VisionTransformer', img_size=64, patch_size=16, out_type='raw',
-              arch=dict(embed_dims=64, num_layers=2, num_heads=2, feedforward_channels=128))
+MM_VIT = dict(
+    type='VisionTransformer',
+    img_size=64,
+    patch_size=16,
+    out_type='raw',
+    arch=dict(embed_dims=64, num_layers=2, num_heads=2, feedforward_channels=128),
+)
 TIMM_VIT0 = dict(type='TIMMBackbone', model_name='vit_tiny_patch16_224', img_size=64, depth=0)
 
 
 def tl_model(backbone=MM_VIT, **head):
     torch.manual_seed(0)
     dim = 192 if backbone['type'] == 'TIMMBackbone' else backbone['arch']['embed_dims']
-    return MODELS.build(dict(type='TokenLabelingClassifier', backbone=backbone, neck=None,
-                             head=dict(type='TokenLabelingHead', num_classes=C, in_channels=dim, **head)))
+    return MODELS.build(
+        dict(
+            type='TokenLabelingClassifier',
+            backbone=backbone,
+            neck=None,
+            head=dict(type='TokenLabelingHead', num_classes=C, in_channels=dim, **head),
+        )
+    )
 
 
 def token_independent_mm_vit():
@@ -109,7 +125,7 @@ def test_token_targets_follow_crops_and_flips_through_the_mm_pipeline(quadrant_d
     """LoadImageFromFile -> LoadTokenLabelMap -> TokenLabelRandomResizedCrop -> RandomFlip -> PackTokenLabelInputs
     on quadrant images: the classifier's dense targets equal the pixels' classes on every pure token."""
     ds = dataset(quadrant_data, tl_pipeline(quadrant_data))
-    head = TokenLabelingHead(num_classes=4, in_channels=8, label_smoothing=0.)
+    head = TokenLabelingHead(num_classes=4, in_channels=8, label_smoothing=0.0)
     np.random.seed(0)
     checked = flipped = 0
     boxes = set()
@@ -132,12 +148,14 @@ def test_token_targets_follow_crops_and_flips_through_the_mm_pipeline(quadrant_d
 
 
 def test_map_store_key_is_the_path_under_the_split_root(quadrant_data):
-    t = TRANSFORMS.build(dict(type='LoadTokenLabelMap', store=str(quadrant_data / 'maps'),
-                              split_root=str(quadrant_data / 'train')))
+    t = TRANSFORMS.build(
+        dict(type='LoadTokenLabelMap', store=str(quadrant_data / 'maps'), split_root=str(quadrant_data / 'train'))
+    )
     out = t({'img_path': str(quadrant_data / 'train' / 'c1' / 'img3.png')})
     v, i = LabelMapStore.open(quadrant_data / 'maps').lookup('c1/img3.png')
     assert np.array_equal(out['token_label_values'], v) and np.array_equal(out['token_label_indices'], i)
     import pickle
+
     assert len(pickle.dumps(t)) < 2000  # the store pickles small; workers reopen its memory maps
 
 
@@ -145,8 +163,12 @@ def test_map_store_key_is_the_path_under_the_split_root(quadrant_data):
 @pytest.mark.parametrize('cls_target', ['gt', 'annotator', 'mix'])
 @pytest.mark.parametrize('backbone', ['mm', 'timm'])
 def test_loss_equals_timm_token_labeling_loss(cls_target, backbone):
-    model = tl_model(MM_VIT if backbone == 'mm' else dict(TIMM_VIT0, depth=2), cls_target=cls_target,
-                     cls_target_mix=0.3, label_smoothing=0.1).train()
+    model = tl_model(
+        MM_VIT if backbone == 'mm' else dict(TIMM_VIT0, depth=2),
+        cls_target=cls_target,
+        cls_target_mix=0.3,
+        label_smoothing=0.1,
+    ).train()
     labels, values, indices, boxes, flips = batch()
     x = torch.randn(4, 3, 64, 64)
     model.generator = torch.Generator().manual_seed(1)
@@ -158,7 +180,8 @@ def test_loss_equals_timm_token_labeling_loss(cls_target, backbone):
     cls, aux = model.head.logits(feats, mix)
     target = TokenLabelTarget.wrap(labels, torch.from_numpy(values), torch.from_numpy(indices), boxes, flips, C)
     ref = TokenLabelingLoss(C, dense_weight=0.5, cls_target=cls_target, cls_target_mix=0.3, smoothing=0.1)(
-        TokenLabelingOutput(cls, aux, mix, grid), target)
+        TokenLabelingOutput(cls, aux, mix, grid), target
+    )
     torch.testing.assert_close(losses['loss_cls'] + losses['loss_token'], ref)
     # the classifier's loss() is the same computation (same MixToken draw)
     model.generator = torch.Generator().manual_seed(1)
@@ -181,13 +204,15 @@ def test_relabel_is_the_annotators_pooled_class_target_without_dense_term():
     assert set(losses) == {'loss_cls'}
     cls, _ = model.head.logits(feats)
     target = TokenLabelTarget.wrap(labels, torch.from_numpy(values), torch.from_numpy(indices), boxes, flips, C)
-    ref = TokenLabelingLoss(C, dense_weight=0., cls_target='annotator', smoothing=0.1)(
-        TokenLabelingOutput(cls, None, mix, grid), target)
+    ref = TokenLabelingLoss(C, dense_weight=0.0, cls_target='annotator', smoothing=0.1)(
+        TokenLabelingOutput(cls, None, mix, grid), target
+    )
     torch.testing.assert_close(losses['loss_cls'], ref)
 
 
-@pytest.mark.parametrize('make', [lambda: tl_model(TIMM_VIT0), token_independent_mm_vit],
-                         ids=['timm-depth0', 'mm-1layer'])
+@pytest.mark.parametrize(
+    'make', [lambda: tl_model(TIMM_VIT0), token_independent_mm_vit], ids=['timm-depth0', 'mm-1layer']
+)
 @pytest.mark.parametrize('mode', ['batch', 'pair'])
 def test_unmixed_dense_outputs_are_each_samples_own(make, mode):
     """With a token-independent backbone, MixToken then un-mixing gives every sample its own per-token
@@ -211,15 +236,28 @@ def test_unmixed_dense_outputs_are_each_samples_own(make, mode):
 def test_mix_prob_zero_gives_the_stock_classifiers_loss():
     """MixToken on with probability 0, no dense term, ground-truth class target: the loss of mmpretrain's
     ImageClassifier + VisionTransformerClsHead + LabelSmoothLoss on the same weights."""
-    model = MODELS.build(dict(
-        type='TokenLabelingClassifier', mix_prob=0.,
-        backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=64, patch_size=16, out_type='raw'),
-        neck=None, head=dict(type='TokenLabelingHead', num_classes=C, in_channels=192, dense_weight=0.))).train()
-    stock = MODELS.build(dict(
-        type='ImageClassifier',
-        backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=64, patch_size=16),
-        neck=None, head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192,
-                             loss=dict(type='LabelSmoothLoss', label_smooth_val=0.1, mode='original')))).train()
+    model = MODELS.build(
+        dict(
+            type='TokenLabelingClassifier',
+            mix_prob=0.0,
+            backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=64, patch_size=16, out_type='raw'),
+            neck=None,
+            head=dict(type='TokenLabelingHead', num_classes=C, in_channels=192, dense_weight=0.0),
+        )
+    ).train()
+    stock = MODELS.build(
+        dict(
+            type='ImageClassifier',
+            backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=64, patch_size=16),
+            neck=None,
+            head=dict(
+                type='VisionTransformerClsHead',
+                num_classes=C,
+                in_channels=192,
+                loss=dict(type='LabelSmoothLoss', label_smooth_val=0.1, mode='original'),
+            ),
+        )
+    ).train()
     sd = {k: v for k, v in model.state_dict().items() if not k.startswith('head.')}
     sd.update({'head.layers.head.weight': model.head.head.weight, 'head.layers.head.bias': model.head.head.bias})
     stock.load_state_dict(sd, strict=True)
@@ -255,7 +293,7 @@ def test_predict_rule_cls_plus_half_max_aux_or_cls(backbone):
 def test_pipeline_refuses_what_the_maps_cannot_follow(quadrant_data, tmp_path):
     img = str(quadrant_data / 'train' / 'c0' / 'img0.png')
     for flip in ('vertical', 'diagonal'):
-        ds = dataset(quadrant_data, tl_pipeline(quadrant_data, flip=dict(type='RandomFlip', prob=1., direction=flip)))
+        ds = dataset(quadrant_data, tl_pipeline(quadrant_data, flip=dict(type='RandomFlip', prob=1.0, direction=flip)))
         with pytest.raises(ValueError, match=f"flip_direction: .*img0.png.*flipped '{flip}'"):
             ds[0]
     resized = tl_pipeline(quadrant_data)
@@ -263,7 +301,7 @@ def test_pipeline_refuses_what_the_maps_cannot_follow(quadrant_data, tmp_path):
     with pytest.raises(ValueError, match='resized or cropped before'):
         dataset(quadrant_data, resized)[0]
     flipped_first = tl_pipeline(quadrant_data)
-    flipped_first.insert(2, dict(type='RandomFlip', prob=1., direction='horizontal'))
+    flipped_first.insert(2, dict(type='RandomFlip', prob=1.0, direction='horizontal'))
     with pytest.raises(ValueError, match='flipped before the crop'):
         dataset(quadrant_data, flipped_first)[0]
     no_crop = [s for s in tl_pipeline(quadrant_data) if s['type'] != 'TokenLabelRandomResizedCrop']
@@ -295,8 +333,9 @@ def test_randaugment_keeps_only_colour_policies():
     out = ra({'img': np.zeros((32, 48, 3), np.uint8)})
     assert out['img'].shape == (32, 48, 3)
     with pytest.raises(ValueError, match='policies: only geometric'):
-        TokenLabelRandAugment(policies=[dict(type='Rotate', magnitude_range=(0, 30))], num_policies=1,
-                              magnitude_level=9)
+        TokenLabelRandAugment(
+            policies=[dict(type='Rotate', magnitude_range=(0, 30))], num_policies=1, magnitude_level=9
+        )
 
 
 def test_model_errors_name_the_argument():
@@ -305,19 +344,37 @@ def test_model_errors_name_the_argument():
     with pytest.raises(ValueError, match="out_type='raw'"):
         MODELS.build(dict(type='TokenLabelingClassifier', backbone=dict(vit, out_type='cls_token'), head=head))
     with pytest.raises(ValueError, match='backbone: token labeling supports .*ResNet'):
-        MODELS.build(dict(type='TokenLabelingClassifier', backbone=dict(type='ResNet', depth=18),
-                          head=dict(head, in_channels=512)))
+        MODELS.build(
+            dict(
+                type='TokenLabelingClassifier', backbone=dict(type='ResNet', depth=18), head=dict(head, in_channels=512)
+            )
+        )
     with pytest.raises(ValueError, match='train_cfg'):
-        MODELS.build(dict(type='TokenLabelingClassifier', backbone=vit, head=head,
-                          train_cfg=dict(augments=[dict(type='CutMix', alpha=1.0)])))
+        MODELS.build(
+            dict(
+                type='TokenLabelingClassifier',
+                backbone=vit,
+                head=head,
+                train_cfg=dict(augments=[dict(type='CutMix', alpha=1.0)]),
+            )
+        )
     with pytest.raises(ValueError, match='head: token labeling needs a TokenLabelingHead'):
-        MODELS.build(dict(type='TokenLabelingClassifier', backbone=vit,
-                          head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192)))
+        MODELS.build(
+            dict(
+                type='TokenLabelingClassifier',
+                backbone=vit,
+                head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192),
+            )
+        )
     with pytest.raises(ValueError, match='mix_mode'):
         MODELS.build(dict(type='TokenLabelingClassifier', backbone=vit, head=head, mix_mode='elem'))
-    for kw, name in ((dict(relabel=True, dense_weight=0.5), 'dense_weight'), (dict(head_rule='max'), 'head_rule'),
-                     (dict(cls_target='teacher'), 'cls_target'), (dict(relabel=True, cls_target='gt'), 'cls_target'),
-                     (dict(dense_weight=0., head_rule='cls+aux'), 'head_rule')):
+    for kw, name in (
+        (dict(relabel=True, dense_weight=0.5), 'dense_weight'),
+        (dict(head_rule='max'), 'head_rule'),
+        (dict(cls_target='teacher'), 'cls_target'),
+        (dict(relabel=True, cls_target='gt'), 'cls_target'),
+        (dict(dense_weight=0.0, head_rule='cls+aux'), 'head_rule'),
+    ):
         with pytest.raises(ValueError, match=name):
             TokenLabelingHead(num_classes=C, in_channels=8, **kw)
     model = tl_model().train()
@@ -355,17 +412,29 @@ def test_preprocessor_gives_tokenmix_activation_targets():
     packed maps, crops and flips of the batch, for the mix the preprocessor drew and applied."""
     from mmengine.registry import DefaultScope
     from mmpretrain.registry import MODELS as PRE_MODELS
+
+    from mm_plugin import mix_from_samples
     from shared_core.mixing import mix_target
     from shared_core.tokenmix import activation_target
-    from mm_plugin import mix_from_samples
+
     labels, values, indices, boxes, flips = batch()
     samples = packed_samples(labels, values, indices, boxes, flips)
     with DefaultScope.overwrite_default_scope('mmpretrain'):
-        pre = PRE_MODELS.build(dict(type='TokenAugDataPreprocessor', num_classes=C, patch_size=16, batch_augments=dict(
-            augments=[dict(type='TATokenMix', alpha=1.0, mask='block', activation_targets='true_class')])))
+        pre = PRE_MODELS.build(
+            dict(
+                type='TokenAugDataPreprocessor',
+                num_classes=C,
+                patch_size=16,
+                batch_augments=dict(
+                    augments=[dict(type='TATokenMix', alpha=1.0, mask='block', activation_targets='true_class')]
+                ),
+            )
+        )
     torch.manual_seed(0)
-    out = pre(dict(inputs=[torch.randint(0, 255, (3, 64, 64), dtype=torch.uint8) for _ in range(4)],
-                   data_samples=samples), training=True)
+    out = pre(
+        dict(inputs=[torch.randint(0, 255, (3, 64, 64), dtype=torch.uint8) for _ in range(4)], data_samples=samples),
+        training=True,
+    )
     mix = mix_from_samples(out['data_samples'])
     got = torch.stack([s.gt_score for s in out['data_samples']])
     want = activation_target(labels, mix, torch.from_numpy(values), torch.from_numpy(indices), boxes, flips, C)
@@ -373,6 +442,7 @@ def test_preprocessor_gives_tokenmix_activation_targets():
     assert not torch.allclose(got, mix_target(labels, mix, C))  # not the area target
     with pytest.raises(ValueError, match='activation_targets'):
         from mm_plugin import TATokenMix
+
         TATokenMix(activation_targets='logits')
 
 
@@ -381,4 +451,4 @@ def test_upstream_train_py_runs_the_tokenmix_activation_config(tiny_world, tmp_p
     run_env.update(TOKENAUG_WORLD=str(tiny_world), TOKENAUG_MAPS=str(random_world_maps(tiny_world, tmp_path / 'maps')))
     log = mmpretrain_train('deit-tiny_world_tokenmix.py', tmp_path / 'work', run_env, tmp_path)
     assert 'Epoch(train) [1][2/2]' in log and 'accuracy/top1' in log
-    assert "TATokenMix(tokenmix_block)" in log
+    assert 'TATokenMix(tokenmix_block)' in log

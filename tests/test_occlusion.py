@@ -1,5 +1,6 @@
 """Tests for timm_plugin.occlusion (``tokenaug-occlusion``, TokenMix Fig. 5): masks, zero / drop modes with real
 timm models (a tiny-input ViT-Ti and resnet18) on the synthetic world, the CLI outputs and its argument errors."""
+
 from __future__ import annotations
 
 import csv
@@ -27,8 +28,7 @@ def data_dir(tiny_world):
 
 def _vit(**kwargs):
     torch.manual_seed(0)
-    return timm.create_model('vit_tiny_patch16_224', img_size=IMG, depth=DEPTH, num_classes=10,
-                             **kwargs).eval()
+    return timm.create_model('vit_tiny_patch16_224', img_size=IMG, depth=DEPTH, num_classes=10, **kwargs).eval()
 
 
 @pytest.fixture(scope='module')
@@ -83,8 +83,10 @@ def test_zero_patches_blanks_exactly_the_masked_patches():
     blank = (patches == fill.view(1, 3, 1, 1, 1, 1)).all(dim=(1, 3, 5))
     assert torch.equal(blank, masks)
     assert blank.flatten(1).sum(1).tolist() == [occ.num_dropped(49, 0.3)] * 3
-    assert torch.equal(out[~masks.repeat_interleave(16, 1).repeat_interleave(16, 2)[:, None].expand_as(out)],
-                       images[~masks.repeat_interleave(16, 1).repeat_interleave(16, 2)[:, None].expand_as(images)])
+    assert torch.equal(
+        out[~masks.repeat_interleave(16, 1).repeat_interleave(16, 2)[:, None].expand_as(out)],
+        images[~masks.repeat_interleave(16, 1).repeat_interleave(16, 2)[:, None].expand_as(images)],
+    )
     assert torch.equal(occ.fill_values('zero', (0.5,) * 3, (0.5,) * 3), torch.zeros(3))
 
 
@@ -130,8 +132,9 @@ def test_ratio_zero_equals_plain_evaluation(vit, data_dir, mode):
 
 def test_batch_size_does_not_change_results(resnet, data_dir):
     kwargs = dict(grid=GRID, patch=PATCH, ratios=[0.0, 0.3, 0.8], repeats=2)
-    assert occ.evaluate(resnet, _loader(resnet, data_dir, 10), **kwargs) == \
-        occ.evaluate(resnet, _loader(resnet, data_dir, 3), **kwargs)
+    assert occ.evaluate(resnet, _loader(resnet, data_dir, 10), **kwargs) == occ.evaluate(
+        resnet, _loader(resnet, data_dir, 3), **kwargs
+    )
 
 
 def _reference_drop(model, images, keep):
@@ -149,8 +152,11 @@ def _reference_drop(model, images, keep):
     return model.forward_head(x)
 
 
-@pytest.mark.parametrize('kwargs', [{}, {'reg_tokens': 2, 'no_embed_class': True}, {'global_pool': 'avg'}],
-                         ids=['cls', 'reg+no_embed_class', 'avgpool'])
+@pytest.mark.parametrize(
+    'kwargs',
+    [{}, {'reg_tokens': 2, 'no_embed_class': True}, {'global_pool': 'avg'}],
+    ids=['cls', 'reg+no_embed_class', 'avgpool'],
+)
 def test_drop_mode_matches_a_forward_on_the_kept_tokens(kwargs):
     model = _vit(**kwargs)
     images = torch.randn(3, 3, IMG, IMG)
@@ -171,8 +177,20 @@ def test_drop_mode_matches_a_forward_on_the_kept_tokens(kwargs):
 
 # -------------------------------------------------------------------------------------------- CLI
 def _argv(data_dir, out, *extra):
-    return ['--data-dir', str(data_dir), '--out', str(out), '-b', '4', '-j', '0', '--device', 'cpu',
-            '--no-progress', *map(str, extra)]
+    return [
+        '--data-dir',
+        str(data_dir),
+        '--out',
+        str(out),
+        '-b',
+        '4',
+        '-j',
+        '0',
+        '--device',
+        'cpu',
+        '--no-progress',
+        *map(str, extra),
+    ]
 
 
 def _read_csv(path):
@@ -184,8 +202,24 @@ def test_cli_writes_csv_md_png_one_row_per_ratio(tmp_path, data_dir, vit, capsys
     ckpt = tmp_path / 'vit.pth'
     torch.save({'epoch': 1, 'state_dict': vit.state_dict()}, ckpt)
     out = tmp_path / 'drop'
-    assert occlusion_cli.main(_argv(data_dir, out, '--model', 'vit_tiny_patch16_224', '--model-kwargs', f'img_size={IMG}',
-                          f'depth={DEPTH}', '--checkpoint', ckpt, '--mode', 'drop')) == 0
+    assert (
+        occlusion_cli.main(
+            _argv(
+                data_dir,
+                out,
+                '--model',
+                'vit_tiny_patch16_224',
+                '--model-kwargs',
+                f'img_size={IMG}',
+                f'depth={DEPTH}',
+                '--checkpoint',
+                ckpt,
+                '--mode',
+                'drop',
+            )
+        )
+        == 0
+    )
     rows = _read_csv(out / 'occlusion.csv')
     assert [float(r['ratio']) for r in rows] == pytest.approx(occ.DEFAULT_RATIOS)
     assert [int(r['dropped_patches']) for r in rows] == [occ.num_dropped(49, r) for r in occ.DEFAULT_RATIOS]
@@ -199,35 +233,74 @@ def test_cli_writes_csv_md_png_one_row_per_ratio(tmp_path, data_dir, vit, capsys
 
 def test_console_script_zero_mode_on_a_cnn(tmp_path, data_dir, run_env):
     out = tmp_path / 'zero'
-    proc = subprocess.run(['tokenaug-occlusion', *_argv(data_dir, out, '--model', 'resnet18', '--num-classes', 10,
-                                                         '--img-size', IMG, '--ratios', 0, 0.5, '--repeats', 2,
-                                                         '--fill', 'black')],
-                          env=run_env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            'tokenaug-occlusion',
+            *_argv(
+                data_dir,
+                out,
+                '--model',
+                'resnet18',
+                '--num-classes',
+                10,
+                '--img-size',
+                IMG,
+                '--ratios',
+                0,
+                0.5,
+                '--repeats',
+                2,
+                '--fill',
+                'black',
+            ),
+        ],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = _read_csv(out / 'occlusion.csv')
     assert len(rows) == 2 and [int(r['num_patches']) for r in rows] == [49, 49]
     assert all((out / f'occlusion.{ext}').is_file() for ext in ('csv', 'md', 'png'))
 
 
-@pytest.mark.parametrize('extra, needle', [
-    (['--ratios', '0', '1.0'], '--ratios'),
-    (['--ratios', '-0.1'], '--ratios'),
-    (['--mode', 'cut'], '--mode'),
-    (['--repeats', '0'], '--repeats'),
-])
+@pytest.mark.parametrize(
+    'extra, needle',
+    [
+        (['--ratios', '0', '1.0'], '--ratios'),
+        (['--ratios', '-0.1'], '--ratios'),
+        (['--mode', 'cut'], '--mode'),
+        (['--repeats', '0'], '--repeats'),
+    ],
+)
 def test_bad_arguments_are_named(tmp_path, data_dir, capsys, extra, needle):
     with pytest.raises(SystemExit) as e:
         occlusion_cli.main(_argv(data_dir, tmp_path, '--model', 'resnet18', *extra))
     assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
-@pytest.mark.parametrize('extra, needle', [
-    (['--model', 'resnet18', '--mode', 'drop'], '--mode drop'),
-    (['--model', 'resnet18', '--patch-size', '15'], '--patch-size'),
-    (['--model', 'vit_tiny_patch16_224', '--model-kwargs', f'img_size={IMG}', '--mode', 'drop',
-      '--patch-size', '8'], '--patch-size'),
-    (['--model', 'resnet18', '--split', 'nope'], '--split'),
-])
+@pytest.mark.parametrize(
+    'extra, needle',
+    [
+        (['--model', 'resnet18', '--mode', 'drop'], '--mode drop'),
+        (['--model', 'resnet18', '--patch-size', '15'], '--patch-size'),
+        (
+            [
+                '--model',
+                'vit_tiny_patch16_224',
+                '--model-kwargs',
+                f'img_size={IMG}',
+                '--mode',
+                'drop',
+                '--patch-size',
+                '8',
+            ],
+            '--patch-size',
+        ),
+        (['--model', 'resnet18', '--split', 'nope'], '--split'),
+    ],
+)
 def test_bad_setups_give_clear_errors(tmp_path, data_dir, capsys, extra, needle):
     assert occlusion_cli.main(_argv(data_dir, tmp_path / 'out', '--num-classes', 10, '--img-size', IMG, *extra)) == 2
     assert needle in capsys.readouterr().err
@@ -235,11 +308,12 @@ def test_bad_setups_give_clear_errors(tmp_path, data_dir, capsys, extra, needle)
 
 
 def test_function_level_errors(resnet):
-    with pytest.raises(ValueError, match='--ratios'):
+    with pytest.raises(ValueError, match=r'ratio: expected a fraction in \[0, 1\), got 1.0'):
         occ.occlusion_mask(7, 7, 1.0, 0, 0)
     with pytest.raises(ValueError, match='--mode'):
-        occ.occluded_logits(resnet, torch.zeros(1, 3, IMG, IMG), torch.zeros(1, *GRID, dtype=torch.bool), PATCH,
-                            mode='cut')
+        occ.occluded_logits(
+            resnet, torch.zeros(1, 3, IMG, IMG), torch.zeros(1, *GRID, dtype=torch.bool), PATCH, mode='cut'
+        )
     with pytest.raises(ValueError, match='--mode drop.*ResNet'):
         with occ.token_drop(resnet):
             pass

@@ -1,6 +1,5 @@
 """The methods as timm training tasks (timm.task.TrainingTask), in a minimal timm-style loop: what a user of
 timm's own train.py gets by changing its task line (README, "With timm's own train.py")."""
-import os
 
 import pytest
 import timm
@@ -11,8 +10,18 @@ from timm.task import ClassificationTask, TrainingTask
 
 import timm_plugin  # noqa: F401  (registers lvvit_*)
 from shared_core.label_maps import dense_maps
-from timm_plugin import (MixTarget, TLAlign, TLAlignTask, TokenLabeling, TokenLabelingLoss, TokenLabelingTask,
-                         TransMix, TransMixTask, attach_aux_head, create_mixer)
+from timm_plugin import (
+    MixTarget,
+    TLAlign,
+    TLAlignTask,
+    TokenLabeling,
+    TokenLabelingLoss,
+    TokenLabelingTask,
+    TransMix,
+    TransMixTask,
+    attach_aux_head,
+    create_mixer,
+)
 from timm_plugin.token_label_data import TokenLabelTarget
 
 C = 5
@@ -54,8 +63,16 @@ def test_tl_align_and_transmix_tasks_in_a_timm_loop(task_cls, wrapper_cls):
     task = task_cls(model, SoftTargetCrossEntropy(), verbose=False)
     assert isinstance(task, TrainingTask) and isinstance(task, ClassificationTask)
     method = 'tl_align' if task_cls is TLAlignTask else 'transmix'
-    mixer = create_mixer('cutmix', method=method, mixup_alpha=0., cutmix_alpha=1., num_classes=C, patch_size=8,
-                         mode='elem', generator=torch.Generator().manual_seed(3))
+    mixer = create_mixer(
+        'cutmix',
+        method=method,
+        mixup_alpha=0.0,
+        cutmix_alpha=1.0,
+        num_classes=C,
+        patch_size=8,
+        mode='elem',
+        generator=torch.Generator().manual_seed(3),
+    )
     x, y = batches(1)[0]
     xm, t = mixer(x, y)
     task.train()
@@ -91,7 +108,8 @@ def test_task_refuses_an_unsupported_model_before_building():
         TransMixTask(tiny_vit(), SoftTargetCrossEntropy(), mode='mean')
     with pytest.raises(ValueError, match='target: TLAlign needs the MixTarget'):
         TLAlignTask(tiny_vit(), SoftTargetCrossEntropy(), verbose=False).train().method.align(
-            torch.randn(2, 3, 32, 32), torch.zeros(2, C))
+            torch.randn(2, 3, 32, 32), torch.zeros(2, C)
+        )
 
 
 def label_maps_target(y, seed=0):
@@ -100,7 +118,7 @@ def label_maps_target(y, seed=0):
     B = y.shape[0]
     probs = torch.rand(B, C, 4, 4, generator=g).softmax(1)
     values, indices = probs.topk(2, dim=1)
-    boxes = torch.tensor([[0., 0., 1., 1.]] * B)
+    boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0]] * B)
     return TokenLabelTarget.wrap(y, values.half(), indices, boxes, torch.zeros(B, dtype=torch.bool), C)
 
 
@@ -111,6 +129,7 @@ def test_token_labeling_task_in_a_timm_loop(name):
         if name == 'lvvit':
             return timm.create_model('lvvit_t', img_size=64, num_classes=C, depth=2)
         return attach_aux_head(timm.create_model('vit_tiny_patch16_224', img_size=64, depth=2, num_classes=C))
+
     model, reference = make(), make()
     loss_fn = TokenLabelingLoss(C, dense_weight=0.5, smoothing=0.1)
     task = TokenLabelingTask(model, loss_fn, generator=torch.Generator().manual_seed(4), verbose=False)
@@ -170,8 +189,16 @@ def test_prepare_distributed_wraps_the_trainable_module_and_keeps_keys(tmp_path)
     dist.init_process_group('gloo', init_method=f'file://{tmp_path / "store"}', rank=0, world_size=1)
     try:
         model, reference = tiny_vit(), tiny_vit()
-        mixer = create_mixer('cutmix', method='tl_align', mixup_alpha=0., cutmix_alpha=1., num_classes=C,
-                             patch_size=8, mode='elem', generator=torch.Generator().manual_seed(3))
+        mixer = create_mixer(
+            'cutmix',
+            method='tl_align',
+            mixup_alpha=0.0,
+            cutmix_alpha=1.0,
+            num_classes=C,
+            patch_size=8,
+            mode='elem',
+            generator=torch.Generator().manual_seed(3),
+        )
         x, t = mixer(*batches(1)[0])
         ddp_task = TLAlignTask(model, SoftTargetCrossEntropy(), verbose=False).prepare_distributed()
         plain_task = TLAlignTask(reference, SoftTargetCrossEntropy(), verbose=False)
@@ -184,3 +211,50 @@ def test_prepare_distributed_wraps_the_trainable_module_and_keeps_keys(tmp_path)
     finally:
         dist.destroy_process_group()
     assert isinstance(t, MixTarget)
+
+
+@pytest.mark.parametrize('prefetcher', [False, True])
+def test_readme_diff_for_timm_train_py(prefetcher):
+    """The README's two changed lines of timm's train.py, with train.py's own argument dicts and calls: the mixer
+    from timm's mixup_args (collate or in-loop), the task built with train.py's keywords, then its step."""
+    mixup_args = dict(
+        mixup_alpha=0.8,
+        cutmix_alpha=1.0,
+        cutmix_minmax=None,
+        prob=1.0,
+        switch_prob=0.5,
+        mode='batch',
+        label_smoothing=0.1,
+        num_classes=C,
+    )
+    collate_fn = mixup_fn = None
+    if prefetcher:
+        collate_fn = create_mixer('cutmix', method='tl_align', collate=True, patch_size=8, **mixup_args)
+    else:
+        mixup_fn = create_mixer('cutmix', method='tl_align', patch_size=8, **mixup_args)
+    task = TLAlignTask(
+        model=tiny_vit(),
+        criterion=SoftTargetCrossEntropy(),
+        device=torch.device('cpu'),
+        dtype=torch.float32,
+        verbose=False,
+    )
+    model = task.get_trainable_module()
+    eval_model = task.get_eval_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    task.train()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        if prefetcher:  # uint8 samples through the collate, normalised afterwards as timm's prefetcher does
+            batch = [(torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=g), i % C) for i in range(4)]
+            input, target = collate_fn(batch)
+            input = (input.float() - 127.5) / 64.0
+        else:
+            input, target = mixup_fn(torch.randn(4, 3, 32, 32, generator=g), torch.arange(4) % C)
+        assert isinstance(target, MixTarget)
+        result = task(input, target)
+        optimizer.zero_grad()
+        result['loss'].backward()
+        optimizer.step()
+        assert torch.isfinite(result['loss']) and torch.allclose(result['target'].sum(1), torch.ones(4))
+    assert eval_model is model

@@ -1,4 +1,5 @@
 """timm adapter: create_mixer / FastCollateTokenMixup with real timm losses, loaders and prefetcher."""
+
 import numpy as np
 import pytest
 import torch
@@ -59,18 +60,29 @@ def test_mix_target_survives_to_pickle_and_worker_processes():
         assert x.dtype == torch.uint8
 
 
-@pytest.mark.parametrize('kind,mode', [(k, m) for k in ['cutmix', 'tokenmix_block'] for m in ['batch', 'pair', 'elem']]
-                         + [('cutmix', 'half'), ('mixup', 'half')])
+@pytest.mark.parametrize(
+    'kind,mode',
+    [(k, m) for k in ['cutmix', 'tokenmix_block'] for m in ['batch', 'pair', 'elem']]
+    + [('cutmix', 'half'), ('mixup', 'half')],
+)
 def test_collate_equals_mixer_on_stacked_batch(kind, mode):
     imgs = [np.random.RandomState(i).randint(0, 256, (3, 32, 32)).astype(np.uint8) for i in range(6)]
     batch = [(im, i % 4) for i, im in enumerate(imgs)]
-    collate = create_mixer(kind, num_classes=4, patch_size=8, collate=True, mode=mode,
-                           generator=torch.Generator().manual_seed(7), **_args(kind))
+    collate = create_mixer(
+        kind,
+        num_classes=4,
+        patch_size=8,
+        collate=True,
+        mode=mode,
+        generator=torch.Generator().manual_seed(7),
+        **_args(kind),
+    )
     assert isinstance(collate, FastCollateMixup)
     x, target = collate(batch)
     ref_mode = 'elem' if mode == 'half' else mode
-    mixer = create_mixer(kind, num_classes=4, patch_size=8, mode=ref_mode,
-                         generator=torch.Generator().manual_seed(7), **_args(kind))
+    mixer = create_mixer(
+        kind, num_classes=4, patch_size=8, mode=ref_mode, generator=torch.Generator().manual_seed(7), **_args(kind)
+    )
     xr, tr = mixer(torch.from_numpy(np.stack(imgs)), torch.tensor([b[1] for b in batch]))
     n = 3 if mode == 'half' else 6
     assert torch.equal(x, xr[:n]) and torch.allclose(target, tr[:n])
@@ -89,10 +101,27 @@ def _image_folder(root, classes=3, per_class=4, size=32):
 def test_prefetcher_and_mixup_off_switch(tmp_path):
     """timm's create_loader + PrefetchLoader drive our collate, and its mixup_enabled switch reaches it."""
     ds = create_dataset('', root=str(_image_folder(tmp_path / 'train')), is_training=True)
-    collate = create_mixer('tokenmix_block', cutmix_alpha=1.0, mixup_alpha=0., num_classes=3, patch_size=8,
-                           collate=True, label_smoothing=0.0, tokenmix_lam=0.5)  # λ = 0.5: always mixed
-    loader = create_loader(ds, input_size=(3, 32, 32), batch_size=4, is_training=True, use_prefetcher=True,
-                           collate_fn=collate, num_workers=0, device=torch.device('cpu'), no_aug=True)
+    collate = create_mixer(
+        'tokenmix_block',
+        cutmix_alpha=1.0,
+        mixup_alpha=0.0,
+        num_classes=3,
+        patch_size=8,
+        collate=True,
+        label_smoothing=0.0,
+        tokenmix_lam=0.5,
+    )  # λ = 0.5: always mixed
+    loader = create_loader(
+        ds,
+        input_size=(3, 32, 32),
+        batch_size=4,
+        is_training=True,
+        use_prefetcher=True,
+        collate_fn=collate,
+        num_workers=0,
+        device=torch.device('cpu'),
+        no_aug=True,
+    )
     assert loader.mixup_enabled
     x, target = next(iter(loader))
     assert x.dtype == torch.float32 and isinstance(target, MixTarget)
@@ -125,8 +154,16 @@ def test_bad_input_errors():
 
 def test_mix_target_deepcopy_and_timm_attributes_are_live():
     import copy
-    mixer = create_mixer('tokenmix_block', cutmix_alpha=1.0, mixup_alpha=0., num_classes=4, patch_size=8,
-                         tokenmix_lam=0.5, label_smoothing=0.)
+
+    mixer = create_mixer(
+        'tokenmix_block',
+        cutmix_alpha=1.0,
+        mixup_alpha=0.0,
+        num_classes=4,
+        patch_size=8,
+        tokenmix_lam=0.5,
+        label_smoothing=0.0,
+    )
     _, t = mixer(torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3]))
     c = copy.deepcopy(t)
     assert isinstance(c, MixTarget) and torch.equal(c.as_tensor(), t.as_tensor())
@@ -145,7 +182,7 @@ def test_mix_target_deepcopy_and_timm_attributes_are_live():
 
 
 def test_cutmix_kind_without_cutmix_alpha_is_mixup_only_as_in_timm():
-    mixer = create_mixer('cutmix', mixup_alpha=0.8, cutmix_alpha=0., num_classes=4, patch_size=8, mode='elem')
+    mixer = create_mixer('cutmix', mixup_alpha=0.8, cutmix_alpha=0.0, num_classes=4, patch_size=8, mode='elem')
     x = torch.randn(8, 3, 16, 16)
     _, t = mixer(x, torch.arange(8) % 4)
     assert not mixer.sampler.has_cut and t.shape == (8, 4)
@@ -155,11 +192,28 @@ def test_mixup_off_reaches_non_persistent_workers(tmp_path):
     """tokenaug-train builds its loader with persistent_workers=False when --mixup-off-epoch is set:
     each epoch's workers then get the collate function with mixing switched off."""
     ds = create_dataset('', root=str(_image_folder(tmp_path / 'train')), is_training=True)
-    collate = create_mixer('tokenmix_random', cutmix_alpha=1.0, mixup_alpha=0., num_classes=3, patch_size=8,
-                           collate=True, label_smoothing=0.0, tokenmix_lam=0.5)
-    loader = create_loader(ds, input_size=(3, 32, 32), batch_size=4, is_training=True, use_prefetcher=True,
-                           collate_fn=collate, num_workers=2, persistent_workers=False,
-                           device=torch.device('cpu'), no_aug=True)
+    collate = create_mixer(
+        'tokenmix_random',
+        cutmix_alpha=1.0,
+        mixup_alpha=0.0,
+        num_classes=3,
+        patch_size=8,
+        collate=True,
+        label_smoothing=0.0,
+        tokenmix_lam=0.5,
+    )
+    loader = create_loader(
+        ds,
+        input_size=(3, 32, 32),
+        batch_size=4,
+        is_training=True,
+        use_prefetcher=True,
+        collate_fn=collate,
+        num_workers=2,
+        persistent_workers=False,
+        device=torch.device('cpu'),
+        no_aug=True,
+    )
     assert all(torch.all(t.mix.lam == 0.5) for _, t in loader)
     loader.mixup_enabled = False
     assert all(torch.all(t.mix.lam == 1) and t.mix.kind == 'none' for _, t in loader)

@@ -1,4 +1,5 @@
 """TL-Align on timm ViTs against an explicit reference (materialised attention, dense labels, head loops)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ def sharpen(model, std=0.3):
 
 def tiny_vit(cls=VisionTransformer, **kw):
     torch.manual_seed(0)
-    args = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=4, num_classes=C, mlp_ratio=2.)
+    args = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=4, num_classes=C, mlp_ratio=2.0)
     args.update(kw)
     return sharpen(cls(**args))
 
@@ -41,7 +42,7 @@ def reference(model, x, Y, layers=None, normalise=True, attns=None, final=None):
         B, T, D = h.shape
         qkv = a.qkv(h).reshape(B, T, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = a.q_norm(qkv[0]), a.k_norm(qkv[1]), qkv[2]
-        A = torch.softmax(q @ k.transpose(-1, -2) * a.head_dim ** -0.5, dim=-1)  # (B, H, T, T)
+        A = torch.softmax(q @ k.transpose(-1, -2) * a.head_dim**-0.5, dim=-1)  # (B, H, T, T)
         if attns is not None:
             attns.append(A)
         t = t + blk.ls1(a.proj((A @ v).transpose(1, 2).reshape(B, T, D)))
@@ -64,9 +65,17 @@ def random_token_labels(B, N, generator):
     return torch.softmax(torch.randn(B, N, C, generator=generator) * 3, dim=-1)
 
 
-@pytest.mark.parametrize('kw', [dict(), dict(global_pool='avg', class_token=False), dict(global_pool='avg'),
-                                dict(reg_tokens=2), dict(qk_norm=True)],
-                         ids=['cls', 'avg-no-cls', 'avg-with-cls', 'registers', 'qk-norm'])
+@pytest.mark.parametrize(
+    'kw',
+    [
+        dict(),
+        dict(global_pool='avg', class_token=False),
+        dict(global_pool='avg'),
+        dict(reg_tokens=2),
+        dict(qk_norm=True),
+    ],
+    ids=['cls', 'avg-no-cls', 'avg-with-cls', 'registers', 'qk-norm'],
+)
 def test_dense_trace_matches_materialised_reference(kw):
     model = tiny_vit(**kw).eval()
     g = torch.Generator().manual_seed(1)
@@ -108,9 +117,10 @@ def test_compact_and_dense_labels_give_the_same_target(kind):
     token gives the dense result."""
     model = tiny_vit(drop_path_rate=0.0).train()
     g = torch.Generator().manual_seed(3)
-    kw = dict(mixup_alpha=1.0) if kind == 'mixup' else dict(mixup_alpha=0., cutmix_alpha=1.0)
-    mixer = create_mixer(kind, num_classes=C, patch_size=8, mode='elem', label_smoothing=0.1, generator=g,
-                         carry_mix=True, **kw)
+    kw = dict(mixup_alpha=1.0) if kind == 'mixup' else dict(mixup_alpha=0.0, cutmix_alpha=1.0)
+    mixer = create_mixer(
+        kind, num_classes=C, patch_size=8, mode='elem', label_smoothing=0.1, generator=g, carry_mix=True, **kw
+    )
     x = torch.randn(6, 3, 32, 32, generator=g)
     y = torch.randint(0, C, (6,), generator=g)
     xm, target = mixer(x, y)
@@ -138,7 +148,7 @@ def test_eval_is_the_plain_model_and_training_logits_are_unchanged():
     assert torch.equal(wrapped(x), model(x))
     assert all(not blk.attn.q_norm._forward_hooks for blk in model.blocks)  # nothing left registered
     wrapped.train()
-    mixer = create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=8, carry_mix=True)
+    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=8, carry_mix=True)
     xm, target = mixer(x, torch.tensor([0, 1, 2, 3]))
     torch.manual_seed(0)
     out, _ = wrapped(xm, target)
@@ -149,8 +159,16 @@ def test_eval_is_the_plain_model_and_training_logits_are_unchanged():
 def test_no_mixing_gives_the_plain_target():
     """Mixing probability 0: the aligned target is the (smoothed) one-hot, so the loss is plain training's."""
     model = tiny_vit().train()
-    mixer = create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1.0, prob=0.0, num_classes=C, patch_size=8,
-                         carry_mix=True, label_smoothing=0.1)
+    mixer = create_mixer(
+        'cutmix',
+        mixup_alpha=0.0,
+        cutmix_alpha=1.0,
+        prob=0.0,
+        num_classes=C,
+        patch_size=8,
+        carry_mix=True,
+        label_smoothing=0.1,
+    )
     y = torch.tensor([0, 1, 2, 3])
     xm, target = mixer(torch.randn(4, 3, 32, 32), y)
     _, aligned = TLAlign(model)(xm, target)
@@ -174,7 +192,8 @@ def test_fused_attention_is_kept(fused):
     def count_softmax(self, *a, **k):
         softmaxes.append(self.shape)
         return softmax(self, *a, **k)
-    mixer = create_mixer('tokenmix_block', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=8)
+
+    mixer = create_mixer('tokenmix_block', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=8)
     xm, target = mixer(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3]))
     try:
         F.scaled_dot_product_attention, torch.Tensor.softmax = count_sdpa, count_softmax
@@ -192,7 +211,7 @@ def test_fused_attention_is_kept(fused):
 
 def test_label_path_is_fp32_under_autocast():
     model = tiny_vit().train()
-    mixer = create_mixer('tokenmix_random', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=8)
+    mixer = create_mixer('tokenmix_random', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=8)
     xm, target = mixer(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3]))
     with torch.autocast('cpu', dtype=torch.bfloat16):
         out, aligned = TLAlign(model)(xm, target)
@@ -224,7 +243,7 @@ def test_dropped_branch_keeps_labels():
     out = residual_labels(Y, branch, keep=torch.tensor([True, False, True]))
     assert torch.equal(out[1], Y[1]) and torch.allclose(out[0], (Y[0] + branch[0]) / 2)
     model = tiny_vit(drop_path_rate=0.9).train()  # stochastic depth on: targets stay normalised
-    mixer = create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=8, carry_mix=True)
+    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=8, carry_mix=True)
     xm, target = mixer(torch.randn(8, 3, 32, 32), torch.arange(8) % C)
     _, aligned = TLAlign(model)(xm, target)
     assert torch.allclose(aligned.sum(1), torch.ones(8), atol=1e-6)
@@ -232,8 +251,12 @@ def test_dropped_branch_keeps_labels():
 
 def test_bad_input():
     import timm
-    with pytest.raises(ValueError, match=r'no tracer for .*ResNet; supported: .*VisionTransformerDistilled, '
-                                         r'.*VisionTransformer, .*SwinTransformer'):
+
+    with pytest.raises(
+        ValueError,
+        match=r'no tracer for .*ResNet; supported: .*VisionTransformerDistilled, '
+        r'.*VisionTransformer, .*SwinTransformer',
+    ):
         TLAlign(timm.create_model('resnet10t', num_classes=C))
     with pytest.raises(ValueError, match="global_pool='map'"):
         TLAlign(tiny_vit(global_pool='map'))
@@ -260,9 +283,18 @@ def test_mix_target_carries_its_sources():
 
 def tiny_swin(**kw):
     from timm.models.swin_transformer import SwinTransformer
+
     torch.manual_seed(0)
-    args = dict(img_size=32, patch_size=2, window_size=4, embed_dim=16, depths=(2, 2), num_heads=(2, 2),
-                num_classes=C, drop_path_rate=0.)
+    args = dict(
+        img_size=32,
+        patch_size=2,
+        window_size=4,
+        embed_dim=16,
+        depths=(2, 2),
+        num_heads=(2, 2),
+        num_classes=C,
+        drop_path_rate=0.0,
+    )
     args.update(kw)
     return sharpen(SwinTransformer(**args))
 
@@ -283,6 +315,7 @@ def swin_reference_labels(model, x, Y_tok):
             nw = mask.shape[0]
             logits = (logits.view(Bw // nw, nw, attn.num_heads, N, N) + mask[None, :, None]).view(Bw, -1, N, N)
         attns.append(logits.softmax(-1).mean(1).detach())
+
     blocks = [b for s in model.layers for b in s.blocks]
     hooks = [b.attn.register_forward_pre_hook(recompute, with_kwargs=True) for b in blocks]
     out = model(x)
@@ -298,8 +331,12 @@ def swin_reference_labels(model, x, Y_tok):
             merged = torch.zeros(B, H, W, Y.shape[-1])
             for i in range(H):
                 for j in range(W):
-                    merged[:, i, j] = (Y[:, 2 * i, 2 * j] + Y[:, 2 * i + 1, 2 * j] + Y[:, 2 * i, 2 * j + 1]
-                                       + Y[:, 2 * i + 1, 2 * j + 1]) / 4
+                    merged[:, i, j] = (
+                        Y[:, 2 * i, 2 * j]
+                        + Y[:, 2 * i + 1, 2 * j]
+                        + Y[:, 2 * i, 2 * j + 1]
+                        + Y[:, 2 * i + 1, 2 * j + 1]
+                    ) / 4
             Y = merged
         for blk in stage.blocks:
             A = attns[idx]
@@ -341,8 +378,16 @@ def test_swin_dense_trace_matches_index_reference():
 
 def test_swin_compact_equals_dense_and_training_call():
     model = tiny_swin(drop_path_rate=0.2).train()
-    mixer = create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=2, mode='elem',
-                         carry_mix=True, generator=torch.Generator().manual_seed(1))
+    mixer = create_mixer(
+        'cutmix',
+        mixup_alpha=0.0,
+        cutmix_alpha=1.0,
+        num_classes=C,
+        patch_size=2,
+        mode='elem',
+        carry_mix=True,
+        generator=torch.Generator().manual_seed(1),
+    )
     y = torch.arange(4) % C
     xm, target = mixer(torch.randn(4, 3, 32, 32), y)
     wrapped = TLAlign(model)
@@ -371,9 +416,19 @@ def test_swin_padded_grid_is_refused():
 @pytest.mark.parametrize('mode', ['paper', 'average'])
 def test_transmix_reads_the_class_attention_over_the_box(mode):
     from timm_plugin.tl_align import TransMix
+
     model = tiny_vit().eval()
-    mixer = create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=8, mode='elem',
-                         carry_mix=True, label_smoothing=0., generator=torch.Generator().manual_seed(2))
+    mixer = create_mixer(
+        'cutmix',
+        mixup_alpha=0.0,
+        cutmix_alpha=1.0,
+        num_classes=C,
+        patch_size=8,
+        mode='elem',
+        carry_mix=True,
+        label_smoothing=0.0,
+        generator=torch.Generator().manual_seed(2),
+    )
     y = torch.tensor([0, 1, 2, 3])
     xm, target = mixer(torch.randn(4, 3, 32, 32), y)
     attns = []
@@ -393,9 +448,18 @@ def test_transmix_reads_the_class_attention_over_the_box(mode):
 
 def test_transmix_extension_without_class_token():
     from timm_plugin.tl_align import TransMix
+
     model = tiny_vit(global_pool='avg', class_token=False).eval()
-    mixer = create_mixer('tokenmix_block', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=8,
-                         mode='elem', label_smoothing=0., generator=torch.Generator().manual_seed(4))
+    mixer = create_mixer(
+        'tokenmix_block',
+        mixup_alpha=0.0,
+        cutmix_alpha=1.0,
+        num_classes=C,
+        patch_size=8,
+        mode='elem',
+        label_smoothing=0.0,
+        generator=torch.Generator().manual_seed(4),
+    )
     y = torch.tensor([0, 1, 2, 3])
     xm, target = mixer(torch.randn(4, 3, 32, 32), y)
     attns = []
@@ -405,8 +469,9 @@ def test_transmix_extension_without_class_token():
     _, t = TransMix(model).train()(xm, target)
     expected = (1 - share)[:, None] * one_hot(y, C) + share[:, None] * one_hot(y[target.mix.partner], C)
     assert torch.allclose(t, expected, atol=1e-6)
-    _, t = TransMix(tiny_swin()).train()(*create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1., num_classes=C,
-                                                        patch_size=2, carry_mix=True)(xm, y))
+    _, t = TransMix(tiny_swin()).train()(
+        *create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=2, carry_mix=True)(xm, y)
+    )
     assert torch.allclose(t.sum(1), torch.ones(4), atol=1e-6) and t.min() >= 0
     with pytest.raises(ValueError, match='mode'):
         TransMix(model, mode='mean')
@@ -414,8 +479,15 @@ def test_transmix_extension_without_class_token():
 
 def test_swin_label_path_is_fp32_under_autocast():
     model = tiny_swin().train()
-    mixer = create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=2, carry_mix=True,
-                         generator=torch.Generator().manual_seed(0))
+    mixer = create_mixer(
+        'cutmix',
+        mixup_alpha=0.0,
+        cutmix_alpha=1.0,
+        num_classes=C,
+        patch_size=2,
+        carry_mix=True,
+        generator=torch.Generator().manual_seed(0),
+    )
     xm, target = mixer(torch.randn(4, 3, 32, 32), torch.arange(4))
     _, ref = TLAlign(model)(xm, target)
     with torch.autocast('cpu', dtype=torch.bfloat16):
@@ -436,7 +508,7 @@ def test_tl_align_mixer_api(mix_kind):
     assert logits.shape == target.shape == (4, C) and torch.allclose(target.sum(1), torch.ones(4), atol=1e-6)
     with pytest.raises(ValueError, match="mix_kind: 'tl_align' is a method"):
         create_mixer('tl_align')
-    with pytest.raises(ValueError, match="method: expected one of"):
+    with pytest.raises(ValueError, match='method: expected one of'):
         create_mixer('cutmix', method='cutmix', cutmix_alpha=1.0)
     with pytest.raises(ValueError, match="cutmix_alpha: tl_align over mix_kind='cutmix' needs cutmix_alpha > 0"):
         create_mixer('cutmix', method='tl_align', num_classes=C)  # timm's defaults: MixUp only, nothing to align
@@ -444,7 +516,9 @@ def test_tl_align_mixer_api(mix_kind):
 
 def test_token_grid_step_of_timm_models():
     import timm
+
     from timm_plugin.token_grid import token_stride
+
     assert token_stride(timm.create_model('vit_tiny_patch16_224')) == (16, 16)
     assert token_stride(timm.create_model('swin_tiny_patch4_window7_224')) == (4, 4)
     assert token_stride(timm.create_model('pvt_v2_b0')) == (4, 4)  # 7x7 overlapping embedding, stride 4
@@ -458,9 +532,14 @@ def test_stochastic_depth_keeps_match_the_reference():
     x = torch.randn(6, 3, 32, 32, generator=g)
     Y_tok = random_token_labels(6, 16, g)
     seen, keeps = [], []
-    hooks = [h for blk in model.blocks for h in (
-        blk.norm1.register_forward_hook(lambda m, i, o: seen.append(o.detach())),
-        blk.drop_path1.register_forward_hook(lambda m, i, o: keeps.append((o.flatten(1) != 0).any(1))))]
+    hooks = [
+        h
+        for blk in model.blocks
+        for h in (
+            blk.norm1.register_forward_hook(lambda m, i, o: seen.append(o.detach())),
+            blk.drop_path1.register_forward_hook(lambda m, i, o: keeps.append((o.flatten(1) != 0).any(1))),
+        )
+    ]
     torch.manual_seed(0)
     _, label = TLAlign(model).trace(x, Y_tok)
     for h in hooks:
@@ -472,6 +551,6 @@ def test_stochastic_depth_keeps_match_the_reference():
         a = blk.attn
         B, T, D = h.shape
         q, k, _ = a.qkv(h).reshape(B, T, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
-        A = torch.softmax(q @ k.transpose(-1, -2) * a.head_dim ** -0.5, dim=-1).mean(1)
+        A = torch.softmax(q @ k.transpose(-1, -2) * a.head_dim**-0.5, dim=-1).mean(1)
         Y = torch.where(keep[:, None, None], (Y + A @ Y) / 2, Y)
     assert torch.allclose(label, Y[:, 0], atol=1e-6)

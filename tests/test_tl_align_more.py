@@ -1,5 +1,6 @@
 """TL-Align on timm CaiT and PVT v2 against explicit references (materialised attention, head loops, window
 loops), compact-vs-dense agreement, the unchanged token path, and the refusals."""
+
 import pytest
 import torch
 import torch.nn as nn
@@ -8,8 +9,8 @@ from timm.models.cait import Cait
 from timm.models.pvt_v2 import PyramidVisionTransformerV2
 
 from shared_core.mixing import mix_target, one_hot
-from timm_plugin import create_mixer
 from shared_core.tl_align import capture_forward
+from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign, TransMix
 
 from .test_tl_align import C, random_token_labels
@@ -30,8 +31,18 @@ def _sharpen(model, std=0.3):
 
 def tiny_cait(**kw):
     torch.manual_seed(0)
-    args = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, depth_token_only=1, num_heads=4, num_classes=C,
-                mlp_ratio=2., mlp_ratio_token_only=2., init_values=1.0)
+    args = dict(
+        img_size=32,
+        patch_size=8,
+        embed_dim=32,
+        depth=2,
+        depth_token_only=1,
+        num_heads=4,
+        num_classes=C,
+        mlp_ratio=2.0,
+        mlp_ratio_token_only=2.0,
+        init_values=1.0,
+    )
     args.update(kw)
     return _sharpen(Cait(**args))
 
@@ -91,8 +102,11 @@ def cait_reference(model, x, Y, layers=None, normalise=True, absolute=True, keep
     return out, y_cls[:, 0] if model.global_pool == 'token' else Yp.mean(1)
 
 
-@pytest.mark.parametrize('kw', [dict(), dict(global_pool='avg'), dict(depth_token_only=2), dict(qkv_bias=False)],
-                         ids=['token', 'avg', 'two-class-attn-blocks', 'no-qkv-bias'])
+@pytest.mark.parametrize(
+    'kw',
+    [dict(), dict(global_pool='avg'), dict(depth_token_only=2), dict(qkv_bias=False)],
+    ids=['token', 'avg', 'two-class-attn-blocks', 'no-qkv-bias'],
+)
 def test_cait_dense_trace_matches_materialised_reference(kw):
     model = tiny_cait(**kw).eval()
     g = torch.Generator().manual_seed(1)
@@ -155,8 +169,12 @@ def test_cait_stochastic_depth_uses_the_attention_branch_call():
     blocks = list(model.blocks)
     assert all(isinstance(b.drop_path, nn.Identity) for b in model.blocks_token_only)
     calls = {id(b): [] for b in blocks}
-    hooks = [b.drop_path.register_forward_hook(lambda m, i, o, b=b: calls[id(b)].append(
-        ((o.flatten(1) != 0).any(1)).clone())) for b in blocks]
+    hooks = [
+        b.drop_path.register_forward_hook(
+            lambda m, i, o, b=b: calls[id(b)].append(((o.flatten(1) != 0).any(1)).clone())
+        )
+        for b in blocks
+    ]
     wrapped = TLAlign(model)
     torch.manual_seed(11)
     _, captures = capture_forward(wrapped.tracer, lambda: model(torch.randn(16, 3, 32, 32)))
@@ -165,14 +183,14 @@ def test_cait_stochastic_depth_uses_the_attention_branch_call():
     assert any(not torch.equal(calls[id(b)][0], calls[id(b)][1]) for b in blocks)  # the two calls differ
     for b, cap in zip(blocks, captures):
         assert len(calls[id(b)]) == 2 and torch.equal(cap.keep, calls[id(b)][0])
-    assert all(cap.keep is None for cap in captures[len(blocks):])
+    assert all(cap.keep is None for cap in captures[len(blocks) :])
     # the labels of dropped samples stay: the reference with the same keeps (on the eval path's attention)
     model.eval()
     g = torch.Generator().manual_seed(5)
     x = torch.randn(16, 3, 32, 32, generator=g)
     Y_tok = random_token_labels(16, 16, g)
     Y0 = torch.cat([Y_tok.mean(1, keepdim=True), Y_tok], 1)
-    keeps = [cap.keep for cap in captures[:len(blocks)]] + [torch.arange(16) % 2 == 0]  # and there
+    keeps = [cap.keep for cap in captures[: len(blocks)]] + [torch.arange(16) % 2 == 0]  # and there
     assert all(not k.all() for k in keeps)
     wrapped = TLAlign(model)
     _, caps = capture_forward(wrapped.tracer, lambda: model(x))
@@ -187,9 +205,10 @@ def test_cait_stochastic_depth_uses_the_attention_branch_call():
 def test_cait_compact_and_dense_labels_give_the_same_target(kind):
     model = tiny_cait(drop_path_rate=0.2).train()
     g = torch.Generator().manual_seed(3)
-    kw = dict(mixup_alpha=1.0) if kind == 'mixup' else dict(mixup_alpha=0., cutmix_alpha=1.0)
-    mixer = create_mixer(kind, num_classes=C, patch_size=8, mode='elem', label_smoothing=0.1, generator=g,
-                         carry_mix=True, **kw)
+    kw = dict(mixup_alpha=1.0) if kind == 'mixup' else dict(mixup_alpha=0.0, cutmix_alpha=1.0)
+    mixer = create_mixer(
+        kind, num_classes=C, patch_size=8, mode='elem', label_smoothing=0.1, generator=g, carry_mix=True, **kw
+    )
     x = torch.randn(6, 3, 32, 32, generator=g)
     y = torch.randint(0, C, (6,), generator=g)
     xm, target = mixer(x, y)
@@ -212,8 +231,7 @@ def test_cait_compact_and_dense_labels_give_the_same_target(kind):
 
 def tiny_pvt(**kw):
     torch.manual_seed(0)
-    args = dict(depths=(1, 1), embed_dims=(16, 32), num_heads=(1, 2), sr_ratios=(2, 1), mlp_ratios=2.,
-                num_classes=C)
+    args = dict(depths=(1, 1), embed_dims=(16, 32), num_heads=(1, 2), sr_ratios=(2, 1), mlp_ratios=2.0, num_classes=C)
     args.update(kw)
     return _sharpen(PyramidVisionTransformerV2(**args))
 
@@ -225,8 +243,12 @@ def _window_mean(Y, k, s, p):
     out = torch.zeros(B, Ho, Wo, K)
     for i in range(Ho):
         for j in range(Wo):
-            cells = [(r, c) for r in range(i * s - p, i * s - p + k) for c in range(j * s - p, j * s - p + k)
-                     if 0 <= r < H and 0 <= c < W]
+            cells = [
+                (r, c)
+                for r in range(i * s - p, i * s - p + k)
+                for c in range(j * s - p, j * s - p + k)
+                if 0 <= r < H and 0 <= c < W
+            ]
             out[:, i, j] = sum(Y[:, r, c] for r, c in cells) / len(cells)
     return out
 
@@ -286,8 +308,10 @@ def pvt_reference(model, x, Y_tok, layers=None, normalise=True):
 PVT_CASES = {
     'sr': (dict(), 32),
     'linear': (dict(linear=True), 32),  # AdaptiveAvgPool2d(7) keys: 8x8 -> 7x7, then 4x4 -> 7x7
-    'three-stages-odd-grids': (dict(depths=(1, 2, 1), embed_dims=(8, 16, 16), num_heads=(1, 2, 2),
-                                    sr_ratios=(2, 2, 1)), 40),  # 10x10 -> 5x5 (sr drops a row) -> 3x3
+    'three-stages-odd-grids': (
+        dict(depths=(1, 2, 1), embed_dims=(8, 16, 16), num_heads=(1, 2, 2), sr_ratios=(2, 2, 1)),
+        40,
+    ),  # 10x10 -> 5x5 (sr drops a row) -> 3x3
 }
 
 
@@ -317,9 +341,10 @@ def test_pvt_dense_trace_matches_materialised_reference(case):
 def test_pvt_compact_and_dense_labels_give_the_same_target(kind):
     model = tiny_pvt(drop_path_rate=0.2).train()
     g = torch.Generator().manual_seed(3)
-    kw = dict(mixup_alpha=1.0) if kind == 'mixup' else dict(mixup_alpha=0., cutmix_alpha=1.0)
-    mixer = create_mixer(kind, num_classes=C, patch_size=4, mode='elem', label_smoothing=0.1, generator=g,
-                         carry_mix=True, **kw)
+    kw = dict(mixup_alpha=1.0) if kind == 'mixup' else dict(mixup_alpha=0.0, cutmix_alpha=1.0)
+    mixer = create_mixer(
+        kind, num_classes=C, patch_size=4, mode='elem', label_smoothing=0.1, generator=g, carry_mix=True, **kw
+    )
     x = torch.randn(6, 3, 32, 32, generator=g)
     y = torch.randint(0, C, (6,), generator=g)
     xm, target = mixer(x, y)
@@ -352,7 +377,7 @@ def test_eval_is_the_plain_model_and_training_logits_are_unchanged(name):
     wrapped.eval()
     assert torch.equal(wrapped(x), model(x))
     wrapped.train()
-    mixer = create_mixer('cutmix', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=patch, carry_mix=True)
+    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=patch, carry_mix=True)
     xm, target = mixer(x, torch.tensor([0, 1, 2, 3]))
     torch.manual_seed(0)
     out, _ = wrapped(xm, target)
@@ -372,7 +397,7 @@ def test_eval_is_the_plain_model_and_training_logits_are_unchanged(name):
 def test_label_path_is_fp32_under_autocast(name):
     build, patch = MODELS[name]
     model = build().train()
-    mixer = create_mixer('tokenmix_random', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=patch)
+    mixer = create_mixer('tokenmix_random', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=patch)
     xm, target = mixer(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3]))
     with torch.autocast('cpu', dtype=torch.bfloat16):
         out, aligned = TLAlign(model)(xm, target)
@@ -393,7 +418,8 @@ def test_fused_label_attention(name):
     def count(*a, **k):
         calls.append(a[2].shape[-1])
         return sdpa(*a, **k)
-    mixer = create_mixer('tokenmix_block', mixup_alpha=0., cutmix_alpha=1.0, num_classes=C, patch_size=patch)
+
+    mixer = create_mixer('tokenmix_block', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=patch)
     xm, target = mixer(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3]))
     try:
         F.scaled_dot_product_attention = count
@@ -410,9 +436,13 @@ def test_fused_label_attention(name):
 
 def test_bad_input():
     import timm
-    with pytest.raises(ValueError, match=r'no tracer for .*ResNet; supported: .*VisionTransformerDistilled, '
-                                         r'.*VisionTransformer, .*SwinTransformer, timm\.models\.cait\.Cait, '
-                                         r'timm\.models\.pvt_v2\.PyramidVisionTransformerV2$'):
+
+    with pytest.raises(
+        ValueError,
+        match=r'no tracer for .*ResNet; supported: .*VisionTransformerDistilled, '
+        r'.*VisionTransformer, .*SwinTransformer, timm\.models\.cait\.Cait, '
+        r'timm\.models\.pvt_v2\.PyramidVisionTransformerV2$',
+    ):
         TLAlign(timm.create_model('resnet10t', num_classes=C))
     with pytest.raises(ValueError, match="CaiT with global_pool=''"):
         TLAlign(tiny_cait(global_pool=''))

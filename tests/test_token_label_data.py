@@ -1,5 +1,6 @@
 """Label maps follow the image through timm's loader: crops and flips of quadrant images, both the
 fast-collate prefetcher path and the plain path, checked token by token against the pixels."""
+
 import numpy as np
 import pytest
 import torch
@@ -9,25 +10,45 @@ from timm.data.auto_augment import rand_augment_transform
 from torchvision import transforms as T
 
 from shared_core.map_store import LabelMapStore, MissingLabelMapError
-from timm_plugin.token_label_data import (GEOMETRIC_RAND_OPS, TokenLabelCollate, TokenLabelDataset, TokenLabelTarget,
-                                          split_train_transform)
+from timm_plugin.token_label_data import (
+    GEOMETRIC_RAND_OPS,
+    TokenLabelCollate,
+    TokenLabelDataset,
+    TokenLabelTarget,
+    split_train_transform,
+)
+
 from .helpers import COLOURS, quadrant_image  # quadrant_data: the fixture of conftest.py
 
 
 def pixel_classes(x):
     """Class of each pixel of (B, 3, H, W) images in [0, 1]: nearest quadrant colour."""
-    cols = torch.tensor(COLOURS, dtype=torch.float32) / 255.
+    cols = torch.tensor(COLOURS, dtype=torch.float32) / 255.0
     d = ((x.permute(0, 2, 3, 1)[..., None, :] - cols) ** 2).sum(-1)
     return d.argmin(-1)
 
 
 def loader(root, prefetcher, batch_size=6, **kw):
-    ds = TokenLabelDataset(create_dataset('', root=str(root), split='train', is_training=True),
-                           LabelMapStore.open(root / 'maps'))
-    return create_loader(ds, input_size=(3, 64, 64), batch_size=batch_size, is_training=True, use_prefetcher=prefetcher,
-                         device=torch.device('cpu'), mean=(0., 0., 0.), std=(1., 1., 1.), scale=(0.08, 1.),
-                         hflip=0.5, color_jitter=0., interpolation='nearest', num_workers=0,
-                         collate_fn=TokenLabelCollate(4), **kw)
+    ds = TokenLabelDataset(
+        create_dataset('', root=str(root), split='train', is_training=True), LabelMapStore.open(root / 'maps')
+    )
+    return create_loader(
+        ds,
+        input_size=(3, 64, 64),
+        batch_size=batch_size,
+        is_training=True,
+        use_prefetcher=prefetcher,
+        device=torch.device('cpu'),
+        mean=(0.0, 0.0, 0.0),
+        std=(1.0, 1.0, 1.0),
+        scale=(0.08, 1.0),
+        hflip=0.5,
+        color_jitter=0.0,
+        interpolation='nearest',
+        num_workers=0,
+        collate_fn=TokenLabelCollate(4),
+        **kw,
+    )
 
 
 @pytest.mark.parametrize('prefetcher', [True, False])
@@ -66,11 +87,13 @@ def test_randaugment_keeps_only_colour_ops_and_other_geometry_is_refused():
 
 def test_a_missing_map_names_the_image(quadrant_data, tmp_path):
     import shutil
+
     root = tmp_path / 'data'
     shutil.copytree(quadrant_data / 'train', root / 'train')
     Image.fromarray(quadrant_image(64, 64, [[0, 1], [2, 3]])).save(root / 'train' / 'c0' / 'zz_new.png')
-    ds = TokenLabelDataset(create_dataset('', root=str(root), split='train', is_training=True),
-                           LabelMapStore.open(quadrant_data / 'maps'))
+    ds = TokenLabelDataset(
+        create_dataset('', root=str(root), split='train', is_training=True), LabelMapStore.open(quadrant_data / 'maps')
+    )
     ds.transform = T.Compose([T.RandomResizedCrop(32), T.PILToTensor()])
     with pytest.raises(MissingLabelMapError, match='c0/zz_new.png'):
         for i in range(len(ds)):
@@ -84,12 +107,13 @@ def test_randaugment_posterize_at_full_magnitude_works_with_this_pillow():
     from timm.data.auto_augment import AugmentOp
 
     import timm_plugin
+
     assert auto_augment.NAME_TO_OP['PosterizeIncreasing'] is auto_augment.posterize  # import patches nothing
     timm_plugin.fix_posterize()
     img = Image.fromarray(np.full((8, 8, 3), 200, np.uint8))
-    op = AugmentOp('PosterizeIncreasing', prob=1., magnitude=10, hparams={})
+    op = AugmentOp('PosterizeIncreasing', prob=1.0, magnitude=10, hparams={})
     assert np.asarray(op(img)).max() == 0
-    op = AugmentOp('PosterizeIncreasing', prob=1., magnitude=5, hparams={})
+    op = AugmentOp('PosterizeIncreasing', prob=1.0, magnitude=5, hparams={})
     assert np.asarray(op(img)).max() == 192  # 200 keeping 2 bits (4 - 2)
 
 

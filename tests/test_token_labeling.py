@@ -1,4 +1,5 @@
 """Token labeling + MixToken on timm: un-mixing, the loss against a hand computation, the inference rule."""
+
 import math
 
 import numpy as np
@@ -21,8 +22,9 @@ def tiny_vit(depth=2, num_classes=5, **kw):
 
 
 def box_mix(B=4, grid=(4, 4), seed=0, mode='batch'):
-    return MixSampler('token_box', mixup_alpha=0., cutmix_alpha=1., mode=mode, patch_size=16).sample(
-        B, (grid[0] * 16, grid[1] * 16), generator=torch.Generator().manual_seed(seed))
+    return MixSampler('token_box', mixup_alpha=0.0, cutmix_alpha=1.0, mode=mode, patch_size=16).sample(
+        B, (grid[0] * 16, grid[1] * 16), generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def test_unmixed_outputs_are_each_samples_own_tokens():
@@ -55,8 +57,9 @@ def test_unmixing_gives_the_loss_of_eq6_mixed_targets(mode):
 
 
 def test_unmixing_refuses_a_mix_that_is_not_a_pairwise_swap():
-    mix = MixSampler('token_box', mixup_alpha=0., cutmix_alpha=1., mode='elem', patch_size=16).sample(
-        4, (64, 64), generator=torch.Generator().manual_seed(0))
+    mix = MixSampler('token_box', mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', patch_size=16).sample(
+        4, (64, 64), generator=torch.Generator().manual_seed(0)
+    )
     assert not torch.equal(mix.token_share, mix.token_share[mix.partner])  # elem mode: each sample its own box
     with pytest.raises(ValueError, match='pairwise'):
         unmix_tokens(torch.zeros(4, 16, 3), mix)
@@ -69,18 +72,24 @@ def test_loss_against_a_hand_computation():
     cls, aux = torch.randn(B, C), torch.randn(B, N, C)
     y = torch.tensor([0, 2])
     dense = torch.softmax(torch.randn(B, N, C), -1)
-    share = torch.tensor([[[0., 1.], [0., 0.]], [[0., 1.], [0., 0.]]])
-    mix = Mix(partner=torch.tensor([1, 0]), lam=torch.tensor([.75, .75]), token_share=share, img_size=(32, 32),
-              patch_size=(16, 16), kind='token_box')
+    share = torch.tensor([[[0.0, 1.0], [0.0, 0.0]], [[0.0, 1.0], [0.0, 0.0]]])
+    mix = Mix(
+        partner=torch.tensor([1, 0]),
+        lam=torch.tensor([0.75, 0.75]),
+        token_share=share,
+        img_size=(32, 32),
+        patch_size=(16, 16),
+        kind='token_box',
+    )
     eps, beta = 0.1, 0.5
     # hand: smoothed one-hot, mixed by the own share 3/4 (Eq. 7)
     onehot = [[(1 - eps + eps / C) if c == y[b] else eps / C for c in range(C)] for b in range(B)]
-    loss_cls = 0.
+    loss_cls = 0.0
     for b in range(B):
         p = [0.75 * onehot[b][c] + 0.25 * onehot[1 - b][c] for c in range(C)]
         lse = math.log(sum(math.exp(float(cls[b, c])) for c in range(C)))
         loss_cls += -sum(p[c] * (float(cls[b, c]) - lse) for c in range(C))
-    loss_tok = 0.
+    loss_tok = 0.0
     for b in range(B):
         for n in range(N):
             lse = math.log(sum(math.exp(float(aux[b, n, c])) for c in range(C)))
@@ -88,8 +97,9 @@ def test_loss_against_a_hand_computation():
             loss_tok += -sum(t[c] * (float(aux[b, n, c]) - lse) for c in range(C))
     hand = loss_cls / B + beta * loss_tok / (B * N)
 
-    y_cls = TokenLabelingLoss(C, dense_weight=0., cls_target='gt', smoothing=eps).targets(
-        TokenLabelingOutput(cls, None, mix, (2, 2)), y)[0]
+    y_cls = TokenLabelingLoss(C, dense_weight=0.0, cls_target='gt', smoothing=eps).targets(
+        TokenLabelingOutput(cls, None, mix, (2, 2)), y
+    )[0]
     got = token_labeling_loss(cls, y_cls, aux, dense * (1 - eps) + eps / C, beta)
     assert abs(float(got) - hand) < 1e-5
 
@@ -100,7 +110,7 @@ def maps_target(labels, C, B, k=2, h=4, w=4, seed=0, boxes=None, flips=None):
     order = np.argsort(-p, -1)[..., :k]
     val = torch.from_numpy(np.take_along_axis(p, order, -1).astype(np.float16)).permute(0, 3, 1, 2).contiguous()
     idx = torch.from_numpy(order).permute(0, 3, 1, 2).contiguous()
-    boxes = torch.tensor([[0., 0., 1., 1.]] * B) if boxes is None else boxes
+    boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0]] * B) if boxes is None else boxes
     flips = torch.zeros(B, dtype=torch.bool) if flips is None else flips
     return TokenLabelTarget.wrap(labels, val, idx, boxes, flips, C)
 
@@ -124,7 +134,7 @@ def test_loss_module_uses_the_maps_targets_and_the_class_target_choice():
     loss.backward()
     assert m.aux_head.weight.grad is not None and m.patch_embed.proj.weight.grad is not None
     # the annotator's label is the mean of its map over the crop (here the whole image), mixed by Eq. 7
-    lossf = TokenLabelingLoss(C, dense_weight=0.5, cls_target='annotator', smoothing=0.)
+    lossf = TokenLabelingLoss(C, dense_weight=0.5, cls_target='annotator', smoothing=0.0)
     y_cls, _ = lossf.targets(out, tgt)
     pooled = dense_maps(tgt.values, tgt.indices, C).mean((2, 3))
     lam = out.mix.lam.view(-1, 1)
@@ -137,7 +147,7 @@ def test_plain_labels_need_no_maps_only_without_dense_term():
     w = TokenLabeling(m, aux=False, generator=torch.Generator().manual_seed(0))
     out = w(torch.randn(2, 3, 64, 64))
     assert out.aux is None
-    TokenLabelingLoss(C, dense_weight=0.)(out, torch.tensor([1, 2]))
+    TokenLabelingLoss(C, dense_weight=0.0)(out, torch.tensor([1, 2]))
     with pytest.raises(ValueError, match='label maps'):
         TokenLabelingLoss(C, dense_weight=0.5)(out, torch.tensor([1, 2]))
 
@@ -145,12 +155,12 @@ def test_plain_labels_need_no_maps_only_without_dense_term():
 def test_mix_prob_zero_gives_the_plain_training_loss():
     """Method on, mixing probability 0, no dense term, ground-truth class target: plain smoothed CE."""
     C = 5
-    m = tiny_vit(num_classes=C, drop_path_rate=0.)
-    w = TokenLabeling(m, prob=0., aux=True)
+    m = tiny_vit(num_classes=C, drop_path_rate=0.0)
+    w = TokenLabeling(m, prob=0.0, aux=True)
     x, y = torch.randn(4, 3, 64, 64), torch.tensor([0, 1, 2, 3])
     out = w(x)
     assert out.mix is None
-    loss = TokenLabelingLoss(C, dense_weight=0., smoothing=0.1)(out, y)
+    loss = TokenLabelingLoss(C, dense_weight=0.0, smoothing=0.1)(out, y)
     m.train()
     ref = F.cross_entropy(m(x), y, label_smoothing=0.1)
     torch.testing.assert_close(loss, ref)
@@ -186,16 +196,22 @@ def test_bad_arguments_name_themselves():
         TokenLabeling(torch.nn.Linear(3, 3))
 
 
-@pytest.mark.parametrize('smoothing', [0., 0.1])
+@pytest.mark.parametrize('smoothing', [0.0, 0.1])
 def test_sparse_soft_cross_entropy_equals_the_dense_one_with_gradients(smoothing):
     """The loss on SparseTokenTargets (no (B, N, C) target, no log_softmax tensor) equals the dense soft CE,
     value and gradient, also for bf16 logits."""
     from shared_core.label_maps import token_targets_sparse
     from shared_core.token_labeling import soft_cross_entropy
+
     C, B = 7, 3
-    tgt = maps_target(torch.tensor([0, 1, 2]), C, B, k=3, boxes=torch.tensor([[0., 0., 1., 1.], [.2, .1, .7, .9],
-                                                                             [.5, 0., 1., .5]]),
-                      flips=torch.tensor([False, True, True]))
+    tgt = maps_target(
+        torch.tensor([0, 1, 2]),
+        C,
+        B,
+        k=3,
+        boxes=torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.2, 0.1, 0.7, 0.9], [0.5, 0.0, 1.0, 0.5]]),
+        flips=torch.tensor([False, True, True]),
+    )
     sparse = token_targets_sparse(tgt.values, tgt.indices, C, tgt.boxes, tgt.flips, (3, 4), smoothing)
     dense = sparse.dense()
     torch.testing.assert_close(dense.sum(-1), torch.ones(B, 12))
@@ -205,7 +221,8 @@ def test_sparse_soft_cross_entropy_equals_the_dense_one_with_gradients(smoothing
         a, b = soft_cross_entropy(z1, sparse), soft_cross_entropy(z2, dense)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         a.backward(), b.backward()
-        torch.testing.assert_close(z1.grad.float(), z2.grad.float(), atol=1e-6 if dtype == torch.float32 else 1e-2,
-                                   rtol=1e-3)
+        torch.testing.assert_close(
+            z1.grad.float(), z2.grad.float(), atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-3
+        )
     with pytest.raises(ValueError, match='logits'):
         soft_cross_entropy(torch.randn(B, 11, C), sparse)

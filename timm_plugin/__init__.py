@@ -4,6 +4,7 @@ as ``timm.task`` training tasks, LV-ViT, the training entry and the CLI tools.
 ``import timm_plugin`` registers the LV-ViT models (``lvvit_t/s/m/l``) with timm and nothing else happens on
 import (timm's Posterize fix is the explicit :func:`fix_posterize`). The other names load on first use.
 """
+
 from importlib import import_module
 
 from . import lvvit  # noqa: F401  (registers lvvit_* with timm)
@@ -11,15 +12,25 @@ from .lvvit import LVViT
 
 #: public name -> module that defines it (loaded on first access)
 _LAZY = {
-    'MixTarget': 'carrier', 'CarrierTensor': 'carrier',
-    'TokenAwareMixup': 'mixup', 'FastCollateTokenMixup': 'mixup', 'create_mixer': 'mixup', 'MIX_KINDS': 'mixup',
+    'MixTarget': 'carrier',
+    'CarrierTensor': 'carrier',
+    'TokenAwareMixup': 'mixup',
+    'FastCollateTokenMixup': 'mixup',
+    'create_mixer': 'mixup',
+    'MIX_KINDS': 'mixup',
     'TARGET_METHODS': 'mixup',
-    'TLAlign': 'tl_align', 'TransMix': 'tl_align',
-    'TokenLabeling': 'token_labeling', 'TokenLabelingLoss': 'token_labeling', 'attach_aux_head': 'token_labeling',
+    'TLAlign': 'tl_align',
+    'TransMix': 'tl_align',
+    'TokenLabeling': 'token_labeling',
+    'TokenLabelingLoss': 'token_labeling',
+    'attach_aux_head': 'token_labeling',
     'token_stride': 'token_grid',
-    'TokenLabelTarget': 'token_label_data', 'TokenLabelDataset': 'token_label_data',
+    'TokenLabelTarget': 'token_label_data',
+    'TokenLabelDataset': 'token_label_data',
     'TokenLabelCollate': 'token_label_data',
-    'TLAlignTask': 'tasks', 'TransMixTask': 'tasks', 'TokenLabelingTask': 'tasks',
+    'TLAlignTask': 'tasks',
+    'TransMixTask': 'tasks',
+    'TokenLabelingTask': 'tasks',
     'fix_posterize': 'timm_fixes',
 }
 

@@ -24,6 +24,7 @@ How a map is made
   integer class indices. The grid is the annotator's native feature grid at the input size (ResNet-50 at
   576 px: 18 x 18) and is recorded in the store's meta.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,8 +40,16 @@ from timm.data import resolve_data_config
 from timm.data.transforms import str_to_interp_mode
 from torchvision import transforms as T
 
-__all__ = ['head_kind', 'feature_layout', 'logits_from_features', 'dense_logits', 'annotate', 'create_annotator',
-           'eval_transform', 'sha256_file']
+__all__ = [
+    'head_kind',
+    'feature_layout',
+    'logits_from_features',
+    'dense_logits',
+    'annotate',
+    'create_annotator',
+    'eval_transform',
+    'sha256_file',
+]
 
 
 # ------------------------------------------------------------------------------ dense classification
@@ -48,9 +57,11 @@ def _check_no_attention_pool(model: nn.Module) -> None:
     pool = getattr(model, 'attn_pool', None)
     names = [n for n, m in model.named_modules() if type(m).__name__.startswith('AttentionPool')]
     if pool is not None or names:
-        raise ValueError(f'{type(model).__name__} pools with attention ({names[0] if names else "attn_pool"}), '
-                         'which mixes all locations, so it has no per-location classifier; use a model with '
-                         'average / token pooling as annotator')
+        raise ValueError(
+            f'{type(model).__name__} pools with attention ({names[0] if names else "attn_pool"}), '
+            'which mixes all locations, so it has no per-location classifier; use a model with '
+            'average / token pooling as annotator'
+        )
 
 
 def _token_grid(model: nn.Module, num_tokens: int, image_hw: tuple[int, int]) -> tuple[int, int]:
@@ -65,8 +76,10 @@ def _token_grid(model: nn.Module, num_tokens: int, image_hw: tuple[int, int]) ->
         h = max(1, round((num_tokens * image_hw[0] / image_hw[1]) ** 0.5))
         grid = (h, num_tokens // h)
     if grid[0] * grid[1] != num_tokens:
-        raise ValueError(f'{type(model).__name__}: {num_tokens} patch tokens do not form the grid {grid} expected '
-                         f'for a {image_hw[0]}x{image_hw[1]} input')
+        raise ValueError(
+            f'{type(model).__name__}: {num_tokens} patch tokens do not form the grid {grid} expected '
+            f'for a {image_hw[0]}x{image_hw[1]} input'
+        )
     return int(grid[0]), int(grid[1])
 
 
@@ -101,16 +114,19 @@ def feature_layout(model: nn.Module, feats: torch.Tensor) -> str:
         return 'NHWC' if getattr(model, 'output_fmt', 'NCHW') == 'NHWC' else 'NCHW'
     if feats.ndim == 3:
         return 'NLC'
-    raise ValueError(f'{type(model).__name__}.forward_features gave shape {tuple(feats.shape)}; expected '
-                     '(B, C, h, w), (B, h, w, C) or (B, tokens, C)')
+    raise ValueError(
+        f'{type(model).__name__}.forward_features gave shape {tuple(feats.shape)}; expected '
+        '(B, C, h, w), (B, h, w, C) or (B, tokens, C)'
+    )
 
 
 def logits_from_features(model: nn.Module, feats: torch.Tensor, image_hw: tuple[int, int]) -> torch.Tensor:
     """Per-location logits ``(B, h, w, num_classes)`` from ``model.forward_features`` output."""
     _check_no_attention_pool(model)
     if isinstance(feats, (tuple, list)):
-        raise ValueError(f'{type(model).__name__}.forward_features returns a {type(feats).__name__}; '
-                         'expected one feature tensor')
+        raise ValueError(
+            f'{type(model).__name__}.forward_features returns a {type(feats).__name__}; expected one feature tensor'
+        )
     layout = feature_layout(model, feats)
     if layout == 'NHWC':
         b, h, w, c = feats.shape
@@ -120,12 +136,14 @@ def logits_from_features(model: nn.Module, feats: torch.Tensor, image_hw: tuple[
         logits = model.forward_head(feats.permute(0, 2, 3, 1).reshape(b * h * w, c, 1, 1))
     else:
         b = feats.shape[0]
-        tokens = feats[:, getattr(model, 'num_prefix_tokens', 0):]
+        tokens = feats[:, getattr(model, 'num_prefix_tokens', 0) :]
         h, w = _token_grid(model, tokens.shape[1], tuple(image_hw))
         logits = _token_logits(model, tokens).flatten(0, 1)
     if logits.ndim != 2 or logits.shape[0] != b * h * w:
-        raise ValueError(f'{type(model).__name__}: per-location head gave shape {tuple(logits.shape)}, expected '
-                         f'({b * h * w}, num_classes)')
+        raise ValueError(
+            f'{type(model).__name__}: per-location head gave shape {tuple(logits.shape)}, expected '
+            f'({b * h * w}, num_classes)'
+        )
     return logits.reshape(b, h, w, logits.shape[-1])
 
 
@@ -138,7 +156,7 @@ def annotate(model: nn.Module, images: torch.Tensor, k: int) -> tuple[torch.Tens
     """Top-k softmax probabilities and classes per location: ``(B, k, h, w)`` float16 and int64, descending."""
     probs = dense_logits(model, images).float().softmax(dim=-1)
     if k > probs.shape[-1]:
-        raise ValueError(f'--topk {k} exceeds the annotator\'s {probs.shape[-1]} classes')
+        raise ValueError(f"--topk {k} exceeds the annotator's {probs.shape[-1]} classes")
     values, indices = probs.topk(k, dim=-1, sorted=True)
     return values.permute(0, 3, 1, 2).half(), indices.permute(0, 3, 1, 2)
 
@@ -168,8 +186,14 @@ def _register_plugin_models(model_name: str) -> None:
         importlib.import_module('timm_plugin.lvvit')
 
 
-def create_annotator(model_name: str, *, checkpoint: str | None = None, num_classes: int | None = None,
-                     model_kwargs: dict[str, Any] | None = None, use_ema: bool = False) -> nn.Module:
+def create_annotator(
+    model_name: str,
+    *,
+    checkpoint: str | None = None,
+    num_classes: int | None = None,
+    model_kwargs: dict[str, Any] | None = None,
+    use_ema: bool = False,
+) -> nn.Module:
     """A timm model in eval mode; weights from a local checkpoint (``state_dict`` / ``state_dict_ema`` / raw,
     loaded with ``weights_only=True``) or random when ``checkpoint`` is None."""
     _register_plugin_models(model_name)
@@ -197,11 +221,16 @@ def create_annotator(model_name: str, *, checkpoint: str | None = None, num_clas
 def eval_transform(model: nn.Module, input_size: Sequence[int]) -> tuple[T.Compose, dict]:
     """Whole-image squash resize to ``input_size`` + the model's normalisation; also returns that config."""
     cfg = resolve_data_config({}, model=model)
-    config = {'mean': [float(m) for m in cfg['mean']], 'std': [float(s) for s in cfg['std']],
-              'interpolation': cfg['interpolation']}
-    transform = T.Compose([
-        T.Resize(tuple(int(s) for s in input_size), interpolation=str_to_interp_mode(cfg['interpolation'])),
-        T.ToTensor(),
-        T.Normalize(config['mean'], config['std']),
-    ])
+    config = {
+        'mean': [float(m) for m in cfg['mean']],
+        'std': [float(s) for s in cfg['std']],
+        'interpolation': cfg['interpolation'],
+    }
+    transform = T.Compose(
+        [
+            T.Resize(tuple(int(s) for s in input_size), interpolation=str_to_interp_mode(cfg['interpolation'])),
+            T.ToTensor(),
+            T.Normalize(config['mean'], config['std']),
+        ]
+    )
     return transform, config

@@ -1,6 +1,7 @@
 """Targets that carry side data through timm's data path (DataLoader workers, ``pin_memory``, the
 prefetcher's ``.to(device, non_blocking=True)``) to the training step: the mixing methods' :class:`MixTarget`
 (a soft target carrying its :class:`~shared_core.mix.Mix`) and token labeling's label-map targets."""
+
 from __future__ import annotations
 
 import copy
@@ -20,6 +21,7 @@ class CarrierTensor(torch.Tensor):
     treat it as the tensor it wraps. The names in ``_carried`` are kept by ``.to`` / ``.pin_memory`` /
     ``deepcopy`` (values with those methods are moved along: tensors, :class:`Mix`) and by pickling.
     """
+
     __torch_function__ = torch._C._disabled_torch_function_impl
     _carried: tuple = ()
 
@@ -39,12 +41,16 @@ class CarrierTensor(torch.Tensor):
     def to(self, *args, **kwargs):
         moved = self.as_tensor().to(*args, **kwargs)
         nb = kwargs.get('non_blocking', False)
-        return self._wrap(moved, {k: v.to(moved.device, non_blocking=nb) if hasattr(v, 'to') else v
-                                  for k, v in self.carried().items()})
+        return self._wrap(
+            moved,
+            {k: v.to(moved.device, non_blocking=nb) if hasattr(v, 'to') else v for k, v in self.carried().items()},
+        )
 
     def pin_memory(self, *args, **kwargs):
-        return self._wrap(self.as_tensor().pin_memory(*args, **kwargs),
-                          {k: v.pin_memory() if hasattr(v, 'pin_memory') else v for k, v in self.carried().items()})
+        return self._wrap(
+            self.as_tensor().pin_memory(*args, **kwargs),
+            {k: v.pin_memory() if hasattr(v, 'pin_memory') else v for k, v in self.carried().items()},
+        )
 
     def __deepcopy__(self, memo):
         return self._wrap(copy.deepcopy(self.as_tensor(), memo), copy.deepcopy(self.carried(), memo))
@@ -55,9 +61,9 @@ class MixTarget(CarrierTensor):
     the class indices ``.labels``, ``.num_classes`` and ``.smoothing`` (methods that re-weight the
     two source labels, such as TL-Align, rebuild the target from them). See :class:`CarrierTensor`.
     """
+
     _carried = ('mix', 'labels', 'num_classes', 'smoothing')
 
     @staticmethod
-    def wrap(target: torch.Tensor, mix: Mix, labels: torch.Tensor, num_classes: int,
-             smoothing: float) -> 'MixTarget':
+    def wrap(target: torch.Tensor, mix: Mix, labels: torch.Tensor, num_classes: int, smoothing: float) -> 'MixTarget':
         return MixTarget._wrap(target, dict(mix=mix, labels=labels, num_classes=num_classes, smoothing=smoothing))

@@ -24,6 +24,7 @@ L 24 / 768 / 12 at 288 px with a 128-channel stem (150M); parameter counts inclu
 No weights are published through timm: ``pretrained=True`` needs ``pretrained_cfg_overlay=dict(file=...)``
 (a ``tokenaug-train`` checkpoint, a plain state dict, or the public LV-ViT release: same key names).
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -33,8 +34,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import Format, LayerNorm, PatchEmbed, get_device_dtype, nchw_to, resample_abs_pos_embed, to_2tuple
-from timm.layers import trunc_normal_
+from timm.layers import (
+    Format,
+    LayerNorm,
+    PatchEmbed,
+    get_device_dtype,
+    nchw_to,
+    resample_abs_pos_embed,
+    to_2tuple,
+    trunc_normal_,
+)
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import Block, VisionTransformer
 
@@ -55,27 +64,38 @@ class ConvPatchEmbed(PatchEmbed):
     """
 
     def __init__(
-            self,
-            img_size: Optional[Union[int, Tuple[int, int]]] = 224,
-            patch_size: int = 16,
-            in_chans: int = 3,
-            embed_dim: int = 768,
-            stem_chans: int = 64,
-            norm_layer=None,
-            flatten: bool = True,
-            output_fmt: Optional[str] = None,
-            bias: bool = True,
-            strict_img_size: bool = True,
-            dynamic_img_pad: bool = False,
-            device=None,
-            dtype=None,
+        self,
+        img_size: Optional[Union[int, Tuple[int, int]]] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        embed_dim: int = 768,
+        stem_chans: int = 64,
+        norm_layer=None,
+        flatten: bool = True,
+        output_fmt: Optional[str] = None,
+        bias: bool = True,
+        strict_img_size: bool = True,
+        dynamic_img_pad: bool = False,
+        device=None,
+        dtype=None,
     ):
         ps = to_2tuple(patch_size)
         if any(p % 2 for p in ps):
             raise ValueError(f'patch_size: the conv stem halves the image first, so it must be even; got {patch_size}')
-        super().__init__(img_size=img_size, patch_size=ps, in_chans=in_chans, embed_dim=embed_dim,
-                         norm_layer=norm_layer, flatten=flatten, output_fmt=output_fmt, bias=bias,
-                         strict_img_size=strict_img_size, dynamic_img_pad=dynamic_img_pad, device=device, dtype=dtype)
+        super().__init__(
+            img_size=img_size,
+            patch_size=ps,
+            in_chans=in_chans,
+            embed_dim=embed_dim,
+            norm_layer=norm_layer,
+            flatten=flatten,
+            output_fmt=output_fmt,
+            bias=bias,
+            strict_img_size=strict_img_size,
+            dynamic_img_pad=dynamic_img_pad,
+            device=device,
+            dtype=dtype,
+        )
         dd = dict(device=device, dtype=dtype)
         del self.proj  # PatchEmbed's single conv; rebuilt below after the stem (the public code's key order)
         self.conv1 = nn.Conv2d(in_chans, stem_chans, kernel_size=7, stride=2, padding=3, bias=False, **dd)
@@ -95,8 +115,9 @@ class ConvPatchEmbed(PatchEmbed):
 
     def set_input_size(self, img_size=None, patch_size=None):
         if patch_size is not None and to_2tuple(patch_size) != self.patch_size:
-            raise ValueError(f'patch_size: the conv stem of LV-ViT fixes the token stride at {self.patch_size}; '
-                             f'got {patch_size}')
+            raise ValueError(
+                f'patch_size: the conv stem of LV-ViT fixes the token stride at {self.patch_size}; got {patch_size}'
+            )
         super().set_input_size(img_size=img_size)
 
     def _check_and_pad(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,19 +183,19 @@ class LVViT(VisionTransformer):
     """
 
     def __init__(
-            self,
-            img_size: Union[int, Tuple[int, int]] = 224,
-            patch_size: int = 16,
-            embed_dim: int = 384,
-            depth: int = 16,
-            num_heads: int = 6,
-            mlp_ratio: float = 3.,
-            qkv_bias: bool = False,
-            skip_lam: float = 2.,
-            stem_chans: int = 64,
-            head_rule: str = 'cls+aux',
-            norm_layer=None,
-            **kwargs,
+        self,
+        img_size: Union[int, Tuple[int, int]] = 224,
+        patch_size: int = 16,
+        embed_dim: int = 384,
+        depth: int = 16,
+        num_heads: int = 6,
+        mlp_ratio: float = 3.0,
+        qkv_bias: bool = False,
+        skip_lam: float = 2.0,
+        stem_chans: int = 64,
+        head_rule: str = 'cls+aux',
+        norm_layer=None,
+        **kwargs,
     ):
         if head_rule not in HEAD_RULES:
             raise ValueError(f'head_rule: expected one of {HEAD_RULES}, got {head_rule!r}')
@@ -182,13 +203,23 @@ class LVViT(VisionTransformer):
             if name in kwargs:
                 raise ValueError(f'{name}: LV-ViT fixes it (ConvPatchEmbed / LVBlock)')
         super().__init__(
-            img_size=img_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=num_heads,
-            mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, norm_layer=norm_layer or partial(LayerNorm, eps=1e-5),
-            embed_layer=partial(ConvPatchEmbed, stem_chans=stem_chans), block_fn=partial(LVBlock, skip_lam=skip_lam),
-            **kwargs)
+            img_size=img_size,
+            patch_size=patch_size,
+            embed_dim=embed_dim,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+            qkv_bias=qkv_bias,
+            norm_layer=norm_layer or partial(LayerNorm, eps=1e-5),
+            embed_layer=partial(ConvPatchEmbed, stem_chans=stem_chans),
+            block_fn=partial(LVBlock, skip_lam=skip_lam),
+            **kwargs,
+        )
         if self.num_prefix_tokens != 1 or not self.has_class_token:
-            raise ValueError('class_token / reg_tokens: LV-ViT reads exactly one class token (head) and the patch '
-                             f'tokens (aux_head); got {self.num_prefix_tokens} prefix tokens')
+            raise ValueError(
+                'class_token / reg_tokens: LV-ViT reads exactly one class token (head) and the patch '
+                f'tokens (aux_head); got {self.num_prefix_tokens} prefix tokens'
+            )
         self.skip_lam = skip_lam
         self.head_rule = head_rule
         self.aux_head = self._new_aux_head(self.num_classes, get_device_dtype(self))
@@ -200,7 +231,7 @@ class LVViT(VisionTransformer):
 
     def _init_aux_head(self) -> None:
         if isinstance(self.aux_head, nn.Linear):  # as timm inits ``head`` (and the public code both heads)
-            trunc_normal_(self.aux_head.weight, std=.02)
+            trunc_normal_(self.aux_head.weight, std=0.02)
             nn.init.zeros_(self.aux_head.bias)
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
@@ -218,7 +249,7 @@ class LVViT(VisionTransformer):
         out = super().forward_head(x, pre_logits=pre_logits)
         if pre_logits or self.training or self.head_rule == 'cls' or not isinstance(self.aux_head, nn.Linear):
             return out
-        return inference_logits(out, self.aux_head(x[:, self.num_prefix_tokens:]), self.head_rule)
+        return inference_logits(out, self.aux_head(x[:, self.num_prefix_tokens :]), self.head_rule)
 
 
 def checkpoint_filter_fn(state_dict: dict, model: LVViT) -> dict:
@@ -229,7 +260,7 @@ def checkpoint_filter_fn(state_dict: dict, model: LVViT) -> dict:
     state_dict = state_dict.get('state_dict', state_dict)
     out = {}
     for k, v in state_dict.items():
-        k = k[len('module.'):] if k.startswith('module.') else k
+        k = k[len('module.') :] if k.startswith('module.') else k
         if k == 'pos_embed' and v.shape != model.pos_embed.shape:
             v = resample_abs_pos_embed(v, new_size=model.patch_embed.grid_size, num_prefix_tokens=1, verbose=True)
         out[k] = v
@@ -239,51 +270,64 @@ def checkpoint_filter_fn(state_dict: dict, model: LVViT) -> dict:
 def _create_lvvit(variant: str, pretrained: bool = False, **kwargs) -> LVViT:
     out_indices = kwargs.pop('out_indices', 3)
     return build_model_with_cfg(
-        LVViT, variant, pretrained,
+        LVViT,
+        variant,
+        pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
         feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
-        **kwargs)
+        **kwargs,
+    )
 
 
 def _cfg(**kwargs) -> dict:
     return {
-        'url': '', 'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': None,
-        'crop_pct': 0.9, 'interpolation': 'bicubic', 'fixed_input_size': True,
-        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
-        'first_conv': 'patch_embed.conv1', 'classifier': ('head', 'aux_head'),
-        'paper_ids': 'arXiv:2104.10858', 'paper_name': 'All Tokens Matter: Token Labeling for Training Better '
-                                                      'Vision Transformers',
-        'origin_url': 'https://github.com/zihangJiang/TokenLabeling', 'license': 'apache-2.0',
+        'url': '',
+        'num_classes': 1000,
+        'input_size': (3, 224, 224),
+        'pool_size': None,
+        'crop_pct': 0.9,
+        'interpolation': 'bicubic',
+        'fixed_input_size': True,
+        'mean': IMAGENET_DEFAULT_MEAN,
+        'std': IMAGENET_DEFAULT_STD,
+        'first_conv': 'patch_embed.conv1',
+        'classifier': ('head', 'aux_head'),
+        'paper_ids': 'arXiv:2104.10858',
+        'paper_name': 'All Tokens Matter: Token Labeling for Training Better Vision Transformers',
+        'origin_url': 'https://github.com/zihangJiang/TokenLabeling',
+        'license': 'apache-2.0',
         **kwargs,
     }
 
 
-default_cfgs = generate_default_cfgs({
-    'lvvit_t': _cfg(),
-    'lvvit_s': _cfg(),
-    'lvvit_m': _cfg(crop_pct=1.0),
-    'lvvit_l': _cfg(input_size=(3, 288, 288), crop_pct=1.0),
-})
+default_cfgs = generate_default_cfgs(
+    {
+        'lvvit_t': _cfg(),
+        'lvvit_s': _cfg(),
+        'lvvit_m': _cfg(crop_pct=1.0),
+        'lvvit_l': _cfg(input_size=(3, 288, 288), crop_pct=1.0),
+    }
+)
 
 
 @register_model
 def lvvit_t(pretrained: bool = False, **kwargs) -> LVViT:
     """LV-ViT-T: 12 blocks, dim 240, 4 heads, MLP ratio 3 (Table 1: 8.5M)."""
-    args = dict(embed_dim=240, depth=12, num_heads=4, mlp_ratio=3., skip_lam=2.)
+    args = dict(embed_dim=240, depth=12, num_heads=4, mlp_ratio=3.0, skip_lam=2.0)
     return _create_lvvit('lvvit_t', pretrained=pretrained, **dict(args, **kwargs))
 
 
 @register_model
 def lvvit_s(pretrained: bool = False, **kwargs) -> LVViT:
     """LV-ViT-S: 16 blocks, dim 384, 6 heads, MLP ratio 3 (Table 1: 26M)."""
-    args = dict(embed_dim=384, depth=16, num_heads=6, mlp_ratio=3., skip_lam=2.)
+    args = dict(embed_dim=384, depth=16, num_heads=6, mlp_ratio=3.0, skip_lam=2.0)
     return _create_lvvit('lvvit_s', pretrained=pretrained, **dict(args, **kwargs))
 
 
 @register_model
 def lvvit_m(pretrained: bool = False, **kwargs) -> LVViT:
     """LV-ViT-M: 20 blocks, dim 512, 8 heads, MLP ratio 3 (Table 1: 56M)."""
-    args = dict(embed_dim=512, depth=20, num_heads=8, mlp_ratio=3., skip_lam=2.)
+    args = dict(embed_dim=512, depth=20, num_heads=8, mlp_ratio=3.0, skip_lam=2.0)
     return _create_lvvit('lvvit_m', pretrained=pretrained, **dict(args, **kwargs))
 
 
@@ -291,5 +335,5 @@ def lvvit_m(pretrained: bool = False, **kwargs) -> LVViT:
 def lvvit_l(pretrained: bool = False, **kwargs) -> LVViT:
     """LV-ViT-L: 24 blocks, dim 768, 12 heads, MLP ratio 3, 128-channel stem, 288 px (Table 1: 150M); residual
     scale 1/3 (supplement Table 4's other setting), as the public code's ``lvvit_l``."""
-    args = dict(img_size=288, embed_dim=768, depth=24, num_heads=12, mlp_ratio=3., skip_lam=3., stem_chans=128)
+    args = dict(img_size=288, embed_dim=768, depth=24, num_heads=12, mlp_ratio=3.0, skip_lam=3.0, stem_chans=128)
     return _create_lvvit('lvvit_l', pretrained=pretrained, **dict(args, **kwargs))

@@ -20,6 +20,7 @@ subclass, so ``SoftTargetCrossEntropy`` and friends take it unchanged) and carri
 ``create_mixer(..., collate=True)`` gives :class:`FastCollateTokenMixup`, a subclass of timm's
 ``FastCollateMixup``, so timm's prefetcher and ``--mixup-off-epoch`` (``mixup_enabled``) keep working.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -34,8 +35,15 @@ from shared_core.tokenmix import ACTIVATION_TARGETS, activation_target
 
 from .carrier import CarrierTensor, MixTarget
 
-__all__ = ['CarrierTensor', 'MixTarget', 'TokenAwareMixup', 'FastCollateTokenMixup', 'create_mixer', 'MIX_KINDS',
-           'TARGET_METHODS']
+__all__ = [
+    'CarrierTensor',
+    'MixTarget',
+    'TokenAwareMixup',
+    'FastCollateTokenMixup',
+    'create_mixer',
+    'MIX_KINDS',
+    'TARGET_METHODS',
+]
 
 #: methods that re-weight the target of a mixing kind (``create_mixer(mix_kind, method=...)``); their mixers
 #: carry the mix
@@ -44,25 +52,35 @@ PLAIN_TARGET_KINDS = ('mixup', 'cutmix')
 
 
 #: timm ``Mixup`` attributes a training loop may read or schedule
-TIMM_ATTRIBUTES = ('mixup_alpha', 'cutmix_alpha', 'cutmix_minmax', 'mix_prob', 'switch_prob', 'correct_lam',
-                   'mixup_enabled')
+TIMM_ATTRIBUTES = (
+    'mixup_alpha',
+    'cutmix_alpha',
+    'cutmix_minmax',
+    'mix_prob',
+    'switch_prob',
+    'correct_lam',
+    'mixup_enabled',
+)
 
 
 def _forwarding(owner: str, names):
     """Class decorator: each of ``names`` becomes a property reading/writing ``self.<owner>.<name>``, so
     timm's Mixup attributes stay live views of where the state really is."""
+
     def prop(name):
         def get(self):
             return getattr(getattr(self, owner), name)
 
         def set(self, value):
             setattr(getattr(self, owner), name, value)
+
         return property(get, set, doc=f'timm ``Mixup.{name}``, kept on ``{owner}``')
 
     def decorate(cls):
         for name in names:
             setattr(cls, name, prop(name))
         return cls
+
     return decorate
 
 
@@ -75,36 +93,62 @@ class TokenAwareMixup:
     schedules them (or switches mixing off) works as with timm.
     """
 
-    def __init__(self, mix_kind: str = 'mixup', *, mixup_alpha: float = 1., cutmix_alpha: float = 0.,
-                 cutmix_minmax: Optional[Sequence[float]] = None, prob: float = 1.0, switch_prob: float = 0.5,
-                 mode: str = 'batch', correct_lam: bool = True, label_smoothing: float = 0.1,
-                 num_classes: int = 1000, patch_size=16, tokenmix_lam: Optional[float] = None,
-                 tokenmix_min_tokens: Optional[int] = None, carry_mix: Optional[bool] = None,
-                 activation_targets: Optional[str] = None, generator: Optional[torch.Generator] = None):
+    def __init__(
+        self,
+        mix_kind: str = 'mixup',
+        *,
+        mixup_alpha: float = 1.0,
+        cutmix_alpha: float = 0.0,
+        cutmix_minmax: Optional[Sequence[float]] = None,
+        prob: float = 1.0,
+        switch_prob: float = 0.5,
+        mode: str = 'batch',
+        correct_lam: bool = True,
+        label_smoothing: float = 0.1,
+        num_classes: int = 1000,
+        patch_size=16,
+        tokenmix_lam: Optional[float] = None,
+        tokenmix_min_tokens: Optional[int] = None,
+        carry_mix: Optional[bool] = None,
+        activation_targets: Optional[str] = None,
+        generator: Optional[torch.Generator] = None,
+    ):
         if not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f'num_classes must be an int >= 2, got {num_classes!r}')
-        if not 0. <= label_smoothing < 1.:
+        if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f'label_smoothing must be in [0, 1), got {label_smoothing}')
-        self.sampler = MixSampler(mix_kind, mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha,
-                                  cutmix_minmax=cutmix_minmax, prob=prob, switch_prob=switch_prob,
-                                  mode=mode, correct_lam=correct_lam, patch_size=patch_size,
-                                  tokenmix_lam=tokenmix_lam, tokenmix_min_tokens=tokenmix_min_tokens)
+        self.sampler = MixSampler(
+            mix_kind,
+            mixup_alpha=mixup_alpha,
+            cutmix_alpha=cutmix_alpha,
+            cutmix_minmax=cutmix_minmax,
+            prob=prob,
+            switch_prob=switch_prob,
+            mode=mode,
+            correct_lam=correct_lam,
+            patch_size=patch_size,
+            tokenmix_lam=tokenmix_lam,
+            tokenmix_min_tokens=tokenmix_min_tokens,
+        )
         self.mix_kind = mix_kind
         self.mode = mode
         self.label_smoothing = label_smoothing
         self.num_classes = num_classes
         self.carry_mix = mix_kind not in PLAIN_TARGET_KINDS if carry_mix is None else carry_mix
         if activation_targets is not None and activation_targets not in ACTIVATION_TARGETS:
-            raise ValueError(f'activation_targets: expected one of {ACTIVATION_TARGETS} or None, '
-                             f'got {activation_targets!r}')
+            raise ValueError(
+                f'activation_targets: expected one of {ACTIVATION_TARGETS} or None, got {activation_targets!r}'
+            )
         self.activation_targets = activation_targets
         self.generator = generator
 
     def sample(self, x: torch.Tensor, target: torch.Tensor, name: str = 'x') -> Mix:
         """Check the batch and draw its mix (on the CPU, without applying it)."""
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise ValueError(f'{name}: expected a (B, C, H, W) image tensor, got '
-                             f'{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}')
+            raise ValueError(
+                f'{name}: expected a (B, C, H, W) image tensor, got '
+                f'{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}'
+            )
         check_pairwise_batch(x.shape[0], name)
         if target.shape[0] != x.shape[0]:
             raise ValueError(f'target: {target.shape[0]} labels for a batch of {x.shape[0]} images')
@@ -116,18 +160,30 @@ class TokenAwareMixup:
         :class:`MixTarget` carrying the mix on the target's device for the token-aware kinds."""
         if self.activation_targets is not None:
             if not all(hasattr(target, a) for a in ('values', 'indices', 'boxes', 'flips')):
-                raise ValueError('target: activation-map targets need the teacher maps with each label (a '
-                                 'TokenLabelTarget from timm_plugin.token_labeling.TokenLabelCollate)')
+                raise ValueError(
+                    'target: activation-map targets need the teacher maps with each label (a '
+                    'TokenLabelTarget from timm_plugin.token_labeling.TokenLabelCollate)'
+                )
             labels = target.as_tensor()
-            soft = activation_target(labels, mix, target.values, target.indices, target.boxes, target.flips,
-                                     self.num_classes, self.label_smoothing, self.activation_targets)
+            soft = activation_target(
+                labels,
+                mix,
+                target.values,
+                target.indices,
+                target.boxes,
+                target.flips,
+                self.num_classes,
+                self.label_smoothing,
+                self.activation_targets,
+            )
             target = labels
         else:
             soft = mix_target(target, mix, self.num_classes, self.label_smoothing)
         if not self.carry_mix:
             return soft
-        return MixTarget.wrap(soft, mix.to(soft.device, non_blocking=True), target.to(soft.device),
-                              self.num_classes, self.label_smoothing)
+        return MixTarget.wrap(
+            soft, mix.to(soft.device, non_blocking=True), target.to(soft.device), self.num_classes, self.label_smoothing
+        )
 
     def __call__(self, x: torch.Tensor, target: torch.Tensor, name: str = 'x'):
         mix = self.sample(x, target, name)
@@ -147,21 +203,33 @@ class FastCollateTokenMixup(FastCollateMixup):
         self.half = 'half' in mode
         self.mixer = TokenAwareMixup(mix_kind, mode='elem' if self.half else mode, **kwargs)
         if self.half and self.mixer.carry_mix:
-            raise ValueError(f"mode={mode!r} keeps only the first half of the batch, whose partners are dropped, "
-                             f"so a mix cannot be carried: use mode 'batch', 'pair' or 'elem' for {mix_kind!r}")
+            raise ValueError(
+                f'mode={mode!r} keeps only the first half of the batch, whose partners are dropped, '
+                f"so a mix cannot be carried: use mode 'batch', 'pair' or 'elem' for {mix_kind!r}"
+            )
         m = self.mixer
         # timm's constructor assigns its attributes; they land on the mixer through the properties above
-        super().__init__(mixup_alpha=m.mixup_alpha, cutmix_alpha=m.cutmix_alpha, cutmix_minmax=m.cutmix_minmax,
-                         prob=m.mix_prob, switch_prob=m.switch_prob, mode=mode, correct_lam=m.correct_lam,
-                         label_smoothing=m.label_smoothing, num_classes=m.num_classes)
+        super().__init__(
+            mixup_alpha=m.mixup_alpha,
+            cutmix_alpha=m.cutmix_alpha,
+            cutmix_minmax=m.cutmix_minmax,
+            prob=m.mix_prob,
+            switch_prob=m.switch_prob,
+            mode=mode,
+            correct_lam=m.correct_lam,
+            label_smoothing=m.label_smoothing,
+            num_classes=m.num_classes,
+        )
 
     def __call__(self, batch, _=None):
         check_pairwise_batch(len(batch), 'batch')
         images = [b[0] for b in batch]
         x = torch.from_numpy(np.stack(images)) if isinstance(images[0], np.ndarray) else torch.stack(images)
         if x.dtype != torch.uint8:
-            raise ValueError(f'batch: fast collate expects uint8 images (timm ToNumpy/MaybeToTensor '
-                             f'without normalisation), got {x.dtype}')
+            raise ValueError(
+                f'batch: fast collate expects uint8 images (timm ToNumpy/MaybeToTensor '
+                f'without normalisation), got {x.dtype}'
+            )
         target = torch.as_tensor([int(b[1]) for b in batch], dtype=torch.long)
         x, soft = self.mixer(x, target, name='batch')
         if self.half:
@@ -170,13 +238,27 @@ class FastCollateTokenMixup(FastCollateMixup):
         return x, soft
 
 
-def create_mixer(mix_kind: str = 'mixup', *, mixup_alpha: float = 1., cutmix_alpha: float = 0.,
-                 cutmix_minmax: Optional[Sequence[float]] = None, prob: float = 1.0, switch_prob: float = 0.5,
-                 mode: str = 'batch', correct_lam: bool = True, label_smoothing: float = 0.1,
-                 num_classes: int = 1000, patch_size=16, tokenmix_lam: Optional[float] = None,
-                 tokenmix_min_tokens: Optional[int] = None, carry_mix: Optional[bool] = None,
-                 method: Optional[str] = None, collate: bool = False, activation_targets: Optional[str] = None,
-                 generator: Optional[torch.Generator] = None):
+def create_mixer(
+    mix_kind: str = 'mixup',
+    *,
+    mixup_alpha: float = 1.0,
+    cutmix_alpha: float = 0.0,
+    cutmix_minmax: Optional[Sequence[float]] = None,
+    prob: float = 1.0,
+    switch_prob: float = 0.5,
+    mode: str = 'batch',
+    correct_lam: bool = True,
+    label_smoothing: float = 0.1,
+    num_classes: int = 1000,
+    patch_size=16,
+    tokenmix_lam: Optional[float] = None,
+    tokenmix_min_tokens: Optional[int] = None,
+    carry_mix: Optional[bool] = None,
+    method: Optional[str] = None,
+    collate: bool = False,
+    activation_targets: Optional[str] = None,
+    generator: Optional[torch.Generator] = None,
+):
     """A mixer with timm ``Mixup``'s arguments and defaults (see the module docstring for the kinds).
 
     Args:
@@ -198,19 +280,34 @@ def create_mixer(mix_kind: str = 'mixup', *, mixup_alpha: float = 1., cutmix_alp
         generator: a ``torch.Generator`` for reproducible mixing (default: torch's global RNG).
     """
     if mix_kind in TARGET_METHODS:
-        raise ValueError(f'mix_kind: {mix_kind!r} is a method, not a mixing kind; pass method={mix_kind!r} and the '
-                         f'mix_kind it re-weights (one of {MIX_KINDS}, e.g. \'cutmix\')')
+        raise ValueError(
+            f'mix_kind: {mix_kind!r} is a method, not a mixing kind; pass method={mix_kind!r} and the '
+            f"mix_kind it re-weights (one of {MIX_KINDS}, e.g. 'cutmix')"
+        )
     if method is not None:
         if method not in TARGET_METHODS:
             raise ValueError(f'method: expected one of {TARGET_METHODS} or None, got {method!r}')
         if mix_kind != 'mixup' and cutmix_alpha <= 0 and cutmix_minmax is None and tokenmix_lam is None:
-            raise ValueError(f"cutmix_alpha: {method} over mix_kind={mix_kind!r} needs cutmix_alpha > 0; without a "
-                             f"cut branch every token has the same share and the target is the area target")
+            raise ValueError(
+                f'cutmix_alpha: {method} over mix_kind={mix_kind!r} needs cutmix_alpha > 0; without a '
+                f'cut branch every token has the same share and the target is the area target'
+            )
         carry_mix = True
-    kwargs = dict(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, cutmix_minmax=cutmix_minmax, prob=prob,
-                  switch_prob=switch_prob, correct_lam=correct_lam, label_smoothing=label_smoothing,
-                  num_classes=num_classes, patch_size=patch_size, tokenmix_lam=tokenmix_lam,
-                  tokenmix_min_tokens=tokenmix_min_tokens, carry_mix=carry_mix, generator=generator)
+    kwargs = dict(
+        mixup_alpha=mixup_alpha,
+        cutmix_alpha=cutmix_alpha,
+        cutmix_minmax=cutmix_minmax,
+        prob=prob,
+        switch_prob=switch_prob,
+        correct_lam=correct_lam,
+        label_smoothing=label_smoothing,
+        num_classes=num_classes,
+        patch_size=patch_size,
+        tokenmix_lam=tokenmix_lam,
+        tokenmix_min_tokens=tokenmix_min_tokens,
+        carry_mix=carry_mix,
+        generator=generator,
+    )
     if activation_targets is not None:
         if collate:
             raise ValueError('activation_targets: mix on the device (collate=False), after TokenLabelCollate')
@@ -218,5 +315,5 @@ def create_mixer(mix_kind: str = 'mixup', *, mixup_alpha: float = 1., cutmix_alp
     if collate:
         return FastCollateTokenMixup(mix_kind, mode=mode, **kwargs)
     if 'half' in mode:
-        raise ValueError(f"mode={mode!r} exists only for the collate mixer (collate=True)")
+        raise ValueError(f'mode={mode!r} exists only for the collate mixer (collate=True)')
     return TokenAwareMixup(mix_kind, mode=mode, **kwargs)

@@ -41,18 +41,35 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, Dataset
-
 from timm.data import resolve_data_config
 from timm.models.vision_transformer import VisionTransformer
+from torch.utils.data import DataLoader, Dataset
 
 from shared_core.token_masks import batch_masks, num_dropped, occlusion_mask, patch_ranks
 
 from .token_grid import token_stride
 
-__all__ = ['DEFAULT_RATIOS', 'MODES', 'FILLS', 'num_dropped', 'patch_ranks', 'occlusion_mask', 'batch_masks',
-           'patch_grid', 'fill_values', 'zero_patches', 'keep_indices', 'token_drop', 'occluded_logits', 'evaluate',
-           'check_ratios', 'check_drop_model', 'data_config', 'Indexed', 'rows_from_counts']
+__all__ = [
+    'DEFAULT_RATIOS',
+    'MODES',
+    'FILLS',
+    'num_dropped',
+    'patch_ranks',
+    'occlusion_mask',
+    'batch_masks',
+    'patch_grid',
+    'fill_values',
+    'zero_patches',
+    'keep_indices',
+    'token_drop',
+    'occluded_logits',
+    'evaluate',
+    'check_ratios',
+    'check_drop_model',
+    'data_config',
+    'Indexed',
+    'rows_from_counts',
+]
 
 DEFAULT_RATIOS = tuple(i / 10 for i in range(10))
 MODES = ('zero', 'drop')
@@ -67,18 +84,23 @@ def _stride(model: nn.Module) -> tuple[int, int] | None:
     return token_stride(model) if getattr(model, 'patch_embed', None) is not None else None
 
 
-def patch_grid(model: nn.Module, input_hw: Sequence[int], patch_size: int | None = None,
-               mode: str = 'zero') -> tuple[tuple[int, int], tuple[int, int]]:
+def patch_grid(
+    model: nn.Module, input_hw: Sequence[int], patch_size: int | None = None, mode: str = 'zero'
+) -> tuple[tuple[int, int], tuple[int, int]]:
     """``((grid_h, grid_w), (patch_h, patch_w))`` of the occlusion grid for an ``input_hw`` input."""
     stride = _stride(model)
     if mode == 'drop' and patch_size is not None and stride is not None and (patch_size, patch_size) != stride:
-        raise ValueError(f'--patch-size {patch_size}: --mode drop removes tokens, so the grid is the model\'s '
-                         f'token stride {stride}; leave --patch-size out or use --mode zero')
+        raise ValueError(
+            f"--patch-size {patch_size}: --mode drop removes tokens, so the grid is the model's "
+            f'token stride {stride}; leave --patch-size out or use --mode zero'
+        )
     patch = (patch_size, patch_size) if patch_size is not None else stride or (CNN_PATCH, CNN_PATCH)
     h, w = int(input_hw[0]), int(input_hw[1])
     if h % patch[0] or w % patch[1]:
-        raise ValueError(f'input size {h}x{w} is not divisible by the patch size {patch[0]}x{patch[1]}; '
-                         'pass --img-size (a multiple of it) or --patch-size')
+        raise ValueError(
+            f'input size {h}x{w} is not divisible by the patch size {patch[0]}x{patch[1]}; '
+            'pass --img-size (a multiple of it) or --patch-size'
+        )
     return (h // patch[0], w // patch[1]), patch
 
 
@@ -92,13 +114,15 @@ def fill_values(fill: str, mean: Sequence[float], std: Sequence[float]) -> torch
     raise ValueError(f'--fill: expected one of {FILLS}, got {fill!r}')
 
 
-def zero_patches(images: torch.Tensor, masks: torch.Tensor, patch: tuple[int, int],
-                 fill: torch.Tensor | None = None) -> torch.Tensor:
+def zero_patches(
+    images: torch.Tensor, masks: torch.Tensor, patch: tuple[int, int], fill: torch.Tensor | None = None
+) -> torch.Tensor:
     """``images`` (B, C, H, W) with the pixels of dropped patches (``masks`` (B, h, w), True) set to ``fill``."""
     b, c, height, width = images.shape
     if masks.shape != (b, height // patch[0], width // patch[1]) or height % patch[0] or width % patch[1]:
-        raise ValueError(f'masks {tuple(masks.shape)} do not tile images {tuple(images.shape)} with '
-                         f'{patch[0]}x{patch[1]} patches')
+        raise ValueError(
+            f'masks {tuple(masks.shape)} do not tile images {tuple(images.shape)} with {patch[0]}x{patch[1]} patches'
+        )
     pixels = masks.to(images.device).repeat_interleave(patch[0], 1).repeat_interleave(patch[1], 2)[:, None]
     value = torch.zeros(c) if fill is None else fill
     return torch.where(pixels, value.to(images).view(1, c, 1, 1), images)
@@ -112,13 +136,15 @@ def keep_indices(masks: torch.Tensor) -> torch.Tensor:
     if (counts != counts[0]).any():
         raise ValueError('every image of a batch must drop the same number of patches')
     order = torch.argsort(flat.to(torch.int8), dim=1, stable=True)  # kept (0) first, in patch order
-    return order[:, :flat.shape[1] - int(counts[0])]
+    return order[:, : flat.shape[1] - int(counts[0])]
 
 
 def check_drop_model(model: nn.Module) -> None:
     if not isinstance(model, VisionTransformer):
-        raise ValueError(f'--mode drop: {type(model).__name__} is not a timm VisionTransformer (ViT / DeiT / LV-ViT '
-                         'and subclasses), so its tokens cannot be removed; use --mode zero')
+        raise ValueError(
+            f'--mode drop: {type(model).__name__} is not a timm VisionTransformer (ViT / DeiT / LV-ViT '
+            'and subclasses), so its tokens cannot be removed; use --mode zero'
+        )
 
 
 class _TokenDropHook:
@@ -150,9 +176,16 @@ def token_drop(model: nn.Module) -> Iterator[_TokenDropHook]:
         handle.remove()
 
 
-def occluded_logits(model: nn.Module, images: torch.Tensor, masks: torch.Tensor, patch: tuple[int, int], *,
-                    mode: str = 'zero', fill: torch.Tensor | None = None,
-                    hook: _TokenDropHook | None = None) -> torch.Tensor:
+def occluded_logits(
+    model: nn.Module,
+    images: torch.Tensor,
+    masks: torch.Tensor,
+    patch: tuple[int, int],
+    *,
+    mode: str = 'zero',
+    fill: torch.Tensor | None = None,
+    hook: _TokenDropHook | None = None,
+) -> torch.Tensor:
     """Logits of ``model`` on ``images`` with the patches in ``masks`` (B, h, w) dropped (zeroed or removed)."""
     if mode == 'zero':
         return model(zero_patches(images, masks, patch, fill))
@@ -168,8 +201,10 @@ def occluded_logits(model: nn.Module, images: torch.Tensor, masks: torch.Tensor,
         finally:
             hook.keep = None
         if hook.calls != calls + 1:
-            raise ValueError(f'--mode drop: {type(model).__name__}.forward ran patch_drop {hook.calls - calls} '
-                             'times (expected once); use --mode zero')
+            raise ValueError(
+                f'--mode drop: {type(model).__name__}.forward ran patch_drop {hook.calls - calls} '
+                'times (expected once); use --mode zero'
+            )
     return logits
 
 
@@ -194,16 +229,21 @@ def data_config(model: nn.Module, img_size: int | None, crop_pct: float | None) 
     embed = getattr(model, 'patch_embed', None)
     if img_size is not None:
         args['input_size'] = (3, img_size, img_size)
-    elif embed is not None and getattr(embed, 'img_size', None) is not None \
-            and not getattr(model, 'dynamic_img_size', False):
+    elif (
+        embed is not None
+        and getattr(embed, 'img_size', None) is not None
+        and not getattr(model, 'dynamic_img_size', False)
+    ):
         args['input_size'] = (3, *embed.img_size)
     return resolve_data_config(args, model=model)
 
 
 def _topk_correct(logits: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
     if int(target.max()) >= logits.shape[-1]:
-        raise ValueError(f'the data has class index {int(target.max())} but the model has {logits.shape[-1]} '
-                         'classes; check --num-classes / --data-dir')
+        raise ValueError(
+            f'the data has class index {int(target.max())} but the model has {logits.shape[-1]} '
+            'classes; check --num-classes / --data-dir'
+        )
     k = min(5, logits.shape[-1])
     top = logits.topk(k, dim=-1).indices
     hits = top == target[:, None]
@@ -219,15 +259,27 @@ def _autocast(device: torch.device, amp: bool):
 def check_ratios(ratios: Sequence[float]) -> list[float]:
     if not ratios:
         raise ValueError('--ratios: give at least one ratio')
-    for ratio in ratios:
-        num_dropped(1, ratio)  # range check
+    bad = [r for r in ratios if not 0 <= r < 1]
+    if bad:
+        raise ValueError(f'--ratios: each ratio must be in [0, 1), got {bad[0]}')
     return sorted(set(float(r) for r in ratios))
 
 
-def evaluate(model: nn.Module, loader: DataLoader, *, grid: tuple[int, int], patch: tuple[int, int],
-             ratios: Sequence[float] = DEFAULT_RATIOS, mode: str = 'zero', fill: torch.Tensor | None = None,
-             seed: int = 0, repeats: int = 1, device: torch.device | str = 'cpu', amp: bool = False,
-             progress: bool = False) -> list[dict]:
+def evaluate(
+    model: nn.Module,
+    loader: DataLoader,
+    *,
+    grid: tuple[int, int],
+    patch: tuple[int, int],
+    ratios: Sequence[float] = DEFAULT_RATIOS,
+    mode: str = 'zero',
+    fill: torch.Tensor | None = None,
+    seed: int = 0,
+    repeats: int = 1,
+    device: torch.device | str = 'cpu',
+    amp: bool = False,
+    progress: bool = False,
+) -> list[dict]:
     """One row per ratio (``CSV_FIELDS``): top-1 / top-5 accuracy in % over ``loader``'s (image, target, index)."""
     if mode not in MODES:
         raise ValueError(f'--mode: expected one of {MODES}, got {mode!r}')
@@ -244,6 +296,7 @@ def evaluate(model: nn.Module, loader: DataLoader, *, grid: tuple[int, int], pat
         batches = loader
         if progress:
             from tqdm import tqdm
+
             batches = tqdm(loader, desc='occlusion', unit='batch')
         for images, target, index in batches:
             images, target = images.to(device), target.to(device)
@@ -264,10 +317,16 @@ def rows_from_counts(correct: np.ndarray, seen: int, ratios: Sequence[float], nu
     acc = 100.0 * correct / max(seen, 1)  # (repeats, ratios, 2)
     rows = []
     for j, ratio in enumerate(ratios):
-        rows.append({'ratio': ratio, 'dropped_patches': num_dropped(num_patches, ratio), 'num_patches': num_patches,
-                     'top1': float(acc[:, j, 0].mean()), 'top5': float(acc[:, j, 1].mean()),
-                     'top1_std': float(acc[:, j, 0].std()), 'top5_std': float(acc[:, j, 1].std()),
-                     'images': seen})
+        rows.append(
+            {
+                'ratio': ratio,
+                'dropped_patches': num_dropped(num_patches, ratio),
+                'num_patches': num_patches,
+                'top1': float(acc[:, j, 0].mean()),
+                'top5': float(acc[:, j, 1].mean()),
+                'top1_std': float(acc[:, j, 0].std()),
+                'top5_std': float(acc[:, j, 1].std()),
+                'images': seen,
+            }
+        )
     return rows
-
-

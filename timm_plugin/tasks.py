@@ -14,6 +14,7 @@ As in timm: the trainable module is the bare model (``prepare_distributed`` wrap
 compiles it), the method's hooks sit on the unwrapped model and the step runs through the (wrapped) module,
 so DDP synchronises as usual; EMA (``setup_ema``) and checkpoints hold the bare model, keys unchanged.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
@@ -22,7 +23,6 @@ import torch
 import torch.nn as nn
 from timm.task import ClassificationTask
 from timm.utils import unwrap_model
-
 from timm.utils.model import get_state_dict
 
 from .carrier import MixTarget
@@ -45,11 +45,20 @@ class TLAlignTask(ClassificationTask):
     ``forward`` returns ``loss``, ``output`` (the model's logits) and ``target`` (the aligned target); with a
     plain target (mixing switched off) it is the ``ClassificationTask`` step.
     """
+
     method_cls = TLAlign
 
-    def __init__(self, model: nn.Module, criterion=None, criterion_kwargs: Optional[dict] = None, *,
-                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None, verbose: bool = True,
-                 **method_kwargs):
+    def __init__(
+        self,
+        model: nn.Module,
+        criterion=None,
+        criterion_kwargs: Optional[dict] = None,
+        *,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+        verbose: bool = True,
+        **method_kwargs,
+    ):
         method = self.method_cls(unwrap_model(model), **method_kwargs)  # checks the model before anything is built
         super().__init__(model, criterion, criterion_kwargs, device=device, dtype=dtype, verbose=verbose)
         self.__dict__['method'] = method  # holds the bare model: not a submodule of the task
@@ -64,6 +73,7 @@ class TLAlignTask(ClassificationTask):
 class TransMixTask(TLAlignTask):
     """TransMix (the baseline TL-Align compares with) as a timm ``TrainingTask``: :meth:`timm_plugin.TransMix.align`
     (the partner share from the last block's class-token attention, ``mode='paper'`` or ``'average'``)."""
+
     method_cls = TransMix
 
 
@@ -105,18 +115,45 @@ class TokenLabelingTask(ClassificationTask):
         generator: RNG of MixToken's box.
     """
 
-    def __init__(self, model: nn.Module, criterion: Optional[TokenLabelingLoss] = None, *,
-                 num_classes: Optional[int] = None, dense_weight: float = 0.5, cls_target: str = 'gt',
-                 cls_target_mix: float = 0.5, smoothing: float = 0.1, mix_token: bool = True, beta: float = 1.0,
-                 prob: float = 1.0, mode: str = 'batch', head_rule: str = 'cls+aux',
-                 generator: Optional[torch.Generator] = None, device: Optional[torch.device] = None,
-                 dtype: Optional[torch.dtype] = None, verbose: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        criterion: Optional[TokenLabelingLoss] = None,
+        *,
+        num_classes: Optional[int] = None,
+        dense_weight: float = 0.5,
+        cls_target: str = 'gt',
+        cls_target_mix: float = 0.5,
+        smoothing: float = 0.1,
+        mix_token: bool = True,
+        beta: float = 1.0,
+        prob: float = 1.0,
+        mode: str = 'batch',
+        head_rule: str = 'cls+aux',
+        generator: Optional[torch.Generator] = None,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+        verbose: bool = True,
+    ):
         bare = unwrap_model(model)
         if criterion is None:
-            criterion = TokenLabelingLoss(num_classes or bare.num_classes, dense_weight=dense_weight,
-                                          cls_target=cls_target, cls_target_mix=cls_target_mix, smoothing=smoothing)
-        method = TokenLabeling(bare, mix_token=mix_token, beta=beta, prob=prob, mode=mode,
-                               aux=bool(criterion.dense_weight), head_rule=head_rule, generator=generator)
+            criterion = TokenLabelingLoss(
+                num_classes or bare.num_classes,
+                dense_weight=dense_weight,
+                cls_target=cls_target,
+                cls_target_mix=cls_target_mix,
+                smoothing=smoothing,
+            )
+        method = TokenLabeling(
+            bare,
+            mix_token=mix_token,
+            beta=beta,
+            prob=prob,
+            mode=mode,
+            aux=bool(criterion.dense_weight),
+            head_rule=head_rule,
+            generator=generator,
+        )
         super().__init__(model, criterion, device=device, dtype=dtype, verbose=verbose)
         self.__dict__['method'] = method  # holds the bare model: not a submodule of the task
 

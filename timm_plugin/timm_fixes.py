@@ -8,6 +8,7 @@
   and :func:`fix_posterize` puts it in timm's op table. ``tokenaug-train`` calls it before any transform is
   built; a user of timm's own ``train.py`` with our tasks calls ``timm_plugin.fix_posterize()`` once.
 """
+
 from __future__ import annotations
 
 from PIL import Image, ImageOps

@@ -21,6 +21,7 @@ attention) and ``PyramidVisionTransformerV2`` (overlapping patch embeddings, spa
 attention, average pooling); see :class:`CaitTracer` and :class:`PvtV2Tracer` for their rules.
 Others raise an error listing these.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, List, Optional
@@ -32,19 +33,45 @@ from timm.layers import Attention, DropPath
 from timm.models.cait import Cait, ClassAttn, LayerScaleBlock, LayerScaleBlockClassAttn, TalkingHeadAttn
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.pvt_v2 import (
-    Attention as PvtAttention, Block as PvtBlock, OverlapPatchEmbed, PyramidVisionTransformerStage,
+    Attention as PvtAttention,
+)
+from timm.models.pvt_v2 import (
+    Block as PvtBlock,
+)
+from timm.models.pvt_v2 import (
+    OverlapPatchEmbed,
+    PyramidVisionTransformerStage,
     PyramidVisionTransformerV2,
 )
 from timm.models.swin_transformer import (
-    PatchMerging, SwinTransformer, SwinTransformerBlock, WindowAttention,
+    PatchMerging,
+    SwinTransformer,
+    SwinTransformerBlock,
+    WindowAttention,
 )
 from timm.models.vision_transformer import Block, VisionTransformer
 
 from shared_core.mix import Mix
 from shared_core.tl_align import (
-    TRANSMIX_MODES, LabelCapture, aligned_target, attention_labels, capture_forward, check_layers, compact_labels,
-    conv_pool_labels, dense_labels, fused_label_attn, kept_samples, residual_labels, self_attention_labels,
-    swin_labels, talking_heads_labels, trace_labels, tracer_for, transmix_share, window_labels,
+    TRANSMIX_MODES,
+    LabelCapture,
+    aligned_target,
+    attention_labels,
+    capture_forward,
+    check_layers,
+    compact_labels,
+    conv_pool_labels,
+    dense_labels,
+    fused_label_attn,
+    kept_samples,
+    residual_labels,
+    self_attention_labels,
+    swin_labels,
+    talking_heads_labels,
+    trace_labels,
+    tracer_for,
+    transmix_share,
+    window_labels,
 )
 
 from .carrier import MixTarget
@@ -54,8 +81,9 @@ __all__ = ['TLAlign', 'TransMix', 'SUPPORTED_MODELS', 'timm_tracer']
 
 def _hook_drop_path(blk: nn.Module, cap: LabelCapture, handles: list) -> None:
     if isinstance(blk.drop_path1, DropPath) and blk.drop_path1.drop_prob > 0 and blk.training:
-        handles.append(blk.drop_path1.register_forward_hook(
-            lambda m, i, o, c=cap: setattr(c, 'keep', kept_samples(i[0], o))))
+        handles.append(
+            blk.drop_path1.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'keep', kept_samples(i[0], o)))
+        )
 
 
 class ViTTracer:
@@ -64,13 +92,15 @@ class ViTTracer:
     def __init__(self, model: VisionTransformer):
         bad = [i for i, b in enumerate(model.blocks) if type(b) is not Block or type(b.attn) is not Attention]
         if bad:
-            raise ValueError(f'model: TL-Align traces timm ViT blocks of type Block with Attention; blocks {bad} '
-                             f'are {type(model.blocks[bad[0]]).__name__}')
+            raise ValueError(
+                f'model: TL-Align traces timm ViT blocks of type Block with Attention; blocks {bad} '
+                f'are {type(model.blocks[bad[0]]).__name__}'
+            )
         if getattr(model, 'attn_pool', None) is not None:
             raise ValueError("model: global_pool='map' (attention pooling) has no TL-Align rule; use 'token' or 'avg'")
         if model.global_pool not in ('token', 'avg'):
             raise ValueError(f"model: global_pool={model.global_pool!r} has no TL-Align rule; use 'token' or 'avg'")
-        if getattr(model.patch_drop, 'prob', 0.) > 0:
+        if getattr(model.patch_drop, 'prob', 0.0) > 0:
             raise ValueError('model: patch dropout changes the token set; TL-Align does not trace it')
         self.model = model
         self.num_prefix_tokens = model.num_prefix_tokens
@@ -92,8 +122,9 @@ class ViTTracer:
     def num_tokens(self, captures: List[LabelCapture]) -> int:
         return captures[0].q.shape[2]
 
-    def propagate(self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set],
-                  residual: bool) -> torch.Tensor:
+    def propagate(
+        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
+    ) -> torch.Tensor:
         blocks = ((c.q, c.k, blk.attn.scale, c.keep) for blk, c in zip(self.model.blocks, captures))
         return self_attention_labels(blocks, labels, layers, residual)  # Eq. 9, 11
 
@@ -107,7 +138,7 @@ class ViTTracer:
         """The label of what the classifier reads."""
         if self.model.global_pool == 'token':
             return labels[:, 0]
-        tokens = labels if self.model.pool_include_prefix else labels[:, self.num_prefix_tokens:]
+        tokens = labels if self.model.pool_include_prefix else labels[:, self.num_prefix_tokens :]
         return tokens.mean(1)
 
 
@@ -143,8 +174,9 @@ class SwinTracer:
                 raise ValueError(f'model: Swin downsample {type(stage.downsample).__name__} has no TL-Align rule')
             for blk in stage.blocks:
                 if type(blk) is not SwinTransformerBlock or type(blk.attn) is not WindowAttention:
-                    raise ValueError(f'model: TL-Align traces timm SwinTransformerBlock/WindowAttention, '
-                                     f'got {type(blk).__name__}')
+                    raise ValueError(
+                        f'model: TL-Align traces timm SwinTransformerBlock/WindowAttention, got {type(blk).__name__}'
+                    )
         self.model = model
 
     def _blocks(self):
@@ -159,17 +191,25 @@ class SwinTracer:
         for blk in self._blocks():
             cap = LabelCapture()
             captures.append(cap)
-            handles.append(blk.register_forward_pre_hook(
-                lambda m, i, c=cap: setattr(c, 'tokens', tuple(i[0].shape[1:3]))))
+            handles.append(
+                blk.register_forward_pre_hook(lambda m, i, c=cap: setattr(c, 'tokens', tuple(i[0].shape[1:3])))
+            )
             if blk.attn.fused_attn:
-                handles.append(blk.attn.register_forward_pre_hook(
-                    lambda m, a, kw, c=cap: setattr(c, 'mask', kw.get('mask', a[1] if len(a) > 1 else None)),
-                    with_kwargs=True))
-                handles.append(blk.attn.qkv.register_forward_hook(
-                    lambda m, i, o, c=cap, a=blk.attn: _set_qk(c, o.detach(), a.num_heads)))
+                handles.append(
+                    blk.attn.register_forward_pre_hook(
+                        lambda m, a, kw, c=cap: setattr(c, 'mask', kw.get('mask', a[1] if len(a) > 1 else None)),
+                        with_kwargs=True,
+                    )
+                )
+                handles.append(
+                    blk.attn.qkv.register_forward_hook(
+                        lambda m, i, o, c=cap, a=blk.attn: _set_qk(c, o.detach(), a.num_heads)
+                    )
+                )
             else:
-                handles.append(blk.attn.softmax.register_forward_hook(
-                    lambda m, i, o, c=cap: setattr(c, 'attn', o.detach())))
+                handles.append(
+                    blk.attn.softmax.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'attn', o.detach()))
+                )
             _hook_drop_path(blk, cap, handles)
         return handles
 
@@ -189,13 +229,21 @@ class SwinTracer:
             bias = bias + mask.reshape(-1, a.num_heads, N, N)
         return window_labels(Y, blk.window_size, blk.shift_size, q=cap.q, k=cap.k, bias=bias, scale=a.scale)
 
-    def propagate(self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set],
-                  residual: bool) -> torch.Tensor:
+    def propagate(
+        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
+    ) -> torch.Tensor:
         blocks = self._blocks()
         stages = [(len(stage.blocks), isinstance(stage.downsample, PatchMerging)) for stage in self.model.layers]
-        return swin_labels(labels, captures[0].tokens, stages,
-                           lambda idx, Y: self._window_labels(blocks[idx], captures[idx], Y),
-                           [c.keep for c in captures], merge_at='start', layers=layers, residual=residual)
+        return swin_labels(
+            labels,
+            captures[0].tokens,
+            stages,
+            lambda idx, Y: self._window_labels(blocks[idx], captures[idx], Y),
+            [c.keep for c in captures],
+            merge_at='start',
+            layers=layers,
+            residual=residual,
+        )
 
     def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
         return labels.mean(1)
@@ -216,9 +264,11 @@ def _set_qk(cap: LabelCapture, qkv: torch.Tensor, num_heads: int) -> None:
 def _hook_first_drop_path(blk: nn.Module, cap: LabelCapture, handles: list) -> None:
     """CaiT's blocks call one ``drop_path`` module twice (attention branch, then MLP branch): the kept
     samples of the first call are the attention residual's."""
+
     def hook(m, i, o, c=cap):
         if c.keep is None:
             c.keep = kept_samples(i[0], o)
+
     if isinstance(blk.drop_path, DropPath) and blk.drop_path.drop_prob > 0 and blk.training:
         handles.append(blk.drop_path.register_forward_hook(hook))
 
@@ -251,21 +301,28 @@ class CaitTracer:
 
     def __init__(self, model: Cait):
         if model.global_pool not in ('token', 'avg'):
-            raise ValueError(f"model: CaiT with global_pool={model.global_pool!r} has no TL-Align rule; "
-                             f"use 'token' or 'avg'")
+            raise ValueError(
+                f"model: CaiT with global_pool={model.global_pool!r} has no TL-Align rule; use 'token' or 'avg'"
+            )
         if model.blocks_token_only is None or model.cls_token is None:
             raise ValueError('model: CaiT without its class-attention stage (pruned) has no TL-Align rule')
         if model.global_pool == 'token' and not len(model.blocks_token_only):
-            raise ValueError("model: CaiT with global_pool='token' and no class-attention block reads a class "
-                             "token nothing attended with; TL-Align has no rule for it")
+            raise ValueError(
+                "model: CaiT with global_pool='token' and no class-attention block reads a class "
+                'token nothing attended with; TL-Align has no rule for it'
+            )
         for b in model.blocks:
             if type(b) is not LayerScaleBlock or type(b.attn) is not TalkingHeadAttn:
-                raise ValueError(f'model: TL-Align traces CaiT LayerScaleBlock/TalkingHeadAttn blocks, got '
-                                 f'{type(b).__name__}/{type(b.attn).__name__}')
+                raise ValueError(
+                    f'model: TL-Align traces CaiT LayerScaleBlock/TalkingHeadAttn blocks, got '
+                    f'{type(b).__name__}/{type(b.attn).__name__}'
+                )
         for b in model.blocks_token_only:
             if type(b) is not LayerScaleBlockClassAttn or type(b.attn) is not ClassAttn:
-                raise ValueError(f'model: TL-Align traces CaiT LayerScaleBlockClassAttn/ClassAttn blocks, got '
-                                 f'{type(b).__name__}/{type(b.attn).__name__}')
+                raise ValueError(
+                    f'model: TL-Align traces CaiT LayerScaleBlockClassAttn/ClassAttn blocks, got '
+                    f'{type(b).__name__}/{type(b.attn).__name__}'
+                )
         self.model = model
 
     @property
@@ -280,23 +337,28 @@ class CaitTracer:
             cap = LabelCapture()
             captures.append(cap)
             if i < len(self.model.blocks):
-                handles.append(blk.attn.proj_w.register_forward_hook(
-                    lambda m, i, o, c=cap: setattr(c, 'attn', o.detach())))
+                handles.append(
+                    blk.attn.proj_w.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'attn', o.detach()))
+                )
             else:
                 handles.append(blk.attn.q.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'q', o.detach())))
                 handles.append(blk.attn.k.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'k', o.detach())))
             _hook_first_drop_path(blk, cap, handles)
         if not captures:
             captures.append(LabelCapture())
-        handles.append(self.model.patch_embed.register_forward_hook(
-            lambda m, i, o, c=captures[0]: setattr(c, 'tokens', o.shape[1])))
+        handles.append(
+            self.model.patch_embed.register_forward_hook(
+                lambda m, i, o, c=captures[0]: setattr(c, 'tokens', o.shape[1])
+            )
+        )
         return handles
 
     def num_tokens(self, captures: List[LabelCapture]) -> int:
         return 1 + captures[0].tokens
 
-    def propagate(self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set],
-                  residual: bool) -> torch.Tensor:
+    def propagate(
+        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
+    ) -> torch.Tensor:
         labels = labels.float()
         cls, patches = labels[:, :1], labels[:, 1:]
         n_sa = len(self.model.blocks)
@@ -361,8 +423,9 @@ class PvtV2Tracer:
             raise ValueError(f"model: PVT v2 with global_pool={model.global_pool!r} has no TL-Align rule; use 'avg'")
         for stage in model.stages:
             if type(stage) is not PyramidVisionTransformerStage:
-                raise ValueError(f'model: TL-Align traces PVT v2 PyramidVisionTransformerStage, '
-                                 f'got {type(stage).__name__}')
+                raise ValueError(
+                    f'model: TL-Align traces PVT v2 PyramidVisionTransformerStage, got {type(stage).__name__}'
+                )
             if stage.downsample is not None and type(stage.downsample) is not OverlapPatchEmbed:
                 raise ValueError(f'model: PVT v2 downsample {type(stage.downsample).__name__} has no TL-Align rule')
             for b in stage.blocks:
@@ -382,14 +445,20 @@ class PvtV2Tracer:
         (its ``feat_size``, ``q``, the ``kv`` projection and the kept samples)."""
         stem = LabelCapture()
         captures.append(stem)
-        handles = [self.model.patch_embed.register_forward_hook(
-            lambda m, i, o, c=stem: setattr(c, 'tokens', tuple(o.shape[1:3])))]
+        handles = [
+            self.model.patch_embed.register_forward_hook(
+                lambda m, i, o, c=stem: setattr(c, 'tokens', tuple(o.shape[1:3]))
+            )
+        ]
         for blk in self._blocks():
             cap = LabelCapture()
             captures.append(cap)
-            handles.append(blk.register_forward_pre_hook(
-                lambda m, a, kw, c=cap: setattr(c, 'tokens', tuple(kw['feat_size'] if 'feat_size' in kw else a[1])),
-                with_kwargs=True))
+            handles.append(
+                blk.register_forward_pre_hook(
+                    lambda m, a, kw, c=cap: setattr(c, 'tokens', tuple(kw['feat_size'] if 'feat_size' in kw else a[1])),
+                    with_kwargs=True,
+                )
+            )
             handles.append(blk.attn.q.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'q', o.detach())))
             handles.append(blk.attn.kv.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'k', o.detach())))
             _hook_drop_path(blk, cap, handles)
@@ -408,8 +477,9 @@ class PvtV2Tracer:
             Y = _pool_like(Y, a.sr)
         return Y.flatten(2).transpose(1, 2)
 
-    def propagate(self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set],
-                  residual: bool) -> torch.Tensor:
+    def propagate(
+        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
+    ) -> torch.Tensor:
         H, W = captures[0].tokens
         B, _, K = labels.shape
         with torch.autocast(device_type=labels.device.type, enabled=False):
@@ -421,8 +491,10 @@ class PvtV2Tracer:
                 for blk in stage.blocks:
                     cap, a = captures[1 + idx], blk.attn
                     if cap.tokens != tuple(Y.shape[-2:]):
-                        raise ValueError(f'model: PVT v2 block {idx} ran on a {cap.tokens} grid, the labels are '
-                                         f'on {tuple(Y.shape[-2:])}')
+                        raise ValueError(
+                            f'model: PVT v2 block {idx} ran on a {cap.tokens} grid, the labels are '
+                            f'on {tuple(Y.shape[-2:])}'
+                        )
                     if layers is None or idx in layers:
                         N, Nk = Y.shape[-2] * Y.shape[-1], cap.k.shape[1]
                         q = cap.q.reshape(B, N, a.num_heads, a.head_dim).transpose(1, 2)
@@ -442,8 +514,13 @@ class PvtV2Tracer:
 
 
 # most specific class first
-SUPPORTED_MODELS = {VisionTransformerDistilled: DistilledViTTracer, VisionTransformer: ViTTracer,
-                    SwinTransformer: SwinTracer, Cait: CaitTracer, PyramidVisionTransformerV2: PvtV2Tracer}
+SUPPORTED_MODELS = {
+    VisionTransformerDistilled: DistilledViTTracer,
+    VisionTransformer: ViTTracer,
+    SwinTransformer: SwinTracer,
+    Cait: CaitTracer,
+    PyramidVisionTransformerV2: PvtV2Tracer,
+}
 
 
 def timm_tracer(model: nn.Module):
@@ -467,8 +544,13 @@ class TLAlign(nn.Module):
 
     method = 'tl_align'
 
-    def __init__(self, model: nn.Module, layers: Optional[Iterable[int]] = None, residual: bool = True,
-                 fused: Optional[bool] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: Optional[Iterable[int]] = None,
+        residual: bool = True,
+        fused: Optional[bool] = None,
+    ):
         super().__init__()
         self.tracer = timm_tracer(model)
         self.model = model
@@ -514,8 +596,10 @@ class TLAlign(nn.Module):
 def check_mix_target(target, method: str, who: str) -> Mix:
     """The :class:`Mix` a :class:`MixTarget` carries; a clear error for a plain target."""
     if not isinstance(target, MixTarget):
-        raise ValueError(f'target: {who} needs the MixTarget of a mixer with carry_mix '
-                         f"(create_mixer(..., carry_mix=True) / --mixup-type {method}), got a plain tensor")
+        raise ValueError(
+            f'target: {who} needs the MixTarget of a mixer with carry_mix '
+            f'(create_mixer(..., carry_mix=True) / --mixup-type {method}), got a plain tensor'
+        )
     return target.mix
 
 
@@ -529,6 +613,7 @@ class TransMix(TLAlign):
     DeiT distilled: the class token's attention. Models without a class token (``global_pool='avg'`` ViTs,
     Swin, PVT v2; our extension): the pooled compact label after the last block's attention alone.
     """
+
     method = 'transmix'
     MODES = TRANSMIX_MODES
 
@@ -537,8 +622,10 @@ class TransMix(TLAlign):
         if mode not in self.MODES:
             raise ValueError(f'mode must be one of {self.MODES}, got {mode!r}')
         if isinstance(self.tracer, CaitTracer):
-            raise ValueError('model: TransMix is defined on the class token of a self-attention ViT (DeiT '
-                             'family; our extension: class-free ViT, Swin, PVT v2); CaiT has no rule here')
+            raise ValueError(
+                'model: TransMix is defined on the class token of a self-attention ViT (DeiT '
+                'family; our extension: class-free ViT, Swin, PVT v2); CaiT has no rule here'
+            )
         self.mode = mode
 
     def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):

@@ -1,5 +1,6 @@
 """The one lookup of a timm model's token grid step, used by every timm adapter (mixers, TL-Align's mix grid,
 token labeling, occlusion)."""
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -19,8 +20,12 @@ def token_stride(model: nn.Module) -> Tuple[int, int]:
         raise ValueError(f'model: {type(model).__name__} has no patch_embed, so no token grid')
     stride = getattr(embed, 'token_stride', None)
     img_size, grid_size = getattr(embed, 'img_size', None), getattr(embed, 'grid_size', None)
-    if stride is None and img_size is not None and grid_size is not None \
-            and all(i % g == 0 for i, g in zip(img_size, grid_size)):
+    if (
+        stride is None
+        and img_size is not None
+        and grid_size is not None
+        and all(i % g == 0 for i, g in zip(img_size, grid_size))
+    ):
         stride = tuple(i // g for i, g in zip(img_size, grid_size))
     proj = getattr(embed, 'proj', None)
     if stride is None and isinstance(proj, nn.Conv2d):
@@ -28,7 +33,8 @@ def token_stride(model: nn.Module) -> Tuple[int, int]:
     if stride is None:
         stride = getattr(embed, 'patch_size', None)
     if stride is None:
-        raise ValueError(f'model: {type(model).__name__}.patch_embed has no token_stride / grid_size / proj.stride '
-                         f'/ patch_size')
+        raise ValueError(
+            f'model: {type(model).__name__}.patch_embed has no token_stride / grid_size / proj.stride / patch_size'
+        )
     stride = (stride, stride) if isinstance(stride, int) else tuple(stride)
     return int(stride[0]), int(stride[1])

@@ -19,6 +19,7 @@ them into ``(images, TokenLabelTarget)``, which also works with timm's fast-coll
 images, the target's ``.to`` moves the map rows). The per-token targets are built on the training
 device in one batched call, kept sparse (:func:`shared_core.label_maps.token_targets_sparse`).
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -30,8 +31,14 @@ from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms as T
 from torchvision.transforms import functional as TF
 
-from shared_core.label_maps import (SparseTokenTargets, check_boxes, check_map_row, crop_box, crop_targets,
-                                    token_targets_sparse)
+from shared_core.label_maps import (
+    SparseTokenTargets,
+    check_boxes,
+    check_map_row,
+    crop_box,
+    crop_targets,
+    token_targets_sparse,
+)
 from shared_core.mix import check_labels
 
 from .carrier import CarrierTensor
@@ -46,20 +53,29 @@ class TokenLabelTarget(CarrierTensor):
     """The class indices ``(B,)`` of a batch carrying its map rows ``.values (B, k, h, w)`` (fp16
     probabilities), ``.indices (B, k, h, w)`` (int64 classes), the crops ``.boxes (B, 4)`` (normalised
     ``x0, y0, x1, y1``), ``.flips (B,)`` and ``.num_classes``."""
+
     _carried = ('values', 'indices', 'boxes', 'flips', 'num_classes')
 
     @staticmethod
-    def wrap(labels: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, boxes: torch.Tensor,
-             flips: torch.Tensor, num_classes: int) -> 'TokenLabelTarget':
-        return TokenLabelTarget._wrap(labels, dict(values=values, indices=indices, boxes=boxes, flips=flips,
-                                                   num_classes=num_classes))
+    def wrap(
+        labels: torch.Tensor,
+        values: torch.Tensor,
+        indices: torch.Tensor,
+        boxes: torch.Tensor,
+        flips: torch.Tensor,
+        num_classes: int,
+    ) -> 'TokenLabelTarget':
+        return TokenLabelTarget._wrap(
+            labels, dict(values=values, indices=indices, boxes=boxes, flips=flips, num_classes=num_classes)
+        )
 
-    def token_targets(self, grid: Tuple[int, int], smoothing: float = 0.) -> SparseTokenTargets:
+    def token_targets(self, grid: Tuple[int, int], smoothing: float = 0.0) -> SparseTokenTargets:
         """Per-token targets (row-major token order; ``.dense()`` is ``(B, gh * gw, C)``, rows summing to 1)."""
-        return token_targets_sparse(self.values, self.indices, self.num_classes, self.boxes, self.flips, grid,
-                                    smoothing)
+        return token_targets_sparse(
+            self.values, self.indices, self.num_classes, self.boxes, self.flips, grid, smoothing
+        )
 
-    def crop_targets(self, smoothing: float = 0.) -> torch.Tensor:
+    def crop_targets(self, smoothing: float = 0.0) -> torch.Tensor:
         """``(B, C)`` the annotator's pooled label over each crop (ReLabel)."""
         return crop_targets(self.values, self.indices, self.num_classes, self.boxes, smoothing)
 
@@ -69,9 +85,11 @@ def split_train_transform(transform, keep_geometric_aa: bool = False):
     the horizontal-flip probability, and a ``Compose`` of what follows (see the module docstring)."""
     tfs = list(transform.transforms) if isinstance(transform, T.Compose) else [transform]
     if not tfs or not isinstance(tfs[0], (RandomResizedCropAndInterpolation, T.RandomResizedCrop)):
-        raise ValueError('transform: token labeling needs a training transform that starts with a random resized '
-                         f'crop (timm train_crop_mode "rrc"), got {tfs[:1]}')
-    crop, rest, hflip = tfs[0], [], 0.
+        raise ValueError(
+            'transform: token labeling needs a training transform that starts with a random resized '
+            f'crop (timm train_crop_mode "rrc"), got {tfs[:1]}'
+        )
+    crop, rest, hflip = tfs[0], [], 0.0
     for t in tfs[1:]:
         if isinstance(t, T.RandomHorizontalFlip):
             hflip = float(t.p)
@@ -79,8 +97,10 @@ def split_train_transform(transform, keep_geometric_aa: bool = False):
             if t.p > 0:
                 raise ValueError('transform: vertical flips are not supported with token labels (--vflip 0)')
         elif isinstance(t, (AutoAugment, AugMixAugment)):
-            raise ValueError(f'transform: {type(t).__name__} has geometric ops the label maps cannot follow; '
-                             'use RandAugment (--aa rand-...), whose geometric ops are removed')
+            raise ValueError(
+                f'transform: {type(t).__name__} has geometric ops the label maps cannot follow; '
+                'use RandAugment (--aa rand-...), whose geometric ops are removed'
+            )
         elif isinstance(t, RandAugment) and not keep_geometric_aa:
             keep = [i for i, op in enumerate(t.ops) if op.name not in GEOMETRIC_RAND_OPS]
             weights = t.choice_weights
@@ -119,7 +139,7 @@ class TokenLabelDataset(torch.utils.data.Dataset):
         self.dataset, self.store, self.keep_geometric_aa = dataset, store, keep_geometric_aa
         self.num_classes = int(store.num_classes)
         self._transform = self._crop = self._rest = None
-        self._hflip = 0.
+        self._hflip = 0.0
         dataset.transform = None  # we load the PIL image and transform it here
 
     @property

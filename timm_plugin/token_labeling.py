@@ -12,6 +12,7 @@ optimizer, EMA and checkpoints hold it). In eval it returns
 :func:`~shared_core.token_labeling.inference_logits` (``head_rule``). :class:`TokenLabelingLoss` is
 Eq. 3-4 on those outputs; :class:`timm_plugin.tasks.TokenLabelingTask` is the same as a timm ``TrainingTask``.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Tuple
@@ -21,16 +22,32 @@ import torch.nn as nn
 from timm.layers import trunc_normal_
 
 from shared_core.mix import Mix, check_image_size
-from shared_core.token_labeling import (CLS_TARGETS, HEAD_RULES, check_head_rule, draw_mixtoken, inference_logits,
-                                        mix_patch_embed_output, mixtoken_sampler, token_labeling_loss,
-                                        token_labeling_targets, unmix_tokens)
+from shared_core.token_labeling import (
+    CLS_TARGETS,
+    HEAD_RULES,
+    check_head_rule,
+    draw_mixtoken,
+    inference_logits,
+    mix_patch_embed_output,
+    mixtoken_sampler,
+    token_labeling_loss,
+    token_labeling_targets,
+    unmix_tokens,
+)
 
 from .carrier import CarrierTensor
 from .token_grid import token_stride
 from .token_label_data import TokenLabelTarget
 
-__all__ = ['HEAD_RULES', 'attach_aux_head', 'aux_logits', 'token_stride', 'TokenLabeling', 'TokenLabelingOutput',
-           'TokenLabelingLoss']
+__all__ = [
+    'HEAD_RULES',
+    'attach_aux_head',
+    'aux_logits',
+    'token_stride',
+    'TokenLabeling',
+    'TokenLabelingOutput',
+    'TokenLabelingLoss',
+]
 
 
 def attach_aux_head(model: nn.Module, num_classes: Optional[int] = None) -> nn.Module:
@@ -42,7 +59,7 @@ def attach_aux_head(model: nn.Module, num_classes: Optional[int] = None) -> nn.M
     if dim is None:
         raise ValueError(f'model: {type(model).__name__} has no num_features/embed_dim for an aux head')
     head = nn.Linear(dim, num_classes or model.num_classes)
-    trunc_normal_(head.weight, std=.02)
+    trunc_normal_(head.weight, std=0.02)
     nn.init.zeros_(head.bias)
     model.aux_head = head
     return model
@@ -51,6 +68,7 @@ def attach_aux_head(model: nn.Module, num_classes: Optional[int] = None) -> nn.M
 class TokenLabelingOutput(NamedTuple):
     """Training output of :class:`TokenLabeling`: class logits ``(B, C)``, un-mixed per-token logits
     ``(B, N, C)`` (``None`` without an aux head), the MixToken mix (``None`` when off), the token grid."""
+
     cls: torch.Tensor
     aux: Optional[torch.Tensor]
     mix: Optional[Mix]
@@ -72,21 +90,31 @@ class TokenLabeling(nn.Module):
         generator: RNG of the box sampler.
     """
 
-    def __init__(self, model: nn.Module, *, mix_token: bool = True, beta: float = 1.0, prob: float = 1.0,
-                 mode: str = 'batch', aux: bool = True, head_rule: str = 'cls+aux',
-                 generator: Optional[torch.Generator] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        mix_token: bool = True,
+        beta: float = 1.0,
+        prob: float = 1.0,
+        mode: str = 'batch',
+        aux: bool = True,
+        head_rule: str = 'cls+aux',
+        generator: Optional[torch.Generator] = None,
+    ):
         super().__init__()
         for name in ('patch_embed', 'forward_features', 'forward_head', 'head', 'norm'):
             if not hasattr(model, name):
-                raise ValueError(f'model: token labeling needs a timm ViT-like model with {name!r}; '
-                                 f'{type(model).__name__} has none')
+                raise ValueError(
+                    f'model: token labeling needs a timm ViT-like model with {name!r}; {type(model).__name__} has none'
+                )
         check_head_rule(head_rule)
         if aux and getattr(model, 'aux_head', None) is None:
             raise ValueError('model: no aux_head; call attach_aux_head(model) before building the optimizer')
         self.model, self.aux, self.head_rule, self.generator = model, aux, head_rule, generator
         self.num_prefix_tokens = int(getattr(model, 'num_prefix_tokens', 1))
         self.token_stride = token_stride(model)
-        self.sampler = mixtoken_sampler(beta, prob if mix_token else 0., mode, self.token_stride)
+        self.sampler = mixtoken_sampler(beta, prob if mix_token else 0.0, mode, self.token_stride)
 
     def grid(self, x: torch.Tensor) -> Tuple[int, int]:
         """The token grid of a batch of images (a whole number of tokens)."""
@@ -99,8 +127,11 @@ class TokenLabeling(nn.Module):
         model = self.model if model is None else model
         feats = model.forward_features(x)
         cls = model.head(model.forward_head(feats, pre_logits=True))
-        aux = aux_logits(model, feats, self.num_prefix_tokens) if self.head_rule == 'cls+aux' and \
-            getattr(model, 'aux_head', None) is not None else None
+        aux = (
+            aux_logits(model, feats, self.num_prefix_tokens)
+            if self.head_rule == 'cls+aux' and getattr(model, 'aux_head', None) is not None
+            else None
+        )
         return inference_logits(cls, aux, self.head_rule)
 
     def outputs(self, x: torch.Tensor, forward=None) -> TokenLabelingOutput:
@@ -113,8 +144,9 @@ class TokenLabeling(nn.Module):
         kept = {}
         handles = []
         if mix is not None:
-            handles.append(self.model.patch_embed.register_forward_hook(
-                lambda m, i, out: mix_patch_embed_output(out, mix)))
+            handles.append(
+                self.model.patch_embed.register_forward_hook(lambda m, i, out: mix_patch_embed_output(out, mix))
+            )
         if self.aux:
             handles.append(self.model.norm.register_forward_hook(lambda m, i, o: kept.__setitem__('feats', o)))
         try:
@@ -154,12 +186,18 @@ class TokenLabelingLoss(nn.Module):
         smoothing: label smoothing of the class and the token targets.
     """
 
-    def __init__(self, num_classes: int, dense_weight: float = 0.5, cls_target: str = 'gt',
-                 cls_target_mix: float = 0.5, smoothing: float = 0.1):
+    def __init__(
+        self,
+        num_classes: int,
+        dense_weight: float = 0.5,
+        cls_target: str = 'gt',
+        cls_target_mix: float = 0.5,
+        smoothing: float = 0.1,
+    ):
         super().__init__()
         if cls_target not in CLS_TARGETS:
             raise ValueError(f'cls_target: expected one of {CLS_TARGETS}, got {cls_target!r}')
-        if not 0. <= cls_target_mix <= 1.:
+        if not 0.0 <= cls_target_mix <= 1.0:
             raise ValueError(f'cls_target_mix: expected a weight in [0, 1], got {cls_target_mix}')
         if dense_weight < 0:
             raise ValueError(f'dense_weight: expected >= 0, got {dense_weight}')
@@ -172,11 +210,22 @@ class TokenLabelingLoss(nn.Module):
         labels = target.as_tensor() if isinstance(target, CarrierTensor) else target
         maps = target if isinstance(target, TokenLabelTarget) else None
         if maps is None and (self.dense_weight or self.cls_target != 'gt'):
-            raise ValueError('target: token labeling needs the label maps (a TokenLabelTarget from '
-                             'TokenLabelCollate); got plain labels')
-        return token_labeling_targets(labels, self.num_classes, self.smoothing, output.mix, maps, output.grid,
-                                      self.cls_target, self.cls_target_mix, dense=bool(self.dense_weight),
-                                      name='target')
+            raise ValueError(
+                'target: token labeling needs the label maps (a TokenLabelTarget from '
+                'TokenLabelCollate); got plain labels'
+            )
+        return token_labeling_targets(
+            labels,
+            self.num_classes,
+            self.smoothing,
+            output.mix,
+            maps,
+            output.grid,
+            self.cls_target,
+            self.cls_target_mix,
+            dense=bool(self.dense_weight),
+            name='target',
+        )
 
     def forward(self, output: TokenLabelingOutput, target: torch.Tensor) -> torch.Tensor:
         y_cls, dense = self.targets(output, target)

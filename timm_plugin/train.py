@@ -14,6 +14,7 @@ plain Python values, so both ``torch.load(..., weights_only=True)`` and
 ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=...), num_classes=...)``
 load them; the full arguments are also written to ``args.yaml`` beside them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,9 @@ from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTarget
 from timm.models import create_model, resume_checkpoint, safe_model_name
 from timm.optim import create_optimizer_v2, optimizer_kwargs
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
+from timm.task import ClassificationTask
 from timm.utils import NativeScaler
 from timm.utils.model import get_state_dict
-
-from timm.task import ClassificationTask
 
 from shared_core.mix import check_labels
 from shared_core.tl_align import TRANSMIX_MODES
@@ -46,23 +46,32 @@ from shared_core.token_labeling import HEAD_RULES
 from .mixup import MIX_KINDS, TARGET_METHODS, create_mixer
 from .tasks import TLAlignTask, TokenLabelingTask, TransMixTask
 from .timm_fixes import fix_posterize
-from .token_label_data import TokenLabelCollate, TokenLabelDataset
 from .token_grid import token_stride
+from .token_label_data import TokenLabelCollate, TokenLabelDataset
 from .token_labeling import TokenLabelingLoss, attach_aux_head
 
 _logger = logging.getLogger('tokenaug.train')
 
 config_parser = argparse.ArgumentParser(description='Training Config', add_help=False)
-config_parser.add_argument('-c', '--config', default='', type=str, metavar='FILE',
-                           help='YAML config file specifying default arguments')
+config_parser.add_argument(
+    '-c', '--config', default='', type=str, metavar='FILE', help='YAML config file specifying default arguments'
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description='tokenaug: timm training with token-aware mixing')
     g = p.add_argument_group('Dataset parameters')
-    g.add_argument('data', nargs='?', metavar='DIR', const=None, help='path to dataset (positional is *deprecated*, use --data-dir)')
+    g.add_argument(
+        'data',
+        nargs='?',
+        metavar='DIR',
+        const=None,
+        help='path to dataset (positional is *deprecated*, use --data-dir)',
+    )
     g.add_argument('--data-dir', metavar='DIR', help='path to dataset (root dir)')
-    g.add_argument('--dataset', metavar='NAME', default='', help='dataset type + name ("<type>/<name>") (default: ImageFolder)')
+    g.add_argument(
+        '--dataset', metavar='NAME', default='', help='dataset type + name ("<type>/<name>") (default: ImageFolder)'
+    )
     g.add_argument('--train-split', metavar='NAME', default='train')
     g.add_argument('--val-split', metavar='NAME', default='validation')
     g.add_argument('--class-map', default='', type=str, metavar='FILENAME')
@@ -101,9 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--sched', type=str, default='cosine', metavar='SCHEDULER')
     g.add_argument('--sched-on-updates', action='store_true', default=False)
     g.add_argument('--lr', type=float, default=None, metavar='LR')
-    g.add_argument('--lr-base', type=float, default=5e-4, metavar='LR', help='base lr: lr = lr_base * global_batch / lr_base_size')
+    g.add_argument(
+        '--lr-base', type=float, default=5e-4, metavar='LR', help='base lr: lr = lr_base * global_batch / lr_base_size'
+    )
     g.add_argument('--lr-base-size', type=int, default=512, metavar='DIV')
-    g.add_argument('--lr-base-scale', type=str, default='', metavar='SCALE', help='"sqrt" or "linear" (default by optimizer)')
+    g.add_argument(
+        '--lr-base-scale', type=str, default='', metavar='SCALE', help='"sqrt" or "linear" (default by optimizer)'
+    )
     g.add_argument('--min-lr', type=float, default=1e-6, metavar='LR')
     g.add_argument('--epochs', type=int, default=300, metavar='N')
     g.add_argument('--start-epoch', default=None, type=int, metavar='N')
@@ -118,63 +131,126 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--no-aug', action='store_true', default=False)
     g.add_argument('--train-crop-mode', type=str, default=None)
     g.add_argument('--scale', type=float, nargs='+', default=[0.08, 1.0], metavar='PCT')
-    g.add_argument('--ratio', type=float, nargs='+', default=[3. / 4., 4. / 3.], metavar='RATIO')
+    g.add_argument('--ratio', type=float, nargs='+', default=[3.0 / 4.0, 4.0 / 3.0], metavar='RATIO')
     g.add_argument('--hflip', type=float, default=0.5)
-    g.add_argument('--vflip', type=float, default=0.)
+    g.add_argument('--vflip', type=float, default=0.0)
     g.add_argument('--color-jitter', type=float, default=0.4, metavar='PCT')
-    g.add_argument('--aa', type=str, default=None, metavar='NAME', help='AutoAugment policy, e.g. "rand-m9-mstd0.5-inc1"')
+    g.add_argument(
+        '--aa', type=str, default=None, metavar='NAME', help='AutoAugment policy, e.g. "rand-m9-mstd0.5-inc1"'
+    )
     g.add_argument('--aug-repeats', type=float, default=0)
     g.add_argument('--bce-loss', action='store_true', default=False)
     g.add_argument('--bce-sum', action='store_true', default=False)
     g.add_argument('--bce-target-thresh', type=float, default=None)
     g.add_argument('--bce-pos-weight', type=float, default=None)
-    g.add_argument('--reprob', type=float, default=0., metavar='PCT')
+    g.add_argument('--reprob', type=float, default=0.0, metavar='PCT')
     g.add_argument('--remode', type=str, default='pixel')
     g.add_argument('--recount', type=int, default=1)
     g.add_argument('--resplit', action='store_true', default=False)
     g.add_argument('--mixup', type=float, default=0.0, help='mixup alpha, mixup enabled if > 0.')
-    g.add_argument('--cutmix', type=float, default=0.0, help='cutmix alpha (the cut branch of --mixup-type), enabled if > 0.')
+    g.add_argument(
+        '--cutmix', type=float, default=0.0, help='cutmix alpha (the cut branch of --mixup-type), enabled if > 0.'
+    )
     g.add_argument('--cutmix-minmax', type=float, nargs='+', default=None)
     g.add_argument('--mixup-prob', type=float, default=1.0)
     g.add_argument('--mixup-switch-prob', type=float, default=0.5)
     g.add_argument('--mixup-mode', type=str, default='batch', help='"batch", "pair", or "elem"')
     g.add_argument('--mixup-off-epoch', default=0, type=int, metavar='N')
-    g.add_argument('--mixup-type', default=None, choices=MIX_KINDS + TARGET_METHODS + TOKEN_LABELING_TYPES + ('tokenmix',),
-                   help='tokenaug mixing kind or method (default: timm behaviour, cutmix if --cutmix > 0 else mixup); '
-                        'mixtoken: MixToken after patch embedding (token-labeling.md Eq. 5), box ~ Beta(--cutmix or 1); '
-                        'tokenmix: tokenmix_{--tokenmix-mask} with λ = 0.5 unless --tokenmix-lam (tokenmix.md Sec. 3.2)')
-    g.add_argument('--method-mix', default='cutmix', choices=MIX_KINDS,
-                   help='the mixing kind under --mixup-type tl_align/transmix (tl-align.md Table 7; '
-                        'cutmix with --mixup > 0 = the MixUp/CutMix switch)')
-    g.add_argument('--tl-align-layers', type=int, nargs='*', default=None,
-                   help='align only at these block indices (Table 8 ablation; default: all)')
-    g.add_argument('--tl-align-no-residual', action='store_true', default=False,
-                   help='drop the residual from the label path (Table 8, normalisation disabled)')
-    g.add_argument('--transmix-mode', default='paper', choices=TRANSMIX_MODES,
-                   help="TransMix λ: 'paper' (attention over the box) or 'average' (with the area, public code)")
-    g.add_argument('--tokenmix-lam', type=float, default=None,
-                   help='fix λ (own share) of token-mask kinds, e.g. 0.5 as in TokenMix (default: Beta(--cutmix))')
-    g.add_argument('--tokenmix-mask', default='block', choices=('block', 'random'),
-                   help='the TokenMix mask of --mixup-type tokenmix (tokenmix.md Table 8-9)')
-    g.add_argument('--activation-map-dir', default=None, type=str, metavar='DIR',
-                   help="teacher maps of the training split (tokenaug-maps generate): TokenMix's targets from "
-                        'activation maps (tokenmix.md Eq. 2), for any cut kind (with cutmix: Table 7 refinement)')
-    g.add_argument('--activation-target', default='true_class', choices=('true_class', 'distribution'),
-                   help="true_class: the maps' channel of each image's class (paper / public code); "
-                        "distribution: the teacher's full class distribution over what each image shows (ours)")
-    g.add_argument('--token-label-dir', default=None, type=str, metavar='DIR',
-                   help='label-map store of the training split (tokenaug-maps generate): token labeling')
+    g.add_argument(
+        '--mixup-type',
+        default=None,
+        choices=MIX_KINDS + TARGET_METHODS + TOKEN_LABELING_TYPES + ('tokenmix',),
+        help='tokenaug mixing kind or method (default: timm behaviour, cutmix if --cutmix > 0 else mixup); '
+        'mixtoken: MixToken after patch embedding (token-labeling.md Eq. 5), box ~ Beta(--cutmix or 1); '
+        'tokenmix: tokenmix_{--tokenmix-mask} with λ = 0.5 unless --tokenmix-lam (tokenmix.md Sec. 3.2)',
+    )
+    g.add_argument(
+        '--method-mix',
+        default='cutmix',
+        choices=MIX_KINDS,
+        help='the mixing kind under --mixup-type tl_align/transmix (tl-align.md Table 7; '
+        'cutmix with --mixup > 0 = the MixUp/CutMix switch)',
+    )
+    g.add_argument(
+        '--tl-align-layers',
+        type=int,
+        nargs='*',
+        default=None,
+        help='align only at these block indices (Table 8 ablation; default: all)',
+    )
+    g.add_argument(
+        '--tl-align-no-residual',
+        action='store_true',
+        default=False,
+        help='drop the residual from the label path (Table 8, normalisation disabled)',
+    )
+    g.add_argument(
+        '--transmix-mode',
+        default='paper',
+        choices=TRANSMIX_MODES,
+        help="TransMix λ: 'paper' (attention over the box) or 'average' (with the area, public code)",
+    )
+    g.add_argument(
+        '--tokenmix-lam',
+        type=float,
+        default=None,
+        help='fix λ (own share) of token-mask kinds, e.g. 0.5 as in TokenMix (default: Beta(--cutmix))',
+    )
+    g.add_argument(
+        '--tokenmix-mask',
+        default='block',
+        choices=('block', 'random'),
+        help='the TokenMix mask of --mixup-type tokenmix (tokenmix.md Table 8-9)',
+    )
+    g.add_argument(
+        '--activation-map-dir',
+        default=None,
+        type=str,
+        metavar='DIR',
+        help="teacher maps of the training split (tokenaug-maps generate): TokenMix's targets from "
+        'activation maps (tokenmix.md Eq. 2), for any cut kind (with cutmix: Table 7 refinement)',
+    )
+    g.add_argument(
+        '--activation-target',
+        default='true_class',
+        choices=('true_class', 'distribution'),
+        help="true_class: the maps' channel of each image's class (paper / public code); "
+        "distribution: the teacher's full class distribution over what each image shows (ours)",
+    )
+    g.add_argument(
+        '--token-label-dir',
+        default=None,
+        type=str,
+        metavar='DIR',
+        help='label-map store of the training split (tokenaug-maps generate): token labeling',
+    )
     g.add_argument('--dense-weight', type=float, default=0.5, help='β of the token loss (token-labeling.md Eq. 3)')
-    g.add_argument('--cls-target', default='gt', choices=('gt', 'annotator', 'mix'),
-                   help="class-token target: ground truth (paper), the annotator's pooled label over the crop "
-                        "(public code's default) or --cls-target-mix · annotator + (1 - it) · ground truth")
+    g.add_argument(
+        '--cls-target',
+        default='gt',
+        choices=('gt', 'annotator', 'mix'),
+        help="class-token target: ground truth (paper), the annotator's pooled label over the crop "
+        "(public code's default) or --cls-target-mix · annotator + (1 - it) · ground truth",
+    )
     g.add_argument('--cls-target-mix', type=float, default=0.5)
-    g.add_argument('--relabel', action='store_true', default=False,
-                   help='ReLabel: one pooled label per crop from the maps as the class target, no dense term')
-    g.add_argument('--head-rule', default='cls+aux', choices=HEAD_RULES,
-                   help="eval output with an aux head: cls + 0.5 max(aux) (public code) or the class head only")
-    g.add_argument('--keep-geometric-aa', action='store_true', default=False,
-                   help="keep RandAugment's geometric ops under token labeling (the maps do not follow them)")
+    g.add_argument(
+        '--relabel',
+        action='store_true',
+        default=False,
+        help='ReLabel: one pooled label per crop from the maps as the class target, no dense term',
+    )
+    g.add_argument(
+        '--head-rule',
+        default='cls+aux',
+        choices=HEAD_RULES,
+        help='eval output with an aux head: cls + 0.5 max(aux) (public code) or the class head only',
+    )
+    g.add_argument(
+        '--keep-geometric-aa',
+        action='store_true',
+        default=False,
+        help="keep RandAugment's geometric ops under token labeling (the maps do not follow them)",
+    )
     g.add_argument('--smoothing', type=float, default=0.1)
     g.add_argument('--train-interpolation', type=str, default='random')
     g.add_argument('--drop', type=float, default=0.0, metavar='PCT')
@@ -213,8 +289,10 @@ def parse_args(argv=None):
         known = {a.dest for a in parser._actions}
         unknown = sorted(set(cfg) - known)
         if unknown:
-            raise ValueError(f'config {args_config.config}: unknown keys {unknown} (use the flag names with '
-                             f'"_" for "-", as in timm configs)')
+            raise ValueError(
+                f'config {args_config.config}: unknown keys {unknown} (use the flag names with '
+                f'"_" for "-", as in timm configs)'
+            )
         parser.set_defaults(**cfg)
     args = parser.parse_args(remaining)
     args.config = args_config.config
@@ -286,13 +364,22 @@ def build_task(args, model: nn.Module, criterion: nn.Module, token_labeling: boo
     """The ``timm.task`` training task of the method the arguments name (``ClassificationTask`` without one)."""
     method, _ = method_and_mix_kind(args)
     if method == 'tl_align':
-        return TLAlignTask(model, criterion, layers=args.tl_align_layers, residual=not args.tl_align_no_residual,
-                           device=device)
+        return TLAlignTask(
+            model, criterion, layers=args.tl_align_layers, residual=not args.tl_align_no_residual, device=device
+        )
     if method == 'transmix':
         return TransMixTask(model, criterion, mode=args.transmix_mode, device=device)
     if token_labeling:
-        return TokenLabelingTask(model, criterion, mix_token=args.mixup_type == 'mixtoken', beta=args.cutmix or 1.0,
-                                 prob=args.mixup_prob, mode=args.mixup_mode, head_rule=args.head_rule, device=device)
+        return TokenLabelingTask(
+            model,
+            criterion,
+            mix_token=args.mixup_type == 'mixtoken',
+            beta=args.cutmix or 1.0,
+            prob=args.mixup_prob,
+            mode=args.mixup_mode,
+            head_rule=args.head_rule,
+            device=device,
+        )
     return ClassificationTask(model, criterion, device=device)
 
 
@@ -328,10 +415,18 @@ def run(argv=None) -> dict:
     # as timm's train.py: --img-size/--input-size set the data size only; a model built for another size
     # gets it through --model-kwargs (e.g. img_size=112 for a ViT)
     model_kwargs = dict(args.model_kwargs)
-    model = create_model(args.model, pretrained=args.pretrained or bool(args.pretrained_path), in_chans=in_chans,
-                         num_classes=args.num_classes, drop_rate=args.drop, drop_path_rate=args.drop_path,
-                         global_pool=args.gp, checkpoint_path=args.initial_checkpoint or None,
-                         **factory_kwargs, **model_kwargs)
+    model = create_model(
+        args.model,
+        pretrained=args.pretrained or bool(args.pretrained_path),
+        in_chans=in_chans,
+        num_classes=args.num_classes,
+        drop_rate=args.drop,
+        drop_path_rate=args.drop_path,
+        global_pool=args.gp,
+        checkpoint_path=args.initial_checkpoint or None,
+        **factory_kwargs,
+        **model_kwargs,
+    )
     if args.num_classes is None:
         args.num_classes = model.num_classes
     if args.mixup_type == 'tokenmix':  # the paper's TokenMix: block (or random) masks, λ fixed at 0.5
@@ -342,21 +437,29 @@ def run(argv=None) -> dict:
     dense = bool(args.token_label_dir) and not args.relabel and args.dense_weight > 0
     if token_labeling:
         if args.mixup > 0:
-            raise ValueError('--mixup: MixUp is not combined with token labeling / MixToken (token-labeling.md '
-                             'Table 3 and supplement Table 1 drop it); set --mixup 0')
+            raise ValueError(
+                '--mixup: MixUp is not combined with token labeling / MixToken (token-labeling.md '
+                'Table 3 and supplement Table 1 drop it); set --mixup 0'
+            )
         if args.relabel and not args.token_label_dir:
             raise ValueError('--relabel needs --token-label-dir (the pooled labels come from the label maps)')
         if args.cls_target != 'gt' and not args.token_label_dir:
             raise ValueError(f'--cls-target {args.cls_target} needs --token-label-dir')
         if args.mixup_type not in (None,) + TOKEN_LABELING_TYPES:
-            raise ValueError(f'--mixup-type {args.mixup_type}: token labeling mixes with MixToken only '
-                             f'(--mixup-type mixtoken, or none for token labeling without mixing)')
+            raise ValueError(
+                f'--mixup-type {args.mixup_type}: token labeling mixes with MixToken only '
+                f'(--mixup-type mixtoken, or none for token labeling without mixing)'
+            )
         if args.mixup_type is None and (args.cutmix > 0 or args.cutmix_minmax):
-            raise ValueError('--cutmix: with --token-label-dir the cut is MixToken; add --mixup-type mixtoken '
-                             '(its box is drawn from Beta(--cutmix)), or set --cutmix 0 for no mixing')
+            raise ValueError(
+                '--cutmix: with --token-label-dir the cut is MixToken; add --mixup-type mixtoken '
+                '(its box is drawn from Beta(--cutmix)), or set --cutmix 0 for no mixing'
+            )
         if args.cutmix_minmax or args.bce_loss:
-            raise ValueError(f'{"--cutmix-minmax" if args.cutmix_minmax else "--bce-loss"}: not used by token '
-                             'labeling (MixToken draws its box from Beta(--cutmix); the loss is Eq. 3 cross entropy)')
+            raise ValueError(
+                f'{"--cutmix-minmax" if args.cutmix_minmax else "--bce-loss"}: not used by token '
+                'labeling (MixToken draws its box from Beta(--cutmix); the loss is Eq. 3 cross entropy)'
+            )
         if dense:  # before the optimizer, EMA and resume: the aux head is part of the trained model
             attach_aux_head(model, args.num_classes)
         elif getattr(model, 'aux_head', None) is not None:  # LV-ViT without dense targets: its aux head idles
@@ -364,11 +467,14 @@ def run(argv=None) -> dict:
             if hasattr(model, 'head_rule'):
                 model.head_rule = 'cls'  # and must not vote at inference
     if args.activation_map_dir and (token_labeling or args.mixup_type in TARGET_METHODS):
-        raise ValueError(f'--activation-map-dir: TokenMix targets apply to the mixing kinds {MIX_KINDS}, not to '
-                         f'{"token labeling" if token_labeling else args.mixup_type}')
+        raise ValueError(
+            f'--activation-map-dir: TokenMix targets apply to the mixing kinds {MIX_KINDS}, not to '
+            f'{"token labeling" if token_labeling else args.mixup_type}'
+        )
     if utils.is_primary(args):
-        _logger.info(f'Model {safe_model_name(args.model)} created, param count: '
-                     f'{sum(m.numel() for m in model.parameters())}')
+        _logger.info(
+            f'Model {safe_model_name(args.model)} created, param count: {sum(m.numel() for m in model.parameters())}'
+        )
     data_config = resolve_data_config(vars(args), model=model, verbose=utils.is_primary(args))
     model.to(device=device)
 
@@ -377,7 +483,7 @@ def run(argv=None) -> dict:
         ratio = global_batch / args.lr_base_size
         scale = args.lr_base_scale or ('sqrt' if any(o in args.opt.lower() for o in ('ada', 'lamb')) else 'linear')
         if scale == 'sqrt':
-            ratio = ratio ** 0.5
+            ratio = ratio**0.5
         args.lr = args.lr_base * ratio
     optimizer = create_optimizer_v2(model, **optimizer_kwargs(cfg=args), **args.opt_kwargs)
 
@@ -389,21 +495,42 @@ def run(argv=None) -> dict:
 
     resume_epoch = None
     if args.resume:
-        resume_epoch = resume_checkpoint(model, args.resume, optimizer=None if args.no_resume_opt else optimizer,
-                                         loss_scaler=None if args.no_resume_opt else loss_scaler,
-                                         log_info=utils.is_primary(args))
-    dataset_train = create_dataset(args.dataset, root=args.data_dir, split=args.train_split, is_training=True,
-                                   class_map=args.class_map, batch_size=args.batch_size, seed=args.seed,
-                                   input_img_mode=args.input_img_mode)
-    dataset_eval = create_dataset(args.dataset, root=args.data_dir, split=args.val_split, is_training=False,
-                                  class_map=args.class_map, batch_size=args.batch_size,
-                                  input_img_mode=args.input_img_mode)
+        resume_epoch = resume_checkpoint(
+            model,
+            args.resume,
+            optimizer=None if args.no_resume_opt else optimizer,
+            loss_scaler=None if args.no_resume_opt else loss_scaler,
+            log_info=utils.is_primary(args),
+        )
+    dataset_train = create_dataset(
+        args.dataset,
+        root=args.data_dir,
+        split=args.train_split,
+        is_training=True,
+        class_map=args.class_map,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        input_img_mode=args.input_img_mode,
+    )
+    dataset_eval = create_dataset(
+        args.dataset,
+        root=args.data_dir,
+        split=args.val_split,
+        is_training=False,
+        class_map=args.class_map,
+        batch_size=args.batch_size,
+        input_img_mode=args.input_img_mode,
+    )
 
     collate_fn = mixer = None
-    maps_dir, maps_flag = (args.token_label_dir, '--token-label-dir') if args.token_label_dir else \
-        (args.activation_map_dir, '--activation-map-dir')
+    maps_dir, maps_flag = (
+        (args.token_label_dir, '--token-label-dir')
+        if args.token_label_dir
+        else (args.activation_map_dir, '--activation-map-dir')
+    )
     if maps_dir:  # the samples carry their map rows, crops and flips
         from shared_core.map_store import LabelMapStore
+
         store = LabelMapStore.open(maps_dir)
         if store.num_classes != args.num_classes:
             raise ValueError(f'{maps_flag}: the maps have {store.num_classes} classes, the model {args.num_classes}')
@@ -412,17 +539,29 @@ def run(argv=None) -> dict:
     # mixing: the kind, and where it runs (fast-collate with the prefetcher, else in the loop);
     # MixToken runs in the task (TokenLabelingTask)
     mixup_active = not token_labeling and (
-        args.mixup > 0 or args.cutmix > 0. or args.cutmix_minmax is not None or
-        (args.mixup_type is not None and args.tokenmix_lam is not None))
+        args.mixup > 0
+        or args.cutmix > 0.0
+        or args.cutmix_minmax is not None
+        or (args.mixup_type is not None and args.tokenmix_lam is not None)
+    )
     if args.mixup_type is not None and not mixup_active and not token_labeling:
         raise ValueError(f'--mixup-type {args.mixup_type} needs --mixup and/or --cutmix > 0 (or --tokenmix-lam)')
     if mixup_active:
         args.mixup_type = args.mixup_type or ('cutmix' if (args.cutmix > 0 or args.cutmix_minmax) else 'mixup')
         method, mix_kind = method_and_mix_kind(args)
-        mixer_args = dict(method=method, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
-                          cutmix_minmax=args.cutmix_minmax, prob=args.mixup_prob, switch_prob=args.mixup_switch_prob,
-                          mode=args.mixup_mode, label_smoothing=args.smoothing, num_classes=args.num_classes,
-                          patch_size=mixing_patch_size(model), tokenmix_lam=args.tokenmix_lam)
+        mixer_args = dict(
+            method=method,
+            mixup_alpha=args.mixup,
+            cutmix_alpha=args.cutmix,
+            cutmix_minmax=args.cutmix_minmax,
+            prob=args.mixup_prob,
+            switch_prob=args.mixup_switch_prob,
+            mode=args.mixup_mode,
+            label_smoothing=args.smoothing,
+            num_classes=args.num_classes,
+            patch_size=mixing_patch_size(model),
+            tokenmix_lam=args.tokenmix_lam,
+        )
         if args.activation_map_dir:  # mixed on the device, where the maps' targets are built
             mixer = create_mixer(mix_kind, activation_targets=args.activation_target, **mixer_args)
         elif args.prefetcher:
@@ -432,43 +571,96 @@ def run(argv=None) -> dict:
         shown = f'{method} over {mix_kind}' if method else mix_kind
         if args.activation_map_dir:
             shown += f' with {args.activation_target} activation-map targets'
-        _logger.info(f'Mixing: {shown} (mixup_alpha={args.mixup}, cutmix_alpha={args.cutmix}, '
-                     f'prob={args.mixup_prob}, switch_prob={args.mixup_switch_prob}, mode={args.mixup_mode})')
+        _logger.info(
+            f'Mixing: {shown} (mixup_alpha={args.mixup}, cutmix_alpha={args.cutmix}, '
+            f'prob={args.mixup_prob}, switch_prob={args.mixup_switch_prob}, mode={args.mixup_mode})'
+        )
 
     train_interpolation = args.train_interpolation
     if args.no_aug or not train_interpolation:
         train_interpolation = data_config['interpolation']
     loader_train = create_loader(
-        dataset_train, input_size=data_config['input_size'], batch_size=args.batch_size, is_training=True,
-        no_aug=args.no_aug, re_prob=args.reprob, re_mode=args.remode, re_count=args.recount,
-        re_split=args.resplit, train_crop_mode=args.train_crop_mode, scale=args.scale, ratio=args.ratio,
-        hflip=args.hflip, vflip=args.vflip, color_jitter=args.color_jitter, auto_augment=args.aa,
-        num_aug_repeats=args.aug_repeats, interpolation=train_interpolation, mean=data_config['mean'],
-        std=data_config['std'], num_workers=args.workers, distributed=args.distributed,
-        collate_fn=collate_fn, pin_memory=args.pin_mem, device=device, use_prefetcher=args.prefetcher,
+        dataset_train,
+        input_size=data_config['input_size'],
+        batch_size=args.batch_size,
+        is_training=True,
+        no_aug=args.no_aug,
+        re_prob=args.reprob,
+        re_mode=args.remode,
+        re_count=args.recount,
+        re_split=args.resplit,
+        train_crop_mode=args.train_crop_mode,
+        scale=args.scale,
+        ratio=args.ratio,
+        hflip=args.hflip,
+        vflip=args.vflip,
+        color_jitter=args.color_jitter,
+        auto_augment=args.aa,
+        num_aug_repeats=args.aug_repeats,
+        interpolation=train_interpolation,
+        mean=data_config['mean'],
+        std=data_config['std'],
+        num_workers=args.workers,
+        distributed=args.distributed,
+        collate_fn=collate_fn,
+        pin_memory=args.pin_mem,
+        device=device,
+        use_prefetcher=args.prefetcher,
         worker_seeding=args.worker_seeding,  # timm drops the last (possibly odd) training batch
         # a persistent worker keeps its own copy of the collate function, which --mixup-off-epoch could not reach
-        persistent_workers=not (mixup_active and args.mixup_off_epoch))
+        persistent_workers=not (mixup_active and args.mixup_off_epoch),
+    )
     loader_eval = create_loader(
-        dataset_eval, input_size=data_config['input_size'], batch_size=args.validation_batch_size or args.batch_size,
-        is_training=False, interpolation=data_config['interpolation'], mean=data_config['mean'],
-        std=data_config['std'], num_workers=args.workers, distributed=args.distributed,
-        crop_pct=data_config['crop_pct'], pin_memory=args.pin_mem, device=device, use_prefetcher=args.prefetcher)
+        dataset_eval,
+        input_size=data_config['input_size'],
+        batch_size=args.validation_batch_size or args.batch_size,
+        is_training=False,
+        interpolation=data_config['interpolation'],
+        mean=data_config['mean'],
+        std=data_config['std'],
+        num_workers=args.workers,
+        distributed=args.distributed,
+        crop_pct=data_config['crop_pct'],
+        pin_memory=args.pin_mem,
+        device=device,
+        use_prefetcher=args.prefetcher,
+    )
 
     if token_labeling:
-        train_loss_fn = TokenLabelingLoss(args.num_classes, dense_weight=args.dense_weight if dense else 0.,
-                                          cls_target='annotator' if args.relabel else args.cls_target,
-                                          cls_target_mix=args.cls_target_mix, smoothing=args.smoothing)
+        train_loss_fn = TokenLabelingLoss(
+            args.num_classes,
+            dense_weight=args.dense_weight if dense else 0.0,
+            cls_target='annotator' if args.relabel else args.cls_target,
+            cls_target_mix=args.cls_target_mix,
+            smoothing=args.smoothing,
+        )
     elif mixup_active:
-        train_loss_fn = BinaryCrossEntropy(target_threshold=args.bce_target_thresh, sum_classes=args.bce_sum,
-                                           pos_weight=args.bce_pos_weight) if args.bce_loss else SoftTargetCrossEntropy()
+        train_loss_fn = (
+            BinaryCrossEntropy(
+                target_threshold=args.bce_target_thresh, sum_classes=args.bce_sum, pos_weight=args.bce_pos_weight
+            )
+            if args.bce_loss
+            else SoftTargetCrossEntropy()
+        )
     elif args.smoothing:
-        train_loss_fn = BinaryCrossEntropy(smoothing=args.smoothing, target_threshold=args.bce_target_thresh,
-                                           sum_classes=args.bce_sum, pos_weight=args.bce_pos_weight) \
-            if args.bce_loss else LabelSmoothingCrossEntropy(smoothing=args.smoothing)
+        train_loss_fn = (
+            BinaryCrossEntropy(
+                smoothing=args.smoothing,
+                target_threshold=args.bce_target_thresh,
+                sum_classes=args.bce_sum,
+                pos_weight=args.bce_pos_weight,
+            )
+            if args.bce_loss
+            else LabelSmoothingCrossEntropy(smoothing=args.smoothing)
+        )
     else:
-        train_loss_fn = BinaryCrossEntropy(target_threshold=args.bce_target_thresh, sum_classes=args.bce_sum,
-                                           pos_weight=args.bce_pos_weight) if args.bce_loss else nn.CrossEntropyLoss()
+        train_loss_fn = (
+            BinaryCrossEntropy(
+                target_threshold=args.bce_target_thresh, sum_classes=args.bce_sum, pos_weight=args.bce_pos_weight
+            )
+            if args.bce_loss
+            else nn.CrossEntropyLoss()
+        )
     train_loss_fn = train_loss_fn.to(device=device)
     validate_loss_fn = nn.CrossEntropyLoss().to(device=device)
 
@@ -478,30 +670,41 @@ def run(argv=None) -> dict:
         task.setup_ema(decay=args.model_ema_decay, use_warmup=args.model_ema_warmup)
         if args.resume:
             from timm.models import load_checkpoint
+
             load_checkpoint(task.get_trainable_module(ema=True).module, args.resume, use_ema=True)
     if args.distributed:
         task.prepare_distributed(device_ids=[device] if device.type == 'cuda' else None)
     # what --mixup-off-epoch switches off: the collate mixer, the loop's mixer, or MixToken in the task
-    mixing = (collate_fn if hasattr(collate_fn, 'mixup_enabled') else None) or mixer or \
-        getattr(task, 'sampler', None)
+    mixing = (collate_fn if hasattr(collate_fn, 'mixup_enabled') else None) or mixer or getattr(task, 'sampler', None)
 
     eval_metric = args.eval_metric
     saver = None
     output_dir = None
     if utils.is_primary(args):
-        exp_name = args.experiment or '-'.join([time.strftime('%Y%m%d-%H%M%S'), safe_model_name(args.model),
-                                                str(data_config['input_size'][-1])])
+        exp_name = args.experiment or '-'.join(
+            [time.strftime('%Y%m%d-%H%M%S'), safe_model_name(args.model), str(data_config['input_size'][-1])]
+        )
         output_dir = utils.get_outdir(args.output if args.output else './output/train', exp_name)
-        saver = PlainCheckpointSaver(model=model, optimizer=optimizer, args=args,
-                                     model_ema=task.get_trainable_module(ema=True),
-                                     amp_scaler=loss_scaler, checkpoint_dir=output_dir, recovery_dir=output_dir,
-                                     decreasing=eval_metric == 'loss', max_history=args.checkpoint_hist)
+        saver = PlainCheckpointSaver(
+            model=model,
+            optimizer=optimizer,
+            args=args,
+            model_ema=task.get_trainable_module(ema=True),
+            amp_scaler=loss_scaler,
+            checkpoint_dir=output_dir,
+            recovery_dir=output_dir,
+            decreasing=eval_metric == 'loss',
+            max_history=args.checkpoint_hist,
+        )
         with open(os.path.join(output_dir, 'args.yaml'), 'w') as f:
             yaml.safe_dump(plain_args(args), f, sort_keys=False)
 
     updates_per_epoch = (len(loader_train) + args.grad_accum_steps - 1) // args.grad_accum_steps
-    lr_scheduler, num_epochs = create_scheduler_v2(optimizer, **scheduler_kwargs(args, decreasing_metric=eval_metric == 'loss'),
-                                                   updates_per_epoch=updates_per_epoch)
+    lr_scheduler, num_epochs = create_scheduler_v2(
+        optimizer,
+        **scheduler_kwargs(args, decreasing_metric=eval_metric == 'loss'),
+        updates_per_epoch=updates_per_epoch,
+    )
     start_epoch = args.start_epoch if args.start_epoch is not None else (resume_epoch or 0)
     if lr_scheduler is not None and start_epoch > 0:
         if args.sched_on_updates:
@@ -520,21 +723,44 @@ def run(argv=None) -> dict:
             loader_train.sampler.set_epoch(epoch)
         if args.mixup_off_epoch and epoch >= args.mixup_off_epoch and mixing is not None:
             mixing.mixup_enabled = False
-        train_metrics = train_one_epoch(epoch, task, loader_train, optimizer, args, device=device,
-                                        lr_scheduler=lr_scheduler, amp_autocast=amp_autocast, loss_scaler=loss_scaler,
-                                        mixer=mixer)
+        train_metrics = train_one_epoch(
+            epoch,
+            task,
+            loader_train,
+            optimizer,
+            args,
+            device=device,
+            lr_scheduler=lr_scheduler,
+            amp_autocast=amp_autocast,
+            loss_scaler=loss_scaler,
+            mixer=mixer,
+        )
         if args.distributed:
             utils.distribute_bn(model, args.world_size, True)
-        eval_metrics = validate(task.get_eval_model(), loader_eval, validate_loss_fn, args, device=device,
-                                amp_autocast=amp_autocast)
+        eval_metrics = validate(
+            task.get_eval_model(), loader_eval, validate_loss_fn, args, device=device, amp_autocast=amp_autocast
+        )
         if task.has_ema():
-            ema_eval = validate(task.get_eval_model(ema=True), loader_eval, validate_loss_fn, args, device=device,
-                                amp_autocast=amp_autocast, log_suffix=' (EMA)')
+            ema_eval = validate(
+                task.get_eval_model(ema=True),
+                loader_eval,
+                validate_loss_fn,
+                args,
+                device=device,
+                amp_autocast=amp_autocast,
+                log_suffix=' (EMA)',
+            )
             eval_metrics = ema_eval
         if output_dir is not None:
             lrs = [pg['lr'] for pg in optimizer.param_groups]
-            utils.update_summary(epoch, train_metrics, eval_metrics, filename=os.path.join(output_dir, 'summary.csv'),
-                                 lr=sum(lrs) / len(lrs), write_header=best_metric is None)
+            utils.update_summary(
+                epoch,
+                train_metrics,
+                eval_metrics,
+                filename=os.path.join(output_dir, 'summary.csv'),
+                lr=sum(lrs) / len(lrs),
+                write_header=best_metric is None,
+            )
         if saver is not None:
             best_metric, best_epoch = saver.save_checkpoint(epoch, metric=eval_metrics[eval_metric])
         if lr_scheduler is not None:
@@ -546,13 +772,24 @@ def run(argv=None) -> dict:
         torch.distributed.destroy_process_group()  # a live gloo group aborts the process at exit
     if output_dir is not None:
         with open(os.path.join(output_dir, 'results.json'), 'w') as f:
-            json.dump({'model': args.model, 'mixup_type': args.mixup_type, 'best_metric': best_metric,
-                       'best_epoch': best_epoch, 'final': eval_metrics, 'output_dir': output_dir}, f, indent=2)
+            json.dump(
+                {
+                    'model': args.model,
+                    'mixup_type': args.mixup_type,
+                    'best_metric': best_metric,
+                    'best_epoch': best_epoch,
+                    'final': eval_metrics,
+                    'output_dir': output_dir,
+                },
+                f,
+                indent=2,
+            )
     return eval_metrics
 
 
-def train_one_epoch(epoch, task, loader, optimizer, args, device, lr_scheduler=None, amp_autocast=suppress,
-                    loss_scaler=None, mixer=None):
+def train_one_epoch(
+    epoch, task, loader, optimizer, args, device, lr_scheduler=None, amp_autocast=suppress, loss_scaler=None, mixer=None
+):
     """One epoch of timm's loop over a training task: ``loss = task(x, target)['loss']``."""
     accum = args.grad_accum_steps
     second_order = getattr(optimizer, 'is_second_order', False)
@@ -582,8 +819,15 @@ def train_one_epoch(epoch, task, loader, optimizer, args, device, lr_scheduler=N
                 loss = loss / accum
             params = task.get_trainable_module().parameters()
             if loss_scaler is not None:
-                loss_scaler(loss, optimizer, clip_grad=args.clip_grad, clip_mode=args.clip_mode,
-                            parameters=params, create_graph=second_order, need_update=need_update)
+                loss_scaler(
+                    loss,
+                    optimizer,
+                    clip_grad=args.clip_grad,
+                    clip_mode=args.clip_mode,
+                    parameters=params,
+                    create_graph=second_order,
+                    need_update=need_update,
+                )
             else:
                 loss.backward(create_graph=second_order)
         if loss_scaler is None:
@@ -602,10 +846,12 @@ def train_one_epoch(epoch, task, loader, optimizer, args, device, lr_scheduler=N
         update_start = time.time()
         if (last_batch or batch_idx % args.log_interval == 0) and utils.is_primary(args):
             lrs = [pg['lr'] for pg in optimizer.param_groups]
-            _logger.info(f'Train: {epoch} [{batch_idx:>4d}/{num_batches} ({100. * (batch_idx + 1) / num_batches:>3.0f}%)]  '
-                         f'Loss: {losses_m.val:#.3g} ({losses_m.avg:#.3g})  '
-                         f'Time: {update_time_m.val:.3f}s, {x.size(0) * accum / update_time_m.val:>7.2f}/s  '
-                         f'LR: {sum(lrs) / len(lrs):.3e}  Data: {data_time_m.val:.3f} ({data_time_m.avg:.3f})')
+            _logger.info(
+                f'Train: {epoch} [{batch_idx:>4d}/{num_batches} ({100.0 * (batch_idx + 1) / num_batches:>3.0f}%)]  '
+                f'Loss: {losses_m.val:#.3g} ({losses_m.avg:#.3g})  '
+                f'Time: {update_time_m.val:.3f}s, {x.size(0) * accum / update_time_m.val:>7.2f}/s  '
+                f'LR: {sum(lrs) / len(lrs):.3e}  Data: {data_time_m.val:.3f} ({data_time_m.avg:.3f})'
+            )
         if lr_scheduler is not None:
             lr_scheduler.step_update(num_updates=num_updates, metric=losses_m.avg)
         data_start = time.time()
@@ -634,8 +880,10 @@ def validate(model, loader, loss_fn, args, device, amp_autocast=suppress, log_su
             top1_m.update(acc1.item(), output.size(0))
             top5_m.update(acc5.item(), output.size(0))
     if utils.is_primary(args):
-        _logger.info(f'Test{log_suffix}: Loss: {losses_m.avg:>6.3f}  Acc@1: {top1_m.avg:>7.3f}  '
-                     f'Acc@{topk[1]}: {top5_m.avg:>7.3f}')
+        _logger.info(
+            f'Test{log_suffix}: Loss: {losses_m.avg:>6.3f}  Acc@1: {top1_m.avg:>7.3f}  '
+            f'Acc@{topk[1]}: {top5_m.avg:>7.3f}'
+        )
     return OrderedDict([('loss', losses_m.avg), ('top1', top1_m.avg), ('top5', top5_m.avg)])
 
 

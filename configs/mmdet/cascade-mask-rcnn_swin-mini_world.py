@@ -5,6 +5,11 @@ _base_ = ['./cascade-mask-rcnn_swin-t_world.py']
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:demo_out/backbones/swin-mini_mmdet.pth}}'
 model = dict(
-    backbone=dict(embed_dims=32, depths=[2, 2, 2, 2], num_heads=[1, 2, 4, 8],
-                  init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint)),
-    neck=dict(in_channels=[32, 64, 128, 256]))
+    backbone=dict(
+        embed_dims=32,
+        depths=[2, 2, 2, 2],
+        num_heads=[1, 2, 4, 8],
+        init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint),
+    ),
+    neck=dict(in_channels=[32, 64, 128, 256]),
+)

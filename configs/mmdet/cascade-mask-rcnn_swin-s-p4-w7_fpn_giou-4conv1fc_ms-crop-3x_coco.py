@@ -4,6 +4,12 @@ _base_ = ['./cascade-mask-rcnn_swin-t-p4-w7_fpn_giou-4conv1fc_ms-crop-3x_coco.py
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:pretrain/swin-small_tokenaug_mmdet.pth}}'
 model = dict(
-    backbone=dict(embed_dims=96, depths=[2, 2, 18, 2], num_heads=[3, 6, 12, 24], drop_path_rate=0.3,
-                  init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint)),
-    neck=dict(in_channels=[96, 192, 384, 768]))
+    backbone=dict(
+        embed_dims=96,
+        depths=[2, 2, 18, 2],
+        num_heads=[3, 6, 12, 24],
+        drop_path_rate=0.3,
+        init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint),
+    ),
+    neck=dict(in_channels=[96, 192, 384, 768]),
+)

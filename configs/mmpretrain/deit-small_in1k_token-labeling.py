@@ -13,9 +13,20 @@ num_classes = 1000
 model = dict(
     type='TokenLabelingClassifier',
     backbone=dict(out_type='raw', drop_path_rate=0.1),  # every token, after the final norm
-    head=dict(_delete_=True, type='TokenLabelingHead', num_classes=num_classes, in_channels=384,
-              dense_weight=0.5, cls_target='gt', label_smoothing=0.1, head_rule='cls+aux'),
-    mix_token=True, mix_beta=1.0, mix_prob=1.0, mix_mode='batch',
+    head=dict(
+        _delete_=True,
+        type='TokenLabelingHead',
+        num_classes=num_classes,
+        in_channels=384,
+        dense_weight=0.5,
+        cls_target='gt',
+        label_smoothing=0.1,
+        head_rule='cls+aux',
+    ),
+    mix_token=True,
+    mix_beta=1.0,
+    mix_prob=1.0,
+    mix_mode='batch',
     train_cfg=None,  # no image batch augments: MixToken replaces MixUp / CutMix
 )
 

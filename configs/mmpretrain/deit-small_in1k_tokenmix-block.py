@@ -5,10 +5,15 @@ _base_ = ['mmpretrain::deit/deit-small_4xb256_in1k.py']
 custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)
 
 data_preprocessor = dict(type='TokenAugDataPreprocessor', patch_size=16)
-model = dict(train_cfg=dict(_delete_=True, augments=[
-    dict(type='TAMixup', alpha=0.8),
-    dict(type='TATokenMix', alpha=1.0, mask='block'),
-]))
+model = dict(
+    train_cfg=dict(
+        _delete_=True,
+        augments=[
+            dict(type='TAMixup', alpha=0.8),
+            dict(type='TATokenMix', alpha=1.0, mask='block'),
+        ],
+    )
+)
 
 # pairwise mixing needs even batches: drop the last, possibly odd, batch of an epoch
 train_dataloader = dict(drop_last=True)

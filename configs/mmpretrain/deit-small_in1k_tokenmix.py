@@ -10,10 +10,14 @@ _base_ = ['./_base_/deit-small_in1k_label-maps.py']
 data_preprocessor = dict(type='TokenAugDataPreprocessor', patch_size=16)
 model = dict(
     head=dict(loss=dict(_delete_=True, type='CrossEntropyLoss', use_sigmoid=True, loss_weight=1.0)),  # BCE
-    train_cfg=dict(_delete_=True, augments=[
-        dict(type='TAMixup', alpha=0.8),
-        dict(type='TATokenMix', mask='block', lam=0.5, activation_targets='true_class'),
-    ]))
+    train_cfg=dict(
+        _delete_=True,
+        augments=[
+            dict(type='TAMixup', alpha=0.8),
+            dict(type='TATokenMix', mask='block', lam=0.5, activation_targets='true_class'),
+        ],
+    ),
+)
 
 optim_wrapper = dict(optimizer=dict(lr=1e-3, weight_decay=0.05))
 auto_scale_lr = dict(base_batch_size=1024)

@@ -7,7 +7,10 @@
 _base_ = ['./_base_/world_deit-tiny_label-maps.py']
 
 model = dict(
-    train_cfg=dict(augments=[
-        dict(type='TAMixup', alpha=0.8),
-        dict(type='TATokenMix', alpha=1.0, mask='block', activation_targets='true_class'),
-    ]))
+    train_cfg=dict(
+        augments=[
+            dict(type='TAMixup', alpha=0.8),
+            dict(type='TATokenMix', alpha=1.0, mask='block', activation_targets='true_class'),
+        ]
+    )
+)

@@ -8,7 +8,9 @@
 # The backbone checkpoint: $TOKENAUG_BACKBONE.
 _base_ = ['mmseg::fcn/fcn_r50-d8_4xb4-160k_ade20k-512x512.py']
 
-custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)  # LVViT; weights_only-safe checkpoints
+custom_imports = dict(
+    imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False
+)  # LVViT; weights_only-safe checkpoints
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:pretrain/lvvit-s_tokenaug_mmseg.pth}}'
 model = dict(
@@ -21,7 +23,8 @@ model = dict(
         out_indices=(11, 15),
         drop_path_rate=0.1,
         final_norm=False,  # as tokenaug-convert's default (give --final-norm and True together)
-        init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint)),
+        init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint),
+    ),
     decode_head=dict(in_channels=384, in_index=1, channels=256, num_convs=2, concat_input=True, num_classes=150),
     auxiliary_head=dict(in_channels=384, in_index=0, channels=256, num_convs=1, num_classes=150),
 )
@@ -29,8 +32,10 @@ optim_wrapper = dict(
     _delete_=True,
     type='OptimWrapper',
     optimizer=dict(type='AdamW', lr=6e-5, betas=(0.9, 0.999), weight_decay=0.01),
-    paramwise_cfg=dict(custom_keys={'pos_embed': dict(decay_mult=0.), 'cls_token': dict(decay_mult=0.),
-                                    'norm': dict(decay_mult=0.)}))
+    paramwise_cfg=dict(
+        custom_keys={'pos_embed': dict(decay_mult=0.0), 'cls_token': dict(decay_mult=0.0), 'norm': dict(decay_mult=0.0)}
+    ),
+)
 param_scheduler = [
     dict(type='LinearLR', start_factor=1e-6, by_epoch=False, begin=0, end=1500),
     dict(type='PolyLR', eta_min=5e-6, power=1.0, begin=1500, end=160000, by_epoch=False),

@@ -11,14 +11,26 @@ norm_cfg = dict(type='BN', requires_grad=True)
 model = dict(
     pretrained=None,
     data_preprocessor=dict(size=(112, 112)),
-    backbone=dict(_delete_=True, type='LVViT', arch='t', img_size=(112, 112), out_indices=(8, 11), drop_path_rate=0.,
-                  init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint)),
-    decode_head=dict(in_channels=240, in_index=1, channels=64, num_convs=2, concat_input=True, num_classes=10,
-                     norm_cfg=norm_cfg),
+    backbone=dict(
+        _delete_=True,
+        type='LVViT',
+        arch='t',
+        img_size=(112, 112),
+        out_indices=(8, 11),
+        drop_path_rate=0.0,
+        init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint),
+    ),
+    decode_head=dict(
+        in_channels=240, in_index=1, channels=64, num_convs=2, concat_input=True, num_classes=10, norm_cfg=norm_cfg
+    ),
     auxiliary_head=dict(in_channels=240, in_index=0, channels=32, num_classes=10, norm_cfg=norm_cfg),
     test_cfg=dict(mode='whole'),
 )
-optim_wrapper = dict(type='OptimWrapper', optimizer=dict(type='AdamW', lr=2e-4, betas=(0.9, 0.999), weight_decay=0.01),
-                     paramwise_cfg=dict(custom_keys={'pos_embed': dict(decay_mult=0.), 'cls_token': dict(decay_mult=0.),
-                                                     'norm': dict(decay_mult=0.)}))
+optim_wrapper = dict(
+    type='OptimWrapper',
+    optimizer=dict(type='AdamW', lr=2e-4, betas=(0.9, 0.999), weight_decay=0.01),
+    paramwise_cfg=dict(
+        custom_keys={'pos_embed': dict(decay_mult=0.0), 'cls_token': dict(decay_mult=0.0), 'norm': dict(decay_mult=0.0)}
+    ),
+)
 env_cfg = dict(dist_cfg=dict(backend='gloo'))

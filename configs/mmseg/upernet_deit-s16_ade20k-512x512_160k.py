@@ -4,14 +4,17 @@
 # linear warmup 1500 iterations then poly decay. The backbone checkpoint: $TOKENAUG_BACKBONE.
 _base_ = ['mmseg::vit/vit_deit-s16_upernet_8xb2-160k_ade20k-512x512.py']
 
-custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)  # weights_only-safe mmengine checkpoints
+custom_imports = dict(
+    imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False
+)  # weights_only-safe mmengine checkpoints
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:pretrain/deit-s16_tokenaug_mmseg.pth}}'
 model = dict(
     pretrained=None,
     backbone=dict(
         patch_bias=True,  # timm's patch embedding has a bias; mmseg's ViT defaults to none
-        init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint)),
+        init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint),
+    ),
 )
 optim_wrapper = dict(optimizer=dict(type='AdamW', lr=6e-5, betas=(0.9, 0.999), weight_decay=0.01))
 param_scheduler = [

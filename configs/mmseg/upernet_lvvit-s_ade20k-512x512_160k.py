@@ -8,7 +8,9 @@
 # (43.6M, auxiliary head counted). The backbone checkpoint: $TOKENAUG_BACKBONE.
 _base_ = ['mmseg::vit/vit_deit-s16_upernet_8xb2-160k_ade20k-512x512.py']
 
-custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)  # LVViT; weights_only-safe checkpoints
+custom_imports = dict(
+    imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False
+)  # LVViT; weights_only-safe checkpoints
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:pretrain/lvvit-s_tokenaug_mmseg.pth}}'
 model = dict(
@@ -21,7 +23,8 @@ model = dict(
         out_indices=(3, 7, 11, 15),
         drop_path_rate=0.1,
         final_norm=False,  # as tokenaug-convert's default (give --final-norm and True together)
-        init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint)),
+        init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint),
+    ),
     neck=None,
     decode_head=dict(in_channels=[384, 384, 384, 384], channels=384, num_classes=150),
     auxiliary_head=dict(in_channels=384, num_classes=150),

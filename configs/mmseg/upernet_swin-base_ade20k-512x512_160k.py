@@ -4,7 +4,9 @@
 # linear warmup 1500 iterations then poly decay. The backbone checkpoint: $TOKENAUG_BACKBONE.
 _base_ = ['mmseg::swin/swin-base-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py']
 
-custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)  # weights_only-safe mmengine checkpoints
+custom_imports = dict(
+    imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False
+)  # weights_only-safe mmengine checkpoints
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:pretrain/swin-base_tokenaug_mmseg.pth}}'
 model = dict(backbone=dict(init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint)))

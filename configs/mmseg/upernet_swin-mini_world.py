@@ -10,9 +10,16 @@ backbone_checkpoint = '{{$TOKENAUG_BACKBONE:demo_out/backbones/swin-mini_mmseg.p
 norm_cfg = dict(type='BN', requires_grad=True)
 model = dict(
     data_preprocessor=dict(size=(224, 224)),
-    backbone=dict(embed_dims=32, depths=[2, 2, 2, 2], num_heads=[1, 2, 4, 8], window_size=7, drop_path_rate=0.,
-                  use_abs_pos_embed=False, patch_norm=True,
-                  init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint)),
+    backbone=dict(
+        embed_dims=32,
+        depths=[2, 2, 2, 2],
+        num_heads=[1, 2, 4, 8],
+        window_size=7,
+        drop_path_rate=0.0,
+        use_abs_pos_embed=False,
+        patch_norm=True,
+        init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint),
+    ),
     decode_head=dict(in_channels=[32, 64, 128, 256], channels=64, num_classes=10, norm_cfg=norm_cfg),
     auxiliary_head=dict(in_channels=128, channels=32, num_classes=10, norm_cfg=norm_cfg),
     test_cfg=dict(mode='whole'),
@@ -33,8 +40,15 @@ test_pipeline = [
 train_dataloader = dict(dataset=dict(pipeline=train_pipeline))
 val_dataloader = dict(dataset=dict(pipeline=test_pipeline))
 test_dataloader = val_dataloader
-optim_wrapper = dict(type='OptimWrapper', optimizer=dict(type='AdamW', lr=2e-4, betas=(0.9, 0.999), weight_decay=0.01),
-                     paramwise_cfg=dict(custom_keys={'absolute_pos_embed': dict(decay_mult=0.),
-                                                     'relative_position_bias_table': dict(decay_mult=0.),
-                                                     'norm': dict(decay_mult=0.)}))
+optim_wrapper = dict(
+    type='OptimWrapper',
+    optimizer=dict(type='AdamW', lr=2e-4, betas=(0.9, 0.999), weight_decay=0.01),
+    paramwise_cfg=dict(
+        custom_keys={
+            'absolute_pos_embed': dict(decay_mult=0.0),
+            'relative_position_bias_table': dict(decay_mult=0.0),
+            'norm': dict(decay_mult=0.0),
+        }
+    ),
+)
 env_cfg = dict(dist_cfg=dict(backend='gloo'))

@@ -2,8 +2,11 @@
 # converted by tokenaug-convert --to mmseg --model vit_tiny_patch16_224 --model-kwargs img_size=112.
 # Same model family and optimiser as upernet_deit-s16_ade20k-512x512_160k.py (mmseg's DeiT UperNet,
 # no neck, AdamW, warmup + poly), a CPU-sized schedule. Backbone checkpoint: $TOKENAUG_BACKBONE.
-_base_ = ['mmseg::_base_/models/upernet_vit-b16_ln_mln.py', 'mmseg::_base_/default_runtime.py',
-          './_base_/world_ade20k.py']
+_base_ = [
+    'mmseg::_base_/models/upernet_vit-b16_ln_mln.py',
+    'mmseg::_base_/default_runtime.py',
+    './_base_/world_ade20k.py',
+]
 
 custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)
 
@@ -12,15 +15,24 @@ norm_cfg = dict(type='BN', requires_grad=True)
 model = dict(
     pretrained=None,
     data_preprocessor=dict(size=(112, 112)),
-    backbone=dict(img_size=(112, 112), embed_dims=192, num_heads=3, drop_path_rate=0., patch_bias=True,
-                  init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint)),
+    backbone=dict(
+        img_size=(112, 112),
+        embed_dims=192,
+        num_heads=3,
+        drop_path_rate=0.0,
+        patch_bias=True,
+        init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint),
+    ),
     neck=None,
     decode_head=dict(in_channels=[192, 192, 192, 192], channels=64, num_classes=10, norm_cfg=norm_cfg),
     auxiliary_head=dict(in_channels=192, channels=32, num_classes=10, norm_cfg=norm_cfg),
     test_cfg=dict(mode='whole'),
 )
-optim_wrapper = dict(type='OptimWrapper', optimizer=dict(type='AdamW', lr=2e-4, betas=(0.9, 0.999),
-                                                         weight_decay=0.01),
-                     paramwise_cfg=dict(custom_keys={'pos_embed': dict(decay_mult=0.), 'cls_token': dict(decay_mult=0.),
-                                                     'norm': dict(decay_mult=0.)}))
+optim_wrapper = dict(
+    type='OptimWrapper',
+    optimizer=dict(type='AdamW', lr=2e-4, betas=(0.9, 0.999), weight_decay=0.01),
+    paramwise_cfg=dict(
+        custom_keys={'pos_embed': dict(decay_mult=0.0), 'cls_token': dict(decay_mult=0.0), 'norm': dict(decay_mult=0.0)}
+    ),
+)
 env_cfg = dict(dist_cfg=dict(backend='gloo'))

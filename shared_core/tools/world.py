@@ -109,22 +109,30 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-__all__ = ["generate_world", "main", "SHAPES", "TEXTURES", "FORMATS", "MAX_CLASSES", "class_specs",
-           "PALETTE", "PALETTE_HUES"]
+__all__ = [
+    'generate_world',
+    'main',
+    'SHAPES',
+    'TEXTURES',
+    'FORMATS',
+    'MAX_CLASSES',
+    'class_specs',
+    'PALETTE',
+    'PALETTE_HUES',
+]
 
 # 1: per-class colour palettes; 2: one palette shared by all classes, colours drawn per instance;
 # 3: per-class home colour pair used with probability color_consistency, else uniform draw
 GENERATOR_VERSION = 3
-FORMATS = ("imagenet", "ade20k", "coco")
-SHAPES = ("circle", "square", "triangle", "star", "hexagon",
-          "cross", "diamond", "arrow", "pentagon", "lshape")
-TEXTURES = ("striped", "checkered", "dotted", "gradient", "grid")
+FORMATS = ('imagenet', 'ade20k', 'coco')
+SHAPES = ('circle', 'square', 'triangle', 'star', 'hexagon', 'cross', 'diamond', 'arrow', 'pentagon', 'lshape')
+TEXTURES = ('striped', 'checkered', 'dotted', 'gradient', 'grid')
 MAX_CLASSES = len(SHAPES) * len(TEXTURES)
-_SPLITS = (("train", "training", "train2017"), ("val", "validation", "val2017"))
-_MARGIN = 1.0      # polygon vertices stay at least this far (px) from the image border
-_BOX_GAP = 2       # min gap (px) between the pixel boxes of two objects of a scene
+_SPLITS = (('train', 'training', 'train2017'), ('val', 'validation', 'val2017'))
+_MARGIN = 1.0  # polygon vertices stay at least this far (px) from the image border
+_BOX_GAP = 2  # min gap (px) between the pixel boxes of two objects of a scene
 _EXTRA_REL = (0.2, 0.5)  # extra object area relative to the main object's area
-_MARKER = ".tokenaug-world-incomplete"
+_MARKER = '.tokenaug-world-incomplete'
 
 
 # --------------------------------------------------------------------------- shapes
@@ -141,33 +149,46 @@ def _star(n: int = 5, inner: float = 0.55) -> np.ndarray:
 
 def _unit_polygon(shape: str) -> np.ndarray:
     """Counter-clockwise-or-not simple polygon of radius ~1 around the origin."""
-    if shape == "circle":
+    if shape == 'circle':
         p = _regular(40)
-    elif shape == "square":
+    elif shape == 'square':
         p = np.array([[-1, -1], [1, -1], [1, 1], [-1, 1]], float) * 0.75
-    elif shape == "triangle":
+    elif shape == 'triangle':
         p = _regular(3)
         p[:, 1] += 0.25  # centre the bounding box
-    elif shape == "star":
+    elif shape == 'star':
         p = _star()
         p[:, 1] += 0.1
-    elif shape == "hexagon":
+    elif shape == 'hexagon':
         p = _regular(6, 0.0)
-    elif shape == "cross":
+    elif shape == 'cross':
         a, b = 0.33, 1.0
-        p = np.array([[-a, -b], [a, -b], [a, -a], [b, -a], [b, a], [a, a], [a, b], [-a, b],
-                      [-a, a], [-b, a], [-b, -a], [-a, -a]], float)
-    elif shape == "diamond":
+        p = np.array(
+            [
+                [-a, -b],
+                [a, -b],
+                [a, -a],
+                [b, -a],
+                [b, a],
+                [a, a],
+                [a, b],
+                [-a, b],
+                [-a, a],
+                [-b, a],
+                [-b, -a],
+                [-a, -a],
+            ],
+            float,
+        )
+    elif shape == 'diamond':
         p = np.array([[0, -1], [0.62, 0], [0, 1], [-0.62, 0]], float)
-    elif shape == "arrow":
-        p = np.array([[-1, -0.28], [0.15, -0.28], [0.15, -0.7], [1, 0], [0.15, 0.7],
-                      [0.15, 0.28], [-1, 0.28]], float)
-    elif shape == "pentagon":
+    elif shape == 'arrow':
+        p = np.array([[-1, -0.28], [0.15, -0.28], [0.15, -0.7], [1, 0], [0.15, 0.7], [0.15, 0.28], [-1, 0.28]], float)
+    elif shape == 'pentagon':
         p = _regular(5)
         p[:, 1] += 0.1
-    elif shape == "lshape":
-        p = np.array([[-0.8, -1], [-0.15, -1], [-0.15, 0.35], [0.8, 0.35], [0.8, 1],
-                      [-0.8, 1]], float)
+    elif shape == 'lshape':
+        p = np.array([[-0.8, -1], [-0.15, -1], [-0.15, 0.35], [0.8, 0.35], [0.8, 1], [-0.8, 1]], float)
     else:  # pragma: no cover - guarded by SHAPES
         raise KeyError(shape)
     return p
@@ -202,7 +223,7 @@ def polygon_mask(poly, height: int, width: int) -> np.ndarray:
             xs, xe, ys, ye = xe, xs, ye, ys
         if dx >= dy:
             if dx == 0:
-                raise ValueError("polygon has two identical consecutive vertices")
+                raise ValueError('polygon has two identical consecutive vertices')
             s = (ye - ys) / dx
             d = np.arange(dx + 1)
             t = dx - d if flip else d
@@ -254,8 +275,8 @@ def _rgb_int(c: np.ndarray) -> list[int]:
 #: texture mixes one light and one dark colour: its class's home pair (probability
 #: ``color_consistency``) or two independently, uniformly drawn ones.
 PALETTE = {
-    "light": [_rgb_int(_hsv(i / PALETTE_HUES, *_LIGHT_SV)) for i in range(PALETTE_HUES)],
-    "dark": [_rgb_int(_hsv(i / PALETTE_HUES, *_DARK_SV)) for i in range(PALETTE_HUES)],
+    'light': [_rgb_int(_hsv(i / PALETTE_HUES, *_LIGHT_SV)) for i in range(PALETTE_HUES)],
+    'dark': [_rgb_int(_hsv(i / PALETTE_HUES, *_DARK_SV)) for i in range(PALETTE_HUES)],
 }
 
 
@@ -280,15 +301,17 @@ def class_specs(num_classes: int) -> list[dict]:
         shape = SHAPES[k % len(SHAPES)]
         texture = TEXTURES[(k % len(SHAPES) + k // len(SHAPES)) % len(TEXTURES)]
         light, dark = _home_pair(k)
-        specs.append({
-            "id": k,
-            "name": f"{k:02d}_{texture}_{shape}",
-            "shape": shape,
-            "texture": texture,
-            "angle_deg": float((k * 47) % 180),
-            "period": float(6 + 2 * (k % 3)),  # px at image_size 112
-            "home_pair": {"light": light, "dark": dark},
-        })
+        specs.append(
+            {
+                'id': k,
+                'name': f'{k:02d}_{texture}_{shape}',
+                'shape': shape,
+                'texture': texture,
+                'angle_deg': float((k * 47) % 180),
+                'period': float(6 + 2 * (k % 3)),  # px at image_size 112
+                'home_pair': {'light': light, 'dark': dark},
+            }
+        )
     return specs
 
 
@@ -298,9 +321,8 @@ def _background(rng: np.random.Generator, size: int) -> np.ndarray:
     hues = rng.random((g, g))
     sats = rng.uniform(0.0, 0.25, (g, g))
     vals = rng.uniform(0.3, 0.85, (g, g))
-    low = np.stack([[_hsv(hues[i, j], sats[i, j], vals[i, j]) for j in range(g)]
-                    for i in range(g)]).astype(np.uint8)
-    img = Image.fromarray(low, "RGB").resize((size, size), Image.BILINEAR)
+    low = np.stack([[_hsv(hues[i, j], sats[i, j], vals[i, j]) for j in range(g)] for i in range(g)]).astype(np.uint8)
+    img = Image.fromarray(low, 'RGB').resize((size, size), Image.BILINEAR)
     draw = ImageDraw.Draw(img)
     sc = size / 112.0
     for _ in range(int(rng.integers(2, 6))):  # blobs
@@ -317,29 +339,30 @@ def _background(rng: np.random.Generator, size: int) -> np.ndarray:
     return arr + rng.normal(0.0, 3.0, arr.shape)
 
 
-def _texture(spec: dict, u: np.ndarray, v: np.ndarray, radius: float, size: int,
-             rng: np.random.Generator) -> np.ndarray:
+def _texture(
+    spec: dict, u: np.ndarray, v: np.ndarray, radius: float, size: int, rng: np.random.Generator
+) -> np.ndarray:
     """Mix weight in [0, 1] between the object's light (1) and dark (0) colour at (u, v)."""
     ps = max(size / 112.0, 0.5)
-    period = spec["period"] * ps * rng.uniform(0.9, 1.1)
-    a = math.radians(spec["angle_deg"])
+    period = spec['period'] * ps * rng.uniform(0.9, 1.1)
+    a = math.radians(spec['angle_deg'])
     ph1, ph2 = rng.random(2)
-    tex = spec["texture"]
-    if tex == "striped":
+    tex = spec['texture']
+    if tex == 'striped':
         w = (u * math.cos(a) + v * math.sin(a)) / period
         return (np.sin(2 * math.pi * (w + ph1)) > 0).astype(np.float64)
-    if tex == "checkered":
+    if tex == 'checkered':
         cell = period * 0.6
         return ((np.floor(u / cell + ph1) + np.floor(v / cell + ph2)) % 2).astype(np.float64)
-    if tex == "dotted":
+    if tex == 'dotted':
         sp = period * 1.1
         fu = (u / sp + ph1) % 1.0 - 0.5
         fv = (v / sp + ph2) % 1.0 - 0.5
-        return (fu * fu + fv * fv < 0.3 ** 2).astype(np.float64)
-    if tex == "gradient":
+        return (fu * fu + fv * fv < 0.3**2).astype(np.float64)
+    if tex == 'gradient':
         w = (u * math.cos(a) + v * math.sin(a)) / (2.0 * radius)
         return np.clip(0.5 + w, 0.0, 1.0)
-    if tex == "grid":
+    if tex == 'grid':
         sp = period * 1.2
         return (((u / sp + ph1) % 1.0 < 0.28) | ((v / sp + ph2) % 1.0 < 0.28)).astype(np.float64)
     raise KeyError(tex)  # pragma: no cover
@@ -371,8 +394,7 @@ def _place(rng, unit, size, area_lo, area_hi, taken, tries):
         q = np.round(p * scale + np.array([ox, oy]), 2)
         q = np.clip(q, _MARGIN * 0.5, size - _MARGIN * 0.5)
         # cheap rejection on the polygon's box before rasterising
-        pbox = (int(q[:, 0].min()) - 1, int(q[:, 1].min()) - 1,
-                int(q[:, 0].max()) + 1, int(q[:, 1].max()) + 1)
+        pbox = (int(q[:, 0].min()) - 1, int(q[:, 1].min()) - 1, int(q[:, 0].max()) + 1, int(q[:, 1].max()) + 1)
         if any(_boxes_overlap(pbox, t, _BOX_GAP) for t in taken):
             continue
         q5 = np.trunc(q * 5 + 0.5)
@@ -392,9 +414,16 @@ def _place(rng, unit, size, area_lo, area_hi, taken, tries):
     return None
 
 
-def _render_scene(scene_seq: np.random.SeedSequence, main_cls: int, specs: list[dict],
-                  size: int, min_area: float, max_area: float, max_extra: int,
-                  color_consistency: float):
+def _render_scene(
+    scene_seq: np.random.SeedSequence,
+    main_cls: int,
+    specs: list[dict],
+    size: int,
+    min_area: float,
+    max_area: float,
+    max_extra: int,
+    color_consistency: float,
+):
     rng = np.random.default_rng(scene_seq)
     img = _background(rng, size)
     label = np.zeros((size, size), np.uint8)
@@ -409,14 +438,15 @@ def _render_scene(scene_seq: np.random.SeedSequence, main_cls: int, specs: list[
     main_area = None
     for idx, k in enumerate(classes):
         spec = specs[k]
-        unit = _unit_polygon(spec["shape"])
+        unit = _unit_polygon(spec['shape'])
         if idx == 0:
             lo, hi = math.ceil(min_area * n_px), math.floor(max_area * n_px)
             placed = _place(rng, unit, size, lo, hi, taken, tries=400)
             if placed is None:
                 raise RuntimeError(
-                    f"could not place a {spec['shape']} covering {min_area}..{max_area} of a "
-                    f"{size}px image; widen min_area/max_area or increase image_size")
+                    f'could not place a {spec["shape"]} covering {min_area}..{max_area} of a '
+                    f'{size}px image; widen min_area/max_area or increase image_size'
+                )
         else:
             lo = max(1, math.ceil(_EXTRA_REL[0] * main_area))
             hi = math.floor(_EXTRA_REL[1] * main_area)
@@ -429,7 +459,7 @@ def _render_scene(scene_seq: np.random.SeedSequence, main_cls: int, specs: list[
         taken.append(box)
         # paint the texture inside the mask (only within the box, for speed)
         x0, y0, x1, y1 = box
-        yy, xx = np.mgrid[y0:y1 + 1, x0:x1 + 1].astype(np.float64) + 0.5
+        yy, xx = np.mgrid[y0 : y1 + 1, x0 : x1 + 1].astype(np.float64) + 0.5
         dx, dy = xx - cx, yy - cy
         c, s = math.cos(theta), math.sin(theta)
         u, v = dx * c + dy * s, -dx * s + dy * c
@@ -440,20 +470,27 @@ def _render_scene(scene_seq: np.random.SeedSequence, main_cls: int, specs: list[
         i1, i2 = (int(i) for i in rng.integers(0, PALETTE_HUES, 2))
         home = bool(rng.random() < color_consistency)
         if home:
-            i1, i2 = spec["home_pair"]["light"], spec["home_pair"]["dark"]
-        c1 = np.array(PALETTE["light"][i1], np.float64)
-        c2 = np.array(PALETTE["dark"][i2], np.float64)
+            i1, i2 = spec['home_pair']['light'], spec['home_pair']['dark']
+        c1 = np.array(PALETTE['light'][i1], np.float64)
+        c2 = np.array(PALETTE['dark'][i2], np.float64)
         jit = rng.uniform(0.92, 1.08, 3) * rng.uniform(0.9, 1.1)
         col = (c2 + w * (c1 - c2)) * jit
-        m = mask[y0:y1 + 1, x0:x1 + 1]
-        region = img[y0:y1 + 1, x0:x1 + 1]
+        m = mask[y0 : y1 + 1, x0 : x1 + 1]
+        region = img[y0 : y1 + 1, x0 : x1 + 1]
         region[m] = col[m] + rng.normal(0.0, 2.0, (int(m.sum()), 3))
-        label[y0:y1 + 1, x0:x1 + 1][m] = k + 1
+        label[y0 : y1 + 1, x0 : x1 + 1][m] = k + 1
         # "colors" / "home" are internal (not written): palette indices and whether the
         # home pair was drawn (a uniform draw can also hit the home pair by chance)
-        objects.append({"category": k, "polygon": poly, "area": int(mask.sum()),
-                        "bbox": [float(x0), float(y0), float(x1 - x0 + 1), float(y1 - y0 + 1)],
-                        "colors": (i1, i2), "home": home})
+        objects.append(
+            {
+                'category': k,
+                'polygon': poly,
+                'area': int(mask.sum()),
+                'bbox': [float(x0), float(y0), float(x1 - x0 + 1), float(y1 - y0 + 1)],
+                'colors': (i1, i2),
+                'home': home,
+            }
+        )
     rgb = np.clip(np.rint(img), 0, 255).astype(np.uint8)
     return rgb, label, objects
 
@@ -461,31 +498,39 @@ def _render_scene(scene_seq: np.random.SeedSequence, main_cls: int, specs: list[
 def _scene(config: dict, specs: list[dict], split_index: int, i: int):
     """Render scene ``i`` of split ``split_index`` (0 = train, 1 = val) of a validated
     ``config``: ``(rgb, label, objects)``, exactly as written by :func:`generate_world`."""
-    seq = np.random.SeedSequence(config["seed"], spawn_key=(split_index, i))
-    return _render_scene(seq, i % config["num_classes"], specs, config["image_size"],
-                         config["min_area"], config["max_area"], config["max_extra_objects"],
-                         config["color_consistency"])
+    seq = np.random.SeedSequence(config['seed'], spawn_key=(split_index, i))
+    return _render_scene(
+        seq,
+        i % config['num_classes'],
+        specs,
+        config['image_size'],
+        config['min_area'],
+        config['max_area'],
+        config['max_extra_objects'],
+        config['color_consistency'],
+    )
 
 
 # ------------------------------------------------------------------ validation / io
 def _check_int(name, value, lo, hi=None):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ValueError(f'{name} must be an integer, got {value!r}')
     if value < lo or (hi is not None and value > hi):
-        want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {want}, got {value!r}")
+        want = f'>= {lo}' if hi is None else f'in [{lo}, {hi}]'
+        raise ValueError(f'{name} must be {want}, got {value!r}')
     return int(value)
 
 
 def _normalise_formats(formats) -> tuple[str, ...]:
     if isinstance(formats, str):
-        formats = formats.split(",")
+        formats = formats.split(',')
     items = [str(f).strip().lower() for f in formats]
     items = [f for f in items if f]
     bad = [f for f in items if f not in FORMATS]
     if bad or not items:
-        raise ValueError(f"formats must be a non-empty comma list of {', '.join(FORMATS)}; "
-                         f"got {bad if bad else formats!r}")
+        raise ValueError(
+            f'formats must be a non-empty comma list of {", ".join(FORMATS)}; got {bad if bad else formats!r}'
+        )
     return tuple(f for f in FORMATS if f in items)
 
 
@@ -502,62 +547,89 @@ def _max_fit_fraction(shape: str) -> float:
     return best
 
 
-def _validate(seed, num_classes, image_size, train_per_class, val_per_class,
-              max_extra_objects, min_area, max_area, formats, color_consistency=0.75) -> dict:
-    seed = _check_int("seed", seed, 0)
-    num_classes = _check_int("num_classes", num_classes, 2, MAX_CLASSES)
-    image_size = _check_int("image_size", image_size, 32, 4096)
-    train_per_class = _check_int("train_per_class", train_per_class, 1)
-    val_per_class = _check_int("val_per_class", val_per_class, 0)
-    max_extra_objects = _check_int("max_extra_objects", max_extra_objects, 0, 16)
+def _validate(
+    seed,
+    num_classes,
+    image_size,
+    train_per_class,
+    val_per_class,
+    max_extra_objects,
+    min_area,
+    max_area,
+    formats,
+    color_consistency=0.75,
+) -> dict:
+    seed = _check_int('seed', seed, 0)
+    num_classes = _check_int('num_classes', num_classes, 2, MAX_CLASSES)
+    image_size = _check_int('image_size', image_size, 32, 4096)
+    train_per_class = _check_int('train_per_class', train_per_class, 1)
+    val_per_class = _check_int('val_per_class', val_per_class, 0)
+    max_extra_objects = _check_int('max_extra_objects', max_extra_objects, 0, 16)
     areas = {}
-    for name, val in (("min_area", min_area), ("max_area", max_area)):
-        if isinstance(val, bool) or not isinstance(val, (int, float, np.floating, np.integer)) \
-                or not math.isfinite(float(val)) or not 0.0 < float(val) < 1.0:
-            raise ValueError(f"{name} must be an image-area fraction in (0, 1), got {val!r}")
+    for name, val in (('min_area', min_area), ('max_area', max_area)):
+        if (
+            isinstance(val, bool)
+            or not isinstance(val, (int, float, np.floating, np.integer))
+            or not math.isfinite(float(val))
+            or not 0.0 < float(val) < 1.0
+        ):
+            raise ValueError(f'{name} must be an image-area fraction in (0, 1), got {val!r}')
         areas[name] = float(val)
-    if areas["min_area"] > areas["max_area"]:
-        raise ValueError(f"min_area must be <= max_area, got min_area={areas['min_area']} "
-                         f"> max_area={areas['max_area']}")
+    if areas['min_area'] > areas['max_area']:
+        raise ValueError(
+            f'min_area must be <= max_area, got min_area={areas["min_area"]} > max_area={areas["max_area"]}'
+        )
     lim = (1 - 2 * _MARGIN / image_size) ** 2
-    fit, shape = min((0.95 * _max_fit_fraction(sh) * lim, sh)
-                     for sh in SHAPES[:min(num_classes, len(SHAPES))])
-    if areas["min_area"] > fit:
-        raise ValueError(f"min_area must be <= {fit:.3f} (the largest image fraction a "
-                         f"{shape} can cover at image_size={image_size}), got {areas['min_area']}")
-    n_px = image_size ** 2
-    if math.floor(areas["max_area"] * n_px) < math.ceil(areas["min_area"] * n_px):
-        raise ValueError(f"max_area - min_area must leave room for a whole pixel count at "
-                         f"image_size={image_size} ({n_px} px), got min_area={areas['min_area']}, "
-                         f"max_area={areas['max_area']}")
-    if areas["min_area"] * n_px < 16:
-        raise ValueError(f"min_area must give a main object of >= 16 px at image_size="
-                         f"{image_size}, i.e. >= {16 / image_size ** 2:.4f}; got {areas['min_area']}")
+    fit, shape = min((0.95 * _max_fit_fraction(sh) * lim, sh) for sh in SHAPES[: min(num_classes, len(SHAPES))])
+    if areas['min_area'] > fit:
+        raise ValueError(
+            f'min_area must be <= {fit:.3f} (the largest image fraction a '
+            f'{shape} can cover at image_size={image_size}), got {areas["min_area"]}'
+        )
+    n_px = image_size**2
+    if math.floor(areas['max_area'] * n_px) < math.ceil(areas['min_area'] * n_px):
+        raise ValueError(
+            f'max_area - min_area must leave room for a whole pixel count at '
+            f'image_size={image_size} ({n_px} px), got min_area={areas["min_area"]}, '
+            f'max_area={areas["max_area"]}'
+        )
+    if areas['min_area'] * n_px < 16:
+        raise ValueError(
+            f'min_area must give a main object of >= 16 px at image_size='
+            f'{image_size}, i.e. >= {16 / image_size**2:.4f}; got {areas["min_area"]}'
+        )
     cc = color_consistency
-    if isinstance(cc, bool) or not isinstance(cc, (int, float, np.floating, np.integer)) \
-            or not math.isfinite(float(cc)) or not 0.0 <= float(cc) <= 1.0:
-        raise ValueError(f"color_consistency must be a probability in [0, 1], got {cc!r}")
+    if (
+        isinstance(cc, bool)
+        or not isinstance(cc, (int, float, np.floating, np.integer))
+        or not math.isfinite(float(cc))
+        or not 0.0 <= float(cc) <= 1.0
+    ):
+        raise ValueError(f'color_consistency must be a probability in [0, 1], got {cc!r}')
     return {
-        "generator_version": GENERATOR_VERSION,
-        "seed": seed, "num_classes": num_classes, "image_size": image_size,
-        "train_per_class": train_per_class, "val_per_class": val_per_class,
-        "max_extra_objects": max_extra_objects,
-        "min_area": areas["min_area"], "max_area": areas["max_area"],
-        "color_consistency": float(cc),
-        "formats": list(_normalise_formats(formats)),
+        'generator_version': GENERATOR_VERSION,
+        'seed': seed,
+        'num_classes': num_classes,
+        'image_size': image_size,
+        'train_per_class': train_per_class,
+        'val_per_class': val_per_class,
+        'max_extra_objects': max_extra_objects,
+        'min_area': areas['min_area'],
+        'max_area': areas['max_area'],
+        'color_consistency': float(cc),
+        'formats': list(_normalise_formats(formats)),
     }
 
 
 def _jpeg_bytes(rgb: np.ndarray) -> bytes:
     buf = io.BytesIO()
-    Image.fromarray(rgb, "RGB").save(buf, format="JPEG", quality=95, subsampling=0,
-                                     optimize=False, progressive=False)
+    Image.fromarray(rgb, 'RGB').save(buf, format='JPEG', quality=95, subsampling=0, optimize=False, progressive=False)
     return buf.getvalue()
 
 
 def _png_bytes(label: np.ndarray) -> bytes:
     buf = io.BytesIO()
-    Image.fromarray(label, "L").save(buf, format="PNG", compress_level=6, optimize=False)
+    Image.fromarray(label, 'L').save(buf, format='PNG', compress_level=6, optimize=False)
     return buf.getvalue()
 
 
@@ -567,57 +639,85 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def _json_dump(obj, indent=1) -> str:
-    seps = (",", ":") if indent is None else (",", ": ")
-    return json.dumps(obj, indent=indent, separators=seps, ensure_ascii=True) + "\n"
+    seps = (',', ':') if indent is None else (',', ': ')
+    return json.dumps(obj, indent=indent, separators=seps, ensure_ascii=True) + '\n'
 
 
 def _stats(values) -> dict:
     if not values:
-        return {"count": 0, "min": None, "mean": None, "max": None}
+        return {'count': 0, 'min': None, 'mean': None, 'max': None}
     a = np.asarray(values, np.float64)
-    return {"count": int(a.size), "min": round(float(a.min()), 6),
-            "mean": round(float(a.mean()), 6), "max": round(float(a.max()), 6)}
+    return {
+        'count': int(a.size),
+        'min': round(float(a.min()), 6),
+        'mean': round(float(a.mean()), 6),
+        'max': round(float(a.max()), 6),
+    }
 
 
 # ------------------------------------------------------------------ public API
-def _generate(out, *, seed, num_classes, image_size, train_per_class, val_per_class,
-              max_extra_objects, min_area, max_area, color_consistency, formats, force):
-    config = _validate(seed, num_classes, image_size, train_per_class, val_per_class,
-                       max_extra_objects, min_area, max_area, formats, color_consistency)
+def _generate(
+    out,
+    *,
+    seed,
+    num_classes,
+    image_size,
+    train_per_class,
+    val_per_class,
+    max_extra_objects,
+    min_area,
+    max_area,
+    color_consistency,
+    formats,
+    force,
+):
+    config = _validate(
+        seed,
+        num_classes,
+        image_size,
+        train_per_class,
+        val_per_class,
+        max_extra_objects,
+        min_area,
+        max_area,
+        formats,
+        color_consistency,
+    )
     out = Path(out)
-    meta_path = out / "world.json"
+    meta_path = out / 'world.json'
     if out.exists() and not out.is_dir():
-        raise ValueError(f"out must be a directory, got existing file {str(out)!r}")
+        raise ValueError(f'out must be a directory, got existing file {str(out)!r}')
     if meta_path.is_file() and not force:
         try:
             old = json.loads(meta_path.read_text())
         except (OSError, ValueError):
             old = None
-        if isinstance(old, dict) and old.get("config") == config and not (out / _MARKER).exists():
+        if isinstance(old, dict) and old.get('config') == config and not (out / _MARKER).exists():
             return old, False
 
     ours = meta_path.is_file() or (out / _MARKER).exists()
     stale = [d for d in FORMATS if (out / d).exists()]
     if stale and not (ours or force):
-        raise ValueError(f"out {str(out)!r} already has {', '.join(stale)}/ not written by "
-                         f"tokenaug-data (no world.json); choose an empty directory or pass force")
+        raise ValueError(
+            f'out {str(out)!r} already has {", ".join(stale)}/ not written by '
+            f'tokenaug-data (no world.json); choose an empty directory or pass force'
+        )
     out.mkdir(parents=True, exist_ok=True)
-    (out / _MARKER).write_text("generation in progress\n")
+    (out / _MARKER).write_text('generation in progress\n')
     if meta_path.exists():
         meta_path.unlink()
     for d in stale:
         shutil.rmtree(out / d)
 
-    K, S = config["num_classes"], config["image_size"]
-    fmts = set(config["formats"])
+    K, S = config['num_classes'], config['image_size']
+    fmts = set(config['formats'])
     specs = class_specs(K)
-    names = [s["name"] for s in specs]
-    categories = [{"id": k + 1, "name": names[k], "supercategory": specs[k]["shape"]}
-                  for k in range(K)]
+    names = [s['name'] for s in specs]
+    categories = [{'id': k + 1, 'name': names[k], 'supercategory': specs[k]['shape']} for k in range(K)]
     counts, area_stats = {}, {}
     next_id = 1
     for s_idx, (split, ade_split, coco_split) in enumerate(_SPLITS):
-        per_class = config["train_per_class"] if s_idx == 0 else config["val_per_class"]
+        per_class = config['train_per_class'] if s_idx == 0 else config['val_per_class']
         n = per_class * K
         images, anns = [], []
         main_fr, extra_fr, extra_rel = [], [], []
@@ -628,79 +728,105 @@ def _generate(out, *, seed, num_classes, image_size, train_per_class, val_per_cl
             rgb, label, objects = _scene(config, specs, s_idx, i)
             img_id = next_id
             next_id += 1
-            stem = f"{img_id:06d}"
+            stem = f'{img_id:06d}'
             jpg = _jpeg_bytes(rgb)
-            if "imagenet" in fmts:
-                _write(out / "imagenet" / split / names[main_cls] / f"{stem}.jpg", jpg)
-            if "ade20k" in fmts:
-                _write(out / "ade20k" / "images" / ade_split / f"{stem}.jpg", jpg)
-                _write(out / "ade20k" / "annotations" / ade_split / f"{stem}.png", _png_bytes(label))
-            if "coco" in fmts:
-                _write(out / "coco" / coco_split / f"{stem}.jpg", jpg)
-            images.append({"id": img_id, "file_name": f"{stem}.jpg", "height": S, "width": S})
+            if 'imagenet' in fmts:
+                _write(out / 'imagenet' / split / names[main_cls] / f'{stem}.jpg', jpg)
+            if 'ade20k' in fmts:
+                _write(out / 'ade20k' / 'images' / ade_split / f'{stem}.jpg', jpg)
+                _write(out / 'ade20k' / 'annotations' / ade_split / f'{stem}.png', _png_bytes(label))
+            if 'coco' in fmts:
+                _write(out / 'coco' / coco_split / f'{stem}.jpg', jpg)
+            images.append({'id': img_id, 'file_name': f'{stem}.jpg', 'height': S, 'width': S})
             for j, ob in enumerate(objects):
-                anns.append({"id": len(anns) + 1, "image_id": img_id,
-                             "category_id": ob["category"] + 1, "bbox": ob["bbox"],
-                             "area": ob["area"], "segmentation": [ob["polygon"]], "iscrowd": 0})
-                inst[ob["category"]] += 1
+                anns.append(
+                    {
+                        'id': len(anns) + 1,
+                        'image_id': img_id,
+                        'category_id': ob['category'] + 1,
+                        'bbox': ob['bbox'],
+                        'area': ob['area'],
+                        'segmentation': [ob['polygon']],
+                        'iscrowd': 0,
+                    }
+                )
+                inst[ob['category']] += 1
                 if j == 0:
-                    main_fr.append(ob["area"] / (S * S))
+                    main_fr.append(ob['area'] / (S * S))
                 else:
-                    extra_fr.append(ob["area"] / (S * S))
-                    extra_rel.append(ob["area"] / objects[0]["area"])
+                    extra_fr.append(ob['area'] / (S * S))
+                    extra_rel.append(ob['area'] / objects[0]['area'])
             n_objects += len(objects)
-        if "coco" in fmts:
-            coco = {"info": {"description": "tokenaug synthetic world", "version": str(GENERATOR_VERSION)},
-                    "licenses": [], "images": images, "annotations": anns,
-                    "categories": categories}
-            _write(out / "coco" / "annotations" / f"instances_{coco_split}.json",
-                   _json_dump(coco, indent=None).encode())
-        counts[split] = {"images": n, "images_per_class": per_class, "objects": n_objects,
-                         "extra_objects": n_objects - n, "instances_per_class": inst}
-        area_stats[split] = {"main_object_fraction": _stats(main_fr),
-                             "extra_object_fraction": _stats(extra_fr),
-                             "extra_over_main_area": _stats(extra_rel)}
+        if 'coco' in fmts:
+            coco = {
+                'info': {'description': 'tokenaug synthetic world', 'version': str(GENERATOR_VERSION)},
+                'licenses': [],
+                'images': images,
+                'annotations': anns,
+                'categories': categories,
+            }
+            _write(
+                out / 'coco' / 'annotations' / f'instances_{coco_split}.json', _json_dump(coco, indent=None).encode()
+            )
+        counts[split] = {
+            'images': n,
+            'images_per_class': per_class,
+            'objects': n_objects,
+            'extra_objects': n_objects - n,
+            'instances_per_class': inst,
+        }
+        area_stats[split] = {
+            'main_object_fraction': _stats(main_fr),
+            'extra_object_fraction': _stats(extra_fr),
+            'extra_over_main_area': _stats(extra_rel),
+        }
 
     paths = {}
-    if "imagenet" in fmts:
-        paths["imagenet"] = {"root": "imagenet", "train": "imagenet/train", "val": "imagenet/val"}
-    if "ade20k" in fmts:
-        paths["ade20k"] = {"root": "ade20k",
-                           "train": {"img": "ade20k/images/training", "seg": "ade20k/annotations/training"},
-                           "val": {"img": "ade20k/images/validation", "seg": "ade20k/annotations/validation"}}
-    if "coco" in fmts:
-        paths["coco"] = {"root": "coco",
-                         "train": {"img": "coco/train2017", "ann": "coco/annotations/instances_train2017.json"},
-                         "val": {"img": "coco/val2017", "ann": "coco/annotations/instances_val2017.json"}}
+    if 'imagenet' in fmts:
+        paths['imagenet'] = {'root': 'imagenet', 'train': 'imagenet/train', 'val': 'imagenet/val'}
+    if 'ade20k' in fmts:
+        paths['ade20k'] = {
+            'root': 'ade20k',
+            'train': {'img': 'ade20k/images/training', 'seg': 'ade20k/annotations/training'},
+            'val': {'img': 'ade20k/images/validation', 'seg': 'ade20k/annotations/validation'},
+        }
+    if 'coco' in fmts:
+        paths['coco'] = {
+            'root': 'coco',
+            'train': {'img': 'coco/train2017', 'ann': 'coco/annotations/instances_train2017.json'},
+            'val': {'img': 'coco/val2017', 'ann': 'coco/annotations/instances_val2017.json'},
+        }
     world = {
-        "name": "tokenaug synthetic world",
-        "config": config,
-        "seed": config["seed"],
-        "image_size": [S, S],
-        "num_classes": K,
-        "class_names": names,
-        "classes": [{k2: s[k2] for k2 in ("id", "name", "shape", "texture", "home_pair")}
-                    for s in specs],
-        "palette": {**PALETTE, "note": "shared by all classes: with probability color_consistency "
-                                        "an object instance paints its texture with its class's "
-                                        "home_pair (light, dark palette indices), otherwise with "
-                                        "one light and one dark colour drawn uniformly "
-                                        "(independent indices)"},
-        "counts": counts,
-        "area_stats": area_stats,
-        "formats": paths,
-        "file_names": "f'{id:06d}' with integer ids unique over train and val; the same id is the "
-                      "same scene (byte-identical JPEG) in every format",
-        "label_conventions": {
-            "imagenet": "folder name = class name of the scene's main object; names start with the "
-                        "2-digit class index so alphabetical order = class index",
-            "ade20k": "single-channel uint8 PNG: 0 = background, k+1 = class k (class_names[k]); "
-                      "mmseg: reduce_zero_label=True -> classes = class_names (background ignored), "
-                      "or reduce_zero_label=False with classes = ['background'] + class_names",
-            "coco": "category_id = k+1 for class k; one polygon per object, exact: pycocotools "
-                    "annToMask reproduces the ADE20K mask; area = mask pixels; bbox = tight pixel "
-                    "box [x, y, w, h]; objects never overlap; the first annotation of an image is "
-                    "its main object",
+        'name': 'tokenaug synthetic world',
+        'config': config,
+        'seed': config['seed'],
+        'image_size': [S, S],
+        'num_classes': K,
+        'class_names': names,
+        'classes': [{k2: s[k2] for k2 in ('id', 'name', 'shape', 'texture', 'home_pair')} for s in specs],
+        'palette': {
+            **PALETTE,
+            'note': 'shared by all classes: with probability color_consistency '
+            "an object instance paints its texture with its class's "
+            'home_pair (light, dark palette indices), otherwise with '
+            'one light and one dark colour drawn uniformly '
+            '(independent indices)',
+        },
+        'counts': counts,
+        'area_stats': area_stats,
+        'formats': paths,
+        'file_names': "f'{id:06d}' with integer ids unique over train and val; the same id is the "
+        'same scene (byte-identical JPEG) in every format',
+        'label_conventions': {
+            'imagenet': "folder name = class name of the scene's main object; names start with the "
+            '2-digit class index so alphabetical order = class index',
+            'ade20k': 'single-channel uint8 PNG: 0 = background, k+1 = class k (class_names[k]); '
+            'mmseg: reduce_zero_label=True -> classes = class_names (background ignored), '
+            "or reduce_zero_label=False with classes = ['background'] + class_names",
+            'coco': 'category_id = k+1 for class k; one polygon per object, exact: pycocotools '
+            'annToMask reproduces the ADE20K mask; area = mask pixels; bbox = tight pixel '
+            'box [x, y, w, h]; objects never overlap; the first annotation of an image is '
+            'its main object',
         },
     }
     _write(meta_path, _json_dump(world).encode())
@@ -708,44 +834,72 @@ def _generate(out, *, seed, num_classes, image_size, train_per_class, val_per_cl
     return world, True
 
 
-def generate_world(out, *, seed: int = 0, num_classes: int = 10, image_size: int = 112,
-                   train_per_class: int = 40, val_per_class: int = 10,
-                   max_extra_objects: int = 1, min_area: float = 0.08, max_area: float = 0.35,
-                   color_consistency: float = 0.75, formats=FORMATS, force: bool = False) -> dict:
+def generate_world(
+    out,
+    *,
+    seed: int = 0,
+    num_classes: int = 10,
+    image_size: int = 112,
+    train_per_class: int = 40,
+    val_per_class: int = 10,
+    max_extra_objects: int = 1,
+    min_area: float = 0.08,
+    max_area: float = 0.35,
+    color_consistency: float = 0.75,
+    formats=FORMATS,
+    force: bool = False,
+) -> dict:
     """Write the synthetic world under ``out`` and return the ``world.json`` content.
 
     If ``out/world.json`` exists with the same configuration, nothing is written and its
     content is returned, unless ``force``.  Raises ``ValueError`` on bad arguments.
     """
-    world, _ = _generate(out, seed=seed, num_classes=num_classes, image_size=image_size,
-                         train_per_class=train_per_class, val_per_class=val_per_class,
-                         max_extra_objects=max_extra_objects, min_area=min_area,
-                         max_area=max_area, color_consistency=color_consistency,
-                         formats=formats, force=force)
+    world, _ = _generate(
+        out,
+        seed=seed,
+        num_classes=num_classes,
+        image_size=image_size,
+        train_per_class=train_per_class,
+        val_per_class=val_per_class,
+        max_extra_objects=max_extra_objects,
+        min_area=min_area,
+        max_area=max_area,
+        color_consistency=color_consistency,
+        formats=formats,
+        force=force,
+    )
     return world
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="tokenaug-data",
-        description="Write a deterministic synthetic world of textured objects as ImageNet "
-                    "folders, ADE20K label maps and COCO instances (same scenes in all).")
-    p.add_argument("--out", default="demo_out/world", help="output directory (default: demo_out/world)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-classes", type=int, default=10, help=f"2..{MAX_CLASSES} (default 10)")
-    p.add_argument("--image-size", type=int, default=112, help="square image side, >= 32 (default 112)")
-    p.add_argument("--train-per-class", type=int, default=40)
-    p.add_argument("--val-per-class", type=int, default=10)
-    p.add_argument("--max-extra-objects", type=int, default=1,
-                   help="extra smaller objects of other classes per scene: 0..N (default 1)")
-    p.add_argument("--min-area", type=float, default=0.08, help="main object min image fraction")
-    p.add_argument("--max-area", type=float, default=0.35, help="main object max image fraction")
-    p.add_argument("--color-consistency", type=float, default=0.75,
-                   help="probability in [0, 1] that an object is painted in its class's home "
-                        "colour pair instead of a uniformly drawn one (default 0.75)")
-    p.add_argument("--formats", default=",".join(FORMATS),
-                   help="comma list of imagenet,ade20k,coco (default: all)")
-    p.add_argument("--force", action="store_true", help="regenerate even if world.json matches")
+        prog='tokenaug-data',
+        description='Write a deterministic synthetic world of textured objects as ImageNet '
+        'folders, ADE20K label maps and COCO instances (same scenes in all).',
+    )
+    p.add_argument('--out', default='demo_out/world', help='output directory (default: demo_out/world)')
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--num-classes', type=int, default=10, help=f'2..{MAX_CLASSES} (default 10)')
+    p.add_argument('--image-size', type=int, default=112, help='square image side, >= 32 (default 112)')
+    p.add_argument('--train-per-class', type=int, default=40)
+    p.add_argument('--val-per-class', type=int, default=10)
+    p.add_argument(
+        '--max-extra-objects',
+        type=int,
+        default=1,
+        help='extra smaller objects of other classes per scene: 0..N (default 1)',
+    )
+    p.add_argument('--min-area', type=float, default=0.08, help='main object min image fraction')
+    p.add_argument('--max-area', type=float, default=0.35, help='main object max image fraction')
+    p.add_argument(
+        '--color-consistency',
+        type=float,
+        default=0.75,
+        help="probability in [0, 1] that an object is painted in its class's home "
+        'colour pair instead of a uniformly drawn one (default 0.75)',
+    )
+    p.add_argument('--formats', default=','.join(FORMATS), help='comma list of imagenet,ade20k,coco (default: all)')
+    p.add_argument('--force', action='store_true', help='regenerate even if world.json matches')
     return p
 
 
@@ -755,24 +909,36 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         world, generated = _generate(
-            args.out, seed=args.seed, num_classes=args.num_classes, image_size=args.image_size,
-            train_per_class=args.train_per_class, val_per_class=args.val_per_class,
-            max_extra_objects=args.max_extra_objects, min_area=args.min_area,
-            max_area=args.max_area, color_consistency=args.color_consistency,
-            formats=args.formats, force=args.force)
+            args.out,
+            seed=args.seed,
+            num_classes=args.num_classes,
+            image_size=args.image_size,
+            train_per_class=args.train_per_class,
+            val_per_class=args.val_per_class,
+            max_extra_objects=args.max_extra_objects,
+            min_area=args.min_area,
+            max_area=args.max_area,
+            color_consistency=args.color_consistency,
+            formats=args.formats,
+            force=args.force,
+        )
     except (ValueError, RuntimeError) as e:
         parser.error(str(e))
-    c = world["counts"]
-    summary = (f"{world['num_classes']} classes, {c['train']['images']} train + "
-               f"{c['val']['images']} val scenes ({c['train']['objects'] + c['val']['objects']} "
-               f"objects), {world['image_size'][0]}px, formats: {', '.join(world['formats'])}")
+    c = world['counts']
+    summary = (
+        f'{world["num_classes"]} classes, {c["train"]["images"]} train + '
+        f'{c["val"]["images"]} val scenes ({c["train"]["objects"] + c["val"]["objects"]} '
+        f'objects), {world["image_size"][0]}px, formats: {", ".join(world["formats"])}'
+    )
     if generated:
-        print(f"tokenaug-data: wrote {summary} to {args.out} in {time.perf_counter() - t0:.1f}s")
+        print(f'tokenaug-data: wrote {summary} to {args.out} in {time.perf_counter() - t0:.1f}s')
     else:
-        print(f"tokenaug-data: {args.out}/world.json already matches these arguments ({summary}); "
-              f"skipped (use --force to regenerate)")
+        print(
+            f'tokenaug-data: {args.out}/world.json already matches these arguments ({summary}); '
+            f'skipped (use --force to regenerate)'
+        )
     return 0
 
 
-if __name__ == "__main__":  # pragma: no cover
+if __name__ == '__main__':  # pragma: no cover
     sys.exit(main())

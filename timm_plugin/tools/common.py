@@ -1,5 +1,6 @@
 """What the CLI tools share: the dataset-split and model flags, ``--model-kwargs`` parsing, the split's
 dataset and the device."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,17 +16,26 @@ __all__ = ['add_data_model_args', 'parse_model_kwargs', 'split_dataset', 'resolv
 
 def add_data_model_args(parser: argparse.ArgumentParser, split: str, role: str | None = None) -> None:
     """The flags of a dataset split (``--data-dir``, ``--split``, default ``split``) and of a model for
-    :func:`timm_plugin.annotator.create_annotator` (``--model``, ``--checkpoint``, ``--use-ema``, ``--model-kwargs``, ``--num-classes``),
-    as ``tokenaug-maps generate`` and ``tokenaug-occlusion`` take them; ``role`` names the model in the help."""
+    :func:`timm_plugin.annotator.create_annotator` (``--model``, ``--checkpoint``, ``--use-ema``,
+    ``--model-kwargs``, ``--num-classes``), as ``tokenaug-maps generate`` and ``tokenaug-occlusion`` take them;
+    ``role`` names the model in the help."""
     parser.add_argument('--data-dir', required=True, help='dataset root holding SPLIT/<class>/<image>')
     parser.add_argument('--split', default=split, help="split folder under --data-dir ('' = --data-dir itself)")
     parser.add_argument('--model', required=True, help='timm model name' + (f' of the {role}' if role else ''))
-    parser.add_argument('--checkpoint', default=None, help='local checkpoint (state_dict / state_dict_ema / raw, '
-                        'loaded with weights_only=True); random weights without it')
+    parser.add_argument(
+        '--checkpoint',
+        default=None,
+        help='local checkpoint (state_dict / state_dict_ema / raw, '
+        'loaded with weights_only=True); random weights without it',
+    )
     parser.add_argument('--use-ema', action='store_true', help='take state_dict_ema from the checkpoint when present')
     parser.add_argument('--model-kwargs', nargs='*', default=[], metavar='K=V', help='extra timm.create_model kwargs')
-    parser.add_argument('--num-classes', type=int, default=None,
-                        help=f'{role + " " if role else ""}classes (default: from the checkpoint)')
+    parser.add_argument(
+        '--num-classes',
+        type=int,
+        default=None,
+        help=f'{role + " " if role else ""}classes (default: from the checkpoint)',
+    )
 
 
 def parse_model_kwargs(items: Sequence[str] | None) -> dict[str, Any]:
@@ -44,8 +54,10 @@ def split_dataset(data_dir: str, split: str, transform=None):
     itself); a clear error when the folder does not exist."""
     split_root = Path(data_dir) / split if split else Path(data_dir)
     if not split_root.is_dir():
-        raise FileNotFoundError(f'--data-dir {data_dir} / --split {split!r}: {split_root} is not a directory '
-                                '(expected the ImageFolder layout DIR/SPLIT/<class>/<image>)')
+        raise FileNotFoundError(
+            f'--data-dir {data_dir} / --split {split!r}: {split_root} is not a directory '
+            '(expected the ImageFolder layout DIR/SPLIT/<class>/<image>)'
+        )
     return create_dataset('', root=data_dir, split=split, search_split=bool(split), transform=transform), split_root
 
 

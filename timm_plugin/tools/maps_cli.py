@@ -30,6 +30,7 @@ that shards 0..S-1 are complete, compatible and tile all rows exactly once, writ
 and then deletes the shard stores (``--keep-shards`` keeps them). Under torchrun, rank 0 merges
 automatically after a barrier (gloo on CPU, nccl on CUDA).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,11 +51,28 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 
-from shared_core.map_store import (VOLATILE_META_KEYS, LabelMapError, MapWriter, compatibility_diff, merge_stores,
-                                   new_meta, normalize_path, read_store_paths, remove_store, store_status)
+from shared_core.map_store import (
+    VOLATILE_META_KEYS,
+    LabelMapError,
+    MapWriter,
+    compatibility_diff,
+    merge_stores,
+    new_meta,
+    normalize_path,
+    read_store_paths,
+    remove_store,
+    store_status,
+)
 
-from ..annotator import (annotate, create_annotator, eval_transform, feature_layout, head_kind, logits_from_features,
-                         sha256_file)
+from ..annotator import (
+    annotate,
+    create_annotator,
+    eval_transform,
+    feature_layout,
+    head_kind,
+    logits_from_features,
+    sha256_file,
+)
 from .common import add_data_model_args, parse_model_kwargs, resolve_device, split_dataset
 
 __all__ = ['shard_rows', 'shard_dir', 'generate', 'merge', 'info', 'main', 'parse_args']
@@ -71,10 +89,16 @@ def _probe(model: nn.Module, input_size: Sequence[int], device: torch.device) ->
             feats = model.forward_features(x)
             logits = logits_from_features(model, feats, tuple(input_size))
     except (AssertionError, RuntimeError) as e:
-        raise ValueError(f'the annotator fails on a {input_size[0]}x{input_size[1]} input ({e}); for a ViT-like model '
-                         f'pass --model-kwargs img_size={input_size[0]} (or dynamic_img_size=true)') from e
-    return {'grid': (int(logits.shape[1]), int(logits.shape[2])), 'num_classes': int(logits.shape[3]),
-            'feature_layout': feature_layout(model, feats), 'head': head_kind(model, feats.ndim)}
+        raise ValueError(
+            f'the annotator fails on a {input_size[0]}x{input_size[1]} input ({e}); for a ViT-like model '
+            f'pass --model-kwargs img_size={input_size[0]} (or dynamic_img_size=true)'
+        ) from e
+    return {
+        'grid': (int(logits.shape[1]), int(logits.shape[2])),
+        'num_classes': int(logits.shape[3]),
+        'feature_layout': feature_layout(model, feats),
+        'head': head_kind(model, feats.ndim),
+    }
 
 
 class _Rows(Dataset):
@@ -131,46 +155,76 @@ class _Dist:
     def init(self, device: torch.device, timeout_min: float) -> None:
         if self.torchrun:
             import torch.distributed as dist
+
             backend = 'nccl' if device.type == 'cuda' else 'gloo'
             dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_min))
 
     def barrier(self, device: torch.device) -> None:
         if self.torchrun:
             import torch.distributed as dist
+
             dist.barrier(device_ids=[device.index or 0] if device.type == 'cuda' else None)
 
     def close(self) -> None:
         import torch.distributed as dist
+
         if self.torchrun and dist.is_initialized():
             dist.destroy_process_group()
 
 
 # -------------------------------------------------------------------------------------- generation
 
-def _generation_meta(args: argparse.Namespace, n: int, *, grid: tuple[int, int], num_classes: int,
-                     layout: dict, split_root: Path, device: torch.device) -> tuple[dict, dict]:
+
+def _generation_meta(
+    args: argparse.Namespace,
+    n: int,
+    *,
+    grid: tuple[int, int],
+    num_classes: int,
+    layout: dict,
+    split_root: Path,
+    device: torch.device,
+) -> tuple[dict, dict]:
     """(format meta, extra meta) of the store this run writes; ``run`` holds what may change on resume."""
     checkpoint = str(Path(args.checkpoint).resolve()) if args.checkpoint else None
-    fmt = new_meta(n, num_classes=num_classes, k=args.topk, grid=grid, annotator=args.model,
-                   input_size=args.input_size, annotator_checkpoint=checkpoint)
+    fmt = new_meta(
+        n,
+        num_classes=num_classes,
+        k=args.topk,
+        grid=grid,
+        annotator=args.model,
+        input_size=args.input_size,
+        annotator_checkpoint=checkpoint,
+    )
     extra = {
         'split': args.split,
         'annotator_kwargs': parse_model_kwargs(args.model_kwargs),
         'annotator_checkpoint_sha256': sha256_file(args.checkpoint) if args.checkpoint else None,
-        'annotator_weights': ('checkpoint (EMA preferred)' if args.use_ema else 'checkpoint') if args.checkpoint
+        'annotator_weights': ('checkpoint (EMA preferred)' if args.use_ema else 'checkpoint')
+        if args.checkpoint
         else 'random',
-        'annotator_head': layout['head'], 'feature_layout': layout['feature_layout'],
-        'normalization': layout['normalization'], 'amp': bool(args.amp),
-        'run': {'data_dir': str(Path(args.data_dir).resolve()), 'split_root': str(split_root.resolve()),
-                'device': str(device), 'batch_size': args.batch_size, 'workers': args.workers,
-                'host': socket.gethostname(), 'tokenaug_version': _version('tokenaug'),
-                'torch_version': torch.__version__, 'timm_version': timm.__version__},
+        'annotator_head': layout['head'],
+        'feature_layout': layout['feature_layout'],
+        'normalization': layout['normalization'],
+        'amp': bool(args.amp),
+        'run': {
+            'data_dir': str(Path(args.data_dir).resolve()),
+            'split_root': str(split_root.resolve()),
+            'device': str(device),
+            'batch_size': args.batch_size,
+            'workers': args.workers,
+            'host': socket.gethostname(),
+            'tokenaug_version': _version('tokenaug'),
+            'torch_version': torch.__version__,
+            'timm_version': timm.__version__,
+        },
     }
     return fmt, extra
 
 
 def _version(dist_name: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version(dist_name)
     except PackageNotFoundError:
@@ -181,44 +235,72 @@ def _open_writer(store: Path, paths: list[str], fmt: dict, extra: dict, resume: 
     """A writer for this run's store; None when ``--resume`` finds it complete already."""
     expected = {**fmt, **extra}
     if not (store / 'meta.json').is_file():
-        return MapWriter.create(store, paths, num_classes=fmt['num_classes'], k=fmt['k'], grid=fmt['grid'],
-                                annotator=fmt['annotator'], input_size=fmt['input_size'],
-                                annotator_checkpoint=fmt['annotator_checkpoint'], extra_meta=extra)
+        return MapWriter.create(
+            store,
+            paths,
+            num_classes=fmt['num_classes'],
+            k=fmt['k'],
+            grid=fmt['grid'],
+            annotator=fmt['annotator'],
+            input_size=fmt['input_size'],
+            annotator_checkpoint=fmt['annotator_checkpoint'],
+            extra_meta=extra,
+        )
     status = store_status(store)
     state = 'complete' if status['complete'] else f'incomplete: {status["rows_missing"]} of {len(paths)} rows missing'
     if not resume:
-        raise LabelMapError(f'{store} already holds a label-map store ({state}); pass --resume to continue it, '
-                            'or remove it / choose another --out')
+        raise LabelMapError(
+            f'{store} already holds a label-map store ({state}); pass --resume to continue it, '
+            'or remove it / choose another --out'
+        )
     _check_same_run(store, status['meta'], expected, paths)
     return None if status['complete'] else MapWriter.resume(store)
 
 
 def _check_same_run(store: Path, meta: dict, expected: dict, paths: list[str]) -> None:
     if meta.get('shard') != expected.get('shard'):
-        raise LabelMapError(f'--resume: {store} holds shard {meta.get("shard")}, this run would write '
-                            f'{expected.get("shard")}; resume with the same --batch-size and number of shards')
+        raise LabelMapError(
+            f'--resume: {store} holds shard {meta.get("shard")}, this run would write '
+            f'{expected.get("shard")}; resume with the same --batch-size and number of shards'
+        )
     # the checkpoint may have moved: its content is compared (annotator_checkpoint_sha256), not its path
     diff = compatibility_diff(meta, expected, ignore=VOLATILE_META_KEYS | {'annotator_checkpoint'})
     if diff:
-        raise LabelMapError(f'--resume: {store} was generated with different settings (stored != this run): '
-                            + '; '.join(diff))
+        raise LabelMapError(
+            f'--resume: {store} was generated with different settings (stored != this run): ' + '; '.join(diff)
+        )
     stored = read_store_paths(store)
     if stored != paths:
         first = next((i for i, (a, b) in enumerate(zip(stored, paths)) if a != b), min(len(stored), len(paths)))
-        raise LabelMapError(f'--resume: the images differ from those of {store} ({len(stored)} stored, '
-                            f'{len(paths)} now; first difference at row {first})')
+        raise LabelMapError(
+            f'--resume: the images differ from those of {store} ({len(stored)} stored, '
+            f'{len(paths)} now; first difference at row {first})'
+        )
 
 
-def _fill(writer: MapWriter, dataset: Dataset, start: int, model: nn.Module, args: argparse.Namespace,
-          device: torch.device, show_progress: bool, on_batch: OnBatch | None) -> int:
+def _fill(
+    writer: MapWriter,
+    dataset: Dataset,
+    start: int,
+    model: nn.Module,
+    args: argparse.Namespace,
+    device: torch.device,
+    show_progress: bool,
+    on_batch: OnBatch | None,
+) -> int:
     """Annotate the writer's missing rows; returns how many rows were computed."""
     from tqdm import tqdm
+
     todo = writer.missing()
     if todo.size == 0:
         return 0
     subset = _Rows(dataset, todo + start)
-    loader = DataLoader(subset, batch_sampler=_batches(todo, args.batch_size), num_workers=args.workers,
-                        pin_memory=device.type == 'cuda')
+    loader = DataLoader(
+        subset,
+        batch_sampler=_batches(todo, args.batch_size),
+        num_workers=args.workers,
+        pin_memory=device.type == 'cuda',
+    )
     amp_dtype = torch.float16 if device.type == 'cuda' else torch.bfloat16
     done = 0
     with tqdm(total=int(todo.size), unit='img', desc=f'maps {writer.root.name}', disable=not show_progress) as bar:
@@ -258,8 +340,13 @@ def _generate_shard(args: argparse.Namespace, dist: _Dist, device: torch.device,
         if not args.resume:
             raise LabelMapError(f'{out} already holds a merged label-map store; pass --resume or choose another --out')
         return {'store': str(out), 'rows_computed': 0, 'seconds': 0.0, 'shard': (dist.index, dist.count)}
-    model = create_annotator(args.model, checkpoint=args.checkpoint, num_classes=args.num_classes,
-                             model_kwargs=parse_model_kwargs(args.model_kwargs), use_ema=args.use_ema).to(device)
+    model = create_annotator(
+        args.model,
+        checkpoint=args.checkpoint,
+        num_classes=args.num_classes,
+        model_kwargs=parse_model_kwargs(args.model_kwargs),
+        use_ema=args.use_ema,
+    ).to(device)
     transform, norm = eval_transform(model, args.input_size)
     dataset, split_root = split_dataset(args.data_dir, args.split)
     dataset.transform = transform
@@ -268,24 +355,41 @@ def _generate_shard(args: argparse.Namespace, dist: _Dist, device: torch.device,
     grid, num_classes = probe['grid'], probe['num_classes']
     layout = {'head': probe['head'], 'feature_layout': probe['feature_layout'], 'normalization': norm}
     start, stop = shard_rows(len(paths), dist.index, dist.count, args.batch_size)
-    fmt, extra = _generation_meta(args, stop - start, grid=grid, num_classes=num_classes, layout=layout,
-                                  split_root=split_root, device=device)
+    fmt, extra = _generation_meta(
+        args, stop - start, grid=grid, num_classes=num_classes, layout=layout, split_root=split_root, device=device
+    )
     store = out
     if dist.count > 1:
         store = shard_dir(out, dist.index, dist.count)
-        extra['shard'] = {'index': dist.index, 'num_shards': dist.count, 'row_start': start, 'row_stop': stop,
-                          'num_images_total': len(paths)}
+        extra['shard'] = {
+            'index': dist.index,
+            'num_shards': dist.count,
+            'row_start': start,
+            'row_stop': stop,
+            'num_images_total': len(paths),
+        }
     writer = _open_writer(store, paths[start:stop], fmt, extra, args.resume)
     t0 = time.perf_counter()
     computed = 0
     if writer is not None:
         with writer:
-            computed = _fill(writer, dataset, start, model, args, device,
-                             show_progress=not args.no_progress and dist.index == 0, on_batch=on_batch)
+            computed = _fill(
+                writer,
+                dataset,
+                start,
+                model,
+                args,
+                device,
+                show_progress=not args.no_progress and dist.index == 0,
+                on_batch=on_batch,
+            )
             writer.finalize()
     seconds = time.perf_counter() - t0
-    print(f'tokenaug-maps: {store}: {computed} maps computed ({stop - start} rows, grid {grid[0]}x{grid[1]}, '
-          f'top-{args.topk}) in {seconds:.1f}s on {device}', file=sys.stderr)
+    print(
+        f'tokenaug-maps: {store}: {computed} maps computed ({stop - start} rows, grid {grid[0]}x{grid[1]}, '
+        f'top-{args.topk}) in {seconds:.1f}s on {device}',
+        file=sys.stderr,
+    )
     return {'store': str(store), 'rows_computed': computed, 'seconds': seconds, 'shard': (dist.index, dist.count)}
 
 
@@ -297,8 +401,9 @@ def _shard_dirs(out: Path) -> list[Path]:
     if not found:
         raise LabelMapError(f'{out / "shards"}: no shard stores (shard-I-of-S) to merge')
     if len(counts) > 1:
-        raise LabelMapError(f'{out / "shards"} holds shards of runs with different --num-shards {counts}; '
-                            'remove the stale ones')
+        raise LabelMapError(
+            f'{out / "shards"} holds shards of runs with different --num-shards {counts}; remove the stale ones'
+        )
     return [d for _, _, d in sorted(found)]
 
 
@@ -337,34 +442,43 @@ def info(path: str | os.PathLike) -> dict:
 def _format_status(status: dict) -> str:
     meta = status['meta']
     n = meta['num_images']
-    lines = [json.dumps(meta, indent=1), '',
-             f'rows: {status["rows_done"]} of {n} done, {status["rows_missing"]} missing; '
-             f'complete: {status["complete"]}',
-             f'payload bytes per image: {status["payload_bytes_per_image"]} '
-             f'(k {meta["k"]} x grid {meta["grid"][0]}x{meta["grid"][1]} x (2 B float16 + '
-             f'{np.dtype(meta["indices_dtype"]).itemsize} B {meta["indices_dtype"]}))',
-             f'file bytes per image: {status["file_bytes_per_image"]:.1f} '
-             f'(all files: {sum(status["file_bytes"].values())} B; allocated on disk: '
-             f'{sum(status["allocated_bytes"].values())} B)']
+    lines = [
+        json.dumps(meta, indent=1),
+        '',
+        f'rows: {status["rows_done"]} of {n} done, {status["rows_missing"]} missing; complete: {status["complete"]}',
+        f'payload bytes per image: {status["payload_bytes_per_image"]} '
+        f'(k {meta["k"]} x grid {meta["grid"][0]}x{meta["grid"][1]} x (2 B float16 + '
+        f'{np.dtype(meta["indices_dtype"]).itemsize} B {meta["indices_dtype"]}))',
+        f'file bytes per image: {status["file_bytes_per_image"]:.1f} '
+        f'(all files: {sum(status["file_bytes"].values())} B; allocated on disk: '
+        f'{sum(status["allocated_bytes"].values())} B)',
+    ]
     return '\n'.join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog='tokenaug-maps', description=__doc__.split('\n\n')[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog='tokenaug-maps', description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest='command', required=True)
     g = sub.add_parser('generate', help='annotate a dataset split into a label-map store')
     add_data_model_args(g, split='train', role='annotator')
     g.add_argument('--out', required=True, help='output store directory')
-    g.add_argument('--input-size', type=int, nargs='+', default=[576], metavar='S',
-                   help='annotator input: S (square) or H W; the whole image is resized to it (default 576)')
+    g.add_argument(
+        '--input-size',
+        type=int,
+        nargs='+',
+        default=[576],
+        metavar='S',
+        help='annotator input: S (square) or H W; the whole image is resized to it (default 576)',
+    )
     g.add_argument('--topk', type=int, default=5, help='classes kept per location (default 5)')
     g.add_argument('-b', '--batch-size', type=int, default=32)
     g.add_argument('-j', '--workers', type=int, default=2, help='DataLoader workers')
     g.add_argument('--device', default=None, help='cpu | cuda | cuda:N (default: cuda when available)')
     g.add_argument('--amp', action='store_true', help='autocast (float16 on CUDA, bfloat16 on CPU)')
     g.add_argument('--resume', action='store_true', help='continue an interrupted run with the same arguments')
-    g.add_argument('--shard-index', type=int, default=None, help='this process\'s shard (without torchrun)')
+    g.add_argument('--shard-index', type=int, default=None, help="this process's shard (without torchrun)")
     g.add_argument('--num-shards', type=int, default=None, help='number of shards (without torchrun)')
     g.add_argument('--keep-shards', action='store_true', help='under torchrun: keep the shard stores after merging')
     g.add_argument('--dist-timeout', type=float, default=24 * 60, help='torch.distributed timeout, minutes')

@@ -25,13 +25,24 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from timm.data import create_transform
 from torch.utils.data import DataLoader
 
-from timm.data import create_transform
-
 from ..annotator import create_annotator
-from ..occlusion import (CNN_PATCH, CSV_FIELDS, DEFAULT_RATIOS, FILLS, MODES, Indexed, check_drop_model, check_ratios,
-                         data_config, evaluate, fill_values, patch_grid)
+from ..occlusion import (
+    CNN_PATCH,
+    CSV_FIELDS,
+    DEFAULT_RATIOS,
+    FILLS,
+    MODES,
+    Indexed,
+    check_drop_model,
+    check_ratios,
+    data_config,
+    evaluate,
+    fill_values,
+    patch_grid,
+)
 from .common import add_data_model_args, parse_model_kwargs, resolve_device, split_dataset
 
 __all__ = ['write_results', 'format_table', 'parse_args', 'run', 'main']
@@ -40,19 +51,25 @@ __all__ = ['write_results', 'format_table', 'parse_args', 'run', 'main']
 # ----------------------------------------------------------------------------------------- output
 def format_table(rows: Sequence[dict], repeats: int = 1) -> str:
     """Markdown table of the rows (``± std`` over repeats when there are several)."""
+
     def acc(row: dict, key: str) -> str:
         return f'{row[key]:.2f}' + (f' ± {row[key + "_std"]:.2f}' if repeats > 1 else '')
+
     lines = ['| drop ratio | dropped patches | top-1 (%) | top-5 (%) |', '|---:|---:|---:|---:|']
     for row in rows:
-        lines.append(f'| {row["ratio"]:.0%} | {row["dropped_patches"]}/{row["num_patches"]} | '
-                     f'{acc(row, "top1")} | {acc(row, "top5")} |')
+        lines.append(
+            f'| {row["ratio"]:.0%} | {row["dropped_patches"]}/{row["num_patches"]} | '
+            f'{acc(row, "top1")} | {acc(row, "top5")} |'
+        )
     return '\n'.join(lines)
 
 
 def _plot(rows: Sequence[dict], path: Path, title: str) -> None:
     import matplotlib
+
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+
     x = [100 * row['ratio'] for row in rows]
     fig, ax = plt.subplots(figsize=(5, 3.6))
     for key, style in (('top1', 'o-'), ('top5', 's--')):
@@ -69,8 +86,9 @@ def _plot(rows: Sequence[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def write_results(rows: Sequence[dict], out: str | Path, *, header: str, repeats: int = 1,
-                  title: str | None = None) -> dict[str, Path]:
+def write_results(
+    rows: Sequence[dict], out: str | Path, *, header: str, repeats: int = 1, title: str | None = None
+) -> dict[str, Path]:
     """``occlusion.csv`` (one row per ratio), ``occlusion.md`` (header + table) and ``occlusion.png`` in ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,19 +104,40 @@ def write_results(rows: Sequence[dict], out: str | Path, *, header: str, repeats
 
 # -------------------------------------------------------------------------------------------- CLI
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog='tokenaug-occlusion', description=__doc__.split('\n\n')[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog='tokenaug-occlusion',
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_data_model_args(p, split='val')
-    p.add_argument('--ratios', type=float, nargs='+', default=list(DEFAULT_RATIOS), metavar='R',
-                   help='fractions of patches to drop, each in [0, 1) (default 0 0.1 ... 0.9)')
-    p.add_argument('--mode', default='zero', choices=MODES,
-                   help='zero: blank the pixels (any model); drop: remove the tokens (timm ViTs)')
-    p.add_argument('--fill', default='zero', choices=FILLS,
-                   help='zero mode: 0 in normalised space (= mean colour, default) or black (raw pixel 0)')
-    p.add_argument('--patch-size', type=int, default=None, help='occlusion patch in px (default: the model\'s '
-                   f'token stride; {CNN_PATCH} for models without patch_embed)')
-    p.add_argument('--img-size', type=int, default=None, help='eval input size (default: the model\'s)')
-    p.add_argument('--crop-pct', type=float, default=None, help='eval centre-crop fraction (default: the model\'s)')
+    p.add_argument(
+        '--ratios',
+        type=float,
+        nargs='+',
+        default=list(DEFAULT_RATIOS),
+        metavar='R',
+        help='fractions of patches to drop, each in [0, 1) (default 0 0.1 ... 0.9)',
+    )
+    p.add_argument(
+        '--mode',
+        default='zero',
+        choices=MODES,
+        help='zero: blank the pixels (any model); drop: remove the tokens (timm ViTs)',
+    )
+    p.add_argument(
+        '--fill',
+        default='zero',
+        choices=FILLS,
+        help='zero mode: 0 in normalised space (= mean colour, default) or black (raw pixel 0)',
+    )
+    p.add_argument(
+        '--patch-size',
+        type=int,
+        default=None,
+        help=f"occlusion patch in px (default: the model's token stride; {CNN_PATCH} for models without patch_embed)",
+    )
+    p.add_argument('--img-size', type=int, default=None, help="eval input size (default: the model's)")
+    p.add_argument('--crop-pct', type=float, default=None, help="eval centre-crop fraction (default: the model's)")
     p.add_argument('--seed', type=int, default=0, help='mask seed (the same for every checkpoint)')
     p.add_argument('--repeats', type=int, default=1, help='independent mask draws to average')
     p.add_argument('-b', '--batch-size', type=int, default=64)
@@ -117,21 +156,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.ratios = check_ratios(args.ratios)
     except ValueError as e:
         parser.error(str(e))
-    checks = {'seed': args.seed >= 0, 'repeats': args.repeats >= 1, 'batch_size': args.batch_size >= 1,
-              'workers': args.workers >= 0, 'patch_size': args.patch_size is None or args.patch_size >= 1,
-              'img_size': args.img_size is None or args.img_size >= 1}
+    checks = {
+        'seed': args.seed >= 0,
+        'repeats': args.repeats >= 1,
+        'batch_size': args.batch_size >= 1,
+        'workers': args.workers >= 0,
+        'patch_size': args.patch_size is None or args.patch_size >= 1,
+        'img_size': args.img_size is None or args.img_size >= 1,
+    }
     for name, ok in checks.items():
         if not ok:
-            parser.error(f'--{name.replace("_", "-")}: got {getattr(args, name)}, expected '
-                         f'{">= 0" if name in ("seed", "workers") else ">= 1"}')
+            parser.error(
+                f'--{name.replace("_", "-")}: got {getattr(args, name)}, expected '
+                f'{">= 0" if name in ("seed", "workers") else ">= 1"}'
+            )
     return args
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     """The whole CLI run: model, data, sweep, files; returns the rows."""
     device = resolve_device(args.device)
-    model = create_annotator(args.model, checkpoint=args.checkpoint, num_classes=args.num_classes,
-                             model_kwargs=parse_model_kwargs(args.model_kwargs), use_ema=args.use_ema)
+    model = create_annotator(
+        args.model,
+        checkpoint=args.checkpoint,
+        num_classes=args.num_classes,
+        model_kwargs=parse_model_kwargs(args.model_kwargs),
+        use_ema=args.use_ema,
+    )
     if args.mode == 'drop':
         check_drop_model(model)
     model.to(device)
@@ -142,18 +193,31 @@ def run(args: argparse.Namespace) -> list[dict]:
     if len(images) == 0:
         raise FileNotFoundError(f'--data-dir {args.data_dir} / --split {args.split!r}: no images under {root}')
     dataset = Indexed(images)
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=False, num_workers=args.workers,
-                        pin_memory=device.type == 'cuda')
+    loader = DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=False, num_workers=args.workers, pin_memory=device.type == 'cuda'
+    )
     fill = fill_values(args.fill, config['mean'], config['std'])
-    rows = evaluate(model, loader, grid=grid, patch=patch, ratios=args.ratios, mode=args.mode, fill=fill,
-                    seed=args.seed, repeats=args.repeats, device=device, amp=args.amp,
-                    progress=not args.no_progress)
+    rows = evaluate(
+        model,
+        loader,
+        grid=grid,
+        patch=patch,
+        ratios=args.ratios,
+        mode=args.mode,
+        fill=fill,
+        seed=args.seed,
+        repeats=args.repeats,
+        device=device,
+        amp=args.amp,
+        progress=not args.no_progress,
+    )
     weights = f'{args.checkpoint}{" (EMA)" if args.use_ema else ""}' if args.checkpoint else 'random weights'
-    header = (f'{args.model} ({weights}), mode {args.mode}'
-              + (f' (fill {args.fill})' if args.mode == 'zero' else '') + '\n\n'
-              f'data {args.data_dir} / {args.split or "."}: {len(dataset)} images at '
-              f'{config["input_size"][1]}x{config["input_size"][2]}, {grid[0]}x{grid[1]} patches of '
-              f'{patch[0]}x{patch[1]} px; seed {args.seed}, {args.repeats} repeat(s)')
+    header = (
+        f'{args.model} ({weights}), mode {args.mode}' + (f' (fill {args.fill})' if args.mode == 'zero' else '') + '\n\n'
+        f'data {args.data_dir} / {args.split or "."}: {len(dataset)} images at '
+        f'{config["input_size"][1]}x{config["input_size"][2]}, {grid[0]}x{grid[1]} patches of '
+        f'{patch[0]}x{patch[1]} px; seed {args.seed}, {args.repeats} repeat(s)'
+    )
     title = f'{args.model} ({Path(args.checkpoint).name if args.checkpoint else "random weights"}), mode {args.mode}'
     paths = write_results(rows, args.out, header=header, repeats=args.repeats, title=title)
     print(f'{header}\n\n{format_table(rows, args.repeats)}\n\nwrote {", ".join(str(p) for p in paths.values())}')

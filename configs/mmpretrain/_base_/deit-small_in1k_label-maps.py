@@ -19,11 +19,24 @@ train_pipeline = [
     dict(type='TokenLabelRandomResizedCrop', scale=224, backend='pillow', interpolation='bicubic'),
     dict(type='RandomFlip', prob=0.5, direction='horizontal'),
     # mmpretrain's 'timm_increasing' policies less Rotate / Shear / Translate (TokenLabelRandAugment)
-    dict(type='TokenLabelRandAugment', policies='timm_increasing', num_policies=2, total_level=10,
-         magnitude_level=9, magnitude_std=0.5,
-         hparams=dict(pad_val=[round(x) for x in bgr_mean], interpolation='bicubic')),
-    dict(type='RandomErasing', erase_prob=0.25, mode='rand', min_area_ratio=0.02, max_area_ratio=1 / 3,
-         fill_color=bgr_mean, fill_std=bgr_std),
+    dict(
+        type='TokenLabelRandAugment',
+        policies='timm_increasing',
+        num_policies=2,
+        total_level=10,
+        magnitude_level=9,
+        magnitude_std=0.5,
+        hparams=dict(pad_val=[round(x) for x in bgr_mean], interpolation='bicubic'),
+    ),
+    dict(
+        type='RandomErasing',
+        erase_prob=0.25,
+        mode='rand',
+        min_area_ratio=0.02,
+        max_area_ratio=1 / 3,
+        fill_color=bgr_mean,
+        fill_std=bgr_std,
+    ),
     dict(type='PackTokenLabelInputs'),
 ]
 # pairwise mixing needs even batches: drop the last, possibly odd, batch of an epoch

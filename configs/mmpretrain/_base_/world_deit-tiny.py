@@ -27,8 +27,13 @@ model = dict(
 
 train_pipeline = [
     dict(type='LoadImageFromFile'),
-    dict(type='RandomResizedCrop', scale=img_size, crop_ratio_range=(0.35, 1.0), backend='pillow',
-         interpolation='bicubic'),
+    dict(
+        type='RandomResizedCrop',
+        scale=img_size,
+        crop_ratio_range=(0.35, 1.0),
+        backend='pillow',
+        interpolation='bicubic',
+    ),
     dict(type='RandomFlip', prob=0.5, direction='horizontal'),
     dict(type='PackInputs'),
 ]
@@ -44,15 +49,25 @@ train_dataloader = dict(
     num_workers=2,
     persistent_workers=False,
     drop_last=True,  # pairwise mixing needs even batches
-    dataset=dict(_delete_=True, type='CustomDataset', data_root=world_root + '/imagenet', data_prefix='train',
-                 pipeline=train_pipeline),
+    dataset=dict(
+        _delete_=True,
+        type='CustomDataset',
+        data_root=world_root + '/imagenet',
+        data_prefix='train',
+        pipeline=train_pipeline,
+    ),
 )
 val_dataloader = dict(
     batch_size=50,
     num_workers=2,
     persistent_workers=False,
-    dataset=dict(_delete_=True, type='CustomDataset', data_root=world_root + '/imagenet', data_prefix='val',
-                 pipeline=test_pipeline),
+    dataset=dict(
+        _delete_=True,
+        type='CustomDataset',
+        data_root=world_root + '/imagenet',
+        data_prefix='val',
+        pipeline=test_pipeline,
+    ),
 )
 test_dataloader = val_dataloader
 val_evaluator = dict(type='Accuracy', topk=(1, 5))
@@ -67,7 +82,8 @@ param_scheduler = [
 train_cfg = dict(by_epoch=True, max_epochs=4, val_interval=1)
 auto_scale_lr = dict(base_batch_size=32)
 
-default_hooks = dict(logger=dict(type='LoggerHook', interval=5), checkpoint=dict(type='CheckpointHook', interval=1,
-                                                                                    max_keep_ckpts=1))
+default_hooks = dict(
+    logger=dict(type='LoggerHook', interval=5), checkpoint=dict(type='CheckpointHook', interval=1, max_keep_ckpts=1)
+)
 env_cfg = dict(dist_cfg=dict(backend='gloo'))
 randomness = dict(seed=0)

@@ -13,8 +13,13 @@ train_pipeline = [
     # as read by tokenaug-maps (PIL, EXIF orientation not applied): the map and the image must agree
     dict(type='LoadImageFromFile', color_type='color_ignore_orientation'),
     dict(type='LoadTokenLabelMap', store=label_maps, split_root=world_root + '/imagenet/train'),
-    dict(type='TokenLabelRandomResizedCrop', scale=img_size, crop_ratio_range=(0.35, 1.0), backend='pillow',
-         interpolation='bicubic'),
+    dict(
+        type='TokenLabelRandomResizedCrop',
+        scale=img_size,
+        crop_ratio_range=(0.35, 1.0),
+        backend='pillow',
+        interpolation='bicubic',
+    ),
     dict(type='RandomFlip', prob=0.5, direction='horizontal'),
     dict(type='PackTokenLabelInputs'),
 ]

@@ -1,0 +1,60 @@
+"""Guards of the layering: shared_core imports no framework, mm_plugin does not load timm_plugin, and importing
+a plugin only registers (it patches nothing in timm, MMEngine or torch)."""
+
+import pkgutil
+import subprocess
+import sys
+
+import shared_core
+
+from .conftest import REPO
+
+FRAMEWORKS = ('timm', 'mmengine', 'mmcv', 'mmpretrain', 'mmseg', 'mmdet', 'timm_plugin', 'mm_plugin')
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_every_shared_core_module_imports_no_framework():
+    modules = sorted(m.name for m in pkgutil.walk_packages(shared_core.__path__, 'shared_core.'))
+    assert {
+        'shared_core.mix',
+        'shared_core.tl_align',
+        'shared_core.token_labeling',
+        'shared_core.tokenmix',
+        'shared_core.label_maps',
+        'shared_core.map_store',
+        'shared_core.tools.world',
+    } <= set(modules)
+    code = (
+        f'import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n'
+        f'print(sorted(m for m in sys.modules if m.split(".")[0] in {FRAMEWORKS!r}))'
+    )
+    assert _run(code) == '[]'
+
+
+def test_import_mm_plugin_does_not_load_timm_plugin():
+    code = 'import sys, mm_plugin\nprint(sorted(m for m in sys.modules if m.startswith("timm_plugin")))'
+    assert _run(code) == '[]'
+
+
+def test_importing_the_plugins_patches_nothing():
+    """Registration only: timm's RandAugment table, MMEngine's HistoryBuffer pickling and torch's safe globals
+    are untouched until the explicit calls (timm_plugin.fix_posterize, mm_plugin.enable_safe_load)."""
+    code = """
+import torch
+from timm.data import auto_augment
+from mmengine.logging import HistoryBuffer
+before = (dict(auto_augment.NAME_TO_OP), HistoryBuffer.__getstate__, list(torch.serialization.get_safe_globals()))
+import timm, timm_plugin, mm_plugin
+timm.create_model('lvvit_t')  # registered
+after = (dict(auto_augment.NAME_TO_OP), HistoryBuffer.__getstate__, list(torch.serialization.get_safe_globals()))
+print(before == after)
+import mm_plugin.enable_safe_load
+timm_plugin.fix_posterize()
+print(HistoryBuffer.__getstate__ is not before[1], auto_augment.NAME_TO_OP['Posterize'] is not before[0]['Posterize'])
+"""
+    assert _run(code).split() == ['True', 'True', 'True']
