@@ -25,6 +25,7 @@ bench: install
 	$(PYTHON) bench/bench_mixers.py
 	$(PYTHON) bench/bench_tokenmix_sampler.py
 	$(PYTHON) bench/bench_tl_align.py --repeats 15
+	$(PYTHON) bench/bench_tokenmixup.py --repeats 5
 	$(PYTHON) bench/bench_token_labels.py --images 64 --rounds 5 --step-model deit_tiny_patch16_224 --batch 32
 	$(PYTHON) bench/bench_maps.py --model resnet50 --input-size 576 --batch-size 8 --images 32 --workers 2 --repeats 3
 

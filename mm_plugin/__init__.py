@@ -18,6 +18,7 @@ from .token_label_transforms import (
     TokenLabelRandomResizedCrop,
 )
 from .token_labeling import TokenLabelingClassifier, TokenLabelingHead
+from .tokenmixup import TokenMixupClassifier
 
 __all__ = [
     'MixBatchAugment',
@@ -36,5 +37,6 @@ __all__ = [
     'TransMixClassifier',
     'TokenLabelingClassifier',
     'TokenLabelingHead',
+    'TokenMixupClassifier',
     'LVViT',
 ]

@@ -69,6 +69,7 @@ DROP_RULES = (
     r'^head_dist\.',
     r'^fc_norm\.',
     r'^aux_head\.',
+    r'^tokenmixup_scorenet\.',
     r'^dist_token$',
     r'^neck\.',
     r'^data_preprocessor\.',

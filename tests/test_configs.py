@@ -10,7 +10,9 @@ from timm_plugin.train import parse_args
 
 from .conftest import REPO
 
-MM_CONFIGS = sorted(p for p in (REPO / 'configs' / 'mmpretrain').glob('*.py') if 'token-labeling' not in p.name)
+MM_CONFIGS = sorted(
+    p for p in (REPO / 'configs' / 'mmpretrain').glob('*.py') if 'token-labeling' not in p.name and 'cct' not in p.name
+)
 TL_CONFIGS = sorted((REPO / 'configs' / 'mmpretrain').glob('*token-labeling*.py'))  # MixToken in the model
 TIMM_CONFIGS = sorted((REPO / 'configs' / 'timm').glob('*.yaml'))
 
@@ -61,7 +63,45 @@ def test_token_labeling_config_builds_its_model_and_pipeline(path):
 @pytest.mark.parametrize('path', TIMM_CONFIGS, ids=lambda p: p.name)
 def test_timm_config_parses(path):
     args = parse_args(['-c', str(path)])
-    assert args.model and args.mixup_type in ('cutmix', 'tokenmix_block', 'mixtoken', 'tokenmix')
+    tokenmixup = bool(args.tokenmixup_htm_layers or args.tokenmixup_vtm_layers)
+    assert args.model and args.mixup_type in ('cutmix', 'tokenmix_block', 'mixtoken', 'tokenmix') + (
+        (None,) if tokenmixup else ()
+    )
+    if tokenmixup and 'cifar100' in path.name:  # the public CCT configs (tokenmixup-reference §3)
+        assert (args.model, args.num_classes, args.img_size, args.epochs, args.batch_size) == (
+            'cct_7_3x1_32',
+            100,
+            32,
+            1500,
+            128,
+        )
+        assert (args.lr, args.weight_decay, args.warmup_lr, args.min_lr, args.smoothing) == (
+            6e-4,
+            0.06,
+            1e-6,
+            1e-5,
+            0.1,
+        )
+        assert (args.mixup, args.cutmix, args.mixup_switch_prob, args.dataset) == (0.8, 1.0, 0.5, 'torch/cifar100')
+        expected = {'htm': ([2], [], 3), 'vtm': ([], [2], 80), 'hvtm': ([3], [2], 3)}[path.stem.split('-')[-1]]
+        assert (args.tokenmixup_htm_layers, args.tokenmixup_vtm_layers, args.tokenmixup_kappa) == expected
+        if args.tokenmixup_htm_layers:
+            assert (args.tokenmixup_tau, args.tokenmixup_rho, args.tokenmixup_scorenet_weight) == (0.2, 0.005, 0.001)
+    if tokenmixup and 'in1k' in path.name:  # the public ViT-B/16 scripts: SGD 0.015, 30 epochs, no mixing
+        assert (args.model, args.opt, args.lr, args.epochs, args.clip_grad, args.mixup, args.cutmix) == (
+            'vit_base_patch16_224',
+            'momentum',
+            0.015,
+            30,
+            1.0,
+            0.0,
+            0.0,
+        )
+        expected = {'htm': ([3], []), 'vtm': ([], [3]), 'hvtm': ([3], [4])}[path.stem.split('-')[-1]]
+        assert (args.tokenmixup_htm_layers, args.tokenmixup_vtm_layers) == expected
+        if args.tokenmixup_htm_layers:
+            assert (args.tokenmixup_tau, args.tokenmixup_rho, args.tokenmixup_scorenet_weight) == (0.1, 0.01, 1.0)
+            assert args.tokenmixup_scorenet_stopgrad and args.tokenmixup_scorenet == 'cls'
     if args.activation_map_dir:  # tokenmix.md Sec. 4.2: switch with MixUp at 0.5, BCE (Table 11)
         assert args.mixup > 0 and args.mixup_switch_prob == 0.5
         # Table 11: BCE for TokenMix on ImageNet; Table 7 keeps CutMix's CE; the CPU world schedule uses CE

@@ -374,3 +374,16 @@ def test_wrong_lvvit_checkpoints_are_refused_with_the_keys_named(tmp_path, run_e
     )
     assert res.returncode == 2 and 'does not fit a mmseg lvvit backbone' in res.stderr
     assert not (tmp_path / 'x.pth').exists()
+
+
+def test_tokenmixup_scorenets_are_dropped_and_listed():
+    """A TokenMixup checkpoint (timm model or mmpretrain TokenMixupClassifier) carries its ScoreNets; transfer
+    drops them by name."""
+    from mm_plugin.convert import to_dense_backbone
+    from timm_plugin.tokenmixup import attach_scorenets
+
+    model = timm.create_model('vit_tiny_patch16_224', img_size=32, patch_size=8, depth=2, num_classes=4)
+    attach_scorenets(model, [1])
+    out, dropped = to_dense_backbone(model.state_dict(), 'vit')
+    assert {'tokenmixup_scorenet.1.fc.weight', 'tokenmixup_scorenet.1.fc.bias'} <= set(dropped)
+    assert not any('scorenet' in k for k in out)

@@ -1,13 +1,14 @@
 """tokenaug's timm adapters: timm-``Mixup``-compatible mixers and collators, the methods as model wrappers and
 as ``timm.task`` training tasks, LV-ViT, the training entry and the CLI tools.
 
-``import timm_plugin`` registers the LV-ViT models (``lvvit_t/s/m/l``) with timm and nothing else happens on
+``import timm_plugin`` registers the LV-ViT models (``lvvit_t/s/m/l``) and CCT (``cct_7_3x1_32[_sine]``) with
+timm and nothing else happens on
 import (timm's Posterize fix is the explicit :func:`fix_posterize`). The other names load on first use.
 """
 
 from importlib import import_module
 
-from . import lvvit  # noqa: F401  (registers lvvit_* with timm)
+from . import cct, lvvit  # noqa: F401  (register cct_* and lvvit_* with timm)
 from .lvvit import LVViT
 
 #: public name -> module that defines it (loaded on first access)
@@ -32,6 +33,10 @@ _LAZY = {
     'TransMixTask': 'tasks',
     'TokenLabelingTask': 'tasks',
     'fix_posterize': 'timm_fixes',
+    'TokenMixup': 'tokenmixup',
+    'TokenMixupTarget': 'tokenmixup',
+    'TokenMixupTask': 'tasks',
+    'CCT': 'cct',
 }
 
 __all__ = ['LVViT'] + sorted(_LAZY)

@@ -28,8 +28,9 @@ from timm.utils.model import get_state_dict
 from .carrier import MixTarget
 from .tl_align import TLAlign, TransMix
 from .token_labeling import TokenLabeling, TokenLabelingLoss
+from .tokenmixup import TokenMixup
 
-__all__ = ['TLAlignTask', 'TransMixTask', 'TokenLabelingTask', 'TokenLabelingEval']
+__all__ = ['TLAlignTask', 'TransMixTask', 'TokenLabelingTask', 'TokenLabelingEval', 'TokenMixupTask']
 
 
 class TLAlignTask(ClassificationTask):
@@ -179,3 +180,38 @@ class TokenLabelingTask(ClassificationTask):
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Tensor]:
         out = self.method.outputs(input, lambda: self.trainable_module(input))
         return {'loss': self.criterion(out, target), 'output': out.cls}
+
+
+class TokenMixupTask(ClassificationTask):
+    """TokenMixup (``tokenmixup.md``) as a timm ``TrainingTask``: :meth:`timm_plugin.TokenMixup.mix_forward` run
+    through the trainable module; ``loss = criterion(logits, relabelled target) + target.aux_loss`` (the ScoreNet
+    loss). The ScoreNets are ``model.tokenmixup_scorenet``, so the optimizer built from the trainable module, EMA
+    and checkpoints hold them. Eval is the plain model.
+
+    Args:
+        model: a timm ViT/DeiT or tokenaug CCT.
+        criterion: a soft-target loss (``SoftTargetCrossEntropy``): the target is soft after HTM's relabelling.
+        **method_kwargs: :class:`timm_plugin.TokenMixup`'s (``htm_layers``, ``vtm_layers``, ``rho``, ``tau``, ...).
+
+    ``forward`` returns ``loss``, ``output``, ``target`` (relabelled) and ``scorenet_loss``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        criterion=None,
+        criterion_kwargs: Optional[dict] = None,
+        *,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+        verbose: bool = True,
+        **method_kwargs,
+    ):
+        method = TokenMixup(unwrap_model(model), **method_kwargs)  # attaches the ScoreNets before the optimizer
+        super().__init__(model, criterion, criterion_kwargs, device=device, dtype=dtype, verbose=verbose)
+        self.__dict__['method'] = method  # holds the bare model: not a submodule of the task
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Tensor]:
+        output, mixed = self.method.mix_forward(input, target, lambda: self.trainable_module(input))
+        loss = self.criterion(output, mixed.as_subclass(torch.Tensor)) + mixed.aux_loss
+        return {'loss': loss, 'output': output, 'target': mixed, 'scorenet_loss': mixed.aux_loss}

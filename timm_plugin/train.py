@@ -44,11 +44,12 @@ from shared_core.tl_align import TRANSMIX_MODES
 from shared_core.token_labeling import HEAD_RULES
 
 from .mixup import MIX_KINDS, TARGET_METHODS, create_mixer
-from .tasks import TLAlignTask, TokenLabelingTask, TransMixTask
+from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
 from .timm_fixes import fix_posterize
 from .token_grid import token_stride
 from .token_label_data import TokenLabelCollate, TokenLabelDataset
 from .token_labeling import TokenLabelingLoss, attach_aux_head
+from .tokenmixup import attach_scorenets
 
 _logger = logging.getLogger('tokenaug.train')
 
@@ -73,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         '--dataset', metavar='NAME', default='', help='dataset type + name ("<type>/<name>") (default: ImageFolder)'
     )
     g.add_argument('--train-split', metavar='NAME', default='train')
+    g.add_argument(
+        '--dataset-download',
+        action='store_true',
+        default=False,
+        help='let torch/ and tfds/ datasets download themselves (e.g. --dataset torch/cifar100)',
+    )
     g.add_argument('--val-split', metavar='NAME', default='validation')
     g.add_argument('--class-map', default='', type=str, metavar='FILENAME')
     g.add_argument('--input-img-mode', default=None, type=str)
@@ -255,6 +262,36 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--train-interpolation', type=str, default='random')
     g.add_argument('--drop', type=float, default=0.0, metavar='PCT')
     g.add_argument('--drop-path', type=float, default=None, metavar='PCT')
+    g = p.add_argument_group('TokenMixup parameters (tokenmixup.md; with any mixing kind but tl_align/transmix)')
+    g.add_argument(
+        '--tokenmixup-htm-layers',
+        type=int,
+        nargs='*',
+        default=[],
+        metavar='L',
+        help='Horizontal TokenMixup at the input of these blocks (0-based; CCT 2, ViT-B 3)',
+    )
+    g.add_argument(
+        '--tokenmixup-vtm-layers',
+        type=int,
+        nargs='*',
+        default=[],
+        metavar='L',
+        help="Vertical TokenMixup: these blocks also attend to earlier blocks' salient tokens",
+    )
+    g.add_argument('--tokenmixup-rho', type=float, default=0.005, help='ρ, saliency margin of a swapped token')
+    g.add_argument('--tokenmixup-tau', type=float, default=0.2, help='τ: easy when 0.1 · ScoreNet CE <= τ')
+    g.add_argument('--tokenmixup-kappa', type=int, default=3, help='κ, salient tokens per earlier block (VTM)')
+    g.add_argument(
+        '--tokenmixup-saliency',
+        default='auto',
+        choices=('auto', 'cls', 'mean'),
+        help="class-token row ('cls', public ViT code) or Eq. 3 mean ('mean', CCT); auto: by class token",
+    )
+    g.add_argument('--tokenmixup-scorenet', default='auto', choices=('auto', 'cls', 'attn_pool', 'avg'))
+    g.add_argument('--tokenmixup-scorenet-weight', type=float, default=1e-3, help='λ_s of the ScoreNet loss')
+    g.add_argument('--tokenmixup-scorenet-stopgrad', action='store_true', default=False)
+    g.add_argument('--tokenmixup-vtm-stopgrad', action='store_true', default=False)
     g = p.add_argument_group('Model exponential moving average parameters')
     g.add_argument('--model-ema', action='store_true', default=False)
     g.add_argument('--model-ema-decay', type=float, default=0.9998)
@@ -360,6 +397,10 @@ def method_and_mix_kind(args):
     return None, args.mixup_type
 
 
+def uses_tokenmixup(args) -> bool:
+    return bool(args.tokenmixup_htm_layers or args.tokenmixup_vtm_layers)
+
+
 def build_task(args, model: nn.Module, criterion: nn.Module, token_labeling: bool, dense: bool, device):
     """The ``timm.task`` training task of the method the arguments name (``ClassificationTask`` without one)."""
     method, _ = method_and_mix_kind(args)
@@ -369,6 +410,23 @@ def build_task(args, model: nn.Module, criterion: nn.Module, token_labeling: boo
         )
     if method == 'transmix':
         return TransMixTask(model, criterion, mode=args.transmix_mode, device=device)
+    if uses_tokenmixup(args):
+        return TokenMixupTask(
+            model,
+            criterion,
+            device=device,
+            htm_layers=args.tokenmixup_htm_layers,
+            vtm_layers=args.tokenmixup_vtm_layers,
+            rho=args.tokenmixup_rho,
+            tau=args.tokenmixup_tau,
+            kappa=args.tokenmixup_kappa,
+            saliency=args.tokenmixup_saliency,
+            scorenet=args.tokenmixup_scorenet,
+            scorenet_weight=args.tokenmixup_scorenet_weight,
+            scorenet_stopgrad=args.tokenmixup_scorenet_stopgrad,
+            vtm_stopgrad=args.tokenmixup_vtm_stopgrad,
+            smoothing=args.smoothing,  # for class-index targets (no mixer); a mixer's soft targets are taken as is
+        )
     if token_labeling:
         return TokenLabelingTask(
             model,
@@ -466,6 +524,15 @@ def run(argv=None) -> dict:
             model.aux_head.requires_grad_(False)  # (DDP would wait for its gradients)
             if hasattr(model, 'head_rule'):
                 model.head_rule = 'cls'  # and must not vote at inference
+    if uses_tokenmixup(args):
+        if args.mixup_type in TARGET_METHODS or token_labeling:
+            raise ValueError(
+                f"--tokenmixup-*: TokenMixup relabels each sample from several sources (its mixer's and its HTM "
+                f"partner's); {'token labeling' if token_labeling else args.mixup_type} needs the two-source label "
+                f'state of its own mixing, so the two cannot be combined'
+            )
+        if args.tokenmixup_htm_layers:  # before the optimizer, EMA and resume: the ScoreNets are part of the model
+            attach_scorenets(model, args.tokenmixup_htm_layers, args.tokenmixup_scorenet)
     if args.activation_map_dir and (token_labeling or args.mixup_type in TARGET_METHODS):
         raise ValueError(
             f'--activation-map-dir: TokenMix targets apply to the mixing kinds {MIX_KINDS}, not to '
@@ -511,6 +578,7 @@ def run(argv=None) -> dict:
         batch_size=args.batch_size,
         seed=args.seed,
         input_img_mode=args.input_img_mode,
+        download=args.dataset_download,
     )
     dataset_eval = create_dataset(
         args.dataset,
@@ -520,6 +588,7 @@ def run(argv=None) -> dict:
         class_map=args.class_map,
         batch_size=args.batch_size,
         input_img_mode=args.input_img_mode,
+        download=args.dataset_download,
     )
 
     collate_fn = mixer = None
@@ -634,7 +703,7 @@ def run(argv=None) -> dict:
             cls_target_mix=args.cls_target_mix,
             smoothing=args.smoothing,
         )
-    elif mixup_active:
+    elif mixup_active or uses_tokenmixup(args):  # soft targets (TokenMixup relabels them)
         train_loss_fn = (
             BinaryCrossEntropy(
                 target_threshold=args.bce_target_thresh, sum_classes=args.bce_sum, pos_weight=args.bce_pos_weight

@@ -1,0 +1,209 @@
+"""shared_core.tokenmixup against explicit references: saliency by loops over hand-set attention, the matching by
+brute force over every assignment, each row's mask and λ by loops (tokenmixup.md Eq. 3, 6-11)."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared_core.mix import mix_tokens
+from shared_core.tokenmixup import (
+    difficulty,
+    htm_mix,
+    htm_plan,
+    mix_soft_target,
+    token_saliency,
+    vtm_select,
+)
+
+
+def ref_saliency(attn, P, mode):
+    B, H, T, _ = attn.shape
+    out = torch.zeros(B, T - P)
+    for b in range(B):
+        for t in range(T - P):
+            if mode == 'cls':
+                out[b, t] = sum(attn[b, h, 0, P + t] for h in range(H)) / H
+            else:
+                out[b, t] = sum(attn[b, h, q, P + t] for h in range(H) for q in range(T)) / (H * T)
+    return out
+
+
+def gain(S, i, j, rho):
+    return sum(max(float(S[j, t] - S[i, t]) - rho, 0.0) for t in range(S.shape[1]))
+
+
+def ref_plan(S, easy, rho):
+    """Brute force: every injective map of the easy rows into all columns; the best total gain; then each row's
+    mask from its own saliency and Eq. 11 by loops."""
+    B, N = S.shape
+    rows = [i for i in range(B) if easy[i]]
+    best, best_sigma = -1.0, None
+    for cols in itertools.permutations(range(B), len(rows)):
+        total = sum(gain(S, i, j, rho) for i, j in zip(rows, cols))
+        if total > best + 1e-12:
+            best, best_sigma = total, dict(zip(rows, cols))
+    partner = list(range(B))
+    swap = torch.zeros(B, N, dtype=torch.bool)
+    lam = [1.0] * B
+    for i in rows:
+        j = best_sigma[i]
+        for t in range(N):
+            swap[i, t] = float(S[j, t] - S[i, t]) > rho
+        if swap[i].any():
+            partner[i] = j
+            kept = sum(float(S[i, t]) for t in range(N) if not swap[i, t])
+            given_ = sum(float(S[j, t]) for t in range(N) if swap[i, t])
+            lam[i] = kept / (kept + given_)
+    return torch.tensor(partner), swap, torch.tensor(lam), best
+
+
+def random_attention(B, H, T, g):
+    return torch.randn(B, H, T, T, generator=g).mul(2).softmax(-1)
+
+
+@pytest.mark.parametrize('P, mode', [(1, 'cls'), (1, 'mean'), (0, 'mean'), (2, 'cls')])
+def test_saliency_matches_loops(P, mode):
+    attn = random_attention(3, 4, P + 6, torch.Generator().manual_seed(0))
+    S = token_saliency(attn, P, mode)
+    assert S.shape == (3, 6) and S.dtype == torch.float32
+    assert torch.allclose(S, ref_saliency(attn, P, mode), atol=1e-6)
+    with pytest.raises(ValueError, match='mode'):
+        token_saliency(attn, 0, 'cls') if P == 0 else token_saliency(attn, P, 'rollout')
+
+
+def test_saliency_on_designed_attention():
+    """Hand-set attention: the class token looks at patch 2 only; every query looks at patch 0 half the time."""
+    B, H, P, N = 1, 2, 1, 4
+    attn = torch.zeros(B, H, P + N, P + N)
+    attn[:, :, 0, P + 2] = 1.0
+    attn[:, :, 1:, P + 0] = 0.5
+    attn[:, :, 1:, P + 1] = 0.5
+    assert token_saliency(attn, P, 'cls').tolist() == [[0.0, 0.0, 1.0, 0.0]]
+    assert torch.allclose(token_saliency(attn, P, 'mean'), torch.tensor([[0.4, 0.4, 0.2, 0.0]]))
+
+
+@pytest.mark.parametrize('seed', range(6))
+@pytest.mark.parametrize('B', [4, 5])
+def test_plan_is_the_optimal_assignment_with_each_rows_own_mask(seed, B):
+    g = torch.Generator().manual_seed(seed)
+    S = torch.rand(B, 6, generator=g).softmax(-1)
+    easy = torch.rand(B, generator=g) < 0.6
+    rho = 0.01
+    partner, swap, lam = htm_plan(S, easy, rho)
+    r_partner, r_swap, r_lam, best = ref_plan(S, easy.tolist(), rho)
+    # the optimum is unique for random saliency; the same plan as the brute force
+    assert torch.equal(partner, r_partner) and torch.equal(swap, r_swap)
+    assert torch.allclose(lam, r_lam.float(), atol=1e-6)
+    total = sum(gain(S, i, int(partner[i]), rho) for i in range(B) if swap[i].any())
+    assert math.isclose(total, best, rel_tol=1e-9, abs_tol=1e-12)
+    assert not swap[~easy].any() and torch.equal(partner[~easy], torch.arange(B)[~easy])  # rows in place
+
+
+def test_optimal_matching_beats_greedy():
+    """Easy rows A, B; partners X, Y. Greedy in row order gives A the best partner X (gain 3) and B then Y (0.9):
+    3.9. The optimum gives A Y (2.9) and B X (2): 4.9."""
+    S = torch.tensor(
+        [
+            [0.0, 0.0, 0.0, 0.0],  # A
+            [0.0, 0.0, 1.0, 1.0],  # B
+            [1.0, 1.0, 0.5, 0.5],  # X
+            [0.0, 0.0, 1.45, 1.45],
+        ]
+    )  # Y
+    easy = torch.tensor([True, True, False, False])
+    partner, swap, lam = htm_plan(S, easy, 0.0)
+    assert partner.tolist() == [3, 2, 2, 3]
+    r_partner, r_swap, _, best = ref_plan(S, easy.tolist(), 0.0)
+    assert torch.equal(partner, r_partner) and torch.equal(swap, r_swap) and math.isclose(best, 4.9, rel_tol=1e-6)
+    greedy, used = 0.0, set()
+    for i in (0, 1):
+        j = max((j for j in range(4) if j not in used), key=lambda j: gain(S, i, j, 0.0))
+        used.add(j)
+        greedy += gain(S, i, j, 0.0)
+    assert math.isclose(greedy, 3.9, rel_tol=1e-6)
+
+
+def test_each_row_uses_its_own_saliency_not_the_first_easy_rows():
+    """Two easy rows matched with each other. Row 1's own mask swaps its tokens 0 and 1 (where row 0 is more
+    salient); the public code masks row 1 with the FIRST easy row's saliency, S[σ(1)] − S[0] = 0: nothing."""
+    S = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]])
+    partner, swap, lam = htm_plan(S, torch.ones(2, dtype=torch.bool), 0.05)
+    assert partner.tolist() == [1, 0]
+    assert swap.tolist() == [[False, False, True, True], [True, True, False, False]]
+    public_mask_row1 = S[partner[1]] - S[0] > 0.05
+    assert not public_mask_row1.any() and not torch.equal(swap[1], public_mask_row1)
+    assert torch.allclose(
+        lam, torch.tensor([(0.4 + 0.3) / (0.4 + 0.3 + 0.3 + 0.4), (0.3 + 0.4) / (0.3 + 0.4 + 0.4 + 0.3)])
+    )
+
+
+def test_tokens_and_targets_follow_the_plan_in_place():
+    """Token ids encoded in the features: each output position shows which sample and patch it came from."""
+    g = torch.Generator().manual_seed(3)
+    B, N = 5, 4
+    S = torch.rand(B, N, generator=g).softmax(-1)
+    easy = torch.tensor([True, False, True, True, False])
+    partner, swap, lam = htm_plan(S, easy, 0.0)
+    mix = htm_mix(partner, swap, lam, (2, 2))
+    ids = torch.stack([torch.stack([torch.tensor([b, t]).float() for t in range(N)]) for b in range(B)])  # (B,N,2)
+    out = mix_tokens(ids, mix)
+    for b in range(B):
+        for t in range(N):
+            src = int(partner[b]) if swap[b, t] else b
+            assert out[b, t].tolist() == [src, t]
+    y = torch.nn.functional.one_hot(torch.arange(B), B).float() * 0.9 + 0.1 / B
+    mixed = mix_soft_target(y, mix)
+    for b in range(B):
+        expected = lam[b] * y[b] + (1 - lam[b]) * y[partner[b]]
+        assert torch.allclose(mixed[b], expected)
+    assert torch.allclose(mixed.sum(1), torch.ones(B))
+
+
+def test_difficulty_and_vtm_select():
+    logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    target = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    ce = [-math.log(math.exp(2) / (math.exp(2) + 2)), math.log(3)]
+    assert torch.allclose(difficulty(logits, target), 0.1 * torch.tensor(ce))
+    S = torch.tensor([[0.1, 0.5, 0.2, 0.2], [0.4, 0.1, 0.3, 0.2]])
+    assert vtm_select(S, 2).tolist() == [[1, 2], [0, 2]] or vtm_select(S, 2).tolist() == [[1, 3], [0, 2]]
+    assert vtm_select(S, 1).tolist() == [[1], [0]]
+    with pytest.raises(ValueError, match='kappa'):
+        vtm_select(S, 5)
+
+
+def test_bad_input():
+    S = torch.rand(4, 3)
+    with pytest.raises(ValueError, match='easy'):
+        htm_plan(S, torch.ones(3, dtype=torch.bool), 0.0)
+    with pytest.raises(ValueError, match='rho'):
+        htm_plan(S, torch.ones(4, dtype=torch.bool), -0.1)
+    with pytest.raises(ValueError, match='grid'):
+        htm_mix(*htm_plan(S, torch.ones(4, dtype=torch.bool), 0.0), (2, 2))
+    with pytest.raises(ValueError, match='target'):
+        difficulty(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    B=st.integers(1, 7),
+    N=st.integers(1, 9),
+    seed=st.integers(0, 10**6),
+    rho=st.floats(0.0, 0.2),
+    p_easy=st.floats(0.0, 1.0),
+)
+def test_plan_properties(B, N, seed, rho, p_easy):
+    g = torch.Generator().manual_seed(seed)
+    S = torch.rand(B, N, generator=g).softmax(-1)
+    easy = torch.rand(B, generator=g) < p_easy
+    partner, swap, lam = htm_plan(S, easy, rho)
+    assert partner.dtype == torch.int64 and swap.dtype == torch.bool and lam.dtype == torch.float32
+    assert ((lam >= 0) & (lam <= 1)).all()
+    assert torch.equal(lam[~swap.any(1)], torch.ones(int((~swap.any(1)).sum())))
+    assert not swap[~easy].any()
+    assert len(set(partner[swap.any(1)].tolist())) == int(swap.any(1).sum())  # distinct partners
+    y = torch.rand(B, 3, generator=g).softmax(-1)
+    assert torch.allclose(mix_soft_target(y, htm_mix(partner, swap, lam, (1, N))).sum(1), torch.ones(B), atol=1e-6)
