@@ -3,7 +3,8 @@
 
 1. the world (``tokenaug-data``: ImageNet, ADE20K and COCO layouts of the same scenes);
 2. classification: a small ViT trained with CutMix, TokenMix-style block masks and TL-Align, through
-   ``tokenaug-train`` (timm) and through mmpretrain's own ``tools/train.py``;
+   ``tokenaug-train`` (timm) and through mmpretrain's own ``tools/train.py``, and with TokenMixup (HTM, and
+   HTM + VTM) on top of CutMix through ``tokenaug-train``;
 3. token labeling and TokenMix: a small annotator (ViT-Tiny with average pooling, so its head reads every
    patch token) trained on the world, its dense maps written by ``tokenaug-maps generate``, then ViT-Tiny
    trained with token labeling + MixToken (``--mixup-type mixtoken --token-label-dir ...``) and with TokenMix
@@ -360,6 +361,15 @@ def main():
         ('tokenmix_block', 'MixUp/TokenMix block masks'),
         ('tl_align', 'MixUp/CutMix + TL-Align'),
     ]
+    # TokenMixup on the same ViT-Tiny and mixing (a tau at which the untrained ScoreNet already marks samples easy)
+    tokenmixup = [
+        ('cutmix_htm', 'MixUp/CutMix + TokenMixup HTM', ['--tokenmixup-htm-layers', '2']),
+        (
+            'cutmix_hvtm',
+            'MixUp/CutMix + TokenMixup HTM+VTM',
+            ['--tokenmixup-htm-layers', '3', '--tokenmixup-vtm-layers', '2', '--tokenmixup-kappa', '3'],
+        ),
+    ]
     print(f'== 2/5 timm: ViT-Tiny/16 at 112 px, {args.epochs} epochs (tokenaug-train)', flush=True)
     for kind, label in kinds:
         print(f'  -- {label}', flush=True)
@@ -369,6 +379,12 @@ def main():
                 label,
                 *timm_run(world, out, kind, args.epochs, '--mixup-type', kind, curves=curves),
             )
+        )
+    for experiment, label, flags in tokenmixup:
+        print(f'  -- {label}', flush=True)
+        tm_flags = ['--mixup-type', 'cutmix', '--tokenmixup-tau', '1.0', *flags]
+        rows.append(
+            ('timm (tokenaug-train)', label, *timm_run(world, out, experiment, args.epochs, *tm_flags, curves=curves))
         )
     print(f'== 3/5 mmpretrain: DeiT-Tiny at 112 px, {args.epochs} epochs (mmpretrain tools/train.py)', flush=True)
     for config, label in [
@@ -385,6 +401,7 @@ def main():
         flush=True,
     )
     rows += token_labeling(world, out, args.epochs, curves)
+    kinds += [(e, label) for e, label, _ in tokenmixup]
     kinds += [('mixtoken', 'MixToken + token labeling'), ('tokenmix', 'TokenMix + activation maps')]
     occ = occlusion(world, out, [('cutmix', 'MixUp/CutMix (DeiT)'), ('tokenmix', 'TokenMix + activation maps')])
 

@@ -305,3 +305,27 @@ def test_tokenaug_train_runs_the_world_tokenmixup_config(tiny_world, tmp_path):
     assert not missing and all(k.startswith('tokenmixup_scorenet.') for k in unexpected)
     with pytest.raises(ValueError, match='TokenMixup relabels each sample from several sources'):
         run(argv[:-2] + ['--experiment', 'refused', '--mixup-type', 'tl_align'])
+
+
+def test_bf16_autocast_gives_the_fp32_decisions():
+    """The saliency runs in fp32 with autocast off: on the same block input, bf16 autocast gives bit-identical
+    attention (so the same plan); end to end at block 0, whose input differs only by the patch embedding's bf16
+    rounding, the same rows are matched and the same tokens swapped. (Deeper blocks see inputs that bf16 changed
+    through every earlier block; there a token at the margin ρ can flip, as it would between two GPUs.)"""
+    from timm_plugin.tokenmixup import block_attention
+
+    model = tiny_vit(True)
+    h = torch.randn(6, 17, 32)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        under_autocast = block_attention(model.blocks[2], h)
+    assert under_autocast.dtype == torch.float32 and torch.equal(under_autocast, block_attention(model.blocks[2], h))
+    tm = TokenMixup(model, htm_layers=(0,), rho=0.01, tau=float('inf'))
+    for seed in range(4):
+        x, y = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(seed)), soft(torch.arange(6) % C)
+        _, t32 = tm(x, y)
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            logits16, t16 = tm(x, y)
+        assert logits16.dtype == torch.bfloat16 and t32.stats['htm0']['mixed'] > 0
+        m32, m16 = t32.mixes[0], t16.mixes[0]
+        assert torch.equal(m32.partner, m16.partner) and torch.equal(m32.token_share, m16.token_share)
+        assert torch.allclose(m32.lam, m16.lam, atol=2e-2) and torch.allclose(t32, t16, atol=2e-2)
