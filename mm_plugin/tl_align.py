@@ -97,7 +97,7 @@ class MMViTTracer:
         return captures[0].q.shape[2]
 
     def propagate(self, captures, labels, layers, residual):
-        blocks = ((c.q, c.k, _scale(layer.attn), c.keep) for c, layer in zip(captures, self.backbone.layers))
+        blocks = ((c.q, c.k, attention_scale(layer.attn), c.keep) for c, layer in zip(captures, self.backbone.layers))
         return self_attention_labels(blocks, labels, layers, residual)
 
     def readout(self, labels: torch.Tensor, output=None) -> torch.Tensor:
@@ -109,20 +109,25 @@ class MMViTTracer:
         if self.backbone.out_type != 'cls_token':
             return None
         last = captures[-1]
-        return last.q[:, :, :1], last.k, _scale(self.backbone.layers[-1].attn)
+        return last.q[:, :, :1], last.k, attention_scale(self.backbone.layers[-1].attn)
 
     @property
     def depth(self) -> int:
         return len(self.backbone.layers)
 
 
-def _set_qk(cap: LabelCapture, qkv: torch.Tensor, attn: MultiheadAttention) -> None:
+def split_qk(attn: MultiheadAttention, qkv: torch.Tensor):
+    """``(q, k)``, each ``(B, H, T, d)``, from a ``MultiheadAttention``'s ``qkv`` output."""
     B, N, _ = qkv.shape
     q, k, _ = qkv.reshape(B, N, 3, attn.num_heads, attn.head_dims).permute(2, 0, 3, 1, 4).unbind(0)
-    cap.q, cap.k = q, k
+    return q, k
 
 
-def _scale(attn: MultiheadAttention) -> Optional[float]:
+def _set_qk(cap: LabelCapture, qkv: torch.Tensor, attn: MultiheadAttention) -> None:
+    cap.q, cap.k = split_qk(attn, qkv)
+
+
+def attention_scale(attn: MultiheadAttention) -> Optional[float]:
     """mmpretrain's ``qk_scale`` binds ``scale`` into its SDPA partial; default ``head_dims ** -0.5``."""
     fn = attn.scaled_dot_product_attention
     return getattr(fn, 'keywords', {}).get('scale', attn.head_dims**-0.5)

@@ -29,18 +29,9 @@ from mmpretrain.registry import MODELS
 from shared_core.mix import one_hot
 from shared_core.tokenmixup import DIFFICULTY_SCALE, TokenMixupHooks, scorenets
 
+from .tl_align import attention_scale, split_qk
+
 __all__ = ['TokenMixupClassifier', 'MMTokenMixupAdapter', 'mm_tokenmixup_adapter']
-
-
-def _scale(attn: MultiheadAttention) -> float:
-    """mmpretrain's ``qk_scale`` binds ``scale`` into its SDPA partial; default ``head_dims ** -0.5``."""
-    return getattr(attn.scaled_dot_product_attention, 'keywords', {}).get('scale', attn.head_dims**-0.5)
-
-
-def _qk(attn: MultiheadAttention, qkv: torch.Tensor):
-    B, N, _ = qkv.shape
-    q, k, _ = qkv.reshape(B, N, 3, attn.num_heads, attn.head_dims).permute(2, 0, 3, 1, 4).unbind(0)
-    return q, k
 
 
 def _attention_with_memory(layer: TransformerEncoderLayer, memory: torch.Tensor):
@@ -79,20 +70,19 @@ class MMTokenMixupAdapter:
     def attention(self, idx: int, x: torch.Tensor) -> torch.Tensor:
         layer = self.blocks[idx]
         with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False):
-            q, k = _qk(layer.attn, layer.attn.qkv(layer.ln1(x.detach().to(layer.attn.qkv.weight.dtype))))
-            return (q.float() @ k.float().transpose(-2, -1) * _scale(layer.attn)).softmax(-1)
+            q, k = split_qk(layer.attn, layer.attn.qkv(layer.ln1(x.detach().to(layer.attn.qkv.weight.dtype))))
+            return (q.float() @ k.float().transpose(-2, -1) * attention_scale(layer.attn)).softmax(-1)
 
     def capture_qk(self, idx: int, sink: dict) -> list:
         a = self.blocks[idx].attn
 
         def keep(m, i, o):
-            q, k = _qk(a, o.detach())
-            sink['q'], sink['k'] = q, k
+            sink['q'], sink['k'] = split_qk(a, o.detach())
 
         return [a.qkv.register_forward_hook(keep)]
 
     def scale(self, idx: int) -> float:
-        return _scale(self.blocks[idx].attn)
+        return attention_scale(self.blocks[idx].attn)
 
     def attend_with_memory(self, idx: int, memory: torch.Tensor):
         layer = self.blocks[idx]

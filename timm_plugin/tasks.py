@@ -30,10 +30,33 @@ from .tl_align import TLAlign, TransMix
 from .token_labeling import TokenLabeling, TokenLabelingLoss
 from .tokenmixup import TokenMixup
 
-__all__ = ['TLAlignTask', 'TransMixTask', 'TokenLabelingTask', 'TokenLabelingEval', 'TokenMixupTask']
+__all__ = ['MethodTask', 'TLAlignTask', 'TransMixTask', 'TokenLabelingTask', 'TokenLabelingEval', 'TokenMixupTask']
 
 
-class TLAlignTask(ClassificationTask):
+class MethodTask(ClassificationTask):
+    """A ``ClassificationTask`` whose step runs one of our method wrappers (``method_cls``) on the bare model,
+    built before anything else so a bad model fails first, and held outside the task's modules (the trainable
+    module stays the model: DDP, EMA and checkpoint keys as timm's)."""
+
+    method_cls: type = nn.Module
+
+    def __init__(
+        self,
+        model: nn.Module,
+        criterion=None,
+        criterion_kwargs: Optional[dict] = None,
+        *,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+        verbose: bool = True,
+        **method_kwargs,
+    ):
+        method = self.method_cls(unwrap_model(model), **method_kwargs)
+        super().__init__(model, criterion, criterion_kwargs, device=device, dtype=dtype, verbose=verbose)
+        self.__dict__['method'] = method  # holds the bare model: not a submodule of the task
+
+
+class TLAlignTask(MethodTask):
     """TL-Align (``tl-align.md``) as a timm ``TrainingTask``: :meth:`timm_plugin.TLAlign.align` run through the
     trainable module.
 
@@ -48,21 +71,6 @@ class TLAlignTask(ClassificationTask):
     """
 
     method_cls = TLAlign
-
-    def __init__(
-        self,
-        model: nn.Module,
-        criterion=None,
-        criterion_kwargs: Optional[dict] = None,
-        *,
-        device: Optional[torch.device] = None,
-        dtype: Optional[torch.dtype] = None,
-        verbose: bool = True,
-        **method_kwargs,
-    ):
-        method = self.method_cls(unwrap_model(model), **method_kwargs)  # checks the model before anything is built
-        super().__init__(model, criterion, criterion_kwargs, device=device, dtype=dtype, verbose=verbose)
-        self.__dict__['method'] = method  # holds the bare model: not a submodule of the task
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Tensor]:
         if not isinstance(target, MixTarget):  # mixing off (prob 0, after --mixup-off-epoch): the plain step
@@ -182,7 +190,7 @@ class TokenLabelingTask(ClassificationTask):
         return {'loss': self.criterion(out, target), 'output': out.cls}
 
 
-class TokenMixupTask(ClassificationTask):
+class TokenMixupTask(MethodTask):
     """TokenMixup (``tokenmixup.md``) as a timm ``TrainingTask``: :meth:`timm_plugin.TokenMixup.mix_forward` run
     through the trainable module; ``loss = criterion(logits, relabelled target) + target.aux_loss`` (the ScoreNet
     loss). The ScoreNets are ``model.tokenmixup_scorenet``, so the optimizer built from the trainable module, EMA
@@ -196,20 +204,7 @@ class TokenMixupTask(ClassificationTask):
     ``forward`` returns ``loss``, ``output``, ``target`` (relabelled) and ``scorenet_loss``.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        criterion=None,
-        criterion_kwargs: Optional[dict] = None,
-        *,
-        device: Optional[torch.device] = None,
-        dtype: Optional[torch.dtype] = None,
-        verbose: bool = True,
-        **method_kwargs,
-    ):
-        method = TokenMixup(unwrap_model(model), **method_kwargs)  # attaches the ScoreNets before the optimizer
-        super().__init__(model, criterion, criterion_kwargs, device=device, dtype=dtype, verbose=verbose)
-        self.__dict__['method'] = method  # holds the bare model: not a submodule of the task
+    method_cls = TokenMixup  # attaches the ScoreNets to the model before the optimizer is built
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Tensor]:
         output, mixed = self.method.mix_forward(input, target, lambda: self.trainable_module(input))
