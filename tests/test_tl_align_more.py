@@ -452,3 +452,35 @@ def test_bad_input():
         TLAlign(tiny_pvt()).trace(torch.randn(1, 3, 32, 32), torch.full((1, 16, C), 1 / C))
     with pytest.raises(ValueError, match='labels: 65 token labels for 17 tokens'):
         TLAlign(tiny_cait()).trace(torch.randn(1, 3, 32, 32), torch.full((1, 64, C), 1 / C))
+
+
+def test_cct_labels_match_an_explicit_reference():
+    """CCT (TokenMixup's CIFAR model): per block the ViT rule with materialised per-head attention, the target
+    SeqPool's weighted mean of the token labels with the weights the classifier used."""
+    import timm
+
+    import timm_plugin  # noqa: F401  (registers cct_*)
+
+    torch.manual_seed(0)
+    model = timm.create_model('cct_7_3x1_32', num_classes=C, depth=3, drop_path_rate=0.0).eval()
+    with torch.no_grad():
+        for blk in model.blocks:
+            blk.attn.qkv.weight.mul_(4.0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 3, 32, 32, generator=g)
+    Y = torch.rand(3, 256, C, generator=g).softmax(-1)
+    out, label = TLAlign(model).trace(x, Y)
+    with torch.no_grad():
+        h = model.pos_drop(model.patch_embed(x) + model.pos_embed)
+        Yr = Y.clone()
+        for blk in model.blocks:
+            a, n = blk.attn, blk.norm1(h)
+            B, T, D = n.shape
+            qkv = a.qkv(n).reshape(B, T, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
+            A = sum((qkv[0][:, hh] @ qkv[1][:, hh].transpose(1, 2) * a.scale).softmax(-1) for hh in range(a.num_heads))
+            Yr = (Yr + (A / a.num_heads) @ Yr) / 2
+            h = blk(h)
+        w = model.attention_pool(model.norm(h)).softmax(1)
+        ref = (w * Yr).sum(1)
+        assert torch.allclose(out, model(x), atol=1e-5)
+    assert torch.allclose(label, ref, atol=1e-5) and torch.allclose(label.sum(1), torch.ones(3), atol=1e-5)

@@ -207,3 +207,16 @@ def test_plan_properties(B, N, seed, rho, p_easy):
     assert len(set(partner[swap.any(1)].tolist())) == int(swap.any(1).sum())  # distinct partners
     y = torch.rand(B, 3, generator=g).softmax(-1)
     assert torch.allclose(mix_soft_target(y, htm_mix(partner, swap, lam, (1, N))).sum(1), torch.ones(B), atol=1e-6)
+
+
+def test_a_chain_takes_partner_tokens_from_the_pre_mix_batch():
+    """Row 0 takes tokens from row 1 while row 1 takes the same positions from row 2: row 0 must receive row 1's
+    ORIGINAL tokens, not the ones row 1 got from row 2 (the optimum here is the chain 0 <- 1 <- 2)."""
+    S = torch.tensor([[0.2, 0.3, 0.7], [0.9, 0.4, 0.9], [0.4, 0.6, 1.0]])
+    partner, swap, lam = htm_plan(S, torch.tensor([True, True, False]), 0.05)
+    assert partner.tolist() == [1, 2, 2]
+    assert swap.tolist() == [[True, True, True], [False, True, True], [False, False, False]]
+    ids = torch.tensor([[[b, t] for t in range(3)] for b in range(3)], dtype=torch.float32)
+    out = mix_tokens(ids, htm_mix(partner, swap, lam, (1, 3)))
+    assert out[0].tolist() == [[1, 0], [1, 1], [1, 2]]  # row 1's own tokens, also at positions 1 and 2
+    assert out[1].tolist() == [[1, 0], [2, 1], [2, 2]]

@@ -75,6 +75,7 @@ from shared_core.tl_align import (
 )
 
 from .carrier import MixTarget
+from .cct import CCT
 
 __all__ = ['TLAlign', 'TransMix', 'SUPPORTED_MODELS', 'timm_tracer']
 
@@ -513,8 +514,61 @@ class PvtV2Tracer:
         return None
 
 
+# ---------------------------------------------------------------------------------------------- CCT
+
+
+class CCTTracer:
+    """Label rules for tokenaug's CCT (:mod:`timm_plugin.cct`): timm ``Attention`` blocks whose residual stream is
+    renormalised after the attention residual (a point-wise norm: labels unchanged, Table 9), so the ViT rule per
+    block (Eq. 9/11, the MLP residual leaves labels); no class token. The classifier reads SeqPool's weighted
+    mean ``Σ_t w_t x_t`` with ``w = softmax(attention_pool(x))``: the target is ``Σ_t w_t Y_t`` with the weights
+    the token path computed (a hook on ``attention_pool``). The pooled label is returned as a leading token of
+    the propagated state, which :meth:`readout` reads."""
+
+    num_prefix_tokens = 0
+
+    def __init__(self, model):
+        from .cct import CCTBlock
+
+        bad = [i for i, b in enumerate(model.blocks) if type(b) is not CCTBlock or type(b.attn) is not Attention]
+        if bad:
+            raise ValueError(f'model: TL-Align traces CCT blocks of type CCTBlock with Attention; blocks {bad} are not')
+        self.model = model
+
+    @property
+    def depth(self) -> int:
+        return len(self.model.blocks)
+
+    def register(self, captures: List[LabelCapture]) -> list:
+        handles = ViTTracer.register(self, captures)
+        pool = LabelCapture()
+        captures.append(pool)
+        handles.append(
+            self.model.attention_pool.register_forward_hook(lambda m, i, o, c=pool: setattr(c, 'attn', o.detach()))
+        )
+        return handles
+
+    def num_tokens(self, captures: List[LabelCapture]) -> int:
+        return captures[0].q.shape[2]
+
+    def propagate(
+        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
+    ) -> torch.Tensor:
+        blocks = ((c.q, c.k, blk.attn.scale, c.keep) for blk, c in zip(self.model.blocks, captures))
+        state = self_attention_labels(blocks, labels, layers, residual)
+        w = captures[-1].attn.float().softmax(1)  # (B, N, 1): SeqPool's weights
+        return torch.cat([(w * state).sum(1, keepdim=True), state], 1)
+
+    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
+        return labels[:, 0]
+
+    def class_attention(self, captures: List[LabelCapture]):
+        return None
+
+
 # most specific class first
 SUPPORTED_MODELS = {
+    CCT: CCTTracer,
     VisionTransformerDistilled: DistilledViTTracer,
     VisionTransformer: ViTTracer,
     SwinTransformer: SwinTracer,
