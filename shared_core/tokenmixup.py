@@ -24,7 +24,7 @@ tokens of each earlier block's input (:func:`vtm_select`).
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ import torch.nn as nn
 from scipy.optimize import linear_sum_assignment
 
 from .mix import Mix, mix_rows, mix_tokens
+from .tl_align import check_layers
 
 __all__ = [
     'SALIENCY_MODES',
@@ -237,13 +238,6 @@ class TokenMixupAdapter(Protocol):
     def attend_with_memory(self, idx: int, memory: torch.Tensor) -> Callable[[], None]: ...
 
 
-def check_layers(layers: Sequence[int], depth: int, name: str) -> List[int]:
-    out = sorted(set(int(i) for i in layers))
-    if any(not 0 <= i < depth for i in out):
-        raise ValueError(f'{name}: block indices must be in [0, {depth}), got {list(layers)}')
-    return out
-
-
 class TokenMixupHooks:
     """HTM and VTM on any model an adapter describes (the module docstring's rules).
 
@@ -268,8 +262,8 @@ class TokenMixupHooks:
         difficulty_scale: float = DIFFICULTY_SCALE,
     ):
         depth = len(adapter.blocks)
-        self.htm_layers = check_layers(htm_layers, depth, 'htm_layers')
-        self.vtm_layers = check_layers(vtm_layers, depth, 'vtm_layers')
+        self.htm_layers = sorted(check_layers(htm_layers, depth, 'htm_layers'))
+        self.vtm_layers = sorted(check_layers(vtm_layers, depth, 'vtm_layers'))
         if not self.htm_layers and not self.vtm_layers:
             raise ValueError('htm_layers, vtm_layers: give at least one block for HTM or VTM')
         if self.vtm_layers and self.vtm_layers[0] == 0:
