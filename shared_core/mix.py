@@ -259,7 +259,14 @@ def _mix_token_rows(x: torch.Tensor, partner: torch.Tensor, share: torch.Tensor,
         # xp + (x - xp) · (1 - s): exactly xp where s = 1 and exactly x where s = 0 (torch.lerp's rule)
         xp6.lerp_(x6, (1.0 - s6).to(x.dtype))
     else:  # integer images: select where every share of a chunk is 0/1, else blend in float and round
-        binary = ((share == 0) | (share == 1)).flatten(1).all(1).tolist()
+        binary = ((share == 0) | (share == 1)).flatten(1).all(1)
+        if x6 is not x and bool(binary.all()):  # token masks: a bitwise select with a per-pixel all-ones mask
+            bits = (-(share > 0.5).to(torch.int64)).to(x.dtype)  # 0 or all bits set (255 for uint8)
+            mask = bits.view(B, 1, gh, 1, gw, 1).expand(B, 1, gh, ph, gw, pw).reshape(B, 1, H, W)
+            xp &= mask
+            xp |= x & ~mask
+            return xp
+        binary = binary.tolist()
         for i in range(0, B, 8):  # a few rows at a time: small, reused float buffers
             sl = slice(i, i + 8)
             if all(binary[sl]):
