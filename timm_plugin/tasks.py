@@ -9,10 +9,12 @@ method by changing its task line (README, "With timm's own train.py").
   ``ClassificationTask`` step.
 - :class:`TokenLabelingTask`: MixToken on the patch embedding, the aux head's un-mixed token logits and
   token labeling's loss (Eq. 3-7); validation uses :func:`~shared_core.token_labeling.inference_logits`.
+- :class:`TokenMixupTask`: HTM / VTM inside the model, the relabelled target plus the ScoreNet loss.
 
-As in timm: the trainable module is the bare model (``prepare_distributed`` wraps it in DDP, ``compile``
-compiles it), the method's hooks sit on the unwrapped model and the step runs through the (wrapped) module,
-so DDP synchronises as usual; EMA (``setup_ema``) and checkpoints hold the bare model, keys unchanged.
+As in timm: the trainable module is the bare model (``prepare_distributed`` wraps it in DDP), the method's
+hooks sit on the unwrapped model and the step runs through the (wrapped) module, so DDP synchronises as usual;
+EMA (``setup_ema``) and checkpoints hold the bare model, keys unchanged. ``compile()`` (timm's) is not yet
+tested with the methods' hooks.
 """
 
 from __future__ import annotations
