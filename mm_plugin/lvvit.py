@@ -33,7 +33,7 @@ __all__ = ['LVViT', 'ARCHS']
 
 #: paper Table 1 (and the public code's stems); ``arch`` may also be a dict with these keys
 ARCHS = {
-    't': dict(embed_dims=240, num_layers=12, num_heads=4, stem_channels=64),
+    't': dict(embed_dims=240, num_layers=12, num_heads=4, stem_channels=64, skip_lam=1.0),  # as timm lvvit_t
     's': dict(embed_dims=384, num_layers=16, num_heads=6, stem_channels=64),
     'm': dict(embed_dims=512, num_layers=20, num_heads=8, stem_channels=64),
     'l': dict(embed_dims=768, num_layers=24, num_heads=12, stem_channels=128, skip_lam=3.0),  # as timm lvvit_l

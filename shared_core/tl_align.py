@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+from dataclasses import replace
 from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -55,6 +56,7 @@ __all__ = [
     'check_layers',
     'TRANSMIX_MODES',
     'transmix_share',
+    'nearest_token_share',
     'use_fused_label_attn',
     'set_fused_label_attn',
     'fused_label_attn',
@@ -433,6 +435,14 @@ def trace_labels(
 TRANSMIX_MODES = ('paper', 'average')
 
 
+def nearest_token_share(mix: Mix) -> torch.Tensor:
+    """``(B, gh, gw)`` the partner share of each patch's top-left pixel: the nearest-neighbour downsampling of
+    the pixel mask that the public TransMix code uses (``nn.Upsample(mode='nearest')`` to the patch grid). Equal
+    to the token shares for token masks and blends; 0/1 per patch for pixel CutMix boxes."""
+    ph, pw = mix.patch_size
+    return mix.pixel_share()[:, 0, ::ph, ::pw]
+
+
 def transmix_share(
     tracer: LabelTracer, captures: List[LabelCapture], output: Any, mix: Mix, mode: str = 'paper'
 ) -> torch.Tensor:
@@ -445,6 +455,8 @@ def transmix_share(
     the mean of that and the area share ``1 - λ``."""
     if mode not in TRANSMIX_MODES:
         raise ValueError(f'mode: expected one of {TRANSMIX_MODES}, got {mode!r}')
+    if mode == 'average':  # the public code's patch mask: "inside" when the patch's top-left pixel is
+        mix = replace(mix, token_share=nearest_token_share(mix))
     qk = tracer.class_attention(captures)
     with torch.no_grad():
         if qk is not None:

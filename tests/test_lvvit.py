@@ -42,7 +42,13 @@ def test_sizes_and_parameter_counts_match_table_1(name, depth, dim, heads, img, 
     assert model.patch_embed.img_size == (img, img) and model.patch_embed.conv1.out_channels == stem
     blk = model.blocks[0]
     assert blk.mlp.fc1.out_features == 3 * dim and blk.attn.qkv.bias is None
-    assert blk.skip_lam == (3 if name == 'lvvit_l' else 2)  # the public code's residual scales
+    # the public code's residual scales (zihangJiang/TokenLabeling, models/lvvit.py: lvvit_t skip_lam=1.0,
+    # lvvit_s / lvvit_m 2.0, lvvit_l 3.0); the mmseg backbone's archs carry the same values
+    public = {'lvvit_t': 1.0, 'lvvit_s': 2.0, 'lvvit_m': 2.0, 'lvvit_l': 3.0}[name]
+    assert blk.skip_lam == model.skip_lam == public
+    from mm_plugin.lvvit import _resolve_arch
+
+    assert _resolve_arch(name[-1])['skip_lam'] == public
     assert model.pretrained_cfg['classifier'] == ('head', 'aux_head')
     assert model.pretrained_cfg['first_conv'] == 'patch_embed.conv1'
 

@@ -435,9 +435,20 @@ def test_transmix_reads_the_class_attention_over_the_box(mode):
     reference(model, xm, torch.zeros(4, 17, 1), attns=attns)
     A = attns[-1].mean(1)[:, 0, 1:]  # class token -> patches, last block, head mean
     A = A / A.sum(-1, keepdim=True)  # renormalised over the patches
-    share = (A * target.mix.token_share_flat()).sum(-1)
-    if mode == 'average':
-        share = (share + 1 - target.mix.lam) / 2
+    if mode == 'paper':  # the paper: each patch's fractional share of the box
+        share = (A * target.mix.token_share_flat()).sum(-1)
+    else:  # the public code: the pixel box mask, nearest-downsampled to the patch grid, mean with the area
+        boxes = target.mix.boxes
+        pixel = torch.zeros(4, 1, 32, 32)
+        for b in range(4):
+            y0, y1, x0, x1 = boxes[b].tolist()
+            for i in range(y0, y1):
+                for j in range(x0, x1):
+                    pixel[b, 0, i, j] = 1.0
+        M = torch.nn.functional.interpolate(pixel, size=(4, 4), mode='nearest').flatten(1)
+        frac = target.mix.token_share_flat()
+        assert ((frac > 0) & (frac < 1)).any() and not torch.equal(M, frac)  # unaligned boxes: the rules differ
+        share = ((A * M).sum(-1) + 1 - target.mix.lam) / 2
     wrapped = TransMix(model, mode=mode).train()
     out, t = wrapped(xm, target)
     expected = (1 - share)[:, None] * one_hot(y, C) + share[:, None] * one_hot(y[target.mix.partner], C)

@@ -11,8 +11,9 @@ pretrained loading, ``forward_intermediates``, ``set_input_size``, dynamic image
   code ``PatchEmbed4_2``): conv 7x7/2 -> BN -> ReLU, conv 3x3 -> BN -> ReLU, conv 3x3 -> BN -> ReLU
   (64 channels, 128 for LV-ViT-L), then ``proj`` with kernel = stride = patch_size / 2. The token grid
   steps ``patch_size`` (16) pixels, not ``proj.stride`` (8): :attr:`ConvPatchEmbed.token_stride`.
-- enhanced residual (supplement Table 4): ``X <- X + F(X) / skip_lam`` for attention and MLP, ``skip_lam=2``
-  (T/S/M) and 3 (L), as the public code's models (not in the state dict: a kwarg of the constructor).
+- enhanced residual (supplement Table 4): ``X <- X + F(X) / skip_lam`` for attention and MLP: 1 for T, 2 for
+  S and M, 3 for L, as the public code's ``lvvit_t/s/m/l`` (not in the state dict: a kwarg of the constructor;
+  an official LV-ViT-T checkpoint loads strictly whatever the value, so it must be the public one).
 - no qkv bias, MLP ratio 3 (paper Table 1; supplement Table 2).
 - an auxiliary head on the patch tokens (``aux_head``), trained by token labeling. At inference the
   public code predicts ``head(cls) + 0.5 * max_over_tokens(aux_head(patch tokens))``; here that is
@@ -169,7 +170,7 @@ class LVViT(VisionTransformer):
     """LV-ViT: timm's ``VisionTransformer`` with :class:`ConvPatchEmbed`, :class:`LVBlock` and an aux head.
 
     Args (beyond ``VisionTransformer``'s, which all pass through):
-        skip_lam: residual scale of every block (``X + F(X) / skip_lam``); 2 as in the public code.
+        skip_lam: residual scale of every block (``X + F(X) / skip_lam``); each size sets the public code's value.
         stem_chans: channels of the three stem convolutions (64; 128 for LV-ViT-L).
         head_rule: ``'cls+aux'`` (default, the public code's inference): ``head(cls token) + 0.5 *
             max over patch tokens of aux_head(patch token)``; ``'cls'``: ``head(cls token)`` only.
@@ -313,7 +314,7 @@ default_cfgs = generate_default_cfgs(
 @register_model
 def lvvit_t(pretrained: bool = False, **kwargs) -> LVViT:
     """LV-ViT-T: 12 blocks, dim 240, 4 heads, MLP ratio 3 (Table 1: 8.5M)."""
-    args = dict(embed_dim=240, depth=12, num_heads=4, mlp_ratio=3.0, skip_lam=2.0)
+    args = dict(embed_dim=240, depth=12, num_heads=4, mlp_ratio=3.0, skip_lam=1.0)  # the public lvvit_t: 1.0
     return _create_lvvit('lvvit_t', pretrained=pretrained, **dict(args, **kwargs))
 
 
