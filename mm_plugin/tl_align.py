@@ -291,7 +291,7 @@ class TransMixClassifier(TLAlignClassifier):
 
     Args:
         transmix: ``dict(mode='paper', fused=None)``; ``mode='average'`` is the public code's mean of the
-            attention share and the area share.
+            attention share (over its nearest-neighbour patch mask) and the area share.
         Other args: as ``ImageClassifier``.
     """
 

@@ -662,8 +662,9 @@ class TransMix(TLAlign):
     compares with: the partner share of the target is read from the last block's attention over the
     mixed region instead of the area (:func:`shared_core.tl_align.transmix_share`).
 
-    ``mode='paper'``: the attention share alone; ``'average'``: the mean of that and the area share, as
-    the public TransMix code does. Default ``'paper'``: the papers are this project's specification.
+    ``mode='paper'``: the attention share alone, each patch weighted by its fractional share of a pixel box;
+    ``'average'``: the public TransMix code, the mean of the attention share over its nearest-neighbour patch
+    mask (top-left pixel inside the box) and the area share. Default ``'paper'``: the papers are this project's specification.
     DeiT distilled: the class token's attention. Models without a class token (``global_pool='avg'`` ViTs,
     Swin, PVT v2; our extension): the pooled compact label after the last block's attention alone.
     """
