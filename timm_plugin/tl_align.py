@@ -664,7 +664,8 @@ class TransMix(TLAlign):
 
     ``mode='paper'``: the attention share alone, each patch weighted by its fractional share of a pixel box;
     ``'average'``: the public TransMix code, the mean of the attention share over its nearest-neighbour patch
-    mask (top-left pixel inside the box) and the area share. Default ``'paper'``: the papers are this project's specification.
+    mask (top-left pixel inside the box) and the area share. Default ``'paper'``: the papers are this project's
+    specification.
     DeiT distilled: the class token's attention. Models without a class token (``global_pool='avg'`` ViTs,
     Swin, PVT v2; our extension): the pooled compact label after the last block's attention alone.
     """
