@@ -17,9 +17,9 @@ from common import device_sync, median_times, optimizer_step
 from timm.loss import SoftTargetCrossEntropy
 
 import timm_plugin  # noqa: F401  (registers cct_*)
-from shared_core.tokenmixup import htm_plan, token_saliency
+from shared_core.tokenmixup import htm_plan, qk_saliency
 from timm_plugin import TokenMixup, create_mixer
-from timm_plugin.tokenmixup import block_attention
+from timm_plugin.tokenmixup import block_qk
 
 
 def main():
@@ -78,7 +78,7 @@ def main():
     P = model.num_prefix_tokens
 
     def attention_saliency():
-        return token_saliency(block_attention(blk, h), P, 'mean')
+        return qk_saliency(*block_qk(blk, h), blk.attn.scale, P, 'mean')
 
     def gradient_saliency():
         inp = h.clone().requires_grad_(True)

@@ -67,11 +67,10 @@ class MMTokenMixupAdapter:
         self.has_class_token = bool(backbone.with_cls_token)
         self.embed_dims = int(backbone.embed_dims)
 
-    def attention(self, idx: int, x: torch.Tensor) -> torch.Tensor:
+    def qk(self, idx: int, x: torch.Tensor):
         layer = self.blocks[idx]
         with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False):
-            q, k = split_qk(layer.attn, layer.attn.qkv(layer.ln1(x.detach().to(layer.attn.qkv.weight.dtype))))
-            return (q.float() @ k.float().transpose(-2, -1) * attention_scale(layer.attn)).softmax(-1)
+            return split_qk(layer.attn, layer.attn.qkv(layer.ln1(x.detach().to(layer.attn.qkv.weight.dtype))))
 
     def capture_qk(self, idx: int, sink: dict) -> list:
         a = self.blocks[idx].attn

@@ -38,6 +38,7 @@ __all__ = [
     'SALIENCY_MODES',
     'DIFFICULTY_SCALE',
     'token_saliency',
+    'qk_saliency',
     'difficulty',
     'htm_plan',
     'htm_mix',
@@ -58,12 +59,12 @@ DIFFICULTY_SCALE = 0.1
 
 def token_saliency(attn: torch.Tensor, num_prefix_tokens: int, mode: str) -> torch.Tensor:
     """``(B, N)`` fp32 saliency of the ``N`` patch tokens from one block's attention probabilities
-    ``attn (B, H, T, T)`` (prefix tokens first, ``T = P + N``): head mean, then ``'cls'``: the class-token
-    query row over the patch keys, ``attn.mean(1)[:, 0, P:]``; ``'mean'`` (Eq. 3): the mean over all queries,
-    ``attn.mean(1)[:, :, P:].mean(1)``."""
+    ``attn (B, H, T_q, T)`` (prefix tokens first, ``T = P + N``): head mean, then ``'cls'``: the class-token
+    query row over the patch keys, ``attn.mean(1)[:, 0, P:]`` (``T_q`` may be 1: that row alone); ``'mean'``
+    (Eq. 3): the mean over all queries, ``attn.mean(1)[:, :, P:].mean(1)`` (``T_q = T``)."""
     if mode not in SALIENCY_MODES:
         raise ValueError(f'mode: expected one of {SALIENCY_MODES}, got {mode!r}')
-    if attn.dim() != 4 or attn.shape[-1] != attn.shape[-2]:
+    if attn.dim() != 4 or (mode == 'mean' and attn.shape[-1] != attn.shape[-2]):
         raise ValueError(f'attn: expected (B, H, T, T) attention probabilities, got {tuple(attn.shape)}')
     P = int(num_prefix_tokens)
     if not 0 <= P < attn.shape[-1]:
@@ -72,6 +73,17 @@ def token_saliency(attn: torch.Tensor, num_prefix_tokens: int, mode: str) -> tor
         raise ValueError("mode: 'cls' reads the class-token row; this attention has no prefix token (use 'mean')")
     A = attn.detach().float().mean(1)
     return A[:, 0, P:] if mode == 'cls' else A[:, :, P:].mean(1)
+
+
+def qk_saliency(q: torch.Tensor, k: torch.Tensor, scale: float, num_prefix_tokens: int, mode: str) -> torch.Tensor:
+    """:func:`token_saliency` of ``softmax(q kᵀ · scale)`` for ``q``, ``k`` ``(B, H, T, d)`` of one block, in fp32
+    with autocast off and no gradient. ``'cls'`` computes only the class-token query row, ``(B, H, 1, T)``: the
+    full ``(B, H, T, T)`` attention is materialised for Eq. 3 (``'mean'``) only."""
+    with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
+        q, k = q.detach().float(), k.detach().float()
+        if mode == 'cls':
+            q = q[:, :, :1]
+        return token_saliency((q @ k.transpose(-2, -1) * scale).softmax(-1), num_prefix_tokens, mode)
 
 
 def difficulty(logits: torch.Tensor, target: torch.Tensor, scale: float = DIFFICULTY_SCALE) -> torch.Tensor:
@@ -218,8 +230,9 @@ class TokenMixupAdapter(Protocol):
 
     - ``blocks``: the transformer blocks; a forward pre-hook's first argument is the block's input ``(B, T, D)``;
     - ``num_prefix_tokens``;
-    - ``attention(idx, x)``: ``(B, H, T, T)`` fp32 attention probabilities of block ``idx`` on input ``x`` (no grad);
-    - ``capture_qk(idx, sink)``: hooks that put the detached ``q``, ``k`` ``(B, H, T, d)`` block ``idx`` computes
+    - ``qk(idx, x)``: the ``q``, ``k`` ``(B, H, T, d)`` block ``idx`` computes from input ``x`` (no grad, autocast
+      off; its norm and projections, before the softmax);
+    - ``capture_qk(idx, sink)``: hooks that put the detached ``q``, ``k`` block ``idx`` computes in the forward
       into ``sink['q']``, ``sink['k']``; returns the handles; ``scale(idx)`` the attention's scale;
     - ``attend_with_memory(idx, memory)``: make the next call of block ``idx``'s attention take ``memory``
       ``(B, M, D)`` (the residual stream, before the block's norm) as extra keys and values; returns a function
@@ -229,7 +242,7 @@ class TokenMixupAdapter(Protocol):
     blocks: Sequence[nn.Module]
     num_prefix_tokens: int
 
-    def attention(self, idx: int, x: torch.Tensor) -> torch.Tensor: ...
+    def qk(self, idx: int, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
     def capture_qk(self, idx: int, sink: dict) -> list: ...
 
@@ -315,7 +328,7 @@ class TokenMixupHooks:
             y = state['y']
             state['aux'].append(self.scorenet_weight * -(y * torch.log_softmax(scores.float(), -1)).sum(-1).mean())
             easy = difficulty(scores, y, self.difficulty_scale) <= self.tau
-            S = token_saliency(self.adapter.attention(idx, x), P, self.saliency)
+            S = qk_saliency(*self.adapter.qk(idx, x), self.adapter.scale(idx), P, self.saliency)
             partner, swap, lam = htm_plan(S, easy, self.rho)
             mix = htm_mix(partner, swap, lam, (1, S.shape[1]))
             state['mixes'].append(mix)
@@ -341,9 +354,8 @@ class TokenMixupHooks:
             memory = []
             for src in range(idx):
                 qk, x_src = state['qk'][src], state['inputs'][src]
-                with torch.no_grad(), torch.autocast(device_type=x_src.device.type, enabled=False):
-                    attn = (qk['q'].float() @ qk['k'].float().transpose(-2, -1) * self.adapter.scale(src)).softmax(-1)
-                top = vtm_select(token_saliency(attn, P, self.saliency), self.kappa) + P
+                S = qk_saliency(qk['q'], qk['k'], self.adapter.scale(src), P, self.saliency)
+                top = vtm_select(S, self.kappa) + P
                 tokens = x_src.gather(1, top[:, :, None].expand(-1, -1, x_src.shape[-1]))
                 memory.append(tokens.detach() if self.vtm_stopgrad else tokens)
             state['undo'].append(self.adapter.attend_with_memory(idx, torch.cat(memory, 1)))

@@ -312,13 +312,15 @@ def test_bf16_autocast_gives_the_fp32_decisions():
     attention (so the same plan); end to end at block 0, whose input differs only by the patch embedding's bf16
     rounding, the same rows are matched and the same tokens swapped. (Deeper blocks see inputs that bf16 changed
     through every earlier block; there a token at the margin ρ can flip, as it would between two GPUs.)"""
-    from timm_plugin.tokenmixup import block_attention
+    from shared_core.tokenmixup import qk_saliency
+    from timm_plugin.tokenmixup import block_qk
 
     model = tiny_vit(True)
     h = torch.randn(6, 17, 32)
     with torch.autocast('cpu', dtype=torch.bfloat16):
-        under_autocast = block_attention(model.blocks[2], h)
-    assert under_autocast.dtype == torch.float32 and torch.equal(under_autocast, block_attention(model.blocks[2], h))
+        under_autocast = qk_saliency(*block_qk(model.blocks[2], h), model.blocks[2].attn.scale, 1, 'cls')
+    plain = qk_saliency(*block_qk(model.blocks[2], h), model.blocks[2].attn.scale, 1, 'cls')
+    assert under_autocast.dtype == torch.float32 and torch.equal(under_autocast, plain)
     tm = TokenMixup(model, htm_layers=(0,), rho=0.01, tau=float('inf'))
     for seed in range(4):
         x, y = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(seed)), soft(torch.arange(6) % C)

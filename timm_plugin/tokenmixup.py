@@ -81,15 +81,15 @@ def attach_scorenets(model: nn.Module, layers: Sequence[int], scorenet: str = 'a
     return scorenets(model, layers, dim, model.num_classes, P, _has_class_token(model), scorenet)
 
 
-def block_attention(blk: Block, x: torch.Tensor) -> torch.Tensor:
-    """``(B, H, T, T)`` fp32 attention probabilities of ``blk`` on its input ``x`` (before dropout, no grad)."""
+def block_qk(blk: Block, x: torch.Tensor):
+    """The ``q``, ``k`` ``(B, H, T, d)`` of ``blk``'s attention on its input ``x`` (``norm1``, ``qkv``,
+    ``q_norm``/``k_norm``; no grad, autocast off)."""
     a = blk.attn
     with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False):
         h = blk.norm1(x.detach().to(a.qkv.weight.dtype))
         B, T, _ = h.shape
         q, k, _ = a.qkv(h).reshape(B, T, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = a.q_norm(q).float(), a.k_norm(k).float()
-        return (q @ k.transpose(-2, -1) * a.scale).softmax(-1)
+        return a.q_norm(q), a.k_norm(k)
 
 
 def _attention_with_memory(a: Attention, memory: torch.Tensor, norm: nn.Module):
@@ -121,8 +121,8 @@ class TimmTokenMixupAdapter:
         self.blocks = list(model.blocks)
         self.num_prefix_tokens = int(getattr(model, 'num_prefix_tokens', 0))
 
-    def attention(self, idx: int, x: torch.Tensor) -> torch.Tensor:
-        return block_attention(self.blocks[idx], x)
+    def qk(self, idx: int, x: torch.Tensor):
+        return block_qk(self.blocks[idx], x)
 
     def capture_qk(self, idx: int, sink: dict) -> list:
         a = self.blocks[idx].attn
