@@ -94,13 +94,9 @@ def mm_tokenmixup_adapter(backbone: nn.Module):
     if type(backbone) is VisionTransformer:
         return MMTokenMixupAdapter(backbone)
     if isinstance(backbone, TIMMBackbone):
-        from timm_plugin.tokenmixup import TimmTokenMixupAdapter, _has_class_token
+        from timm_plugin.tokenmixup import TimmTokenMixupAdapter
 
-        adapter = TimmTokenMixupAdapter(backbone.timm_model)
-        adapter.has_class_token = _has_class_token(backbone.timm_model)
-        model = backbone.timm_model
-        adapter.embed_dims = int(getattr(model, 'embed_dim', None) or model.num_features)
-        return adapter
+        return TimmTokenMixupAdapter(backbone.timm_model)
     raise ValueError(
         f'backbone: TokenMixup supports mmpretrain.models.VisionTransformer and TIMMBackbone around a '
         f'timm ViT or CCT; got {type(backbone).__module__}.{type(backbone).__name__}'

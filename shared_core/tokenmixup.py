@@ -229,7 +229,7 @@ class TokenMixupAdapter(Protocol):
     """What a framework gives the driver (one per model family; see the adapters).
 
     - ``blocks``: the transformer blocks; a forward pre-hook's first argument is the block's input ``(B, T, D)``;
-    - ``num_prefix_tokens``;
+    - ``num_prefix_tokens``, ``has_class_token``, ``embed_dims`` (the token width, for the ScoreNets);
     - ``qk(idx, x)``: the ``q``, ``k`` ``(B, H, T, d)`` block ``idx`` computes from input ``x`` (no grad, autocast
       off; its norm and projections, before the softmax);
     - ``capture_qk(idx, sink)``: hooks that put the detached ``q``, ``k`` block ``idx`` computes in the forward
@@ -241,6 +241,8 @@ class TokenMixupAdapter(Protocol):
 
     blocks: Sequence[nn.Module]
     num_prefix_tokens: int
+    has_class_token: bool
+    embed_dims: int
 
     def qk(self, idx: int, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]: ...
 

@@ -120,6 +120,8 @@ class TimmTokenMixupAdapter:
         self.model = model
         self.blocks = list(model.blocks)
         self.num_prefix_tokens = int(getattr(model, 'num_prefix_tokens', 0))
+        self.has_class_token = _has_class_token(model)
+        self.embed_dims = int(getattr(model, 'embed_dim', None) or model.num_features)
 
     def qk(self, idx: int, x: torch.Tensor):
         return block_qk(self.blocks[idx], x)
@@ -182,7 +184,7 @@ class TokenMixup(nn.Module):
         adapter = TimmTokenMixupAdapter(model)
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f'smoothing: expected [0, 1), got {smoothing}')
-        saliency = ('cls' if _has_class_token(model) else 'mean') if saliency == 'auto' else saliency
+        saliency = ('cls' if adapter.has_class_token else 'mean') if saliency == 'auto' else saliency
         self.hooks = TokenMixupHooks(
             adapter,
             None,
