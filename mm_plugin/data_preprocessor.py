@@ -112,6 +112,8 @@ class TokenAugDataPreprocessor(ClsDataPreprocessor):
                 self.num_classes,
                 0.0,
                 aug.activation_targets,
+                maps.affines,
+                maps.extent,
             )
             for sample, score in zip(samples, scores):
                 sample.set_gt_score(score)

@@ -13,14 +13,15 @@ device (:func:`shared_core.label_maps.token_targets_sparse`, one batched call)::
 - :class:`TokenLabelRandomResizedCrop` is mmpretrain's ``RandomResizedCrop`` that records its crop as
   ``crop_box`` = normalised ``(x0, y0, x1, y1)``; it must be the first geometric op;
 - mmcv's ``RandomFlip`` records ``flip`` / ``flip_direction``; only horizontal flips are allowed;
-- :class:`TokenLabelRandAugment` is mmpretrain's ``RandAugment`` without its geometric policies
-  (``Rotate``, ``Shear``, ``Translate``): a map cannot follow them, and applying them to the image only
-  (what the public code does) moves the image away from its labels. Colour policies stay;
-  ``keep_geometric=True`` restores the public behaviour. The stock ``RandAugment`` / ``AutoAugment``
-  must not be used with token labels (a pipeline cannot see what they did);
+- :class:`TokenLabelRandAugment` is mmpretrain's ``RandAugment`` whose geometric policies (``Rotate``,
+  ``Shear``, ``Translate``) record the affine they applied in ``results['token_affines']``
+  (``geometric='follow'``, the default and the public code's behaviour: the labels follow them, fill
+  outside the image a uniform label); ``geometric='drop'`` removes them instead (our earlier default). It
+  must come after ``RandomFlip``. The stock ``RandAugment`` / ``AutoAugment`` must not be used with token
+  labels (a pipeline cannot see what they did);
 - :class:`PackTokenLabelInputs` is ``PackInputs`` that also packs ``token_label_values``,
-  ``token_label_indices`` and ``crop_box`` (``flip`` / ``flip_direction`` are default meta keys) and
-  refuses a vertical or diagonal flip. ``PackInputs(algorithm_keys=TOKEN_LABEL_KEYS)`` works too (the
+  ``token_label_indices``, ``crop_box`` and ``token_affines`` (``flip`` / ``flip_direction`` are default
+  meta keys) and refuses a vertical or diagonal flip. ``PackInputs(algorithm_keys=TOKEN_LABEL_KEYS)`` works too (the
   classifier repeats the flip check).
 """
 
@@ -29,33 +30,43 @@ from __future__ import annotations
 import os
 from typing import List, NamedTuple, Optional, Sequence, Union
 
+import cv2
 import mmcv
 import numpy as np
 import torch
 from mmcv.transforms import BaseTransform
-from mmpretrain.datasets.transforms import PackInputs, RandAugment, RandomResizedCrop
+from mmpretrain.datasets.transforms import PackInputs, RandAugment, RandomResizedCrop, Rotate, Shear, Translate
 from mmpretrain.datasets.transforms.auto_augment import RANDAUG_POLICIES
 from mmpretrain.registry import TRANSFORMS
 from mmpretrain.structures import DataSample
 
-from shared_core.label_maps import check_boxes, check_map_row, crop_box
+from shared_core.label_maps import check_boxes, check_map_row, crop_box, normalised_affine, stack_affines
 from shared_core.map_store import LabelMapStore
 
 __all__ = [
+    'GEOMETRIC',
     'GEOMETRIC_RAND_POLICIES',
     'TOKEN_LABEL_KEYS',
     'LoadTokenLabelMap',
     'TokenLabelRandomResizedCrop',
     'TokenLabelRandAugment',
+    'TokenLabelRotate',
+    'TokenLabelShear',
+    'TokenLabelTranslate',
     'PackTokenLabelInputs',
     'TokenLabelBatch',
     'token_label_batch',
 ]
 
-#: mmpretrain RandAugment policies that move pixels (removed by :class:`TokenLabelRandAugment`)
+#: mmpretrain RandAugment policies that move pixels (recorded, or removed, by :class:`TokenLabelRandAugment`)
 GEOMETRIC_RAND_POLICIES = ('Rotate', 'Shear', 'Translate')
+#: what :class:`TokenLabelRandAugment` does with them: the labels follow (the public code), or drop them (ours)
+GEOMETRIC = ('follow', 'drop')
 #: the data-sample fields a token-labeling batch needs (plus the ``flip`` / ``flip_direction`` metainfo)
 TOKEN_LABEL_KEYS = ('token_label_values', 'token_label_indices', 'crop_box')
+#: the optional field of the geometric ops' affine chain (``(L, 2, 3)``, see :mod:`shared_core.label_maps`)
+AFFINE_KEY = 'token_affines'
+_BEFORE_FLIP = '_token_label_aa_before_flip'
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,14 +178,67 @@ class TokenLabelRandomResizedCrop(RandomResizedCrop):
         return results
 
 
+def _opencv_forward(t, value: float, height: int, width: int) -> np.ndarray:
+    """The ``2x3`` matrix (input to output, OpenCV pixel coordinates) mmcv warps with for ``t`` at its drawn
+    signed ``value`` (mmcv's ``imrotate`` / ``imshear`` / ``imtranslate``)."""
+    if isinstance(t, Rotate):
+        center = t.center if t.center is not None else ((width - 1) * 0.5, (height - 1) * 0.5)
+        return cv2.getRotationMatrix2D(center, -value, t.scale)
+    horizontal = t.direction == 'horizontal'
+    if isinstance(t, Shear):
+        return np.float32([[1, value, 0], [0, 1, 0]] if horizontal else [[1, 0, 0], [value, 1, 0]])
+    offset = value * (width if horizontal else height)
+    return np.float32([[1, 0, offset], [0, 1, 0]] if horizontal else [[1, 0, 0], [0, 1, offset]])
+
+
+class _RecordsAffine:
+    """For mmpretrain's ``Rotate`` / ``Shear`` / ``Translate``: runs as the parent and appends the normalised
+    affine it applied to ``results['token_affines']`` (the signed magnitude it drew is the one value its
+    ``random_negative`` returned)."""
+
+    def random_negative(self, value):
+        self._drawn = super().random_negative(value)
+        return self._drawn
+
+    def transform(self, results):
+        self._drawn = None
+        h, w = results['img'].shape[:2]
+        out = super().transform(results)
+        if self._drawn is not None:
+            m = normalised_affine(_opencv_forward(self, self._drawn, h, w), w, h, 'input_to_output', corner=-0.5)
+            chain = results.get(AFFINE_KEY, np.zeros((0, 2, 3), np.float32))
+            out[AFFINE_KEY] = np.concatenate([chain, m[None].astype(np.float32)])
+        return out
+
+
+@TRANSFORMS.register_module()
+class TokenLabelRotate(_RecordsAffine, Rotate):
+    """mmpretrain's ``Rotate`` that records its affine for token labels (see :class:`TokenLabelRandAugment`)."""
+
+
+@TRANSFORMS.register_module()
+class TokenLabelShear(_RecordsAffine, Shear):
+    """mmpretrain's ``Shear`` that records its affine for token labels (see :class:`TokenLabelRandAugment`)."""
+
+
+@TRANSFORMS.register_module()
+class TokenLabelTranslate(_RecordsAffine, Translate):
+    """mmpretrain's ``Translate`` that records its affine for token labels (see :class:`TokenLabelRandAugment`)."""
+
+
+_RECORDING = {'Rotate': 'TokenLabelRotate', 'Shear': 'TokenLabelShear', 'Translate': 'TokenLabelTranslate'}
+
+
 @TRANSFORMS.register_module()
 class TokenLabelRandAugment(RandAugment):
-    """mmpretrain's ``RandAugment`` without its geometric policies (:data:`GEOMETRIC_RAND_POLICIES`),
-    so that the token labels stay aligned with the image (the timm side removes the same ops).
+    """mmpretrain's ``RandAugment`` for token labels: its geometric policies (:data:`GEOMETRIC_RAND_POLICIES`)
+    record the affine they applied, and the targets follow it (as the public code; the timm side does the
+    same), or they are removed.
 
     Args:
-        keep_geometric: keep them (the public code's behaviour: the labels do not follow them).
+        geometric: ``'follow'`` (default) or ``'drop'`` (:data:`GEOMETRIC`).
         Other args: as ``RandAugment`` (``policies`` a preset name such as ``'timm_increasing'`` or a list).
+    It must come after ``RandomFlip`` (the recorded ops act on the flipped crop).
     """
 
     def __init__(
@@ -182,24 +246,34 @@ class TokenLabelRandAugment(RandAugment):
         policies: Union[str, List[dict]],
         num_policies: int,
         magnitude_level: int,
-        keep_geometric: bool = False,
+        geometric: str = 'follow',
         **kwargs,
     ):
+        if geometric not in GEOMETRIC:
+            raise ValueError(f'geometric: expected one of {GEOMETRIC}, got {geometric!r}')
         if isinstance(policies, str):
             if policies not in RANDAUG_POLICIES:
                 raise ValueError(f'policies: expected one of {list(RANDAUG_POLICIES)} or a list, got {policies!r}')
             policies = RANDAUG_POLICIES[policies]
         if not isinstance(policies, (list, tuple)) or not all(isinstance(p, dict) and 'type' in p for p in policies):
             raise ValueError(f'policies: expected a list of policy dicts with a "type", got {policies!r}')
-        if not keep_geometric:
-            policies = [p for p in policies if p['type'] not in GEOMETRIC_RAND_POLICIES]
+        kind = [str(p['type']).split('.')[-1] for p in policies]
+        if geometric == 'drop':
+            policies = [p for p, t in zip(policies, kind) if t not in GEOMETRIC_RAND_POLICIES]
             if not policies:
                 raise ValueError(
                     'policies: only geometric policies given; nothing is left once '
                     f'{GEOMETRIC_RAND_POLICIES} are removed'
                 )
-        self.keep_geometric = bool(keep_geometric)
+        else:
+            policies = [dict(p, type=_RECORDING[t]) if t in _RECORDING else p for p, t in zip(policies, kind)]
+        self.geometric = geometric
         super().__init__(list(policies), num_policies, magnitude_level, **kwargs)
+
+    def transform(self, results: dict) -> dict:
+        results.setdefault(AFFINE_KEY, np.zeros((0, 2, 3), np.float32))
+        results[_BEFORE_FLIP] = 'flip' not in results
+        return super().transform(results)
 
 
 def _check_flip(flip: bool, direction: Optional[str], image: str) -> None:
@@ -225,7 +299,8 @@ class PackTokenLabelInputs(PackInputs):
         missing = {'flip', 'flip_direction'} - set(meta_keys)
         if missing:
             raise ValueError(f'meta_keys: token labeling needs {sorted(missing)} in the data samples')
-        keys = tuple(TOKEN_LABEL_KEYS) + tuple(k for k in algorithm_keys if k not in TOKEN_LABEL_KEYS)
+        own = tuple(TOKEN_LABEL_KEYS) + (AFFINE_KEY,)
+        keys = own + tuple(k for k in algorithm_keys if k not in own)
         super().__init__(input_key=input_key, algorithm_keys=keys, meta_keys=meta_keys)
 
     def transform(self, results: dict) -> dict:
@@ -238,6 +313,12 @@ class PackTokenLabelInputs(PackInputs):
                 '(the first geometric transform)'
             )
         _check_flip(bool(results.get('flip', False)), results.get('flip_direction'), image)
+        if results.pop(_BEFORE_FLIP, False) and 'flip' in results:
+            raise ValueError(
+                f'pipeline: the image {image} was flipped after TokenLabelRandAugment; put RandomFlip '
+                'before it (the recorded geometric ops act on the flipped crop)'
+            )
+        results.setdefault(AFFINE_KEY, np.zeros((0, 2, 3), np.float32))
         return super().transform(results)
 
 
@@ -248,12 +329,15 @@ class PackTokenLabelInputs(PackInputs):
 
 class TokenLabelBatch(NamedTuple):
     """The map rows of a batch on one device: ``values (B, k, h, w)`` float16, ``indices (B, k, h, w)``
-    int64, ``boxes (B, 4)`` normalised crops, ``flips (B,)`` bool."""
+    int64, ``boxes (B, 4)`` normalised crops, ``flips (B,)`` bool, ``affines (B, L, 2, 3)`` the geometric
+    ops after them (``None``: none) and ``extent``, their sample extent computed on the CPU."""
 
     values: torch.Tensor
     indices: torch.Tensor
     boxes: torch.Tensor
     flips: torch.Tensor
+    affines: Optional[torch.Tensor] = None
+    extent: Optional[tuple] = None
 
 
 def token_label_batch(data_samples: Sequence[DataSample], num_classes: int, device=None) -> TokenLabelBatch:
@@ -287,4 +371,7 @@ def token_label_batch(data_samples: Sequence[DataSample], num_classes: int, devi
     boxes = torch.tensor(np.array([np.asarray(s.crop_box, np.float32) for s in data_samples]).reshape(-1, 4))
     check_boxes(boxes)  # on the CPU (no device sync)
     flips = torch.tensor([bool(s.metainfo.get('flip', False)) for s in data_samples])
-    return TokenLabelBatch(*(t.to(device, non_blocking=True) for t in (values, indices, boxes, flips)))
+    chains = [np.asarray(s.get(AFFINE_KEY)) if AFFINE_KEY in s else None for s in data_samples]
+    affines, extent = stack_affines(chains, boxes, tuple(values.shape[-2:]))
+    moved = (t.to(device, non_blocking=True) for t in (values, indices, boxes, flips))
+    return TokenLabelBatch(*moved, None if affines is None else affines.to(device, non_blocking=True), extent)

@@ -21,23 +21,38 @@ Conventions, all in one place:
   ``1 - Σ top-k`` uniformly over the other ``C - k`` classes, then is renormalised to sum to 1 (this
   only absorbs fp16 rounding). Resampling averages distributions, so every token target is one.
 - *Label smoothing* ``ε``: ``(1 - ε) · p + ε / C`` (timm's convention), so rows still sum to 1.
+- *Geometric augmentation after the crop* (RandAugment's Rotate, ShearX/Y, TranslateX/Y): an optional
+  chain of affines ``(L, 2, 3)`` per image, in normalised coordinates of the augmented crop (``u`` to the
+  right, ``v`` down, both in [0, 1]): op ``l`` turned its input into its output by reading, at output
+  point ``(u, v)``, the input at ``A_l @ (u, v, 1)``, and the ops ran in chain order after the crop and the
+  flip (so the crop the box and flip describe is the input of the first). The targets follow with the
+  same sampling as the crop path: each token averages bilinear samples at its sub-bin centres (as many
+  per axis as RoIAlign would take, ``ceil(span in map cells / grid)``, now measured along the mapped
+  axis), each sample mapped back through the chain; a sample that lands outside the image of any stage
+  (the op's fill) counts as a uniform distribution, the public code's zero-logit fill. With identity
+  affines this is RoIAlign exactly (:func:`normalised_affine` converts a pixel matrix of PIL or OpenCV).
 - *ReLabel* (``token-labeling.md`` Table 2): one label per crop, the mean of the map's distribution
   over the crop (:func:`crop_targets`, ``roi_align`` to a 1x1 grid).
 
 :func:`token_targets` is the one-image reference entry point; :func:`token_targets_batch` does a
-batch in one ``roi_align`` call, on whatever device the rows are on.
+batch in one ``roi_align`` call (with affines, one vectorised sampling pass), on whatever device the rows
+are on.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence, Tuple, Union
+import math
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torchvision.ops import roi_align
 
 __all__ = [
+    'affine_extent',
+    'check_affines',
     'check_boxes',
+    'normalised_affine',
     'dense_maps',
     'token_targets',
     'token_targets_batch',
@@ -49,6 +64,7 @@ __all__ = [
     'check_map_row',
     'crop_box',
     'smooth',
+    'stack_affines',
 ]
 
 Box = Union[Sequence[float], torch.Tensor]
@@ -166,6 +182,13 @@ def _cells(values: torch.Tensor, num_classes: int):
     return f, v - f[:, None]
 
 
+def _batch_geometry(boxes, flips, device):
+    """Crops ``(B, 4)`` float32 (checked) and flips ``(B,)`` bool on ``device``."""
+    boxes = _as_tensor(boxes).to(device, torch.float32)
+    check_boxes(boxes)
+    return boxes, _as_tensor(flips).to(device, torch.bool).view(-1)
+
+
 def _axes(boxes, flips, map_size: Tuple[int, int], grid, device):
     """RoIAlign's separable weights of a batch of crops: ``wy (B, gh, h)``, ``wx (B, gw, w)`` (flipped
     rows where the image was flipped after the crop), and the grid."""
@@ -177,6 +200,141 @@ def _axes(boxes, flips, map_size: Tuple[int, int], grid, device):
     wx = axis_weights(boxes[:, 0], boxes[:, 2], w, gw)
     wx = torch.where(_as_tensor(flips).to(device, torch.bool).view(-1, 1, 1), wx.flip(1), wx)
     return wy, wx, (gh, gw)
+
+
+def normalised_affine(
+    matrix, width: int, height: int, direction: str = 'output_to_input', corner: float = 0.0
+) -> np.ndarray:
+    """An image op's pixel affine as the normalised ``(2, 3)`` matrix the targets take: at output point
+    ``(u, v)`` the op read its input at ``M @ (u, v, 1)`` (both in [0, 1] of the image, ``u`` right, ``v``
+    down).
+
+    Args:
+        matrix: the op's ``2x3`` (or ``3x3``) matrix in pixel coordinates of the ``width x height`` image.
+        direction: ``'output_to_input'`` (PIL's ``Image.transform`` data, as timm's RandAugment passes it)
+            or ``'input_to_output'`` (what ``cv2.warpAffine`` is given without ``WARP_INVERSE_MAP``, as
+            mmcv's ``imrotate`` / ``imshear`` / ``imtranslate`` do).
+        corner: the pixel coordinate of the image's top-left corner: ``0.0`` where pixel ``i`` spans
+            ``[i, i + 1]`` (PIL), ``-0.5`` where pixel centres sit on the integers (OpenCV).
+    """
+    m = np.asarray(matrix, dtype=np.float64)
+    if m.shape not in ((2, 3), (3, 3)) or not np.isfinite(m).all():
+        raise ValueError(f'matrix: expected a finite 2x3 pixel affine, got {m.tolist()!r}')
+    if direction not in ('output_to_input', 'input_to_output'):
+        raise ValueError(f"direction: expected 'output_to_input' or 'input_to_output', got {direction!r}")
+    if width <= 0 or height <= 0:
+        raise ValueError(f'width/height: expected a positive image size, got {width}x{height}')
+    p = np.eye(3)
+    p[:2] = m[:2]
+    if direction == 'input_to_output':
+        p = np.linalg.inv(p)
+    n = np.array([[width, 0.0, corner], [0.0, height, corner], [0.0, 0.0, 1.0]])
+    return (np.linalg.inv(n) @ p @ n)[:2]
+
+
+def check_affines(affines, batch: int) -> Optional[torch.Tensor]:
+    """The batch's affine chains as ``(B, L, 2, 3)`` float32 (``(B, 2, 3)`` is one op each), or ``None``
+    when there are none (``L == 0``). Values are checked (finite) on the CPU only."""
+    a = _as_tensor(affines)
+    if a.dim() == 3:
+        a = a[:, None]
+    if a.dim() != 4 or a.shape[0] != batch or tuple(a.shape[2:]) != (2, 3):
+        raise ValueError(
+            f'affines: expected one chain of 2x3 affines per map row, (B={batch}, L, 2, 3), got {tuple(a.shape)}'
+        )
+    if a.shape[1] == 0:
+        return None
+    a = a.float()
+    if a.device.type == 'cpu' and not torch.isfinite(a).all():
+        raise ValueError('affines: expected finite matrices')
+    return a
+
+
+def stack_affines(chains: Sequence, boxes, map_size: Tuple[int, int]):
+    """A batch's per-image affine chains (each ``(L_i, 2, 3)``, or ``None`` / empty for no op) as
+    ``(affines (B, L, 2, 3), extent)``: the chains padded with identities at their end to the longest, and
+    the batch's largest :func:`affine_extent` as host floats (the data path calls this on the CPU).
+    ``(None, None)`` when no image had an op."""
+    empty = np.zeros((0, 2, 3), np.float32)
+    chains = [empty if c is None else np.asarray(c, np.float32).reshape(-1, 2, 3) for c in chains]
+    L = max((len(c) for c in chains), default=0)
+    if L == 0:
+        return None, None
+    out = np.tile(np.eye(3, dtype=np.float32)[:2], (len(chains), L, 1, 1))
+    for i, c in enumerate(chains):
+        out[i, : len(c)] = c
+    affines = check_affines(torch.from_numpy(out), len(chains))
+    extent = affine_extent(_as_tensor(boxes).cpu(), affines, map_size).amax(0).tolist()
+    return affines, tuple(extent)
+
+
+def _chain_linear(affines: torch.Tensor) -> torch.Tensor:
+    """The linear part ``(B, 2, 2)`` of each chain, ``L_1 @ L_2 @ ... @ L_L`` (output to crop)."""
+    J = affines[:, 0, :, :2]
+    for i in range(1, affines.shape[1]):
+        J = J @ affines[:, i, :, :2]
+    return J
+
+
+def affine_extent(boxes, affines, map_size: Tuple[int, int]) -> torch.Tensor:
+    """Per image ``(B, 2)``: how many map cells a unit step down (``v``) and to the right (``u``) of the
+    augmented crop spans, ``(ey, ex)``; a token's samples per axis are ``ceil(e / grid)`` (RoIAlign's
+    adaptive count along the mapped axis). The data path computes its batch maximum on the CPU and hands it
+    to the targets, so that they take no device sync (``extent=``)."""
+    boxes = _as_tensor(boxes).float()
+    a = check_affines(affines, boxes.shape[0])
+    h, w = map_size
+    size = torch.stack([(boxes[:, 2] - boxes[:, 0]) * w, (boxes[:, 3] - boxes[:, 1]) * h], 1)  # (B, 2) x, y
+    if a is None:
+        return size.flip(1)
+    E = size[:, :, None] * _chain_linear(a.to(boxes.device))  # rows: map x, y; columns: output u, v
+    return torch.stack([E[:, :, 1].norm(dim=1), E[:, :, 0].norm(dim=1)], 1)
+
+
+def _affine_samples(boxes, flips, affines, map_size, grid, extent=None):
+    """The crop-and-affine path's sampling: per token the map cells it reads and their weights
+    ``(B, N, P)`` (bilinear corners of every sample, divided by the image's sample count) and ``fill
+    (B, N)``, the share of its samples that fell outside an image (uniform). See the module docstring."""
+    h, w = map_size
+    gh, gw = (grid, grid) if isinstance(grid, int) else tuple(grid)
+    B = boxes.shape[0]
+    dev = boxes.device
+    ext = affine_extent(boxes, affines, map_size)  # (B, 2): ey, ex
+    if extent is None:  # the padded sample counts must be host ints: a device sync where no extent is given
+        extent = ext.amax(0).tolist()
+    Sy, Sx = max(1, math.ceil(float(extent[0]) / gh)), max(1, math.ceil(float(extent[1]) / gw))
+    ny = torch.ceil(ext[:, 0] / gh).clamp(1, Sy)  # (B,) each image's own counts (RoIAlign's)
+    nx = torch.ceil(ext[:, 1] / gw).clamp(1, Sx)
+    sy = torch.arange(Sy, device=dev, dtype=torch.float32)
+    sx = torch.arange(Sx, device=dev, dtype=torch.float32)
+    gy = torch.arange(gh, device=dev, dtype=torch.float32)
+    gx = torch.arange(gw, device=dev, dtype=torch.float32)
+    V = (gy[None, :, None] + (sy[None, None, :] + 0.5) / ny[:, None, None]) / gh  # (B, gh, Sy)
+    U = (gx[None, :, None] + (sx[None, None, :] + 0.5) / nx[:, None, None]) / gw  # (B, gw, Sx)
+    shape = (B, gh, gw, Sy, Sx)
+    V = V[:, :, None, :, None].expand(shape)
+    U = U[:, None, :, None, :].expand(shape)
+    valid = (sy[None, None, None, :, None] < ny.view(B, 1, 1, 1, 1)) & (sx < nx.view(B, 1, 1, 1, 1))
+    inside = torch.ones(shape, dtype=torch.bool, device=dev)
+    for i in reversed(range(affines.shape[1])):  # the last op first: output -> its input -> ... -> the crop
+        a = affines[:, i].reshape(B, 6, 1, 1, 1, 1).unbind(1)
+        U, V = a[0] * U + a[1] * V + a[2], a[3] * U + a[4] * V + a[5]
+        inside = inside & (U >= 0) & (U <= 1) & (V >= 0) & (V <= 1)
+    U = torch.where(flips.view(B, 1, 1, 1, 1), 1.0 - U, U)
+    b = boxes.view(B, 4, 1, 1, 1, 1).unbind(1)
+    # RoIAlign's bilinear rule (aligned: cell centres at j + 0.5), clamped at the border
+    X = ((b[0] + U * (b[2] - b[0])) * w - 0.5).clamp(0, w - 1)
+    Y = ((b[1] + V * (b[3] - b[1])) * h - 0.5).clamp(0, h - 1)
+    x0, y0 = X.floor(), Y.floor()
+    lx, ly = X - x0, Y - y0
+    x0, y0 = x0.long(), y0.long()
+    x1, y1 = (x0 + 1).clamp_max(w - 1), (y0 + 1).clamp_max(h - 1)
+    share = (valid & inside).float() / (ny * nx).view(B, 1, 1, 1, 1)
+    cells = torch.stack([y0 * w + x0, y0 * w + x1, y1 * w + x0, y1 * w + x1], -1)
+    weights = torch.stack([(1 - ly) * (1 - lx), (1 - ly) * lx, ly * (1 - lx), ly * lx], -1) * share[..., None]
+    fill = ((valid & ~inside).float() / (ny * nx).view(B, 1, 1, 1, 1)).sum((3, 4))
+    N = gh * gw
+    return cells.reshape(B, N, -1), weights.reshape(B, N, -1), fill.reshape(B, N), (gh, gw)
 
 
 class SparseTokenTargets(NamedTuple):
@@ -205,6 +363,8 @@ def token_targets_sparse(
     flips: torch.Tensor,
     grid: Tuple[int, int],
     smoothing: float = 0.0,
+    affines=None,
+    extent: Optional[Sequence[float]] = None,
 ) -> SparseTokenTargets:
     """:func:`token_targets_batch` as :class:`SparseTokenTargets` (what the training loss reads).
 
@@ -212,6 +372,12 @@ def token_targets_sparse(
     distribution is a constant ``f`` (the rest of its mass over the ``C - k`` others) plus its top-k
     entries ``v - f``, so a token's target is its interpolated ``f`` for every class plus its few
     supporting cells' top-k entries at their classes (RoIAlign is separable: :func:`axis_weights`).
+
+    ``affines (B, L, 2, 3)``: each image's geometric ops after the crop and flip (module docstring);
+    ``None`` or ``L == 0`` is the crop path. Then each token reads the bilinear corners of its samples
+    (still sparse) and its share of fill samples goes to the uniform ``base``. ``extent``: the batch's
+    largest :func:`affine_extent` ``(ey, ex)`` as host floats (else it is computed: a device sync on an
+    accelerator).
     """
     values, indices = _as_tensor(values), _as_tensor(indices)
     if values.dim() != 4 or values.shape != indices.shape:
@@ -223,9 +389,21 @@ def token_targets_sparse(
     B, k, h, w = values.shape
     if _as_tensor(boxes).shape[0] != B:
         raise ValueError(f'boxes: expected one crop per map row ({B}), got {_as_tensor(boxes).shape[0]}')
+    affines = None if affines is None else check_affines(affines, B)
     with torch.autocast(values.device.type, enabled=False):  # targets in fp32 under a training autocast
         f, u = _cells(values, num_classes)
         u = u.flatten(2)  # (B, k, h*w): the top-k entries above the constant
+        if affines is not None:
+            cell, weight, fill, _ = _affine_samples(
+                *_batch_geometry(boxes, flips, values.device), affines.to(values.device), (h, w), grid, extent
+            )
+            N, P = cell.shape[1:]
+            base = (torch.gather(f.flatten(1), 1, cell.flatten(1)).view(B, N, P) * weight).sum(-1)
+            base = (base + fill / num_classes) * (1.0 - smoothing) + smoothing / num_classes
+            cell = cell[:, :, None].expand(B, N, k, P)
+            src = torch.gather(u[:, None].expand(B, N, k, h * w), 3, cell) * (weight[:, :, None] * (1.0 - smoothing))
+            cls = torch.gather(indices.long().flatten(2)[:, None].expand(B, N, k, h * w), 3, cell)
+            return SparseTokenTargets(base, cls.reshape(B, N, k * P), src.reshape(B, N, k * P), num_classes)
         wy, wx, (gh, gw) = _axes(boxes, flips, (h, w), grid, values.device)
         N = gh * gw
         # label smoothing folded in: (1 - ε) · (constant + top-k entries) + ε / C
@@ -249,12 +427,15 @@ def token_targets_batch(
     flips: torch.Tensor,
     grid: Tuple[int, int],
     smoothing: float = 0.0,
+    affines=None,
+    extent: Optional[Sequence[float]] = None,
 ) -> torch.Tensor:
     """Per-token targets ``(B, C, gh, gw)`` for a batch: the map rows ``(B, k, h, w)`` under each crop
     ``boxes (B, 4)`` (normalised ``(x0, y0, x1, y1)``), resampled to ``grid`` by RoIAlign, flipped where
-    ``flips (B,)`` is set, label-smoothed. Every token's target sums to 1. Built from
-    :func:`token_targets_sparse`; channels-last (a ``(B, gh, gw, C)`` tensor seen as ``(B, C, gh, gw)``)."""
-    t = token_targets_sparse(values, indices, num_classes, boxes, flips, grid, smoothing)
+    ``flips (B,)`` is set, through the ``affines`` where given, label-smoothed. Every token's target sums
+    to 1. Built from :func:`token_targets_sparse`; channels-last (a ``(B, gh, gw, C)`` tensor seen as
+    ``(B, C, gh, gw)``)."""
+    t = token_targets_sparse(values, indices, num_classes, boxes, flips, grid, smoothing, affines, extent)
     gh, gw = (grid, grid) if isinstance(grid, int) else tuple(grid)
     return t.dense().view(-1, gh, gw, num_classes).permute(0, 3, 1, 2)
 
@@ -267,10 +448,13 @@ def class_maps(
     boxes: torch.Tensor,
     flips: torch.Tensor,
     grid: Tuple[int, int],
+    affines=None,
+    extent: Optional[Sequence[float]] = None,
 ) -> torch.Tensor:
     """One channel of the token targets per image, ``(B, gh, gw)``: the probability of class
     ``classes[b]`` at each token of image ``b`` (e.g. its true class: TokenMix's activation map), equal to
-    ``token_targets_batch(...)[b, classes[b]]`` without building the other classes."""
+    ``token_targets_batch(...)[b, classes[b]]`` without building the other classes (``affines`` and
+    ``extent`` as there)."""
     values, indices = _as_tensor(values), _as_tensor(indices)
     if values.dim() != 4 or values.shape != indices.shape:
         raise ValueError(
@@ -280,34 +464,66 @@ def class_maps(
     classes = _as_tensor(classes).to(values.device).long().view(-1)
     if classes.numel() != B:
         raise ValueError(f'classes: expected one class per map row ({B}), got {classes.numel()}')
+    affines = None if affines is None else check_affines(affines, B)
     with torch.autocast(values.device.type, enabled=False):
         f, u = _cells(values, num_classes)
         d = f + (u * (indices.long() == classes.view(B, 1, 1, 1))).sum(1)  # (B, h, w)
+        if affines is not None:
+            cell, weight, fill, (gh, gw) = _affine_samples(
+                *_batch_geometry(boxes, flips, values.device), affines.to(values.device), (h, w), grid, extent
+            )
+            p = (torch.gather(d.flatten(1), 1, cell.flatten(1)).view_as(weight) * weight).sum(-1)
+            return (p + fill / num_classes).view(B, gh, gw)
         wy, wx, _ = _axes(boxes, flips, (h, w), grid, values.device)
         return wy @ d @ wx.transpose(1, 2)
 
 
 def token_targets(
-    values, indices, num_classes: int, box: Box, flip: bool, grid: Tuple[int, int], smoothing: float = 0.0
+    values,
+    indices,
+    num_classes: int,
+    box: Box,
+    flip: bool,
+    grid: Tuple[int, int],
+    smoothing: float = 0.0,
+    affine=None,
 ) -> torch.Tensor:
     """One image: ``values``/``indices`` its ``(k, h, w)`` top-k map, ``box = (x0, y0, x1, y1)`` the crop
     in normalised full-image coordinates, ``flip`` a horizontal flip after the crop, ``grid`` the
-    model's token grid ``(gh, gw)``. Returns ``(num_classes, gh, gw)`` probabilities."""
+    model's token grid ``(gh, gw)``, ``affine`` a ``(2, 3)`` matrix (or a chain ``(L, 2, 3)``, first op
+    first) in normalised coordinates of the augmented crop: the content at output point ``(u, v)`` came
+    from ``M @ (u, v, 1)`` of the crop before the op (``None``: no op). Tokens whose samples all fall
+    outside the source get a uniform distribution. Returns ``(num_classes, gh, gw)`` probabilities."""
     v, i = _as_tensor(values), _as_tensor(indices)
     if v.dim() != 3:
         raise ValueError(f"values: expected one image's (k, h, w) top-k map, got {tuple(v.shape)}")
     box_t = _as_tensor(box, torch.float32).reshape(1, 4)
-    t = token_targets_batch(v[None], i[None], num_classes, box_t, torch.tensor([bool(flip)]), grid, smoothing)
+    if affine is not None:
+        a = _as_tensor(affine, torch.float32)
+        if a.dim() not in (2, 3) or tuple(a.shape[-2:]) != (2, 3):
+            raise ValueError(f'affine: expected a 2x3 matrix or a chain (L, 2, 3), got {tuple(a.shape)}')
+        affine = a.reshape(1, -1, 2, 3)
+    flip_t = torch.tensor([bool(flip)])
+    t = token_targets_batch(v[None], i[None], num_classes, box_t, flip_t, grid, smoothing, affine)
     return t[0].contiguous()
 
 
 def crop_targets(
-    values: torch.Tensor, indices: torch.Tensor, num_classes: int, boxes: torch.Tensor, smoothing: float = 0.0
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    num_classes: int,
+    boxes: torch.Tensor,
+    smoothing: float = 0.0,
+    flips=None,
+    affines=None,
+    extent: Optional[Sequence[float]] = None,
 ) -> torch.Tensor:
     """ReLabel: one label ``(B, C)`` per crop, the mean of the map's distribution over the crop (a flip
-    does not change it)."""
-    flips = torch.zeros(len(boxes), dtype=torch.bool)
-    return token_targets_batch(values, indices, num_classes, boxes, flips, (1, 1), smoothing)[:, :, 0, 0]
+    does not change it; with ``affines``, over what the augmented crop shows, fill uniform)."""
+    if flips is None:
+        flips = torch.zeros(len(boxes), dtype=torch.bool)
+    t = token_targets_batch(values, indices, num_classes, boxes, flips, (1, 1), smoothing, affines, extent)
+    return t[:, :, 0, 0]
 
 
 def crop_box(top: int, left: int, height: int, width: int, img_height: int, img_width: int) -> Tuple[float, ...]:

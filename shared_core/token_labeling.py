@@ -119,6 +119,11 @@ def class_target(
     return annotator * mix_weight + gt * (1.0 - mix_weight)
 
 
+def _geometry(maps):
+    """The batch's geometric ops after the crops, ``(affines, extent)`` (``None`` where it has none)."""
+    return getattr(maps, 'affines', None), getattr(maps, 'extent', None)
+
+
 def token_labeling_targets(
     labels: torch.Tensor,
     num_classes: int,
@@ -138,7 +143,8 @@ def token_labeling_targets(
     the sparse per-token targets of the crops on the token ``grid`` (Eq. 2;
     :class:`~shared_core.label_maps.SparseTokenTargets`, ``.dense()`` is ``(B, N, C)``). ``maps``: anything
     with the batch's map rows ``.values``/``.indices`` ``(B, k, h, w)``, crops ``.boxes`` ``(B, 4)`` and
-    ``.flips`` ``(B,)`` on the training device (needed for ``dense`` or a non-``'gt'`` class target).
+    ``.flips`` ``(B,)`` on the training device, and optionally the geometric ops after them ``.affines``
+    with their ``.extent`` (needed for ``dense`` or a non-``'gt'`` class target).
     Every row sums to 1."""
     check_labels(labels, num_classes, name)
     if maps is None and (dense or cls_target != 'gt'):
@@ -148,14 +154,18 @@ def token_labeling_targets(
         )
     annotator = None
     if cls_target != 'gt':  # ReLabel: the map's mean over the crop
-        annotator = crop_targets(maps.values, maps.indices, num_classes, maps.boxes, smoothing)
+        annotator = crop_targets(
+            maps.values, maps.indices, num_classes, maps.boxes, smoothing, maps.flips, *_geometry(maps)
+        )
     gt = one_hot(labels, num_classes, smoothing)
     y_cls = mix_class_target(class_target(gt, annotator, cls_target, cls_target_mix), mix)  # Eq. 7
     tokens = None
     if dense:
         if grid is None:
             raise ValueError('grid: dense token targets need the token grid (gh, gw)')
-        tokens = token_targets_sparse(maps.values, maps.indices, num_classes, maps.boxes, maps.flips, grid, smoothing)
+        tokens = token_targets_sparse(
+            maps.values, maps.indices, num_classes, maps.boxes, maps.flips, grid, smoothing, *_geometry(maps)
+        )
     return y_cls, tokens
 
 

@@ -68,18 +68,22 @@ def activation_target(
     num_classes: int,
     smoothing: float = 0.0,
     mode: str = 'true_class',
+    affines=None,
+    extent=None,
 ) -> torch.Tensor:
     """The ``(B, C)`` target of a mixed batch from the teacher's map rows ``(B, k, h, w)`` under each
-    image's crop ``boxes`` / ``flips``; rows sum to 1 (label smoothing included). See the module docstring."""
+    image's crop ``boxes`` / ``flips`` and geometric ops ``affines`` (``extent`` their host-side sample
+    extent; see :func:`shared_core.label_maps.token_targets_sparse`); rows sum to 1 (label smoothing
+    included). See the module docstring."""
     if mode not in ACTIVATION_TARGETS:
         raise ValueError(f'mode: expected one of {ACTIVATION_TARGETS}, got {mode!r}')
     labels = labels.to(values.device)
     check_labels(labels, num_classes)
     mix = mix.to(values.device)
     if mode == 'true_class':
-        maps = class_maps(values, indices, num_classes, labels, boxes, flips, mix.grid_size)
+        maps = class_maps(values, indices, num_classes, labels, boxes, flips, mix.grid_size, affines, extent)
         return pair_target(labels, mix.partner, activation_lam(maps, mix), num_classes, smoothing)
-    p = token_targets_batch(values, indices, num_classes, boxes, flips, mix.grid_size)  # (B, C, gh, gw)
+    p = token_targets_batch(values, indices, num_classes, boxes, flips, mix.grid_size, 0.0, affines, extent)
     p = p.flatten(2).transpose(1, 2)  # (B, N, C)
     shown = mix_rows(p, mix.partner, mix.token_share_flat())
     return smooth(shown.mean(1), smoothing)

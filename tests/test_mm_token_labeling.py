@@ -27,22 +27,28 @@ C = 5
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def tl_pipeline(root, flip=dict(type='RandomFlip', prob=0.5, direction='horizontal'), pack='PackTokenLabelInputs'):
+def tl_pipeline(
+    root, flip=dict(type='RandomFlip', prob=0.5, direction='horizontal'), pack='PackTokenLabelInputs', aug=(), scale=64
+):
     steps = [
         dict(type='LoadImageFromFile'),
         dict(type='LoadTokenLabelMap', store=str(root / 'maps'), split_root=str(root / 'train')),
-        dict(type='TokenLabelRandomResizedCrop', scale=64, crop_ratio_range=(0.08, 1.0), interpolation='nearest'),
+        dict(type='TokenLabelRandomResizedCrop', scale=scale, crop_ratio_range=(0.08, 1.0), interpolation='nearest'),
     ]
-    return steps + ([flip] if flip else []) + [dict(type=pack)]
+    return steps + ([flip] if flip else []) + list(aug) + [dict(type=pack)]
 
 
 def dataset(root, pipeline):
     return CustomDataset(data_root=str(root), data_prefix='train', pipeline=pipeline)
 
 
+FILL = len(COLOURS)  # black pixels: the geometric policies' fill (pad_val=0)
+
+
 def pixel_classes(x):
-    """Class of each pixel of (B, 3, H, W) uint8 BGR images (as mmcv loads them): nearest quadrant colour."""
-    cols = torch.tensor(COLOURS[:, ::-1].copy(), dtype=torch.float32)
+    """Class of each pixel of (B, 3, H, W) uint8 BGR images (as mmcv loads them): nearest quadrant colour, or
+    FILL for black."""
+    cols = torch.tensor(np.concatenate([COLOURS[:, ::-1], [[0, 0, 0]]]), dtype=torch.float32)
     d = ((x.float().permute(0, 2, 3, 1)[..., None, :] - cols) ** 2).sum(-1)
     return d.argmin(-1)
 
@@ -145,6 +151,67 @@ def test_token_targets_follow_crops_and_flips_through_the_mm_pipeline(quadrant_d
         assert torch.equal(dense.argmax(-1)[pure], tok[..., 0][pure])
         checked += int(pure.sum())
     assert checked > 300 and 0 < flipped < 48 and len(boxes) > 40
+
+
+GEOMETRIC_POLICIES = {
+    'rotate': dict(type='Rotate', magnitude_range=(0, 30)),
+    'shear-h': dict(type='Shear', magnitude_range=(0, 0.3), direction='horizontal'),
+    'shear-v': dict(type='Shear', magnitude_range=(0, 0.3), direction='vertical'),
+    'translate-h': dict(type='Translate', magnitude_range=(0, 0.45), direction='horizontal'),
+    'translate-v': dict(type='Translate', magnitude_range=(0, 0.45), direction='vertical'),
+}
+
+
+def forced(policy, geometric='follow'):
+    """TokenLabelRandAugment with one policy that always runs at magnitude 9 (its sign random), nearest
+    resampling, black fill."""
+    return dict(
+        type='TokenLabelRandAugment',
+        policies=[dict(policy, prob=1.0)],
+        num_policies=1,
+        magnitude_level=9,
+        geometric=geometric,
+        hparams=dict(pad_val=0, interpolation='nearest'),
+    )
+
+
+@pytest.mark.parametrize('scale', [64, (48, 64)])
+@pytest.mark.parametrize('op', sorted(GEOMETRIC_POLICIES))
+def test_token_targets_follow_each_geometric_policy_through_the_mm_pipeline(quadrant_data, op, scale):
+    """... -> RandomFlip -> TokenLabelRandAugment (one geometric policy, forced) -> PackTokenLabelInputs: every
+    token that is one quadrant has that class as its target's argmax, every all-fill token a uniform target,
+    square and non-square crops (mmcv's warps, OpenCV pixel centres)."""
+    gh, gw = (4, 4) if scale == 64 else (3, 4)
+    H, W = 16 * gh, 16 * gw
+    ds = dataset(quadrant_data, tl_pipeline(quadrant_data, aug=[forced(GEOMETRIC_POLICIES[op])], scale=scale))
+    head = TokenLabelingHead(num_classes=4, in_channels=8, label_smoothing=0.0)
+    np.random.seed(0)
+    quad = fill = 0
+    for _ in range(10):
+        items = [ds[i] for i in range(len(ds))]
+        x = torch.stack([it['inputs'] for it in items])
+        samples = [it['data_samples'] for it in items]
+        assert x.shape[-2:] == (H, W) and all(s.token_affines.shape == (1, 2, 3) for s in samples)
+        _, dense = head.targets(samples, None, (gh, gw))
+        dense = dense.dense()  # (B, N, 4)
+        torch.testing.assert_close(dense.sum(-1), torch.ones(len(x), gh * gw))
+        tok = pixel_classes(x).view(-1, gh, 16, gw, 16).permute(0, 1, 3, 2, 4).reshape(len(x), gh * gw, 256)
+        pure = (tok == tok[..., :1]).all(-1)
+        q, f = pure & (tok[..., 0] != FILL), pure & (tok[..., 0] == FILL)
+        assert torch.equal(dense.argmax(-1)[q], tok[..., 0][q])
+        torch.testing.assert_close(dense[f], torch.full_like(dense[f], 0.25), atol=1e-6, rtol=0)
+        quad, fill = quad + int(q.sum()), fill + int(f.sum())
+    assert quad > 60, quad
+    if op.startswith('translate'):
+        assert fill > 0
+
+
+def test_geometric_policies_must_follow_the_flip(quadrant_data):
+    aug = forced(GEOMETRIC_POLICIES['rotate'])
+    steps = tl_pipeline(quadrant_data, flip=None)
+    steps = steps[:-1] + [aug, dict(type='RandomFlip', prob=0.5, direction='horizontal'), steps[-1]]
+    with pytest.raises(ValueError, match='flipped after TokenLabelRandAugment'):
+        dataset(quadrant_data, steps)[0]
 
 
 def test_map_store_key_is_the_path_under_the_split_root(quadrant_data):
@@ -324,18 +391,23 @@ def test_pipeline_refuses_what_the_maps_cannot_follow(quadrant_data, tmp_path):
         t({'img_path': img})
 
 
-def test_randaugment_keeps_only_colour_policies():
+def test_randaugment_records_geometric_policies_or_drops_them():
     ra = TokenLabelRandAugment(policies='timm_increasing', num_policies=2, magnitude_level=9, magnitude_std=0.5)
     kinds = {p['type'] for p in ra.policies}
-    assert kinds and not kinds & set(GEOMETRIC_RAND_POLICIES) and {'Brightness', 'Equalize'} <= kinds
-    kept = TokenLabelRandAugment(policies='timm_increasing', num_policies=2, magnitude_level=9, keep_geometric=True)
-    assert set(GEOMETRIC_RAND_POLICIES) <= {p['type'] for p in kept.policies}
+    assert {'TokenLabelRotate', 'TokenLabelShear', 'TokenLabelTranslate', 'Brightness', 'Equalize'} <= kinds
+    assert not kinds & set(GEOMETRIC_RAND_POLICIES)  # each replaced by its recording subclass
     out = ra({'img': np.zeros((32, 48, 3), np.uint8)})
-    assert out['img'].shape == (32, 48, 3)
+    assert out['img'].shape == (32, 48, 3) and out['token_affines'].shape[1:] == (2, 3)
+    dropped = TokenLabelRandAugment(policies='timm_increasing', num_policies=2, magnitude_level=9, geometric='drop')
+    kinds = {p['type'] for p in dropped.policies}
+    assert kinds and not kinds & (set(GEOMETRIC_RAND_POLICIES) | {'TokenLabelRotate'}) and 'Equalize' in kinds
+    assert dropped({'img': np.zeros((32, 48, 3), np.uint8)})['token_affines'].shape == (0, 2, 3)
     with pytest.raises(ValueError, match='policies: only geometric'):
         TokenLabelRandAugment(
-            policies=[dict(type='Rotate', magnitude_range=(0, 30))], num_policies=1, magnitude_level=9
+            policies=[dict(type='Rotate', magnitude_range=(0, 30))], num_policies=1, magnitude_level=9, geometric='drop'
         )
+    with pytest.raises(ValueError, match='geometric: expected one of'):
+        TokenLabelRandAugment(policies='timm_increasing', num_policies=2, magnitude_level=9, geometric=True)
 
 
 def test_model_errors_name_the_argument():

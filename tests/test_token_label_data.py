@@ -1,12 +1,13 @@
-"""Label maps follow the image through timm's loader: crops and flips of quadrant images, both the
-fast-collate prefetcher path and the plain path, checked token by token against the pixels."""
+"""Label maps follow the image through timm's loader: crops, flips and each of RandAugment's geometric ops
+of quadrant images, both the fast-collate prefetcher path and the plain path, square and non-square inputs,
+checked token by token against the pixels."""
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 from timm.data import create_dataset, create_loader
-from timm.data.auto_augment import rand_augment_transform
+from timm.data.auto_augment import AugmentOp, AutoAugment, RandAugment, auto_augment_transform, rand_augment_transform
 from torchvision import transforms as T
 
 from shared_core.map_store import LabelMapStore, MissingLabelMapError
@@ -20,21 +21,23 @@ from timm_plugin.token_label_data import (
 
 from .helpers import COLOURS, quadrant_image  # quadrant_data: the fixture of conftest.py
 
+FILL = len(COLOURS)  # the class of black pixels: RandAugment's fill (img_mean of mean=0)
+
 
 def pixel_classes(x):
-    """Class of each pixel of (B, 3, H, W) images in [0, 1]: nearest quadrant colour."""
-    cols = torch.tensor(COLOURS, dtype=torch.float32) / 255.0
+    """Class of each pixel of (B, 3, H, W) images in [0, 1]: nearest quadrant colour, or FILL for black."""
+    cols = torch.tensor(np.concatenate([COLOURS, [[0, 0, 0]]]), dtype=torch.float32) / 255.0
     d = ((x.permute(0, 2, 3, 1)[..., None, :] - cols) ** 2).sum(-1)
     return d.argmin(-1)
 
 
-def loader(root, prefetcher, batch_size=6, **kw):
+def loader(root, prefetcher, batch_size=6, input_size=(64, 64), **kw):
     ds = TokenLabelDataset(
         create_dataset('', root=str(root), split='train', is_training=True), LabelMapStore.open(root / 'maps')
     )
     return create_loader(
         ds,
-        input_size=(3, 64, 64),
+        input_size=(3, *input_size),
         batch_size=batch_size,
         is_training=True,
         use_prefetcher=prefetcher,
@@ -70,19 +73,119 @@ def test_token_targets_follow_crops_and_flips_through_timms_loader(quadrant_data
     assert checked > 300 and flipped > 0
 
 
-def test_randaugment_keeps_only_colour_ops_and_other_geometry_is_refused():
+def check_pure_tokens(x, target, grid):
+    """Every token whose pixels are all one quadrant has that quadrant's class as its target's argmax; every
+    token whose pixels are all fill has a uniform target. Returns (quadrant tokens, fill tokens) checked."""
+    gh, gw = grid
+    B, _, H, W = x.shape
+    ph, pw = H // gh, W // gw
+    t = target.token_targets(grid).dense()  # (B, N, C)
+    torch.testing.assert_close(t.sum(-1), torch.ones_like(t[..., 0]))
+    pix = pixel_classes(x.float())
+    tok = pix.view(B, gh, ph, gw, pw).permute(0, 1, 3, 2, 4).reshape(B, gh * gw, ph * pw)
+    pure = (tok == tok[..., :1]).all(-1)
+    quad, fill = pure & (tok[..., 0] != FILL), pure & (tok[..., 0] == FILL)
+    assert torch.equal(t.argmax(-1)[quad], tok[..., 0][quad])
+    torch.testing.assert_close(t[fill], torch.full_like(t[fill], 1.0 / t.shape[-1]), atol=1e-6, rtol=0)
+    return int(quad.sum()), int(fill.sum())
+
+
+def force_op(ds, name):
+    """The dataset's transform with its RandAugment replaced by one geometric op that always runs (m9, its
+    sign random): the crop, flip and the rest as timm's create_loader built them."""
+    tfs = list(ds.transform.transforms)
+    i = next(i for i, t in enumerate(tfs) if isinstance(t, RandAugment))
+    tfs[i] = RandAugment([AugmentOp(name, prob=1.0, magnitude=9, hparams=tfs[i].ops[0].hparams)], 1)
+    ds.transform = T.Compose(tfs)
+
+
+@pytest.mark.parametrize('input_size', [(64, 64), (48, 64)])
+@pytest.mark.parametrize('prefetcher', [True, False])
+@pytest.mark.parametrize('op', ['Rotate', 'ShearX', 'ShearY', 'TranslateXRel', 'TranslateYRel'])
+def test_token_targets_follow_each_geometric_op_through_timms_loader(quadrant_data, prefetcher, op, input_size):
+    """timm's RandAugment op on the crop (nearest resampling, black fill) and the targets computed from the
+    recorded affines agree on every token that is one quadrant or all fill, square and non-square inputs."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    grid = (input_size[0] // 16, input_size[1] // 16)
+    quad = fill = 0
+    ld = loader(quadrant_data, prefetcher, input_size=input_size, auto_augment='rand-m9-n1')
+    force_op(ld.dataset, op)
+    for _ in range(10):
+        for x, target in ld:
+            assert target.affines is not None and target.affines.shape == (len(x), 1, 2, 3)
+            assert not torch.allclose(target.affines, torch.eye(3)[:2].expand_as(target.affines))
+            q, f = check_pure_tokens(x, target, grid)
+            quad, fill = quad + q, fill + f
+    assert quad > 60, quad
+    if op.startswith('Translate'):  # m9: 40 % of the crop moves out: whole columns or rows of fill
+        assert fill > 0
+
+
+def test_dropped_ops_would_misalign_the_labels(quadrant_data):
+    """The image-only alternative: the same translated images checked against crop-only targets fail (the
+    check above has teeth)."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    ld = loader(quadrant_data, False, auto_augment='rand-m9-n1')
+    force_op(ld.dataset, 'TranslateXRel')
+    x, target = next(iter(ld))
+    crop_only = TokenLabelTarget.wrap(
+        target.as_tensor(), target.values, target.indices, target.boxes, target.flips, target.num_classes
+    )
+    with pytest.raises(AssertionError):
+        check_pure_tokens(x, crop_only, (4, 4))
+
+
+def test_chains_of_two_ops_in_an_autoaugment_policy_follow_too(quadrant_data):
+    """AutoAugment sub-policies of two geometric ops each (their affines chained, the first op's fill moved by
+    the second), through the prefetcher path."""
+    torch.manual_seed(1)
+    np.random.seed(1)
+    ld = loader(quadrant_data, True, auto_augment='original')
+    tfs = list(ld.dataset.transform.transforms)
+    i = next(i for i, t in enumerate(tfs) if isinstance(t, AutoAugment))
+    hp = tfs[i].policy[0][0].hparams
+    pairs = [('ShearX', 'TranslateYRel'), ('Rotate', 'TranslateXRel'), ('TranslateXRel', 'ShearY')]
+    tfs[i] = AutoAugment([[AugmentOp(a, 1.0, 8, hp), AugmentOp(b, 1.0, 8, hp)] for a, b in pairs])
+    ld.dataset.transform = T.Compose(tfs)
+    quad = fill = 0
+    for _ in range(10):
+        for x, target in ld:
+            assert target.affines.shape == (len(x), 2, 2, 3)
+            q, f = check_pure_tokens(x, target, (4, 4))
+            quad, fill = quad + q, fill + f
+    assert quad > 100 and fill > 0
+
+
+def test_geometric_ops_are_recorded_or_dropped_and_other_geometry_is_refused():
     ra = rand_augment_transform('rand-m9-mstd0.5-inc1', dict(translate_const=20, img_mean=(124, 116, 104)))
     tf = T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip(0.3), ra, T.ToTensor()])
-    crop, hflip, rest = split_train_transform(tf)
-    assert hflip == 0.3 and isinstance(crop, T.RandomResizedCrop)
-    names = {op.name for op in rest.transforms[0].ops}
-    assert names and not names & set(GEOMETRIC_RAND_OPS) and 'Rotate' in {op.name for op in ra.ops}
-    _, _, kept = split_train_transform(tf, keep_geometric_aa=True)
-    assert kept.transforms[0] is ra
+    crop, hflip, rest, recorder = split_train_transform(tf)  # 'follow', the default
+    assert hflip == 0.3 and isinstance(crop, T.RandomResizedCrop) and recorder is not None
+    assert [op.name for op in rest.transforms[0].ops] == [op.name for op in ra.ops]
+    img = Image.fromarray(np.full((32, 32, 3), 100, np.uint8))
+    rotate = next(op for op in rest.transforms[0].ops if op.name == 'Rotate')
+    recorder.reset()
+    rotate.prob = 1.0
+    rotate(img)
+    assert recorder.affines().shape == (1, 2, 3)
+    assert all(op.aug_fn is not rotate.aug_fn for op in ra.ops)  # timm's transform is left as it was
+    _, _, dropped, none = split_train_transform(tf, geometric_aa='drop')
+    names = {op.name for op in dropped.transforms[0].ops}
+    assert none is None and names and not names & set(GEOMETRIC_RAND_OPS)
     with pytest.raises(ValueError, match='vertical'):
         split_train_transform(T.Compose([T.RandomResizedCrop(32), T.RandomVerticalFlip(0.5)]))
     with pytest.raises(ValueError, match='random resized crop'):
         split_train_transform(T.Compose([T.CenterCrop(32)]))
+    with pytest.raises(ValueError, match='flip must come before'):
+        split_train_transform(T.Compose([T.RandomResizedCrop(32), ra, T.RandomHorizontalFlip(0.5)]))
+    aa = auto_augment_transform('original', dict(img_mean=(124, 116, 104)))
+    assert isinstance(split_train_transform(T.Compose([T.RandomResizedCrop(32), aa])).rest.transforms[0], AutoAugment)
+    with pytest.raises(ValueError, match='AutoAugment'):
+        split_train_transform(T.Compose([T.RandomResizedCrop(32), aa]), geometric_aa='drop')
+    with pytest.raises(ValueError, match="geometric_aa: expected one of \\('follow', 'drop'\\)"):
+        split_train_transform(tf, geometric_aa='keep')
 
 
 def test_a_missing_map_names_the_image(quadrant_data, tmp_path):
@@ -120,7 +223,7 @@ def test_randaugment_posterize_at_full_magnitude_works_with_this_pillow():
 @pytest.mark.parametrize('policy', ['rand-m9-mstd0.5-tweights', 'rand-m9-t3aw'])
 def test_weighted_randaugment_policies_keep_matching_weights(policy):
     ra = rand_augment_transform(policy, dict(translate_const=20, img_mean=(124, 116, 104)))
-    _, _, rest = split_train_transform(T.Compose([T.RandomResizedCrop(32), ra]))
+    rest = split_train_transform(T.Compose([T.RandomResizedCrop(32), ra]), geometric_aa='drop').rest
     kept = rest.transforms[0]
     assert len(kept.choice_weights) == len(kept.ops) < len(ra.ops)
     assert abs(sum(kept.choice_weights) - 1) < 1e-9

@@ -175,6 +175,8 @@ class TokenAwareMixup:
                 self.num_classes,
                 self.label_smoothing,
                 self.activation_targets,
+                getattr(target, 'affines', None),
+                getattr(target, 'extent', None),
             )
             target = labels
         else:

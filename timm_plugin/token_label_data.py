@@ -7,14 +7,15 @@ dataset; the dataset splits it into the geometry it must record and the rest:
 - ``RandomResizedCropAndInterpolation`` runs as timm built it; its crop ``(i, j, h, w)`` is recorded as
   the normalised box ``(x0, y0, x1, y1)`` of the full image;
 - ``RandomHorizontalFlip(p)`` is applied here and recorded;
-- RandAugment loses its geometric ops (``Rotate``, ``ShearX/Y``, ``TranslateX/Y(Rel)``): a label map
-  cannot follow them through ``roi_align``, and applying them to the image only shifts the image away
-  from its labels by up to 45 % of its size. Colour ops stay; ``keep_geometric_aa=True`` keeps them (on
-  the image only). AutoAugment policies and AugMix, whose geometric ops cannot be removed the same way,
-  are refused, as are vertical flips and other crop modes;
+- RandAugment's geometric ops (``Rotate``, ``ShearX/Y``, ``TranslateX/Y(Rel)``) run as timm built them
+  and each records the affine it applied (``geometric_aa='follow'``, the default and the public code's
+  behaviour): the targets follow the image through them (:mod:`shared_core.label_maps`, fill outside
+  the image a uniform label). AutoAugment policies record theirs the same way. ``geometric_aa='drop'``
+  removes these ops instead (our earlier default; AutoAugment is then refused). AugMix (blends of
+  several chains) is refused, as are vertical flips and other crop modes;
 - everything after (colour jitter, RandAugment's other ops, to-tensor, normalise, random erasing) as built.
 
-Each sample is ``(image, (label, values, indices, box, flip))``; :class:`TokenLabelCollate` stacks
+Each sample is ``(image, (label, values, indices, box, flip, affines))``; :class:`TokenLabelCollate` stacks
 them into ``(images, TokenLabelTarget)``, which also works with timm's fast-collate prefetcher (uint8
 images, the target's ``.to`` moves the map rows). The per-token targets are built on the training
 device in one batched call, kept sparse (:func:`shared_core.label_maps.token_targets_sparse`).
@@ -22,7 +23,9 @@ device in one batched call, kept sparse (:func:`shared_core.label_maps.token_tar
 
 from __future__ import annotations
 
-from typing import Tuple
+import copy
+import math
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -37,24 +40,41 @@ from shared_core.label_maps import (
     check_map_row,
     crop_box,
     crop_targets,
+    normalised_affine,
+    stack_affines,
     token_targets_sparse,
 )
 from shared_core.mix import check_labels
 
 from .carrier import CarrierTensor
 
-__all__ = ['GEOMETRIC_RAND_OPS', 'TokenLabelTarget', 'TokenLabelDataset', 'TokenLabelCollate', 'split_train_transform']
+__all__ = [
+    'GEOMETRIC_AA',
+    'GEOMETRIC_RAND_OPS',
+    'AffineRecorder',
+    'TokenLabelTarget',
+    'TokenLabelDataset',
+    'TokenLabelCollate',
+    'TrainTransform',
+    'pil_op_affine',
+    'split_train_transform',
+]
 
-#: RandAugment ops that move pixels (removed under token labeling unless ``keep_geometric_aa``)
+#: timm augmentation ops that move pixels (their affines are recorded, or with ``geometric_aa='drop'`` they
+#: are removed)
 GEOMETRIC_RAND_OPS = ('Rotate', 'ShearX', 'ShearY', 'TranslateX', 'TranslateY', 'TranslateXRel', 'TranslateYRel')
+#: what the data path does with them: the targets follow them (the public code), or they are dropped (ours)
+GEOMETRIC_AA = ('follow', 'drop')
 
 
 class TokenLabelTarget(CarrierTensor):
     """The class indices ``(B,)`` of a batch carrying its map rows ``.values (B, k, h, w)`` (fp16
     probabilities), ``.indices (B, k, h, w)`` (int64 classes), the crops ``.boxes (B, 4)`` (normalised
-    ``x0, y0, x1, y1``), ``.flips (B,)`` and ``.num_classes``."""
+    ``x0, y0, x1, y1``), ``.flips (B,)``, ``.num_classes``, and the geometric ops after them:
+    ``.affines (B, L, 2, 3)`` (identity-padded chains; ``None`` when no image had one) with ``.extent``,
+    their largest sample extent ``(ey, ex)`` computed on the CPU (see :func:`~shared_core.label_maps.affine_extent`)."""
 
-    _carried = ('values', 'indices', 'boxes', 'flips', 'num_classes')
+    _carried = ('values', 'indices', 'boxes', 'flips', 'num_classes', 'affines', 'extent')
 
     @staticmethod
     def wrap(
@@ -64,44 +84,151 @@ class TokenLabelTarget(CarrierTensor):
         boxes: torch.Tensor,
         flips: torch.Tensor,
         num_classes: int,
+        affines: Optional[torch.Tensor] = None,
+        extent: Optional[Tuple[float, float]] = None,
     ) -> 'TokenLabelTarget':
         return TokenLabelTarget._wrap(
-            labels, dict(values=values, indices=indices, boxes=boxes, flips=flips, num_classes=num_classes)
+            labels,
+            dict(
+                values=values,
+                indices=indices,
+                boxes=boxes,
+                flips=flips,
+                num_classes=num_classes,
+                affines=affines,
+                extent=extent,
+            ),
         )
 
     def token_targets(self, grid: Tuple[int, int], smoothing: float = 0.0) -> SparseTokenTargets:
         """Per-token targets (row-major token order; ``.dense()`` is ``(B, gh * gw, C)``, rows summing to 1)."""
         return token_targets_sparse(
-            self.values, self.indices, self.num_classes, self.boxes, self.flips, grid, smoothing
+            self.values,
+            self.indices,
+            self.num_classes,
+            self.boxes,
+            self.flips,
+            grid,
+            smoothing,
+            self.affines,
+            self.extent,
         )
 
     def crop_targets(self, smoothing: float = 0.0) -> torch.Tensor:
         """``(B, C)`` the annotator's pooled label over each crop (ReLabel)."""
-        return crop_targets(self.values, self.indices, self.num_classes, self.boxes, smoothing)
+        return crop_targets(
+            self.values, self.indices, self.num_classes, self.boxes, smoothing, self.flips, self.affines, self.extent
+        )
 
 
-def split_train_transform(transform, keep_geometric_aa: bool = False):
-    """timm's training transform as ``(crop, hflip_p, rest)``: the ``RandomResizedCropAndInterpolation``,
-    the horizontal-flip probability, and a ``Compose`` of what follows (see the module docstring)."""
+def pil_op_affine(name: str, size: Tuple[int, int], args: tuple) -> np.ndarray:
+    """The normalised ``(2, 3)`` affine (:func:`~shared_core.label_maps.normalised_affine`) of timm's
+    geometric op ``name`` called with level ``args`` on a PIL image of ``size = (W, H)``: the matrix its
+    ``Image.transform`` / ``Image.rotate`` call uses (output to input, pixel ``i`` spanning ``[i, i + 1]``)."""
+    W, H = size
+    if name == 'Rotate':  # PIL's Image.rotate: counter-clockwise by `degrees` about (W / 2, H / 2)
+        a = -math.radians(args[0] % 360.0)
+        c, s = round(math.cos(a), 15), round(math.sin(a), 15)
+        cx, cy = W / 2, H / 2
+        m = (c, s, c * -cx + s * -cy + cx, -s, c, -s * -cx + c * -cy + cy)
+    elif name == 'ShearX':
+        m = (1, args[0], 0, 0, 1, 0)
+    elif name == 'ShearY':
+        m = (1, 0, 0, args[0], 1, 0)
+    elif name in ('TranslateXRel', 'TranslateX'):
+        m = (1, 0, args[0] * W if name == 'TranslateXRel' else args[0], 0, 1, 0)
+    elif name in ('TranslateYRel', 'TranslateY'):
+        m = (1, 0, 0, 0, 1, args[0] * H if name == 'TranslateYRel' else args[0])
+    else:
+        raise ValueError(f'name: expected one of {GEOMETRIC_RAND_OPS}, got {name!r}')
+    return normalised_affine(np.reshape(m, (2, 3)), W, H, 'output_to_input', corner=0.0)
+
+
+class AffineRecorder:
+    """The normalised affines of the geometric ops applied to the current sample, in order (``chain``);
+    the dataset resets it before each sample's augmentation."""
+
+    def __init__(self):
+        self.chain = []
+
+    def reset(self) -> None:
+        self.chain = []
+
+    def affines(self) -> np.ndarray:
+        return np.asarray(self.chain, np.float32).reshape(-1, 2, 3)
+
+
+class _RecordingOp:
+    """A timm op function (``AugmentOp.aug_fn``) that records its affine, then runs as it was."""
+
+    def __init__(self, name: str, fn, recorder: AffineRecorder):
+        self.name, self.fn, self.recorder = name, fn, recorder
+
+    def __call__(self, img, *args, **kwargs):
+        self.recorder.chain.append(pil_op_affine(self.name, img.size, args))
+        return self.fn(img, *args, **kwargs)
+
+
+def _recording(op, recorder: AffineRecorder):
+    if op.name not in GEOMETRIC_RAND_OPS:
+        return op
+    op = copy.copy(op)
+    op.aug_fn = _RecordingOp(op.name, op.aug_fn, recorder)
+    return op
+
+
+class TrainTransform(NamedTuple):
+    """timm's training transform split for token labels: the crop, the flip probability, the rest, and
+    the recorder of the rest's geometric ops (``None`` with ``geometric_aa='drop'``)."""
+
+    crop: object
+    hflip: float
+    rest: T.Compose
+    recorder: Optional[AffineRecorder]
+
+
+def split_train_transform(transform, geometric_aa: str = 'follow') -> TrainTransform:
+    """timm's training transform as a :class:`TrainTransform`: the ``RandomResizedCropAndInterpolation``,
+    the horizontal-flip probability, a ``Compose`` of what follows (see the module docstring) and the
+    recorder its geometric ops write their affines to."""
+    if geometric_aa not in GEOMETRIC_AA:
+        raise ValueError(f'geometric_aa: expected one of {GEOMETRIC_AA}, got {geometric_aa!r}')
     tfs = list(transform.transforms) if isinstance(transform, T.Compose) else [transform]
     if not tfs or not isinstance(tfs[0], (RandomResizedCropAndInterpolation, T.RandomResizedCrop)):
         raise ValueError(
             'transform: token labeling needs a training transform that starts with a random resized '
             f'crop (timm train_crop_mode "rrc"), got {tfs[:1]}'
         )
+    follow = geometric_aa == 'follow'
+    recorder = AffineRecorder() if follow else None
     crop, rest, hflip = tfs[0], [], 0.0
+    recorded = False  # a transform whose affines are recorded came already
     for t in tfs[1:]:
         if isinstance(t, T.RandomHorizontalFlip):
+            if recorded:
+                raise ValueError(
+                    'transform: the horizontal flip must come before the augmentation whose geometric ops '
+                    "the labels follow (timm's order: crop, flip, then RandAugment)"
+                )
             hflip = float(t.p)
         elif isinstance(t, T.RandomVerticalFlip):
             if t.p > 0:
                 raise ValueError('transform: vertical flips are not supported with token labels (--vflip 0)')
-        elif isinstance(t, (AutoAugment, AugMixAugment)):
+        elif isinstance(t, AugMixAugment) or (isinstance(t, AutoAugment) and not follow):
             raise ValueError(
-                f'transform: {type(t).__name__} has geometric ops the label maps cannot follow; '
-                'use RandAugment (--aa rand-...), whose geometric ops are removed'
+                f'transform: {type(t).__name__} has geometric ops the label maps cannot follow '
+                f'{"(it blends several chains)" if isinstance(t, AugMixAugment) else "once they are dropped"}; '
+                'use RandAugment (--aa rand-...)'
             )
-        elif isinstance(t, RandAugment) and not keep_geometric_aa:
+        elif isinstance(t, AutoAugment):
+            t = copy.copy(t)
+            t.policy = [[_recording(op, recorder) for op in sub] for sub in t.policy]
+            rest.append(t)
+            recorded = True
+        elif isinstance(t, RandAugment) and follow:
+            rest.append(RandAugment([_recording(op, recorder) for op in t.ops], t.num_layers, t.choice_weights))
+            recorded = True
+        elif isinstance(t, RandAugment):
             keep = [i for i, op in enumerate(t.ops) if op.name not in GEOMETRIC_RAND_OPS]
             weights = t.choice_weights
             if weights is not None:  # weighted policies ('...-tweights', 't3aw'): drop and renormalise theirs too
@@ -110,7 +237,7 @@ def split_train_transform(transform, keep_geometric_aa: bool = False):
             rest.append(RandAugment([t.ops[i] for i in keep], t.num_layers, weights))
         else:
             rest.append(t)
-    return crop, hflip, T.Compose(rest)
+    return TrainTransform(crop, hflip, T.Compose(rest), recorder)
 
 
 class _RecordParams:
@@ -131,14 +258,16 @@ class TokenLabelDataset(torch.utils.data.Dataset):
         dataset: the image dataset (``filename(i)`` is the key into the store: the image path relative
             to the split root, as ``tokenaug-maps generate`` wrote it).
         store: the :class:`~shared_core.map_store.LabelMapStore` of that split.
-        keep_geometric_aa: keep RandAugment's geometric ops (the public code's behaviour; the maps
-            do not follow them).
+        geometric_aa: ``'follow'`` (default; the public code): the targets follow RandAugment's (and
+            AutoAugment's) geometric ops; ``'drop'``: those ops are removed (ours, earlier).
     """
 
-    def __init__(self, dataset, store, keep_geometric_aa: bool = False):
-        self.dataset, self.store, self.keep_geometric_aa = dataset, store, keep_geometric_aa
+    def __init__(self, dataset, store, geometric_aa: str = 'follow'):
+        if geometric_aa not in GEOMETRIC_AA:
+            raise ValueError(f'geometric_aa: expected one of {GEOMETRIC_AA}, got {geometric_aa!r}')
+        self.dataset, self.store, self.geometric_aa = dataset, store, geometric_aa
         self.num_classes = int(store.num_classes)
-        self._transform = self._crop = self._rest = None
+        self._transform = self._crop = self._rest = self._recorder = None
         self._hflip = 0.0
         dataset.transform = None  # we load the PIL image and transform it here
 
@@ -150,9 +279,9 @@ class TokenLabelDataset(torch.utils.data.Dataset):
     def transform(self, transform):
         self._transform = transform
         if transform is None:
-            self._crop = self._rest = None
+            self._crop = self._rest = self._recorder = None
             return
-        crop, self._hflip, self._rest = split_train_transform(transform, self.keep_geometric_aa)
+        crop, self._hflip, self._rest, self._recorder = split_train_transform(transform, self.geometric_aa)
         crop.get_params = _RecordParams(type(crop).get_params)
         self._crop = crop
 
@@ -174,13 +303,17 @@ class TokenLabelDataset(torch.utils.data.Dataset):
         flip = bool(torch.rand(()) < self._hflip)  # torch's RNG: seeded per DataLoader worker
         if flip:
             img = TF.hflip(img)
+        if self._recorder is not None:
+            self._recorder.reset()
         img = self._rest(img)
-        return img, (int(label), values, indices, box, flip)
+        affines = self._recorder.affines() if self._recorder is not None else np.zeros((0, 2, 3), np.float32)
+        return img, (int(label), values, indices, box, flip, affines)
 
 
 class TokenLabelCollate:
-    """Stacks ``(image, (label, values, indices, box, flip))`` samples into ``(images, TokenLabelTarget)``:
-    uint8 images stay uint8 (timm's fast-collate prefetcher normalises them on the device)."""
+    """Stacks ``(image, (label, values, indices, box, flip[, affines]))`` samples into ``(images,
+    TokenLabelTarget)``: uint8 images stay uint8 (timm's fast-collate prefetcher normalises them on the
+    device); the affine chains are padded with identities to the batch's longest."""
 
     def __init__(self, num_classes: int, check: bool = True):
         self.num_classes, self.check = int(num_classes), check
@@ -198,4 +331,5 @@ class TokenLabelCollate:
         boxes = torch.tensor([b[1][3] for b in batch], dtype=torch.float32)
         check_boxes(boxes)
         flips = torch.tensor([b[1][4] for b in batch], dtype=torch.bool)
-        return x, TokenLabelTarget.wrap(labels, values, indices, boxes, flips, self.num_classes)
+        affines, extent = stack_affines([b[1][5] if len(b[1]) > 5 else None for b in batch], boxes, values.shape[-2:])
+        return x, TokenLabelTarget.wrap(labels, values, indices, boxes, flips, self.num_classes, affines, extent)

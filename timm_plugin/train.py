@@ -47,7 +47,7 @@ from .mixup import MIX_KINDS, TARGET_METHODS, create_mixer
 from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
 from .timm_fixes import fix_posterize
 from .token_grid import token_stride
-from .token_label_data import TokenLabelCollate, TokenLabelDataset
+from .token_label_data import GEOMETRIC_AA, TokenLabelCollate, TokenLabelDataset
 from .token_labeling import TokenLabelingLoss, attach_aux_head
 from .tokenmixup import attach_scorenets
 
@@ -253,10 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
         help='eval output with an aux head: cls + 0.5 max(aux) (public code) or the class head only',
     )
     g.add_argument(
-        '--keep-geometric-aa',
-        action='store_true',
-        default=False,
-        help="keep RandAugment's geometric ops under token labeling (the maps do not follow them)",
+        '--geometric-aa',
+        default='follow',
+        choices=GEOMETRIC_AA,
+        help="with label maps (token labeling, TokenMix activation targets): 'follow' (the public code) keeps "
+        "RandAugment's rotate/shear/translate and the maps follow them; 'drop' removes those ops",
     )
     g.add_argument('--smoothing', type=float, default=0.1)
     g.add_argument('--train-interpolation', type=str, default='random')
@@ -603,7 +604,7 @@ def run(argv=None) -> dict:
         store = LabelMapStore.open(maps_dir)
         if store.num_classes != args.num_classes:
             raise ValueError(f'{maps_flag}: the maps have {store.num_classes} classes, the model {args.num_classes}')
-        dataset_train = TokenLabelDataset(dataset_train, store, keep_geometric_aa=args.keep_geometric_aa)
+        dataset_train = TokenLabelDataset(dataset_train, store, geometric_aa=args.geometric_aa)
         collate_fn = TokenLabelCollate(args.num_classes)
     # mixing: the kind, and where it runs (fast-collate with the prefetcher, else in the loop);
     # MixToken runs in the task (TokenLabelingTask)

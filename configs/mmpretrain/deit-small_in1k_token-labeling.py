@@ -1,7 +1,7 @@
 # ImageNet-1k DeiT-Small trained by token labeling + MixToken (token-labeling.md Sec. 3.2-3.3, Table 4:
 # DeiT-S 79.9 -> 81.0). The paper's recipe on mmpretrain's DeiT-Small config: AdamW, lr 1e-3 * batch / 640
 # (1.6e-3 at 4 x 256), weight decay 0.05, 300 epochs cosine after a 5-epoch warmup, drop path 0.1,
-# RandAugment m9 / std 0.5 *without* its geometric policies (the token labels cannot follow them),
+# RandAugment m9 / std 0.5 with all its policies (the token labels follow rotate / shear / translate),
 # random erasing 0.25, no MixUp / CutMix: MixToken (beta = 1, one box per batch) is in the model,
 # beta = 0.5 weighs the token loss (Eq. 3).
 # Data and the map-carrying train pipeline: _base_/deit-small_in1k_label-maps.py (data/imagenet; the label-map

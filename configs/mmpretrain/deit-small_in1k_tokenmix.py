@@ -2,7 +2,7 @@
 # lambda = 0.5 switched with MixUp (0.8) with probability 0.5, targets from a teacher's activation maps (Eq. 2,
 # the true-class channel), BCE loss (Table 11), AdamW lr 1e-3 at batch 1024, cosine to 1e-6, 5 warmup epochs.
 # The maps follow every crop and flip: the train pipeline records them (token-label transforms), and
-# RandAugment loses its geometric policies (the maps cannot follow them); data and pipeline:
+# RandAugment keeps all its policies (the maps follow its geometric ones); data and pipeline:
 # _base_/deit-small_in1k_label-maps.py, with the teacher's map store of the train split
 # (`tokenaug-maps generate --data-dir data/imagenet --split train --model <teacher> ...`) from $TOKENAUG_MAPS.
 _base_ = ['./_base_/deit-small_in1k_label-maps.py']

@@ -23,12 +23,13 @@ model = dict(
     train_cfg=None,  # no image batch augments: MixToken is in the model
 )
 
-# the base's pipeline with RandAugment less its geometric policies (TokenLabelRandAugment) before packing
+# the base's pipeline with RandAugment (the labels follow its geometric policies: TokenLabelRandAugment) before packing
 train_pipeline = [
     *_base_.train_pipeline[:-1],
     dict(
         type='TokenLabelRandAugment',
         policies='timm_increasing',
+        geometric='follow',
         num_policies=2,
         magnitude_level=9,
         magnitude_std=0.5,

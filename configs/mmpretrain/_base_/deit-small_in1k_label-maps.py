@@ -1,6 +1,6 @@
 # ImageNet-1k DeiT-Small whose train pipeline carries a label-map store (token labels or a teacher's activation
 # maps) through every crop and flip: the shared data part of deit-small_in1k_token-labeling.py and
-# deit-small_in1k_tokenmix.py. RandAugment loses its geometric policies (the maps cannot follow them).
+# deit-small_in1k_tokenmix.py. RandAugment keeps all its policies; the maps follow Rotate / Shear / Translate.
 # Data: data_root as mmpretrain's ImageNet configs (data/imagenet); the map store of the train split
 # (`tokenaug-maps generate --data-dir data/imagenet --split train --out ...`) from $TOKENAUG_MAPS.
 _base_ = ['mmpretrain::deit/deit-small_4xb256_in1k.py']
@@ -18,10 +18,12 @@ train_pipeline = [
     dict(type='LoadTokenLabelMap', store=label_maps, split_root=data_root + '/train'),
     dict(type='TokenLabelRandomResizedCrop', scale=224, backend='pillow', interpolation='bicubic'),
     dict(type='RandomFlip', prob=0.5, direction='horizontal'),
-    # mmpretrain's 'timm_increasing' policies less Rotate / Shear / Translate (TokenLabelRandAugment)
+    # mmpretrain's 'timm_increasing' policies; Rotate / Shear / Translate record their affines and the maps
+    # follow them (geometric='drop' removes them instead)
     dict(
         type='TokenLabelRandAugment',
         policies='timm_increasing',
+        geometric='follow',
         num_policies=2,
         total_level=10,
         magnitude_level=9,
