@@ -2,12 +2,14 @@
 """Token labeling's data cost: what the label maps add to timm's training pipeline.
 
 1. per-sample loader work (``dataset[i]``: decode, RandomResizedCrop, flip, RandAugment, to tensor) of the
-   plain timm ``ImageDataset`` vs :class:`TokenLabelDataset` (the same plus a memory-mapped map row and
-   the recorded crop), interleaved, median over rounds; ImageNet-like JPEGs (about 500x375);
+   plain timm ``ImageDataset`` vs :class:`TokenLabelDataset` (the same plus a memory-mapped map row, the
+   recorded crop and the recorded affines of RandAugment's geometric ops; and with ``geometric_aa='drop'``),
+   interleaved, median over rounds; ImageNet-like JPEGs (about 500x375);
 2. collate of a batch: timm's ``fast_collate`` vs :class:`TokenLabelCollate` (stacks the rows, checks them);
 3. building the per-token targets of a batch on the training device, as the loss reads them (sparse:
    ``token_targets_sparse``) and as a dense ``(B, N, C)`` tensor (``token_targets_batch``): ImageNet sizes,
-   ``C = 1000``, ``k = 5``, 18x18 maps to the 14x14 token grid.
+   ``C = 1000``, ``k = 5``, 18x18 maps to the 14x14 token grid; with the batch's recorded affines (the
+   samples RandAugment rotated, sheared or translated) and without (the crop path), interleaved.
 
     .venv/bin/python bench/bench_token_labels.py [--images 64] [--rounds 5] [--batch 128] [--device cpu]
 """
@@ -30,6 +32,7 @@ from timm.data.loader import fast_collate
 
 from shared_core.label_maps import token_targets_batch, token_targets_sparse
 from shared_core.map_store import LabelMapStore, MapWriter
+from timm_plugin.timm_fixes import fix_posterize
 from timm_plugin.token_label_data import TokenLabelCollate, TokenLabelDataset
 
 
@@ -84,6 +87,7 @@ def main():
     )
     p.add_argument('--amp', action='store_true')
     args = p.parse_args()
+    fix_posterize()  # as tokenaug-train: timm asks Pillow for 0 posterize bits at magnitude 10
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -94,11 +98,9 @@ def main():
         )
         plain = create_dataset('', root=str(root), split='train', is_training=True)
         plain.transform = tf
-        tl, same = (
-            TokenLabelDataset(
-                create_dataset('', root=str(root), split='train', is_training=True), store, keep_geometric_aa=keep
-            )
-            for keep in (False, True)
+        same, tl = (
+            TokenLabelDataset(create_dataset('', root=str(root), split='train', is_training=True), store, mode)
+            for mode in ('follow', 'drop')
         )
         for d in (tl, same):
             d.transform = create_transform(
@@ -119,7 +121,7 @@ def main():
         # 2. collate
         B = min(args.batch, n)
         sp = [plain[i % n] for i in range(B)]
-        st = [tl[i % n] for i in range(B)]
+        st = [same[i % n] for i in range(B)]
         coll = TokenLabelCollate(1000)
         c_plain, c_tl = [], []
         for _ in range(args.rounds):
@@ -128,16 +130,40 @@ def main():
         # 3. the per-token targets of a batch on the device: sparse (what the loss reads) and dense
         _, target = coll([st[i % len(st)] for i in range(args.batch)])
         target = target.to(args.device)
+        dev = target.device
         sync = device_sync(args.device)
+        moved = (
+            0
+            if target.affines is None
+            else int((target.affines != torch.eye(3)[:2].to(dev)).any(-1).any(-1).any(-1).sum())
+        )
         t_build = {}
         for name, fn in (('sparse', token_targets_sparse), ('dense', token_targets_batch)):
+            for geo in ('crop only', 'with affines'):
+                affines = (target.affines, target.extent) if geo == 'with affines' else (None, None)
 
-            def build(fn=fn):
-                fn(target.values, target.indices, 1000, target.boxes, target.flips, (14, 14), 0.1)
-                sync()
+                def build(fn=fn, affines=affines):
+                    fn(target.values, target.indices, 1000, target.boxes, target.flips, (14, 14), 0.1, *affines)
+                    sync()
 
-            build()
-            t_build[name] = statistics.median(timed(build, 3) for _ in range(args.rounds))
+                build()
+                t_build[name, geo] = []
+        for _ in range(args.rounds):  # interleaved
+            for (name, geo), acc in t_build.items():
+                fn = token_targets_sparse if name == 'sparse' else token_targets_batch
+                affines = (target.affines, target.extent) if geo == 'with affines' else (None, None)
+                acc.append(
+                    timed(
+                        lambda fn=fn, affines=affines: (
+                            fn(
+                                target.values, target.indices, 1000, target.boxes, target.flips, (14, 14), 0.1, *affines
+                            ),
+                            sync(),
+                        ),
+                        3,
+                    )
+                )
+        t_build = {key: statistics.median(v) for key, v in t_build.items()}
 
     step = training_step(args, target) if args.step_model else None
     print(
@@ -147,11 +173,11 @@ def main():
     print('| stage | plain timm | with label maps | ratio |')
     print('|---|---|---|---|')
     print(
-        f'| loader work per sample, same RandAugment ops (keep_geometric_aa) | {mp * 1e3:.2f} ms | '
+        f'| loader work per sample, same RandAugment ops (default: geometric ops followed) | {mp * 1e3:.2f} ms | '
         f'{ms * 1e3:.2f} ms | {ms / mp:.3f} |'
     )
     print(
-        f'| loader work per sample, default (RandAugment without geometric ops) | {mp * 1e3:.2f} ms | '
+        f"| loader work per sample, geometric_aa='drop' (RandAugment without geometric ops) | {mp * 1e3:.2f} ms | "
         f'{mt * 1e3:.2f} ms | {mt / mp:.3f} |'
     )
     print(f'| of which: map row read (memmap, k=5, 18x18) | - | {t_row * 1e6:.1f} us | {t_row / mp:.4f} of plain |')
@@ -159,10 +185,15 @@ def main():
         f'| collate per batch of {B} | {statistics.median(c_plain) * 1e3:.2f} ms | '
         f'{statistics.median(c_tl) * 1e3:.2f} ms | {statistics.median(c_tl) / statistics.median(c_plain):.2f} |'
     )
-    for name, t in t_build.items():
+    for name in ('sparse', 'dense'):
+        t0, t1 = t_build[name, 'crop only'], t_build[name, 'with affines']
         print(
-            f'| {name} token targets, batch {args.batch}, C=1000, 18x18 -> 14x14 ({args.device}) | - | '
-            f'{t * 1e3:.1f} ms | {t / args.batch * 1e3:.3f} ms per sample |'
+            f'| {name} token targets, batch {args.batch}, C=1000, 18x18 -> 14x14 ({args.device}), crop only | - | '
+            f'{t0 * 1e3:.2f} ms | {t0 / args.batch * 1e3:.4f} ms per sample |'
+        )
+        print(
+            f'| {name} token targets, same batch with its affines ({moved} of {args.batch} samples moved) | '
+            f'{t0 * 1e3:.2f} ms | {t1 * 1e3:.2f} ms | {t1 / t0:.3f} |'
         )
 
     if step:

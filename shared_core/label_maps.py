@@ -305,36 +305,61 @@ def _affine_samples(boxes, flips, affines, map_size, grid, extent=None):
     Sy, Sx = max(1, math.ceil(float(extent[0]) / gh)), max(1, math.ceil(float(extent[1]) / gw))
     ny = torch.ceil(ext[:, 0] / gh).clamp(1, Sy)  # (B,) each image's own counts (RoIAlign's)
     nx = torch.ceil(ext[:, 1] / gw).clamp(1, Sx)
-    sy = torch.arange(Sy, device=dev, dtype=torch.float32)
-    sx = torch.arange(Sx, device=dev, dtype=torch.float32)
-    gy = torch.arange(gh, device=dev, dtype=torch.float32)
-    gx = torch.arange(gw, device=dev, dtype=torch.float32)
-    V = (gy[None, :, None] + (sy[None, None, :] + 0.5) / ny[:, None, None]) / gh  # (B, gh, Sy)
-    U = (gx[None, :, None] + (sx[None, None, :] + 0.5) / nx[:, None, None]) / gw  # (B, gw, Sx)
-    shape = (B, gh, gw, Sy, Sx)
-    V = V[:, :, None, :, None].expand(shape)
-    U = U[:, None, :, None, :].expand(shape)
-    valid = (sy[None, None, None, :, None] < ny.view(B, 1, 1, 1, 1)) & (sx < nx.view(B, 1, 1, 1, 1))
-    inside = torch.ones(shape, dtype=torch.bool, device=dev)
+    f32 = dict(device=dev, dtype=torch.float32)
+    N, S = gh * gw, Sy * Sx
+    # sample points (u, v), flat (B, M) token-major (M = N * S): built from per-axis values by index (a
+    # broadcast over the small sample axes would run innermost loops of length Sx)
+    v = ((torch.arange(gh, **f32)[:, None] + (torch.arange(Sy, **f32) + 0.5) / ny.view(B, 1, 1)) / gh).view(B, -1)
+    u = ((torch.arange(gw, **f32)[:, None] + (torch.arange(Sx, **f32) + 0.5) / nx.view(B, 1, 1)) / gw).view(B, -1)
+    ty, tx, sy, sx = (
+        t.reshape(-1)
+        for t in torch.meshgrid(
+            *(torch.arange(n, device=dev) for n in (gh, gw, Sy, Sx)),
+            indexing='ij',
+        )
+    )
+    v, u = v.index_select(1, ty * Sy + sy), u.index_select(1, tx * Sx + sx)
+    # each sub-bin's share of its token (0 for the padding beyond the image's own counts)
+    share = ((torch.arange(Sy, device=dev) < ny.view(B, 1)).float() / ny.view(B, 1))[:, :, None] * (
+        (torch.arange(Sx, device=dev) < nx.view(B, 1)).float() / nx.view(B, 1)
+    )[:, None, :]
+    share = share.view(B, S).index_select(1, sy * Sx + sx)  # (B, M)
+
+    def at(m):  # the affine m (B, 2, 3) of every sample point, elementwise (no matmul: no TF32 on a GPU)
+        c = m.float().reshape(B, 6, 1).unbind(1)
+        return c[0] * u + c[1] * v + c[2], c[3] * u + c[4] * v + c[5]
+
+    # suffix composites in float64: where each op read its input
+    comp = torch.eye(3, dtype=torch.float64, device=dev).expand(B, 3, 3)
+    inside = torch.ones(B, u.shape[1], dtype=torch.bool, device=dev)
     for i in reversed(range(affines.shape[1])):  # the last op first: output -> its input -> ... -> the crop
-        a = affines[:, i].reshape(B, 6, 1, 1, 1, 1).unbind(1)
-        U, V = a[0] * U + a[1] * V + a[2], a[3] * U + a[4] * V + a[5]
-        inside = inside & (U >= 0) & (U <= 1) & (V >= 0) & (V <= 1)
-    U = torch.where(flips.view(B, 1, 1, 1, 1), 1.0 - U, U)
-    b = boxes.view(B, 4, 1, 1, 1, 1).unbind(1)
-    # RoIAlign's bilinear rule (aligned: cell centres at j + 0.5), clamped at the border
-    X = ((b[0] + U * (b[2] - b[0])) * w - 0.5).clamp(0, w - 1)
-    Y = ((b[1] + V * (b[3] - b[1])) * h - 0.5).clamp(0, h - 1)
-    x0, y0 = X.floor(), Y.floor()
-    lx, ly = X - x0, Y - y0
-    x0, y0 = x0.long(), y0.long()
-    x1, y1 = (x0 + 1).clamp_max(w - 1), (y0 + 1).clamp_max(h - 1)
-    share = (valid & inside).float() / (ny * nx).view(B, 1, 1, 1, 1)
-    cells = torch.stack([y0 * w + x0, y0 * w + x1, y1 * w + x0, y1 * w + x1], -1)
-    weights = torch.stack([(1 - ly) * (1 - lx), (1 - ly) * lx, ly * (1 - lx), ly * lx], -1) * share[..., None]
-    fill = ((valid & ~inside).float() / (ny * nx).view(B, 1, 1, 1, 1)).sum((3, 4))
-    N = gh * gw
-    return cells.reshape(B, N, -1), weights.reshape(B, N, -1), fill.reshape(B, N), (gh, gw)
+        a = torch.cat([affines[:, i].double(), comp.new_tensor([0.0, 0.0, 1.0]).expand(B, 1, 3)], 1)
+        comp = (a[:, :, :, None] * comp[:, None, :, :]).sum(2)  # a @ comp
+        qu, qv = at(comp[:, :2])
+        inside &= (qu >= 0) & (qu <= 1) & (qv >= 0) & (qv <= 1)
+    # un-flip and place in the crop, in map cells with RoIAlign's aligned coordinates (cell centres at j + 0.5)
+    x0, y0, x1, y1 = boxes.double().unbind(1)
+    sign = torch.where(flips, -1.0, 1.0).double()
+    place = torch.zeros(B, 3, 3, dtype=torch.float64, device=dev)
+    place[:, 0, 0], place[:, 0, 2] = sign * (x1 - x0) * w, torch.where(flips, x1, x0) * w - 0.5
+    place[:, 1, 1], place[:, 1, 2] = (y1 - y0) * h, y0 * h - 0.5
+    place[:, 2, 2] = 1.0
+    X, Y = at((place[:, :, :, None] * comp[:, None, :, :]).sum(2)[:, :2])
+    # RoIAlign's bilinear rule, clamped at the border
+    X, Y = X.clamp_(0, w - 1), Y.clamp_(0, h - 1)
+    xl, yl = X.floor(), Y.floor()
+    fx, fy = X.sub_(xl), Y.sub_(yl)
+    xl, yl = xl.long(), yl.long()
+    xu, yu = (xl + 1).clamp_(max=w - 1), (yl + 1).clamp_(max=h - 1)
+    live = share * inside
+    wy0, wy1 = (1 - fy).mul_(live), fy.mul_(live)
+    fxl = 1 - fx
+    # (B, N, 4, S): a token's entries, in any order
+    weights = torch.stack([(a * b).view(B, N, S) for a in (wy0, wy1) for b in (fxl, fx)], 2)
+    yl, yu = yl.mul_(w), yu.mul_(w)
+    cells = torch.stack([(a + b).view(B, N, S) for a in (yl, yu) for b in (xl, xu)], 2)
+    fill = (share * ~inside).view(B, N, S).sum(-1)
+    return cells.view(B, N, -1), weights.view(B, N, -1), fill, (gh, gw)
 
 
 class SparseTokenTargets(NamedTuple):
