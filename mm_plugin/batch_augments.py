@@ -97,7 +97,8 @@ class TAMixup(MixBatchAugment):
 @BATCH_AUGMENTS.register_module()
 class TACutMix(MixBatchAugment):
     """CutMix with timm's box sampling: λ corrected to the clipped box area (``correct_lam``), or a
-    box from ``cutmix_minmax``. Patch tokens cut by the box get fractional partner shares."""
+    box from ``cutmix_minmax``. Patch tokens cut by the box get fractional partner shares.
+    ``box_rounding='public'``: the public code's box (``cut // 2`` on both sides of the centre)."""
 
     mix_kind = 'cutmix'
 
@@ -109,6 +110,7 @@ class TACutMix(MixBatchAugment):
         patch_size=None,
         mode: str = 'batch',
         activation_targets: Optional[str] = None,
+        box_rounding: str = 'timm',
     ):
         super().__init__(
             alpha,
@@ -117,12 +119,14 @@ class TACutMix(MixBatchAugment):
             cutmix_minmax=cutmix_minmax,
             correct_lam=correct_lam,
             activation_targets=activation_targets,
+            box_rounding=box_rounding,
         )
 
 
 @BATCH_AUGMENTS.register_module()
 class TAMixToken(MixBatchAugment):
-    """MixToken's box on the token grid (Token Labeling, Sec. 3.3)."""
+    """MixToken's box on the token grid (Token Labeling, Sec. 3.3); ``box_rounding='public'`` (a sampler
+    argument) rounds it as the public code."""
 
     mix_kind = 'token_box'
 
@@ -131,7 +135,8 @@ class TAMixToken(MixBatchAugment):
 class TATokenMix(MixBatchAugment):
     """TokenMix masks (tokenmix.md Sec. 3.2): ``mask='block'`` (several separated parts, at least
     ``min_tokens`` each) or ``'random'`` (single tokens); ``lam`` fixes λ (TokenMix: 0.5) instead of
-    drawing it from Beta(α, α)."""
+    drawing it from Beta(α, α); ``rule='public'`` draws masks as the public code (``int((1 - λ) N) +
+    min_tokens`` tokens targeted, parts from 1 token; :data:`~shared_core.token_masks.TOKENMIX_RULES`)."""
 
     def __init__(
         self,
@@ -142,6 +147,7 @@ class TATokenMix(MixBatchAugment):
         patch_size=None,
         mode: str = 'batch',
         activation_targets: Optional[str] = None,
+        rule: str = 'paper',
     ):
         if mask not in ('block', 'random'):
             raise ValueError(f"mask must be 'block' or 'random', got {mask!r}")
@@ -153,4 +159,5 @@ class TATokenMix(MixBatchAugment):
             tokenmix_lam=lam,
             tokenmix_min_tokens=min_tokens,
             activation_targets=activation_targets,
+            tokenmix_rule=rule,
         )

@@ -36,6 +36,7 @@ from shared_core.tl_align import (
     LabelCapture,
     aligned_target,
     capture_forward,
+    check_drop_path,
     check_layers,
     compact_labels,
     fused_label_attn,
@@ -236,13 +237,15 @@ class TLAlignClassifier(ImageClassifier):
     """``ImageClassifier`` trained on TL-Align's aligned targets (see the module docstring).
 
     Args:
-        tl_align: ``dict(layers=None, residual=True, fused=None)``: align only at these block indices
-            (Table 8), keep the residual in the label path (``False``: Table 8's "normalization disabled"),
-            the label attention fused or not (default :func:`shared_core.tl_align.use_fused_label_attn`).
+        tl_align: ``dict(layers=None, residual=True, fused=None, drop_path='kept')``: align only at these
+            block indices (Table 8), keep the residual in the label path (``False``: Table 8's "normalization
+            disabled"), the label attention fused or not (default
+            :func:`shared_core.tl_align.use_fused_label_attn`), labels of samples whose attention branch
+            stochastic depth dropped kept (``'public'``: updated anyway, as the public code).
         Other args: as ``ImageClassifier``.
     """
 
-    config_key, config_keys = 'tl_align', ('layers', 'residual', 'fused')
+    config_key, config_keys = 'tl_align', ('layers', 'residual', 'fused', 'drop_path')
 
     def __init__(self, *args, tl_align: Optional[dict] = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -256,10 +259,13 @@ class TLAlignClassifier(ImageClassifier):
         self.align_layers = check_layers(cfg.get('layers'), self.tracer.depth, f'{self.config_key}.layers')
         self.align_residual = bool(cfg.get('residual', True))
         self.align_fused = cfg.get('fused', None)
+        self.align_drop_path = check_drop_path(cfg.get('drop_path', 'kept'), f'{self.config_key}.drop_path')
 
     def _share(self, feats, captures, mix) -> torch.Tensor:
         labels0 = compact_labels(mix, self.tracer.num_prefix_tokens)
-        return trace_labels(self.tracer, captures, feats, labels0, self.align_layers, self.align_residual)[:, 0]
+        return trace_labels(
+            self.tracer, captures, feats, labels0, self.align_layers, self.align_residual, self.align_drop_path
+        )[:, 0]
 
     def extract_feat_aligned(self, inputs: torch.Tensor, data_samples: List):
         """Features and, if the batch carries a mix, the re-weighted ``(B, C)`` targets (else ``None``)."""

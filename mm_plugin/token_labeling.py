@@ -296,6 +296,7 @@ class TokenLabelingClassifier(ImageClassifier):
         mix_beta: λ ~ Beta(β, β) of the box (1.0, as CutMix).
         mix_prob: probability of mixing a batch.
         mix_mode: ``'batch'`` (one box per batch, the public code) or ``'pair'`` (one per pair i, B-1-i).
+        mix_box_rounding: ``'timm'`` (today's timm) or ``'public'`` (the public code's ``cut // 2`` box).
         Other args: as ``ImageClassifier``; ``head`` must be a :class:`TokenLabelingHead`, ``neck`` None,
         and ``train_cfg`` without image batch augments.
     """
@@ -307,6 +308,7 @@ class TokenLabelingClassifier(ImageClassifier):
         mix_beta: float = 1.0,
         mix_prob: float = 1.0,
         mix_mode: str = 'batch',
+        mix_box_rounding: str = 'timm',
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -322,9 +324,14 @@ class TokenLabelingClassifier(ImageClassifier):
         patch_embed, self.head.num_prefix_tokens = backbone_tokens(self.backbone)
         self.token_stride = token_stride(patch_embed)
         try:
-            self.sampler = mixtoken_sampler(mix_beta, mix_prob, mix_mode, self.token_stride) if mix_token else None
+            self.sampler = (
+                mixtoken_sampler(mix_beta, mix_prob, mix_mode, self.token_stride, mix_box_rounding)
+                if mix_token
+                else None
+            )
         except ValueError as e:  # name the config keys
-            raise ValueError(str(e).replace('mode:', 'mix_mode:').replace('beta:', 'mix_beta:')) from None
+            msg = str(e).replace('mode:', 'mix_mode:').replace('beta:', 'mix_beta:')
+            raise ValueError(msg.replace('box_rounding:', 'mix_box_rounding:')) from None
         self.generator: Optional[torch.Generator] = None  # MixToken's RNG (None: torch's default)
 
     def token_grid(self, inputs: torch.Tensor) -> Tuple[int, int]:

@@ -12,7 +12,28 @@ from scipy.special import betaincinv
 
 from .mix import grid_size
 
-__all__ = ['rand', 'randint', 'sample_beta', 'rand_box', 'minmax_sides', 'rand_box_minmax', 'box_token_share']
+__all__ = [
+    'BOX_ROUNDINGS',
+    'check_box_rounding',
+    'rand',
+    'randint',
+    'sample_beta',
+    'rand_box',
+    'minmax_sides',
+    'rand_box_minmax',
+    'box_token_share',
+]
+
+#: how a box's far side is rounded: ``'timm'`` (today's timm, ``cut - cut // 2`` after the centre) or
+#: ``'public'`` (the timm the authors' code pinned, ``cut // 2`` on both sides: a box one cell smaller
+#: for odd cuts)
+BOX_ROUNDINGS = ('timm', 'public')
+
+
+def check_box_rounding(rounding: str, name: str = 'box_rounding') -> str:
+    if rounding not in BOX_ROUNDINGS:
+        raise ValueError(f'{name}: expected one of {BOX_ROUNDINGS}, got {rounding!r}')
+    return rounding
 
 
 def rand(n: int, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -36,9 +57,17 @@ def sample_beta(alpha: float, n: int, generator: Optional[torch.Generator] = Non
     return torch.from_numpy(betaincinv(alpha, alpha, u.numpy()))
 
 
-def rand_box(img_size: Tuple[int, int], lam: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def rand_box(
+    img_size: Tuple[int, int],
+    lam: torch.Tensor,
+    generator: Optional[torch.Generator] = None,
+    rounding: str = 'timm',
+) -> torch.Tensor:
     """timm's ``rand_bbox`` for a vector of λ: a box of side ``sqrt(1 - λ)`` times the image side,
-    centred uniformly, clipped by the borders. Returns ``(n, 4)`` int64 ``(y0, y1, x0, x1)``."""
+    centred uniformly, clipped by the borders. Returns ``(n, 4)`` int64 ``(y0, y1, x0, x1)``.
+    ``rounding`` (:data:`BOX_ROUNDINGS`): ``'public'`` gives the authors' pinned timm (``cut // 2`` on
+    both sides of the centre)."""
+    far = 1 if check_box_rounding(rounding, 'rounding') == 'timm' else 0
     H, W = img_size
     ratio = torch.sqrt(1.0 - lam.double())
     cut_h, cut_w = (H * ratio).long(), (W * ratio).long()
@@ -46,9 +75,9 @@ def rand_box(img_size: Tuple[int, int], lam: torch.Tensor, generator: Optional[t
     cy = randint(torch.zeros(n, dtype=torch.long), torch.full((n,), H), generator)
     cx = randint(torch.zeros(n, dtype=torch.long), torch.full((n,), W), generator)
     y0 = (cy - cut_h // 2).clamp(0, H)
-    y1 = (cy + (cut_h + 1) // 2).clamp(0, H)
+    y1 = (cy + (cut_h + far) // 2).clamp(0, H)
     x0 = (cx - cut_w // 2).clamp(0, W)
-    x1 = (cx + (cut_w + 1) // 2).clamp(0, W)
+    x1 = (cx + (cut_w + far) // 2).clamp(0, W)
     return torch.stack([y0, y1, x0, x1], 1)
 
 

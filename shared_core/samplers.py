@@ -12,9 +12,16 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .boxes import box_token_share, minmax_sides, rand, rand_box, rand_box_minmax, sample_beta
+from .boxes import box_token_share, check_box_rounding, minmax_sides, rand, rand_box, rand_box_minmax, sample_beta
 from .mix import IntPair, Mix, check_image_size, check_pairwise_batch, grid_size, to_2tuple
-from .token_masks import grid_box_mask, random_token_mask, tokenmix_masks
+from .token_masks import (
+    TOKENMIX_RULES,
+    grid_box_mask,
+    random_token_mask,
+    tokenmix_masks,
+    tokenmix_masks_public,
+    tokenmix_public_count,
+)
 
 __all__ = ['MIX_KINDS', 'CUT_KINDS', 'MODES', 'MixSampler']
 
@@ -44,6 +51,11 @@ class MixSampler:
     (``1 - masked / N``); for ``'cutmix'`` it is corrected to the clipped box area when
     ``correct_lam`` (or with ``cutmix_minmax``), as timm does. For token masks λ ~ Beta(cutmix_alpha)
     unless ``tokenmix_lam`` fixes it (TokenMix's λ = 0.5: the partner gets half of the tokens).
+
+    Switches to the authors' public samplers (README, departures): ``box_rounding='public'`` rounds boxes
+    (CutMix's pixel box, MixToken's token box) as their pinned timm did (``cut // 2`` on both sides);
+    ``tokenmix_rule='public'`` draws TokenMix masks by their rule (``int((1 - λ) N) + tokenmix_min_tokens``
+    tokens targeted, parts from 1 token, :func:`~shared_core.token_masks.tokenmix_masks_public`).
     """
 
     def __init__(
@@ -60,7 +72,12 @@ class MixSampler:
         patch_size: IntPair = 16,
         tokenmix_lam: Optional[float] = None,
         tokenmix_min_tokens: Optional[int] = None,
+        box_rounding: str = 'timm',
+        tokenmix_rule: str = 'paper',
     ):
+        check_box_rounding(box_rounding)
+        if tokenmix_rule not in TOKENMIX_RULES:
+            raise ValueError(f'tokenmix_rule: expected one of {TOKENMIX_RULES}, got {tokenmix_rule!r}')
         if mix_kind not in MIX_KINDS:
             raise ValueError(f'mix_kind must be one of {MIX_KINDS}, got {mix_kind!r}')
         if mode not in MODES:
@@ -103,6 +120,8 @@ class MixSampler:
         self.patch_size = to_2tuple(patch_size, 'patch_size')
         self.tokenmix_lam = tokenmix_lam
         self.tokenmix_min_tokens = tokenmix_min_tokens
+        self.box_rounding = box_rounding
+        self.tokenmix_rule = tokenmix_rule
         self.mixup_enabled = True  # timm's train loop switches this off after --mixup-off-epoch
 
     @property
@@ -157,7 +176,7 @@ class MixSampler:
                 if self.cutmix_minmax is not None:
                     b = rand_box_minmax(img_size, self.cutmix_minmax, cut.numel(), generator)
                 else:
-                    b = rand_box(img_size, lam_c, generator)
+                    b = rand_box(img_size, lam_c, generator, self.box_rounding)
                 if self.correct_lam or self.cutmix_minmax is not None:
                     area = (b[:, 1] - b[:, 0]) * (b[:, 3] - b[:, 2])
                     lam_c = 1.0 - area.double() / (img_size[0] * img_size[1])
@@ -167,7 +186,14 @@ class MixSampler:
                 valid = use_cut
             else:
                 if self.mix_kind == 'token_box':
-                    m = grid_box_mask(grid, lam_c, generator)
+                    m = grid_box_mask(grid, lam_c, generator, self.box_rounding)
+                elif self.tokenmix_rule == 'public':
+                    extra = self.tokenmix_min_tokens
+                    k = tokenmix_public_count(grid, lam_c, max(1, round(14 * N / 196)) if extra is None else extra)
+                    if self.mix_kind == 'tokenmix_block':
+                        m = tokenmix_masks_public(grid, k, generator)
+                    else:
+                        m = random_token_mask(grid, k, generator)
                 else:
                     k = torch.round((1.0 - lam_c) * N).long()
                     if self.mix_kind == 'tokenmix_block':

@@ -14,7 +14,8 @@ The rules (each a function here, used by every architecture's tracer):
   ``scaled_dot_product_attention`` call the token path uses, with the labels as values, so the
   attention matrix is never materialised; detached and in fp32 (autocast off);
 - residual + Norm (Eq. 11): ``Y ← (Y + branch(Y)) / 2`` (rows stay normalised); a residual whose
-  branch was dropped for a sample (stochastic depth) leaves that sample's labels unchanged;
+  branch was dropped for a sample (stochastic depth) leaves that sample's labels unchanged
+  (``drop_path='kept'``; ``'public'``, the public code, updates them as if the branch had run);
 - MLP, norms, channel mixing: unchanged (Table 9);
 - spatial aggregation (patch merging): sum of the merged labels, then Norm (rows back to sum 1);
 - the target: the label of the token the classifier reads (class token), or the mean over the tokens
@@ -48,6 +49,8 @@ __all__ = [
     'conv_pool_labels',
     'aligned_target',
     'kept_samples',
+    'DROP_PATH_LABELS',
+    'check_drop_path',
     'LabelCapture',
     'LabelTracer',
     'capture_forward',
@@ -411,6 +414,17 @@ def capture_forward(tracer: LabelTracer, forward: Callable[[], Any]) -> Tuple[An
     return output, captures
 
 
+#: what the label path does where stochastic depth dropped a sample's attention branch: ``'kept'`` (ours: the
+#: branch did not run, the labels stay) or ``'public'`` (the public code: the labels update regardless)
+DROP_PATH_LABELS = ('kept', 'public')
+
+
+def check_drop_path(drop_path: str, name: str = 'drop_path') -> str:
+    if drop_path not in DROP_PATH_LABELS:
+        raise ValueError(f'{name}: expected one of {DROP_PATH_LABELS}, got {drop_path!r}')
+    return drop_path
+
+
 def trace_labels(
     tracer: LabelTracer,
     captures: List[LabelCapture],
@@ -418,9 +432,14 @@ def trace_labels(
     labels: torch.Tensor,
     layers: Optional[set] = None,
     residual: bool = True,
+    drop_path: str = 'kept',
 ) -> torch.Tensor:
     """The label path after a captured forward: the initial state ``labels`` ``(B, T, K)`` through every
-    block (no gradients, fp32 whatever autocast the token path ran under), read out as ``(B, K)``."""
+    block (no gradients, fp32 whatever autocast the token path ran under), read out as ``(B, K)``.
+    ``drop_path`` (:data:`DROP_PATH_LABELS`): ``'public'`` ignores which samples stochastic depth dropped."""
+    if check_drop_path(drop_path) == 'public':
+        for c in captures:
+            c.keep = None
     if tracer.num_tokens(captures) != labels.shape[1]:
         raise ValueError(
             f'labels: {labels.shape[1]} token labels for {tracer.num_tokens(captures)} tokens '

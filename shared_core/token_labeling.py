@@ -183,14 +183,25 @@ def inference_logits(cls: torch.Tensor, aux: Optional[torch.Tensor], head_rule: 
     return cls
 
 
-def mixtoken_sampler(beta: float = 1.0, prob: float = 1.0, mode: str = 'batch', patch_size=16) -> MixSampler:
+def mixtoken_sampler(
+    beta: float = 1.0, prob: float = 1.0, mode: str = 'batch', patch_size=16, box_rounding: str = 'timm'
+) -> MixSampler:
     """MixToken's sampler (Eq. 5): a box on the token grid, ``λ ~ Beta(beta, beta)``, mixing a batch with
-    probability ``prob``, one box per ``mode`` unit (``'batch'`` or ``'pair'``: un-mixing needs pairwise swaps)."""
+    probability ``prob``, one box per ``mode`` unit (``'batch'`` or ``'pair'``: un-mixing needs pairwise
+    swaps); ``box_rounding='public'`` rounds the box as the public code (:data:`~shared_core.boxes.BOX_ROUNDINGS`)."""
     if mode not in MIXTOKEN_MODES:
         raise ValueError(f'mode: MixToken un-mixes pairwise swaps, expected one of {MIXTOKEN_MODES}, got {mode!r}')
     if not beta > 0:
         raise ValueError(f'beta: expected > 0, got {beta}')
-    return MixSampler('token_box', mixup_alpha=0.0, cutmix_alpha=beta, prob=prob, mode=mode, patch_size=patch_size)
+    return MixSampler(
+        'token_box',
+        mixup_alpha=0.0,
+        cutmix_alpha=beta,
+        prob=prob,
+        mode=mode,
+        patch_size=patch_size,
+        box_rounding=box_rounding,
+    )
 
 
 def draw_mixtoken(

@@ -13,12 +13,15 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-from .boxes import rand_box
+from .boxes import rand, rand_box
 
 __all__ = [
+    'TOKENMIX_RULES',
     'grid_box_mask',
     'random_token_mask',
     'tokenmix_masks',
+    'tokenmix_public_count',
+    'tokenmix_masks_public',
     'TOKENMIX_MAX_ROUNDS',
     'num_dropped',
     'patch_ranks',
@@ -28,12 +31,12 @@ __all__ = [
 
 
 def grid_box_mask(
-    grid_size: Tuple[int, int], lam: torch.Tensor, generator: Optional[torch.Generator] = None
+    grid_size: Tuple[int, int], lam: torch.Tensor, generator: Optional[torch.Generator] = None, rounding: str = 'timm'
 ) -> torch.Tensor:
-    """MixToken's box on the token grid: :func:`rand_box` applied to the ``(gh, gw)`` grid.
-    Returns ``(n, gh, gw)`` bool (True = token from the partner)."""
+    """MixToken's box on the token grid: :func:`rand_box` applied to the ``(gh, gw)`` grid (``rounding``
+    as there). Returns ``(n, gh, gw)`` bool (True = token from the partner)."""
     gh, gw = grid_size
-    boxes = rand_box(grid_size, lam, generator)
+    boxes = rand_box(grid_size, lam, generator, rounding)
     ys = torch.arange(gh)[None, :, None]
     xs = torch.arange(gw)[None, None, :]
     y0, y1, x0, x1 = (b[:, None, None] for b in boxes.unbind(1))
@@ -52,6 +55,11 @@ def random_token_mask(
 
 
 # TokenMix block masks (tokenmix.md Sec. 3.2) --------------------------------------------------
+
+#: TokenMix mask rules: ``'paper'`` (exactly ``round((1 - λ) N)`` tokens, parts of at least ``min_tokens``:
+#: :func:`tokenmix_masks`) or ``'public'`` (the authors' code: ``int((1 - λ) N) + min_tokens`` tokens
+#: targeted, parts from 1 token: :func:`tokenmix_masks_public`)
+TOKENMIX_RULES = ('paper', 'public')
 
 #: part rounds before a still unfinished mask gets one finishing part (see :func:`tokenmix_masks`)
 TOKENMIX_MAX_ROUNDS = 64
@@ -288,3 +296,57 @@ def occlusion_mask(
 def batch_masks(ranks: torch.Tensor, grid: tuple[int, int], ratio: float) -> torch.Tensor:
     """Bool ``(B, h, w)`` drop masks at ``ratio`` from stacked :func:`patch_ranks` ``(B, h * w)``."""
     return (ranks < num_dropped(grid[0] * grid[1], ratio)).view(-1, *grid)
+
+
+def tokenmix_public_count(grid_size: Tuple[int, int], lam: torch.Tensor, extra: int) -> torch.Tensor:
+    """The public code's targeted count of masked tokens: ``min(N, int((1 - λ) N) + extra)`` (its
+    ``mask_token_num_start``, the ``minimum_tokens=14`` of its ``Mixup``), ``(n,)`` int64."""
+    N = int(grid_size[0]) * int(grid_size[1])
+    return ((1.0 - lam.double()) * N).floor().long().add(int(extra)).clamp(max=N)
+
+
+def tokenmix_masks_public(
+    grid_size: Tuple[int, int],
+    num_masked: torch.Tensor,
+    generator: Optional[torch.Generator] = None,
+    aspect: Tuple[float, float] = (0.3, 1 / 0.3),
+    attempts: int = 10,
+) -> torch.Tensor:
+    """TokenMix block masks drawn by the rule of the authors' public code (``generate_mask``, BEiT's
+    masking loop), for ``grid_size`` and targeted counts ``num_masked`` (:func:`tokenmix_public_count`):
+    while fewer than the target are masked, up to ``attempts`` parts are tried, each with an area
+    ``U(1, remaining)``, a log-uniform aspect ratio in ``aspect``, sides ``round(sqrt(area · ratio))`` x
+    ``round(sqrt(area / ratio))`` that must be smaller than the grid's, at a uniform position; the first
+    part whose new tokens are between 1 and the remaining count is painted whole. When all attempts fail
+    the mask stops short of its target (so a mask may hold fewer tokens). Randomness from ``generator``
+    (the same distribution as the public code's Python ``random``, not its stream). Returns ``(n, gh, gw)``
+    bool; per-mask Python loops (slower than :func:`tokenmix_masks`, fine at one mask per batch)."""
+    gh, gw = _check_tokenmix_args(grid_size, None, aspect)
+    N = gh * gw
+    k = torch.as_tensor(num_masked).view(-1).cpu().numpy().astype(np.int64)
+    if k.size and (k.min() < 0 or k.max() > N):
+        raise ValueError(f'num_masked must be in [0, {N}] for a {gh}x{gw} grid, got values in [{k.min()}, {k.max()}]')
+    lo, hi = math.log(aspect[0]), math.log(aspect[1])
+    out = np.zeros((k.size, gh, gw), dtype=bool)
+    for i, target in enumerate(k.tolist()):
+        mask, count = out[i], 0
+        while count < target:
+            room = target - count
+            delta = 0
+            for _ in range(attempts):
+                u = rand(4, generator).tolist()
+                area = 1.0 + (room - 1.0) * u[0]
+                ratio = math.exp(lo + (hi - lo) * u[1])
+                h, w = int(round(math.sqrt(area * ratio))), int(round(math.sqrt(area / ratio)))
+                if w < gw and h < gh:
+                    top, left = min(int(u[2] * (gh - h + 1)), gh - h), min(int(u[3] * (gw - w + 1)), gw - w)
+                    part = mask[top : top + h, left : left + w]
+                    new = h * w - int(part.sum())
+                    if 0 < new <= room:
+                        part[:] = True
+                        delta = new
+                        break
+            if delta == 0:
+                break
+            count += delta
+    return torch.from_numpy(out)

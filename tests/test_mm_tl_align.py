@@ -231,6 +231,16 @@ def test_bad_backbone_and_config():
                 head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192),
             )
         )
+    with pytest.raises(ValueError, match=r"tl_align.drop_path: expected one of \('kept', 'public'\)"):
+        MODELS.build(
+            dict(
+                type='TLAlignClassifier',
+                tl_align=dict(drop_path='dropped'),
+                backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8),
+                neck=None,
+                head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192),
+            )
+        )
 
 
 @pytest.mark.slow

@@ -109,6 +109,8 @@ class TokenAwareMixup:
         patch_size=16,
         tokenmix_lam: Optional[float] = None,
         tokenmix_min_tokens: Optional[int] = None,
+        box_rounding: str = 'timm',
+        tokenmix_rule: str = 'paper',
         carry_mix: Optional[bool] = None,
         activation_targets: Optional[str] = None,
         generator: Optional[torch.Generator] = None,
@@ -129,6 +131,8 @@ class TokenAwareMixup:
             patch_size=patch_size,
             tokenmix_lam=tokenmix_lam,
             tokenmix_min_tokens=tokenmix_min_tokens,
+            box_rounding=box_rounding,
+            tokenmix_rule=tokenmix_rule,
         )
         self.mix_kind = mix_kind
         self.mode = mode
@@ -255,6 +259,8 @@ def create_mixer(
     patch_size=16,
     tokenmix_lam: Optional[float] = None,
     tokenmix_min_tokens: Optional[int] = None,
+    box_rounding: str = 'timm',
+    tokenmix_rule: str = 'paper',
     carry_mix: Optional[bool] = None,
     method: Optional[str] = None,
     collate: bool = False,
@@ -269,7 +275,10 @@ def create_mixer(
         label_smoothing, num_classes: as in ``timm.data.Mixup``.
         patch_size: the model's patch size (int or (h, w)); token kinds need images divisible by it.
         tokenmix_lam: fix λ of the TokenMix kinds (TokenMix uses 0.5) instead of Beta(cutmix_alpha).
-        tokenmix_min_tokens: smallest block of ``tokenmix_block`` (default 14 on a 14x14 grid, scaled).
+        tokenmix_min_tokens: smallest block of ``tokenmix_block`` (default 14 on a 14x14 grid, scaled); with
+            ``tokenmix_rule='public'`` the tokens added to ``int((1 - λ) N)``, as the public code's ``minimum_tokens``.
+        box_rounding: ``'timm'`` or ``'public'`` (the public code's ``cut // 2`` boxes: CutMix and token boxes).
+        tokenmix_rule: ``'paper'`` (exact counts) or ``'public'`` (the public code's mask sampler).
         carry_mix: return a :class:`MixTarget` (default: for the token kinds, and under a ``method``).
         method: the method that will re-weight the target (``'tl_align'``, ``'transmix'``, :data:`TARGET_METHODS`):
             the mixer carries the mix (tl-align.md Table 7: ``'cutmix'`` with ``mixup_alpha > 0`` is the
@@ -307,6 +316,8 @@ def create_mixer(
         patch_size=patch_size,
         tokenmix_lam=tokenmix_lam,
         tokenmix_min_tokens=tokenmix_min_tokens,
+        box_rounding=box_rounding,
+        tokenmix_rule=tokenmix_rule,
         carry_mix=carry_mix,
         generator=generator,
     )

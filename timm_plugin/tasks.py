@@ -66,7 +66,7 @@ class TLAlignTask(MethodTask):
         model: a timm model with a TL-Align tracer (:data:`timm_plugin.tl_align.SUPPORTED_MODELS`).
         criterion, criterion_kwargs, device, dtype, verbose: as ``timm.task.ClassificationTask`` (the criterion
             takes the soft target, e.g. ``SoftTargetCrossEntropy`` or ``BinaryCrossEntropy``).
-        layers, residual, fused: as :class:`timm_plugin.TLAlign`.
+        layers, residual, fused, drop_path: as :class:`timm_plugin.TLAlign`.
 
     ``forward`` returns ``loss``, ``output`` (the model's logits) and ``target`` (the aligned target); with a
     plain target (mixing switched off) it is the ``ClassificationTask`` step.
@@ -124,6 +124,7 @@ class TokenLabelingTask(ClassificationTask):
         mix_token, beta, prob, mode: MixToken (Beta(beta, beta) box, mixing probability, ``'batch'``/``'pair'``).
         head_rule: validation output, ``'cls+aux'`` or ``'cls'``.
         generator: RNG of MixToken's box.
+        box_rounding: ``'timm'`` or ``'public'`` (the public code's ``cut // 2`` box).
     """
 
     def __init__(
@@ -142,6 +143,7 @@ class TokenLabelingTask(ClassificationTask):
         mode: str = 'batch',
         head_rule: str = 'cls+aux',
         generator: Optional[torch.Generator] = None,
+        box_rounding: str = 'timm',
         device: Optional[torch.device] = None,
         dtype: Optional[torch.dtype] = None,
         verbose: bool = True,
@@ -164,6 +166,7 @@ class TokenLabelingTask(ClassificationTask):
             aux=bool(criterion.dense_weight),
             head_rule=head_rule,
             generator=generator,
+            box_rounding=box_rounding,
         )
         super().__init__(model, criterion, device=device, dtype=dtype, verbose=verbose)
         self.__dict__['method'] = method  # holds the bare model: not a submodule of the task

@@ -58,6 +58,7 @@ from shared_core.tl_align import (
     aligned_target,
     attention_labels,
     capture_forward,
+    check_drop_path,
     check_layers,
     compact_labels,
     conv_pool_labels,
@@ -594,6 +595,8 @@ class TLAlign(nn.Module):
         fused: the label attention as a fused SDPA call (``True``) or a transient softmax (``False``) for this
             wrapper; default :func:`shared_core.tl_align.use_fused_label_attn` (``$TOKENAUG_FUSED_LABEL_ATTN``,
             else fused on accelerators). The token path is the model's either way.
+        drop_path: ``'kept'`` (a sample whose attention branch stochastic depth dropped keeps its labels) or
+            ``'public'`` (the public code: they update anyway).
     """
 
     method = 'tl_align'
@@ -604,6 +607,7 @@ class TLAlign(nn.Module):
         layers: Optional[Iterable[int]] = None,
         residual: bool = True,
         fused: Optional[bool] = None,
+        drop_path: str = 'kept',
     ):
         super().__init__()
         self.tracer = timm_tracer(model)
@@ -611,6 +615,7 @@ class TLAlign(nn.Module):
         self.layers = check_layers(layers, self.tracer.depth)
         self.residual = residual
         self.fused = fused
+        self.drop_path = check_drop_path(drop_path)
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -626,7 +631,9 @@ class TLAlign(nn.Module):
     def _run(self, x: torch.Tensor, labels: torch.Tensor, forward=None):
         output, captures = capture_forward(self.tracer, forward or (lambda: self.model(x)))
         with fused_label_attn(self.fused):
-            return output, trace_labels(self.tracer, captures, output, labels.to(x.device), self.layers, self.residual)
+            return output, trace_labels(
+                self.tracer, captures, output, labels.to(x.device), self.layers, self.residual, self.drop_path
+            )
 
     def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None):
         if not self.training or target is None:

@@ -88,6 +88,7 @@ class TokenLabeling(nn.Module):
         aux: use the aux head (dense token targets); ``False`` for ReLabel / plain MixToken.
         head_rule: eval output, ``'cls+aux'`` (``cls + 0.5 · max_tokens(aux)``) or ``'cls'``.
         generator: RNG of the box sampler.
+        box_rounding: ``'timm'`` (today's timm) or ``'public'`` (the public code's ``cut // 2`` box).
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class TokenLabeling(nn.Module):
         aux: bool = True,
         head_rule: str = 'cls+aux',
         generator: Optional[torch.Generator] = None,
+        box_rounding: str = 'timm',
     ):
         super().__init__()
         for name in ('patch_embed', 'forward_features', 'forward_head', 'head', 'norm'):
@@ -114,7 +116,7 @@ class TokenLabeling(nn.Module):
         self.model, self.aux, self.head_rule, self.generator = model, aux, head_rule, generator
         self.num_prefix_tokens = int(getattr(model, 'num_prefix_tokens', 1))
         self.token_stride = token_stride(model)
-        self.sampler = mixtoken_sampler(beta, prob if mix_token else 0.0, mode, self.token_stride)
+        self.sampler = mixtoken_sampler(beta, prob if mix_token else 0.0, mode, self.token_stride, box_rounding)
 
     def grid(self, x: torch.Tensor) -> Tuple[int, int]:
         """The token grid of a batch of images (a whole number of tokens)."""

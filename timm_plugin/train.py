@@ -39,9 +39,11 @@ from timm.task import ClassificationTask
 from timm.utils import NativeScaler
 from timm.utils.model import get_state_dict
 
+from shared_core.boxes import BOX_ROUNDINGS
 from shared_core.mix import check_labels
-from shared_core.tl_align import TRANSMIX_MODES
+from shared_core.tl_align import DROP_PATH_LABELS, TRANSMIX_MODES
 from shared_core.token_labeling import HEAD_RULES
+from shared_core.token_masks import TOKENMIX_RULES
 
 from .mixup import MIX_KINDS, TARGET_METHODS, create_mixer
 from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
@@ -192,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
         help='drop the residual from the label path (Table 8, normalisation disabled)',
     )
     g.add_argument(
+        '--tl-align-drop-path',
+        default='kept',
+        choices=DROP_PATH_LABELS,
+        help="labels of samples whose attention branch stochastic depth dropped: 'kept' (ours) or 'public' "
+        '(the public code updates them anyway)',
+    )
+    g.add_argument(
         '--transmix-mode',
         default='paper',
         choices=TRANSMIX_MODES,
@@ -208,6 +217,20 @@ def build_parser() -> argparse.ArgumentParser:
         default='block',
         choices=('block', 'random'),
         help='the TokenMix mask of --mixup-type tokenmix (tokenmix.md Table 8-9)',
+    )
+    g.add_argument(
+        '--tokenmix-rule',
+        default='paper',
+        choices=TOKENMIX_RULES,
+        help="TokenMix masks: 'paper' (exactly round((1-λ)N) tokens, parts >= 14 tokens) or 'public' "
+        '(the public code: int((1-λ)N)+14 tokens targeted, parts from 1 token)',
+    )
+    g.add_argument(
+        '--box-rounding',
+        default='timm',
+        choices=BOX_ROUNDINGS,
+        help="CutMix / MixToken / TL-Align token boxes: 'timm' (today's timm) or 'public' (the public "
+        "code's pinned timm: cut // 2 on both sides of the centre)",
     )
     g.add_argument(
         '--activation-map-dir',
@@ -407,7 +430,12 @@ def build_task(args, model: nn.Module, criterion: nn.Module, token_labeling: boo
     method, _ = method_and_mix_kind(args)
     if method == 'tl_align':
         return TLAlignTask(
-            model, criterion, layers=args.tl_align_layers, residual=not args.tl_align_no_residual, device=device
+            model,
+            criterion,
+            layers=args.tl_align_layers,
+            residual=not args.tl_align_no_residual,
+            drop_path=args.tl_align_drop_path,
+            device=device,
         )
     if method == 'transmix':
         return TransMixTask(model, criterion, mode=args.transmix_mode, device=device)
@@ -437,6 +465,7 @@ def build_task(args, model: nn.Module, criterion: nn.Module, token_labeling: boo
             prob=args.mixup_prob,
             mode=args.mixup_mode,
             head_rule=args.head_rule,
+            box_rounding=args.box_rounding,
             device=device,
         )
     return ClassificationTask(model, criterion, device=device)
@@ -631,6 +660,8 @@ def run(argv=None) -> dict:
             num_classes=args.num_classes,
             patch_size=mixing_patch_size(model),
             tokenmix_lam=args.tokenmix_lam,
+            box_rounding=args.box_rounding,
+            tokenmix_rule=args.tokenmix_rule,
         )
         if args.activation_map_dir:  # mixed on the device, where the maps' targets are built
             mixer = create_mixer(mix_kind, activation_targets=args.activation_target, **mixer_args)
