@@ -1,7 +1,7 @@
 """``tokenaug-convert``: a pretrained classification checkpoint -> the backbone checkpoint mmseg / mmdet load.
 
     tokenaug-convert --src CKPT --dst OUT --to {mmseg,mmdet} --model TIMM_MODEL_NAME [--from {timm,mmpretrain}]
-                     [--model-kwargs img_size=112 ...] [--use-ema] [--final-norm]
+                     [--model-kwargs img_size=112 ...] [--use-ema] [--final-norm] [--force]
 
 ``CKPT`` is a ``tokenaug-train`` checkpoint or a plain timm state dict (``--from timm``), or an
 mmpretrain/MMEngine checkpoint (``--from mmpretrain``). ``--model`` names the timm architecture the
@@ -29,6 +29,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from shared_core.checkpoint_io import check_input_file, check_output_file, load_checkpoint_file, save_checkpoint_file
+
 from .convert import to_dense_backbone
 from .mmengine_safe_load import allow_mmengine_checkpoints
 
@@ -43,7 +45,15 @@ def _timm_arch(model_name: str, model_kwargs: dict) -> Tuple[str, dict]:
 
     from timm_plugin.lvvit import LVViT  # also registers lvvit_* with timm
 
-    model = timm.create_model(model_name, pretrained=False, **model_kwargs)
+    if not timm.is_model(model_name):
+        raise ValueError(
+            f'model: {model_name!r} is not a timm model name '
+            '(e.g. vit_small_patch16_224, swin_tiny_patch4_window7_224, lvvit_s)'
+        )
+    try:
+        model = timm.create_model(model_name, pretrained=False, **model_kwargs)
+    except TypeError as e:
+        raise ValueError(f'model-kwargs: timm.create_model({model_name!r}) refused {model_kwargs}: {e}') from None
     if isinstance(model, LVViT):  # before VisionTransformer: it is one
         return 'lvvit', _lvvit_hyper_parameters(model)
     if isinstance(model, SwinTransformer):
@@ -158,7 +168,7 @@ def build_backbone(target: str, arch: str, hp: dict, final_norm: bool = False, i
 
 def _load_source(path: str, use_ema: bool) -> Dict[str, torch.Tensor]:
     allow_mmengine_checkpoints()
-    ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    ckpt = load_checkpoint_file(path, 'src')
     if not isinstance(ckpt, dict):
         raise ValueError(f'src: {path} holds a {type(ckpt).__name__}, not a checkpoint dict')
     key = 'state_dict_ema' if use_ema else 'state_dict'
@@ -180,8 +190,13 @@ def convert_checkpoint(
     model_kwargs=None,
     use_ema: bool = False,
     final_norm: bool = False,
+    force: bool = False,
 ) -> dict:
-    """Convert, write, verify; returns the report (also printed by the CLI)."""
+    """Convert, verify, write; returns the report (also printed by the CLI). ``dst`` must not be ``src`` and
+    must not exist unless ``force``; it is written to a temporary file, verified from there, then renamed
+    into place (a failure leaves no partial file and any old ``dst`` as it was)."""
+    check_input_file(src, 'src')
+    check_output_file(dst, src, force)
     arch, hp = _timm_arch(model, dict(model_kwargs or {}))
     sd, dropped = to_dense_backbone(_load_source(src, use_ema), arch, source)
     final_norm_prefix = {'vit': 'ln1.', 'lvvit': 'norm.'}.get(arch)
@@ -205,7 +220,18 @@ def convert_checkpoint(
     for k in derived:  # index buffers are functions of the window size: the target's own
         sd[k] = target[k]
     prefix = 'backbone.' if to == 'mmdet' else ''
-    torch.save(
+
+    def verify(written: str) -> None:  # through the target's own loader (strict=False there): all must arrive
+        from mmengine.config import ConfigDict  # mmdet's Swin reads init_cfg by attribute
+
+        loaded = build_backbone(to, arch, hp, final_norm, init_cfg=ConfigDict(type='Pretrained', checkpoint=written))
+        loaded.init_weights()
+        got = loaded.state_dict()
+        stale = sorted(k for k, v in sd.items() if k in got and got[k].shape == v.shape and not torch.equal(got[k], v))
+        if stale:
+            raise ValueError(f"dst: {to}'s init_weights did not load {len(stale)} tensors from {dst}: {stale[:10]}")
+
+    save_checkpoint_file(
         {
             'state_dict': {prefix + k: v.contiguous() for k, v in sd.items()},
             'meta': {
@@ -215,16 +241,8 @@ def convert_checkpoint(
             },
         },
         dst,
+        check=verify,
     )
-    # through the target's own loader (strict=False there): every converted tensor must have arrived
-    from mmengine.config import ConfigDict  # mmdet's Swin reads init_cfg by attribute
-
-    loaded = build_backbone(to, arch, hp, final_norm, init_cfg=ConfigDict(type='Pretrained', checkpoint=str(dst)))
-    loaded.init_weights()
-    got = loaded.state_dict()
-    stale = sorted(k for k, v in sd.items() if k in got and got[k].shape == v.shape and not torch.equal(got[k], v))
-    if stale:
-        raise ValueError(f"dst: {to}'s init_weights did not load {len(stale)} tensors from {dst}: {stale[:10]}")
     return dict(
         arch=arch,
         hyper_parameters=hp,
@@ -257,6 +275,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         '--final-norm', action='store_true', help='ViT, LV-ViT: keep the final norm (target final_norm=True)'
     )
+    p.add_argument('--force', action='store_true', help='overwrite an existing --dst (never the --src file)')
     return p
 
 
@@ -285,6 +304,7 @@ def main(argv=None) -> int:
             _kwargs(args.model_kwargs),
             args.use_ema,
             args.final_norm,
+            args.force,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f'tokenaug-convert: error: {e}', file=sys.stderr)

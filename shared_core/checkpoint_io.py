@@ -1,0 +1,129 @@
+"""Checkpoint files read and written without surprises: loads that name what is wrong with a file, outputs
+that never replace their source or an existing file unasked, and writes that leave either the complete new
+file or the old one (a temporary file in the same folder, renamed into place; removed on any failure).
+
+Every load is ``torch.load(..., weights_only=True)``: a file holding Python objects beyond tensors and plain
+containers is refused, never unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pickle
+import re
+import tempfile
+import zipfile
+from typing import Iterator, Optional
+
+import torch
+
+__all__ = [
+    'CheckpointError',
+    'check_input_file',
+    'check_output_file',
+    'load_checkpoint_file',
+    'atomic_output',
+    'save_checkpoint_file',
+]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read (or written) as asked; the message names the argument and file."""
+
+
+def check_input_file(path, name: str = 'checkpoint') -> str:
+    """``path`` as a string, if it is an existing regular file; else :class:`FileNotFoundError` naming ``name``."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f'{name}: no such file: {path}')
+    if not os.path.isfile(path):
+        raise CheckpointError(f'{name}: {path} is not a file')
+    return path
+
+
+def load_checkpoint_file(path, name: str = 'checkpoint', map_location='cpu'):
+    """``torch.load(path, weights_only=True)`` whose errors say what is wrong with the file: missing, empty,
+    truncated or corrupt, not a PyTorch checkpoint, or holding Python objects a weights-only load refuses."""
+    path = check_input_file(path, name)
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f'{name}: {path} is empty (0 bytes)')
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        with open(path, 'rb') as f:
+            head = f.read(2)
+        if not zipfile.is_zipfile(path) and not head.startswith(b'\x80'):
+            raise CheckpointError(f'{name}: {path} is not a PyTorch checkpoint (unrecognised content)') from None
+        found = re.search(r'GLOBAL ([\w.]+)', str(e))
+        what = f' ({found.group(1)})' if found else ''
+        raise CheckpointError(
+            f'{name}: {path} holds Python objects beyond tensors and plain containers{what}; a weights-only load '
+            'refuses them and nothing was unpickled (a checkpoint written by tokenaug, timm or MMEngine loads)'
+        ) from None
+    except (RuntimeError, EOFError) as e:
+        if isinstance(e, EOFError) or 'zip archive' in str(e) or 'PytorchStreamReader' in str(e):
+            raise CheckpointError(f'{name}: {path} is truncated or corrupt ({str(e).splitlines()[0]})') from None
+        raise
+
+
+def check_output_file(dst, src=None, force: bool = False, name: str = 'dst', src_name: str = 'src') -> str:
+    """``dst`` as a string, if it can be written: not the ``src`` file (the same path or a link to it), not an
+    existing file unless ``force``, not a directory, in an existing folder."""
+    dst = os.fspath(dst)
+    if src is not None and os.path.exists(dst):
+        if os.path.samefile(dst, os.fspath(src)):
+            raise CheckpointError(f'{name}: {dst} is the {src_name} file; write the output to another file')
+    if os.path.isdir(dst):
+        raise CheckpointError(f'{name}: {dst} is a directory; give a file name')
+    if os.path.exists(dst) and not force:
+        raise CheckpointError(f'{name}: {dst} exists; pass --force to overwrite it')
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise CheckpointError(f'{name}: the folder {parent} does not exist')
+    return dst
+
+
+_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def atomic_output(dst, name: str = 'dst') -> Iterator[str]:
+    """Yields a temporary path next to ``dst``; when the block succeeds it is renamed to ``dst`` (atomic on
+    POSIX), else removed, so ``dst`` holds either its old content or the complete new file. A full disk or a
+    file-size limit is reported as such."""
+    dst = os.fspath(dst)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f'.{os.path.basename(dst)}.', suffix='.tmp', dir=os.path.dirname(os.path.abspath(dst))
+    )
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, dst)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if _disk_full(e):
+            raise CheckpointError(
+                f'{name}: could not write {dst}: the disk is full or the file exceeds a size limit; '
+                f'nothing was replaced ({e})'
+            ) from e
+        raise
+
+
+def _disk_full(e: BaseException) -> bool:
+    """An OSError of a full disk / size limit, or torch's writer failing mid-file (it reports a bare
+    ``unexpected pos`` when the OS refused the rest)."""
+    if isinstance(e, OSError) and e.errno in _FULL:
+        return True
+    return isinstance(e, RuntimeError) and 'unexpected pos' in str(e)
+
+
+def save_checkpoint_file(obj, dst, name: str = 'dst', check: Optional[callable] = None) -> None:
+    """``torch.save(obj, dst)`` through :func:`atomic_output`; ``check(tmp_path)`` runs on the written file
+    before it replaces ``dst`` (an exception there leaves ``dst`` as it was)."""
+    with atomic_output(dst, name) as tmp:
+        torch.save(obj, tmp)
+        if check is not None:
+            check(tmp)
