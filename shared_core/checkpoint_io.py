@@ -43,14 +43,16 @@ def check_input_file(path, name: str = 'checkpoint') -> str:
     return path
 
 
-def load_checkpoint_file(path, name: str = 'checkpoint', map_location='cpu'):
+def load_checkpoint_file(path, name: str = 'checkpoint', map_location='cpu', mmap: bool = False):
     """``torch.load(path, weights_only=True)`` whose errors say what is wrong with the file: missing, empty,
-    truncated or corrupt, not a PyTorch checkpoint, or holding Python objects a weights-only load refuses."""
+    truncated or corrupt, not a PyTorch checkpoint, or holding Python objects a weights-only load refuses.
+    ``mmap``: memory-map the tensors (a cheap check of a large file; zip checkpoints only)."""
     path = check_input_file(path, name)
     if os.path.getsize(path) == 0:
         raise CheckpointError(f'{name}: {path} is empty (0 bytes)')
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        mmap = mmap and zipfile.is_zipfile(path)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         with open(path, 'rb') as f:
             head = f.read(2)

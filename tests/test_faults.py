@@ -135,3 +135,158 @@ def test_convert_names_an_unknown_model(train_ckpt, tmp_path, run_env):
     cmd[cmd.index('deit_tiny_patch16_224')] = 'vit_tiny_patch16_224x'
     res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "model: 'vit_tiny_patch16_224x' is not a timm model name" in res.stderr
+
+
+# tokenaug-train on the tiny world ----------------------------------------------------------------------------
+CONFIG = os.path.join(os.path.dirname(__file__), '..', 'configs', 'timm', 'world_vit-tiny.yaml')
+FAST = ['--model-kwargs', 'img_size=112', 'depth=2', '-b', '8', '--workers', '0', '--log-interval', '50']
+
+
+def train_cmd(data, out, exp, *extra):
+    return ['-c', CONFIG, '--data-dir', str(data), '--output', str(out), '--experiment', exp, *FAST, *extra]
+
+
+def copy_world(world, dst):
+    import shutil
+
+    shutil.copytree(world / 'imagenet', dst)
+    return dst
+
+
+# 2. grayscale, CMYK and truncated JPEGs (ImageNet has them) -------------------------------------------------
+@pytest.mark.slow
+def test_grayscale_cmyk_and_truncated_jpegs_do_not_kill_a_run(tiny_world, tmp_path, caplog):
+    from PIL import Image
+
+    from timm_plugin.train import run
+
+    data = copy_world(tiny_world, tmp_path / 'data')
+    files = sorted((data / 'train').rglob('*.jpg'))
+    Image.open(files[0]).convert('L').save(files[0])
+    Image.open(files[1]).convert('CMYK').save(files[1])
+    raw = files[2].read_bytes()
+    files[2].write_bytes(raw[: len(raw) // 2])  # a truncated JPEG
+    metrics = run(train_cmd(data, tmp_path, 'x', '--epochs', '1'))
+    assert 0 <= metrics['top1'] <= 100
+    skipped = [r.getMessage() for r in caplog.records if 'Skipped unreadable image' in r.getMessage()]
+    assert skipped and all(files[2].name in m for m in skipped), skipped
+
+
+# 3. a skipped image must not take the map of another --------------------------------------------------------
+def test_token_label_samples_carry_the_map_of_the_image_actually_read(tiny_world, tmp_path):
+    import numpy as np
+    from timm.data import create_dataset
+    from torchvision import transforms as T
+
+    from shared_core.map_store import LabelMapStore
+    from timm_plugin.token_label_data import TokenLabelDataset
+
+    from .helpers import write_store
+
+    data = copy_world(tiny_world, tmp_path / 'data')
+    paths = sorted(str(p.relative_to(data / 'train')) for p in (data / 'train').rglob('*.jpg'))
+    rng = np.random.default_rng(0)
+    values = rng.dirichlet(np.ones(3), size=(len(paths), 2, 2)).transpose(0, 3, 1, 2).astype(np.float16) * 0.9
+    indices = np.stack([np.argsort(rng.random((10, 2, 2)), 0)[:3] for _ in paths])
+    store = LabelMapStore.open(write_store(tmp_path / 'maps', paths, values, indices, 10, 'random', (112, 112)))
+    (data / 'train' / paths[0]).write_bytes(os.urandom(3000))  # unreadable: timm moves on to the next file
+    ds = TokenLabelDataset(create_dataset('', root=str(data), split='train', is_training=True), store)
+    ds.transform = T.Compose([T.RandomResizedCrop(32, scale=(1.0, 1.0)), T.PILToTensor()])
+    img, (label, v, i, box, flip, affines) = ds[0]
+    v1, i1 = store.lookup(paths[1])  # the image read is file 1: its map, and its label
+    assert np.array_equal(v, v1) and np.array_equal(i, i1)
+    assert label == ds.dataset.reader[1][1]
+
+
+# 4. an empty class folder would shift every later class ------------------------------------------------------
+def test_an_empty_train_class_folder_is_refused_naming_it(tiny_world, tmp_path):
+    from timm_plugin.train import run
+
+    data = copy_world(tiny_world, tmp_path / 'data')
+    empty = sorted((data / 'train').iterdir())[3]
+    for f in empty.iterdir():
+        f.unlink()
+    with pytest.raises(ValueError, match=rf"only in val: \['{empty.name}'\]"):
+        run(train_cmd(data, tmp_path, 'x', '--epochs', '1'))
+    with pytest.raises(ValueError, match=r'--num-classes: the model has 12 classes, the train split 10'):
+        run(train_cmd(tiny_world / 'imagenet', tmp_path, 'y', '--epochs', '1', '--num-classes', '12'))
+
+
+# 5. a resumed run ends exactly where an uninterrupted one does -----------------------------------------------
+def run_files(out):
+    """What a run leaves: the file names, the checkpoints' tensors and bookkeeping, summary and results."""
+    files = sorted(p.name for p in out.iterdir() if p.name != 'args.yaml')
+    ckpts = {}
+    for name in files:
+        if name.endswith('.pth.tar'):
+            ck = torch.load(out / name, weights_only=True)
+            ckpts[name] = {k: ck[k] for k in ('epoch', 'metric', 'state_dict', 'optimizer', 'saver') if k in ck}
+    results = __import__('json').loads((out / 'results.json').read_text())
+    results.pop('output_dir')
+    return files, ckpts, (out / 'summary.csv').read_text(), results
+
+
+def assert_same_run(a, b):
+    fa, ca, sa, ra = run_files(a)
+    fb, cb, sb, rb = run_files(b)
+    assert fa == fb and sa == sb and ra == rb
+    for name in ca:
+        assert ca[name].pop('saver', None) == cb[name].pop('saver', None), name  # best / history bookkeeping
+        torch.testing.assert_close(ca[name], cb[name], rtol=0, atol=0, msg=name)  # bit for bit
+
+
+MIXED = ['--epochs', '3', '--mixup-type', 'cutmix', '--lr', '3e-3']
+
+
+@pytest.mark.slow
+def test_two_epochs_and_a_resume_equal_three_epochs(tiny_world, tmp_path):
+    from timm_plugin.train import run
+
+    data = tiny_world / 'imagenet'
+    run(train_cmd(data, tmp_path, 'whole', *MIXED))
+    run(train_cmd(data, tmp_path, 'split', *MIXED, '--stop-epoch', '2'))
+    assert (tmp_path / 'split' / 'summary.csv').read_text().count('\n') == 3  # header + epochs 0, 1
+    run(train_cmd(data, tmp_path, 'split', *MIXED, '--resume', str(tmp_path / 'split' / 'last.pth.tar')))
+    assert_same_run(tmp_path / 'whole', tmp_path / 'split')
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_world, tmp_path, run_env):
+    import signal
+
+    data = tiny_world / 'imagenet'
+    base = ['tokenaug-train'] + train_cmd(data, tmp_path, 'killed', *MIXED)
+    subprocess.run(
+        ['tokenaug-train'] + train_cmd(data, tmp_path, 'whole', *MIXED), env=run_env, check=True, capture_output=True
+    )
+    proc = subprocess.Popen(base, env=run_env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    for line in proc.stderr:  # kill -9 in the middle of epoch 1 (epoch 0 saved)
+        if 'Train: 1 [' in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=600)
+    assert proc.returncode == -signal.SIGKILL
+    assert torch.load(tmp_path / 'killed' / 'last.pth.tar', weights_only=True)['epoch'] == 0
+    res = subprocess.run(
+        base + ['--resume', str(tmp_path / 'killed' / 'last.pth.tar')], env=run_env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert_same_run(tmp_path / 'whole', tmp_path / 'killed')
+
+
+# 10. command-line errors without tracebacks ---------------------------------------------------------------------
+@pytest.mark.parametrize('case', ['no-data-dir', 'unknown-model', 'garbage-resume'])
+def test_train_cli_errors_are_named_without_a_traceback(case, tiny_world, tmp_path, run_env):
+    cmd = ['tokenaug-train'] + train_cmd(tiny_world / 'imagenet', tmp_path, 'x', '--epochs', '1')
+    if case == 'no-data-dir':
+        cmd[cmd.index('--data-dir') + 1] = str(tmp_path / 'nope')
+        expect = 'is not a directory'
+    elif case == 'unknown-model':
+        cmd += ['--model', 'vit_tiny_patch16_224x']
+        expect = "--model: 'vit_tiny_patch16_224x' is not a timm model name"
+    else:
+        (tmp_path / 'junk.pth.tar').write_bytes(os.urandom(5000))
+        cmd += ['--resume', str(tmp_path / 'junk.pth.tar')]
+        expect = '--resume: ' + str(tmp_path / 'junk.pth.tar') + ' is not a PyTorch checkpoint'
+    res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and expect in res.stderr and 'Traceback' not in res.stderr, res.stderr[-2000:]

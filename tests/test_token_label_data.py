@@ -2,6 +2,9 @@
 of quadrant images, both the fast-collate prefetcher path and the plain path, square and non-square inputs,
 checked token by token against the pixels."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -206,12 +209,22 @@ def test_a_missing_map_names_the_image(quadrant_data, tmp_path):
 def test_randaugment_posterize_at_full_magnitude_works_with_this_pillow():
     """timm asks Posterize for 0 bits at magnitude 10 (inc1); Pillow refuses; timm_plugin.fix_posterize fixes it
     (an explicit call: tokenaug-train makes it, and importing timm_plugin does not)."""
-    from timm.data import auto_augment
     from timm.data.auto_augment import AugmentOp
 
     import timm_plugin
 
-    assert auto_augment.NAME_TO_OP['PosterizeIncreasing'] is auto_augment.posterize  # import patches nothing
+    fresh = subprocess.run(  # importing patches nothing (a fresh process: tokenaug-train may have run in this one)
+        [
+            sys.executable,
+            '-c',
+            'import timm_plugin; from timm.data import auto_augment as a; '
+            "print(a.NAME_TO_OP['PosterizeIncreasing'] is a.posterize)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert fresh.stdout.strip() == 'True', fresh.stderr[-2000:]
     timm_plugin.fix_posterize()
     img = Image.fromarray(np.full((8, 8, 3), 200, np.uint8))
     op = AugmentOp('PosterizeIncreasing', prob=1.0, magnitude=10, hparams={})

@@ -47,6 +47,7 @@ from shared_core.label_maps import (
 from shared_core.mix import check_labels
 
 from .carrier import CarrierTensor
+from .image_data import read_image, readable
 
 __all__ = [
     'GEOMETRIC_AA',
@@ -256,7 +257,9 @@ class TokenLabelDataset(torch.utils.data.Dataset):
 
     Args:
         dataset: the image dataset (``filename(i)`` is the key into the store: the image path relative
-            to the split root, as ``tokenaug-maps generate`` wrote it).
+            to the split root, as ``tokenaug-maps generate`` wrote it). A timm ``ImageDataset`` is read with
+            :func:`~timm_plugin.image_data.read_image`: an unreadable image is skipped for the next one (a
+            warning names it) and the sample carries the map of the image actually read.
         store: the :class:`~shared_core.map_store.LabelMapStore` of that split.
         geometric_aa: ``'follow'`` (default; the public code): the targets follow RandAugment's (and
             AutoAugment's) geometric ops; ``'drop'``: those ops are removed (ours, earlier).
@@ -292,7 +295,10 @@ class TokenLabelDataset(torch.utils.data.Dataset):
         return self.dataset.filename(index, basename, absolute)
 
     def __getitem__(self, index: int):
-        img, label = self.dataset[index]
+        if readable(self.dataset):  # the map of the image actually read (timm skips unreadable ones)
+            img, label, index = read_image(self.dataset, index)
+        else:
+            img, label = self.dataset[index]
         rel = self.dataset.filename(index)
         values, indices = self.store.lookup(rel)
         if self._crop is None:

@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 from collections import OrderedDict
 from contextlib import suppress
@@ -32,7 +33,7 @@ import yaml
 from timm import utils
 from timm.data import create_dataset, create_loader, resolve_data_config
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.models import create_model, resume_checkpoint, safe_model_name
+from timm.models import create_model, is_model, resume_checkpoint, safe_model_name
 from timm.optim import create_optimizer_v2, optimizer_kwargs
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from timm.task import ClassificationTask
@@ -40,11 +41,13 @@ from timm.utils import NativeScaler
 from timm.utils.model import get_state_dict
 
 from shared_core.boxes import BOX_ROUNDINGS
+from shared_core.checkpoint_io import load_checkpoint_file
 from shared_core.mix import check_labels
 from shared_core.tl_align import DROP_PATH_LABELS, TRANSMIX_MODES
 from shared_core.token_labeling import HEAD_RULES
 from shared_core.token_masks import TOKENMIX_RULES
 
+from .image_data import CheckedImageDataset, UnreadableImageError, check_class_lists, readable
 from .mixup import MIX_KINDS, TARGET_METHODS, create_mixer
 from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
 from .timm_fixes import fix_posterize
@@ -129,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--min-lr', type=float, default=1e-6, metavar='LR')
     g.add_argument('--epochs', type=int, default=300, metavar='N')
     g.add_argument('--start-epoch', default=None, type=int, metavar='N')
+    g.add_argument(
+        '--stop-epoch',
+        default=None,
+        type=int,
+        metavar='N',
+        help='end the run before epoch N, keeping the schedule of --epochs (split a run; --resume continues it)',
+    )
     g.add_argument('--decay-milestones', default=[90, 180, 270], type=int, nargs='+', metavar='MILESTONES')
     g.add_argument('--decay-epochs', type=float, default=90, metavar='N')
     g.add_argument('--warmup-epochs', type=int, default=5, metavar='N')
@@ -408,6 +418,11 @@ class PlainCheckpointSaver(utils.CheckpointSaver):
         torch.save(save_state, save_path)
 
 
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of an epoch's random streams (``utils.random_seed`` adds the rank): distinct per epoch."""
+    return int(seed) + 100_003 * int(epoch)
+
+
 def mixing_patch_size(model: nn.Module, default=16):
     """The token grid step a mixer draws on: :func:`~timm_plugin.token_grid.token_stride` for models with
     a patch embedding, ``default`` for the others (CNNs: only MixUp/CutMix, which need no grid)."""
@@ -471,9 +486,20 @@ def build_task(args, model: nn.Module, criterion: nn.Module, token_labeling: boo
     return ClassificationTask(model, criterion, device=device)
 
 
+#: errors of what the user asked for (their messages name the argument): printed without a traceback
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, UnreadableImageError)
+
+
 def main(argv=None) -> None:
-    """Console entry point (``tokenaug-train``)."""
-    run(argv)
+    """Console entry point (``tokenaug-train``): a user error (a bad argument, file or dataset) is printed as
+    ``tokenaug-train: error: ...`` with exit status 2 (``TOKENAUG_TRACEBACK=1`` shows the traceback)."""
+    try:
+        run(argv)
+    except USER_ERRORS as e:
+        if os.environ.get('TOKENAUG_TRACEBACK'):
+            raise
+        print(f'tokenaug-train: error: {e}', file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def run(argv=None) -> dict:
@@ -485,6 +511,8 @@ def run(argv=None) -> dict:
         args.data_dir = args.data
     if not args.data_dir:
         raise SystemExit('tokenaug-train: --data-dir is required')
+    if not args.dataset and not os.path.isdir(args.data_dir):  # before the model is built
+        raise FileNotFoundError(f'--data-dir: {args.data_dir} is not a directory')
     args.prefetcher = not args.no_prefetcher
     device = utils.init_distributed_device(args)
     if args.distributed:
@@ -503,6 +531,10 @@ def run(argv=None) -> dict:
     # as timm's train.py: --img-size/--input-size set the data size only; a model built for another size
     # gets it through --model-kwargs (e.g. img_size=112 for a ViT)
     model_kwargs = dict(args.model_kwargs)
+    if not is_model(args.model) and not args.model.startswith('hf-hub:'):
+        raise ValueError(f'--model: {args.model!r} is not a timm model name')
+    if args.resume:  # a missing, truncated or foreign file named before anything is built
+        load_checkpoint_file(args.resume, '--resume', mmap=True)
     model = create_model(
         args.model,
         pretrained=args.pretrained or bool(args.pretrained_path),
@@ -592,13 +624,18 @@ def run(argv=None) -> dict:
 
     resume_epoch = None
     if args.resume:
-        resume_epoch = resume_checkpoint(
-            model,
-            args.resume,
-            optimizer=None if args.no_resume_opt else optimizer,
-            loss_scaler=None if args.no_resume_opt else loss_scaler,
-            log_info=utils.is_primary(args),
-        )
+        try:
+            resume_epoch = resume_checkpoint(
+                model,
+                args.resume,
+                optimizer=None if args.no_resume_opt else optimizer,
+                loss_scaler=None if args.no_resume_opt else loss_scaler,
+                log_info=utils.is_primary(args),
+            )
+        except RuntimeError as e:  # load_state_dict: another architecture or size
+            raise ValueError(f'--resume: {args.resume} does not fit --model {args.model}: {e}') from None
+    # as timm's train.py: images converted to the model's channels (grayscale and CMYK JPEGs occur in ImageNet)
+    input_img_mode = args.input_img_mode or ('RGB' if data_config['input_size'][0] == 3 else 'L')
     dataset_train = create_dataset(
         args.dataset,
         root=args.data_dir,
@@ -607,7 +644,7 @@ def run(argv=None) -> dict:
         class_map=args.class_map,
         batch_size=args.batch_size,
         seed=args.seed,
-        input_img_mode=args.input_img_mode,
+        input_img_mode=input_img_mode,
         download=args.dataset_download,
     )
     dataset_eval = create_dataset(
@@ -617,9 +654,12 @@ def run(argv=None) -> dict:
         is_training=False,
         class_map=args.class_map,
         batch_size=args.batch_size,
-        input_img_mode=args.input_img_mode,
+        input_img_mode=input_img_mode,
         download=args.dataset_download,
     )
+    check_class_lists(dataset_train, dataset_eval, args.num_classes)
+    # unreadable (and truncated) images are skipped with the file named, not fatal mid-epoch
+    dataset_train, dataset_eval = (CheckedImageDataset(d) if readable(d) else d for d in (dataset_train, dataset_eval))
 
     collate_fn = mixer = None
     maps_dir, maps_flag = (
@@ -708,8 +748,9 @@ def run(argv=None) -> dict:
         device=device,
         use_prefetcher=args.prefetcher,
         worker_seeding=args.worker_seeding,  # timm drops the last (possibly odd) training batch
-        # a persistent worker keeps its own copy of the collate function, which --mixup-off-epoch could not reach
-        persistent_workers=not (mixup_active and args.mixup_off_epoch),
+        # workers start afresh each epoch from that epoch's seed (see epoch_seed): a resumed run repeats an
+        # uninterrupted one exactly (and --mixup-off-epoch reaches the collate function they copy)
+        persistent_workers=False,
     )
     loader_eval = create_loader(
         dataset_eval,
@@ -799,6 +840,8 @@ def run(argv=None) -> dict:
         )
         with open(os.path.join(output_dir, 'args.yaml'), 'w') as f:
             yaml.safe_dump(plain_args(args), f, sort_keys=False)
+        if args.resume:  # the best / history bookkeeping of the run being continued (timm's saver wrote it)
+            saver.load_state_dict_from_checkpoint(args.resume)
 
     updates_per_epoch = (len(loader_train) + args.grad_accum_steps - 1) // args.grad_accum_steps
     lr_scheduler, num_epochs = create_scheduler_v2(
@@ -816,8 +859,14 @@ def run(argv=None) -> dict:
         _logger.info(f'Scheduled epochs: {num_epochs}; {updates_per_epoch} updates per epoch.')
 
     best_metric = best_epoch = None
+    summary = os.path.join(output_dir, 'summary.csv') if output_dir is not None else None
+    write_header = summary is not None and not (args.resume and os.path.exists(summary))
     eval_metrics = {}
-    for epoch in range(start_epoch, num_epochs):
+    stop_epoch = num_epochs if args.stop_epoch is None else min(num_epochs, args.stop_epoch)
+    for epoch in range(start_epoch, stop_epoch):
+        # every random stream of the epoch (augmentation, mixing, dropout, sampler, workers) from (seed, epoch):
+        # a run resumed at this epoch draws exactly what an uninterrupted one does
+        utils.random_seed(epoch_seed(args.seed, epoch), args.rank)
         if hasattr(dataset_train, 'set_epoch'):
             dataset_train.set_epoch(epoch)
         elif args.distributed and hasattr(loader_train.sampler, 'set_epoch'):
@@ -855,13 +904,9 @@ def run(argv=None) -> dict:
         if output_dir is not None:
             lrs = [pg['lr'] for pg in optimizer.param_groups]
             utils.update_summary(
-                epoch,
-                train_metrics,
-                eval_metrics,
-                filename=os.path.join(output_dir, 'summary.csv'),
-                lr=sum(lrs) / len(lrs),
-                write_header=best_metric is None,
+                epoch, train_metrics, eval_metrics, filename=summary, lr=sum(lrs) / len(lrs), write_header=write_header
             )
+            write_header = False
         if saver is not None:
             best_metric, best_epoch = saver.save_checkpoint(epoch, metric=eval_metrics[eval_metric])
         if lr_scheduler is not None:
