@@ -21,6 +21,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from mmpretrain.registry import BATCH_AUGMENTS
 
+from shared_core.checks import check_int, check_real
 from shared_core.mix import Mix, check_pairwise_batch, mix_images, mix_rows
 from shared_core.samplers import MixSampler
 from shared_core.tokenmix import ACTIVATION_TARGETS
@@ -59,6 +60,7 @@ class MixBatchAugment:
                 f'activation_targets: expected one of {ACTIVATION_TARGETS} or None, got {activation_targets!r}'
             )
         self.activation_targets = activation_targets
+        alpha = check_real(alpha, 'alpha', 0.0, lo_open=True)  # a config's '1.0' or nan named here, at build
         if self.mix_kind == 'mixup':
             args = dict(mixup_alpha=alpha, cutmix_alpha=0.0)
         else:
@@ -151,6 +153,8 @@ class TATokenMix(MixBatchAugment):
     ):
         if mask not in ('block', 'random'):
             raise ValueError(f"mask must be 'block' or 'random', got {mask!r}")
+        lam = None if lam is None else check_real(lam, 'lam', 0.0, 1.0)
+        min_tokens = None if min_tokens is None else check_int(min_tokens, 'min_tokens', 1)
         self.mix_kind = f'tokenmix_{mask}'
         super().__init__(
             alpha,

@@ -8,11 +8,13 @@ sampling, λ correction and min/max boxes as timm's ``timm/data/mixup.py``; MixT
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple
 
 import torch
 
 from .boxes import box_token_share, check_box_rounding, minmax_sides, rand, rand_box, rand_box_minmax, sample_beta
+from .checks import check_int, check_real
 from .mix import IntPair, Mix, check_image_size, check_pairwise_batch, grid_size, to_2tuple
 from .token_masks import (
     TOKENMIX_RULES,
@@ -82,23 +84,24 @@ class MixSampler:
             raise ValueError(f'mix_kind must be one of {MIX_KINDS}, got {mix_kind!r}')
         if mode not in MODES:
             raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
-        if not 0.0 <= prob <= 1.0:
-            raise ValueError(f'prob must be in [0, 1], got {prob}')
-        if not 0.0 <= switch_prob <= 1.0:
-            raise ValueError(f'switch_prob must be in [0, 1], got {switch_prob}')
-        if mixup_alpha < 0 or cutmix_alpha < 0:
-            raise ValueError(f'mixup_alpha and cutmix_alpha must be >= 0, got {mixup_alpha}, {cutmix_alpha}')
+        prob = check_real(prob, 'prob', 0.0, 1.0)
+        switch_prob = check_real(switch_prob, 'switch_prob', 0.0, 1.0)
+        mixup_alpha = check_real(mixup_alpha, 'mixup_alpha', 0.0)
+        cutmix_alpha = check_real(cutmix_alpha, 'cutmix_alpha', 0.0)
+        if tokenmix_min_tokens is not None:
+            tokenmix_min_tokens = check_int(tokenmix_min_tokens, 'tokenmix_min_tokens', 1)
         if cutmix_minmax is not None:
             if mix_kind != 'cutmix':
                 raise ValueError(f"cutmix_minmax applies to mix_kind='cutmix' only, got {mix_kind!r}")
-            if len(cutmix_minmax) != 2 or not 0 < cutmix_minmax[0] < cutmix_minmax[1] <= 1:
+            if len(cutmix_minmax) != 2 or not all(math.isfinite(float(m)) for m in cutmix_minmax):
+                raise ValueError(f'cutmix_minmax must be (min, max) with 0 < min < max <= 1, got {cutmix_minmax}')
+            if not 0 < cutmix_minmax[0] < cutmix_minmax[1] <= 1:
                 raise ValueError(f'cutmix_minmax must be (min, max) with 0 < min < max <= 1, got {cutmix_minmax}')
             cutmix_alpha = 1.0  # as timm: minmax forces the cut branch on
         if tokenmix_lam is not None:
             if not mix_kind.startswith('tokenmix'):
                 raise ValueError(f'tokenmix_lam applies to the TokenMix kinds only, got mix_kind={mix_kind!r}')
-            if not 0.0 <= tokenmix_lam <= 1.0:
-                raise ValueError(f'tokenmix_lam must be in [0, 1], got {tokenmix_lam}')
+            tokenmix_lam = check_real(tokenmix_lam, 'tokenmix_lam', 0.0, 1.0)
         if mix_kind == 'mixup' and cutmix_alpha > 0:
             raise ValueError(
                 "cutmix_alpha: mix_kind='mixup' only blends; use mix_kind='cutmix' "

@@ -290,3 +290,51 @@ def test_train_cli_errors_are_named_without_a_traceback(case, tiny_world, tmp_pa
         expect = '--resume: ' + str(tmp_path / 'junk.pth.tar') + ' is not a PyTorch checkpoint'
     res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and expect in res.stderr and 'Traceback' not in res.stderr, res.stderr[-2000:]
+
+
+# 7. non-finite and mistyped numbers ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    'kwargs, match',
+    [
+        (dict(mixup_alpha=float('inf')), 'mixup_alpha: expected a finite number'),
+        (dict(mixup_alpha=float('nan')), 'mixup_alpha: expected a finite number'),
+        (dict(cutmix_alpha=float('nan')), 'cutmix_alpha: expected a finite number'),
+        (dict(prob=float('nan')), 'prob: expected a finite number'),
+        (dict(label_smoothing=float('inf')), 'label_smoothing: expected a finite number'),
+        (dict(mixup_alpha='0.8'), r"mixup_alpha: expected a number, got '0.8' \(str\)"),
+        (dict(tokenmix_lam=float('nan'), kind='tokenmix_block'), 'tokenmix_lam: expected a finite number'),
+        (dict(tokenmix_min_tokens=0, kind='tokenmix_block'), 'tokenmix_min_tokens: expected an integer >= 1'),
+    ],
+)
+def test_mixer_numbers_must_be_finite_and_numbers(kwargs, match):
+    from timm_plugin import create_mixer
+
+    kwargs = dict(kwargs)
+    kind = kwargs.pop('kind', 'cutmix')
+    args = dict(mixup_alpha=0.8, cutmix_alpha=1.0, num_classes=10, patch_size=16)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        create_mixer(kind, **args)
+
+
+def test_mm_batch_augment_numbers_are_checked_at_build():
+    from mmpretrain.registry import BATCH_AUGMENTS
+
+    import mm_plugin  # noqa: F401 (registers the augments)
+
+    with pytest.raises(ValueError, match=r"alpha: expected a number, got '1.0' \(str\)"):
+        BATCH_AUGMENTS.build(dict(type='TATokenMix', alpha='1.0'))
+    with pytest.raises(ValueError, match='min_tokens: expected an integer >= 1, got 0'):
+        BATCH_AUGMENTS.build(dict(type='TATokenMix', alpha=1.0, min_tokens=0))
+    with pytest.raises(ValueError, match='alpha: expected a finite number'):
+        BATCH_AUGMENTS.build(dict(type='TAMixup', alpha=float('inf')))
+
+
+def test_train_refuses_an_infinite_mixup_alpha(tiny_world, tmp_path, run_env):
+    cmd = ['tokenaug-train'] + train_cmd(
+        tiny_world / 'imagenet', tmp_path, 'x', '--epochs', '1', '--mixup', 'inf', '--cutmix', '0'
+    )
+    cmd += ['--mixup-type', 'mixup']
+    res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and 'mixup_alpha: expected a finite number' in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / 'x' / 'model_best.pth.tar').exists()

@@ -438,3 +438,16 @@ def test_cli_errors_name_the_argument(tmp_path, data_dir, checkpoint, capsys):
     assert 'neither a label-map store' in capsys.readouterr().err
     assert maps.main(_argv(data_dir, tmp_path / 'none.pth', tmp_path / 'd')) == 2
     assert 'none.pth' in capsys.readouterr().err
+
+
+def test_an_unreadable_image_is_named_not_replaced_by_the_next(tmp_path, data_dir, checkpoint, capsys):
+    """Each row must be the annotation of its own image: a file that cannot be decoded (here truncated) stops
+    the run naming it (timm's dataset would silently hand over the next image)."""
+    bad = tmp_path / 'bad'
+    shutil.copytree(data_dir / 'train', bad / 'train')
+    victim = sorted((bad / 'train').rglob('*.jpg'))[5]
+    raw = victim.read_bytes()
+    victim.write_bytes(raw[: len(raw) // 3])
+    assert maps.main(_argv(bad, checkpoint, tmp_path / 'maps')) == 2
+    err = capsys.readouterr().err
+    assert f'{victim.parent.name}/{victim.name}' in err and 'cannot be decoded' in err, err

@@ -25,6 +25,7 @@ __all__ = [
     'MAX_SKIPS',
     'class_names',
     'check_class_lists',
+    'read_sample',
 ]
 
 _logger = logging.getLogger(__name__)
@@ -85,6 +86,24 @@ def read_image(dataset, index: int, skip: bool = True, mode=None) -> Tuple[Image
     raise UnreadableImageError(
         f'{MAX_SKIPS} consecutive unreadable images from index {index} ({reader.filename(index)})'
     )
+
+
+def read_sample(dataset, index: int):
+    """``dataset[index]`` (image through the dataset's ``transform``, target) for a tool that needs the image
+    *of that index* (a store row, a seeded mask): a timm image dataset is read with :func:`read_image`
+    without skipping, so an unreadable image raises :class:`UnreadableImageError` naming the file; other
+    datasets are indexed as they are."""
+    if not readable(dataset):
+        return dataset[index]
+    base = dataset.dataset if isinstance(dataset, CheckedImageDataset) else dataset
+    img, target, _ = read_image(base, index, skip=False)
+    if dataset.transform is not None:
+        img = dataset.transform(img)
+    if target is None:
+        target = -1
+    elif getattr(dataset, 'target_transform', None) is not None:
+        target = dataset.target_transform(target)
+    return img, target
 
 
 class CheckedImageDataset(torch.utils.data.Dataset):

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from timm.data import FastCollateMixup
 
+from shared_core.checks import check_real
 from shared_core.mix import Mix, check_pairwise_batch, mix_images, mix_target
 from shared_core.samplers import MIX_KINDS, MixSampler
 from shared_core.tokenmix import ACTIVATION_TARGETS, activation_target
@@ -117,8 +118,7 @@ class TokenAwareMixup:
     ):
         if not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f'num_classes must be an int >= 2, got {num_classes!r}')
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f'label_smoothing must be in [0, 1), got {label_smoothing}')
+        label_smoothing = check_real(label_smoothing, 'label_smoothing', 0.0, 1.0, hi_open=True)
         self.sampler = MixSampler(
             mix_kind,
             mixup_alpha=mixup_alpha,

@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from shared_core.token_masks import batch_masks, num_dropped, occlusion_mask, patch_ranks
 
+from .image_data import read_sample
 from .token_grid import token_stride
 
 __all__ = [
@@ -219,7 +220,7 @@ class Indexed(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int):
-        image, target = self.dataset[index]
+        image, target = read_sample(self.dataset, index)  # this index's own image (unreadable: named, fatal)
         return image, target, index
 
 

@@ -73,6 +73,7 @@ from ..annotator import (
     logits_from_features,
     sha256_file,
 )
+from ..image_data import UnreadableImageError, read_sample
 from .common import add_data_model_args, parse_model_kwargs, resolve_device, split_dataset
 
 __all__ = ['shard_rows', 'shard_dir', 'generate', 'merge', 'info', 'main', 'parse_args']
@@ -112,7 +113,7 @@ class _Rows(Dataset):
 
     def __getitem__(self, i: int):
         row = int(self.rows[i])
-        return self.dataset[row][0], row
+        return read_sample(self.dataset, row)[0], row  # the row's own image (unreadable: named, fatal)
 
 
 # ------------------------------------------------------------------------------------------ shards
@@ -528,7 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f'== {name}\n{_format_status(st)}\n')
             else:
                 print(_format_status(status))
-    except (LabelMapError, ValueError, FileNotFoundError) as e:
+    except (LabelMapError, ValueError, FileNotFoundError, UnreadableImageError) as e:
         print(f'tokenaug-maps {args.command}: error: {e}', file=sys.stderr)
         return 2
     return 0

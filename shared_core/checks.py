@@ -1,0 +1,49 @@
+"""Argument checks shared by the core and both plugins: a number must be a real, finite number in its range (an
+infinite Beta parameter gives NaN images; a NaN one compares False everywhere and silently disables mixing),
+and an integer must be an integer; the message names the argument as the caller spells it."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+__all__ = ['check_real', 'check_int']
+
+
+def check_real(
+    value,
+    name: str,
+    lo: Optional[float] = None,
+    hi: Optional[float] = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> float:
+    """``float(value)`` if it is a finite real number in the range (``lo``/``hi`` inclusive unless ``*_open``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f'{name}: expected a number, got {value!r} ({type(value).__name__})')
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f'{name}: expected a finite number, got {value!r}')
+    below = lo is not None and (v <= lo if lo_open else v < lo)
+    above = hi is not None and (v >= hi if hi_open else v > hi)
+    if below or above:
+        left = '' if lo is None else f'{"(" if lo_open else "["}{lo:g}'
+        right = '' if hi is None else f'{hi:g}{")" if hi_open else "]"}'
+        if lo is not None and hi is not None:
+            want = f'in {left}, {right}'
+        elif lo is not None:
+            want = f'{">" if lo_open else ">="} {lo:g}'
+        else:
+            want = f'{"<" if hi_open else "<="} {hi:g}'
+        raise ValueError(f'{name}: expected a number {want}, got {value!r}')
+    return v
+
+
+def check_int(value, name: str, lo: Optional[int] = None) -> int:
+    """``int(value)`` if it is an integer (not a bool, not a float) ``>= lo``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f'{name}: expected an integer, got {value!r} ({type(value).__name__})')
+    if lo is not None and value < lo:
+        raise ValueError(f'{name}: expected an integer >= {lo}, got {value!r}')
+    return int(value)
