@@ -41,7 +41,7 @@ from timm.utils import NativeScaler
 from timm.utils.model import get_state_dict
 
 from shared_core.boxes import BOX_ROUNDINGS
-from shared_core.checkpoint_io import load_checkpoint_file
+from shared_core.checkpoint_io import load_checkpoint_file, save_checkpoint_file
 from shared_core.mix import check_labels
 from shared_core.tl_align import DROP_PATH_LABELS, TRANSMIX_MODES
 from shared_core.token_labeling import HEAD_RULES
@@ -397,7 +397,8 @@ def plain_args(args) -> dict:
 class PlainCheckpointSaver(utils.CheckpointSaver):
     """timm's ``CheckpointSaver`` writing only weights-only-loadable values: ``args`` is stored as a
     dict of plain values instead of an ``argparse.Namespace`` (which ``torch.load(weights_only=True)``,
-    used by ``timm.create_model(pretrained=True, ...)`` and ``resume_checkpoint``, refuses)."""
+    used by ``timm.create_model(pretrained=True, ...)`` and ``resume_checkpoint``, refuses), each file
+    written whole or not at all (:func:`shared_core.checkpoint_io.save_checkpoint_file`)."""
 
     def _save(self, save_path, epoch, metric=None):
         save_state = {
@@ -415,7 +416,8 @@ class PlainCheckpointSaver(utils.CheckpointSaver):
         if metric is not None:
             save_state['metric'] = float(metric)
         save_state['saver'] = self.state_dict(epoch, metric)
-        torch.save(save_state, save_path)
+        # written whole or not at all: a full disk is reported as such and leaves no partial file behind
+        save_checkpoint_file(save_state, save_path, name='checkpoint')
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -1001,7 +1003,12 @@ def train_one_epoch(
         if lr_scheduler is not None:
             lr_scheduler.step_update(num_updates=num_updates, metric=losses_m.avg)
         data_start = time.time()
-    return OrderedDict([('loss', losses_m.avg)])
+    loss = losses_m.avg
+    if args.distributed:  # the epoch's loss over every rank's samples (the log lines above are rank 0's)
+        total = torch.tensor([losses_m.sum, losses_m.count], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(total)
+        loss = float(total[0] / total[1].clamp_min(1))
+    return OrderedDict([('loss', loss)])
 
 
 def validate(model, loader, loss_fn, args, device, amp_autocast=suppress, log_suffix=''):
