@@ -6,6 +6,7 @@ else happens on import. MMEngine's checkpoints under ``torch.load(weights_only=T
 ``TA*`` = *token-aware*: the batch augments whose mix (partner, λ, per-token shares) stays known.
 """
 
+from .backbone_check import BackboneCheckpointCheck
 from .batch_augments import MixBatchAugment, TACutMix, TAMixToken, TAMixup, TATokenMix
 from .data_preprocessor import TokenAugDataPreprocessor, mix_from_samples
 from .lvvit import LVViT
@@ -21,6 +22,7 @@ from .token_labeling import TokenLabelingClassifier, TokenLabelingHead
 from .tokenmixup import TokenMixupClassifier
 
 __all__ = [
+    'BackboneCheckpointCheck',
     'MixBatchAugment',
     'TACutMix',
     'TAMixToken',

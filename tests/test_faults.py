@@ -396,3 +396,91 @@ def test_a_full_disk_during_a_checkpoint_save_is_named_and_keeps_the_last_one(ti
     assert res.returncode == 2 and 'the disk is full or the file exceeds a size limit' in res.stderr
     assert 'Traceback' not in res.stderr, res.stderr[-2000:]
     assert sha(last) == before and not [p for p in (tmp_path / 'full').iterdir() if 'tmp' in p.name]
+
+
+# 6. mmseg / mmdet must not train from a random backbone ------------------------------------------------------
+SWIN_MINI = dict(embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8))
+
+
+@pytest.fixture(scope='module')
+def ade_world(tmp_path_factory):
+    from shared_core.tools.world import generate_world
+
+    world = tmp_path_factory.mktemp('ade')
+    generate_world(
+        world, seed=0, num_classes=10, image_size=112, train_per_class=1, val_per_class=1, formats=('ade20k',)
+    )
+    return world
+
+
+def mmseg_runner(config, backbone, world, work, monkeypatch):
+    from mmengine.config import Config
+    from mmengine.runner import Runner
+
+    monkeypatch.setenv('TOKENAUG_WORLD', str(world))
+    monkeypatch.setenv('TOKENAUG_BACKBONE', str(backbone))
+    cfg = Config.fromfile(os.path.join(os.path.dirname(__file__), '..', 'configs', 'mmseg', config))
+    cfg.work_dir = str(work)
+    cfg.train_cfg.max_iters = 1
+    cfg.train_dataloader.num_workers = cfg.val_dataloader.num_workers = 0
+    cfg.train_dataloader.persistent_workers = cfg.val_dataloader.persistent_workers = False
+    return Runner.from_cfg(cfg)
+
+
+def timm_checkpoint(path, model, **kw):
+    torch.manual_seed(0)
+    torch.save({'state_dict': timm.create_model(model, num_classes=10, **kw).state_dict()}, path)
+    return path
+
+
+@pytest.mark.slow
+def test_mmseg_refuses_backbones_that_would_not_load(ade_world, tmp_path, monkeypatch):
+    vit = 'upernet_vit-tiny_world.py'
+    runner = mmseg_runner(vit, tmp_path / 'nowhere.pth', ade_world, tmp_path / 'w0', monkeypatch)
+    with pytest.raises(FileNotFoundError, match=r'nowhere.pth does not exist; set \$TOKENAUG_BACKBONE'):
+        runner.train()
+    # the unconverted tokenaug-train / timm checkpoint
+    raw = timm_checkpoint(tmp_path / 'raw.pth', 'vit_tiny_patch16_224', img_size=112)
+    runner = mmseg_runner(vit, raw, ade_world, tmp_path / 'w1', monkeypatch)
+    with pytest.raises(ValueError, match='convert the checkpoint first'):
+        runner.train()
+    # a conversion for another depth: layers 2-11 would stay random
+    shallow = timm_checkpoint(tmp_path / 'shallow.pth', 'vit_tiny_patch16_224', img_size=112, depth=2)
+    convert_checkpoint(
+        shallow, tmp_path / 'shallow_seg.pth', 'mmseg', 'vit_tiny_patch16_224', model_kwargs=dict(img_size=112, depth=2)
+    )
+    runner = mmseg_runner(vit, tmp_path / 'shallow_seg.pth', ade_world, tmp_path / 'w2', monkeypatch)
+    with pytest.raises(ValueError, match=r"missing 120 \['layers\.1"):
+        runner.train()
+    # the mmdet (backbone.-prefixed) conversion of a Swin: mmseg's Swin strips the prefix, so it loads and trains
+    swin = timm_checkpoint(tmp_path / 'swin.pth', 'swin_tiny_patch4_window7_224', **SWIN_MINI)
+    convert_checkpoint(swin, tmp_path / 'det.pth', 'mmdet', 'swin_tiny_patch4_window7_224', model_kwargs=SWIN_MINI)
+    mmseg_runner('upernet_swin-mini_world.py', tmp_path / 'det.pth', ade_world, tmp_path / 'w3', monkeypatch).train()
+
+
+@pytest.mark.slow
+def test_mmdet_refuses_an_mmseg_conversion(tmp_path, monkeypatch):
+    """mmdet's Swin reads only 'backbone.' keys: the bare mmseg file would leave every weight random."""
+    from mmengine.config import Config
+    from mmengine.runner import Runner
+
+    from shared_core.tools.world import generate_world
+
+    generate_world(
+        tmp_path / 'w', seed=0, num_classes=10, image_size=112, train_per_class=1, val_per_class=1, formats=('coco',)
+    )
+    swin = timm_checkpoint(tmp_path / 'swin.pth', 'swin_tiny_patch4_window7_224', **SWIN_MINI)
+    convert_checkpoint(swin, tmp_path / 'seg.pth', 'mmseg', 'swin_tiny_patch4_window7_224', model_kwargs=SWIN_MINI)
+    monkeypatch.setenv('TOKENAUG_WORLD', str(tmp_path / 'w'))
+    monkeypatch.setenv('TOKENAUG_BACKBONE', str(tmp_path / 'seg.pth'))
+    cfg = Config.fromfile(
+        os.path.join(os.path.dirname(__file__), '..', 'configs', 'mmdet', 'cascade-mask-rcnn_swin-mini_world.py')
+    )
+    cfg.work_dir = str(tmp_path / 'work')
+    cfg.train_cfg.max_epochs = 1
+    cfg.train_dataloader.num_workers = cfg.val_dataloader.num_workers = 0
+    cfg.train_dataloader.persistent_workers = cfg.val_dataloader.persistent_workers = False
+    with pytest.raises(
+        ValueError, match="The file's keys are bare .an mmseg conversion.; mmdet reads 'backbone.' keys"
+    ):
+        Runner.from_cfg(cfg).train()

@@ -3,6 +3,8 @@
 _base_ = ['./cascade-mask-rcnn_swin-t-p4-w7_fpn_giou-4conv1fc_ms-crop-3x_coco.py']
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:pretrain/swin-base_tokenaug_mmdet.pth}}'
+# the backbone must load entirely (mm_plugin.backbone_check): a wrong file is an error, not a random backbone
+custom_hooks = [dict(type='BackboneCheckpointCheck')]
 model = dict(
     backbone=dict(
         embed_dims=128,

@@ -4,6 +4,8 @@
 _base_ = ['./cascade-mask-rcnn_swin-t_world.py']
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:demo_out/backbones/swin-mini_mmdet.pth}}'
+# the backbone must load entirely (mm_plugin.backbone_check): a wrong file is an error, not a random backbone
+custom_hooks = [dict(type='BackboneCheckpointCheck')]
 model = dict(
     backbone=dict(
         embed_dims=32,

@@ -11,6 +11,8 @@ custom_imports = dict(
 )  # weights_only-safe mmengine checkpoints
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:pretrain/swin-tiny_tokenaug_mmdet.pth}}'
+# the backbone must load entirely (mm_plugin.backbone_check): a wrong file is an error, not a random backbone
+custom_hooks = [dict(type='BackboneCheckpointCheck')]
 num_classes = 80
 _norm = dict(type='BN', requires_grad=True)  # SyncBN in the original; the Runner converts BN under DDP
 

@@ -4,6 +4,8 @@ _base_ = ['./cascade-mask-rcnn_swin-t-p4-w7_fpn_giou-4conv1fc_ms-crop-3x_coco.py
 
 world_root = '{{$TOKENAUG_WORLD:data/world}}'
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:demo_out/backbones/swin-t_mmdet.pth}}'
+# the backbone must load entirely (mm_plugin.backbone_check): a wrong file is an error, not a random backbone
+custom_hooks = [dict(type='BackboneCheckpointCheck')]
 num_classes = 10
 # the default world's 10 classes (tokenaug-data --num-classes 10), as named in its COCO json / world.json
 world_classes = (

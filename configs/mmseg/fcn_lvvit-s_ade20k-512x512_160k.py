@@ -13,6 +13,8 @@ custom_imports = dict(
 )  # LVViT; weights_only-safe checkpoints
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:pretrain/lvvit-s_tokenaug_mmseg.pth}}'
+# the backbone must load entirely (mm_plugin.backbone_check): a wrong file is an error, not a random backbone
+custom_hooks = [dict(type='BackboneCheckpointCheck')]
 model = dict(
     pretrained=None,
     backbone=dict(

@@ -7,6 +7,8 @@ _base_ = ['mmseg::_base_/models/fcn_r50-d8.py', 'mmseg::_base_/default_runtime.p
 custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)
 
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:demo_out/backbones/lvvit-tiny_mmseg.pth}}'
+# the backbone must load entirely (mm_plugin.backbone_check): a wrong file is an error, not a random backbone
+custom_hooks = [dict(type='BackboneCheckpointCheck')]
 norm_cfg = dict(type='BN', requires_grad=True)
 model = dict(
     pretrained=None,
