@@ -656,13 +656,26 @@ class LabelMapStore:
 
 # ------------------------------------------------------------------------------ status, merge, remove
 def store_status(path: str | os.PathLike) -> dict:
-    """Meta plus completeness and on-disk size of a store, complete or not (does not validate paths)."""
+    """Meta plus completeness and on-disk size of a store, complete or not. The arrays and the paths are opened
+    as training opens them (shape, dtype, no pickled objects, readable paths, no duplicates); what fails is
+    listed in ``problems`` and the store is then not ``complete``."""
     root = Path(path)
     meta = _read_meta(root)
     n = meta['num_images']
     done = _load_array(root, DONE_FILE, (n,), np.dtype(np.uint8), 'r')
     n_done = int(np.count_nonzero(np.asarray(done)))
     del done
+    problems = []
+    shape = (n, *_row_shape(meta))
+    for name, dtype in ((VALUES_FILE, VALUES_DTYPE), (INDICES_FILE, np.dtype(meta['indices_dtype']))):
+        try:
+            _load_array(root, name, shape, dtype, 'r')  # opened as training opens it, then dropped
+        except LabelMapError as e:
+            problems.append(str(e))
+    try:
+        _index_paths(_read_paths(root, n), root)
+    except LabelMapError as e:
+        problems.append(str(e))
     files = {name: (root / name).stat().st_size for name in STORE_FILES if (root / name).is_file()}
     allocated = {name: (root / name).stat().st_blocks * 512 for name in files}
     k, h, w = _row_shape(meta)
@@ -671,7 +684,8 @@ def store_status(path: str | os.PathLike) -> dict:
         'meta': meta,
         'rows_done': n_done,
         'rows_missing': n - n_done,
-        'complete': bool(meta.get('complete')) and n_done == n,
+        'complete': bool(meta.get('complete')) and n_done == n and not problems,
+        'problems': problems,
         'file_bytes': files,
         'allocated_bytes': allocated,
         'payload_bytes_per_image': payload,

@@ -484,3 +484,69 @@ def test_mmdet_refuses_an_mmseg_conversion(tmp_path, monkeypatch):
         ValueError, match="The file's keys are bare .an mmseg conversion.; mmdet reads 'backbone.' keys"
     ):
         Runner.from_cfg(cfg).train()
+
+
+# 8. stores ------------------------------------------------------------------------------------------------------
+def small_store(tmp_path, n=4):
+    import numpy as np
+
+    from .helpers import write_store
+
+    rng = np.random.default_rng(0)
+    values = (rng.dirichlet(np.ones(3), size=(n, 2, 2)).transpose(0, 3, 1, 2) * 0.9).astype(np.float16)
+    indices = np.stack([np.argsort(rng.random((10, 2, 2)), 0)[:3] for _ in range(n)])
+    paths = [f'c{i % 2}/img{i}.png' for i in range(n)]
+    return write_store(tmp_path / 'store', paths, values, indices, 10, 'random', (64, 64)), paths
+
+
+@pytest.mark.parametrize('damage', ['truncated', 'pickle'])
+def test_maps_info_opens_the_arrays_as_training_does(damage, tmp_path, capsys):
+    import numpy as np
+
+    from timm_plugin.tools import maps_cli
+
+    store, _ = small_store(tmp_path)
+    values = store / 'values.npy'
+    if damage == 'truncated':
+        values.write_bytes(values.read_bytes()[: values.stat().st_size // 2])
+    else:
+        np.save(values, np.array([{'x': 1}, None], dtype=object), allow_pickle=True)
+    assert maps_cli.main(['info', str(store)]) == 0
+    out = capsys.readouterr().out
+    assert 'complete: False' in out and 'problem: ' in out and 'values.npy' in out, out
+
+
+def test_maps_resume_of_a_random_annotator_is_refused(tmp_path):
+    from shared_core.map_store import LabelMapError
+    from timm_plugin.tools import maps_cli
+
+    args = maps_cli.parse_args(
+        ['generate', '--data-dir', str(tmp_path), '--model', 'resnet18', '--out', str(tmp_path / 'm')]
+    )
+    args.resume = True
+    with pytest.raises(LabelMapError, match='--resume: the annotator has random weights'):
+        maps_cli.generate(args)
+
+
+def test_a_corrupt_row_is_named_with_its_image_and_row(tmp_path):
+    import numpy as np
+    from PIL import Image
+    from timm.data import create_dataset
+    from torchvision import transforms as T
+
+    from shared_core.map_store import LabelMapStore
+    from timm_plugin.token_label_data import TokenLabelDataset
+
+    store, paths = small_store(tmp_path)
+    for p in paths:
+        (tmp_path / 'data' / 'train' / p).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(tmp_path / 'data' / 'train' / p)
+    v = np.load(store / 'values.npy', mmap_mode='r+')
+    v[2, 0, 0, 0] = np.nan
+    v.flush()
+    del v
+    ds = TokenLabelDataset(create_dataset('', root=str(tmp_path / 'data'), split='train'), LabelMapStore.open(store))
+    ds.transform = T.Compose([T.RandomResizedCrop(32), T.PILToTensor()])
+    bad = next(i for i in range(len(ds)) if ds.filename(i) == paths[2])  # the image of row 2
+    with pytest.raises(ValueError, match=rf"label map of '{paths[2]}' \(row 2 of .*\): values must be probabilities"):
+        ds[bad]

@@ -44,6 +44,7 @@ from shared_core.label_maps import (
     stack_affines,
     token_targets_sparse,
 )
+from shared_core.map_store import MissingLabelMapError
 from shared_core.mix import check_labels
 
 from .carrier import CarrierTensor
@@ -59,6 +60,7 @@ __all__ = [
     'TrainTransform',
     'pil_op_affine',
     'split_train_transform',
+    'check_store_covers',
 ]
 
 #: timm augmentation ops that move pixels (their affines are recorded, or with ``geometric_aa='drop'`` they
@@ -252,6 +254,22 @@ class _RecordParams:
         return self.last
 
 
+def check_store_covers(store, dataset) -> None:
+    """Refuse a store that lacks the map of any image of ``dataset`` (its ``filenames()``: paths relative to
+    the split root), before training starts (paths only: fast); the error counts and names the first ones."""
+    names = getattr(dataset, 'filenames', None)
+    if names is None:
+        return
+    missing = [f for f in names() if f not in store]
+    if missing:
+        raise MissingLabelMapError(
+            missing[0],
+            store.root,
+            f'{len(missing)} of the {len(dataset)} images of this split have no map, e.g. {missing[:3]}; '
+            'was the store generated for this split?',
+        )
+
+
 class TokenLabelDataset(torch.utils.data.Dataset):
     """A timm ``ImageDataset`` whose samples carry their label-map rows and recorded crop/flip.
 
@@ -270,6 +288,7 @@ class TokenLabelDataset(torch.utils.data.Dataset):
             raise ValueError(f'geometric_aa: expected one of {GEOMETRIC_AA}, got {geometric_aa!r}')
         self.dataset, self.store, self.geometric_aa = dataset, store, geometric_aa
         self.num_classes = int(store.num_classes)
+        check_store_covers(store, dataset)
         self._transform = self._crop = self._rest = self._recorder = None
         self._hflip = 0.0
         dataset.transform = None  # we load the PIL image and transform it here
@@ -300,7 +319,9 @@ class TokenLabelDataset(torch.utils.data.Dataset):
         else:
             img, label = self.dataset[index]
         rel = self.dataset.filename(index)
-        values, indices = self.store.lookup(rel)
+        row = self.store.index_of(rel)
+        values, indices = self.store.row(row)
+        check_map_row(values, indices, self.num_classes, name=f'label map of {rel!r} (row {row} of {self.store.root})')
         if self._crop is None:
             raise RuntimeError('TokenLabelDataset: no training transform set (create_loader sets it)')
         W, H = TF.get_image_size(img)

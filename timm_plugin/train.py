@@ -42,6 +42,7 @@ from timm.utils.model import get_state_dict
 
 from shared_core.boxes import BOX_ROUNDINGS
 from shared_core.checkpoint_io import load_checkpoint_file, save_checkpoint_file
+from shared_core.map_store import MissingLabelMapError
 from shared_core.mix import check_labels
 from shared_core.tl_align import DROP_PATH_LABELS, TRANSMIX_MODES
 from shared_core.token_labeling import HEAD_RULES
@@ -489,7 +490,7 @@ def build_task(args, model: nn.Module, criterion: nn.Module, token_labeling: boo
 
 
 #: errors of what the user asked for (their messages name the argument): printed without a traceback
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, UnreadableImageError)
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, UnreadableImageError, MissingLabelMapError)
 
 
 def main(argv=None) -> None:
@@ -676,7 +677,7 @@ def run(argv=None) -> dict:
         if store.num_classes != args.num_classes:
             raise ValueError(f'{maps_flag}: the maps have {store.num_classes} classes, the model {args.num_classes}')
         dataset_train = TokenLabelDataset(dataset_train, store, geometric_aa=args.geometric_aa)
-        collate_fn = TokenLabelCollate(args.num_classes)
+        collate_fn = TokenLabelCollate(args.num_classes, check=False)  # the dataset checks each row, named
     # mixing: the kind, and where it runs (fast-collate with the prefetcher, else in the loop);
     # MixToken runs in the task (TokenLabelingTask)
     mixup_active = not token_labeling and (

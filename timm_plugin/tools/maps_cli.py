@@ -320,6 +320,11 @@ def _fill(
 def generate(args: argparse.Namespace, on_batch: OnBatch | None = None) -> dict:
     """Run ``tokenaug-maps generate`` (see the module doc). ``on_batch(global_rows)`` is called after each
     batch is on disk (a test hook). Returns ``{'store', 'rows_computed', 'seconds', 'shard'}``."""
+    if args.resume and not args.checkpoint:
+        raise LabelMapError(
+            '--resume: the annotator has random weights (no --checkpoint): the rest of the store would come from '
+            'other random weights than its first rows; pass --checkpoint, or start again without --resume'
+        )
     dist = _Dist(args)
     device = resolve_device(args.device, dist.local_rank if dist.torchrun else None)
     dist.init(device, args.dist_timeout)
@@ -447,6 +452,7 @@ def _format_status(status: dict) -> str:
         json.dumps(meta, indent=1),
         '',
         f'rows: {status["rows_done"]} of {n} done, {status["rows_missing"]} missing; complete: {status["complete"]}',
+        *(f'problem: {p}' for p in status.get('problems', ())),
         f'payload bytes per image: {status["payload_bytes_per_image"]} '
         f'(k {meta["k"]} x grid {meta["grid"][0]}x{meta["grid"][1]} x (2 B float16 + '
         f'{np.dtype(meta["indices_dtype"]).itemsize} B {meta["indices_dtype"]}))',
