@@ -382,6 +382,11 @@ class LabelTracer(Protocol):
 def tracer_for(model, supported: dict, name: str = 'model') -> LabelTracer:
     """The tracer of ``model`` from ``{model class: tracer class}`` (most specific first); an error
     listing the supported classes otherwise."""
+    if hasattr(model, '_orig_mod'):  # torch.compile's OptimizedModule: its hooks would not see the graph
+        raise ValueError(
+            f"{name}: a torch.compile'd model; wrap the plain model first and compile the wrapper "
+            '(torch.compile(TLAlign(model)))'
+        )
     for cls, tracer in supported.items():
         if isinstance(model, cls):
             return tracer(model)

@@ -550,3 +550,77 @@ def test_a_corrupt_row_is_named_with_its_image_and_row(tmp_path):
     bad = next(i for i in range(len(ds)) if ds.filename(i) == paths[2])  # the image of row 2
     with pytest.raises(ValueError, match=rf"label map of '{paths[2]}' \(row 2 of .*\): values must be probabilities"):
         ds[bad]
+
+
+# 9. TL-Align edges ------------------------------------------------------------------------------------------------
+def tiny_vit(**kw):
+    torch.manual_seed(0)
+    return timm.create_model('vit_tiny_patch16_224', img_size=32, patch_size=8, depth=2, num_classes=10, **kw)
+
+
+def mixed_batch(B=4):
+    from timm_plugin import create_mixer
+
+    mixer = create_mixer('cutmix', method='tl_align', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=10, patch_size=8)
+    g = torch.Generator().manual_seed(0)
+    return mixer(torch.randn(B, 3, 32, 32, generator=g), torch.arange(B))
+
+
+class TokenRoll(torch.nn.Module):
+    """Mixes tokens (rolls the sequence): the label path cannot follow it."""
+
+    def forward(self, x):
+        return x.roll(1, dims=1)
+
+
+def test_tl_align_refuses_parts_that_would_mix_tokens():
+    from timm_plugin.tl_align import TLAlign
+
+    m = tiny_vit()
+    m.blocks[1].mlp = torch.nn.Sequential(m.blocks[1].mlp, TokenRoll())
+    with pytest.raises(ValueError, match=r'block 1.mlp is a torch.nn.modules.container.Sequential'):
+        TLAlign(m)
+    m = tiny_vit()
+    m.blocks[0].norm1 = TokenRoll()
+    with pytest.raises(ValueError, match=r'block 0.norm1 is a .*TokenRoll'):
+        TLAlign(m)
+
+
+def test_tl_align_names_a_replaced_attention_forward():
+    from timm_plugin.tl_align import TLAlign
+
+    m = tiny_vit()
+    attn = m.blocks[1].attn
+
+    def plain_attention(x, **kwargs):  # skips q_norm / k_norm
+        B, N, C = x.shape
+        q, k, v = attn.qkv(x).reshape(B, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return attn.proj(out.transpose(1, 2).reshape(B, N, C))
+
+    attn.forward = plain_attention
+    x, t = mixed_batch()
+    with pytest.raises(ValueError, match='block 1 left no q/k for the label path: its attention did not run q_norm'):
+        TLAlign(m).train()(x, t)
+
+
+def test_tl_align_returns_logits_and_target_in_eval_too_and_checks_the_batch():
+    from timm_plugin.tl_align import TLAlign
+
+    w = TLAlign(tiny_vit())
+    x, t = mixed_batch(2)
+    w.eval()
+    logits, target = w(x, t)
+    assert logits.shape == (2, 10) and target.shape == (2, 10)
+    torch.testing.assert_close(target.sum(1), torch.ones(2))
+    torch.testing.assert_close(logits, w(x))
+    x4, _ = mixed_batch(4)
+    with pytest.raises(ValueError, match='x: a batch of 4 images for a target .mix. of 2'):
+        w.train()(x4, t)
+
+
+def test_tl_align_of_a_compiled_model_says_to_compile_the_wrapper():
+    from timm_plugin.tl_align import TLAlign
+
+    with pytest.raises(ValueError, match=r'wrap the plain model first and compile the wrapper'):
+        TLAlign(torch.compile(tiny_vit()))

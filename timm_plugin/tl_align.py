@@ -29,7 +29,7 @@ from typing import Iterable, List, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import Attention, DropPath
+from timm.layers import Attention, DropPath, GluMlp, LayerNorm, LayerScale, Mlp, RmsNorm, SwiGLU
 from timm.models.cait import Cait, ClassAttn, LayerScaleBlock, LayerScaleBlockClassAttn, TalkingHeadAttn
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.pvt_v2 import (
@@ -81,6 +81,48 @@ from .cct import CCT
 __all__ = ['TLAlign', 'TransMix', 'SUPPORTED_MODELS', 'timm_tracer']
 
 
+#: the parts of a timm ViT ``Block`` the label rules assume (attention mixes tokens, everything else is per token:
+#: tl-align.md Table 9) and the exact types that are per token; anything else (a wrapped MLP, a token-mixing
+#: norm) would need its own rule
+_NORMS = (nn.LayerNorm, LayerNorm, RmsNorm, nn.Identity)
+VIT_BLOCK_PARTS = {
+    'norm1': _NORMS,
+    'norm2': _NORMS,
+    'mlp': (Mlp, GluMlp, SwiGLU),  # SwiGLUPacked is a GluMlp
+    'ls1': (LayerScale, nn.Identity),
+    'ls2': (LayerScale, nn.Identity),
+    'drop_path1': (DropPath, nn.Identity),
+    'drop_path2': (DropPath, nn.Identity),
+    'attn.q_norm': _NORMS,
+    'attn.k_norm': _NORMS,
+    'attn.norm': _NORMS,
+    'attn.proj': (nn.Linear,),
+}
+
+
+def check_block_parts(blocks, parts: dict) -> None:
+    """Refuse blocks whose parts are not of the exact types the label rules assume (``parts``: dotted
+    attribute -> allowed types; a part a timm version lacks is skipped), naming the block, the part and its type."""
+    for i, blk in enumerate(blocks):
+        for name, types in parts.items():
+            obj = blk
+            for attr in name.split('.'):
+                obj = getattr(obj, attr, None)
+            if obj is not None and type(obj) not in types:
+                raise ValueError(
+                    f"model: block {i}.{name} is a {type(obj).__module__}.{type(obj).__name__}; TL-Align's rules "
+                    f'assume {", ".join(t.__name__ for t in types)} there (per-token: the labels pass it '
+                    'unchanged); a part that mixes tokens needs its own label rule'
+                )
+
+
+def check_captured(captures: List[LabelCapture], fields, why: str) -> None:
+    """Refuse a forward after which a block's capture lacks a field the rule reads (``why``: the likely cause)."""
+    for i, c in enumerate(captures):
+        if any(getattr(c, f) is None for f in fields):
+            raise ValueError(f'model: block {i} left no {"/".join(fields)} for the label path: {why}')
+
+
 def _hook_drop_path(blk: nn.Module, cap: LabelCapture, handles: list) -> None:
     if isinstance(blk.drop_path1, DropPath) and blk.drop_path1.drop_prob > 0 and blk.training:
         handles.append(
@@ -98,6 +140,7 @@ class ViTTracer:
                 f'model: TL-Align traces timm ViT blocks of type Block with Attention; blocks {bad} '
                 f'are {type(model.blocks[bad[0]]).__name__}'
             )
+        check_block_parts(model.blocks, VIT_BLOCK_PARTS)
         if getattr(model, 'attn_pool', None) is not None:
             raise ValueError("model: global_pool='map' (attention pooling) has no TL-Align rule; use 'token' or 'avg'")
         if model.global_pool not in ('token', 'avg'):
@@ -122,6 +165,7 @@ class ViTTracer:
         return handles
 
     def num_tokens(self, captures: List[LabelCapture]) -> int:
+        check_captured(captures, ('q', 'k'), 'its attention did not run q_norm / k_norm (a replaced forward?)')
         return captures[0].q.shape[2]
 
     def propagate(
@@ -550,6 +594,7 @@ class CCTTracer:
         return handles
 
     def num_tokens(self, captures: List[LabelCapture]) -> int:
+        check_captured(captures[:-1], ('q', 'k'), 'its attention did not run q_norm / k_norm (a replaced forward?)')
         return captures[0].q.shape[2]
 
     def propagate(
@@ -636,13 +681,25 @@ class TLAlign(nn.Module):
             )
 
     def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None):
-        if not self.training or target is None:
+        """``model(x)`` without a target; with one, :meth:`align`'s ``(output, aligned target)`` in train and eval
+        mode alike (in eval mode stochastic depth and dropout are off, so every block counts)."""
+        if target is None:
             return self.model(x)
         return self.align(x, target)
+
+    def _check_batch(self, x: torch.Tensor, mix: Mix) -> None:
+        if not torch.is_tensor(x) or x.dim() != 4:
+            raise ValueError(f'x: expected a (B, C, H, W) image batch, got {getattr(x, "shape", type(x).__name__)}')
+        if x.shape[0] != mix.batch_size:
+            raise ValueError(
+                f'x: a batch of {x.shape[0]} images for a target (mix) of {mix.batch_size}; '
+                'pass the images the mixer returned with its target'
+            )
 
     def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):
         """``(output, aligned (B, C) target)``; ``forward`` (default ``self.model(x)``) runs the token path."""
         mix = self._check_mix(target)
+        self._check_batch(x, mix)
         output, share = self._run(x, compact_labels(mix, self.num_prefix_tokens), forward)
         return output, aligned_target(share[:, 0], target.labels, mix, target.num_classes, target.smoothing)
 
@@ -693,6 +750,7 @@ class TransMix(TLAlign):
 
     def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):
         mix = self._check_mix(target)
+        self._check_batch(x, mix)
         output, captures = capture_forward(self.tracer, forward or (lambda: self.model(x)))
         with fused_label_attn(self.fused):
             share = transmix_share(self.tracer, captures, output, mix.to(x.device), self.mode)
