@@ -624,3 +624,27 @@ def test_tl_align_of_a_compiled_model_says_to_compile_the_wrapper():
 
     with pytest.raises(ValueError, match=r'wrap the plain model first and compile the wrapper'):
         TLAlign(torch.compile(tiny_vit()))
+
+
+def test_maps_and_occlusion_name_a_garbage_checkpoint(tmp_path, tiny_world, capsys):
+    from timm_plugin.tools import maps_cli, occlusion_cli
+
+    junk = tmp_path / 'junk.pth'
+    junk.write_bytes(os.urandom(4000))
+    data = str(tiny_world / 'imagenet')
+    argv = [
+        'generate',
+        '--data-dir',
+        data,
+        '--model',
+        'resnet18',
+        '--checkpoint',
+        str(junk),
+        '--out',
+        str(tmp_path / 'm'),
+    ]
+    assert maps_cli.main(argv + ['--device', 'cpu']) == 2
+    assert '--checkpoint: ' + str(junk) + ' is not a PyTorch checkpoint' in capsys.readouterr().err
+    argv = ['--data-dir', data, '--model', 'resnet18', '--checkpoint', str(junk), '--out', str(tmp_path / 'o')]
+    assert occlusion_cli.main(argv) == 2
+    assert 'is not a PyTorch checkpoint' in capsys.readouterr().err
