@@ -402,6 +402,16 @@ def test_a_full_disk_during_a_checkpoint_save_is_named_and_keeps_the_last_one(ti
 SWIN_MINI = dict(embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8))
 
 
+@pytest.fixture
+def own_scope():
+    """An mm Runner makes its default scope (mmseg, mmdet) the process's current one: restore the previous one
+    afterwards, so later tests build from their own registries."""
+    from mmengine.registry import DefaultScope
+
+    with DefaultScope.overwrite_default_scope('mmengine'):
+        yield
+
+
 @pytest.fixture(scope='module')
 def ade_world(tmp_path_factory):
     from shared_core.tools.world import generate_world
@@ -434,7 +444,7 @@ def timm_checkpoint(path, model, **kw):
 
 
 @pytest.mark.slow
-def test_mmseg_refuses_backbones_that_would_not_load(ade_world, tmp_path, monkeypatch):
+def test_mmseg_refuses_backbones_that_would_not_load(ade_world, tmp_path, monkeypatch, own_scope):
     vit = 'upernet_vit-tiny_world.py'
     runner = mmseg_runner(vit, tmp_path / 'nowhere.pth', ade_world, tmp_path / 'w0', monkeypatch)
     with pytest.raises(FileNotFoundError, match=r'nowhere.pth does not exist; set \$TOKENAUG_BACKBONE'):
@@ -459,7 +469,7 @@ def test_mmseg_refuses_backbones_that_would_not_load(ade_world, tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_mmdet_refuses_an_mmseg_conversion(tmp_path, monkeypatch):
+def test_mmdet_refuses_an_mmseg_conversion(tmp_path, monkeypatch, own_scope):
     """mmdet's Swin reads only 'backbone.' keys: the bare mmseg file would leave every weight random."""
     from mmengine.config import Config
     from mmengine.runner import Runner
