@@ -29,6 +29,7 @@ __all__ = [
     'mix_images',
     'mix_tokens',
     'mix_target',
+    'multi_label_target',
     'pair_target',
     'one_hot',
     'check_labels',
@@ -321,3 +322,16 @@ def mix_target(labels: torch.Tensor, mix: Mix, num_classes: int, smoothing: floa
     """The area target ``λ · y + (1 - λ) · y[partner]`` with label smoothing: ``(B, C)`` float32,
     every row sums to 1."""
     return pair_target(labels, mix.partner, mix.lam, num_classes, smoothing)
+
+
+def multi_label_target(target: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
+    """timm's ``multi_label`` target: dense ``(B, C)`` targets smoothed towards 0.5 (``y (1 - ε) + 0.5 ε``) and
+    mixed by each sample's own share λ with its partner's."""
+    if not torch.is_tensor(target) or target.dim() != 2 or target.shape[1] != num_classes:
+        raise ValueError(
+            f'target: multi-label mixing expects dense targets (batch, num_classes={num_classes}), '
+            f'got {tuple(target.shape) if torch.is_tensor(target) else type(target).__name__}'
+        )
+    y = target.float() * (1.0 - smoothing) + 0.5 * smoothing
+    lam = mix.lam.to(y.device, torch.float32).reshape(-1)
+    return mix_rows(y, mix.partner.to(y.device), 1.0 - lam)

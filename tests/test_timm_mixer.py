@@ -223,3 +223,43 @@ def test_collate_names_its_argument():
     collate = create_mixer('cutmix', cutmix_alpha=1.0, num_classes=4, patch_size=8, collate=True)
     with pytest.raises(ValueError, match='batch: .*even.*got batch size 3'):
         collate([(np.zeros((3, 16, 16), np.uint8), 0)] * 3)
+
+
+TIMM_ARG_SETS = [  # timm train.py's mixup_args, as its docs and recipes use them
+    dict(mixup_alpha=0.8, cutmix_alpha=1.0, cutmix_minmax=None, prob=1.0, switch_prob=0.5, mode='batch',
+         label_smoothing=0.1, num_classes=10),
+    dict(mixup_alpha=0.2, cutmix_alpha=0.0, label_smoothing=0.1, num_classes=10),
+    dict(mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', label_smoothing=0.0, num_classes=10),
+    dict(mixup_alpha=0.0, cutmix_alpha=0.0, cutmix_minmax=(0.2, 0.8), mode='pair', num_classes=10),
+    dict(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=10, multi_label=True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize('args', TIMM_ARG_SETS)
+def test_create_mixer_takes_timms_mixup_arguments_and_matches_its_targets(args):
+    """The argument sets timm's Mixup takes construct create_mixer too (the kind inferred as timm does), and at the
+    λ each draws the target is timm's mixup_target and the images its blend or box."""
+    from timm.data.mixup import Mixup, mixup_target
+
+    from shared_core.mix import mix_images
+
+    Mixup(**args)  # timm accepts the set
+    mixer = create_mixer(**args)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 3, 32, 32, generator=g)
+    if args.get('multi_label'):
+        y = (torch.rand(6, 10, generator=g) < 0.3).float()
+    else:
+        y = torch.arange(6) % 10
+    for _ in range(5):
+        mix = mixer.sample(x, y)
+        target = mixer.make_target(y, mix)
+        for i in range(6):  # timm's formula for each sample's own λ with its partner B-1-i
+            lam = float(mix.lam[i])
+            both = torch.stack([y[i], y[5 - i]])
+            expect = mixup_target(both, 10, lam, args.get('label_smoothing', 0.1), args.get('multi_label', False))[0]
+            torch.testing.assert_close(target[i], expect)
+        out = mix_images(x, mix)
+        if mix.boxes is None:  # a blend
+            lam = mix.lam.view(-1, 1, 1, 1)
+            torch.testing.assert_close(out, lam * x + (1 - lam) * x.flip(0))

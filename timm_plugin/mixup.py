@@ -30,7 +30,7 @@ import torch
 from timm.data import FastCollateMixup
 
 from shared_core.checks import check_real
-from shared_core.mix import Mix, check_pairwise_batch, mix_images, mix_target
+from shared_core.mix import Mix, check_pairwise_batch, mix_images, mix_target, multi_label_target
 from shared_core.samplers import MIX_KINDS, MixSampler
 from shared_core.tokenmix import ACTIVATION_TARGETS, activation_target
 
@@ -96,7 +96,7 @@ class TokenAwareMixup:
 
     def __init__(
         self,
-        mix_kind: str = 'mixup',
+        mix_kind: Optional[str] = None,
         *,
         mixup_alpha: float = 1.0,
         cutmix_alpha: float = 0.0,
@@ -115,7 +115,12 @@ class TokenAwareMixup:
         carry_mix: Optional[bool] = None,
         activation_targets: Optional[str] = None,
         generator: Optional[torch.Generator] = None,
+        multi_label: bool = False,
     ):
+        mix_kind = infer_mix_kind(mix_kind, cutmix_alpha, cutmix_minmax)
+        if multi_label and activation_targets is not None:
+            raise ValueError('multi_label: activation-map targets are built from class indices, not dense targets')
+        self.multi_label = bool(multi_label)
         if not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f'num_classes must be an int >= 2, got {num_classes!r}')
         label_smoothing = check_real(label_smoothing, 'label_smoothing', 0.0, 1.0, hi_open=True)
@@ -154,6 +159,8 @@ class TokenAwareMixup:
                 f'{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}'
             )
         check_pairwise_batch(x.shape[0], name)
+        if not torch.is_tensor(target):
+            raise ValueError(f'target: expected a tensor, got {type(target).__name__}')
         if target.shape[0] != x.shape[0]:
             raise ValueError(f'target: {target.shape[0]} labels for a batch of {x.shape[0]} images')
         return self.sampler.sample(x.shape[0], tuple(x.shape[-2:]), self.generator)
@@ -183,6 +190,8 @@ class TokenAwareMixup:
                 getattr(target, 'extent', None),
             )
             target = labels
+        elif self.multi_label:
+            soft = multi_label_target(target, mix, self.num_classes, self.label_smoothing)
         else:
             soft = mix_target(target, mix, self.num_classes, self.label_smoothing)
         if not self.carry_mix:
@@ -205,7 +214,7 @@ class FastCollateTokenMixup(FastCollateMixup):
     element and returns the first half of the batch (plain-target kinds only: the partners of a half
     batch are not in it, so no mix can be carried)."""
 
-    def __init__(self, mix_kind: str = 'mixup', *, mode: str = 'batch', **kwargs):
+    def __init__(self, mix_kind: Optional[str] = None, *, mode: str = 'batch', **kwargs):
         self.half = 'half' in mode
         self.mixer = TokenAwareMixup(mix_kind, mode='elem' if self.half else mode, **kwargs)
         if self.half and self.mixer.carry_mix:
@@ -236,7 +245,10 @@ class FastCollateTokenMixup(FastCollateMixup):
                 f'batch: fast collate expects uint8 images (timm ToNumpy/MaybeToTensor '
                 f'without normalisation), got {x.dtype}'
             )
-        target = torch.as_tensor([int(b[1]) for b in batch], dtype=torch.long)
+        if self.mixer.multi_label:  # dense (C,) targets per sample
+            target = torch.stack([torch.as_tensor(b[1]) for b in batch]).float()
+        else:
+            target = torch.as_tensor([int(b[1]) for b in batch], dtype=torch.long)
         x, soft = self.mixer(x, target, name='batch')
         if self.half:
             n = x.shape[0] // 2
@@ -244,8 +256,20 @@ class FastCollateTokenMixup(FastCollateMixup):
         return x, soft
 
 
+def infer_mix_kind(mix_kind: Optional[str], cutmix_alpha: float, cutmix_minmax=None) -> str:
+    """timm ``Mixup``'s kind from its arguments when none is named: ``'cutmix'`` (the MixUp/CutMix switch when
+    ``mixup_alpha > 0`` too) if ``cutmix_alpha > 0`` or ``cutmix_minmax`` is set, else ``'mixup'``."""
+    if mix_kind is not None:
+        return mix_kind
+    try:
+        cut = cutmix_minmax is not None or float(cutmix_alpha) > 0
+    except (TypeError, ValueError):
+        raise ValueError(f'cutmix_alpha: expected a number, got {cutmix_alpha!r}') from None
+    return 'cutmix' if cut else 'mixup'
+
+
 def create_mixer(
-    mix_kind: str = 'mixup',
+    mix_kind: Optional[str] = None,
     *,
     mixup_alpha: float = 1.0,
     cutmix_alpha: float = 0.0,
@@ -266,11 +290,16 @@ def create_mixer(
     collate: bool = False,
     activation_targets: Optional[str] = None,
     generator: Optional[torch.Generator] = None,
+    multi_label: bool = False,
 ):
-    """A mixer with timm ``Mixup``'s arguments and defaults (see the module docstring for the kinds).
+    """A mixer with timm ``Mixup``'s arguments and defaults (see the module docstring for the kinds):
+    ``create_mixer(**mixup_args)`` is ``timm.data.Mixup(**mixup_args)``.
 
     Args:
-        mix_kind: what the sampler draws, one of :data:`MIX_KINDS`.
+        mix_kind: what the sampler draws, one of :data:`MIX_KINDS`; ``None`` infers it as timm does
+            (``'cutmix'`` when ``cutmix_alpha > 0`` or ``cutmix_minmax``, else ``'mixup'``).
+        multi_label: dense ``(B, C)`` targets, smoothed towards 0.5 and mixed by λ (timm's ``multi_label``);
+            not with a ``method`` or ``activation_targets``, which re-weight class labels.
         mixup_alpha, cutmix_alpha, cutmix_minmax, prob, switch_prob, mode, correct_lam,
         label_smoothing, num_classes: as in ``timm.data.Mixup``.
         patch_size: the model's patch size (int or (h, w)); token kinds need images divisible by it.
@@ -290,6 +319,9 @@ def create_mixer(
             ``TokenLabelCollate`` (the maps follow each crop and flip); not with ``collate=True``.
         generator: a ``torch.Generator`` for reproducible mixing (default: torch's global RNG).
     """
+    mix_kind = infer_mix_kind(mix_kind, cutmix_alpha, cutmix_minmax)
+    if multi_label and method is not None:
+        raise ValueError(f'multi_label: {method} re-weights class labels; it does not take dense multi-label targets')
     if mix_kind in TARGET_METHODS:
         raise ValueError(
             f'mix_kind: {mix_kind!r} is a method, not a mixing kind; pass method={mix_kind!r} and the '
@@ -320,6 +352,7 @@ def create_mixer(
         tokenmix_rule=tokenmix_rule,
         carry_mix=carry_mix,
         generator=generator,
+        multi_label=multi_label,
     )
     if activation_targets is not None:
         if collate:
