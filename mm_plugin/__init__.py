@@ -16,6 +16,8 @@ under ``torch.load(weights_only=True)`` are an explicit call, :func:`allow_mmeng
 
 import importlib.util
 
+from shared_core import __version__  # noqa: F401  (the distribution's version)
+
 from .backbone_check import BackboneCheckpointCheck
 from .mmengine_safe_load import allow_mmengine_checkpoints
 
@@ -30,7 +32,7 @@ def _installed(name: str) -> bool:
 HAS_MMSEG = _installed('mmseg')
 HAS_MMPRETRAIN = _installed('mmpretrain')
 
-__all__ = ['BackboneCheckpointCheck', 'allow_mmengine_checkpoints', 'HAS_MMSEG', 'HAS_MMPRETRAIN']
+__all__ = ['__version__', 'BackboneCheckpointCheck', 'allow_mmengine_checkpoints', 'HAS_MMSEG', 'HAS_MMPRETRAIN']
 
 if HAS_MMSEG:
     from .lvvit import LVViT

@@ -8,6 +8,8 @@ import (timm's Posterize fix is the explicit :func:`fix_posterize`). The other n
 
 from importlib import import_module
 
+from shared_core import __version__  # noqa: F401  (the distribution's version)
+
 from . import cct, lvvit  # noqa: F401  (register cct_* and lvvit_* with timm)
 from .lvvit import LVViT
 
@@ -39,7 +41,7 @@ _LAZY = {
     'CCT': 'cct',
 }
 
-__all__ = ['LVViT'] + sorted(_LAZY)
+__all__ = ['__version__', 'LVViT'] + sorted(_LAZY)
 
 
 def __getattr__(name: str):
