@@ -74,9 +74,11 @@ class MixBatchAugment:
         )
 
     def sample_mix(self, batch_size: int, img_size: Tuple[int, int]) -> Mix:
-        """The mix of a batch (on the CPU; :func:`mix_images` and :func:`mix_target` move what they need)."""
-        check_pairwise_batch(batch_size, 'inputs')
-        return self.sampler.sample(batch_size, img_size, self.generator)
+        """The mix of a batch (on the CPU; :func:`mix_images` and :func:`mix_target` move what they need). Any
+        batch size, as mmpretrain's augments: sample i partners B-1-i, so an odd batch's middle sample (and a
+        batch of 1) is mixed with itself and stays as it is."""
+        check_pairwise_batch(batch_size, 'inputs', allow_odd=True)  # any batch size, as mmpretrain's augments
+        return self.sampler.sample(batch_size, img_size, self.generator, allow_odd=True)
 
     def __call__(self, batch_inputs: torch.Tensor, batch_score: torch.Tensor):
         """The stock mmpretrain contract: mix images and one-hot (or soft) scores ``(N, C)``."""

@@ -161,7 +161,13 @@ def identity_mix(batch_size: int, img_size: IntPair, patch_size: IntPair = 16, d
 # ----------------------------------------------------------------------------------------------
 
 
-def check_pairwise_batch(batch_size: int, name: str = 'x') -> None:
+def check_pairwise_batch(batch_size: int, name: str = 'x', allow_odd: bool = False) -> None:
+    """A non-empty batch, even unless ``allow_odd`` (then the middle sample of an odd batch partners itself: mixed
+    with itself, it stays as it is; mmpretrain's augments take any batch size)."""
+    if allow_odd:
+        if batch_size < 1:
+            raise ValueError(f'{name}: mixing needs a non-empty batch; got batch size {batch_size}')
+        return
     if batch_size % 2 != 0 or batch_size == 0:
         raise ValueError(
             f'{name}: pairwise mixing pairs sample i with B-1-i and needs an even, '

@@ -157,16 +157,22 @@ class MixSampler:
         return lam, use_cut & active
 
     def sample(
-        self, batch_size: int, img_size: IntPair, generator: Optional[torch.Generator] = None, device=None
+        self,
+        batch_size: int,
+        img_size: IntPair,
+        generator: Optional[torch.Generator] = None,
+        device=None,
+        allow_odd: bool = False,
     ) -> Mix:
-        """A mix for a batch of ``batch_size`` images of ``img_size``."""
-        check_pairwise_batch(batch_size)
+        """A mix for a batch of ``batch_size`` images of ``img_size``; ``allow_odd``: an odd batch's middle
+        sample partners itself (it stays as it is), as mmpretrain's augments take any batch size."""
+        check_pairwise_batch(batch_size, allow_odd=allow_odd)
         img_size = to_2tuple(img_size, 'img_size')
         if self.mix_kind not in ('mixup', 'cutmix'):
             check_image_size(img_size, self.patch_size)
         if self.cutmix_minmax is not None:
             minmax_sides(img_size, self.cutmix_minmax)  # fail on every batch, not only when a box is drawn
-        n = {'batch': 1, 'pair': batch_size // 2, 'elem': batch_size}[self.mode]
+        n = {'batch': 1, 'pair': (batch_size + 1) // 2, 'elem': batch_size}[self.mode]
         lam, use_cut = self._unit_params(n, generator)
         grid = grid_size(img_size, self.patch_size)
         N = grid[0] * grid[1]
@@ -210,9 +216,9 @@ class MixSampler:
         # expand parameter units to samples
         if self.mode == 'batch':
             idx = torch.zeros(batch_size, dtype=torch.long)
-        elif self.mode == 'pair':
+        elif self.mode == 'pair':  # an odd batch's middle sample is its own pair (its own unit)
             half = torch.arange(batch_size // 2)
-            idx = torch.cat([half, half.flip(0)])
+            idx = torch.cat([half, torch.arange(batch_size // 2, n), half.flip(0)])
         else:
             idx = torch.arange(batch_size)
         mix = Mix(

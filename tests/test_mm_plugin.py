@@ -118,8 +118,8 @@ def test_bad_input():
     pre = TokenAugDataPreprocessor(
         num_classes=5, patch_size=8, batch_augments=dict(augments=[dict(type='TATokenMix', alpha=1.0)])
     )
-    with pytest.raises(ValueError, match='inputs: .*even'):
-        pre(_batch(n=3), training=True)
+    out = pre(_batch(n=3), training=True)  # any batch size, as mmpretrain: the middle sample partners itself
+    assert out['inputs'].shape[0] == 3 and out['data_samples'][1].batch_mix.partner.tolist() == [2, 1, 0]
     with pytest.raises(ValueError, match='patch_size'):
         pre(_batch(size=36), training=True)
     with pytest.raises(ValueError, match=r'gt_label: .*num_classes=5'):
@@ -142,3 +142,30 @@ def test_upstream_train_py_two_iterations_and_resume(tiny_world, tmp_path, run_e
     assert (tmp_path / 'epoch_1.pth').exists()
     log = mmpretrain_train(config, tmp_path, run_env, tmp_path, '--resume', max_epochs=2)
     assert 'resumed epoch: 1, iter: 2' in log and 'Epoch(train) [2][2/2]' in log
+
+
+@pytest.mark.parametrize('batch', [1, 3, 5])
+@pytest.mark.parametrize(
+    'aug',
+    [
+        dict(type='TAMixup', alpha=1.0),
+        dict(type='TACutMix', alpha=1.0),
+        dict(type='TAMixToken', alpha=1.0, mode='pair'),
+        dict(type='TATokenMix', alpha=1.0, lam=0.5, mode='elem'),
+    ],
+)
+def test_batch_augments_take_any_batch_size_as_mmpretrains(aug, batch):
+    """mmpretrain's augments mix any batch size; ours pair sample i with B-1-i, so an odd batch's middle sample
+    (and a batch of 1) is mixed with itself: image and score unchanged, the others mixed as usual."""
+    from mmpretrain.registry import BATCH_AUGMENTS
+
+    a = BATCH_AUGMENTS.build(aug)
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(batch, 3, 32, 32, generator=g)
+    score = torch.nn.functional.one_hot(torch.arange(batch) % 10, 10).float()
+    out, mixed = a(x.clone(), score.clone())
+    mid = batch // 2
+    torch.testing.assert_close(out[mid], x[mid])
+    torch.testing.assert_close(mixed[mid], score[mid])
+    torch.testing.assert_close(mixed.sum(1), torch.ones(batch))
+    assert a.last_mix is None or a.last_mix.partner.tolist() == list(range(batch - 1, -1, -1))
