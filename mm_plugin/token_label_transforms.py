@@ -35,13 +35,15 @@ import mmcv
 import numpy as np
 import torch
 from mmcv.transforms import BaseTransform
+from mmengine.hooks import Hook
+from mmengine.registry import HOOKS
 from mmpretrain.datasets.transforms import PackInputs, RandAugment, RandomResizedCrop, Rotate, Shear, Translate
 from mmpretrain.datasets.transforms.auto_augment import RANDAUG_POLICIES
 from mmpretrain.registry import TRANSFORMS
 from mmpretrain.structures import DataSample
 
 from shared_core.label_maps import check_boxes, check_map_row, crop_box, normalised_affine, stack_affines
-from shared_core.map_store import LabelMapStore
+from shared_core.map_store import LabelMapStore, MissingLabelMapError
 
 __all__ = [
     'GEOMETRIC',
@@ -56,6 +58,8 @@ __all__ = [
     'PackTokenLabelInputs',
     'TokenLabelBatch',
     'token_label_batch',
+    'TokenLabelStoreCheck',
+    'check_dataset_maps',
 ]
 
 #: mmpretrain RandAugment policies that move pixels (recorded, or removed, by :class:`TokenLabelRandAugment`)
@@ -375,3 +379,56 @@ def token_label_batch(data_samples: Sequence[DataSample], num_classes: int, devi
     affines, extent = stack_affines(chains, boxes, tuple(values.shape[-2:]))
     moved = (t.to(device, non_blocking=True) for t in (values, indices, boxes, flips))
     return TokenLabelBatch(*moved, None if affines is None else affines.to(device, non_blocking=True), extent)
+
+
+# ----------------------------------------------------------------------------------------------
+# Run: every training image has a map, checked before the first iteration
+# ----------------------------------------------------------------------------------------------
+
+
+def _base_datasets(dataset):
+    """The datasets under mmengine's wrappers (Repeat / ClassBalanced: ``.dataset``; Concat: ``.datasets``)."""
+    if hasattr(dataset, 'datasets'):
+        return [b for d in dataset.datasets for b in _base_datasets(d)]
+    if hasattr(dataset, 'dataset'):
+        return _base_datasets(dataset.dataset)
+    return [dataset]
+
+
+def check_dataset_maps(dataset) -> int:
+    """Refuse a dataset whose pipeline loads token-label maps (:class:`LoadTokenLabelMap`) when its store lacks the
+    map of any of its images (paths only: fast); the error counts and names the first ones. Returns the number of
+    images checked."""
+    checked = 0
+    for ds in _base_datasets(dataset):
+        transforms = getattr(getattr(ds, 'pipeline', None), 'transforms', [])
+        loaders = [t for t in transforms if isinstance(t, LoadTokenLabelMap)]
+        if not loaders or not hasattr(ds, 'get_data_info'):
+            continue
+        load = loaders[0]
+        missing = []
+        for i in range(len(ds)):
+            key = load.key(ds.get_data_info(i)['img_path'])
+            if key not in load.store:
+                missing.append(key)
+        checked += len(ds)
+        if missing:
+            raise MissingLabelMapError(
+                missing[0],
+                load.store.root,
+                f'{len(missing)} of the {len(ds)} training images have no map, e.g. {missing[:3]}; '
+                'was the store generated for this split?',
+            )
+    return checked
+
+
+@HOOKS.register_module()
+class TokenLabelStoreCheck(Hook):
+    """``custom_hooks = [dict(type='TokenLabelStoreCheck')]``: before training, every image of the training set
+    must have a map in the store its :class:`LoadTokenLabelMap` reads (:func:`check_dataset_maps`), instead of
+    a failure when the sample is first drawn mid-epoch."""
+
+    priority = 'VERY_HIGH'
+
+    def before_train(self, runner) -> None:
+        check_dataset_maps(runner.train_dataloader.dataset)

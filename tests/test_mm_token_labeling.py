@@ -524,3 +524,24 @@ def test_upstream_train_py_runs_the_tokenmix_activation_config(tiny_world, tmp_p
     log = mmpretrain_train('deit-tiny_world_tokenmix.py', tmp_path / 'work', run_env, tmp_path)
     assert 'Epoch(train) [1][2/2]' in log and 'accuracy/top1' in log
     assert 'TATokenMix(tokenmix_block)' in log
+
+
+def test_every_training_image_needs_a_map_before_training(quadrant_data, tmp_path):
+    """TokenLabelStoreCheck (custom_hooks of our label-map configs): a store without the map of one training image
+    is refused before the first iteration, naming it, not when the sample is first drawn."""
+    from mmengine.config import Config
+
+    from mm_plugin.token_label_transforms import check_dataset_maps
+
+    from .conftest import REPO
+
+    assert check_dataset_maps(dataset(quadrant_data, tl_pipeline(quadrant_data))) == 6
+    root = tmp_path / 'data'
+    shutil.copytree(quadrant_data / 'train', root / 'train')
+    os.symlink(quadrant_data / 'maps', root / 'maps')
+    Image.fromarray(quadrant_image(64, 64, [[0, 1], [2, 3]])).save(root / 'train' / 'c0' / 'zz_new.png')
+    with pytest.raises(MissingLabelMapError, match=r"'c0/zz_new.png'.*1 of the 7 training images have no map"):
+        check_dataset_maps(dataset(root, tl_pipeline(root)))
+    for name in ('deit-tiny_world_token-labeling.py', 'deit-tiny_world_tokenmix.py', 'deit-small_in1k_tokenmix.py'):
+        cfg = Config.fromfile(str(REPO / 'configs' / 'mmpretrain' / name))
+        assert dict(type='TokenLabelStoreCheck') in cfg.custom_hooks, name

@@ -43,3 +43,5 @@ train_pipeline = [
 ]
 # pairwise mixing needs even batches: drop the last, possibly odd, batch of an epoch
 train_dataloader = dict(drop_last=True, dataset=dict(pipeline=train_pipeline))
+# every training image must have a map, checked before the first iteration (paths only)
+custom_hooks = [dict(type='TokenLabelStoreCheck')]

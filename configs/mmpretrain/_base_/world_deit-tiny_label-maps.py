@@ -24,3 +24,5 @@ train_pipeline = [
     dict(type='PackTokenLabelInputs'),
 ]
 train_dataloader = dict(dataset=dict(pipeline=train_pipeline))
+# every training image must have a map, checked before the first iteration (paths only)
+custom_hooks = [dict(type='TokenLabelStoreCheck')]
