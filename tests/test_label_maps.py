@@ -36,6 +36,22 @@ def sample_count(lo, hi, cells, out):
     return int(np.ceil(f(end - start) / f(out)))
 
 
+def bilinear(dense, y, x):
+    """The ``(C, h, w)`` map read at ``(y, x)`` in cell coordinates (cell centres on the integers), bilinearly,
+    clamped at the border (RoIAlign's rule)."""
+    _, h, w = dense.shape
+    y, x = min(max(y, 0.0), h - 1.0), min(max(x, 0.0), w - 1.0)
+    yl, xl = int(math.floor(y)), int(math.floor(x))
+    yh, xh = min(yl + 1, h - 1), min(xl + 1, w - 1)
+    ly, lx = y - yl, x - xl
+    return (
+        (1 - ly) * (1 - lx) * dense[:, yl, xl]
+        + (1 - ly) * lx * dense[:, yl, xh]
+        + ly * (1 - lx) * dense[:, yh, xl]
+        + ly * lx * dense[:, yh, xh]
+    )
+
+
 def reference_targets(values, indices, C, box, flip, grid):
     """RoIAlign written out: the crop (x0, y0, x1, y1) in map cells (cell j spans [j, j+1]); each token
     averages ceil(size/grid)^2 bilinear samples at its sub-bin centres, cell values sitting at the
@@ -47,18 +63,6 @@ def reference_targets(values, indices, C, box, flip, grid):
     bh, bw = (y1 - y0) / gh, (x1 - x0) / gw
     ny, nx = sample_count(box[1], box[3], h, gh), sample_count(box[0], box[2], w, gw)
 
-    def bilinear(y, x):
-        y, x = min(max(y, 0.0), h - 1.0), min(max(x, 0.0), w - 1.0)
-        yl, xl = int(math.floor(y)), int(math.floor(x))
-        yh, xh = min(yl + 1, h - 1), min(xl + 1, w - 1)
-        ly, lx = y - yl, x - xl
-        return (
-            (1 - ly) * (1 - lx) * dense[:, yl, xl]
-            + (1 - ly) * lx * dense[:, yl, xh]
-            + ly * (1 - lx) * dense[:, yh, xl]
-            + ly * lx * dense[:, yh, xh]
-        )
-
     out = np.zeros((C, gh, gw))
     for a in range(gh):
         for b in range(gw):
@@ -67,7 +71,7 @@ def reference_targets(values, indices, C, box, flip, grid):
                 for sx in range(nx):
                     yc = y0 + a * bh + (sy + 0.5) * bh / ny  # continuous, cell centres at +0.5
                     xc = x0 + b * bw + (sx + 0.5) * bw / nx
-                    acc += bilinear(yc - 0.5, xc - 0.5)
+                    acc += bilinear(dense, yc - 0.5, xc - 0.5)
             out[:, a, b] = acc / (ny * nx)
     return out[:, :, ::-1] if flip else out
 

@@ -24,7 +24,7 @@ from shared_core.label_maps import (
 )
 from timm_plugin.token_label_data import pil_op_affine
 
-from .test_label_maps import quadrant_map, reference_dense
+from .test_label_maps import bilinear, quadrant_map, reference_dense
 
 
 def random_map(rng, C=7, h=5, w=6, k=3):
@@ -51,18 +51,6 @@ def reference_affine_targets(values, indices, C, box, flip, grid, chain):
     nx = max(1, math.ceil(np.linalg.norm(E[:, 0]) / gw))
     ny = max(1, math.ceil(np.linalg.norm(E[:, 1]) / gh))
 
-    def bilinear(y, x):
-        y, x = min(max(y, 0.0), h - 1.0), min(max(x, 0.0), w - 1.0)
-        yl, xl = int(math.floor(y)), int(math.floor(x))
-        yh, xh = min(yl + 1, h - 1), min(xl + 1, w - 1)
-        ly, lx = y - yl, x - xl
-        return (
-            (1 - ly) * (1 - lx) * dense[:, yl, xl]
-            + (1 - ly) * lx * dense[:, yl, xh]
-            + ly * (1 - lx) * dense[:, yh, xl]
-            + ly * lx * dense[:, yh, xh]
-        )
-
     out = np.zeros((C, gh, gw))
     for a in range(gh):
         for b in range(gw):
@@ -81,7 +69,7 @@ def reference_affine_targets(values, indices, C, box, flip, grid, chain):
                         u = 1.0 - u
                     x = (box[0] + u * (box[2] - box[0])) * w
                     y = (box[1] + v * (box[3] - box[1])) * h
-                    acc += bilinear(y - 0.5, x - 0.5)
+                    acc += bilinear(dense, y - 0.5, x - 0.5)
             out[:, a, b] = acc / (ny * nx)
     return out
 
