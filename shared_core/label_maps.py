@@ -193,12 +193,11 @@ def _axes(boxes, flips, map_size: Tuple[int, int], grid, device):
     """RoIAlign's separable weights of a batch of crops: ``wy (B, gh, h)``, ``wx (B, gw, w)`` (flipped
     rows where the image was flipped after the crop), and the grid."""
     h, w = map_size
-    boxes = _as_tensor(boxes).to(device, torch.float32)
-    check_boxes(boxes)
+    boxes, flips = _batch_geometry(boxes, flips, device)
     gh, gw = (grid, grid) if isinstance(grid, int) else tuple(grid)
     wy = axis_weights(boxes[:, 1], boxes[:, 3], h, gh)
     wx = axis_weights(boxes[:, 0], boxes[:, 2], w, gw)
-    wx = torch.where(_as_tensor(flips).to(device, torch.bool).view(-1, 1, 1), wx.flip(1), wx)
+    wx = torch.where(flips.view(-1, 1, 1), wx.flip(1), wx)
     return wy, wx, (gh, gw)
 
 

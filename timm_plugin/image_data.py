@@ -88,15 +88,15 @@ def read_image(dataset, index: int, skip: bool = True, mode=None) -> Tuple[Image
     )
 
 
-def read_sample(dataset, index: int):
-    """``dataset[index]`` (image through the dataset's ``transform``, target) for a tool that needs the image
-    *of that index* (a store row, a seeded mask): a timm image dataset is read with :func:`read_image`
-    without skipping, so an unreadable image raises :class:`UnreadableImageError` naming the file; other
-    datasets are indexed as they are."""
+def read_sample(dataset, index: int, skip: bool = False):
+    """``dataset[index]`` (image through the dataset's ``transform``, target). By default for a tool that needs
+    the image *of that index* (a store row, a seeded mask): a timm image dataset is read with :func:`read_image`
+    without skipping, so an unreadable image raises :class:`UnreadableImageError` naming the file (``skip``:
+    skip it for the next, named); other datasets are indexed as they are."""
     if not readable(dataset):
         return dataset[index]
     base = dataset.dataset if isinstance(dataset, CheckedImageDataset) else dataset
-    img, target, _ = read_image(base, index, skip=False)
+    img, target, _ = read_image(base, index, skip=skip)
     if dataset.transform is not None:
         img = dataset.transform(img)
     if target is None:
@@ -133,14 +133,7 @@ class CheckedImageDataset(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int):
-        img, target, _ = read_image(self.dataset, index)
-        if self.transform is not None:
-            img = self.transform(img)
-        if target is None:
-            target = -1
-        elif self.target_transform is not None:
-            target = self.target_transform(target)
-        return img, target
+        return read_sample(self, index, skip=True)
 
     def filename(self, index: int, basename: bool = False, absolute: bool = False):
         return self.dataset.filename(index, basename, absolute)
