@@ -12,6 +12,10 @@ Each class is registered in mmpretrain's ``BATCH_AUGMENTS`` and works two ways:
 The mixing itself (λ, boxes, masks, images, targets) lives in :mod:`shared_core.mixing`; these
 classes only translate config keys. As in timm, sample ``i`` is paired with ``B - 1 - i`` (the
 dataloader shuffles, so this is a random pairing) and λ is the share of the sample's own image.
+
+A bad argument (at build, or scores that are not ``(N, num_classes)``) raises
+:class:`shared_core.checks.ArgumentError`: a ``ValueError``, and the ``AssertionError`` that mmpretrain's
+augments raise for it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from mmpretrain.registry import BATCH_AUGMENTS
 
-from shared_core.checks import check_int, check_real
+from shared_core.checks import ArgumentError, argument_errors, check_int, check_real
 from shared_core.mix import Mix, check_pairwise_batch, mix_images, mix_rows
 from shared_core.samplers import MixSampler
 from shared_core.tokenmix import ACTIVATION_TARGETS
@@ -55,23 +59,24 @@ class MixBatchAugment:
         activation_targets: Optional[str] = None,
         **sampler_kwargs,
     ):
-        if activation_targets is not None and activation_targets not in ACTIVATION_TARGETS:
-            raise ValueError(
-                f'activation_targets: expected one of {ACTIVATION_TARGETS} or None, got {activation_targets!r}'
+        with argument_errors():  # ValueError and, as mmpretrain's, AssertionError
+            if activation_targets is not None and activation_targets not in ACTIVATION_TARGETS:
+                raise ValueError(
+                    f'activation_targets: expected one of {ACTIVATION_TARGETS} or None, got {activation_targets!r}'
+                )
+            alpha = check_real(alpha, 'alpha', 0.0, lo_open=True)  # a config's '1.0' or nan named here, at build
+            if self.mix_kind == 'mixup':
+                args = dict(mixup_alpha=alpha, cutmix_alpha=0.0)
+            else:
+                args = dict(mixup_alpha=0.0, cutmix_alpha=alpha)
+            self.sampler = MixSampler(
+                self.mix_kind, patch_size=16 if patch_size is None else patch_size, mode=mode, **args, **sampler_kwargs
             )
         self.activation_targets = activation_targets
-        alpha = check_real(alpha, 'alpha', 0.0, lo_open=True)  # a config's '1.0' or nan named here, at build
-        if self.mix_kind == 'mixup':
-            args = dict(mixup_alpha=alpha, cutmix_alpha=0.0)
-        else:
-            args = dict(mixup_alpha=0.0, cutmix_alpha=alpha)
         self.alpha = alpha
         self.patch_size_given = patch_size is not None
         self.generator: Optional[torch.Generator] = None  # set by TokenAugDataPreprocessor(generator=...)
         self.last_mix: Optional[Mix] = None
-        self.sampler = MixSampler(
-            self.mix_kind, patch_size=16 if patch_size is None else patch_size, mode=mode, **args, **sampler_kwargs
-        )
 
     def sample_mix(self, batch_size: int, img_size: Tuple[int, int]) -> Mix:
         """The mix of a batch (on the CPU; :func:`mix_images` and :func:`mix_target` move what they need). Any
@@ -83,7 +88,7 @@ class MixBatchAugment:
     def __call__(self, batch_inputs: torch.Tensor, batch_score: torch.Tensor):
         """The stock mmpretrain contract: mix images and one-hot (or soft) scores ``(N, C)``."""
         if batch_score.ndim != 2 or batch_score.shape[0] != batch_inputs.shape[0]:
-            raise ValueError(
+            raise ArgumentError(
                 f'batch_score: expected (N={batch_inputs.shape[0]}, num_classes) scores, got {tuple(batch_score.shape)}'
             )
         mix = self.sample_mix(batch_inputs.shape[0], tuple(batch_inputs.shape[-2:]))
@@ -153,10 +158,11 @@ class TATokenMix(MixBatchAugment):
         activation_targets: Optional[str] = None,
         rule: str = 'paper',
     ):
-        if mask not in ('block', 'random'):
-            raise ValueError(f"mask must be 'block' or 'random', got {mask!r}")
-        lam = None if lam is None else check_real(lam, 'lam', 0.0, 1.0)
-        min_tokens = None if min_tokens is None else check_int(min_tokens, 'min_tokens', 1)
+        with argument_errors():
+            if mask not in ('block', 'random'):
+                raise ValueError(f"mask must be 'block' or 'random', got {mask!r}")
+            lam = None if lam is None else check_real(lam, 'lam', 0.0, 1.0)
+            min_tokens = None if min_tokens is None else check_int(min_tokens, 'min_tokens', 1)
         self.mix_kind = f'tokenmix_{mask}'
         super().__init__(
             alpha,

@@ -1,14 +1,38 @@
 """Argument checks shared by the core and both plugins: a number must be a real, finite number in its range (an
 infinite Beta parameter gives NaN images; a NaN one compares False everywhere and silently disables mixing),
-and an integer must be an integer; the message names the argument as the caller spells it."""
+and an integer must be an integer; the message names the argument as the caller spells it.
+
+The checks raise ``ValueError``. :class:`ArgumentError` (through :func:`argument_errors`) is the one that
+classes standing in for OpenMMLab ones raise: also an ``AssertionError``, the kind OpenMMLab's argument
+checks (``assert``) raise."""
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
-__all__ = ['check_real', 'check_int']
+__all__ = ['check_real', 'check_int', 'ArgumentError', 'argument_errors']
+
+
+class ArgumentError(ValueError, AssertionError):
+    """A bad argument of a class that stands in for an OpenMMLab one (mm_plugin's batch augments): a
+    ``ValueError`` as all our checks, and the ``AssertionError`` that the OpenMMLab class raises for it
+    (mmpretrain's ``Mixup``/``CutMix`` ``assert`` their ``alpha``), so code written against theirs
+    (``except AssertionError``, mmpretrain's own tests) gets the same kind of error from ours."""
+
+
+@contextmanager
+def argument_errors() -> Iterator[None]:
+    """Raise the block's ``ValueError`` (its argument checks) as :class:`ArgumentError`: same message,
+    same traceback."""
+    try:
+        yield
+    except ArgumentError:
+        raise
+    except ValueError as e:
+        raise ArgumentError(*e.args).with_traceback(e.__traceback__) from None
 
 
 def check_real(
