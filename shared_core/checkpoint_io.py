@@ -53,21 +53,33 @@ def load_checkpoint_file(path, name: str = 'checkpoint', map_location='cpu', mma
     try:
         mmap = mmap and zipfile.is_zipfile(path)
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:
-        with open(path, 'rb') as f:
-            head = f.read(2)
-        if not zipfile.is_zipfile(path) and not head.startswith(b'\x80'):
-            raise CheckpointError(f'{name}: {path} is not a PyTorch checkpoint (unrecognised content)') from None
-        found = re.search(r'GLOBAL ([\w.]+)', str(e))
+    except Exception as e:
+        _checkpoint_error(e, path, name)
+
+
+def _looks_like_checkpoint(path) -> bool:
+    """A zip archive, whole or not (torch.save), or a pickle stream of protocol >= 2 (legacy torch.save)."""
+    with open(path, 'rb') as f:
+        head = f.read(2)
+    return head == b'PK' or head.startswith(b'\x80')
+
+
+def _checkpoint_error(e: Exception, path, name):
+    """Re-raise a failed load's error as what it says about the file (or as is, when it is not the file's)."""
+    text = str(e)
+    if isinstance(e, RuntimeError) and not ('zip archive' in text or 'PytorchStreamReader' in text):
+        raise e  # e.g. out of memory, a device error: not the file's fault
+    if not _looks_like_checkpoint(path):  # random bytes fail in many ways (unpickler stack errors, ...)
+        raise CheckpointError(f'{name}: {path} is not a PyTorch checkpoint (unrecognised content)') from None
+    if isinstance(e, pickle.UnpicklingError):  # the weights-only unpickler met a global it does not allow
+        found = re.search(r'GLOBAL ([\w.]+)', text)
         what = f' ({found.group(1)})' if found else ''
         raise CheckpointError(
-            f'{name}: {path} holds Python objects beyond tensors and plain containers{what}; a weights-only load '
-            'refuses them and nothing was unpickled (a checkpoint written by tokenaug, timm or MMEngine loads)'
+            f'{name}: {path} holds Python objects beyond tensors and plain containers{what}; a weights-only '
+            'load refuses them and nothing was unpickled (a checkpoint written by tokenaug, timm or MMEngine loads)'
         ) from None
-    except (RuntimeError, EOFError) as e:
-        if isinstance(e, EOFError) or 'zip archive' in str(e) or 'PytorchStreamReader' in str(e):
-            raise CheckpointError(f'{name}: {path} is truncated or corrupt ({str(e).splitlines()[0]})') from None
-        raise
+    first = (text.splitlines() or [''])[0]
+    raise CheckpointError(f'{name}: {path} is truncated or corrupt ({type(e).__name__}: {first})') from None
 
 
 def check_output_file(dst, src=None, force: bool = False, name: str = 'dst', src_name: str = 'src') -> str:
