@@ -17,7 +17,7 @@ load them; the full arguments are also written to ``args.yaml`` beside them.
 
 from __future__ import annotations
 
-import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -29,9 +29,11 @@ from functools import partial
 
 import torch
 import torch.nn as nn
+import torchvision
 import yaml
 from timm import utils
 from timm.data import create_dataset, create_loader, resolve_data_config
+from timm.layers import convert_sync_batchnorm, set_fast_norm
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.models import create_model, is_model, resume_checkpoint, safe_model_name
 from timm.optim import create_optimizer_v2, optimizer_kwargs
@@ -40,339 +42,21 @@ from timm.task import ClassificationTask
 from timm.utils import NativeScaler
 from timm.utils.model import get_state_dict
 
-from shared_core.boxes import BOX_ROUNDINGS
 from shared_core.checkpoint_io import load_checkpoint_file, save_checkpoint_file
 from shared_core.map_store import MissingLabelMapError
 from shared_core.mix import check_labels
-from shared_core.tl_align import DROP_PATH_LABELS, TRANSMIX_MODES
-from shared_core.token_labeling import HEAD_RULES
-from shared_core.token_masks import TOKENMIX_RULES
 
 from .image_data import CheckedImageDataset, UnreadableImageError, check_class_lists, readable
 from .mixup import MIX_KINDS, TARGET_METHODS, create_mixer
 from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
 from .timm_fixes import fix_posterize
 from .token_grid import token_stride
-from .token_label_data import GEOMETRIC_AA, TokenLabelCollate, TokenLabelDataset
+from .token_label_data import TokenLabelCollate, TokenLabelDataset
 from .token_labeling import TokenLabelingLoss, attach_aux_head
 from .tokenmixup import attach_scorenets
+from .train_args import TOKEN_LABELING_TYPES, check_supported, parse_args
 
 _logger = logging.getLogger('tokenaug.train')
-
-config_parser = argparse.ArgumentParser(description='Training Config', add_help=False)
-config_parser.add_argument(
-    '-c', '--config', default='', type=str, metavar='FILE', help='YAML config file specifying default arguments'
-)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description='tokenaug: timm training with token-aware mixing')
-    g = p.add_argument_group('Dataset parameters')
-    g.add_argument(
-        'data',
-        nargs='?',
-        metavar='DIR',
-        const=None,
-        help='path to dataset (positional is *deprecated*, use --data-dir)',
-    )
-    g.add_argument('--data-dir', metavar='DIR', help='path to dataset (root dir)')
-    g.add_argument(
-        '--dataset', metavar='NAME', default='', help='dataset type + name ("<type>/<name>") (default: ImageFolder)'
-    )
-    g.add_argument('--train-split', metavar='NAME', default='train')
-    g.add_argument(
-        '--dataset-download',
-        action='store_true',
-        default=False,
-        help='let torch/ and tfds/ datasets download themselves (e.g. --dataset torch/cifar100)',
-    )
-    g.add_argument('--val-split', metavar='NAME', default='validation')
-    g.add_argument('--class-map', default='', type=str, metavar='FILENAME')
-    g.add_argument('--input-img-mode', default=None, type=str)
-    g = p.add_argument_group('Model parameters')
-    g.add_argument('--model', default='vit_tiny_patch16_224', type=str, metavar='MODEL')
-    g.add_argument('--pretrained', action='store_true', default=False)
-    g.add_argument('--pretrained-path', default=None, type=str, help='load this local file as pretrained weights')
-    g.add_argument('--initial-checkpoint', default='', type=str, metavar='PATH')
-    g.add_argument('--resume', default='', type=str, metavar='PATH')
-    g.add_argument('--no-resume-opt', action='store_true', default=False)
-    g.add_argument('--num-classes', type=int, default=None, metavar='N')
-    g.add_argument('--gp', default=None, type=str, metavar='POOL')
-    g.add_argument('--img-size', type=int, default=None, metavar='N')
-    g.add_argument('--in-chans', type=int, default=None, metavar='N')
-    g.add_argument('--input-size', default=None, nargs=3, type=int, metavar='N N N')
-    g.add_argument('--crop-pct', default=None, type=float, metavar='N')
-    g.add_argument('--mean', type=float, nargs='+', default=None, metavar='MEAN')
-    g.add_argument('--std', type=float, nargs='+', default=None, metavar='STD')
-    g.add_argument('--interpolation', default='', type=str, metavar='NAME')
-    g.add_argument('-b', '--batch-size', type=int, default=128, metavar='N')
-    g.add_argument('-vb', '--validation-batch-size', type=int, default=None, metavar='N')
-    g.add_argument('--grad-accum-steps', type=int, default=1, metavar='N')
-    g.add_argument('--model-kwargs', nargs='*', default={}, action=utils.ParseKwargs)
-    g = p.add_argument_group('Optimizer parameters')
-    g.add_argument('--opt', default='adamw', type=str, metavar='OPTIMIZER')
-    g.add_argument('--opt-eps', default=None, type=float, metavar='EPSILON')
-    g.add_argument('--opt-betas', default=None, type=float, nargs='+', metavar='BETA')
-    g.add_argument('--momentum', type=float, default=0.9, metavar='M')
-    g.add_argument('--weight-decay', type=float, default=0.05)
-    g.add_argument('--clip-grad', type=float, default=None, metavar='NORM')
-    g.add_argument('--clip-mode', type=str, default='norm')
-    g.add_argument('--layer-decay', type=float, default=None)
-    g.add_argument('--opt-kwargs', nargs='*', default={}, action=utils.ParseKwargs)
-    g = p.add_argument_group('Learning rate schedule parameters')
-    g.add_argument('--sched', type=str, default='cosine', metavar='SCHEDULER')
-    g.add_argument('--sched-on-updates', action='store_true', default=False)
-    g.add_argument('--lr', type=float, default=None, metavar='LR')
-    g.add_argument(
-        '--lr-base', type=float, default=5e-4, metavar='LR', help='base lr: lr = lr_base * global_batch / lr_base_size'
-    )
-    g.add_argument('--lr-base-size', type=int, default=512, metavar='DIV')
-    g.add_argument(
-        '--lr-base-scale', type=str, default='', metavar='SCALE', help='"sqrt" or "linear" (default by optimizer)'
-    )
-    g.add_argument('--min-lr', type=float, default=1e-6, metavar='LR')
-    g.add_argument('--epochs', type=int, default=300, metavar='N')
-    g.add_argument('--start-epoch', default=None, type=int, metavar='N')
-    g.add_argument(
-        '--stop-epoch',
-        default=None,
-        type=int,
-        metavar='N',
-        help='end the run before epoch N, keeping the schedule of --epochs (split a run; --resume continues it)',
-    )
-    g.add_argument('--decay-milestones', default=[90, 180, 270], type=int, nargs='+', metavar='MILESTONES')
-    g.add_argument('--decay-epochs', type=float, default=90, metavar='N')
-    g.add_argument('--warmup-epochs', type=int, default=5, metavar='N')
-    g.add_argument('--warmup-lr', type=float, default=1e-6, metavar='LR')
-    g.add_argument('--warmup-prefix', action='store_true', default=False)
-    g.add_argument('--cooldown-epochs', type=int, default=0, metavar='N')
-    g.add_argument('--decay-rate', '--dr', type=float, default=0.1, metavar='RATE')
-    g = p.add_argument_group('Augmentation and regularization parameters')
-    g.add_argument('--no-aug', action='store_true', default=False)
-    g.add_argument('--train-crop-mode', type=str, default=None)
-    g.add_argument('--scale', type=float, nargs='+', default=[0.08, 1.0], metavar='PCT')
-    g.add_argument('--ratio', type=float, nargs='+', default=[3.0 / 4.0, 4.0 / 3.0], metavar='RATIO')
-    g.add_argument('--hflip', type=float, default=0.5)
-    g.add_argument('--vflip', type=float, default=0.0)
-    g.add_argument('--color-jitter', type=float, default=0.4, metavar='PCT')
-    g.add_argument(
-        '--aa', type=str, default=None, metavar='NAME', help='AutoAugment policy, e.g. "rand-m9-mstd0.5-inc1"'
-    )
-    g.add_argument('--aug-repeats', type=float, default=0)
-    g.add_argument('--bce-loss', action='store_true', default=False)
-    g.add_argument('--bce-sum', action='store_true', default=False)
-    g.add_argument('--bce-target-thresh', type=float, default=None)
-    g.add_argument('--bce-pos-weight', type=float, default=None)
-    g.add_argument('--reprob', type=float, default=0.0, metavar='PCT')
-    g.add_argument('--remode', type=str, default='pixel')
-    g.add_argument('--recount', type=int, default=1)
-    g.add_argument('--resplit', action='store_true', default=False)
-    g.add_argument('--mixup', type=float, default=0.0, help='mixup alpha, mixup enabled if > 0.')
-    g.add_argument(
-        '--cutmix', type=float, default=0.0, help='cutmix alpha (the cut branch of --mixup-type), enabled if > 0.'
-    )
-    g.add_argument('--cutmix-minmax', type=float, nargs='+', default=None)
-    g.add_argument('--mixup-prob', type=float, default=1.0)
-    g.add_argument('--mixup-switch-prob', type=float, default=0.5)
-    g.add_argument('--mixup-mode', type=str, default='batch', help='"batch", "pair", or "elem"')
-    g.add_argument('--mixup-off-epoch', default=0, type=int, metavar='N')
-    g.add_argument(
-        '--mixup-type',
-        default=None,
-        choices=MIX_KINDS + TARGET_METHODS + TOKEN_LABELING_TYPES + ('tokenmix',),
-        help='tokenaug mixing kind or method (default: timm behaviour, cutmix if --cutmix > 0 else mixup); '
-        'mixtoken: MixToken after patch embedding (token-labeling.md Eq. 5), box ~ Beta(--cutmix or 1); '
-        'tokenmix: tokenmix_{--tokenmix-mask} with λ = 0.5 unless --tokenmix-lam (tokenmix.md Sec. 3.2)',
-    )
-    g.add_argument(
-        '--method-mix',
-        default='cutmix',
-        choices=MIX_KINDS,
-        help='the mixing kind under --mixup-type tl_align/transmix (tl-align.md Table 7; '
-        'cutmix with --mixup > 0 = the MixUp/CutMix switch)',
-    )
-    g.add_argument(
-        '--tl-align-layers',
-        type=int,
-        nargs='*',
-        default=None,
-        help='align only at these block indices (Table 8 ablation; default: all)',
-    )
-    g.add_argument(
-        '--tl-align-no-residual',
-        action='store_true',
-        default=False,
-        help='drop the residual from the label path (Table 8, normalisation disabled)',
-    )
-    g.add_argument(
-        '--tl-align-drop-path',
-        default='kept',
-        choices=DROP_PATH_LABELS,
-        help="labels of samples whose attention branch stochastic depth dropped: 'kept' (ours) or 'public' "
-        '(the public code updates them anyway)',
-    )
-    g.add_argument(
-        '--transmix-mode',
-        default='paper',
-        choices=TRANSMIX_MODES,
-        help="TransMix λ: 'paper' (attention over the box) or 'average' (with the area, public code)",
-    )
-    g.add_argument(
-        '--tokenmix-lam',
-        type=float,
-        default=None,
-        help='fix λ (own share) of token-mask kinds, e.g. 0.5 as in TokenMix (default: Beta(--cutmix))',
-    )
-    g.add_argument(
-        '--tokenmix-mask',
-        default='block',
-        choices=('block', 'random'),
-        help='the TokenMix mask of --mixup-type tokenmix (tokenmix.md Table 8-9)',
-    )
-    g.add_argument(
-        '--tokenmix-rule',
-        default='paper',
-        choices=TOKENMIX_RULES,
-        help="TokenMix masks: 'paper' (exactly round((1-λ)N) tokens, parts >= 14 tokens) or 'public' "
-        '(the public code: int((1-λ)N)+14 tokens targeted, parts from 1 token)',
-    )
-    g.add_argument(
-        '--box-rounding',
-        default='timm',
-        choices=BOX_ROUNDINGS,
-        help="CutMix / MixToken / TL-Align token boxes: 'timm' (today's timm) or 'public' (the public "
-        "code's pinned timm: cut // 2 on both sides of the centre)",
-    )
-    g.add_argument(
-        '--activation-map-dir',
-        default=None,
-        type=str,
-        metavar='DIR',
-        help="teacher maps of the training split (tokenaug-maps generate): TokenMix's targets from "
-        'activation maps (tokenmix.md Eq. 2), for any cut kind (with cutmix: Table 7 refinement)',
-    )
-    g.add_argument(
-        '--activation-target',
-        default='true_class',
-        choices=('true_class', 'distribution'),
-        help="true_class: the maps' channel of each image's class (paper / public code); "
-        "distribution: the teacher's full class distribution over what each image shows (ours)",
-    )
-    g.add_argument(
-        '--token-label-dir',
-        default=None,
-        type=str,
-        metavar='DIR',
-        help='label-map store of the training split (tokenaug-maps generate): token labeling',
-    )
-    g.add_argument('--dense-weight', type=float, default=0.5, help='β of the token loss (token-labeling.md Eq. 3)')
-    g.add_argument(
-        '--cls-target',
-        default='gt',
-        choices=('gt', 'annotator', 'mix'),
-        help="class-token target: ground truth (paper), the annotator's pooled label over the crop "
-        "(public code's default) or --cls-target-mix · annotator + (1 - it) · ground truth",
-    )
-    g.add_argument('--cls-target-mix', type=float, default=0.5)
-    g.add_argument(
-        '--relabel',
-        action='store_true',
-        default=False,
-        help='ReLabel: one pooled label per crop from the maps as the class target, no dense term',
-    )
-    g.add_argument(
-        '--head-rule',
-        default='cls+aux',
-        choices=HEAD_RULES,
-        help='eval output with an aux head: cls + 0.5 max(aux) (public code) or the class head only',
-    )
-    g.add_argument(
-        '--geometric-aa',
-        default='follow',
-        choices=GEOMETRIC_AA,
-        help="with label maps (token labeling, TokenMix activation targets): 'follow' (the public code) keeps "
-        "RandAugment's rotate/shear/translate and the maps follow them; 'drop' removes those ops",
-    )
-    g.add_argument('--smoothing', type=float, default=0.1)
-    g.add_argument('--train-interpolation', type=str, default='random')
-    g.add_argument('--drop', type=float, default=0.0, metavar='PCT')
-    g.add_argument('--drop-path', type=float, default=None, metavar='PCT')
-    g = p.add_argument_group('TokenMixup parameters (tokenmixup.md; with any mixing kind but tl_align/transmix)')
-    g.add_argument(
-        '--tokenmixup-htm-layers',
-        type=int,
-        nargs='*',
-        default=[],
-        metavar='L',
-        help='Horizontal TokenMixup at the input of these blocks (0-based; CCT 2, ViT-B 3)',
-    )
-    g.add_argument(
-        '--tokenmixup-vtm-layers',
-        type=int,
-        nargs='*',
-        default=[],
-        metavar='L',
-        help="Vertical TokenMixup: these blocks also attend to earlier blocks' salient tokens",
-    )
-    g.add_argument('--tokenmixup-rho', type=float, default=0.005, help='ρ, saliency margin of a swapped token')
-    g.add_argument('--tokenmixup-tau', type=float, default=0.2, help='τ: easy when 0.1 · ScoreNet CE <= τ')
-    g.add_argument('--tokenmixup-kappa', type=int, default=3, help='κ, salient tokens per earlier block (VTM)')
-    g.add_argument(
-        '--tokenmixup-saliency',
-        default='auto',
-        choices=('auto', 'cls', 'mean'),
-        help="class-token row ('cls', public ViT code) or Eq. 3 mean ('mean', CCT); auto: by class token",
-    )
-    g.add_argument('--tokenmixup-scorenet', default='auto', choices=('auto', 'cls', 'attn_pool', 'avg'))
-    g.add_argument('--tokenmixup-scorenet-weight', type=float, default=1e-3, help='λ_s of the ScoreNet loss')
-    g.add_argument('--tokenmixup-scorenet-stopgrad', action='store_true', default=False)
-    g.add_argument('--tokenmixup-vtm-stopgrad', action='store_true', default=False)
-    g = p.add_argument_group('Model exponential moving average parameters')
-    g.add_argument('--model-ema', action='store_true', default=False)
-    g.add_argument('--model-ema-decay', type=float, default=0.9998)
-    g.add_argument('--model-ema-warmup', action='store_true')
-    g = p.add_argument_group('Miscellaneous parameters')
-    g.add_argument('--seed', type=int, default=42, metavar='S')
-    g.add_argument('--worker-seeding', type=str, default='all')
-    g.add_argument('--log-interval', type=int, default=50, metavar='N')
-    g.add_argument('--checkpoint-hist', type=int, default=10, metavar='N')
-    g.add_argument('-j', '--workers', type=int, default=4, metavar='N')
-    g.add_argument('--amp', action='store_true', default=False)
-    g.add_argument('--amp-dtype', default='float16', type=str)
-    g.add_argument('--no-prefetcher', action='store_true', default=False)
-    g.add_argument('--pin-mem', action='store_true', default=False)
-    g.add_argument('--output', default='', type=str, metavar='PATH')
-    g.add_argument('--experiment', default='', type=str, metavar='NAME')
-    g.add_argument('--eval-metric', default='top1', type=str, metavar='EVAL_METRIC')
-    g.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu', type=str)
-    g.add_argument('--dist-backend', default=None, type=str)
-    g.add_argument('--dist-url', default=None, type=str)
-    g.add_argument('--local_rank', '--local-rank', default=0, type=int, help=argparse.SUPPRESS)
-    return p
-
-
-def parse_args(argv=None):
-    """timm's two-stage parse: ``-c FILE`` YAML values become defaults, the command line overrides."""
-    parser = build_parser()
-    args_config, remaining = config_parser.parse_known_args(argv)
-    if args_config.config:
-        with open(args_config.config, 'r') as f:
-            cfg = yaml.safe_load(f) or {}
-        known = {a.dest for a in parser._actions}
-        unknown = sorted(set(cfg) - known)
-        if unknown:
-            raise ValueError(
-                f'config {args_config.config}: unknown keys {unknown} (use the flag names with '
-                f'"_" for "-", as in timm configs)'
-            )
-        parser.set_defaults(**cfg)
-    args = parser.parse_args(remaining)
-    args.config = args_config.config
-    return args
-
-
-#: methods that act in the model and the loss (token labeling); their data carries label maps
-TOKEN_LABELING_TYPES = ('mixtoken',)
 
 RUNTIME_KEYS = ('config', 'data', 'distributed', 'prefetcher', 'rank', 'world_size', 'local_rank', 'device')
 
@@ -443,6 +127,98 @@ def uses_tokenmixup(args) -> bool:
     return bool(args.tokenmixup_htm_layers or args.tokenmixup_vtm_layers)
 
 
+def in_model_method(args, token_labeling: bool):
+    """The name of the method that runs inside the model (hooks, label paths, an aux head), or None."""
+    method, _ = method_and_mix_kind(args)
+    if method:
+        return method
+    if uses_tokenmixup(args):
+        return 'TokenMixup'
+    return 'token labeling' if token_labeling else None
+
+
+def build_model(args) -> nn.Module:
+    """The model as timm's ``train.py`` creates it (``--pretrained-path`` with the head re-initialised,
+    ``--drop-block``, ``--bn-*``, ``--head-init-*``, ``--model-kwargs``)."""
+    # as timm's train.py: --pretrained-path loads a file as the pretrained weights with the head adapted
+    # (num_classes=-1: the classifier is always re-initialised); --pretrained-cfg-overlay adds to it
+    factory_kwargs = {}
+    overlay = dict(args.pretrained_cfg_overlay or {})
+    if args.pretrained_path:
+        overlay.update(file=args.pretrained_path, num_classes=-1)
+    if overlay:
+        factory_kwargs['pretrained_cfg_overlay'] = overlay
+    in_chans = args.in_chans or (args.input_size[0] if args.input_size else 3)
+    # as timm's train.py: --img-size/--input-size set the data size only; a model built for another size
+    # gets it through --model-kwargs (e.g. img_size=112 for a ViT)
+    model_kwargs = dict(args.model_kwargs)
+    if not is_model(args.model) and not args.model.startswith('hf-hub:'):
+        raise ValueError(f'--model: {args.model!r} is not a timm model name')
+    drop_path = args.drop_path
+    if args.drop_connect is not None:  # timm's deprecated name of --drop-path (its train.py ignores it now)
+        _logger.warning('--drop-connect is deprecated (timm): use --drop-path; taken as --drop-path here')
+        drop_path = args.drop_connect if drop_path is None else drop_path
+    model = create_model(
+        args.model,
+        pretrained=args.pretrained or bool(args.pretrained_path),
+        in_chans=in_chans,
+        num_classes=args.num_classes,
+        drop_rate=args.drop,
+        drop_path_rate=drop_path,
+        drop_block_rate=args.drop_block,
+        global_pool=args.gp,
+        bn_momentum=args.bn_momentum,
+        bn_eps=args.bn_eps,
+        checkpoint_path=args.initial_checkpoint or None,
+        **factory_kwargs,
+        **model_kwargs,
+    )
+    if args.head_init_scale is not None:
+        with torch.no_grad():
+            model.get_classifier().weight.mul_(args.head_init_scale)
+            model.get_classifier().bias.mul_(args.head_init_scale)
+    if args.head_init_bias is not None:
+        nn.init.constant_(model.get_classifier().bias, args.head_init_bias)
+    return model
+
+
+def has_wandb() -> bool:
+    return importlib.util.find_spec('wandb') is not None
+
+
+def start_wandb(args, exp_name: str, resume_path: str) -> None:
+    """As timm's train.py: a wandb run of the experiment, or a warning when wandb is not installed."""
+    if not has_wandb():
+        _logger.warning(
+            "You've requested to log metrics to wandb but package not found. "
+            'Metrics not being logged to wandb, try `pip install wandb`'
+        )
+        return
+    import wandb
+
+    if args.wandb_resume_id and not resume_path:
+        raise ValueError('--wandb-resume-id: continues a wandb run, so it needs --resume')
+    wandb.init(
+        project=args.wandb_project,
+        name=exp_name,
+        config=plain_args(args),
+        tags=args.wandb_tags,
+        resume='must' if args.wandb_resume_id else None,
+        id=args.wandb_resume_id or None,
+    )
+
+
+def resolve_resume(args) -> str:
+    """The checkpoint ``--resume`` names: a path, nothing, or for ``auto`` (timm 1.0.31) the
+    ``last.pth.tar`` of the ``--experiment`` folder when there is one (else a fresh run there)."""
+    if args.resume != 'auto':
+        return args.resume
+    if not args.experiment:
+        raise SystemExit('tokenaug-train: error: --resume auto needs --experiment (the folder it continues in)')
+    last = os.path.join(args.output or './output/train', args.experiment, 'last.pth.tar')
+    return last if os.path.exists(last) else ''
+
+
 def build_task(args, model: nn.Module, criterion: nn.Module, token_labeling: bool, dense: bool, device):
     """The ``timm.task`` training task of the method the arguments name (``ClassificationTask`` without one)."""
     method, _ = method_and_mix_kind(args)
@@ -510,46 +286,44 @@ def run(argv=None) -> dict:
     utils.setup_default_logging()
     fix_posterize()  # before any transform is built (timm_plugin.timm_fixes)
     args = parse_args(argv)
+    check_supported(args)
+    for module in args.device_modules or ():
+        importlib.import_module(module)
     if args.data and not args.data_dir:
         args.data_dir = args.data
     if not args.data_dir:
         raise SystemExit('tokenaug-train: --data-dir is required')
     if not args.dataset and not os.path.isdir(args.data_dir):  # before the model is built
         raise FileNotFoundError(f'--data-dir: {args.data_dir} is not a directory')
+    resume_path = resolve_resume(args)
     args.prefetcher = not args.no_prefetcher
+    args.grad_accum_steps = max(1, args.grad_accum_steps)
     device = utils.init_distributed_device(args)
     if args.distributed:
         _logger.info(f'Distributed training: process {args.rank}, total {args.world_size}, device {args.device}.')
     else:
         _logger.info(f'Training with a single process on device {args.device}.')
 
+    model_dtype = None
+    if args.model_dtype:
+        if args.model_dtype not in ('float32', 'float16', 'bfloat16'):
+            raise ValueError(f'--model-dtype: expected float32, float16 or bfloat16, got {args.model_dtype!r}')
+        model_dtype = getattr(torch, args.model_dtype)
+        if args.amp and model_dtype != torch.float32:
+            raise ValueError('--model-dtype: float32 model dtype must be used with AMP (--amp)')
+    if args.amp_dtype not in ('float16', 'bfloat16'):
+        raise ValueError(f'--amp-dtype: expected float16 or bfloat16, got {args.amp_dtype!r}')
     amp_dtype = torch.bfloat16 if args.amp_dtype == 'bfloat16' else torch.float16
     use_amp = 'native' if args.amp else None
     utils.random_seed(args.seed, args.rank)
+    if args.fuser:
+        utils.set_jit_fuser(args.fuser)
+    if args.fast_norm:
+        set_fast_norm()
 
-    factory_kwargs = {}
-    if args.pretrained_path:
-        factory_kwargs['pretrained_cfg_overlay'] = dict(file=args.pretrained_path)
-    in_chans = args.in_chans or (args.input_size[0] if args.input_size else 3)
-    # as timm's train.py: --img-size/--input-size set the data size only; a model built for another size
-    # gets it through --model-kwargs (e.g. img_size=112 for a ViT)
-    model_kwargs = dict(args.model_kwargs)
-    if not is_model(args.model) and not args.model.startswith('hf-hub:'):
-        raise ValueError(f'--model: {args.model!r} is not a timm model name')
-    if args.resume:  # a missing, truncated or foreign file named before anything is built
-        load_checkpoint_file(args.resume, '--resume', mmap=True)
-    model = create_model(
-        args.model,
-        pretrained=args.pretrained or bool(args.pretrained_path),
-        in_chans=in_chans,
-        num_classes=args.num_classes,
-        drop_rate=args.drop,
-        drop_path_rate=args.drop_path,
-        global_pool=args.gp,
-        checkpoint_path=args.initial_checkpoint or None,
-        **factory_kwargs,
-        **model_kwargs,
-    )
+    if resume_path:  # a missing, truncated or foreign file named before anything is built
+        load_checkpoint_file(resume_path, '--resume', mmap=True)
+    model = build_model(args)
     if args.num_classes is None:
         args.num_classes = model.num_classes
     if args.mixup_type == 'tokenmix':  # the paper's TokenMix: block (or random) masks, λ fixed at 0.5
@@ -607,8 +381,24 @@ def run(argv=None) -> dict:
         _logger.info(
             f'Model {safe_model_name(args.model)} created, param count: {sum(m.numel() for m in model.parameters())}'
         )
+    in_model = in_model_method(args, token_labeling)
+    if in_model:  # their hooks and label paths are written for an eager fp32 (or autocast) model
+        for flag, value in (
+            ('--grad-checkpointing', args.grad_checkpointing),
+            ('--torchcompile', args.torchcompile),
+            ('--model-dtype', model_dtype not in (None, torch.float32)),
+        ):
+            if value:
+                raise ValueError(f'{flag}: not provided with {in_model} yet (it runs inside the model); drop it')
+    if args.grad_checkpointing:
+        model.set_grad_checkpointing(enable=True)
     data_config = resolve_data_config(vars(args), model=model, verbose=utils.is_primary(args))
-    model.to(device=device)
+    model.to(device=device, dtype=model_dtype)
+    if args.channels_last:
+        model.to(memory_format=torch.channels_last)
+    if args.distributed and args.sync_bn:
+        args.dist_bn = ''  # as timm: no BN statistics to distribute with synchronised BN
+        model = convert_sync_batchnorm(model)
 
     if not args.lr:
         global_batch = args.batch_size * args.world_size * args.grad_accum_steps
@@ -626,17 +416,17 @@ def run(argv=None) -> dict:
             loss_scaler = NativeScaler(device=device.type)
 
     resume_epoch = None
-    if args.resume:
+    if resume_path:
         try:
             resume_epoch = resume_checkpoint(
                 model,
-                args.resume,
+                resume_path,
                 optimizer=None if args.no_resume_opt else optimizer,
                 loss_scaler=None if args.no_resume_opt else loss_scaler,
                 log_info=utils.is_primary(args),
             )
         except RuntimeError as e:  # load_state_dict: another architecture or size
-            raise ValueError(f'--resume: {args.resume} does not fit --model {args.model}: {e}') from None
+            raise ValueError(f'--resume: {resume_path} does not fit --model {args.model}: {e}') from None
     # as timm's train.py: images converted to the model's channels (grayscale and CMYK JPEGs occur in ImageNet)
     input_img_mode = args.input_img_mode or ('RGB' if data_config['input_size'][0] == 3 else 'L')
     dataset_train = create_dataset(
@@ -647,8 +437,13 @@ def run(argv=None) -> dict:
         class_map=args.class_map,
         batch_size=args.batch_size,
         seed=args.seed,
+        repeats=args.epoch_repeats,
         input_img_mode=input_img_mode,
         download=args.dataset_download,
+        num_samples=args.train_num_samples,
+        trust_remote_code=args.dataset_trust_remote_code,
+        input_key=args.input_key,
+        target_key=args.target_key,
     )
     dataset_eval = create_dataset(
         args.dataset,
@@ -659,6 +454,10 @@ def run(argv=None) -> dict:
         batch_size=args.batch_size,
         input_img_mode=input_img_mode,
         download=args.dataset_download,
+        num_samples=args.val_num_samples,
+        trust_remote_code=args.dataset_trust_remote_code,
+        input_key=args.input_key,
+        target_key=args.target_key,
     )
     check_class_lists(dataset_train, dataset_eval, args.num_classes)
     # unreadable (and truncated) images are skipped with the file named, not fatal mid-epoch
@@ -739,6 +538,9 @@ def run(argv=None) -> dict:
         hflip=args.hflip,
         vflip=args.vflip,
         color_jitter=args.color_jitter,
+        color_jitter_prob=args.color_jitter_prob,
+        grayscale_prob=args.grayscale_prob,
+        gaussian_blur_prob=args.gaussian_blur_prob,
         auto_augment=args.aa,
         num_aug_repeats=args.aug_repeats,
         interpolation=train_interpolation,
@@ -748,8 +550,10 @@ def run(argv=None) -> dict:
         distributed=args.distributed,
         collate_fn=collate_fn,
         pin_memory=args.pin_mem,
+        img_dtype=model_dtype or torch.float32,
         device=device,
         use_prefetcher=args.prefetcher,
+        use_multi_epochs_loader=args.use_multi_epochs_loader,
         worker_seeding=args.worker_seeding,  # timm drops the last (possibly odd) training batch
         # workers start afresh each epoch from that epoch's seed (see epoch_seed): a resumed run repeats an
         # uninterrupted one exactly (and --mixup-off-epoch reaches the collate function they copy)
@@ -767,6 +571,7 @@ def run(argv=None) -> dict:
         distributed=args.distributed,
         crop_pct=data_config['crop_pct'],
         pin_memory=args.pin_mem,
+        img_dtype=model_dtype or torch.float32,
         device=device,
         use_prefetcher=args.prefetcher,
     )
@@ -812,13 +617,23 @@ def run(argv=None) -> dict:
     # the method is the training task; EMA, optimizer, resume and checkpoints hold the bare model
     task = build_task(args, model, train_loss_fn, token_labeling, dense, device)
     if args.model_ema:
-        task.setup_ema(decay=args.model_ema_decay, use_warmup=args.model_ema_warmup)
-        if args.resume:
+        task.setup_ema(
+            decay=args.model_ema_decay,
+            use_warmup=args.model_ema_warmup,
+            device='cpu' if args.model_ema_force_cpu else None,
+        )
+        if resume_path:
             from timm.models import load_checkpoint
 
-            load_checkpoint(task.get_trainable_module(ema=True).module, args.resume, use_ema=True)
+            load_checkpoint(task.get_trainable_module(ema=True).module, resume_path, use_ema=True)
+    if args.torchcompile:  # as timm: the task's parts compiled before DDP wraps them
+        task.compile(backend=args.torchcompile, mode=args.torchcompile_mode)
+        if task.has_ema():
+            task.compile_ema(backend=args.torchcompile, mode=args.torchcompile_mode)
     if args.distributed:
-        task.prepare_distributed(device_ids=[device] if device.type == 'cuda' else None)
+        task.prepare_distributed(
+            device_ids=[device] if device.type == 'cuda' else None, broadcast_buffers=not args.no_ddp_bb
+        )
     # what --mixup-off-epoch switches off: the collate mixer, the loop's mixer, or MixToken in the task
     mixing = (collate_fn if hasattr(collate_fn, 'mixup_enabled') else None) or mixer or getattr(task, 'sampler', None)
 
@@ -843,8 +658,10 @@ def run(argv=None) -> dict:
         )
         with open(os.path.join(output_dir, 'args.yaml'), 'w') as f:
             yaml.safe_dump(plain_args(args), f, sort_keys=False)
-        if args.resume:  # the best / history bookkeeping of the run being continued (timm's saver wrote it)
-            saver.load_state_dict_from_checkpoint(args.resume)
+        if resume_path:  # the best / history bookkeeping of the run being continued (timm's saver wrote it)
+            saver.load_state_dict_from_checkpoint(resume_path)
+        if args.log_wandb:
+            start_wandb(args, exp_name, resume_path)
 
     updates_per_epoch = (len(loader_train) + args.grad_accum_steps - 1) // args.grad_accum_steps
     lr_scheduler, num_epochs = create_scheduler_v2(
@@ -863,9 +680,16 @@ def run(argv=None) -> dict:
 
     best_metric = best_epoch = None
     summary = os.path.join(output_dir, 'summary.csv') if output_dir is not None else None
-    write_header = summary is not None and not (args.resume and os.path.exists(summary))
+    write_header = summary is not None and not (resume_path and os.path.exists(summary))
+    if write_header and os.path.exists(summary):  # a fresh run in an existing folder starts a fresh summary
+        os.remove(summary)
     eval_metrics = {}
-    stop_epoch = num_epochs if args.stop_epoch is None else min(num_epochs, args.stop_epoch)
+    if args.stop_epoch is not None and not 0 < args.stop_epoch <= num_epochs:
+        raise ValueError(f'--stop-epoch: expected 1..{num_epochs} (the scheduled epochs), got {args.stop_epoch}')
+    if args.val_interval < 1:
+        raise ValueError(f'--val-interval: expected an integer >= 1, got {args.val_interval}')
+    stop_epoch = num_epochs if args.stop_epoch is None else args.stop_epoch
+    milestones = set(args.save_epochs or ())
     for epoch in range(start_epoch, stop_epoch):
         # every random stream of the epoch (augmentation, mixing, dropout, sampler, workers) from (seed, epoch):
         # a run resumed at this epoch draws exactly what an uninterrupted one does
@@ -887,14 +711,33 @@ def run(argv=None) -> dict:
             amp_autocast=amp_autocast,
             loss_scaler=loss_scaler,
             mixer=mixer,
+            model_dtype=model_dtype,
+            saver=saver,
+            output_dir=output_dir,
         )
-        if args.distributed:
-            utils.distribute_bn(model, args.world_size, True)
+        if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
+            utils.distribute_bn(model, args.world_size, args.dist_bn == 'reduce')
+        done = epoch + 1
+        # as timm: evaluate and checkpoint every --val-interval epochs, at a milestone and at the end (of the
+        # schedule or of the --stop-epoch part)
+        if done % args.val_interval and done not in milestones and done not in (num_epochs, stop_epoch):
+            _logger.info('Skipping eval and checkpointing')
+            if lr_scheduler is not None:
+                lr_scheduler.step(done, metric=None)
+            continue
         eval_metrics = validate(
-            task.get_eval_model(), loader_eval, validate_loss_fn, args, device=device, amp_autocast=amp_autocast
+            task.get_eval_model(),
+            loader_eval,
+            validate_loss_fn,
+            args,
+            device=device,
+            amp_autocast=amp_autocast,
+            model_dtype=model_dtype,
         )
-        if task.has_ema():
-            ema_eval = validate(
+        if task.has_ema() and not args.model_ema_force_cpu:  # as timm: a CPU EMA is kept, not evaluated
+            if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
+                utils.distribute_bn(task.get_trainable_module(ema=True), args.world_size, args.dist_bn == 'reduce')
+            eval_metrics = validate(
                 task.get_eval_model(ema=True),
                 loader_eval,
                 validate_loss_fn,
@@ -903,17 +746,24 @@ def run(argv=None) -> dict:
                 amp_autocast=amp_autocast,
                 log_suffix=' (EMA)',
             )
-            eval_metrics = ema_eval
         if output_dir is not None:
             lrs = [pg['lr'] for pg in optimizer.param_groups]
             utils.update_summary(
-                epoch, train_metrics, eval_metrics, filename=summary, lr=sum(lrs) / len(lrs), write_header=write_header
+                epoch,
+                train_metrics,
+                eval_metrics,
+                filename=summary,
+                lr=sum(lrs) / len(lrs),
+                write_header=write_header,
+                log_wandb=args.log_wandb and has_wandb(),
             )
             write_header = False
         if saver is not None:
             best_metric, best_epoch = saver.save_checkpoint(epoch, metric=eval_metrics[eval_metric])
+            if done in milestones:  # milestone-N.pth.tar: never removed by the history
+                saver.save_milestone(done)
         if lr_scheduler is not None:
-            lr_scheduler.step(epoch + 1, eval_metrics[eval_metric])
+            lr_scheduler.step(done, eval_metrics[eval_metric])
     if best_metric is not None:
         _logger.info(f'*** Best metric: {best_metric} (epoch {best_epoch})')
     if args.distributed:
@@ -937,7 +787,19 @@ def run(argv=None) -> dict:
 
 
 def train_one_epoch(
-    epoch, task, loader, optimizer, args, device, lr_scheduler=None, amp_autocast=suppress, loss_scaler=None, mixer=None
+    epoch,
+    task,
+    loader,
+    optimizer,
+    args,
+    device,
+    lr_scheduler=None,
+    amp_autocast=suppress,
+    loss_scaler=None,
+    mixer=None,
+    model_dtype=None,
+    saver=None,
+    output_dir=None,
 ):
     """One epoch of timm's loop over a training task: ``loss = task(x, target)['loss']``."""
     accum = args.grad_accum_steps
@@ -955,9 +817,11 @@ def train_one_epoch(
         if not args.prefetcher:
             if mixer is not None:  # label range checked here, on the CPU (the device would sync)
                 check_labels(target, args.num_classes)
-            x, target = x.to(device), target.to(device)
+            x, target = x.to(device=device, dtype=model_dtype), target.to(device)
         if mixer is not None:  # in the loop: without the prefetcher, or with teacher maps (on the device)
             x, target = mixer(x, target)
+        if args.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         data_time_m.update(time.time() - data_start)
         # with gradient accumulation under DDP, all-reduce only on the update step
         sync = task.no_sync if (args.distributed and not need_update) else suppress
@@ -991,6 +855,8 @@ def train_one_epoch(
         num_updates += 1
         optimizer.zero_grad()
         task.update_ema(step=num_updates)
+        if args.synchronize_step and device.type != 'cpu':
+            torch.accelerator.synchronize(device)
         update_time_m.update(time.time() - update_start)
         update_start = time.time()
         if (last_batch or batch_idx % args.log_interval == 0) and utils.is_primary(args):
@@ -1001,6 +867,12 @@ def train_one_epoch(
                 f'Time: {update_time_m.val:.3f}s, {x.size(0) * accum / update_time_m.val:>7.2f}/s  '
                 f'LR: {sum(lrs) / len(lrs):.3e}  Data: {data_time_m.val:.3f} ({data_time_m.avg:.3f})'
             )
+            if args.save_images and output_dir:
+                torchvision.utils.save_image(
+                    x, os.path.join(output_dir, f'train-batch-{batch_idx}.jpg'), padding=0, normalize=True
+                )
+        if saver is not None and args.recovery_interval and (batch_idx // accum + 1) % args.recovery_interval == 0:
+            saver.save_recovery(epoch, batch_idx=batch_idx)
         if lr_scheduler is not None:
             lr_scheduler.step_update(num_updates=num_updates, metric=losses_m.avg)
         data_start = time.time()
@@ -1012,18 +884,24 @@ def train_one_epoch(
     return OrderedDict([('loss', loss)])
 
 
-def validate(model, loader, loss_fn, args, device, amp_autocast=suppress, log_suffix=''):
+def validate(model, loader, loss_fn, args, device, amp_autocast=suppress, log_suffix='', model_dtype=None):
+    """timm's evaluation (``--tta N``: the outputs of each N consecutive samples averaged, as timm)."""
     losses_m, top1_m, top5_m = utils.AverageMeter(), utils.AverageMeter(), utils.AverageMeter()
     model.eval()
     topk = (1, min(5, args.num_classes))
     with torch.inference_mode():
         for batch_idx, (x, target) in enumerate(loader):
             if not args.prefetcher:
-                x, target = x.to(device), target.to(device)
+                x, target = x.to(device=device, dtype=model_dtype), target.to(device)
+            if args.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
             with amp_autocast():
                 output = model(x)
                 if isinstance(output, (tuple, list)):
                     output = output[0]
+                if args.tta > 1:
+                    output = output.unfold(0, args.tta, args.tta).mean(dim=2)
+                    target = target[0 : target.size(0) : args.tta]
                 loss = loss_fn(output, target)
             acc1, acc5 = utils.accuracy(output, target, topk=topk)
             if args.distributed:

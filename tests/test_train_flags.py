@@ -1,0 +1,239 @@
+"""``tokenaug-train`` is a superset of timm's ``train.py``: every flag with timm's default and help text
+(diffed against the flag table ``tests/data/timm_train_flags.json``, made by ``scripts/timm_flag_table.py``),
+YAML configs read as timm 1.0.31 reads them, a timm ``args.yaml`` runs, and timm's newer flags work."""
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from timm_plugin.train_args import REFUSED, build_parser, check_supported, parse_args
+
+TABLE = json.loads((Path(__file__).parent / 'data' / 'timm_train_flags.json').read_text())
+#: the defaults we change on purpose, and why (README, "tokenaug-train and timm's train.py")
+DEFAULT_EXCEPTIONS = {'device': "'cuda' where CUDA is available, else 'cpu' (timm's 'cuda' fails there)"}
+
+
+def _ours():
+    p = build_parser()
+    return {a.dest: a for a in p._actions if not isinstance(a, argparse._HelpAction)}
+
+
+def _config_action():
+    from timm_plugin.train_args import config_parser
+
+    return next(a for a in config_parser._actions if a.dest == 'config')
+
+
+def test_every_timm_flag_with_its_default_and_help():
+    ours = _ours()
+    ours['config'] = _config_action()
+    missing, wrong_default, wrong_help = [], [], []
+    for row in TABLE['flags']:
+        action = ours.get(row['dest'])
+        if action is None or not set(row['flags']) <= set(action.option_strings):
+            missing.append(row['flags'] or row['dest'])
+            continue
+        default = action.default
+        if isinstance(default, tuple):
+            default = list(default)
+        if row['dest'] not in DEFAULT_EXCEPTIONS and default != row['default']:
+            wrong_default.append((row['dest'], row['default'], default))
+        if row['help'] and not (action.help or '').startswith(row['help']):
+            wrong_help.append(row['dest'])
+    assert not missing, f'timm flags missing from tokenaug-train: {missing}'
+    assert not wrong_default, f'defaults that differ from timm train.py (name, timm, ours): {wrong_default}'
+    assert not wrong_help, f"help text that is not timm's: {wrong_help}"
+    assert len(TABLE['flags']) >= 179  # the 173 of the stored train.py and timm 1.0.31's six
+    assert ours['device'].default == ('cuda' if torch.cuda.is_available() else 'cpu')
+
+
+def test_every_flag_has_help_and_no_help_cites_a_file_outside_the_package():
+    for dest, action in _ours().items():
+        assert action.help, f'{dest} has no help text'
+        assert '.md' not in action.help, f'{dest} cites a file: {action.help}'
+
+
+def test_refused_flags_are_named_when_set_and_pass_at_their_defaults(tmp_path):
+    args = parse_args(['--data-dir', str(tmp_path)])
+    check_supported(args)  # every refused flag at its default: accepted
+    for argv, flag in (
+        (['--aug-splits', '2'], '--aug-splits'),
+        (['--jsd-loss'], '--jsd-loss'),
+        (['--naflex-loader'], '--naflex-loader'),
+        (['--kd-model-name', 'resnet18'], '--kd-model-name'),
+        (['--train-img-sizes', '96', '112'], '--train-img-sizes'),
+        (['--torchscript'], '--torchscript'),
+    ):
+        with pytest.raises(ValueError, match=flag):
+            check_supported(parse_args(['--data-dir', str(tmp_path), *argv]))
+    assert set(REFUSED) <= set(_ours())
+
+
+def _with_config(tmp_path, cfg, *argv):
+    path = tmp_path / 'config.yaml'
+    path.write_text(yaml.safe_dump(cfg))
+    return parse_args(['--config', str(path), '--data-dir', '/nonexistent', *argv])
+
+
+def test_config_unknown_key_warns_as_timm(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        args = _with_config(tmp_path, dict(lr=0.5, not_an_arg=1))
+    assert args.lr == 0.5 and not hasattr(args, 'not_an_arg')
+    assert 'not_an_arg' in caplog.text
+
+
+@pytest.mark.parametrize(
+    'cfg',
+    [
+        dict(train_size_schedule='nope'),  # invalid choice
+        dict(lr='fast'),  # non-numeric string where a float is expected
+        dict(input_size=224),  # scalar where a list is expected
+        dict(decay_milestones=[1, 'x']),
+        dict(input_size=[3, 32]),  # nargs=3
+        dict(amp='yes'),  # a flag takes true/false
+    ],
+)
+def test_config_rejects_invalid_values(tmp_path, cfg):
+    with pytest.raises(SystemExit):
+        _with_config(tmp_path, cfg)
+
+
+def test_config_accepts_and_converts_values_as_the_command_line(tmp_path):
+    args = _with_config(
+        tmp_path,
+        dict(
+            sched='wsd',
+            lr='3e-4',  # YAML 1.1 reads 3e-4 as a string
+            epochs='10',
+            input_size=[3, 32, 32],
+            mean=['0.5', 0.4, '0.3'],
+            amp=True,
+            model_ema=True,
+            pretrained_cfg_overlay={'num_classes': 10},
+            save_epochs=[4, 8],
+            stop_epoch=None,
+        ),
+    )
+    assert args.sched == 'wsd' and args.lr == 3e-4 and args.epochs == 10 and args.input_size == [3, 32, 32]
+    assert args.mean == [0.5, 0.4, 0.3] and args.amp and args.save_epochs == [4, 8]
+    assert args.pretrained_cfg_overlay == {'num_classes': 10}
+    # the command line still wins
+    assert _with_config(tmp_path, dict(lr=0.5), '--lr', '0.1').lr == 0.1
+
+
+def test_pretrained_path_reinitialises_the_head_as_timm(tmp_path):
+    """timm's train.py loads --pretrained-path with num_classes=-1: the body comes from the file, the
+    classifier is always new (also when the class count matches)."""
+    import timm
+
+    from timm_plugin.train import build_model
+
+    src = timm.create_model('vit_tiny_patch16_224', num_classes=10, img_size=32, patch_size=8, depth=1)
+    torch.nn.init.constant_(src.head.weight, 0.25)
+    path = tmp_path / 'src.pth'
+    torch.save(src.state_dict(), path)
+    args = parse_args(
+        ['--data-dir', str(tmp_path), '--model', 'vit_tiny_patch16_224', '--pretrained-path', str(path)]
+        + ['--num-classes', '10', '--model-kwargs', 'img_size=32', 'patch_size=8', 'depth=1']
+    )
+    model = build_model(args)
+    assert torch.equal(model.patch_embed.proj.weight, src.patch_embed.proj.weight)
+    assert torch.equal(model.blocks[0].attn.qkv.weight, src.blocks[0].attn.qkv.weight)
+    assert not torch.equal(model.head.weight, src.head.weight)
+    args.head_init_scale, args.head_init_bias = 0.0, 0.5  # --head-init-scale / --head-init-bias, as timm
+    model = build_model(args)
+    assert torch.all(model.head.weight == 0) and torch.all(model.head.bias == 0.5)
+
+
+# real runs on the tiny world --------------------------------------------------------------------------------
+CONFIG = str(Path(__file__).resolve().parents[1] / 'configs' / 'timm' / 'world_vit-tiny.yaml')
+FAST = ['--model-kwargs', 'img_size=112', 'depth=1', '-b', '8', '--workers', '0', '--device', 'cpu']
+
+
+def _summary_epochs(exp_dir):
+    import csv
+
+    with (exp_dir / 'summary.csv').open() as f:
+        lines = [line for line in f.read().splitlines() if line]
+    assert sum(line.startswith('epoch') for line in lines) == 1, 'one header'
+    return [int(r['epoch']) for r in csv.DictReader(lines)]
+
+
+def _epoch(path):
+    return torch.load(path, map_location='cpu', weights_only=True)['epoch']
+
+
+@pytest.mark.slow
+def test_timm_1031_stop_save_epochs_val_interval_and_resume_auto(tiny_world, tmp_path):
+    """timm 1.0.31's tests/test_train_resume.py scenarios, through tokenaug-train with a method."""
+    from timm_plugin.train import run
+
+    base = ['-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--output', str(tmp_path), *FAST]
+    base += ['--mixup-type', 'tl_align', '--epochs', '4', '--warmup-epochs', '0']
+    stop = tmp_path / 'stop'
+    run([*base, '--experiment', 'stop', '--stop-epoch', '2', '--save-epochs', '1', '2', '--val-interval', '2'])
+    # the milestone after 1 epoch forces an evaluation that the interval would skip; the stop is evaluated
+    assert _summary_epochs(stop) == [0, 1]
+    assert _epoch(stop / 'milestone-1.pth.tar') == 0 and _epoch(stop / 'milestone-2.pth.tar') == 1
+    assert yaml.safe_load((stop / 'args.yaml').read_text())['stop_epoch'] == 2
+    with pytest.raises(ValueError, match='stop-epoch'):
+        run([*base, '--experiment', 'bad', '--stop-epoch', '5'])
+
+    auto = [*base, '--experiment', 'auto', '--resume', 'auto', '--checkpoint-hist', '2']
+    run([*auto, '--stop-epoch', '2'])  # nothing to resume: a fresh run in the experiment folder
+    exp = tmp_path / 'auto'
+    assert _summary_epochs(exp) == [0, 1] and _epoch(exp / 'last.pth.tar') == 1
+    run(auto)  # the same command without the stop continues from last.pth.tar
+    assert _summary_epochs(exp) == [0, 1, 2, 3] and _epoch(exp / 'last.pth.tar') == 3
+    assert len(list(exp.glob('checkpoint-*.pth.tar'))) == 2
+    assert yaml.safe_load((exp / 'args.yaml').read_text())['resume'] == 'auto'
+    run(auto)  # complete: a no-op that leaves the summary as it is
+    assert _summary_epochs(exp) == [0, 1, 2, 3]
+    with pytest.raises(SystemExit):
+        run([*base, '--resume', 'auto'])  # auto needs --experiment
+
+
+@pytest.mark.slow
+def test_a_timm_args_yaml_runs(tiny_world, tmp_path):
+    """An ``args.yaml`` as timm's train.py writes it (every one of its arguments, ``yaml.safe_dump``),
+    read with ``-c``; the command line sets the machine's device."""
+    from timm_plugin.train import run
+
+    timm_args = {row['dest']: row['default'] for row in TABLE['flags'] if row['dest'] != 'config'}
+    world = yaml.safe_load(open(CONFIG))
+    timm_args.update({k: v for k, v in world.items() if k in timm_args})
+    timm_args.update(
+        data_dir=str(tiny_world / 'imagenet'),
+        model_kwargs={'img_size': 112, 'depth': 1},
+        batch_size=8,
+        workers=0,
+        epochs=1,
+        output=str(tmp_path),
+        experiment='timm',
+        channels_last=True,
+        recovery_interval=1,
+        val_interval=1,
+        log_wandb=True,  # wandb is not installed: timm's warning, no failure
+    )
+    path = tmp_path / 'args.yaml'
+    path.write_text(yaml.safe_dump(timm_args))
+    metrics = run(['-c', str(path), '--device', 'cpu'])
+    assert 0 <= metrics['top1'] <= 100
+    assert list((tmp_path / 'timm').glob('recovery-*.pth.tar'))
+
+
+@pytest.mark.slow
+def test_torchcompile_trains_a_plain_run_and_is_refused_with_an_in_model_method(tiny_world, tmp_path):
+    from timm_plugin.train import run
+
+    base = ['-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--output', str(tmp_path), *FAST]
+    base += ['--epochs', '1', '--torchcompile', 'eager', '--cutmix', '1.0']
+    metrics = run([*base, '--experiment', 'compiled'])
+    assert 0 <= metrics['top1'] <= 100
+    with pytest.raises(ValueError, match='--torchcompile: not provided with tl_align'):
+        run([*base, '--experiment', 'refused', '--mixup-type', 'tl_align'])
