@@ -157,8 +157,8 @@ def test_mm_extra_and_an_mmpretrain_config(user):
         from mmpretrain.utils import register_all_modules
         register_all_modules()
         cfg = Config.fromfile('my_cls.py')
-        model = MODELS.build(cfg.model)
-        print(type(model).__name__, type(model.data_preprocessor).__name__, cfg.train_cfg.max_epochs)
+        model, pre = MODELS.build(cfg.model), MODELS.build(cfg.data_preprocessor)  # the Runner joins them
+        print(type(model).__name__, type(pre).__name__, cfg.train_cfg.max_epochs)
         """,
     )
     assert 'TLAlignClassifier TokenAugDataPreprocessor 1' in out, out
