@@ -23,6 +23,7 @@ demo: install
 
 bench: install
 	$(PYTHON) bench/bench_mixers.py
+	$(PYTHON) bench/bench_ops.py
 	$(PYTHON) bench/bench_tokenmix_sampler.py
 	$(PYTHON) bench/bench_tl_align.py --repeats 15
 	$(PYTHON) bench/bench_tokenmixup.py --repeats 5

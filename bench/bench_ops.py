@@ -1,0 +1,115 @@
+"""A device-independent proxy for the launch-bound cost of each method: the number of aten ops dispatched by
+one training step (forward, loss, backward; the optimizer is the same for all and left out), counted with a
+``TorchDispatchMode``, for the plain step and each method on the same model and batch.
+
+On a GPU the eager step of a small ViT is bound by kernel launches, so extra ops are extra wall time whatever
+their size; on this CPU-only machine the counts show progress that step timings (which swing by ±20 % from
+pair to pair here) cannot. Counts are exact and do not depend on the device's speed.
+
+    .venv/bin/python bench/bench_ops.py [--model deit_tiny_patch16_224] [--batch 8] [--top 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+import timm
+import torch
+import torch.nn.functional as F
+from timm.loss import SoftTargetCrossEntropy
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from timm_plugin import create_mixer
+from timm_plugin.tl_align import TLAlign, TransMix
+from timm_plugin.token_label_data import TokenLabelTarget
+from timm_plugin.token_labeling import TokenLabeling, TokenLabelingLoss, attach_aux_head
+from timm_plugin.tokenmixup import TokenMixup
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op dispatched while active (by overload packet: ``aten.mm``, ``aten.add_``, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_step(loss_fn, *models) -> Counter:
+    """The aten ops of ``loss_fn().backward()``, from gradients set to None (as a step after
+    ``zero_grad(set_to_none=True)``: the backward stores each gradient instead of accumulating it)."""
+    for m in models:
+        m.zero_grad(set_to_none=True)
+    with OpCounter() as counter:
+        loss_fn().backward()
+    return counter.counts
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--model', default='deit_tiny_patch16_224')
+    p.add_argument('--batch', type=int, default=8)
+    p.add_argument('--top', type=int, default=12, help='list the ops TL-Align adds most of (by name)')
+    args = p.parse_args()
+    torch.manual_seed(0)
+    C = 1000
+    model = timm.create_model(args.model, num_classes=C).train()
+    depth = len(model.blocks)
+    x = torch.randn(args.batch, 3, 224, 224)
+    y = torch.randint(0, C, (args.batch,))
+    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=16, carry_mix=True)
+    xm, target = mixer(x, y)
+    soft_ce = SoftTargetCrossEntropy()
+
+    # token labeling: an aux head on a copy of the model, sparse map rows (k = 5 of 14x14) as the store gives
+    tl_model = attach_aux_head(timm.create_model(args.model, num_classes=C)).train()
+    tl_model.load_state_dict(model.state_dict(), strict=False)
+    k = 5
+    tl_target = TokenLabelTarget.wrap(
+        y,
+        torch.rand(args.batch, k, 14, 14).softmax(1).half(),
+        torch.randint(0, C, (args.batch, k, 14, 14)),
+        torch.tensor([[0.1, 0.1, 0.9, 0.9]]).repeat(args.batch, 1),
+        torch.zeros(args.batch, dtype=torch.bool),
+        C,
+    )
+    tl_loss = TokenLabelingLoss(C)
+    steps = {
+        'plain (CutMix batch, area target)': lambda: soft_ce(model(xm), target),
+        'TL-Align (CutMix)': lambda w=TLAlign(model): soft_ce(*w(xm, target)),
+        'TransMix (CutMix)': lambda w=TransMix(model): soft_ce(*w(xm, target)),
+        'plain CE, aux-head model (token labeling baseline)': lambda: F.cross_entropy(
+            tl_model(x), y, label_smoothing=0.1
+        ),
+        'token labeling + MixToken': lambda w=TokenLabeling(tl_model): tl_loss(w(x), tl_target),
+        'TokenMixup HTM (block 3)': lambda w=TokenMixup(model, htm_layers=(3,), tau=100.0): (
+            lambda out: soft_ce(out[0], out[1]) + out[1].aux_loss
+        )(w(xm, target)),
+    }
+    counts = {name: count_step(fn, model, tl_model) for name, fn in steps.items()}
+    plain, aux = 'plain (CutMix batch, area target)', 'plain CE, aux-head model (token labeling baseline)'
+    base = {name: counts[aux if name == 'token labeling + MixToken' else plain] for name in counts}
+    base[aux] = counts[aux]
+    print(
+        f'# aten ops per training step (forward + loss + backward), {args.model} ({depth} blocks), '
+        f'batch {args.batch}, torch {torch.__version__}'
+    )
+    print('| step | aten ops | extra vs its baseline | extra per block |')
+    print('|---|---|---|---|')
+    for name, c in counts.items():
+        total, ref = sum(c.values()), sum(base[name].values())
+        extra = total - ref if base[name] is not c else 0
+        print(f'| {name} | {total} | {extra:+d} | {extra / depth:+.1f} |')
+    a, b = counts['TL-Align (CutMix)'], counts[plain]
+    net = sorted(((a[n] - b[n], n) for n in set(a) | set(b) if a[n] != b[n]), key=lambda t: (-abs(t[0]), t[1]))
+    print(f'\nTL-Align vs plain, net change per op name over the step ({depth} blocks)')
+    for n, name in net[: args.top]:
+        print(f'- {name}: {n:+d}')
+
+
+if __name__ == '__main__':
+    main()
