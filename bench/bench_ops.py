@@ -80,7 +80,13 @@ def main():
     tl_loss = TokenLabelingLoss(C)
     steps = {
         'plain (CutMix batch, area target)': lambda: soft_ce(model(xm), target),
-        'TL-Align (CutMix)': lambda w=TLAlign(model): soft_ce(*w(xm, target)),
+        'TL-Align (CutMix; on the CPU: shared attention materialised once)': lambda w=TLAlign(model): soft_ce(
+            *w(xm, target)
+        ),
+        'TL-Align, fused shared attention (the accelerator path)': lambda w=TLAlign(model, fused=True): soft_ce(
+            *w(xm, target)
+        ),
+        'TL-Align, attention recomputed (shared=False)': lambda w=TLAlign(model, shared=False): soft_ce(*w(xm, target)),
         'TransMix (CutMix)': lambda w=TransMix(model): soft_ce(*w(xm, target)),
         'plain CE, aux-head model (token labeling baseline)': lambda: F.cross_entropy(
             tl_model(x), y, label_smoothing=0.1
@@ -104,9 +110,10 @@ def main():
         total, ref = sum(c.values()), sum(base[name].values())
         extra = total - ref if base[name] is not c else 0
         print(f'| {name} | {total} | {extra:+d} | {extra / depth:+.1f} |')
-    a, b = counts['TL-Align (CutMix)'], counts[plain]
+    fused = 'TL-Align, fused shared attention (the accelerator path)'
+    a, b = counts[fused], counts[plain]
     net = sorted(((a[n] - b[n], n) for n in set(a) | set(b) if a[n] != b[n]), key=lambda t: (-abs(t[0]), t[1]))
-    print(f'\nTL-Align vs plain, net change per op name over the step ({depth} blocks)')
+    print(f'\n{fused} vs plain, net change per op name over the step ({depth} blocks)')
     for n, name in net[: args.top]:
         print(f'- {name}: {n:+d}')
 

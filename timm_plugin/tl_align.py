@@ -14,6 +14,10 @@ depth dropped. After the forward, the label state (compact ``(B, T, 1)`` partner
 ``scaled_dot_product_attention`` call with the labels as values (on accelerators; on the CPU a
 transient softmax is faster), and the token path is untouched: still the model's fused attention.
 
+On timm ``VisionTransformer`` / DeiT the default is :class:`SharedAttentionViT`: the labels travel through
+the token path's own attention call (one attention per block for both; ``TLAlign(model, shared=False)`` keeps
+the recomputing path described above).
+
 Supported: timm ``VisionTransformer`` (ViT / DeiT, class token or ``global_pool='avg'``, register
 tokens), ``VisionTransformerDistilled`` (DeiT distilled), ``SwinTransformer`` (shifted windows,
 patch merging, average pooling), ``Cait`` (talking-heads self-attention over the patches, then class
@@ -65,8 +69,10 @@ from shared_core.tl_align import (
     dense_labels,
     fused_label_attn,
     kept_samples,
+    padded_labels,
     residual_labels,
     self_attention_labels,
+    shared_attention,
     swin_labels,
     talking_heads_labels,
     trace_labels,
@@ -186,6 +192,109 @@ class ViTTracer:
             return labels[:, 0]
         tokens = labels if self.model.pool_include_prefix else labels[:, self.num_prefix_tokens :]
         return tokens.mean(1)
+
+
+class _RestoreForward:
+    """A handle that removes an instance-level ``forward`` override (and puts back one that was there)."""
+
+    def __init__(self, module: nn.Module):
+        self.module, self.prior = module, module.__dict__.get('forward')
+
+    def remove(self) -> None:
+        if self.prior is None:
+            self.module.__dict__.pop('forward', None)
+        else:
+            self.module.forward = self.prior
+
+
+#: the widest label state the shared attention carries as extra value columns (compact states are 1 wide;
+#: dense ones, ``TLAlign.trace``, take the recomputing path)
+SHARED_MAX_WIDTH = 8
+
+
+class SharedAttentionViT:
+    """:class:`ViTTracer`'s rules with the label path run inside the token path's attention (issue 12): each
+    aligned block's ``Attention.forward`` is, for this forward only, timm's own forward with its attention call
+    replaced by :func:`shared_core.tl_align.shared_attention` (one attention for tokens and labels: ``V' =
+    [V | labels]`` fused, or the attention materialised once), and a hook after the block applies Eq. 11 to the
+    state. The token path computes what timm's does, up to the float rounding of another kernel."""
+
+    def __init__(self, base: ViTTracer, labels: torch.Tensor, layers, residual: bool, drop_path: str):
+        self.base, self.layers, self.residual, self.drop_path = base, layers, residual, drop_path
+        self.num_prefix_tokens = base.num_prefix_tokens
+        self.width = labels.shape[-1]
+        self.labels = padded_labels(labels)  # the value columns of the shared attention
+
+    @staticmethod
+    def applies(base, labels: torch.Tensor, layers) -> bool:
+        """Whether the shared path covers this model and state: a plain timm ViT (not the CCT adapter), a compact
+        state, and no attention dropout active in the blocks it aligns (it would drop label columns too)."""
+        if type(base) not in (ViTTracer, DistilledViTTracer) or labels.shape[-1] > SHARED_MAX_WIDTH:
+            return False
+        blocks = [b for i, b in enumerate(base.model.blocks) if layers is None or i in layers]
+        return not any(b.attn.attn_drop.p > 0 and b.attn.training for b in blocks)
+
+    @property
+    def depth(self) -> int:
+        return self.base.depth
+
+    def register(self, captures: List[LabelCapture]) -> list:
+        handles = []
+        for idx, blk in enumerate(self.base.model.blocks):
+            cap = LabelCapture()
+            captures.append(cap)
+            if self.layers is not None and idx not in self.layers:
+                continue
+            handles.append(_RestoreForward(blk.attn))
+            blk.attn.forward = self._attention(blk.attn, cap)
+            if self.drop_path == 'kept':
+                _hook_drop_path(blk, cap, handles)
+            handles.append(blk.register_forward_hook(lambda m, i, o, c=cap: self._update(c)))
+        return handles
+
+    def _attention(self, attn: Attention, cap: LabelCapture):
+        """timm 1.0.31's ``Attention.forward`` with the shared attention call."""
+
+        def forward(x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False):
+            if is_causal:
+                raise ValueError('model: causal attention has no TL-Align rule')
+            B, N, C = x.shape
+            if N != self.labels.shape[1]:  # as trace_labels says it after the recomputing path's forward
+                raise ValueError(
+                    f'labels: {self.labels.shape[1]} token labels for {N} tokens (prefix {self.num_prefix_tokens} '
+                    '+ patches): the patch grid of x does not match'
+                )
+            gate = attn.gate(x).sigmoid() if getattr(attn, 'gate', None) is not None else None
+            qkv = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unbind(0)
+            q, k = attn.q_norm(q), attn.k_norm(k)
+            out, cap.attn = shared_attention(q, k, v, self.labels, attn.scale, attn_mask)
+            x = out.transpose(1, 2).reshape(B, N, getattr(attn, 'attn_dim', C))
+            x = attn.norm(x)
+            if gate is not None:
+                x = x * gate
+            return attn.proj_drop(attn.proj(x))
+
+        return forward
+
+    def _update(self, cap: LabelCapture) -> None:
+        self.labels = residual_labels(self.labels, cap.attn, cap.keep, self.residual)  # Eq. 11
+        cap.attn, cap.tokens = None, True
+
+    def num_tokens(self, captures: List[LabelCapture]) -> int:
+        ran = [c.tokens for i, c in enumerate(captures) if self.layers is None or i in self.layers]
+        if not all(ran):
+            raise ValueError('model: a block did not run its attention for the label path (a replaced forward?)')
+        return self.labels.shape[1]
+
+    def propagate(self, captures, labels, layers, residual) -> torch.Tensor:
+        return self.labels[..., : self.width]  # already through every block, during the forward
+
+    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
+        return self.base.readout(labels, output)
+
+    def class_attention(self, captures):
+        return None
 
 
 class DistilledViTTracer(ViTTracer):
@@ -642,6 +751,8 @@ class TLAlign(nn.Module):
             else fused on accelerators). The token path is the model's either way.
         drop_path: ``'kept'`` (a sample whose attention branch stochastic depth dropped keeps its labels) or
             ``'public'`` (the public code: they update anyway).
+        shared: timm ViTs: one attention per block for tokens and labels (:class:`SharedAttentionViT`);
+            ``False`` keeps the model's own attention and recomputes it for the labels (the reference path).
     """
 
     method = 'tl_align'
@@ -653,9 +764,11 @@ class TLAlign(nn.Module):
         residual: bool = True,
         fused: Optional[bool] = None,
         drop_path: str = 'kept',
+        shared: bool = True,
     ):
         super().__init__()
         self.tracer = timm_tracer(model)
+        self.shared = shared
         self.model = model
         self.layers = check_layers(layers, self.tracer.depth)
         self.residual = residual
@@ -674,11 +787,13 @@ class TLAlign(nn.Module):
         return check_mix_target(target, self.method, type(self).__name__)
 
     def _run(self, x: torch.Tensor, labels: torch.Tensor, forward=None):
-        output, captures = capture_forward(self.tracer, forward or (lambda: self.model(x)))
+        labels = labels.to(x.device)
+        tracer = self.tracer
+        if self.shared and SharedAttentionViT.applies(tracer, labels, self.layers):
+            tracer = SharedAttentionViT(tracer, labels, self.layers, self.residual, self.drop_path)
         with fused_label_attn(self.fused):
-            return output, trace_labels(
-                self.tracer, captures, output, labels.to(x.device), self.layers, self.residual, self.drop_path
-            )
+            output, captures = capture_forward(tracer, forward or (lambda: self.model(x)))
+            return output, trace_labels(tracer, captures, output, labels, self.layers, self.residual, self.drop_path)
 
     def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None):
         """``model(x)`` without a target; with one, :meth:`align`'s ``(output, aligned target)`` in train and eval
