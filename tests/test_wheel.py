@@ -85,6 +85,7 @@ def test_installed_from_the_wheel_not_the_checkout(user):
         'tokenaug-occlusion',
         'tokenaug-config',
         'tokenaug-mmcv-wheel',
+        'tokenaug-viz',
     ],
 )
 def test_console_scripts(user, script):

@@ -123,6 +123,51 @@ def method_and_mix_kind(args):
     return None, args.mixup_type
 
 
+def resolve_tokenmix(args) -> None:
+    """``--mixup-type tokenmix``: the paper's TokenMix, ``tokenmix_{--tokenmix-mask}`` with λ fixed at 0.5
+    unless ``--tokenmix-lam``."""
+    if args.mixup_type == 'tokenmix':
+        args.mixup_type = f'tokenmix_{args.tokenmix_mask}'
+        if args.tokenmix_lam is None:
+            args.tokenmix_lam = 0.5
+
+
+def resolve_mixing(args, token_labeling: bool) -> bool:
+    """Whether a mixer runs (MixUp/CutMix/token kinds; token labeling mixes in its task), with
+    ``args.mixup_type`` resolved as timm does (``cutmix`` if ``--cutmix > 0``, else ``mixup``)."""
+    active = not token_labeling and (
+        args.mixup > 0
+        or args.cutmix > 0.0
+        or args.cutmix_minmax is not None
+        or (args.mixup_type is not None and args.tokenmix_lam is not None)
+    )
+    if args.mixup_type is not None and not active and not token_labeling:
+        raise ValueError(f'--mixup-type {args.mixup_type} needs --mixup and/or --cutmix > 0 (or --tokenmix-lam)')
+    if active:
+        args.mixup_type = args.mixup_type or ('cutmix' if (args.cutmix > 0 or args.cutmix_minmax) else 'mixup')
+    return active
+
+
+def mixer_kwargs(args, model: nn.Module) -> dict:
+    """``create_mixer``'s keyword arguments from the command line (the kind aside: :func:`method_and_mix_kind`)."""
+    method, _ = method_and_mix_kind(args)
+    return dict(
+        method=method,
+        mixup_alpha=args.mixup,
+        cutmix_alpha=args.cutmix,
+        cutmix_minmax=args.cutmix_minmax,
+        prob=args.mixup_prob,
+        switch_prob=args.mixup_switch_prob,
+        mode=args.mixup_mode,
+        label_smoothing=args.smoothing,
+        num_classes=args.num_classes,
+        patch_size=mixing_patch_size(model),
+        tokenmix_lam=args.tokenmix_lam,
+        box_rounding=args.box_rounding,
+        tokenmix_rule=args.tokenmix_rule,
+    )
+
+
 def uses_tokenmixup(args) -> bool:
     return bool(args.tokenmixup_htm_layers or args.tokenmixup_vtm_layers)
 
@@ -326,10 +371,7 @@ def run(argv=None) -> dict:
     model = build_model(args)
     if args.num_classes is None:
         args.num_classes = model.num_classes
-    if args.mixup_type == 'tokenmix':  # the paper's TokenMix: block (or random) masks, λ fixed at 0.5
-        args.mixup_type = f'tokenmix_{args.tokenmix_mask}'
-        if args.tokenmix_lam is None:
-            args.tokenmix_lam = 0.5
+    resolve_tokenmix(args)
     token_labeling = args.mixup_type in TOKEN_LABELING_TYPES or bool(args.token_label_dir) or args.relabel
     dense = bool(args.token_label_dir) and not args.relabel and args.dense_weight > 0
     if token_labeling:
@@ -479,32 +521,10 @@ def run(argv=None) -> dict:
         collate_fn = TokenLabelCollate(args.num_classes, check=False)  # the dataset checks each row, named
     # mixing: the kind, and where it runs (fast-collate with the prefetcher, else in the loop);
     # MixToken runs in the task (TokenLabelingTask)
-    mixup_active = not token_labeling and (
-        args.mixup > 0
-        or args.cutmix > 0.0
-        or args.cutmix_minmax is not None
-        or (args.mixup_type is not None and args.tokenmix_lam is not None)
-    )
-    if args.mixup_type is not None and not mixup_active and not token_labeling:
-        raise ValueError(f'--mixup-type {args.mixup_type} needs --mixup and/or --cutmix > 0 (or --tokenmix-lam)')
+    mixup_active = resolve_mixing(args, token_labeling)
     if mixup_active:
-        args.mixup_type = args.mixup_type or ('cutmix' if (args.cutmix > 0 or args.cutmix_minmax) else 'mixup')
         method, mix_kind = method_and_mix_kind(args)
-        mixer_args = dict(
-            method=method,
-            mixup_alpha=args.mixup,
-            cutmix_alpha=args.cutmix,
-            cutmix_minmax=args.cutmix_minmax,
-            prob=args.mixup_prob,
-            switch_prob=args.mixup_switch_prob,
-            mode=args.mixup_mode,
-            label_smoothing=args.smoothing,
-            num_classes=args.num_classes,
-            patch_size=mixing_patch_size(model),
-            tokenmix_lam=args.tokenmix_lam,
-            box_rounding=args.box_rounding,
-            tokenmix_rule=args.tokenmix_rule,
-        )
+        mixer_args = mixer_kwargs(args, model)
         if args.activation_map_dir:  # mixed on the device, where the maps' targets are built
             mixer = create_mixer(mix_kind, activation_targets=args.activation_target, **mixer_args)
         elif args.prefetcher:

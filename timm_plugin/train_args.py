@@ -1150,9 +1150,14 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(**{k: _convert(parser, path, k, actions[k], v) for k, v in cfg.items() if k in actions})
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """timm's two-stage parse: ``-c FILE`` YAML values become defaults, the command line overrides."""
+def parse_args(argv=None, add=None, prog: str | None = None) -> argparse.Namespace:
+    """timm's two-stage parse: ``-c FILE`` YAML values become defaults, the command line overrides.
+    ``add(parser)`` adds a tool's own flags (``tokenaug-viz mix`` takes the training flags and its own)."""
     parser = build_parser()
+    if prog:
+        parser.prog = prog
+    if add is not None:
+        add(parser)
     args_config, remaining = config_parser.parse_known_args(argv)
     if args_config.config:  # a path, or tokenaug::timm/NAME.yaml for an installed config
         args_config.config = resolve_config_arg(args_config.config)

@@ -1,0 +1,81 @@
+"""Where the pictures of :mod:`shared_core.viz` become files: exact PNGs of single panels (PIL, pixel for
+pixel, so they can be read back), matplotlib figures that lay panels out with titles, and an HTML index page.
+matplotlib is imported here only, when a figure is drawn (headless: the Agg backend)."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+from PIL import Image
+
+__all__ = ['save_png', 'save_figure', 'write_index']
+
+Panel = Tuple[str, np.ndarray]  # (title, (H, W, 3) uint8)
+
+
+def save_png(array: np.ndarray, path, scale: int = 1) -> Path:
+    """One ``(H, W, 3)`` uint8 picture as a PNG, enlarged ``scale`` times by pixel repetition (exact colours)."""
+    array = np.asarray(array)
+    if array.ndim != 3 or array.shape[-1] != 3 or array.dtype != np.uint8:
+        raise ValueError(f'array: expected (H, W, 3) uint8, got {array.shape} {array.dtype}')
+    if scale > 1:
+        array = array.repeat(scale, 0).repeat(scale, 1)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(array).save(path)
+    return path
+
+
+def save_figure(rows: Sequence[Sequence[Panel]], path, title: Optional[str] = None, panel_inches: float = 2.3) -> Path:
+    """A grid of titled panels (rows of ``(title, image)``; a missing panel is ``None``) as one PNG."""
+    import matplotlib
+
+    matplotlib.use('Agg', force=False)
+    import matplotlib.pyplot as plt
+
+    nrows, ncols = len(rows), max(len(r) for r in rows)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(ncols * panel_inches, nrows * panel_inches + 0.4), squeeze=False)
+    for i in range(nrows):
+        for j in range(ncols):
+            ax = axes[i][j]
+            ax.axis('off')
+            panel = rows[i][j] if j < len(rows[i]) else None
+            if panel is None:
+                continue
+            name, img = panel
+            ax.imshow(img, interpolation='nearest')
+            ax.set_title(name, fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_index(out_dir, title: str, entries: Iterable[Tuple[str, str]], meta: Optional[dict] = None) -> Path:
+    """``index.html`` in ``out_dir`` showing the PNGs ``entries`` (``(caption, file relative to out_dir)``),
+    and ``meta`` (the settings that made them) as JSON beside it (``meta.json``)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    items: List[str] = []
+    for caption, rel in entries:
+        src = html.escape(os.fspath(rel))
+        items.append(f'<figure><img src="{src}"><figcaption>{html.escape(caption)}</figcaption></figure>')
+    body = '\n'.join(items)
+    page = (
+        f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        '<style>body{font-family:sans-serif} img{max-width:100%;image-rendering:pixelated}</style></head>'
+        f'<body><h1>{html.escape(title)}</h1>\n{body}\n</body></html>\n'
+    )
+    (out_dir / 'index.html').write_text(page)
+    if meta is not None:
+        (out_dir / 'meta.json').write_text(json.dumps(meta, indent=1, default=str) + '\n')
+    return out_dir / 'index.html'

@@ -1,0 +1,96 @@
+"""``tokenaug-viz`` and its library (shared_core.viz / plotting): the pictures are read back pixel for pixel."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from shared_core.viz import (
+    OWN,
+    PARTNER,
+    images_uint8,
+    share_colours,
+    share_from_colour,
+    share_image,
+    token_centres,
+)
+from timm_plugin.tools import viz_cli
+
+from .conftest import REPO
+
+CONFIG = str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml')
+
+
+def _png(path):
+    return np.asarray(Image.open(path).convert('RGB'))
+
+
+def test_share_colours_round_trip_and_paint_every_pixel_of_its_token():
+    s = np.linspace(0, 1, 101)
+    assert (share_colours(0.0) == OWN).all() and (share_colours(1.0) == PARTNER).all()
+    assert np.abs(share_from_colour(share_colours(s)) - s).max() < 1 / 300
+    share = torch.tensor([[[0.0, 0.25], [0.5, 1.0]]])
+    pic = share_image(share, (20, 24), (8, 16))  # a clipped grid: 8+8+4 rows, 16+8 columns
+    assert pic.shape == (1, 20, 24, 3)
+    for (r0, r1, c0, c1), v in (((0, 8, 0, 16), 0.0), ((0, 8, 16, 24), 0.25), ((8, 20, 0, 16), 0.5)):
+        assert (pic[0, r0:r1, c0:c1] == share_colours(v)).all()
+    assert (pic[0, 8:, 16:] == share_colours(1.0)).all()
+    x = torch.rand(2, 3, 4, 4)
+    assert (
+        images_uint8((x - 0.5) / 0.25, [0.5] * 3, [0.25] * 3) == (x * 255).round().byte().permute(0, 2, 3, 1).numpy()
+    ).all()
+
+
+@pytest.mark.parametrize('kind', ['tokenmix_block', 'cutmix'])
+def test_mix_pictures_show_what_training_mixes(tiny_world, tmp_path, kind):
+    """The share picture's colour at each token is its partner share (token masks 0/1, CutMix's pixel box
+    fractional at its edges); where a token came whole from the partner the mixed image is the partner's."""
+    out = tmp_path / kind
+    argv = ['mix', '-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--mixup-type', kind]
+    argv += ['--mixup', '0', '--cutmix', '1.0', '--mixup-mode', 'elem', '--count', '4', '--viz-dir', str(out)]
+    assert viz_cli.main(argv) == 0
+    meta = json.loads((out / 'meta.json').read_text())
+    assert (out / 'index.html').read_text().count('<img') == 1 and _png(out / 'mix.png').shape[0] > 400
+    ph, pw = meta['patch_size']
+    partial = 0
+    for i, sample in enumerate(meta['samples']):
+        share = np.asarray(sample['token_share'])
+        pic = _png(out / sample['files']['share'])
+        assert pic.shape[:2] == tuple(meta['img_size'])
+        rc = token_centres(share.shape, (ph, pw))
+        read = share_from_colour(pic[rc[:, 0], rc[:, 1]]).reshape(share.shape)
+        assert np.abs(read - share).max() < 1 / 300
+        partial += int(((share > 0) & (share < 1)).sum())
+        mixed, partner = _png(out / sample['files']['mixed']), _png(out / sample['files']['partner'])
+        for r, c in np.argwhere(share == 1.0):
+            assert (
+                mixed[r * ph : (r + 1) * ph, c * pw : (c + 1) * pw]
+                == partner[r * ph : (r + 1) * ph, c * pw : (c + 1) * pw]
+            ).all()
+        assert abs(float(share.mean()) - (1 - sample['lam'])) < (0.02 if kind == 'cutmix' else 1e-6)
+        assert abs(sum(sample['target']) - 1) < 1e-5
+    assert (partial > 0) == (kind == 'cutmix')  # pixel boxes cut tokens; token masks never do
+
+
+def test_tokenmix_masks_have_the_requested_size(tmp_path):
+    out = tmp_path / 'tm'
+    assert viz_cli.main(['tokenmix', '--lam', '0.3', '--count', '4', '--viz-dir', str(out)]) == 0
+    meta = json.loads((out / 'meta.json').read_text())
+    rc = token_centres((14, 14), (16, 16))
+    for kind in ('tokenmix_block', 'tokenmix_random'):
+        for f in meta['samplers'][kind]['files']:
+            read = share_from_colour(_png(out / f)[rc[:, 0], rc[:, 1]])
+            assert set(np.round(read, 3)) <= {0.0, 1.0} and int(read.sum()) == round(0.7 * 196)  # exactly (1-λ)N
+    for kind in ('token_box', 'cutmix'):  # boxes: the draws of Beta(1, 1) nearest λ, as listed
+        assert all(abs(v - 0.3) < 0.1 for v in meta['samplers'][kind]['lam'])
+
+
+def test_bad_arguments_are_named(tiny_world, tmp_path, capsys):
+    assert viz_cli.main(['tokenmix', '--count', '3', '--viz-dir', str(tmp_path)]) == 2
+    assert '--count: expected an even number' in capsys.readouterr().err
+    argv = ['mix', '-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--mixup-type', 'mixtoken']
+    assert viz_cli.main(argv + ['--viz-dir', str(tmp_path)]) == 2
+    assert 'token labeling mixes inside the model' in capsys.readouterr().err
+    assert viz_cli.main(['nope']) == 2

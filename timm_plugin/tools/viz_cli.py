@@ -1,0 +1,243 @@
+"""``tokenaug-viz``: pictures of what the methods do, as PNGs with an HTML index (``index.html``) and the
+numbers behind them (``meta.json``).
+
+    tokenaug-viz mix -c CONFIG --data-dir DIR [any tokenaug-train flag] [--viz-dir OUT --count 8 --viz-seed 0]
+    tokenaug-viz tokenmix [--img-size 224 --patch-size 16 --lam 0.5 --cutmix 1.0 --count 4 --viz-dir OUT]
+
+- ``mix``: training samples as ``tokenaug-train`` builds them (its parser, model, data config, training
+  transform and mixer, from the same flags), each with its partner, the mixed image and the partner share of
+  every token (two-colour scale of :mod:`shared_core.viz`, over the image and alone);
+- ``tokenmix``: the masks of each sampler at a λ side by side: TokenMix blocks and random tokens (λ fixed),
+  a token-grid box and timm's CutMix pixel box (the draws of Beta(--cutmix) nearest λ among 512).
+
+Every ``*_share.png`` / mask PNG is exact (one colour per token, pixel for pixel): ``shared_core.viz.
+share_from_colour`` reads a share back from it. The pictures' library functions are :mod:`shared_core.viz`
+(arrays) and :mod:`shared_core.plotting` (files), for use in a notebook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from shared_core.plotting import save_figure, save_png, write_index
+from shared_core.samplers import MixSampler
+from shared_core.viz import images_uint8, overlay, share_image
+
+COMMANDS = ('mix', 'tokenmix')
+
+
+def _viz_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group('tokenaug-viz')
+    g.add_argument('--viz-dir', default='viz/mix', help='folder for the PNGs, index.html and meta.json')
+    g.add_argument('--count', type=int, default=8, help='samples to draw (even: mixing pairs samples)')
+    g.add_argument('--viz-seed', type=int, default=0, help='seed of the sample choice, augmentation and mixing')
+
+
+def _check_count(count: int) -> int:
+    if count < 2 or count % 2:
+        raise ValueError(f'--count: expected an even number >= 2 (mixing pairs samples), got {count}')
+    return count
+
+
+def mix(argv) -> Path:
+    """``tokenaug-viz mix``: see the module docstring. Returns the index page."""
+    from timm.data import create_dataset, create_transform, resolve_data_config
+
+    from timm_plugin.image_data import class_names
+    from timm_plugin.mixup import create_mixer
+    from timm_plugin.train import (
+        build_model,
+        method_and_mix_kind,
+        mixer_kwargs,
+        resolve_mixing,
+        resolve_tokenmix,
+    )
+    from timm_plugin.train_args import TOKEN_LABELING_TYPES, check_supported, parse_args
+
+    args = parse_args(argv, add=_viz_args, prog='tokenaug-viz mix')
+    check_supported(args)
+    count = _check_count(args.count)
+    data_dir = args.data_dir or args.data
+    if not data_dir:
+        raise ValueError('--data-dir is required (the training split is drawn from)')
+    if args.mixup_type in TOKEN_LABELING_TYPES or args.token_label_dir or args.relabel:
+        raise ValueError('--mixup-type mixtoken / --token-label-dir: token labeling mixes inside the model')
+    if args.activation_map_dir:
+        raise ValueError('--activation-map-dir: activation-map targets are not drawn by tokenaug-viz mix yet')
+    resolve_tokenmix(args)
+    torch.manual_seed(args.viz_seed)
+    model = build_model(args)
+    if args.num_classes is None:
+        args.num_classes = model.num_classes
+    if not resolve_mixing(args, token_labeling=False):
+        raise ValueError(
+            'nothing mixes: set --mixup and/or --cutmix > 0 (or a config that does), as for tokenaug-train'
+        )
+    method, mix_kind = method_and_mix_kind(args)
+    kwargs = mixer_kwargs(args, model)
+    data_config = resolve_data_config(vars(args), model=model)
+    img_mode = args.input_img_mode or ('RGB' if data_config['input_size'][0] == 3 else 'L')
+    dataset = create_dataset(
+        args.dataset,
+        root=data_dir,
+        split=args.train_split,
+        is_training=True,
+        class_map=args.class_map,
+        input_img_mode=img_mode,
+        download=args.dataset_download,
+    )
+    interpolation = args.train_interpolation
+    if args.no_aug or not interpolation:
+        interpolation = data_config['interpolation']
+    dataset.transform = create_transform(
+        data_config['input_size'],
+        is_training=True,
+        no_aug=args.no_aug,
+        train_crop_mode=args.train_crop_mode,
+        scale=args.scale,
+        ratio=args.ratio,
+        hflip=args.hflip,
+        vflip=args.vflip,
+        color_jitter=args.color_jitter,
+        color_jitter_prob=args.color_jitter_prob,
+        grayscale_prob=args.grayscale_prob,
+        gaussian_blur_prob=args.gaussian_blur_prob,
+        auto_augment=args.aa,
+        interpolation=interpolation,
+        mean=data_config['mean'],
+        std=data_config['std'],
+        re_prob=args.reprob,
+        re_mode=args.remode,
+        re_count=args.recount,
+    )
+    if len(dataset) < count:
+        raise ValueError(f'--count: {count} samples asked, the training split has {len(dataset)}')
+    random.seed(args.viz_seed)
+    indices = sorted(random.Random(args.viz_seed).sample(range(len(dataset)), count))
+    samples = [dataset[i] for i in indices]
+    x = torch.stack([s[0] for s in samples])
+    y = torch.as_tensor([int(s[1]) for s in samples])
+    mixer = create_mixer(mix_kind, carry_mix=True, generator=torch.Generator().manual_seed(args.viz_seed), **kwargs)
+    xm, target = mixer(x, y)
+    m = target.mix
+    mean, std = data_config['mean'], data_config['std']
+    own, mixed = images_uint8(x, mean, std), images_uint8(xm, mean, std)
+    partner = own[m.partner.numpy()]
+    shares = share_image(m.token_share, m.img_size, m.patch_size)
+    tinted = overlay(mixed, shares)
+    names = class_names(dataset) or [str(i) for i in range(args.num_classes)]
+    out = Path(args.viz_dir)
+    rows, meta_samples = [], []
+    soft = target.as_tensor() if hasattr(target, 'as_tensor') else target
+    for i in range(count):
+        p = int(m.partner[i])
+        lam = float(m.lam[i])
+        top = soft[i].topk(min(2, soft.shape[1]))
+        shown = ', '.join(f'{names[int(c)]} {float(v):.2f}' for v, c in zip(top.values, top.indices))
+        files = {kind: f'sample{i}_{kind}.png' for kind in ('own', 'partner', 'mixed', 'share', 'overlay')}
+        for kind, arr in zip(files, (own[i], partner[i], mixed[i], shares[i], tinted[i])):
+            save_png(arr, out / files[kind])
+        rows.append(
+            [
+                (f'{i}: {names[int(y[i])]}', own[i]),
+                (f'partner {p}: {names[int(y[p])]}', partner[i]),
+                (f'mixed, λ={lam:.2f}', mixed[i]),
+                ('target: ' + shown, tinted[i]),
+                ('partner share', shares[i]),
+            ]
+        )
+        meta_samples.append(
+            dict(
+                index=indices[i],
+                file=str(dataset.filename(indices[i])) if hasattr(dataset, 'filename') else None,
+                label=int(y[i]),
+                partner=p,
+                lam=lam,
+                token_share=m.token_share[i].tolist(),
+                target=soft[i].tolist(),
+                files=files,
+            )
+        )
+    shown = f'{method} over {mix_kind}' if method else mix_kind
+    save_figure(rows, out / 'mix.png', title=f'{shown} (what tokenaug-train mixes; red: from the partner)')
+    meta = dict(
+        command='mix',
+        mixing=shown,
+        patch_size=list(m.patch_size),
+        img_size=list(m.img_size),
+        mixer=dict(kwargs, mix_kind=mix_kind),
+        samples=meta_samples,
+    )
+    return write_index(out, f'tokenaug-viz mix: {shown}', [('samples', 'mix.png')], meta)
+
+
+def tokenmix(argv) -> Path:
+    """``tokenaug-viz tokenmix``: the masks of each sampler at a λ. Returns the index page."""
+    p = argparse.ArgumentParser(prog='tokenaug-viz tokenmix', description='masks of each sampler at a λ')
+    p.add_argument('--img-size', type=int, nargs=2, default=[224, 224], metavar=('H', 'W'))
+    p.add_argument('--patch-size', type=int, nargs=2, default=[16, 16], metavar=('PH', 'PW'))
+    p.add_argument('--lam', type=float, default=0.5, help="own share λ (TokenMix's λ = 0.5)")
+    p.add_argument('--cutmix', type=float, default=1.0, help='Beta(α, α) of the box kinds (their λ is drawn)')
+    p.add_argument('--tokenmix-rule', default='paper', choices=('paper', 'public'))
+    p.add_argument('--count', type=int, default=4, help='masks per sampler (even)')
+    p.add_argument('--viz-seed', type=int, default=0)
+    p.add_argument('--viz-dir', default='viz/tokenmix')
+    a = p.parse_args(argv)
+    count = _check_count(a.count)
+    if not 0.0 <= a.lam <= 1.0:
+        raise ValueError(f'--lam: expected a share in [0, 1], got {a.lam}')
+    img, patch = tuple(a.img_size), tuple(a.patch_size)
+    g = torch.Generator().manual_seed(a.viz_seed)
+    kinds = {
+        'tokenmix_block': dict(tokenmix_lam=a.lam, tokenmix_rule=a.tokenmix_rule),
+        'tokenmix_random': dict(tokenmix_lam=a.lam),
+        'token_box': dict(cutmix_alpha=a.cutmix),
+        'cutmix': dict(cutmix_alpha=a.cutmix),
+    }
+    out, columns, meta = Path(a.viz_dir), [], {}
+    for kind, kw in kinds.items():
+        sampler = MixSampler(kind, mixup_alpha=0.0, mode='elem', patch_size=patch, **kw)
+        draws = 512 if 'tokenmix_lam' not in kw else count  # box kinds: the draws nearest λ
+        mixes = sampler.sample(draws, img, generator=g)
+        order = torch.argsort((mixes.lam - a.lam).abs(), stable=True)[:count]
+        share = mixes.token_share[order]
+        pics = share_image(share, img, patch)
+        files = []
+        for j in range(count):
+            files.append(f'{kind}_{j}.png')
+            save_png(pics[j], out / files[-1])
+        lam = mixes.lam[order].tolist()
+        columns.append([(f'{kind} λ={v:.3f}', pics[j]) for j, v in enumerate(lam)])
+        meta[kind] = dict(lam=lam, token_share=share.tolist(), files=files, **{k: v for k, v in kw.items()})
+    rows = [list(r) for r in zip(*columns)]
+    save_figure(rows, out / 'tokenmix.png', title=f'token masks at λ = {a.lam} (red: from the partner)')
+    meta = dict(command='tokenmix', img_size=list(img), patch_size=list(patch), lam=a.lam, samplers=meta)
+    return write_index(out, 'tokenaug-viz tokenmix', [('masks per sampler', 'tokenmix.png')], meta)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = 'usage:\n' + __doc__.strip().split('\n\n')[1] + '\n(each command takes -h)'
+    if argv[:1] in (['-h'], ['--help']):
+        print(usage)
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        print(usage, file=sys.stderr)
+        print(f'tokenaug-viz: error: the first argument is one of {COMMANDS}', file=sys.stderr)
+        return 2
+    try:
+        index = {'mix': mix, 'tokenmix': tokenmix}[argv[0]](argv[1:])
+    except (ValueError, FileNotFoundError) as e:
+        print(f'tokenaug-viz {argv[0]}: error: {e}', file=sys.stderr)
+        return 2
+    print(index)
+    return 0
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())
