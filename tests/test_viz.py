@@ -94,3 +94,30 @@ def test_bad_arguments_are_named(tiny_world, tmp_path, capsys):
     assert viz_cli.main(argv + ['--viz-dir', str(tmp_path)]) == 2
     assert 'token labeling mixes inside the model' in capsys.readouterr().err
     assert viz_cli.main(['nope']) == 2
+
+
+def test_tl_align_pictures_read_back_and_start_from_the_mix(tiny_world, tmp_path):
+    """Fig. 6 for a checkpoint: the initial label picture is the mix's token shares (the same draw as
+    ``tokenaug-viz mix`` with the same flags), the aligned one the label state after the last block."""
+    import timm
+
+    ckpt = tmp_path / 'vit.pth'
+    torch.manual_seed(0)
+    torch.save(timm.create_model('vit_tiny_patch16_224', num_classes=10, img_size=112, depth=2).state_dict(), ckpt)
+    common = ['-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--mixup', '0', '--cutmix', '1.0']
+    common += ['--mixup-mode', 'elem', '--count', '4', '--model-kwargs', 'img_size=112', 'depth=2']
+    out, ref = tmp_path / 'tla', tmp_path / 'mix'
+    argv = ['tl-align', *common, '--initial-checkpoint', str(ckpt), '--per-block', '--viz-dir', str(out)]
+    assert viz_cli.main(argv) == 0
+    assert viz_cli.main(['mix', *common, '--viz-dir', str(ref)]) == 0
+    meta, mixed = json.loads((out / 'meta.json').read_text()), json.loads((ref / 'meta.json').read_text())
+    assert meta['checkpoint'] == str(ckpt)
+    rc = token_centres((7, 7), (16, 16))
+    for sample, same in zip(meta['samples'], mixed['samples']):
+        assert np.allclose(sample['initial'], same['token_share']) and sample['area_lam'] == same['lam']
+        for key in ('initial', 'aligned'):
+            read = share_from_colour(_png(out / sample['files'][key])[rc[:, 0], rc[:, 1]]).reshape(7, 7)
+            assert np.abs(read - np.asarray(sample[key])).max() < 1 / 300
+        assert 0.0 <= sample['aligned_lam'] <= 1.0 and {'block0', 'block1'} <= set(sample['files'])
+    with pytest.raises(ValueError, match='no tracer for .*ResNet'):
+        viz_cli.tl_align([*common[:-3], '--model', 'resnet18', '--model-kwargs', '--viz-dir', str(tmp_path / 'r')])

@@ -219,11 +219,12 @@ class SharedAttentionViT:
     [V | labels]`` fused, or the attention materialised once), and a hook after the block applies Eq. 11 to the
     state. The token path computes what timm's does, up to the float rounding of another kernel."""
 
-    def __init__(self, base: ViTTracer, labels: torch.Tensor, layers, residual: bool, drop_path: str):
+    def __init__(self, base: ViTTracer, labels: torch.Tensor, layers, residual: bool, drop_path: str, history=None):
         self.base, self.layers, self.residual, self.drop_path = base, layers, residual, drop_path
         self.num_prefix_tokens = base.num_prefix_tokens
         self.width = labels.shape[-1]
         self.labels = padded_labels(labels)  # the value columns of the shared attention
+        self.history = history  # a list to append the state after each aligned block to (tokenaug-viz)
 
     @staticmethod
     def applies(base, labels: torch.Tensor, layers) -> bool:
@@ -280,6 +281,8 @@ class SharedAttentionViT:
     def _update(self, cap: LabelCapture) -> None:
         self.labels = residual_labels(self.labels, cap.attn, cap.keep, self.residual)  # Eq. 11
         cap.attn, cap.tokens = None, True
+        if self.history is not None:
+            self.history.append(self.labels[..., : self.width].clone())
 
     def num_tokens(self, captures: List[LabelCapture]) -> int:
         ran = [c.tokens for i, c in enumerate(captures) if self.layers is None or i in self.layers]

@@ -2,11 +2,15 @@
 numbers behind them (``meta.json``).
 
     tokenaug-viz mix -c CONFIG --data-dir DIR [any tokenaug-train flag] [--viz-dir OUT --count 8 --viz-seed 0]
+    tokenaug-viz tl-align -c CONFIG --data-dir DIR --model NAME --initial-checkpoint FILE [--per-block] [...]
     tokenaug-viz tokenmix [--img-size 224 --patch-size 16 --lam 0.5 --cutmix 1.0 --count 4 --viz-dir OUT]
 
 - ``mix``: training samples as ``tokenaug-train`` builds them (its parser, model, data config, training
   transform and mixer, from the same flags), each with its partner, the mixed image and the partner share of
   every token (two-colour scale of :mod:`shared_core.viz`, over the image and alone);
+- ``tl-align``: TL-Align's Fig. 6 for a timm ViT / DeiT and a checkpoint: the two inputs, the mixed image, the
+  initial label embedding (each token's partner share) and the aligned one after the last block
+  (``--per-block``: after each), with the area λ and the aligned λ of what the classifier reads;
 - ``tokenmix``: the masks of each sampler at a λ side by side: TokenMix blocks and random tokens (λ fixed),
   a token-grid box and timm's CutMix pixel box (the draws of Beta(--cutmix) nearest λ among 512).
 
@@ -28,7 +32,7 @@ from shared_core.plotting import save_figure, save_png, write_index
 from shared_core.samplers import MixSampler
 from shared_core.viz import images_uint8, overlay, share_image
 
-COMMANDS = ('mix', 'tokenmix')
+COMMANDS = ('mix', 'tl-align', 'tokenmix')
 
 
 def _viz_args(parser: argparse.ArgumentParser) -> None:
@@ -44,40 +48,30 @@ def _check_count(count: int) -> int:
     return count
 
 
-def mix(argv) -> Path:
-    """``tokenaug-viz mix``: see the module docstring. Returns the index page."""
+def _mixed_batch(args, count: int):
+    """What ``tokenaug-train`` would mix from these flags: ``(model, data_config, dataset, indices, x, y, xm,
+    target, method, mix_kind, mixer kwargs)`` for ``count`` samples of the training split."""
     from timm.data import create_dataset, create_transform, resolve_data_config
 
-    from timm_plugin.image_data import class_names
     from timm_plugin.mixup import create_mixer
-    from timm_plugin.train import (
-        build_model,
-        method_and_mix_kind,
-        mixer_kwargs,
-        resolve_mixing,
-        resolve_tokenmix,
-    )
-    from timm_plugin.train_args import TOKEN_LABELING_TYPES, check_supported, parse_args
+    from timm_plugin.train import build_model, method_and_mix_kind, mixer_kwargs, resolve_mixing, resolve_tokenmix
+    from timm_plugin.train_args import TOKEN_LABELING_TYPES, check_supported
 
-    args = parse_args(argv, add=_viz_args, prog='tokenaug-viz mix')
     check_supported(args)
-    count = _check_count(args.count)
     data_dir = args.data_dir or args.data
     if not data_dir:
         raise ValueError('--data-dir is required (the training split is drawn from)')
     if args.mixup_type in TOKEN_LABELING_TYPES or args.token_label_dir or args.relabel:
         raise ValueError('--mixup-type mixtoken / --token-label-dir: token labeling mixes inside the model')
     if args.activation_map_dir:
-        raise ValueError('--activation-map-dir: activation-map targets are not drawn by tokenaug-viz mix yet')
+        raise ValueError('--activation-map-dir: activation-map targets are not drawn by tokenaug-viz yet')
     resolve_tokenmix(args)
     torch.manual_seed(args.viz_seed)
     model = build_model(args)
     if args.num_classes is None:
         args.num_classes = model.num_classes
     if not resolve_mixing(args, token_labeling=False):
-        raise ValueError(
-            'nothing mixes: set --mixup and/or --cutmix > 0 (or a config that does), as for tokenaug-train'
-        )
+        raise ValueError('nothing mixes: set --mixup and/or --cutmix > 0 (as for tokenaug-train)')
     method, mix_kind = method_and_mix_kind(args)
     kwargs = mixer_kwargs(args, model)
     data_config = resolve_data_config(vars(args), model=model)
@@ -124,21 +118,40 @@ def mix(argv) -> Path:
     y = torch.as_tensor([int(s[1]) for s in samples])
     mixer = create_mixer(mix_kind, carry_mix=True, generator=torch.Generator().manual_seed(args.viz_seed), **kwargs)
     xm, target = mixer(x, y)
+    return model, data_config, dataset, indices, x, y, xm, target, method, mix_kind, kwargs
+
+
+def _names(dataset, num_classes):
+    from timm_plugin.image_data import class_names
+
+    return class_names(dataset) or [str(i) for i in range(num_classes)]
+
+
+def _top(soft, names, k=2):
+    top = soft.topk(min(k, soft.shape[-1]))
+    return ', '.join(f'{names[int(c)]} {float(v):.2f}' for v, c in zip(top.values, top.indices))
+
+
+def mix(argv) -> Path:
+    """``tokenaug-viz mix``: see the module docstring. Returns the index page."""
+    from timm_plugin.train_args import parse_args
+
+    args = parse_args(argv, add=_viz_args, prog='tokenaug-viz mix')
+    count = _check_count(args.count)
+    model, data_config, dataset, indices, x, y, xm, target, method, mix_kind, kwargs = _mixed_batch(args, count)
     m = target.mix
     mean, std = data_config['mean'], data_config['std']
     own, mixed = images_uint8(x, mean, std), images_uint8(xm, mean, std)
     partner = own[m.partner.numpy()]
     shares = share_image(m.token_share, m.img_size, m.patch_size)
     tinted = overlay(mixed, shares)
-    names = class_names(dataset) or [str(i) for i in range(args.num_classes)]
+    names = _names(dataset, args.num_classes)
     out = Path(args.viz_dir)
     rows, meta_samples = [], []
     soft = target.as_tensor() if hasattr(target, 'as_tensor') else target
     for i in range(count):
         p = int(m.partner[i])
         lam = float(m.lam[i])
-        top = soft[i].topk(min(2, soft.shape[1]))
-        shown = ', '.join(f'{names[int(c)]} {float(v):.2f}' for v, c in zip(top.values, top.indices))
         files = {kind: f'sample{i}_{kind}.png' for kind in ('own', 'partner', 'mixed', 'share', 'overlay')}
         for kind, arr in zip(files, (own[i], partner[i], mixed[i], shares[i], tinted[i])):
             save_png(arr, out / files[kind])
@@ -147,14 +160,13 @@ def mix(argv) -> Path:
                 (f'{i}: {names[int(y[i])]}', own[i]),
                 (f'partner {p}: {names[int(y[p])]}', partner[i]),
                 (f'mixed, λ={lam:.2f}', mixed[i]),
-                ('target: ' + shown, tinted[i]),
+                ('target: ' + _top(soft[i], names), tinted[i]),
                 ('partner share', shares[i]),
             ]
         )
         meta_samples.append(
             dict(
                 index=indices[i],
-                file=str(dataset.filename(indices[i])) if hasattr(dataset, 'filename') else None,
                 label=int(y[i]),
                 partner=p,
                 lam=lam,
@@ -174,6 +186,92 @@ def mix(argv) -> Path:
         samples=meta_samples,
     )
     return write_index(out, f'tokenaug-viz mix: {shown}', [('samples', 'mix.png')], meta)
+
+
+def _tl_align_args(parser: argparse.ArgumentParser) -> None:
+    _viz_args(parser)
+    parser.add_argument(
+        '--per-block', action='store_true', default=False, help='also the label state after every block'
+    )
+
+
+def tl_align(argv) -> Path:
+    """``tokenaug-viz tl-align``: TL-Align's Fig. 6 for a model and checkpoint (``--model``,
+    ``--initial-checkpoint``): inputs, mixed image, the initial label embedding (partner share per token) and the
+    aligned one after the last block (or after each block), the area λ against the aligned λ."""
+    from shared_core.tl_align import capture_forward, compact_labels
+    from timm_plugin.tl_align import SharedAttentionViT, TLAlign
+    from timm_plugin.train_args import parse_args
+
+    args = parse_args(argv, add=_tl_align_args, prog='tokenaug-viz tl-align')
+    count = _check_count(args.count)
+    model, data_config, dataset, indices, x, y, xm, target, method, mix_kind, kwargs = _mixed_batch(args, count)
+    model.eval()
+    m = target.mix
+    wrapped = TLAlign(model)
+    labels0 = compact_labels(m, wrapped.num_prefix_tokens)
+    if not SharedAttentionViT.applies(wrapped.tracer, labels0, None):
+        raise ValueError(f'--model: tokenaug-viz tl-align draws timm ViT / DeiT models, got {args.model}')
+    history = []
+    tracer = SharedAttentionViT(wrapped.tracer, labels0, None, True, 'kept', history=history)
+    with torch.no_grad():
+        output, _ = capture_forward(tracer, lambda: model(xm))
+    aligned = wrapped.tracer.readout(tracer.labels[..., :1], output)[:, 0]  # partner share of what is read
+    P, grid = wrapped.num_prefix_tokens, m.token_share.shape[1:]
+
+    def patch_grid(state):
+        return state[:, P:, 0].reshape(-1, *grid)
+
+    mean, std = data_config['mean'], data_config['std']
+    own, mixed = images_uint8(x, mean, std), images_uint8(xm, mean, std)
+    names = _names(dataset, args.num_classes)
+    initial = share_image(patch_grid(labels0), m.img_size, m.patch_size)
+    final = share_image(patch_grid(history[-1]), m.img_size, m.patch_size)
+    blocks = [share_image(patch_grid(h), m.img_size, m.patch_size) for h in history] if args.per_block else []
+    out = Path(args.viz_dir)
+    rows, meta_samples = [], []
+    for i in range(count):
+        p = int(m.partner[i])
+        area, al = float(m.lam[i]), 1.0 - float(aligned[i])
+        files = dict(initial=f'sample{i}_initial.png', aligned=f'sample{i}_aligned.png')
+        save_png(initial[i], out / files['initial'])
+        save_png(final[i], out / files['aligned'])
+        row = [
+            (f'{i}: {names[int(y[i])]}', own[i]),
+            (f'partner: {names[int(y[p])]}', own[p]),
+            ('mixed', mixed[i]),
+            (f'initial labels, λ={area:.2f}', initial[i]),
+            (f'aligned labels, λ={al:.2f}', final[i]),
+        ]
+        for b, pic in enumerate(blocks):
+            files[f'block{b}'] = f'sample{i}_block{b}.png'
+            save_png(pic[i], out / files[f'block{b}'])
+            row.append((f'after block {b}', pic[i]))
+        rows.append(row)
+        meta_samples.append(
+            dict(
+                index=indices[i],
+                label=int(y[i]),
+                partner=p,
+                area_lam=area,
+                aligned_lam=al,
+                initial=patch_grid(labels0)[i].tolist(),
+                aligned=patch_grid(history[-1])[i].tolist(),
+                files=files,
+            )
+        )
+    title = f"TL-Align on {args.model} ({mix_kind}; red: the partner's label)"
+    save_figure(rows, out / 'tl_align.png', title=title)
+    meta = dict(
+        command='tl-align',
+        model=args.model,
+        checkpoint=args.initial_checkpoint,
+        mix_kind=mix_kind,
+        patch_size=list(m.patch_size),
+        img_size=list(m.img_size),
+        samples=meta_samples,
+    )
+    return write_index(out, f'tokenaug-viz tl-align: {args.model}', [('TL-Align', 'tl_align.png')], meta)
 
 
 def tokenmix(argv) -> Path:
@@ -231,7 +329,7 @@ def main(argv=None) -> int:
         print(f'tokenaug-viz: error: the first argument is one of {COMMANDS}', file=sys.stderr)
         return 2
     try:
-        index = {'mix': mix, 'tokenmix': tokenmix}[argv[0]](argv[1:])
+        index = {'mix': mix, 'tl-align': tl_align, 'tokenmix': tokenmix}[argv[0]](argv[1:])
     except (ValueError, FileNotFoundError) as e:
         print(f'tokenaug-viz {argv[0]}: error: {e}', file=sys.stderr)
         return 2
