@@ -22,6 +22,9 @@ __all__ = [
     'share_image',
     'overlay',
     'token_centres',
+    'class_colours',
+    'label_image',
+    'class_from_colour',
 ]
 
 #: share 0 (the sample's own token) and share 1 (the partner's), as in TL-Align's Fig. 6 two-colour scale
@@ -85,3 +88,39 @@ def token_centres(grid: Tuple[int, int], patch_size: Tuple[int, int]) -> np.ndar
     ph, pw = patch_size
     r, c = np.meshgrid(np.arange(gh) * ph + ph // 2, np.arange(gw) * pw + pw // 2, indexing='ij')
     return np.stack([r.ravel(), c.ravel()], 1)
+
+
+def class_colours(num_classes: int) -> np.ndarray:
+    """``(C, 3)`` uint8: a distinct, fixed colour per class (hues spaced by the golden ratio, two brightness
+    levels alternating), the same for every picture."""
+    import colorsys
+
+    out = []
+    for c in range(int(num_classes)):
+        h = (c * 0.6180339887498949) % 1.0
+        v = 0.95 if c % 2 == 0 else 0.7
+        out.append([round(255 * t) for t in colorsys.hsv_to_rgb(h, 0.85, v)])
+    return np.asarray(out, dtype=np.uint8)
+
+
+def label_image(probs: torch.Tensor, img_size: Tuple[int, int], patch_size: Tuple[int, int]) -> np.ndarray:
+    """Per-token class distributions ``(B, gh, gw, C)`` painted over the image plane ``(B, H, W, 3)``: each
+    token's colour is the probability-weighted mean of the class colours (a one-hot target shows its class's
+    colour exactly; :func:`class_from_colour` reads it back)."""
+    probs = torch.as_tensor(probs).detach().float().cpu()
+    if probs.dim() != 4:
+        raise ValueError(f'probs: expected (B, gh, gw, C) token distributions, got {tuple(probs.shape)}')
+    colours = torch.as_tensor(class_colours(probs.shape[-1]), dtype=torch.float32)
+    rgb = (probs @ colours).round().clamp(0, 255).to(torch.uint8).numpy()  # (B, gh, gw, 3)
+    H, W = img_size
+    ph, pw = patch_size
+    rows = np.minimum(np.arange(H) // ph, rgb.shape[1] - 1)
+    cols = np.minimum(np.arange(W) // pw, rgb.shape[2] - 1)
+    return rgb[:, rows][:, :, cols]
+
+
+def class_from_colour(rgb, num_classes: int) -> np.ndarray:
+    """The class whose colour (:func:`class_colours`) is nearest to each pixel ``(..., 3)``."""
+    rgb = np.asarray(rgb, dtype=np.float64)[..., None, :]
+    d = ((rgb - class_colours(num_classes).astype(np.float64)) ** 2).sum(-1)
+    return d.argmin(-1)

@@ -121,3 +121,39 @@ def test_tl_align_pictures_read_back_and_start_from_the_mix(tiny_world, tmp_path
         assert 0.0 <= sample['aligned_lam'] <= 1.0 and {'block0', 'block1'} <= set(sample['files'])
     with pytest.raises(ValueError, match='no tracer for .*ResNet'):
         viz_cli.tl_align([*common[:-3], '--model', 'resnet18', '--model-kwargs', '--viz-dir', str(tmp_path / 'r')])
+
+
+def test_token_label_pictures_follow_the_image_through_flips_and_rotations(quadrant_data, tmp_path):
+    """Quadrant images with quadrant maps, through crop, flip and RandAugment (geometric ops followed): every
+    token whose centre pixel shows a quadrant colour and whose target is confident has that quadrant's class
+    as its target, in meta.json and in the picture's colours."""
+    from shared_core.viz import class_from_colour
+
+    from .helpers import COLOURS
+
+    out = tmp_path / 'tl'
+    argv = ['token-labels', '--data-dir', str(quadrant_data), '--token-label-dir', str(quadrant_data / 'maps')]
+    argv += ['--model', 'vit_tiny_patch16_224', '--model-kwargs', 'img_size=64', '--input-size', '3', '64', '64']
+    argv += ['--aa', 'rand-m9-n1', '--color-jitter', '0', '--train-interpolation', 'nearest']
+    argv += ['--count', '6', '--draws', '6', '--viz-dir', str(out)]
+    assert viz_cli.main(argv) == 0
+    meta = json.loads((out / 'meta.json').read_text())
+    assert meta['grid'] == [4, 4] and meta['geometric_aa'] == 'follow'
+    rc = token_centres((4, 4), (16, 16))
+    checked, flipped, moved = 0, 0, 0
+    for image in meta['images']:
+        assert _png(out / image['map']).shape == (64, 64, 3)  # the 8x8 stored map, 8 px per cell
+        for draw in image['draws']:
+            pix = _png(out / draw['files']['image'])[rc[:, 0], rc[:, 1]].astype(float)
+            d = ((pix[:, None] - COLOURS[None].astype(float)) ** 2).sum(-1) ** 0.5
+            quadrant = np.where(d.min(1) < 30, d.argmin(1), -1)  # -1: fill, or a colour op changed the colours
+            top1 = np.asarray(draw['top1']).ravel()
+            sure = np.asarray(draw['confidence']).ravel() > 0.9
+            painted = class_from_colour(_png(out / draw['files']['targets'])[rc[:, 0], rc[:, 1]], 4)
+            ok = (quadrant >= 0) & sure
+            assert (top1[ok] == quadrant[ok]).all() and (painted[sure] == top1[sure]).all()
+            checked += int(ok.sum())
+            identity = np.allclose(np.asarray(draw['affines']).reshape(-1, 2, 3), np.eye(3)[:2])
+            flipped += int(draw['flip'] and ok.any())
+            moved += int(not identity and ok.any())
+    assert checked > 150 and flipped > 3 and moved > 3, (checked, flipped, moved)

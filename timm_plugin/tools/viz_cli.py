@@ -3,6 +3,7 @@ numbers behind them (``meta.json``).
 
     tokenaug-viz mix -c CONFIG --data-dir DIR [any tokenaug-train flag] [--viz-dir OUT --count 8 --viz-seed 0]
     tokenaug-viz tl-align -c CONFIG --data-dir DIR --model NAME --initial-checkpoint FILE [--per-block] [...]
+    tokenaug-viz token-labels -c CONFIG --data-dir DIR --token-label-dir MAPS [--count 4 --draws 4] [...]
     tokenaug-viz tokenmix [--img-size 224 --patch-size 16 --lam 0.5 --cutmix 1.0 --count 4 --viz-dir OUT]
 
 - ``mix``: training samples as ``tokenaug-train`` builds them (its parser, model, data config, training
@@ -11,6 +12,9 @@ numbers behind them (``meta.json``).
 - ``tl-align``: TL-Align's Fig. 6 for a timm ViT / DeiT and a checkpoint: the two inputs, the mixed image, the
   initial label embedding (each token's partner share) and the aligned one after the last block
   (``--per-block``: after each), with the area λ and the aligned λ of what the classifier reads;
+- ``token-labels``: each image's stored label map (top-1 class, its confidence as saturation) and, for several
+  draws of the training augmentation (crop, flip, RandAugment with ``--geometric-aa``), the augmented image
+  beside its per-token targets in class colours: whether the labels follow the image, checked by eye;
 - ``tokenmix``: the masks of each sampler at a λ side by side: TokenMix blocks and random tokens (λ fixed),
   a token-grid box and timm's CutMix pixel box (the draws of Beta(--cutmix) nearest λ among 512).
 
@@ -32,7 +36,7 @@ from shared_core.plotting import save_figure, save_png, write_index
 from shared_core.samplers import MixSampler
 from shared_core.viz import images_uint8, overlay, share_image
 
-COMMANDS = ('mix', 'tl-align', 'tokenmix')
+COMMANDS = ('mix', 'tl-align', 'token-labels', 'tokenmix')
 
 
 def _viz_args(parser: argparse.ArgumentParser) -> None:
@@ -274,6 +278,133 @@ def tl_align(argv) -> Path:
     return write_index(out, f'tokenaug-viz tl-align: {args.model}', [('TL-Align', 'tl_align.png')], meta)
 
 
+def _token_label_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group('tokenaug-viz')
+    g.add_argument('--viz-dir', default='viz/token-labels', help='folder for the PNGs, index.html and meta.json')
+    g.add_argument('--count', type=int, default=4, help='images to draw')
+    g.add_argument('--draws', type=int, default=4, help='augmented draws per image (crop, flip, RandAugment)')
+    g.add_argument('--viz-seed', type=int, default=0, help='seed of the image choice and the augmentation')
+
+
+def token_labels(argv) -> Path:
+    """``tokenaug-viz token-labels``: each image's stored map (top-1 class, confidence) and, for several draws of
+    the training augmentation, the augmented image beside its per-token targets (class colours of
+    :func:`shared_core.viz.class_colours`): the orientation check by eye. Returns the index page."""
+    from timm.data import create_dataset, create_transform, resolve_data_config
+
+    from shared_core.map_store import LabelMapStore
+    from shared_core.viz import class_colours, label_image
+    from timm_plugin.token_grid import token_stride
+    from timm_plugin.token_label_data import TokenLabelCollate, TokenLabelDataset
+    from timm_plugin.train import build_model
+    from timm_plugin.train_args import check_supported, parse_args
+
+    args = parse_args(argv, add=_token_label_args, prog='tokenaug-viz token-labels')
+    check_supported(args)
+    if args.count < 1 or args.draws < 1:
+        raise ValueError(f'--count / --draws: expected >= 1, got {args.count} / {args.draws}')
+    data_dir = args.data_dir or args.data
+    if not data_dir or not args.token_label_dir:
+        raise ValueError('--data-dir and --token-label-dir are required (the images and their label maps)')
+    store = LabelMapStore.open(args.token_label_dir)
+    if args.num_classes is None:
+        args.num_classes = store.num_classes
+    torch.manual_seed(args.viz_seed)
+    model = build_model(args)
+    data_config = resolve_data_config(vars(args), model=model)
+    size = tuple(data_config['input_size'][1:])
+    stride = token_stride(model)
+    grid = (size[0] // stride[0], size[1] // stride[1])
+    img_mode = args.input_img_mode or ('RGB' if data_config['input_size'][0] == 3 else 'L')
+    base = create_dataset(
+        args.dataset,
+        root=data_dir,
+        split=args.train_split,
+        is_training=True,
+        class_map=args.class_map,
+        input_img_mode=img_mode,
+    )
+    dataset = TokenLabelDataset(base, store, geometric_aa=args.geometric_aa)
+    interpolation = args.train_interpolation if args.train_interpolation and not args.no_aug else None
+    dataset.transform = create_transform(  # as timm's create_loader with the prefetcher: uint8 images
+        data_config['input_size'],
+        is_training=True,
+        no_aug=args.no_aug,
+        train_crop_mode=args.train_crop_mode,
+        scale=args.scale,
+        ratio=args.ratio,
+        hflip=args.hflip,
+        vflip=args.vflip,
+        color_jitter=args.color_jitter,
+        color_jitter_prob=args.color_jitter_prob,
+        grayscale_prob=args.grayscale_prob,
+        gaussian_blur_prob=args.gaussian_blur_prob,
+        auto_augment=args.aa,
+        interpolation=interpolation or data_config['interpolation'],
+        mean=data_config['mean'],
+        std=data_config['std'],
+        use_prefetcher=True,
+    )
+    count = min(args.count, len(dataset))
+    indices = sorted(random.Random(args.viz_seed).sample(range(len(dataset)), count))
+    collate = TokenLabelCollate(store.num_classes)
+    names = _names(base, store.num_classes)
+    colours = class_colours(store.num_classes)
+    out = Path(args.viz_dir)
+    rows, meta_images = [], []
+    for n, idx in enumerate(indices):
+        random.seed(args.viz_seed * 1000 + n)
+        torch.manual_seed(args.viz_seed * 1000 + n)
+        samples = [dataset[idx] for _ in range(args.draws)]
+        x, target = collate(samples)
+        probs = target.token_targets(grid, 0.0).dense().reshape(len(samples), *grid, -1)
+        pics = label_image(probs, size, stride)
+        imgs = x.permute(0, 2, 3, 1).numpy()
+        if imgs.shape[-1] == 1:
+            imgs = imgs.repeat(3, -1)
+        values, idxs = store.row(store.index_of(base.filename(idx)))
+        conf, top = torch.as_tensor(values[0]).float(), torch.as_tensor(idxs[0])
+        stored = colours[top.numpy()].astype(float) * conf.numpy()[..., None] + 255 * (1 - conf.numpy()[..., None])
+        stored = stored.round().astype('uint8').repeat(8, 0).repeat(8, 1)
+        save_png(stored, out / f'image{n}_map.png')
+        label = int(target.as_tensor()[0])
+        row = [(f'{base.filename(idx, basename=True)}: {names[label]} (stored map)', stored)]
+        draws = []
+        for d in range(len(samples)):
+            files = dict(image=f'image{n}_draw{d}.png', targets=f'image{n}_draw{d}_targets.png')
+            save_png(imgs[d], out / files['image'])
+            save_png(pics[d], out / files['targets'])
+            flip = bool(target.flips[d])
+            moved = target.affines is not None and not torch.allclose(target.affines[d], torch.eye(3)[:2])
+            tag = ('flip ' if flip else '') + ('+ geometric op' if moved else '')
+            row += [(f'draw {d} {tag}', imgs[d]), ('targets', pics[d])]
+            draws.append(
+                dict(
+                    files=files,
+                    box=target.boxes[d].tolist(),
+                    flip=flip,
+                    affines=target.affines[d].tolist() if target.affines is not None else [],
+                    top1=probs[d].argmax(-1).tolist(),
+                    confidence=probs[d].max(-1).values.tolist(),
+                )
+            )
+        rows.append(row)
+        meta_images.append(dict(index=idx, file=base.filename(idx), label=label, map=f'image{n}_map.png', draws=draws))
+    save_figure(rows, out / 'token_labels.png', title='token labels after the training transforms (class colours)')
+    meta = dict(
+        command='token-labels',
+        store=str(args.token_label_dir),
+        grid=list(grid),
+        input_size=list(size),
+        patch_size=list(stride),
+        classes=names,
+        class_colours=colours.tolist(),
+        geometric_aa=args.geometric_aa,
+        images=meta_images,
+    )
+    return write_index(out, 'tokenaug-viz token-labels', [('token labels', 'token_labels.png')], meta)
+
+
 def tokenmix(argv) -> Path:
     """``tokenaug-viz tokenmix``: the masks of each sampler at a λ. Returns the index page."""
     p = argparse.ArgumentParser(prog='tokenaug-viz tokenmix', description='masks of each sampler at a λ')
@@ -329,7 +460,8 @@ def main(argv=None) -> int:
         print(f'tokenaug-viz: error: the first argument is one of {COMMANDS}', file=sys.stderr)
         return 2
     try:
-        index = {'mix': mix, 'tl-align': tl_align, 'tokenmix': tokenmix}[argv[0]](argv[1:])
+        commands = {'mix': mix, 'tl-align': tl_align, 'token-labels': token_labels, 'tokenmix': tokenmix}
+        index = commands[argv[0]](argv[1:])
     except (ValueError, FileNotFoundError) as e:
         print(f'tokenaug-viz {argv[0]}: error: {e}', file=sys.stderr)
         return 2
