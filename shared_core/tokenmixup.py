@@ -295,6 +295,8 @@ class TokenMixupHooks:
         self.rho, self.tau, self.kappa = float(rho), float(tau), kappa
         self.scorenet_weight, self.scorenet_stopgrad = float(scorenet_weight), scorenet_stopgrad
         self.vtm_stopgrad, self.difficulty_scale = vtm_stopgrad, float(difficulty_scale)
+        #: a dict to keep each HTM block's saliency ``(B, N)`` and easy rows in (``tokenaug-viz tokenmixup``)
+        self.record: Optional[dict] = None
 
     def run(self, y: torch.Tensor, forward: Callable[[], torch.Tensor]):
         """``(output, target (B, C), aux_loss, stats, mixes)`` of one training forward with soft target ``y``."""
@@ -332,6 +334,8 @@ class TokenMixupHooks:
             easy = difficulty(scores, y, self.difficulty_scale) <= self.tau
             S = qk_saliency(*self.adapter.qk(idx, x), self.adapter.scale(idx), P, self.saliency)
             partner, swap, lam = htm_plan(S, easy, self.rho)
+            if self.record is not None:
+                self.record[idx] = dict(saliency=S.detach().float().cpu(), easy=easy.detach().cpu())
             mix = htm_mix(partner, swap, lam, (1, S.shape[1]))
             state['mixes'].append(mix)
             mixed = swap.any(1)

@@ -157,3 +157,34 @@ def test_token_label_pictures_follow_the_image_through_flips_and_rotations(quadr
             flipped += int(draw['flip'] and ok.any())
             moved += int(not identity and ok.any())
     assert checked > 150 and flipped > 3 and moved > 3, (checked, flipped, moved)
+
+
+def test_tokenmixup_pictures_show_the_htm_plan(tiny_world, tmp_path):
+    """The swapped tokens are where the partner's saliency exceeds the sample's by more than ρ (Eq. 9), as
+    meta.json and the picture say, and the image-space picture has the partner's patches exactly there."""
+    out = tmp_path / 'tmu'
+    argv = ['tokenmixup', '-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--tokenmixup-htm-layers', '1']
+    argv += ['--tokenmixup-tau', '100', '--tokenmixup-rho', '0.001', '--count', '4', '--viz-dir', str(out)]
+    argv += ['--model-kwargs', 'img_size=112', 'depth=2']
+    assert viz_cli.main(argv) == 0
+    meta = json.loads((out / 'meta.json').read_text())
+    rc = token_centres((7, 7), (16, 16))
+    swapped_any = 0
+    for i, sample in enumerate(meta['samples']):
+        S, p = np.asarray(sample['saliency']), sample['partner']
+        swap = np.asarray(sample['swapped']) > 0.5
+        if p != i:
+            assert sample['easy'] and (swap == (np.asarray(meta['samples'][p]['saliency']) - S > 0.001)).all()
+        else:
+            assert not swap.any() and sample['lam'] == 1.0
+        read = share_from_colour(_png(out / sample['files']['swapped'])[rc[:, 0], rc[:, 1]]).reshape(7, 7)
+        assert (np.round(read) == swap).all()
+        pasted, own = _png(out / sample['files']['pasted']), _png(out / sample['files']['image'])
+        partner = _png(out / meta['samples'][p]['files']['image'])
+        for r in range(7):
+            for c in range(7):
+                cell = (slice(r * 16, r * 16 + 16), slice(c * 16, c * 16 + 16))
+                assert (pasted[cell] == (partner if swap[r, c] else own)[cell]).all()
+        swapped_any += int(swap.sum())
+        assert abs(sum(sample['target']) - 1) < 1e-5
+    assert swapped_any > 0

@@ -5,6 +5,7 @@ numbers behind them (``meta.json``).
     tokenaug-viz tl-align -c CONFIG --data-dir DIR --model NAME --initial-checkpoint FILE [--per-block] [...]
     tokenaug-viz token-labels -c CONFIG --data-dir DIR --token-label-dir MAPS [--count 4 --draws 4] [...]
     tokenaug-viz tokenmix [--img-size 224 --patch-size 16 --lam 0.5 --cutmix 1.0 --count 4 --viz-dir OUT]
+    tokenaug-viz tokenmixup -c CONFIG --data-dir DIR --tokenmixup-htm-layers L [--initial-checkpoint FILE] [...]
 
 - ``mix``: training samples as ``tokenaug-train`` builds them (its parser, model, data config, training
   transform and mixer, from the same flags), each with its partner, the mixed image and the partner share of
@@ -16,7 +17,10 @@ numbers behind them (``meta.json``).
   draws of the training augmentation (crop, flip, RandAugment with ``--geometric-aa``), the augmented image
   beside its per-token targets in class colours: whether the labels follow the image, checked by eye;
 - ``tokenmix``: the masks of each sampler at a λ side by side: TokenMix blocks and random tokens (λ fixed),
-  a token-grid box and timm's CutMix pixel box (the draws of Beta(--cutmix) nearest λ among 512).
+  a token-grid box and timm's CutMix pixel box (the draws of Beta(--cutmix) nearest λ among 512);
+- ``tokenmixup``: one batch at the first HTM block: each sample's token saliency (grey, min to max), the partner
+  HTM matched it with, the tokens swapped and the same swap in image space (a sample not easy enough under τ
+  swaps nothing: raise ``--tokenmixup-tau`` to see the matching of an untrained ScoreNet).
 
 Every ``*_share.png`` / mask PNG is exact (one colour per token, pixel for pixel): ``shared_core.viz.
 share_from_colour`` reads a share back from it. The pictures' library functions are :mod:`shared_core.viz`
@@ -30,13 +34,14 @@ import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from shared_core.plotting import save_figure, save_png, write_index
 from shared_core.samplers import MixSampler
-from shared_core.viz import images_uint8, overlay, share_image
+from shared_core.viz import PARTNER, images_uint8, overlay, share_image
 
-COMMANDS = ('mix', 'tl-align', 'token-labels', 'tokenmix')
+COMMANDS = ('mix', 'tl-align', 'token-labels', 'tokenmix', 'tokenmixup')
 
 
 def _viz_args(parser: argparse.ArgumentParser) -> None:
@@ -405,6 +410,156 @@ def token_labels(argv) -> Path:
     return write_index(out, 'tokenaug-viz token-labels', [('token labels', 'token_labels.png')], meta)
 
 
+def tokenmixup(argv) -> Path:
+    """``tokenaug-viz tokenmixup``: one batch at the first HTM block of a model (``--tokenmixup-htm-layers``,
+    ``--initial-checkpoint`` with its ScoreNets): each sample's token saliency, the partner HTM matched it with
+    and the tokens it swapped (shown in image space: the partner's patches pasted where tokens were swapped).
+    Returns the index page."""
+    from timm.data import create_dataset, create_transform, resolve_data_config
+
+    from shared_core.checkpoint_io import load_checkpoint_file
+    from timm_plugin.tokenmixup import TokenMixup
+    from timm_plugin.train import build_model
+    from timm_plugin.train_args import check_supported, parse_args
+
+    args = parse_args(argv, add=_viz_args, prog='tokenaug-viz tokenmixup')
+    check_supported(args)
+    count = _check_count(args.count)
+    data_dir = args.data_dir or args.data
+    if not data_dir:
+        raise ValueError('--data-dir is required (the training split is drawn from)')
+    if not args.tokenmixup_htm_layers:
+        raise ValueError('--tokenmixup-htm-layers: name the HTM block(s) to draw (as for tokenaug-train)')
+    torch.manual_seed(args.viz_seed)
+    checkpoint, args.initial_checkpoint = args.initial_checkpoint, ''
+    model = build_model(args)
+    if args.num_classes is None:
+        args.num_classes = model.num_classes
+    tm = TokenMixup(
+        model,
+        htm_layers=args.tokenmixup_htm_layers,
+        rho=args.tokenmixup_rho,
+        tau=args.tokenmixup_tau,
+        saliency=args.tokenmixup_saliency,
+        scorenet=args.tokenmixup_scorenet,
+    )
+    if checkpoint:  # after the ScoreNets are attached: a tokenaug-train checkpoint holds them
+        state = load_checkpoint_file(checkpoint, '--initial-checkpoint')
+        state = state.get('state_dict', state) if isinstance(state, dict) else state
+        model.load_state_dict(state)
+    data_config = resolve_data_config(vars(args), model=model)
+    img_mode = args.input_img_mode or ('RGB' if data_config['input_size'][0] == 3 else 'L')
+    dataset = create_dataset(
+        args.dataset,
+        root=data_dir,
+        split=args.train_split,
+        is_training=True,
+        class_map=args.class_map,
+        input_img_mode=img_mode,
+    )
+    dataset.transform = create_transform(
+        data_config['input_size'],
+        is_training=True,
+        no_aug=args.no_aug,
+        scale=args.scale,
+        ratio=args.ratio,
+        hflip=args.hflip,
+        color_jitter=args.color_jitter,
+        auto_augment=args.aa,
+        interpolation=data_config['interpolation'],
+        mean=data_config['mean'],
+        std=data_config['std'],
+    )
+    if len(dataset) < count:
+        raise ValueError(f'--count: {count} samples asked, the training split has {len(dataset)}')
+    indices = sorted(random.Random(args.viz_seed).sample(range(len(dataset)), count))
+    random.seed(args.viz_seed)
+    samples = [dataset[i] for i in indices]
+    x = torch.stack([s[0] for s in samples])
+    y = torch.as_tensor([int(s[1]) for s in samples])
+    record = {}
+    tm.hooks.record = record
+    tm.train()
+    with torch.no_grad():
+        _, target = tm(x, y)
+    tm.hooks.record = None
+    layer = tm.hooks.htm_layers[0]
+    mix = target.mixes[0]
+    S, easy = record[layer]['saliency'], record[layer]['easy']
+    N = S.shape[1]
+    side = round(N**0.5)
+    if side * side != N:
+        raise ValueError(f'--model: {N} patch tokens do not form a square grid to draw')
+    H, W = data_config['input_size'][1:]
+    grid, patch = (side, side), (H // side, W // side)
+    swap = mix.token_share.view(-1, side, side)
+    mean, std = data_config['mean'], data_config['std']
+    own = images_uint8(x, mean, std)
+    partner = own[mix.partner.cpu().numpy()]
+    shares = share_image(swap, (H, W), patch)
+    swapped = (shares == np.asarray(PARTNER, dtype=np.uint8)).all(-1, keepdims=True)
+    pasted = np.where(swapped, partner, own)
+    s = S.view(-1, *grid)
+    s = (s - s.amin((1, 2), keepdim=True)) / (s.amax((1, 2), keepdim=True) - s.amin((1, 2), keepdim=True)).clamp_min(
+        1e-12
+    )
+    grey = (s * 255).round().to(torch.uint8)
+    rows_idx = torch.arange(H) // patch[0]
+    cols_idx = torch.arange(W) // patch[1]
+    heat = grey[:, rows_idx][:, :, cols_idx, None].expand(-1, -1, -1, 3).contiguous().numpy()
+    names = _names(dataset, args.num_classes)
+    out = Path(args.viz_dir)
+    rows, meta_samples = [], []
+    for i in range(count):
+        p = int(mix.partner[i])
+        files = dict(
+            image=f'sample{i}_image.png',
+            saliency=f'sample{i}_saliency.png',
+            swapped=f'sample{i}_swapped.png',
+            pasted=f'sample{i}_pasted.png',
+        )
+        save_png(own[i], out / files['image'])
+        save_png(heat[i], out / files['saliency'])
+        save_png(shares[i], out / files['swapped'])
+        save_png(pasted[i], out / files['pasted'])
+        n_swapped = int(swap[i].sum())
+        rows.append(
+            [
+                (f'{i}: {names[int(y[i])]}' + (' (easy)' if bool(easy[i]) else ''), own[i]),
+                (f'saliency, block {layer}', heat[i]),
+                (f'partner {p}: {names[int(y[p])]}', partner[i]),
+                (f'{n_swapped} tokens swapped, λ={float(mix.lam[i]):.2f}', shares[i]),
+                ('swapped in image space', pasted[i]),
+            ]
+        )
+        meta_samples.append(
+            dict(
+                index=indices[i],
+                label=int(y[i]),
+                easy=bool(easy[i]),
+                partner=p,
+                lam=float(mix.lam[i]),
+                saliency=S[i].view(*grid).tolist(),
+                swapped=swap[i].tolist(),
+                target=target.as_subclass(torch.Tensor)[i].tolist(),
+                files=files,
+            )
+        )
+    save_figure(rows, out / 'tokenmixup.png', title=f'HTM at block {layer} (tau {tm.tau}, rho {args.tokenmixup_rho})')
+    meta = dict(
+        command='tokenmixup',
+        model=args.model,
+        checkpoint=checkpoint or None,
+        layer=layer,
+        grid=list(grid),
+        patch_size=list(patch),
+        tau=tm.tau,
+        rho=args.tokenmixup_rho,
+        samples=meta_samples,
+    )
+    return write_index(out, f'tokenaug-viz tokenmixup: {args.model}', [('HTM', 'tokenmixup.png')], meta)
+
+
 def tokenmix(argv) -> Path:
     """``tokenaug-viz tokenmix``: the masks of each sampler at a λ. Returns the index page."""
     p = argparse.ArgumentParser(prog='tokenaug-viz tokenmix', description='masks of each sampler at a λ')
@@ -460,7 +615,13 @@ def main(argv=None) -> int:
         print(f'tokenaug-viz: error: the first argument is one of {COMMANDS}', file=sys.stderr)
         return 2
     try:
-        commands = {'mix': mix, 'tl-align': tl_align, 'token-labels': token_labels, 'tokenmix': tokenmix}
+        commands = {
+            'mix': mix,
+            'tl-align': tl_align,
+            'token-labels': token_labels,
+            'tokenmix': tokenmix,
+            'tokenmixup': tokenmixup,
+        }
         index = commands[argv[0]](argv[1:])
     except (ValueError, FileNotFoundError) as e:
         print(f'tokenaug-viz {argv[0]}: error: {e}', file=sys.stderr)
