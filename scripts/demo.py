@@ -157,6 +157,40 @@ def token_labeling(world, out, epochs, curves):
     return rows
 
 
+def pictures(world, out, count=4, viz=None) -> list:
+    """``tokenaug-viz`` on the demo's own runs: what TokenMix mixes, TL-Align's aligned labels (the TL-Align
+    checkpoint), token labels after the training transforms (the annotator's maps), TokenMix's masks and HTM's
+    swaps (the HTM checkpoint), ``count`` samples each, in ``viz`` (default out/viz)/<name>/ (PNGs, index.html);
+    the list of (name, index page)."""
+    cfg = REPO / 'configs/timm'
+    viz = Path(viz) if viz is not None else out / 'viz'
+    data = ['--data-dir', world / 'imagenet', '--count', str(count)]
+    jobs = [
+        ('mix', ['mix', '-c', cfg / 'world_vit-tiny.yaml', *data, '--mixup-type', 'tokenmix_block', '--mixup', '0']),
+        (
+            'tl_align',
+            ['tl-align', '-c', cfg / 'world_vit-tiny.yaml', *data, '--mixup', '0', '--mixup-mode', 'elem']
+            + ['--initial-checkpoint', out / 'timm/tl_align/model_best.pth.tar'],
+        ),
+        (
+            'token_labels',
+            ['token-labels', '-c', cfg / 'world_vit-tiny_token-labeling.yaml', '--data-dir', world / 'imagenet']
+            + ['--token-label-dir', out / 'maps/train', '--count', str(max(1, count // 2)), '--draws', '3'],
+        ),
+        ('tokenmix', ['tokenmix', '--img-size', '112', '112', '--count', str(count)]),
+        (
+            'tokenmixup',
+            ['tokenmixup', '-c', cfg / 'world_vit-tiny.yaml', *data, '--tokenmixup-htm-layers', '2']
+            + ['--tokenmixup-tau', '1.0', '--initial-checkpoint', out / 'timm/cutmix_htm/model_best.pth.tar'],
+        ),
+    ]
+    pages = []
+    for name, cmd in jobs:
+        run([BIN / 'tokenaug-viz', *cmd, '--viz-dir', viz / name], log=out / f'viz_{name}.log')
+        pages.append((name, viz / name / 'index.html'))
+    return pages
+
+
 def occlusion(world, out, runs):
     """tokenaug-occlusion on the given timm runs; returns {label: [(ratio, top1), ...]}."""
     curves = {}
@@ -404,6 +438,8 @@ def main():
     kinds += [(e, label) for e, label, _ in tokenmixup]
     kinds += [('mixtoken', 'MixToken + token labeling'), ('tokenmix', 'TokenMix + activation maps')]
     occ = occlusion(world, out, [('cutmix', 'MixUp/CutMix (DeiT)'), ('tokenmix', 'TokenMix + activation maps')])
+    print('  -- pictures (tokenaug-viz)', flush=True)
+    pages = pictures(world, out)
 
     table = [
         f'Synthetic world: 10 classes, 112 px, 400 train / 100 val images; {args.epochs} epochs, 2 CPU cores.',
@@ -450,6 +486,8 @@ def main():
         '|---|---|---|---|',
     ]
     table += [f'| {label} | {miou:.2f} | {box:.3f} | {mask:.3f} |' for label, miou, box, mask in transfer_rows]
+    table += ['', 'Pictures (tokenaug-viz; open the index pages):', '']
+    table += [f'- {name}: {page.relative_to(out)}' for name, page in pages]
     text = '\n'.join(table)
     (out / 'results.md').write_text(text + '\n')
     print('\n' + text)
