@@ -123,6 +123,33 @@ def method_and_mix_kind(args):
     return None, args.mixup_type
 
 
+def train_augmentation(args, data_config: dict) -> dict:
+    """The training transform's arguments from the command line, as timm's ``create_loader`` and
+    ``create_transform`` both take them (``tokenaug-viz`` builds the same transform)."""
+    interpolation = args.train_interpolation
+    if args.no_aug or not interpolation:
+        interpolation = data_config['interpolation']
+    return dict(
+        no_aug=args.no_aug,
+        re_prob=args.reprob,
+        re_mode=args.remode,
+        re_count=args.recount,
+        train_crop_mode=args.train_crop_mode,
+        scale=args.scale,
+        ratio=args.ratio,
+        hflip=args.hflip,
+        vflip=args.vflip,
+        color_jitter=args.color_jitter,
+        color_jitter_prob=args.color_jitter_prob,
+        grayscale_prob=args.grayscale_prob,
+        gaussian_blur_prob=args.gaussian_blur_prob,
+        auto_augment=args.aa,
+        interpolation=interpolation,
+        mean=data_config['mean'],
+        std=data_config['std'],
+    )
+
+
 def resolve_tokenmix(args) -> None:
     """``--mixup-type tokenmix``: the paper's TokenMix, ``tokenmix_{--tokenmix-mask}`` with λ fixed at 0.5
     unless ``--tokenmix-lam``."""
@@ -539,33 +566,14 @@ def run(argv=None) -> dict:
             f'prob={args.mixup_prob}, switch_prob={args.mixup_switch_prob}, mode={args.mixup_mode})'
         )
 
-    train_interpolation = args.train_interpolation
-    if args.no_aug or not train_interpolation:
-        train_interpolation = data_config['interpolation']
     loader_train = create_loader(
         dataset_train,
         input_size=data_config['input_size'],
         batch_size=args.batch_size,
         is_training=True,
-        no_aug=args.no_aug,
-        re_prob=args.reprob,
-        re_mode=args.remode,
-        re_count=args.recount,
         re_split=args.resplit,
-        train_crop_mode=args.train_crop_mode,
-        scale=args.scale,
-        ratio=args.ratio,
-        hflip=args.hflip,
-        vflip=args.vflip,
-        color_jitter=args.color_jitter,
-        color_jitter_prob=args.color_jitter_prob,
-        grayscale_prob=args.grayscale_prob,
-        gaussian_blur_prob=args.gaussian_blur_prob,
-        auto_augment=args.aa,
         num_aug_repeats=args.aug_repeats,
-        interpolation=train_interpolation,
-        mean=data_config['mean'],
-        std=data_config['std'],
+        **train_augmentation(args, data_config),
         num_workers=args.workers,
         distributed=args.distributed,
         collate_fn=collate_fn,

@@ -57,19 +57,44 @@ def _check_count(count: int) -> int:
     return count
 
 
+def _training_split(args, data_config: dict, use_prefetcher: bool = False):
+    """The training split with ``tokenaug-train``'s training transform (uint8 images with ``use_prefetcher``, as
+    its prefetcher loader; else normalised tensors)."""
+    from timm.data import create_dataset, create_transform
+
+    from timm_plugin.train import train_augmentation
+
+    data_dir = args.data_dir or args.data
+    if not data_dir:
+        raise ValueError('--data-dir is required (the training split is drawn from)')
+    dataset = create_dataset(
+        args.dataset,
+        root=data_dir,
+        split=args.train_split,
+        is_training=True,
+        class_map=args.class_map,
+        input_img_mode=args.input_img_mode or ('RGB' if data_config['input_size'][0] == 3 else 'L'),
+        download=args.dataset_download,
+    )
+    transform = create_transform(
+        data_config['input_size'],
+        is_training=True,
+        use_prefetcher=use_prefetcher,
+        **train_augmentation(args, data_config),
+    )
+    return dataset, transform
+
+
 def _mixed_batch(args, count: int):
     """What ``tokenaug-train`` would mix from these flags: ``(model, data_config, dataset, indices, x, y, xm,
     target, method, mix_kind, mixer kwargs)`` for ``count`` samples of the training split."""
-    from timm.data import create_dataset, create_transform, resolve_data_config
+    from timm.data import resolve_data_config
 
     from timm_plugin.mixup import create_mixer
     from timm_plugin.train import build_model, method_and_mix_kind, mixer_kwargs, resolve_mixing, resolve_tokenmix
     from timm_plugin.train_args import TOKEN_LABELING_TYPES, check_supported
 
     check_supported(args)
-    data_dir = args.data_dir or args.data
-    if not data_dir:
-        raise ValueError('--data-dir is required (the training split is drawn from)')
     if args.mixup_type in TOKEN_LABELING_TYPES or args.token_label_dir or args.relabel:
         raise ValueError('--mixup-type mixtoken / --token-label-dir: token labeling mixes inside the model')
     if args.activation_map_dir:
@@ -84,40 +109,7 @@ def _mixed_batch(args, count: int):
     method, mix_kind = method_and_mix_kind(args)
     kwargs = mixer_kwargs(args, model)
     data_config = resolve_data_config(vars(args), model=model)
-    img_mode = args.input_img_mode or ('RGB' if data_config['input_size'][0] == 3 else 'L')
-    dataset = create_dataset(
-        args.dataset,
-        root=data_dir,
-        split=args.train_split,
-        is_training=True,
-        class_map=args.class_map,
-        input_img_mode=img_mode,
-        download=args.dataset_download,
-    )
-    interpolation = args.train_interpolation
-    if args.no_aug or not interpolation:
-        interpolation = data_config['interpolation']
-    dataset.transform = create_transform(
-        data_config['input_size'],
-        is_training=True,
-        no_aug=args.no_aug,
-        train_crop_mode=args.train_crop_mode,
-        scale=args.scale,
-        ratio=args.ratio,
-        hflip=args.hflip,
-        vflip=args.vflip,
-        color_jitter=args.color_jitter,
-        color_jitter_prob=args.color_jitter_prob,
-        grayscale_prob=args.grayscale_prob,
-        gaussian_blur_prob=args.gaussian_blur_prob,
-        auto_augment=args.aa,
-        interpolation=interpolation,
-        mean=data_config['mean'],
-        std=data_config['std'],
-        re_prob=args.reprob,
-        re_mode=args.remode,
-        re_count=args.recount,
-    )
+    dataset, dataset.transform = _training_split(args, data_config)
     if len(dataset) < count:
         raise ValueError(f'--count: {count} samples asked, the training split has {len(dataset)}')
     random.seed(args.viz_seed)
@@ -295,7 +287,7 @@ def token_labels(argv) -> Path:
     """``tokenaug-viz token-labels``: each image's stored map (top-1 class, confidence) and, for several draws of
     the training augmentation, the augmented image beside its per-token targets (class colours of
     :func:`shared_core.viz.class_colours`): the orientation check by eye. Returns the index page."""
-    from timm.data import create_dataset, create_transform, resolve_data_config
+    from timm.data import resolve_data_config
 
     from shared_core.map_store import LabelMapStore
     from shared_core.viz import class_colours, label_image
@@ -308,9 +300,8 @@ def token_labels(argv) -> Path:
     check_supported(args)
     if args.count < 1 or args.draws < 1:
         raise ValueError(f'--count / --draws: expected >= 1, got {args.count} / {args.draws}')
-    data_dir = args.data_dir or args.data
-    if not data_dir or not args.token_label_dir:
-        raise ValueError('--data-dir and --token-label-dir are required (the images and their label maps)')
+    if not args.token_label_dir:
+        raise ValueError('--token-label-dir is required (the label maps of the training split)')
     store = LabelMapStore.open(args.token_label_dir)
     if args.num_classes is None:
         args.num_classes = store.num_classes
@@ -320,36 +311,9 @@ def token_labels(argv) -> Path:
     size = tuple(data_config['input_size'][1:])
     stride = token_stride(model)
     grid = (size[0] // stride[0], size[1] // stride[1])
-    img_mode = args.input_img_mode or ('RGB' if data_config['input_size'][0] == 3 else 'L')
-    base = create_dataset(
-        args.dataset,
-        root=data_dir,
-        split=args.train_split,
-        is_training=True,
-        class_map=args.class_map,
-        input_img_mode=img_mode,
-    )
+    base, transform = _training_split(args, data_config, use_prefetcher=True)  # uint8, as the prefetcher's
     dataset = TokenLabelDataset(base, store, geometric_aa=args.geometric_aa)
-    interpolation = args.train_interpolation if args.train_interpolation and not args.no_aug else None
-    dataset.transform = create_transform(  # as timm's create_loader with the prefetcher: uint8 images
-        data_config['input_size'],
-        is_training=True,
-        no_aug=args.no_aug,
-        train_crop_mode=args.train_crop_mode,
-        scale=args.scale,
-        ratio=args.ratio,
-        hflip=args.hflip,
-        vflip=args.vflip,
-        color_jitter=args.color_jitter,
-        color_jitter_prob=args.color_jitter_prob,
-        grayscale_prob=args.grayscale_prob,
-        gaussian_blur_prob=args.gaussian_blur_prob,
-        auto_augment=args.aa,
-        interpolation=interpolation or data_config['interpolation'],
-        mean=data_config['mean'],
-        std=data_config['std'],
-        use_prefetcher=True,
-    )
+    dataset.transform = transform
     count = min(args.count, len(dataset))
     indices = sorted(random.Random(args.viz_seed).sample(range(len(dataset)), count))
     collate = TokenLabelCollate(store.num_classes)
@@ -415,7 +379,7 @@ def tokenmixup(argv) -> Path:
     ``--initial-checkpoint`` with its ScoreNets): each sample's token saliency, the partner HTM matched it with
     and the tokens it swapped (shown in image space: the partner's patches pasted where tokens were swapped).
     Returns the index page."""
-    from timm.data import create_dataset, create_transform, resolve_data_config
+    from timm.data import resolve_data_config
 
     from shared_core.checkpoint_io import load_checkpoint_file
     from timm_plugin.tokenmixup import TokenMixup
@@ -425,9 +389,6 @@ def tokenmixup(argv) -> Path:
     args = parse_args(argv, add=_viz_args, prog='tokenaug-viz tokenmixup')
     check_supported(args)
     count = _check_count(args.count)
-    data_dir = args.data_dir or args.data
-    if not data_dir:
-        raise ValueError('--data-dir is required (the training split is drawn from)')
     if not args.tokenmixup_htm_layers:
         raise ValueError('--tokenmixup-htm-layers: name the HTM block(s) to draw (as for tokenaug-train)')
     torch.manual_seed(args.viz_seed)
@@ -448,28 +409,7 @@ def tokenmixup(argv) -> Path:
         state = state.get('state_dict', state) if isinstance(state, dict) else state
         model.load_state_dict(state)
     data_config = resolve_data_config(vars(args), model=model)
-    img_mode = args.input_img_mode or ('RGB' if data_config['input_size'][0] == 3 else 'L')
-    dataset = create_dataset(
-        args.dataset,
-        root=data_dir,
-        split=args.train_split,
-        is_training=True,
-        class_map=args.class_map,
-        input_img_mode=img_mode,
-    )
-    dataset.transform = create_transform(
-        data_config['input_size'],
-        is_training=True,
-        no_aug=args.no_aug,
-        scale=args.scale,
-        ratio=args.ratio,
-        hflip=args.hflip,
-        color_jitter=args.color_jitter,
-        auto_augment=args.aa,
-        interpolation=data_config['interpolation'],
-        mean=data_config['mean'],
-        std=data_config['std'],
-    )
+    dataset, dataset.transform = _training_split(args, data_config)
     if len(dataset) < count:
         raise ValueError(f'--count: {count} samples asked, the training split has {len(dataset)}')
     indices = sorted(random.Random(args.viz_seed).sample(range(len(dataset)), count))
