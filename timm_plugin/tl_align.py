@@ -228,11 +228,14 @@ class SharedAttentionViT:
 
     @staticmethod
     def applies(base, labels: torch.Tensor, layers) -> bool:
-        """Whether the shared path covers this model and state: a plain timm ViT (not the CCT adapter), a compact
-        state, and no attention dropout active in the blocks it aligns (it would drop label columns too)."""
+        """Whether the shared path covers this model and state: a plain timm ViT (not the CCT adapter) whose
+        attention forwards are timm's own (not replaced), a compact state, and no attention dropout active in the
+        blocks it aligns (it would drop label columns too)."""
         if type(base) not in (ViTTracer, DistilledViTTracer) or labels.shape[-1] > SHARED_MAX_WIDTH:
             return False
         blocks = [b for i, b in enumerate(base.model.blocks) if layers is None or i in layers]
+        if any('forward' in b.attn.__dict__ or type(b.attn).forward is not Attention.forward for b in blocks):
+            return False  # a replaced attention forward is the user's: keep it (the recomputing path checks it)
         return not any(b.attn.attn_drop.p > 0 and b.attn.training for b in blocks)
 
     @property
