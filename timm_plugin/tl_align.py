@@ -1,9 +1,10 @@
-"""TL-Align for timm models: a wrapper that traces token labels beside the unchanged token path.
+"""TL-Align for timm models: a wrapper that traces token labels beside the token path.
 
 ``TLAlign(model)`` wraps a supported timm model. In training, ``logits, target = wrapped(x, mix_target)``
-with ``mix_target`` the :class:`timm_plugin.MixTarget` from a token-aware mixer: the logits are exactly
-the model's, and ``target`` is the aligned ``(B, C)`` soft target (``tl-align.md`` Eq. 12). In eval
-mode (or without a target) it is the plain model call: same logits, no extra work.
+with ``mix_target`` the :class:`timm_plugin.MixTarget` from a token-aware mixer: the logits are the model's
+(exactly on the recomputing path; on timm ViTs' shared attention up to another kernel's float rounding), and
+``target`` is the aligned ``(B, C)`` soft target (TL-Align paper Eq. 12). In eval mode (or without a target)
+it is the plain model call: same logits, no extra work.
 
 How the labels are traced: forward hooks on each attention's ``q_norm`` / ``k_norm`` (identity modules
 unless qk-norm is on) keep the detached ``q``, ``k`` the token path fed to its fused attention (autograd
@@ -754,7 +755,7 @@ class TLAlign(nn.Module):
         residual: ``False`` drops the residual from the label path (Table 8, "normalization disabled").
         fused: the label attention as a fused SDPA call (``True``) or a transient softmax (``False``) for this
             wrapper; default :func:`shared_core.tl_align.use_fused_label_attn` (``$TOKENAUG_FUSED_LABEL_ATTN``,
-            else fused on accelerators). The token path is the model's either way.
+            else fused on accelerators). With ``shared=False`` the token path is the model's own either way.
         drop_path: ``'kept'`` (a sample whose attention branch stochastic depth dropped keeps its labels) or
             ``'public'`` (the public code: they update anyway).
         shared: timm ViTs: one attention per block for tokens and labels (:class:`SharedAttentionViT`);
