@@ -20,6 +20,8 @@ __all__ = [
     'share_colours',
     'share_from_colour',
     'share_image',
+    'token_plane',
+    'grey_image',
     'overlay',
     'token_centres',
     'class_colours',
@@ -60,17 +62,34 @@ def share_from_colour(rgb) -> np.ndarray:
     return np.clip(((rgb - own) * d).sum(-1) / (d * d).sum(), 0.0, 1.0)
 
 
+def token_plane(values, img_size: Tuple[int, int], patch_size: Tuple[int, int]) -> np.ndarray:
+    """Per-token values ``(B, gh, gw, ...)`` spread over the image plane ``(B, H, W, ...)``: every pixel takes the
+    value of the token it belongs to (pixel ``// patch``; a clipped last row/column belongs to its token)."""
+    values = np.asarray(values)
+    H, W = img_size
+    ph, pw = patch_size
+    rows = np.minimum(np.arange(H) // ph, values.shape[1] - 1)
+    cols = np.minimum(np.arange(W) // pw, values.shape[2] - 1)
+    return values[:, rows][:, :, cols]
+
+
 def share_image(share: torch.Tensor, img_size: Tuple[int, int], patch_size: Tuple[int, int]) -> np.ndarray:
-    """The token shares ``(B, gh, gw)`` painted over the image plane ``(B, H, W, 3)``: every pixel takes the
-    colour of the token it belongs to (pixel ``// patch``; a clipped last row/column belongs to its token)."""
+    """The token shares ``(B, gh, gw)`` painted over the image plane ``(B, H, W, 3)`` on the share scale."""
     share = torch.as_tensor(share).detach().float().cpu()
     if share.dim() != 3:
         raise ValueError(f'share: expected (B, gh, gw) token shares, got {tuple(share.shape)}')
-    H, W = img_size
-    ph, pw = patch_size
-    rows = np.minimum(np.arange(H) // ph, share.shape[1] - 1)
-    cols = np.minimum(np.arange(W) // pw, share.shape[2] - 1)
-    return share_colours(share.numpy()[:, rows][:, :, cols])
+    return token_plane(share_colours(share.numpy()), img_size, patch_size)
+
+
+def grey_image(values: torch.Tensor, img_size: Tuple[int, int], patch_size: Tuple[int, int]) -> np.ndarray:
+    """Per-token scores ``(B, gh, gw)`` (e.g. saliency) as grey levels over the image plane ``(B, H, W, 3)``,
+    each sample stretched from its minimum (black) to its maximum (white)."""
+    v = torch.as_tensor(values).detach().float().cpu()
+    if v.dim() != 3:
+        raise ValueError(f'values: expected (B, gh, gw) token scores, got {tuple(v.shape)}')
+    lo, hi = v.amin((1, 2), keepdim=True), v.amax((1, 2), keepdim=True)
+    grey = ((v - lo) / (hi - lo).clamp_min(1e-12) * 255).round().to(torch.uint8).numpy()
+    return token_plane(np.repeat(grey[..., None], 3, -1), img_size, patch_size)
 
 
 def overlay(images: np.ndarray, colours: np.ndarray, alpha: float = 0.45) -> np.ndarray:
@@ -112,11 +131,7 @@ def label_image(probs: torch.Tensor, img_size: Tuple[int, int], patch_size: Tupl
         raise ValueError(f'probs: expected (B, gh, gw, C) token distributions, got {tuple(probs.shape)}')
     colours = torch.as_tensor(class_colours(probs.shape[-1]), dtype=torch.float32)
     rgb = (probs @ colours).round().clamp(0, 255).to(torch.uint8).numpy()  # (B, gh, gw, 3)
-    H, W = img_size
-    ph, pw = patch_size
-    rows = np.minimum(np.arange(H) // ph, rgb.shape[1] - 1)
-    cols = np.minimum(np.arange(W) // pw, rgb.shape[2] - 1)
-    return rgb[:, rows][:, :, cols]
+    return token_plane(rgb, img_size, patch_size)
 
 
 def class_from_colour(rgb, num_classes: int) -> np.ndarray:

@@ -39,7 +39,7 @@ import torch
 
 from shared_core.plotting import save_figure, save_png, write_index
 from shared_core.samplers import MixSampler
-from shared_core.viz import PARTNER, images_uint8, overlay, share_image
+from shared_core.viz import grey_image, images_uint8, overlay, share_image, token_plane
 
 COMMANDS = ('mix', 'tl-align', 'token-labels', 'tokenmix', 'tokenmixup')
 
@@ -437,16 +437,8 @@ def tokenmixup(argv) -> Path:
     own = images_uint8(x, mean, std)
     partner = own[mix.partner.cpu().numpy()]
     shares = share_image(swap, (H, W), patch)
-    swapped = (shares == np.asarray(PARTNER, dtype=np.uint8)).all(-1, keepdims=True)
-    pasted = np.where(swapped, partner, own)
-    s = S.view(-1, *grid)
-    s = (s - s.amin((1, 2), keepdim=True)) / (s.amax((1, 2), keepdim=True) - s.amin((1, 2), keepdim=True)).clamp_min(
-        1e-12
-    )
-    grey = (s * 255).round().to(torch.uint8)
-    rows_idx = torch.arange(H) // patch[0]
-    cols_idx = torch.arange(W) // patch[1]
-    heat = grey[:, rows_idx][:, :, cols_idx, None].expand(-1, -1, -1, 3).contiguous().numpy()
+    pasted = np.where(token_plane(swap.bool().numpy(), (H, W), patch)[..., None], partner, own)
+    heat = grey_image(S.view(-1, *grid), (H, W), patch)
     names = _names(dataset, args.num_classes)
     out = Path(args.viz_dir)
     rows, meta_samples = [], []
