@@ -51,6 +51,14 @@ def _viz_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument('--viz-seed', type=int, default=0, help='seed of the sample choice, augmentation and mixing')
 
 
+def _seed(seed: int) -> None:
+    """Every random stream the training transforms draw from: Python's (crops, RandAugment magnitudes), numpy's
+    (timm's RandAugment picks its ops with ``np.random.choice``) and torch's (flips, erasing, mixing)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def _check_count(count: int) -> int:
     if count < 2 or count % 2:
         raise ValueError(f'--count: expected an even number >= 2 (mixing pairs samples), got {count}')
@@ -100,7 +108,7 @@ def _mixed_batch(args, count: int):
     if args.activation_map_dir:
         raise ValueError('--activation-map-dir: activation-map targets are not drawn by tokenaug-viz yet')
     resolve_tokenmix(args)
-    torch.manual_seed(args.viz_seed)
+    _seed(args.viz_seed)
     model = build_model(args)
     if args.num_classes is None:
         args.num_classes = model.num_classes
@@ -112,7 +120,6 @@ def _mixed_batch(args, count: int):
     dataset, dataset.transform = _training_split(args, data_config)
     if len(dataset) < count:
         raise ValueError(f'--count: {count} samples asked, the training split has {len(dataset)}')
-    random.seed(args.viz_seed)
     indices = sorted(random.Random(args.viz_seed).sample(range(len(dataset)), count))
     samples = [dataset[i] for i in indices]
     x = torch.stack([s[0] for s in samples])
@@ -305,7 +312,7 @@ def token_labels(argv) -> Path:
     store = LabelMapStore.open(args.token_label_dir)
     if args.num_classes is None:
         args.num_classes = store.num_classes
-    torch.manual_seed(args.viz_seed)
+    _seed(args.viz_seed)
     model = build_model(args)
     data_config = resolve_data_config(vars(args), model=model)
     size = tuple(data_config['input_size'][1:])
@@ -322,8 +329,7 @@ def token_labels(argv) -> Path:
     out = Path(args.viz_dir)
     rows, meta_images = [], []
     for n, idx in enumerate(indices):
-        random.seed(args.viz_seed * 1000 + n)
-        torch.manual_seed(args.viz_seed * 1000 + n)
+        _seed(args.viz_seed * 1000 + n)
         samples = [dataset[idx] for _ in range(args.draws)]
         x, target = collate(samples)
         probs = target.token_targets(grid, 0.0).dense().reshape(len(samples), *grid, -1)
@@ -391,7 +397,7 @@ def tokenmixup(argv) -> Path:
     count = _check_count(args.count)
     if not args.tokenmixup_htm_layers:
         raise ValueError('--tokenmixup-htm-layers: name the HTM block(s) to draw (as for tokenaug-train)')
-    torch.manual_seed(args.viz_seed)
+    _seed(args.viz_seed)
     checkpoint, args.initial_checkpoint = args.initial_checkpoint, ''
     model = build_model(args)
     if args.num_classes is None:
@@ -413,7 +419,6 @@ def tokenmixup(argv) -> Path:
     if len(dataset) < count:
         raise ValueError(f'--count: {count} samples asked, the training split has {len(dataset)}')
     indices = sorted(random.Random(args.viz_seed).sample(range(len(dataset)), count))
-    random.seed(args.viz_seed)
     samples = [dataset[i] for i in indices]
     x = torch.stack([s[0] for s in samples])
     y = torch.as_tensor([int(s[1]) for s in samples])
