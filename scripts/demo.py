@@ -159,7 +159,8 @@ def token_labeling(world, out, epochs, curves):
 
 def pictures(world, out, count=4, viz=None) -> list:
     """``tokenaug-viz`` on the demo's own runs: what TokenMix mixes, TL-Align's aligned labels (the TL-Align
-    checkpoint), token labels after the training transforms (the annotator's maps), TokenMix's masks and HTM's
+    checkpoint), token labels after the training transforms (the annotator's maps), TokenMix's activation-map
+    targets (the same maps as the teacher's), TokenMix's masks and HTM's
     swaps (the HTM checkpoint), ``count`` samples each, in ``viz`` (default out/viz)/<name>/ (PNGs, index.html);
     the list of (name, index page)."""
     cfg = REPO / 'configs/timm'
@@ -176,6 +177,11 @@ def pictures(world, out, count=4, viz=None) -> list:
             'token_labels',
             ['token-labels', '-c', cfg / 'world_vit-tiny_token-labeling.yaml', '--data-dir', world / 'imagenet']
             + ['--token-label-dir', out / 'maps/train', '--count', str(max(1, count // 2)), '--draws', '3'],
+        ),
+        (
+            'activation_maps',
+            ['mix', '-c', cfg / 'world_vit-tiny_tokenmix.yaml', *data, '--mixup', '0']
+            + ['--activation-map-dir', out / 'maps/train'],
         ),
         ('tokenmix', ['tokenmix', '--img-size', '112', '112', '--count', str(count)]),
         (

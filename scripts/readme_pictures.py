@@ -17,7 +17,7 @@ from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURES = {'mix': 'mix.png', 'tl_align': 'tl_align.png', 'token_labels': 'token_labels.png'}
-FIGURES.update(tokenmix='tokenmix.png', tokenmixup='tokenmixup.png')
+FIGURES.update(activation_maps='mix.png', tokenmix='tokenmix.png', tokenmixup='tokenmixup.png')
 
 
 def main() -> None:

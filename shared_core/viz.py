@@ -8,7 +8,7 @@ it comes from the partner), linear in between, rounded to the nearest integer pe
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -81,13 +81,25 @@ def share_image(share: torch.Tensor, img_size: Tuple[int, int], patch_size: Tupl
     return token_plane(share_colours(share.numpy()), img_size, patch_size)
 
 
-def grey_image(values: torch.Tensor, img_size: Tuple[int, int], patch_size: Tuple[int, int]) -> np.ndarray:
+def grey_image(
+    values: torch.Tensor,
+    img_size: Tuple[int, int],
+    patch_size: Tuple[int, int],
+    value_range: Optional[Tuple[float, float]] = None,
+) -> np.ndarray:
     """Per-token scores ``(B, gh, gw)`` (e.g. saliency) as grey levels over the image plane ``(B, H, W, 3)``,
-    each sample stretched from its minimum (black) to its maximum (white)."""
+    each sample stretched from its minimum (black) to its maximum (white), or on a fixed ``value_range``
+    ``(lo, hi)`` (e.g. ``(0, 1)`` for probabilities: grey level ``round(255 · p)``, values outside clipped)."""
     v = torch.as_tensor(values).detach().float().cpu()
     if v.dim() != 3:
         raise ValueError(f'values: expected (B, gh, gw) token scores, got {tuple(v.shape)}')
-    lo, hi = v.amin((1, 2), keepdim=True), v.amax((1, 2), keepdim=True)
+    if value_range is None:
+        lo, hi = v.amin((1, 2), keepdim=True), v.amax((1, 2), keepdim=True)
+    else:
+        lo, hi = (float(t) for t in value_range)
+        if not hi > lo:
+            raise ValueError(f'value_range: expected (lo, hi) with hi > lo, got {value_range}')
+        v, lo, hi = v.clamp(lo, hi), torch.tensor(lo), torch.tensor(hi)
     grey = ((v - lo) / (hi - lo).clamp_min(1e-12) * 255).round().to(torch.uint8).numpy()
     return token_plane(np.repeat(grey[..., None], 3, -1), img_size, patch_size)
 

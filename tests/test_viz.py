@@ -188,3 +188,56 @@ def test_tokenmixup_pictures_show_the_htm_plan(tiny_world, tmp_path):
         swapped_any += int(swap.sum())
         assert abs(sum(sample['target']) - 1) < 1e-5
     assert swapped_any > 0
+
+
+def test_mix_pictures_show_tokenmix_activation_map_targets(quadrant_data, tmp_path):
+    """TokenMix's activation-map targets for pairs (``mix --activation-map-dir``), on quadrant images whose
+    teacher map of class c is 1 exactly on quadrant c: each token the image shows whole in one quadrant colour
+    has map 1 for its own class's colour and 0 for the others (the map follows the crop and flip), the map
+    picture's grey is round(255 · map), and λ' and the target are Eq. 2 recomputed by explicit loops."""
+    from .helpers import COLOURS
+
+    out = tmp_path / 'act'
+    argv = ['mix', '--data-dir', str(quadrant_data), '--activation-map-dir', str(quadrant_data / 'maps')]
+    argv += ['--model', 'vit_tiny_patch16_224', '--model-kwargs', 'img_size=64', '--input-size', '3', '64', '64']
+    argv += ['--num-classes', '4', '--mixup-type', 'tokenmix_block', '--cutmix', '1', '--mixup', '0']
+    argv += ['--mixup-mode', 'elem', '--train-interpolation', 'nearest', '--color-jitter', '0']
+    argv += ['--count', '6', '--viz-dir', str(out)]
+    assert viz_cli.main(argv) == 0
+    meta = json.loads((out / 'meta.json').read_text())
+    assert meta['mixing'] == 'tokenmix_block with true_class activation-map targets'
+    samples, checked, eps = meta['samples'], 0, 0.1
+    maps = [np.asarray(s['activation_map']) for s in samples]
+    rc = token_centres((4, 4), (16, 16))
+    for i, s in enumerate(samples):
+        own, label = _png(out / s['files']['own']), s['label']
+        grey = _png(out / s['files']['map'])[rc[:, 0], rc[:, 1]]
+        assert (grey == np.round(255 * maps[i].ravel())[:, None]).all()
+        for r in range(4):
+            for c in range(4):
+                cell = own[r * 16 : r * 16 + 16, c * 16 : c * 16 + 16].reshape(-1, 3)
+                whole = [k for k in range(4) if (cell == COLOURS[k]).all()]
+                if whole:
+                    assert maps[i][r, c] == pytest.approx(float(whole[0] == label), abs=0.02)
+                    checked += 1
+        # Eq. 2 by loops: spatially normalised maps (even where a map is all zero), weights of the kept and
+        # the given tokens, then the pair target with label smoothing
+        share, p = np.asarray(s['token_share']), s['partner']
+
+        def normalised(a):
+            return a / a.sum() if a.sum() > 1e-12 else np.full_like(a, 1 / a.size)
+
+        A, Ap = normalised(maps[i]), normalised(maps[p])
+        w_own = sum((1 - share[r, c]) * A[r, c] for r in range(4) for c in range(4))
+        w_partner = sum(share[r, c] * Ap[r, c] for r in range(4) for c in range(4))
+        lam = w_own / (w_own + w_partner) if w_own + w_partner > 1e-12 else s['lam']
+        assert s['activation_lam'] == pytest.approx(lam, abs=1e-5)
+        target = np.full(4, eps / 4)
+        target[label] += (1 - eps) * lam
+        target[samples[p]['label']] += (1 - eps) * (1 - lam)
+        assert np.abs(np.asarray(s['target']) - target).max() < 1e-5
+    assert checked > 30, checked
+    assert any(abs(s['activation_lam'] - s['lam']) > 0.05 for s in samples)  # the teacher moved some targets
+    bad = [a if a != 'tokenmix_block' else 'tl_align' for a in argv[1:]]
+    with pytest.raises(ValueError, match='--activation-map-dir: TokenMix targets apply to the mixing kinds'):
+        viz_cli.mix(bad)

@@ -159,6 +159,16 @@ def resolve_tokenmix(args) -> None:
             args.tokenmix_lam = 0.5
 
 
+def check_activation_maps(args, token_labeling: bool) -> None:
+    """``--activation-map-dir`` (TokenMix's targets) re-weights the two labels of a mixing kind: not a method's
+    targets, nor token labeling's."""
+    if args.activation_map_dir and (token_labeling or args.mixup_type in TARGET_METHODS):
+        raise ValueError(
+            f'--activation-map-dir: TokenMix targets apply to the mixing kinds {MIX_KINDS}, not to '
+            f'{"token labeling" if token_labeling else args.mixup_type}'
+        )
+
+
 def resolve_mixing(args, token_labeling: bool) -> bool:
     """Whether a mixer runs (MixUp/CutMix/token kinds; token labeling mixes in its task), with
     ``args.mixup_type`` resolved as timm does (``cutmix`` if ``--cutmix > 0``, else ``mixup``)."""
@@ -441,11 +451,7 @@ def run(argv=None) -> dict:
             )
         if args.tokenmixup_htm_layers:  # before the optimizer, EMA and resume: the ScoreNets are part of the model
             attach_scorenets(model, args.tokenmixup_htm_layers, args.tokenmixup_scorenet)
-    if args.activation_map_dir and (token_labeling or args.mixup_type in TARGET_METHODS):
-        raise ValueError(
-            f'--activation-map-dir: TokenMix targets apply to the mixing kinds {MIX_KINDS}, not to '
-            f'{"token labeling" if token_labeling else args.mixup_type}'
-        )
+    check_activation_maps(args, token_labeling)
     if utils.is_primary(args):
         _logger.info(
             f'Model {safe_model_name(args.model)} created, param count: {sum(m.numel() for m in model.parameters())}'

@@ -9,7 +9,9 @@ numbers behind them (``meta.json``).
 
 - ``mix``: training samples as ``tokenaug-train`` builds them (its parser, model, data config, training
   transform and mixer, from the same flags), each with its partner, the mixed image and the partner share of
-  every token (two-colour scale of :mod:`shared_core.viz`, over the image and alone);
+  every token (two-colour scale of :mod:`shared_core.viz`, over the image and alone); with
+  ``--activation-map-dir`` (TokenMix's activation-map targets for each pair) also the teacher's map of each
+  image's own class and of its partner's (grey, 0 to 1, after the crop and flip) and the area λ beside Eq. 2's λ';
 - ``tl-align``: TL-Align's Fig. 6 for a timm ViT / DeiT and a checkpoint: the two inputs, the mixed image, the
   initial label embedding (each token's partner share) and the aligned one after the last block
   (``--per-block``: after each), with the area λ and the aligned λ of what the classifier reads;
@@ -17,7 +19,8 @@ numbers behind them (``meta.json``).
   draws of the training augmentation (crop, flip, RandAugment with ``--geometric-aa``), the augmented image
   beside its per-token targets in class colours: whether the labels follow the image, checked by eye;
 - ``tokenmix``: the masks of each sampler at a λ side by side: TokenMix blocks and random tokens (λ fixed),
-  a token-grid box and timm's CutMix pixel box (the draws of Beta(--cutmix) nearest λ among 512);
+  a token-grid box and timm's CutMix pixel box (the draws of Beta(--cutmix) nearest λ among 512); the
+  activation-map targets of pairs are ``mix --mixup-type tokenmix_block --activation-map-dir MAPS``;
 - ``tokenmixup``: one batch at the first HTM block: each sample's token saliency (grey, min to max), the partner
   HTM matched it with, the tokens swapped and the same swap in image space (a sample not easy enough under τ
   swaps nothing: raise ``--tokenmixup-tau`` to see the matching of an untrained ScoreNet).
@@ -99,14 +102,20 @@ def _mixed_batch(args, count: int):
     from timm.data import resolve_data_config
 
     from timm_plugin.mixup import create_mixer
-    from timm_plugin.train import build_model, method_and_mix_kind, mixer_kwargs, resolve_mixing, resolve_tokenmix
+    from timm_plugin.train import (
+        build_model,
+        check_activation_maps,
+        method_and_mix_kind,
+        mixer_kwargs,
+        resolve_mixing,
+        resolve_tokenmix,
+    )
     from timm_plugin.train_args import TOKEN_LABELING_TYPES, check_supported
 
     check_supported(args)
     if args.mixup_type in TOKEN_LABELING_TYPES or args.token_label_dir or args.relabel:
         raise ValueError('--mixup-type mixtoken / --token-label-dir: token labeling mixes inside the model')
-    if args.activation_map_dir:
-        raise ValueError('--activation-map-dir: activation-map targets are not drawn by tokenaug-viz yet')
+    check_activation_maps(args, token_labeling=False)
     resolve_tokenmix(args)
     _seed(args.viz_seed)
     model = build_model(args)
@@ -117,13 +126,29 @@ def _mixed_batch(args, count: int):
     method, mix_kind = method_and_mix_kind(args)
     kwargs = mixer_kwargs(args, model)
     data_config = resolve_data_config(vars(args), model=model)
-    dataset, dataset.transform = _training_split(args, data_config)
+    dataset, transform = _training_split(args, data_config)
+    if args.activation_map_dir:  # as tokenaug-train: the samples carry their teacher map rows, crops and flips
+        from shared_core.map_store import LabelMapStore
+        from timm_plugin.token_label_data import TokenLabelCollate, TokenLabelDataset
+
+        store = LabelMapStore.open(args.activation_map_dir)
+        if store.num_classes != args.num_classes:
+            raise ValueError(
+                f'--activation-map-dir: the maps have {store.num_classes} classes, the model {args.num_classes}'
+            )
+        base, dataset = dataset, TokenLabelDataset(dataset, store, geometric_aa=args.geometric_aa)
+        kwargs = dict(kwargs, activation_targets=args.activation_target)
+    dataset.transform = transform
     if len(dataset) < count:
         raise ValueError(f'--count: {count} samples asked, the training split has {len(dataset)}')
     indices = sorted(random.Random(args.viz_seed).sample(range(len(dataset)), count))
     samples = [dataset[i] for i in indices]
-    x = torch.stack([s[0] for s in samples])
-    y = torch.as_tensor([int(s[1]) for s in samples])
+    if args.activation_map_dir:
+        x, y = TokenLabelCollate(args.num_classes)(samples)
+        dataset = base
+    else:
+        x = torch.stack([s[0] for s in samples])
+        y = torch.as_tensor([int(s[1]) for s in samples])
     mixer = create_mixer(mix_kind, carry_mix=True, generator=torch.Generator().manual_seed(args.viz_seed), **kwargs)
     xm, target = mixer(x, y)
     return model, data_config, dataset, indices, x, y, xm, target, method, mix_kind, kwargs
@@ -157,33 +182,43 @@ def mix(argv) -> Path:
     out = Path(args.viz_dir)
     rows, meta_samples = [], []
     soft = target.as_tensor() if hasattr(target, 'as_tensor') else target
+    labels = y.as_tensor() if hasattr(y, 'as_tensor') else y
+    maps = act_lam = None
+    if args.activation_map_dir:  # the teacher's map of each image's own class on the token grid (Eq. 2's A)
+        from shared_core.label_maps import class_maps
+        from shared_core.tokenmix import activation_lam
+
+        maps = class_maps(
+            y.values, y.indices, args.num_classes, labels, y.boxes, y.flips, m.grid_size, y.affines, y.extent
+        )
+        act_lam = activation_lam(maps, m)
+        map_pics = grey_image(maps, m.img_size, m.patch_size, value_range=(0.0, 1.0))
     for i in range(count):
         p = int(m.partner[i])
         lam = float(m.lam[i])
         files = {kind: f'sample{i}_{kind}.png' for kind in ('own', 'partner', 'mixed', 'share', 'overlay')}
         for kind, arr in zip(files, (own[i], partner[i], mixed[i], shares[i], tinted[i])):
             save_png(arr, out / files[kind])
-        rows.append(
-            [
-                (f'{i}: {names[int(y[i])]}', own[i]),
-                (f'partner {p}: {names[int(y[p])]}', partner[i]),
-                (f'mixed, λ={lam:.2f}', mixed[i]),
-                ('target: ' + _top(soft[i], names), tinted[i]),
-                ('partner share', shares[i]),
-            ]
-        )
-        meta_samples.append(
-            dict(
-                index=indices[i],
-                label=int(y[i]),
-                partner=p,
-                lam=lam,
-                token_share=m.token_share[i].tolist(),
-                target=soft[i].tolist(),
-                files=files,
-            )
-        )
+        row = [
+            (f'{i}: {names[int(labels[i])]}', own[i]),
+            (f'partner {p}: {names[int(labels[p])]}', partner[i]),
+            (f'mixed, λ={lam:.2f}', mixed[i]),
+            ('target: ' + _top(soft[i], names), tinted[i]),
+            ('partner share', shares[i]),
+        ]
+        sample = dict(index=indices[i], label=int(labels[i]), partner=p, lam=lam, token_share=m.token_share[i].tolist())
+        if maps is not None:
+            files['map'] = f'sample{i}_map.png'
+            save_png(map_pics[i], out / files['map'])
+            row.insert(2, (f"partner's map ({names[int(labels[p])]})", map_pics[p]))
+            row.insert(1, (f'teacher map ({names[int(labels[i])]})', map_pics[i]))
+            row[4] = (f"mixed, area λ={lam:.2f}, λ'={float(act_lam[i]):.2f}", mixed[i])
+            sample.update(activation_map=maps[i].tolist(), activation_lam=float(act_lam[i]))
+        rows.append(row)
+        meta_samples.append(dict(sample, target=soft[i].tolist(), files=files))
     shown = f'{method} over {mix_kind}' if method else mix_kind
+    if args.activation_map_dir:
+        shown += f' with {args.activation_target} activation-map targets'
     save_figure(rows, out / 'mix.png', title=f'{shown} (what tokenaug-train mixes; red: from the partner)')
     meta = dict(
         command='mix',
