@@ -159,10 +159,10 @@ def token_labeling(world, out, epochs, curves):
 
 def pictures(world, out, count=4, viz=None) -> list:
     """``tokenaug-viz`` on the demo's own runs: what TokenMix mixes, TL-Align's aligned labels (the TL-Align
-    checkpoint), token labels after the training transforms (the annotator's maps), TokenMix's activation-map
-    targets (the same maps as the teacher's), TokenMix's masks and HTM's
-    swaps (the HTM checkpoint), ``count`` samples each, in ``viz`` (default out/viz)/<name>/ (PNGs, index.html);
-    the list of (name, index page)."""
+    ViT and Swin checkpoints), token labels after the training transforms (the annotator's maps), TokenMix's
+    activation-map targets (the same maps as the teacher's), TokenMix's masks and HTM's swaps (the HTM
+    checkpoint), ``count`` samples each, in ``viz`` (default out/viz)/<name>/ (PNGs, index.html); the list of
+    (name, index page)."""
     cfg = REPO / 'configs/timm'
     viz = Path(viz) if viz is not None else out / 'viz'
     data = ['--data-dir', world / 'imagenet', '--count', str(count)]
@@ -172,6 +172,11 @@ def pictures(world, out, count=4, viz=None) -> list:
             'tl_align',
             ['tl-align', '-c', cfg / 'world_vit-tiny.yaml', *data, '--mixup', '0', '--mixup-mode', 'elem']
             + ['--initial-checkpoint', out / 'timm/tl_align/model_best.pth.tar'],
+        ),
+        (
+            'tl_align_swin',
+            ['tl-align', '-c', cfg / 'world_swin-mini.yaml', *data, '--mixup', '0', '--mixup-mode', 'elem']
+            + ['--initial-checkpoint', out / 'timm/swin-mini_tl_align/model_best.pth.tar'],
         ),
         (
             'token_labels',
@@ -444,8 +449,6 @@ def main():
     kinds += [(e, label) for e, label, _ in tokenmixup]
     kinds += [('mixtoken', 'MixToken + token labeling'), ('tokenmix', 'TokenMix + activation maps')]
     occ = occlusion(world, out, [('cutmix', 'MixUp/CutMix (DeiT)'), ('tokenmix', 'TokenMix + activation maps')])
-    print('  -- pictures (tokenaug-viz)', flush=True)
-    pages = pictures(world, out)
 
     table = [
         f'Synthetic world: 10 classes, 112 px, 400 train / 100 val images; {args.epochs} epochs, 2 CPU cores.',
@@ -492,6 +495,8 @@ def main():
         '|---|---|---|---|',
     ]
     table += [f'| {label} | {miou:.2f} | {box:.3f} | {mask:.3f} |' for label, miou, box, mask in transfer_rows]
+    print('  -- pictures (tokenaug-viz; after the transfer step, which trains the Swin they include)', flush=True)
+    pages = pictures(world, out)
     table += ['', 'Pictures (tokenaug-viz; open the index pages):', '']
     table += [f'- {name}: {page.relative_to(out)}' for name, page in pages]
     text = '\n'.join(table)

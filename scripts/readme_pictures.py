@@ -16,7 +16,8 @@ from pathlib import Path
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
-FIGURES = {'mix': 'mix.png', 'tl_align': 'tl_align.png', 'token_labels': 'token_labels.png'}
+FIGURES = {'mix': 'mix.png', 'tl_align': 'tl_align.png', 'tl_align_swin': 'tl_align.png'}
+FIGURES.update(token_labels='token_labels.png')
 FIGURES.update(activation_maps='mix.png', tokenmix='tokenmix.png', tokenmixup='tokenmixup.png')
 
 

@@ -284,12 +284,14 @@ def swin_labels(
     merge_at: str,
     layers: Optional[set] = None,
     residual: bool = True,
+    history: Optional[list] = None,
 ) -> torch.Tensor:
     """Swin's stage rule on the ``(B, H·W, K)`` labels of the first token grid ``grid``: per stage of
     ``(num_blocks, merges)``, a 2x2 patch merging (:func:`merge_2x2_labels`) at the ``'start'`` of the
     stage (timm) or its ``'end'`` (mmpretrain), and per block ``Y ← Norm(Y + block_branch(idx, Y))``
     (Eq. 9/11; ``block_branch`` the block's window-attention labels, :func:`window_labels`) for the
-    samples whose branch ``keeps[idx]`` kept. Returns the last grid's labels ``(B, H'·W', K)``."""
+    samples whose branch ``keeps[idx]`` kept. Returns the last grid's labels ``(B, H'·W', K)``; ``history``
+    (a list) gets each block's state on its grid, ``(B, H', W', K)``, after the block (tokenaug-viz)."""
     if merge_at not in ('start', 'end'):
         raise ValueError(f"merge_at: expected 'start' or 'end', got {merge_at!r}")
     Y = labels.view(labels.shape[0], grid[0], grid[1], labels.shape[-1])
@@ -300,6 +302,8 @@ def swin_labels(
         for _ in range(num_blocks):
             if layers is None or idx in layers:
                 Y = residual_labels(Y, block_branch(idx, Y), keeps[idx], residual)
+            if history is not None:
+                history.append(Y.clone())
             idx += 1
         if merges and merge_at == 'end':
             Y = merge_2x2_labels(Y)

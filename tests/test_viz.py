@@ -241,3 +241,35 @@ def test_mix_pictures_show_tokenmix_activation_map_targets(quadrant_data, tmp_pa
     bad = [a if a != 'tokenmix_block' else 'tl_align' for a in argv[1:]]
     with pytest.raises(ValueError, match='--activation-map-dir: TokenMix targets apply to the mixing kinds'):
         viz_cli.mix(bad)
+
+
+def test_tl_align_pictures_of_swin_follow_its_stages(tiny_world, tmp_path):
+    """Fig. 6 for Swin (the paper's second model): the initial labels on the 4-pixel token grid, one picture per
+    block on that block's grid (28x28, then 14x14 after the 2x2 merge), read back pixel for pixel, and the
+    aligned λ is one minus the mean partner share of the last grid (Swin's global average pooling)."""
+    import timm
+
+    kw = dict(img_size=112, embed_dim=16, depths=(2, 2), num_heads=(1, 2), window_size=7)
+    ckpt = tmp_path / 'swin.pth'
+    torch.manual_seed(0)
+    torch.save(timm.create_model('swin_tiny_patch4_window7_224', num_classes=10, **kw).state_dict(), ckpt)
+    out = tmp_path / 'swin'
+    argv = ['tl-align', '-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--mixup', '0', '--cutmix', '1']
+    argv += ['--mixup-mode', 'elem', '--count', '2', '--model', 'swin_tiny_patch4_window7_224', '--model-kwargs']
+    argv += ['img_size=112', 'embed_dim=16', 'depths=(2,2)', 'num_heads=(1,2)', 'window_size=7']
+    argv += ['--initial-checkpoint', str(ckpt), '--per-block', '--viz-dir', str(out)]
+    assert viz_cli.main(argv) == 0
+    meta = json.loads((out / 'meta.json').read_text())
+    assert meta['patch_size'] == [4, 4] and meta['block_grids'] == [[28, 28], [28, 28], [14, 14], [14, 14]]
+    for sample in meta['samples']:
+        initial, aligned = np.asarray(sample['initial']), np.asarray(sample['aligned'])
+        assert initial.shape == (28, 28) and aligned.shape == (14, 14)
+        assert sample['aligned_lam'] == pytest.approx(1 - aligned.mean(), abs=1e-6)
+        assert sample['area_lam'] == pytest.approx(1 - initial.mean(), abs=1e-6)
+        for key, grid in (('initial', 28), ('aligned', 14)):
+            rc = token_centres((grid, grid), (112 // grid, 112 // grid))
+            read = share_from_colour(_png(out / sample['files'][key])[rc[:, 0], rc[:, 1]]).reshape(grid, grid)
+            assert np.abs(read - np.asarray(sample[key])).max() < 1 / 300
+        assert (_png(out / sample['files']['block3']) == _png(out / sample['files']['aligned'])).all()
+        block0 = _png(out / sample['files']['block0'])  # 28x28 tokens of 4 px, moved by the first block
+        assert block0.shape == (112, 112, 3) and not (block0 == _png(out / sample['files']['initial'])).all()

@@ -327,6 +327,7 @@ class SwinTracer:
     ``q``, ``k`` and the shift mask and recomputes the label attention (fused on accelerators)."""
 
     num_prefix_tokens = 0
+    history: Optional[list] = None  # a list to append each block's (B, H', W', K) state to (tokenaug-viz)
 
     def __init__(self, model: SwinTransformer):
         if model.global_pool != 'avg':
@@ -405,6 +406,7 @@ class SwinTracer:
             merge_at='start',
             layers=layers,
             residual=residual,
+            history=self.history,
         )
 
     def readout(self, labels: torch.Tensor, output) -> torch.Tensor:

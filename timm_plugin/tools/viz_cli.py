@@ -12,9 +12,10 @@ numbers behind them (``meta.json``).
   every token (two-colour scale of :mod:`shared_core.viz`, over the image and alone); with
   ``--activation-map-dir`` (TokenMix's activation-map targets for each pair) also the teacher's map of each
   image's own class and of its partner's (grey, 0 to 1, after the crop and flip) and the area λ beside Eq. 2's λ';
-- ``tl-align``: TL-Align's Fig. 6 for a timm ViT / DeiT and a checkpoint: the two inputs, the mixed image, the
-  initial label embedding (each token's partner share) and the aligned one after the last block
-  (``--per-block``: after each), with the area λ and the aligned λ of what the classifier reads;
+- ``tl-align``: TL-Align's Fig. 6 for a timm ViT / DeiT or Swin and a checkpoint: the two inputs, the mixed
+  image, the initial label embedding (each token's partner share) and the aligned one after the last block
+  (``--per-block``: after each; Swin's on each stage's grid), with the area λ and the aligned λ of what the
+  classifier reads;
 - ``token-labels``: each image's stored label map (top-1 class, its confidence as saturation) and, for several
   draws of the training augmentation (crop, flip, RandAugment with ``--geometric-aa``), the augmented image
   beside its per-token targets in class colours: whether the labels follow the image, checked by eye;
@@ -243,7 +244,7 @@ def tl_align(argv) -> Path:
     ``--initial-checkpoint``): inputs, mixed image, the initial label embedding (partner share per token) and the
     aligned one after the last block (or after each block), the area λ against the aligned λ."""
     from shared_core.tl_align import capture_forward, compact_labels
-    from timm_plugin.tl_align import SharedAttentionViT, TLAlign
+    from timm_plugin.tl_align import SharedAttentionViT, SwinTracer, TLAlign
     from timm_plugin.train_args import parse_args
 
     args = parse_args(argv, add=_tl_align_args, prog='tokenaug-viz tl-align')
@@ -252,25 +253,39 @@ def tl_align(argv) -> Path:
     model.eval()
     m = target.mix
     wrapped = TLAlign(model)
-    labels0 = compact_labels(m, wrapped.num_prefix_tokens)
-    if not SharedAttentionViT.applies(wrapped.tracer, labels0, None):
-        raise ValueError(f'--model: tokenaug-viz tl-align draws timm ViT / DeiT models, got {args.model}')
-    history = []
-    tracer = SharedAttentionViT(wrapped.tracer, labels0, None, True, 'kept', history=history)
-    with torch.no_grad():
-        output, _ = capture_forward(tracer, lambda: model(xm))
-    aligned = wrapped.tracer.readout(tracer.labels[..., :1], output)[:, 0]  # partner share of what is read
-    P, grid = wrapped.num_prefix_tokens, m.token_share.shape[1:]
+    P = wrapped.num_prefix_tokens
+    labels0 = compact_labels(m, P)
+    history = []  # the label state after each block: (B, T, K) for a ViT, (B, H', W', K) for Swin
+    if SharedAttentionViT.applies(wrapped.tracer, labels0, None):
+        tracer = SharedAttentionViT(wrapped.tracer, labels0, None, True, 'kept', history=history)
+        with torch.no_grad():
+            output, _ = capture_forward(tracer, lambda: model(xm))
+        aligned = wrapped.tracer.readout(tracer.labels[..., :1], output)[:, 0]  # partner share of what is read
+        states = [h[:, P:, 0].reshape(-1, *m.grid_size) for h in history]
+    elif isinstance(wrapped.tracer, SwinTracer):  # the label path of training (window attention, 2x2 merges)
+        wrapped.tracer.history = history
+        try:
+            with torch.no_grad():
+                _, share = wrapped._run(xm, labels0)
+        finally:
+            wrapped.tracer.history = None
+        aligned = share[:, 0]
+        states = [h[..., 0] for h in history]
+    else:
+        raise ValueError(
+            f'--model: tokenaug-viz tl-align draws timm ViT / DeiT and Swin models, got {type(model).__name__}'
+        )
+    initial_state = labels0[:, P:, 0].reshape(-1, *m.grid_size)
 
-    def patch_grid(state):
-        return state[:, P:, 0].reshape(-1, *grid)
+    def picture(state):  # each grid over the whole image (Swin's later stages: coarser tokens)
+        gh, gw = state.shape[1:]
+        return share_image(state, m.img_size, (m.img_size[0] // gh, m.img_size[1] // gw))
 
     mean, std = data_config['mean'], data_config['std']
     own, mixed = images_uint8(x, mean, std), images_uint8(xm, mean, std)
     names = _names(dataset, args.num_classes)
-    initial = share_image(patch_grid(labels0), m.img_size, m.patch_size)
-    final = share_image(patch_grid(history[-1]), m.img_size, m.patch_size)
-    blocks = [share_image(patch_grid(h), m.img_size, m.patch_size) for h in history] if args.per_block else []
+    initial, final = picture(initial_state), picture(states[-1])
+    blocks = [picture(h) for h in states] if args.per_block else []
     out = Path(args.viz_dir)
     rows, meta_samples = [], []
     for i in range(count):
@@ -298,8 +313,8 @@ def tl_align(argv) -> Path:
                 partner=p,
                 area_lam=area,
                 aligned_lam=al,
-                initial=patch_grid(labels0)[i].tolist(),
-                aligned=patch_grid(history[-1])[i].tolist(),
+                initial=initial_state[i].tolist(),
+                aligned=states[-1][i].tolist(),
                 files=files,
             )
         )
@@ -312,6 +327,7 @@ def tl_align(argv) -> Path:
         mix_kind=mix_kind,
         patch_size=list(m.patch_size),
         img_size=list(m.img_size),
+        block_grids=[list(h.shape[1:]) for h in states],
         samples=meta_samples,
     )
     return write_index(out, f'tokenaug-viz tl-align: {args.model}', [('TL-Align', 'tl_align.png')], meta)
