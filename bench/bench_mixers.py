@@ -15,7 +15,7 @@ import platform
 
 import numpy as np
 import torch
-from common import device_sync, median_times
+from common import count_ops, device_sync, median_times
 from timm.data import FastCollateMixup, Mixup
 
 from timm_plugin import create_mixer
@@ -26,6 +26,45 @@ def compare(name, ours, theirs, repeats, sync):
     print(f'| {name} | {b * 1e3:.2f} | {a * 1e3:.2f} | {a / b:.2f} |', flush=True)
 
 
+def overhead_bound(C: int, repeats: int) -> None:
+    """The launch-bound regime of a GPU, on the CPU: a batch so small (8 images of 32 px, one thread) that each
+    call costs its per-op dispatch and Python, not arithmetic. What a mixer adds to an eager GPU step is this
+    host time (its device kernels are a few passes over the batch on either side), so these ratios stand in
+    for the GPU rows where no GPU is at hand; the aten op counts (sampling included: timm samples with numpy,
+    we with torch on the host) are exact."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 3, 32, 32, generator=gen), torch.randint(0, C, (8,), generator=gen)
+    print()
+    print(f'# overhead-bound: batch 8x3x32x32, 1 thread, median of {repeats} (µs per call)')
+    print('| mixer (x, y -> x, target) | timm µs | tokenaug µs | ratio | timm aten ops | tokenaug aten ops |')
+    print('|---|---|---|---|---|---|')
+    cases = [
+        ('mixup α=0.8, batch', dict(mixup_alpha=0.8, cutmix_alpha=0.0), 'batch'),
+        ('cutmix α=1, batch', dict(mixup_alpha=0.0, cutmix_alpha=1.0), 'batch'),
+        ('mixup/cutmix switch, batch (DeiT)', dict(mixup_alpha=0.8, cutmix_alpha=1.0), 'batch'),
+        ('mixup α=0.8, pair', dict(mixup_alpha=0.8, cutmix_alpha=0.0), 'pair'),
+        ('cutmix α=1, pair', dict(mixup_alpha=0.0, cutmix_alpha=1.0), 'pair'),
+        ('mixup α=0.8, elem', dict(mixup_alpha=0.8, cutmix_alpha=0.0), 'elem'),
+        ('mixup/cutmix switch, elem', dict(mixup_alpha=0.8, cutmix_alpha=1.0), 'elem'),
+    ]
+    for name, alphas, mode in cases:
+        ours = create_mixer(mode=mode, num_classes=C, patch_size=8, **alphas)
+        theirs = Mixup(mode=mode, num_classes=C, **alphas)
+
+        def run_ours():
+            return ours(x.clone(), y)
+
+        def run_theirs():
+            return theirs(x.clone(), y)
+
+        b, a = median_times([run_theirs, run_ours], repeats, warmup=20)
+        ops = [count_ops(run_theirs), count_ops(run_ours)]
+        print(f'| {name} | {b * 1e6:.0f} | {a * 1e6:.0f} | {a / b:.2f} | {ops[0]} | {ops[1]} |', flush=True)
+    torch.set_num_threads(threads)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--batch', type=int, default=128)
@@ -33,6 +72,7 @@ def main():
     p.add_argument('--repeats', type=int, default=30)
     p.add_argument('--device', default='cpu')
     p.add_argument('--threads', type=int, default=None)
+    p.add_argument('--small-repeats', type=int, default=400, help='rounds of the overhead-bound table')
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -68,6 +108,8 @@ def main():
         timm_alphas = alphas if kind in ('mixup', 'cutmix') else dict(mixup_alpha=0.0, cutmix_alpha=1.0)
         theirs = Mixup(mode=mode, num_classes=C, **timm_alphas)
         compare(name, lambda: ours(x.clone(), y), lambda: theirs(x.clone(), y), args.repeats, sync)
+
+    overhead_bound(C, args.small_repeats)
 
     print()
     print('| collate (CPU, list of (uint8 CHW array, label) -> uint8 batch, target) | timm ms | tokenaug ms | ratio |')

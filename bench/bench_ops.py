@@ -17,26 +17,14 @@ from collections import Counter
 import timm
 import torch
 import torch.nn.functional as F
+from common import OpCounter
 from timm.loss import SoftTargetCrossEntropy
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign, TransMix
 from timm_plugin.token_label_data import TokenLabelTarget
 from timm_plugin.token_labeling import TokenLabeling, TokenLabelingLoss, attach_aux_head
 from timm_plugin.tokenmixup import TokenMixup
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts every aten op dispatched while active (by overload packet: ``aten.mm``, ``aten.add_``, ...)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def count_step(loss_fn, *models) -> Counter:

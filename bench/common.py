@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from typing import Callable, List, Optional, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def device_sync(device) -> Callable[[], None]:
@@ -53,3 +55,22 @@ def median_times(
         for fn, acc in zip(fns, times):
             acc.append(timed(fn, sync))
     return [statistics.median(t) for t in times]
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op dispatched while active (by overload packet: ``aten.mm``, ``aten.add_``, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], object]) -> int:
+    """The number of aten ops one call of ``fn`` dispatches."""
+    with OpCounter() as counter:
+        fn()
+    return sum(counter.counts.values())

@@ -77,6 +77,11 @@ class Mix:
         img_size: ``(H, W)`` of the images.
         patch_size: ``(ph, pw)`` of the token grid.
         kind: the sampler kind that produced it (``'mixup'``, ``'cutmix'``, ...; ``'none'``).
+        flip: host-side facts the samplers know (default: unknown): the partners are the reversed batch
+            (``partner[i] = B - 1 - i``), so the images and targets mix against ``x.flip(0)`` (timm's fast
+            path: no gather of partners, no per-token share on the device).
+        blend: every sample is a blend or unmixed (``token_share[i] ≡ 1 - lam[i]``, no boxes).
+        batch_lam: every sample has this λ (``mode='batch'``), on the host; with ``boxes`` they share one box.
     """
 
     partner: torch.Tensor
@@ -87,6 +92,9 @@ class Mix:
     kind: str = 'none'
     boxes: Optional[torch.Tensor] = None
     box_valid: Optional[torch.Tensor] = None
+    flip: bool = False
+    blend: bool = False
+    batch_lam: Optional[float] = None
 
     @property
     def batch_size(self) -> int:
@@ -226,6 +234,19 @@ def mix_images(x: torch.Tensor, mix: Mix) -> torch.Tensor:
             f'for this mix, got {tuple(x.shape)}'
         )
     dev = x.device
+    if mix.flip and x.dtype.is_floating_point:  # timm's fast paths: the partners are x.flip(0)
+        if mix.blend:  # MixUp (or unmixed) rows: one lerp, λ a scalar in batch mode
+            if mix.batch_lam == 1.0:
+                return x.clone()
+            w = mix.batch_lam
+            if w is None:
+                w = mix.lam.to(dev, x.dtype, non_blocking=True).view(-1, 1, 1, 1)
+            return x.flip(0).lerp_(x, w)
+        if mix.batch_lam is not None and mix.boxes is not None:  # batch mode CutMix: one box for all
+            y0, y1, x0, x1 = mix.boxes[0].tolist()
+            out = x.clone()
+            out[:, :, y0:y1, x0:x1] = x[:, :, y0:y1, x0:x1].flip(0)
+            return out
     partner = mix.partner.to(dev, non_blocking=True)
     share = mix.token_share.to(dev, non_blocking=True)
     # the row plan reads the mix where it lives (the samplers build it on the CPU: no device sync)
@@ -326,8 +347,18 @@ def pair_target(
 
 def mix_target(labels: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
     """The area target ``λ · y + (1 - λ) · y[partner]`` with label smoothing: ``(B, C)`` float32,
-    every row sums to 1."""
-    return pair_target(labels, mix.partner, mix.lam, num_classes, smoothing)
+    every row sums to 1. With the samplers' flipped partners, one ``lerp`` against ``y.flip(0)`` (a scalar λ
+    in batch mode), as timm's ``mixup_target``."""
+    if not mix.flip:
+        return pair_target(labels, mix.partner, mix.lam, num_classes, smoothing)
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f'label_smoothing must be in [0, 1), got {smoothing}')
+    check_labels(labels, num_classes)
+    y = one_hot(labels, num_classes, smoothing)
+    w = mix.batch_lam
+    if w is None:
+        w = mix.lam.to(y.device, torch.float32, non_blocking=True).view(-1, 1)
+    return y.flip(0).lerp_(y, w)
 
 
 def multi_label_target(target: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:

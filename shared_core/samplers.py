@@ -12,6 +12,7 @@ import math
 from typing import Optional, Sequence, Tuple
 
 import torch
+from scipy.special import betaincinv
 
 from .boxes import box_token_share, check_box_rounding, minmax_sides, rand, rand_box, rand_box_minmax, sample_beta
 from .checks import check_int, check_real
@@ -172,6 +173,9 @@ class MixSampler:
             check_image_size(img_size, self.patch_size)
         if self.cutmix_minmax is not None:
             minmax_sides(img_size, self.cutmix_minmax)  # fail on every batch, not only when a box is drawn
+        if self.mode == 'batch' and self.mix_kind in ('mixup', 'cutmix') and self.cutmix_minmax is None:
+            mix = self._sample_batch_mode(batch_size, img_size, generator)
+            return mix if device is None else mix.to(device)
         n = {'batch': 1, 'pair': (batch_size + 1) // 2, 'elem': batch_size}[self.mode]
         lam, use_cut = self._unit_params(n, generator)
         grid = grid_size(img_size, self.patch_size)
@@ -230,5 +234,60 @@ class MixSampler:
             kind=self.mix_kind if self.mixup_enabled else 'none',
             boxes=None if boxes is None else boxes[idx],
             box_valid=None if valid is None else valid[idx],
+            flip=True,
+            blend=not cut.numel(),
+            batch_lam=float(lam[0]) if self.mode == 'batch' else None,
         )
         return mix if device is None else mix.to(device)
+
+    def _sample_batch_mode(self, batch_size: int, img_size: Tuple[int, int], generator) -> Mix:
+        """``mode='batch'`` MixUp / CutMix on the host: the same draws, in the same order, as the vector path
+        (so a seed gives the same mix; the generator's doubles are sequential whether drawn one by one or
+        together), in Python numbers; a handful of tensor ops build the :class:`Mix`."""
+        lam, use_cut = 1.0, False
+        if self.mixup_enabled:
+            both = self.has_blend and self.has_cut
+            u = rand(1 + both + self.has_blend + self.has_cut, generator).tolist()
+            active = u.pop(0) < self.mix_prob
+            use_cut = u.pop(0) < self.switch_prob if both else self.has_cut
+            lam_blend = float(betaincinv(self.mixup_alpha, self.mixup_alpha, u.pop(0))) if self.has_blend else 1.0
+            lam_cut = float(betaincinv(self.cutmix_alpha, self.cutmix_alpha, u.pop(0))) if self.has_cut else 1.0
+            lam = (lam_cut if use_cut else lam_blend) if active else 1.0
+            use_cut = use_cut and active
+        H, W = img_size
+        (gh, gw), (ph, pw) = grid_size(img_size, self.patch_size), self.patch_size
+        box = None
+        if use_cut:  # rand_box and box_token_share for one box, in Python numbers (the same arithmetic)
+            far = 1 if self.box_rounding == 'timm' else 0
+            ratio = math.sqrt(1.0 - lam)
+            cut_h, cut_w = int(H * ratio), int(W * ratio)
+            uy, ux = rand(2, generator).tolist()
+            cy, cx = min(math.floor(uy * H), H - 1), min(math.floor(ux * W), W - 1)
+            y0, y1 = min(max(cy - cut_h // 2, 0), H), min(max(cy + (cut_h + far) // 2, 0), H)
+            x0, x1 = min(max(cx - cut_w // 2, 0), W), min(max(cx + (cut_w + far) // 2, 0), W)
+            box = (y0, y1, x0, x1)
+            if self.correct_lam:
+                lam = 1.0 - (y1 - y0) * (x1 - x0) / (H * W)
+
+            def cover(lo: int, hi: int, cells: int, size: int, side: int) -> list:
+                edges = [(c * size, min(c * size + size, side)) for c in range(cells)]  # clipped last cell
+                return [max(min(hi, b) - max(lo, a), 0) / (b - a) for a, b in edges]
+
+            oy, ox = cover(y0, y1, gh, ph, H), cover(x0, x1, gw, pw, W)
+            share = torch.tensor([[a * b for b in ox] for a in oy], dtype=torch.float32)  # doubles, rounded once
+            share = share.expand(batch_size, gh, gw).clone()
+        else:
+            share = torch.full((batch_size, gh, gw), 1.0 - lam)
+        return Mix(
+            partner=torch.arange(batch_size - 1, -1, -1),
+            lam=torch.full((batch_size,), lam),
+            token_share=share,
+            img_size=img_size,
+            patch_size=self.patch_size,
+            kind=self.mix_kind if self.mixup_enabled else 'none',
+            boxes=None if box is None else torch.tensor([box]).expand(batch_size, 4).clone(),
+            box_valid=None if box is None else torch.ones(batch_size, dtype=torch.bool),
+            flip=True,
+            blend=box is None,
+            batch_lam=lam,
+        )

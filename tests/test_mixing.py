@@ -24,6 +24,7 @@ from shared_core.mixing import (
     mix_target,
     mix_tokens,
     one_hot,
+    pair_target,
     rand_box,
     random_token_mask,
     tokenmix_masks,
@@ -606,3 +607,52 @@ def test_bad_input_errors_name_the_argument():
         tokenmix_masks((3, 3), torch.tensor([10]))
     with pytest.raises(ValueError, match='label_smoothing'):
         mix_target(torch.tensor([0, 1, 2, 0]), mix, 3, smoothing=1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(['mixup', 'cutmix']),
+    alphas=st.sampled_from([(0.8, 0.0), (0.0, 1.0), (0.8, 1.0), (0.2, 0.5)]),
+    prob=st.sampled_from([1.0, 0.6]),
+    correct_lam=st.booleans(),
+    rounding=st.sampled_from(['timm', 'public']),
+    H=st.integers(8, 40),
+    W=st.integers(8, 40),
+    B=st.sampled_from([2, 4, 7]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_batch_mode_host_sampler_draws_what_the_vector_sampler_draws(
+    kind, alphas, prob, correct_lam, rounding, H, W, B, seed
+):
+    """``mode='batch'`` MixUp/CutMix is drawn on the host in Python numbers; it consumes the generator as the
+    vector path does and gives the same mix: the vector path's one-unit case is ``mode='pair'`` with B = 2."""
+    if kind == 'mixup' and alphas[1] > 0:
+        alphas = (alphas[0] or 0.5, 0.0)
+    kw = dict(mixup_alpha=alphas[0], cutmix_alpha=alphas[1], prob=prob, correct_lam=correct_lam)
+    kw.update(patch_size=(4, 8), box_rounding=rounding)
+    fast = MixSampler(kind, mode='batch', **kw).sample(B, (H, W), torch.Generator().manual_seed(seed), allow_odd=True)
+    ref = MixSampler(kind, mode='pair', **kw).sample(2, (H, W), torch.Generator().manual_seed(seed))
+    assert fast.flip and fast.batch_lam is not None and fast.blend == (ref.boxes is None or not bool(ref.box_valid[0]))
+    assert torch.equal(fast.partner, torch.arange(B - 1, -1, -1))
+    assert torch.equal(fast.lam, ref.lam[:1].expand(B)) and fast.batch_lam == pytest.approx(float(ref.lam[0]))
+    assert torch.equal(fast.token_share, ref.token_share[:1].expand(B, *ref.grid_size))
+    if fast.boxes is None:
+        assert ref.boxes is None or not bool(ref.box_valid.any())
+    else:
+        assert torch.equal(fast.boxes, ref.boxes[:1].expand(B, 4)) and bool(fast.box_valid.all())
+
+
+@pytest.mark.parametrize('kind', MIX_KINDS)
+@pytest.mark.parametrize('mode', ['batch', 'pair', 'elem'])
+def test_flipped_partner_targets_equal_the_gathered_ones(kind, mode):
+    """The samplers' targets against ``y.flip(0)`` (one lerp) equal the general pairwise rule on the partner
+    indices, rows summing to 1."""
+    g = torch.Generator().manual_seed(5)
+    sampler = MixSampler(kind, mode=mode, patch_size=8, prob=0.8, **KINDS_KW[kind])
+    for _ in range(5):
+        mix = sampler.sample(6, (32, 32), g)
+        labels = torch.randint(0, 10, (6,), generator=g)
+        fast = mix_target(labels, mix, 10, 0.1)
+        ref = pair_target(labels, mix.partner, mix.lam, 10, 0.1)
+        assert mix.flip and torch.allclose(fast, ref, atol=1e-6, rtol=0)
+        assert torch.allclose(fast.sum(1), torch.ones(6))
