@@ -322,6 +322,9 @@ def mix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
         raise ValueError(
             f'tokens: expected (B={mix.batch_size}, N={mix.num_tokens}, D) patch tokens, got {tuple(tokens.shape)}'
         )
+    if mix.flip:  # the samplers' partners: one lerp against the flipped batch (exact at shares 0 and 1)
+        share = mix.token_share.to(tokens.device, tokens.dtype, non_blocking=True).view(mix.batch_size, -1, 1)
+        return torch.lerp(tokens, tokens.flip(0), share)
     return mix_rows(tokens, mix.partner, mix.token_share_flat())
 
 

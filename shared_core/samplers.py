@@ -173,7 +173,7 @@ class MixSampler:
             check_image_size(img_size, self.patch_size)
         if self.cutmix_minmax is not None:
             minmax_sides(img_size, self.cutmix_minmax)  # fail on every batch, not only when a box is drawn
-        if self.mode == 'batch' and self.mix_kind in ('mixup', 'cutmix') and self.cutmix_minmax is None:
+        if self.mode == 'batch' and self.mix_kind in ('mixup', 'cutmix', 'token_box') and self.cutmix_minmax is None:
             mix = self._sample_batch_mode(batch_size, img_size, generator)
             return mix if device is None else mix.to(device)
         n = {'batch': 1, 'pair': (batch_size + 1) // 2, 'elem': batch_size}[self.mode]
@@ -241,9 +241,9 @@ class MixSampler:
         return mix if device is None else mix.to(device)
 
     def _sample_batch_mode(self, batch_size: int, img_size: Tuple[int, int], generator) -> Mix:
-        """``mode='batch'`` MixUp / CutMix on the host: the same draws, in the same order, as the vector path
-        (so a seed gives the same mix; the generator's doubles are sequential whether drawn one by one or
-        together), in Python numbers; a handful of tensor ops build the :class:`Mix`."""
+        """``mode='batch'`` MixUp / CutMix / MixToken's token box on the host: the same draws, in the same order,
+        as the vector path (so a seed gives the same mix; the generator's doubles are sequential whether drawn
+        one by one or together), in Python numbers; a handful of tensor ops build the :class:`Mix`."""
         lam, use_cut = 1.0, False
         if self.mixup_enabled:
             both = self.has_blend and self.has_cut
@@ -257,15 +257,13 @@ class MixSampler:
         H, W = img_size
         (gh, gw), (ph, pw) = grid_size(img_size, self.patch_size), self.patch_size
         box = None
-        if use_cut:  # rand_box and box_token_share for one box, in Python numbers (the same arithmetic)
-            far = 1 if self.box_rounding == 'timm' else 0
-            ratio = math.sqrt(1.0 - lam)
-            cut_h, cut_w = int(H * ratio), int(W * ratio)
-            uy, ux = rand(2, generator).tolist()
-            cy, cx = min(math.floor(uy * H), H - 1), min(math.floor(ux * W), W - 1)
-            y0, y1 = min(max(cy - cut_h // 2, 0), H), min(max(cy + (cut_h + far) // 2, 0), H)
-            x0, x1 = min(max(cx - cut_w // 2, 0), W), min(max(cx + (cut_w + far) // 2, 0), W)
-            box = (y0, y1, x0, x1)
+        if use_cut and self.mix_kind == 'token_box':  # MixToken: a box on the token grid, λ its exact own share
+            y0, y1, x0, x1 = self._host_box((gh, gw), lam, generator)
+            lam = 1.0 - (y1 - y0) * (x1 - x0) / (gh * gw)
+            share = torch.zeros(batch_size, gh, gw)
+            share[:, y0:y1, x0:x1] = 1.0
+        elif use_cut:  # CutMix: rand_box and box_token_share for one box, in Python numbers (the same arithmetic)
+            box = y0, y1, x0, x1 = self._host_box((H, W), lam, generator)
             if self.correct_lam:
                 lam = 1.0 - (y1 - y0) * (x1 - x0) / (H * W)
 
@@ -288,6 +286,18 @@ class MixSampler:
             boxes=None if box is None else torch.tensor([box]).expand(batch_size, 4).clone(),
             box_valid=None if box is None else torch.ones(batch_size, dtype=torch.bool),
             flip=True,
-            blend=box is None,
+            blend=not use_cut,
             batch_lam=lam,
         )
+
+    def _host_box(self, size: Tuple[int, int], lam: float, generator) -> Tuple[int, int, int, int]:
+        """:func:`~shared_core.boxes.rand_box` for one λ in Python integers: the same draws and arithmetic."""
+        H, W = size
+        far = 1 if self.box_rounding == 'timm' else 0
+        ratio = math.sqrt(1.0 - lam)
+        cut_h, cut_w = int(H * ratio), int(W * ratio)
+        uy, ux = rand(2, generator).tolist()
+        cy, cx = min(math.floor(uy * H), H - 1), min(math.floor(ux * W), W - 1)
+        y0, y1 = min(max(cy - cut_h // 2, 0), H), min(max(cy + (cut_h + far) // 2, 0), H)
+        x0, x1 = min(max(cx - cut_w // 2, 0), W), min(max(cx + (cut_w + far) // 2, 0), W)
+        return y0, y1, x0, x1

@@ -58,7 +58,15 @@ MIXTOKEN_MODES = ('batch', 'pair')
 
 
 def check_pairwise_swap(mix: Mix) -> None:
-    """Refuse a mix that :func:`unmix_tokens` cannot undo (call it on the CPU mix, before moving it)."""
+    """Refuse a mix that :func:`unmix_tokens` cannot undo (call it on the CPU mix, before moving it). A
+    batch-mode token mask of the samplers (flipped partners, one 0/1 mask for all) is a pairwise swap by
+    construction."""
+    if (
+        mix.flip
+        and mix.batch_lam is not None
+        and mix.kind in ('token_box', 'tokenmix_block', 'tokenmix_random', 'none')
+    ):
+        return
     partner = mix.partner
     ar = torch.arange(len(partner), device=partner.device)
     share = mix.token_share_flat()
@@ -86,7 +94,8 @@ def unmix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
     if mix.partner.device.type == 'cpu':
         check_pairwise_swap(mix)
     swapped = mix.token_share_flat().to(tokens.device).bool().unsqueeze(-1)
-    return torch.where(swapped, tokens[mix.partner.to(tokens.device)], tokens)
+    partner_rows = tokens.flip(0) if mix.flip else tokens[mix.partner.to(tokens.device)]
+    return torch.where(swapped, partner_rows, tokens)
 
 
 def mix_dense_targets(targets: torch.Tensor, mix: Mix) -> torch.Tensor:
@@ -213,7 +222,7 @@ def draw_mixtoken(
     if not sampler.mix_prob or not sampler.mixup_enabled:
         return None
     mix = sampler.sample(batch_size, tuple(img_size), generator=generator)
-    if not bool((mix.lam < 1).any()):
+    if (mix.batch_lam >= 1.0) if mix.batch_lam is not None else not bool((mix.lam < 1).any()):
         return None
     check_pairwise_swap(mix)
     device = torch.device(device)

@@ -611,7 +611,7 @@ def test_bad_input_errors_name_the_argument():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    kind=st.sampled_from(['mixup', 'cutmix']),
+    kind=st.sampled_from(['mixup', 'cutmix', 'token_box']),
     alphas=st.sampled_from([(0.8, 0.0), (0.0, 1.0), (0.8, 1.0), (0.2, 0.5)]),
     prob=st.sampled_from([1.0, 0.6]),
     correct_lam=st.booleans(),
@@ -624,15 +624,20 @@ def test_bad_input_errors_name_the_argument():
 def test_batch_mode_host_sampler_draws_what_the_vector_sampler_draws(
     kind, alphas, prob, correct_lam, rounding, H, W, B, seed
 ):
-    """``mode='batch'`` MixUp/CutMix is drawn on the host in Python numbers; it consumes the generator as the
-    vector path does and gives the same mix: the vector path's one-unit case is ``mode='pair'`` with B = 2."""
+    """``mode='batch'`` MixUp/CutMix/MixToken boxes are drawn on the host in Python numbers; it consumes the
+    generator as the vector path does and gives the same mix: the vector path's one-unit case is ``mode='pair'``
+    with B = 2."""
     if kind == 'mixup' and alphas[1] > 0:
         alphas = (alphas[0] or 0.5, 0.0)
+    if kind == 'token_box':  # token kinds need whole patches
+        H, W = H - H % 4 or 4, W - W % 8 or 8
     kw = dict(mixup_alpha=alphas[0], cutmix_alpha=alphas[1], prob=prob, correct_lam=correct_lam)
     kw.update(patch_size=(4, 8), box_rounding=rounding)
     fast = MixSampler(kind, mode='batch', **kw).sample(B, (H, W), torch.Generator().manual_seed(seed), allow_odd=True)
     ref = MixSampler(kind, mode='pair', **kw).sample(2, (H, W), torch.Generator().manual_seed(seed))
-    assert fast.flip and fast.batch_lam is not None and fast.blend == (ref.boxes is None or not bool(ref.box_valid[0]))
+    assert fast.flip and fast.batch_lam is not None and fast.blend == ref.blend
+    if fast.blend:  # the flag's promise: a constant share 1 - λ
+        assert torch.allclose(fast.token_share, 1 - fast.lam[:, None, None].expand_as(fast.token_share), atol=1e-6)
     assert torch.equal(fast.partner, torch.arange(B - 1, -1, -1))
     assert torch.equal(fast.lam, ref.lam[:1].expand(B)) and fast.batch_lam == pytest.approx(float(ref.lam[0]))
     assert torch.equal(fast.token_share, ref.token_share[:1].expand(B, *ref.grid_size))
