@@ -13,8 +13,9 @@ method by changing its task line (README, "With timm's own train.py").
 
 As in timm: the trainable module is the bare model (``prepare_distributed`` wraps it in DDP), the method's
 hooks sit on the unwrapped model and the step runs through the (wrapped) module, so DDP synchronises as usual;
-EMA (``setup_ema``) and checkpoints hold the bare model, keys unchanged. ``compile()`` (timm's) is not yet
-tested with the methods' hooks.
+EMA (``setup_ema``) and checkpoints hold the bare model, keys unchanged. ``compile()`` (timm's) compiles the
+trainable module; the step runs through it, and dynamo traces the method's hooks into the graph (equal to the
+eager step: ``tests/test_compile.py``).
 """
 
 from __future__ import annotations

@@ -457,10 +457,9 @@ def run(argv=None) -> dict:
             f'Model {safe_model_name(args.model)} created, param count: {sum(m.numel() for m in model.parameters())}'
         )
     in_model = in_model_method(args, token_labeling)
-    if in_model:  # their hooks and label paths are written for an eager fp32 (or autocast) model
+    if in_model:  # their hooks and label paths are written for an fp32 (or autocast) model run block by block
         for flag, value in (
             ('--grad-checkpointing', args.grad_checkpointing),
-            ('--torchcompile', args.torchcompile),
             ('--model-dtype', model_dtype not in (None, torch.float32)),
         ):
             if value:

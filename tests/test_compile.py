@@ -1,0 +1,156 @@
+"""The methods on a ``torch.compile``d model (issue 12, item 4): the training step through the compiled module
+(as timm's ``task.compile`` runs it, the method's hooks on the bare model) gives the eager step's logits, targets,
+loss and gradients, batch after batch (a label state baked into the graph would show as stale targets), and
+compiles once, not once per step.
+
+``aot_eager`` traces with dynamo and AOTAutograd as ``inductor`` does, without generating code, so these tests are
+quick; one ``inductor`` run (slow) checks the generated kernels' rounding.
+"""
+
+import pytest
+import timm
+import torch
+from timm.loss import SoftTargetCrossEntropy
+from torch._dynamo.utils import counters
+
+from timm_plugin import create_mixer
+from timm_plugin.tl_align import TLAlign, TransMix
+from timm_plugin.token_label_data import TokenLabelTarget
+from timm_plugin.token_labeling import TokenLabeling, TokenLabelingLoss, attach_aux_head
+from timm_plugin.tokenmixup import TokenMixup
+
+C = 10
+
+
+def vit(depth=2, aux=False):
+    torch.manual_seed(0)
+    model = timm.create_model('vit_tiny_patch16_224', img_size=64, depth=depth, num_classes=C)
+    return (attach_aux_head(model) if aux else model).train()
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def same_step(eager, compiled, model, atol):
+    """Run ``eager()`` and ``compiled()`` (each returns ``(loss, *tensors)``), backward each, compare."""
+    results = []
+    for step in (eager, compiled):
+        model.zero_grad(set_to_none=True)
+        loss, *outs = step()
+        loss.backward()
+        results.append((loss.detach(), [o.detach() for o in outs], grads(model)))
+    (l0, o0, g0), (l1, o1, g1) = results
+    assert torch.allclose(l0, l1, atol=atol, rtol=0), (l0, l1)
+    for a, b in zip(o0, o1):
+        assert torch.allclose(a, b, atol=atol, rtol=0), (a - b).abs().max()
+    assert g0.keys() == g1.keys() and len(g0) > 10
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], atol=atol, rtol=1e-4), (n, (g0[n] - g1[n]).abs().max())
+
+
+def compiled_frames():
+    return counters['stats']['unique_graphs']
+
+
+@pytest.mark.parametrize('method', ['tl_align', 'tl_align_recompute', 'transmix'])
+def test_tl_align_and_transmix_on_a_compiled_model(method):
+    torch._dynamo.reset()
+    model = vit()
+    wrapper = {
+        'tl_align': lambda: TLAlign(model),
+        'tl_align_recompute': lambda: TLAlign(model, shared=False),
+        'transmix': lambda: TransMix(model),
+    }[method]()
+    compiled = torch.compile(model, backend='aot_eager')
+    kind = 'transmix' if method == 'transmix' else 'tl_align'
+    mixer = create_mixer('cutmix', method=kind, mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=16)
+    loss_fn = SoftTargetCrossEntropy()
+    g = torch.Generator().manual_seed(1)
+    graphs = []
+    for _ in range(3):
+        x, y = torch.randn(4, 3, 64, 64, generator=g), torch.randint(0, C, (4,), generator=g)
+        xm, target = mixer(x, y)
+
+        def step(forward=None):
+            out, aligned = wrapper.align(xm, target, forward)
+            return loss_fn(out, aligned), out, aligned
+
+        same_step(step, lambda: step(lambda: compiled(xm)), model, atol=1e-5)
+        graphs.append(compiled_frames())
+    assert graphs[0] >= 1 and graphs[-1] == graphs[0], graphs  # compiled once, reused by the next steps
+
+
+def test_token_labeling_on_a_compiled_model():
+    torch._dynamo.reset()
+    model = vit(aux=True)
+    compiled = torch.compile(model, backend='aot_eager')
+    loss_fn = TokenLabelingLoss(C)
+    g = torch.Generator().manual_seed(2)
+    graphs = []
+    for i in range(3):
+        x, y = torch.randn(4, 3, 64, 64, generator=g), torch.randint(0, C, (4,), generator=g)
+        target = TokenLabelTarget.wrap(
+            y,
+            torch.rand(4, 3, 4, 4, generator=g).softmax(1).half(),
+            torch.randint(0, C, (4, 3, 4, 4), generator=g),
+            torch.tensor([[0.1, 0.0, 0.9, 1.0]]).repeat(4, 1),
+            torch.tensor([False, True, False, True]),
+            C,
+        )
+        # the same MixToken box for both runs: two wrappers with equally seeded generators
+        eager_w = TokenLabeling(model, generator=torch.Generator().manual_seed(i))
+        compiled_w = TokenLabeling(model, generator=torch.Generator().manual_seed(i))
+
+        def step(w, forward=None):
+            out = w.outputs(x, forward)
+            return loss_fn(out, target), out.cls, out.aux
+
+        same_step(lambda: step(eager_w), lambda: step(compiled_w, lambda: compiled(x)), model, atol=1e-5)
+        graphs.append(compiled_frames())
+    assert graphs[-1] == graphs[0], graphs
+
+
+@pytest.mark.filterwarnings('ignore:Dynamo does not know how to trace')
+def test_tokenmixup_on_a_compiled_model():
+    """HTM's matching (the Hungarian assignment on the host) breaks the graph there, as it must; the step still
+    equals the eager one."""
+    torch._dynamo.reset()
+    model = vit(depth=3)
+    method = TokenMixup(model, htm_layers=(1,), tau=100.0)
+    compiled = torch.compile(model, backend='aot_eager')
+    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=16, carry_mix=True)
+    loss_fn = SoftTargetCrossEntropy()
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x, y = torch.randn(4, 3, 64, 64, generator=g), torch.randint(0, C, (4,), generator=g)
+        xm, target = mixer(x, y)
+
+        def step(forward=None):
+            out, mixed = method.mix_forward(xm, target, forward)
+            soft = mixed.as_subclass(torch.Tensor)
+            return loss_fn(out, soft) + mixed.aux_loss, out, soft
+
+        same_step(step, lambda: step(lambda: compiled(xm)), model, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_tl_align_on_an_inductor_compiled_model():
+    """The generated kernels (inductor, C++ on this CPU): logits, aligned targets and gradients as eager within
+    float rounding."""
+    torch._dynamo.reset()
+    model = vit()
+    wrapper = TLAlign(model)
+    compiled = torch.compile(model)
+    mixer = create_mixer('cutmix', method='tl_align', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=16)
+    loss_fn = SoftTargetCrossEntropy()
+    g = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        x, y = torch.randn(4, 3, 64, 64, generator=g), torch.randint(0, C, (4,), generator=g)
+        xm, target = mixer(x, y)
+
+        def step(forward=None):
+            out, aligned = wrapper.align(xm, target, forward)
+            return loss_fn(out, aligned), out, aligned
+
+        same_step(step, lambda: step(lambda: compiled(xm)), model, atol=1e-4)
