@@ -12,7 +12,6 @@ pair to pair here) cannot. Counts are exact and do not depend on the device's sp
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 
 import timm
 import torch
@@ -27,14 +26,14 @@ from timm_plugin.token_labeling import TokenLabeling, TokenLabelingLoss, attach_
 from timm_plugin.tokenmixup import TokenMixup
 
 
-def count_step(loss_fn, *models) -> Counter:
-    """The aten ops of ``loss_fn().backward()``, from gradients set to None (as a step after
-    ``zero_grad(set_to_none=True)``: the backward stores each gradient instead of accumulating it)."""
+def count_step(loss_fn, *models) -> OpCounter:
+    """The aten ops of ``loss_fn().backward()`` (all, and the computing ones), from gradients set to None (as a
+    step after ``zero_grad(set_to_none=True)``: the backward stores each gradient instead of accumulating it)."""
     for m in models:
         m.zero_grad(set_to_none=True)
     with OpCounter() as counter:
         loss_fn().backward()
-    return counter.counts
+    return counter
 
 
 def main():
@@ -84,26 +83,28 @@ def main():
             lambda out: soft_ce(out[0], out[1]) + out[1].aux_loss
         )(w(xm, target)),
     }
-    counts = {name: count_step(fn, model, tl_model) for name, fn in steps.items()}
+    counters = {name: count_step(fn, model, tl_model) for name, fn in steps.items()}
     plain, aux = 'plain (CutMix batch, area target)', 'plain CE, aux-head model (token labeling baseline)'
-    base = {name: counts[aux if name == 'token labeling + MixToken' else plain] for name in counts}
-    base[aux] = counts[aux]
+    base = {name: aux if name in ('token labeling + MixToken', aux) else plain for name in counters}
     print(
         f'# aten ops per training step (forward + loss + backward), {args.model} ({depth} blocks), '
         f'batch {args.batch}, torch {torch.__version__}'
     )
-    print('| step | aten ops | extra vs its baseline | extra per block |')
-    print('|---|---|---|---|')
-    for name, c in counts.items():
-        total, ref = sum(c.values()), sum(base[name].values())
-        extra = total - ref if base[name] is not c else 0
-        print(f'| {name} | {total} | {extra:+d} | {extra / depth:+.1f} |')
+    print('| step | aten ops | extra vs its baseline | extra per block | of them kernels (not views) | per block |')
+    print('|---|---|---|---|---|---|')
+    for name, c in counters.items():
+        ref = counters[base[name]]
+        extra = sum(c.counts.values()) - sum(ref.counts.values())
+        kern = sum(c.kernels.values()) - sum(ref.kernels.values())
+        total = sum(c.counts.values())
+        print(f'| {name} | {total} | {extra:+d} | {extra / depth:+.1f} | {kern:+d} | {kern / depth:+.1f} |')
     fused = 'TL-Align, fused shared attention (the accelerator path)'
-    a, b = counts[fused], counts[plain]
+    a, b = counters[fused].counts, counters[plain].counts
     net = sorted(((a[n] - b[n], n) for n in set(a) | set(b) if a[n] != b[n]), key=lambda t: (-abs(t[0]), t[1]))
-    print(f'\n{fused} vs plain, net change per op name over the step ({depth} blocks)')
+    print(f'\n{fused} vs plain, net change per op name over the step ({depth} blocks; * a view)')
+    views = {n for n in set(a) | set(b) if n not in counters[fused].kernels and n not in counters[plain].kernels}
     for n, name in net[: args.top]:
-        print(f'- {name}: {n:+d}')
+        print(f'- {name}{" *" if name in views else ""}: {n:+d}')
 
 
 if __name__ == '__main__':

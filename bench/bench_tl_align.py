@@ -2,6 +2,10 @@
 same step with the plain area target, on the same mixed batch; interleaved, medians, ratio.
 
     .venv/bin/python bench/bench_tl_align.py [--model deit_tiny_patch16_224] [--batch 32] [--repeats 10]
+        [--compile inductor]
+
+``--compile BACKEND``: every step runs through ``torch.compile(model, backend=BACKEND)`` (as ``tokenaug-train
+--torchcompile``: the method's hooks sit on the bare model, the compiled module runs the forward).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ def main():
     p.add_argument('--repeats', type=int, default=10)
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     p.add_argument('--amp', action='store_true')
+    p.add_argument('--compile', default=None, metavar='BACKEND', help='run every step through torch.compile')
     args = p.parse_args()
     dev = torch.device(args.device)
     torch.manual_seed(0)
@@ -37,15 +42,20 @@ def main():
     xm, target = mixer(x, y)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.amp)
 
-    plain = optimizer_step(lambda: loss_fn(model(xm), target), opt, autocast)
+    run = torch.compile(model, backend=args.compile) if args.compile else model
+    plain = optimizer_step(lambda: loss_fn(run(xm), target), opt, autocast)
     shared = TLAlign(model)  # one attention per block for tokens and labels (the default)
     recomputed = TLAlign(model, shared=False)  # the model's own attention, recomputed for the labels
-    steps = [plain] + [optimizer_step(lambda w=w: loss_fn(*w(xm, target)), opt, autocast) for w in (shared, recomputed)]
+    steps = [plain] + [
+        optimizer_step(lambda w=w: loss_fn(*w.align(xm, target, lambda: run(xm))), opt, autocast)
+        for w in (shared, recomputed)
+    ]
     b, a, r = median_times(steps, args.repeats, warmup=2, sync=device_sync(dev))
     name = torch.cuda.get_device_name(dev) if dev.type == 'cuda' else (platform.processor() or platform.machine())
     print(
         f'# {args.model}, batch {args.batch}x3x224x224, device {dev} ({name}), amp={args.amp}, '
         f'torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}'
+        + (f', torch.compile backend {args.compile}' if args.compile else '')
     )
     print(
         '| training step | plain (area target) ms | TL-Align ms | ratio | TL-Align, attention recomputed ms | ratio |'

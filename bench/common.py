@@ -57,15 +57,24 @@ def median_times(
     return [statistics.median(t) for t in times]
 
 
+#: ops that only make a tensor's metadata (no kernel on a device) besides those aten marks as views
+METADATA_OPS = ('aten._unsafe_view', 'aten._reshape_alias')
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts every aten op dispatched while active (by overload packet: ``aten.mm``, ``aten.add_``, ...)."""
+    """Counts every aten op dispatched while active (by overload packet: ``aten.mm``, ``aten.add_``, ...), and
+    in ``kernels`` those that compute (not views: no kernel launch on a GPU)."""
 
     def __init__(self):
         super().__init__()
         self.counts = Counter()
+        self.kernels = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func.overloadpacket)] += 1
+        name = str(func.overloadpacket)
+        self.counts[name] += 1
+        if not func.is_view and name not in METADATA_OPS:
+            self.kernels[name] += 1
         return func(*args, **(kwargs or {}))
 
 

@@ -336,32 +336,33 @@ def one_hot(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> t
 
 
 def pair_target(
-    labels: torch.Tensor, partner: torch.Tensor, lam: torch.Tensor, num_classes: int, smoothing: float = 0.0
+    labels: torch.Tensor,
+    partner: torch.Tensor,
+    lam,
+    num_classes: int,
+    smoothing: float = 0.0,
+    flip: bool = False,
 ) -> torch.Tensor:
     """``λ · y + (1 - λ) · y[partner]`` with label smoothing: ``(B, C)`` float32, rows sum to 1.
-    ``lam`` is the weight of each sample's own label (a scalar or ``(B,)``)."""
+    ``lam`` is the weight of each sample's own label (a scalar or ``(B,)``). ``flip``: the partners are the
+    reversed batch (the samplers' pairing, :attr:`Mix.flip`): one ``lerp`` against ``y.flip(0)``, as timm's
+    ``mixup_target``, instead of gathering the partners."""
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f'label_smoothing must be in [0, 1), got {smoothing}')
     check_labels(labels, num_classes)
     y = one_hot(labels, num_classes, smoothing)
+    if flip:
+        w = lam if isinstance(lam, float) else torch.as_tensor(lam).to(y.device, torch.float32).view(-1, 1)
+        return y.flip(0).lerp_(y, w)
     lam = torch.as_tensor(lam, dtype=torch.float32).to(y.device).reshape(-1)
     return mix_rows(y, partner, 1.0 - lam)
 
 
 def mix_target(labels: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
     """The area target ``λ · y + (1 - λ) · y[partner]`` with label smoothing: ``(B, C)`` float32,
-    every row sums to 1. With the samplers' flipped partners, one ``lerp`` against ``y.flip(0)`` (a scalar λ
-    in batch mode), as timm's ``mixup_target``."""
-    if not mix.flip:
-        return pair_target(labels, mix.partner, mix.lam, num_classes, smoothing)
-    if not 0.0 <= smoothing < 1.0:
-        raise ValueError(f'label_smoothing must be in [0, 1), got {smoothing}')
-    check_labels(labels, num_classes)
-    y = one_hot(labels, num_classes, smoothing)
-    w = mix.batch_lam
-    if w is None:
-        w = mix.lam.to(y.device, torch.float32, non_blocking=True).view(-1, 1)
-    return y.flip(0).lerp_(y, w)
+    every row sums to 1 (with the samplers' flipped partners one ``lerp``, a scalar λ in batch mode)."""
+    lam = mix.batch_lam if mix.flip and mix.batch_lam is not None else mix.lam
+    return pair_target(labels, mix.partner, lam, num_classes, smoothing, flip=mix.flip)
 
 
 def multi_label_target(target: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:

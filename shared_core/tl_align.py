@@ -28,7 +28,7 @@ import contextlib
 import contextvars
 import os
 from dataclasses import replace
-from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,7 @@ __all__ = [
     'dense_labels',
     'attention_labels',
     'shared_attention',
+    'LabelColumns',
     'padded_labels',
     'residual_labels',
     'merge_labels',
@@ -236,6 +237,85 @@ def shared_attention(
     return out[..., :d], branch
 
 
+class LabelColumns:
+    """TL-Align's label state as extra value columns of the token path's own fused attention, for one forward
+    (issue 12): a buffer ``(3, B, 1, T, W)`` holds zeros for ``q`` and ``k`` and the label columns for ``v``, so one
+    concatenation with a block's stacked ``qkv`` ``(3, B, H, T, d)`` gives ``[q | 0]``, ``[k | 0]`` and ``[v |
+    labels]`` (kernels want equal head dims; ``d + W`` a multiple of 8), and the state is updated in place after
+    each block (Eq. 11): the same attention as :func:`shared_attention`'s fused path with fewer ops per block.
+
+    The columns hold ``Z = c · Y``, the state scaled by a power of two ``c`` per sample (exact in floating point):
+    Eq. 11's ``Y ← (Y + Σ_h A_h Y / H) / 2`` is then one in-place ``Z ← Z + Σ_h A_h Z / H`` with ``c`` doubled (a
+    sample whose branch stochastic depth dropped keeps ``Z`` and ``c``), and :attr:`state` is ``Z / c``.
+
+    fp32: ``Z`` is the buffer's value columns themselves. A lower precision (``dtype``, the dtype ``qkv`` has
+    under autocast): ``Z`` stays fp32 and travels as two columns per label, ``hi`` (rounded) and ``lo`` (its
+    rounding error), whose sum keeps fp32-like precision; the heads are summed in fp32. The label columns carry
+    no gradient (the buffer does not require one), so the gradients of ``qkv`` are the plain attention's.
+    """
+
+    def __init__(self, labels: torch.Tensor, num_heads: int, head_dim: int, dtype: torch.dtype):
+        labels = labels.detach().float()
+        B, T, K = labels.shape
+        self.num_heads, self.head_dim, self.split = num_heads, head_dim, dtype != torch.float32
+        self.width = 2 * K if self.split else K
+        self.buf = labels.new_zeros(3, B, 1, T, self.width + (-(head_dim + self.width) % 8), dtype=dtype)
+        self.ext = self.buf.expand(3, B, num_heads, T, self.buf.shape[-1])
+        self.scale: Union[float, torch.Tensor] = 1.0  # c: a float while every sample doubles, else (B, 1, 1)
+        cols = self.buf[2, :, 0]
+        if self.split:
+            self.z = labels.clone()
+            self._hi, self._lo = cols[..., :K], cols[..., K : 2 * K]
+            self._write()
+        else:
+            self.z = cols[..., :K]
+            self.z.copy_(labels)
+
+    @property
+    def state(self) -> torch.Tensor:
+        """The label state ``Y = Z / c`` ``(B, T, K)`` fp32."""
+        return self.z / self.scale
+
+    def _write(self) -> None:
+        self._hi.copy_(self.z)
+        self._lo.copy_(self.z - self._hi)
+
+    def attend(
+        self, qkv: torch.Tensor, scale: float, attn_mask: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(out, heads)``: the token path's ``scaled_dot_product_attention(q, k, v, attn_mask, scale=scale)``
+        ``(B, H, T, d)`` for ``q, k, v = qkv.unbind(0)``, and ``Σ_h softmax(q kᵀ · scale + mask) · Z`` ``(B, T, K)``
+        fp32 without gradient (for :meth:`update`)."""
+        q, k, v = torch.cat([qkv, self.ext], -1).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+        d = self.head_dim
+        with torch.no_grad():
+            lab = out[..., d : d + self.width]
+            if self.split:  # the heads and the hi + lo pair summed in fp32
+                heads = lab.unflatten(-1, (2, self.width // 2)).sum((1, 3), dtype=torch.float32)
+            else:
+                heads = lab.sum(1)
+        return out[..., :d], heads
+
+    def update(self, heads: torch.Tensor, keep: Optional[torch.Tensor] = None, residual: bool = True) -> None:
+        """Eq. 11 with the head mean, ``Y ← Norm(Y + Σ_h A_h Y / H)`` (``residual=False``: ``Y ← Σ_h A_h Y / H``),
+        for the samples whose branch ran (``keep`` (B,) bool; the others keep their labels exactly)."""
+        H = self.num_heads
+        with torch.no_grad():
+            if not residual:  # Z ← Σ_h A_h Z / H, c unchanged
+                new = heads.div_(H)
+                self.z.copy_(torch.where(keep.view(-1, 1, 1), new, self.z) if keep is not None else new)
+            elif keep is None:
+                self.z.add_(heads, alpha=1.0 / H)
+                self.scale = self.scale * 2.0
+            else:
+                kept = keep.view(-1, 1, 1).float()
+                self.z.addcmul_(heads, kept, value=1.0 / H)
+                self.scale = self.scale * (kept + 1.0)
+            if self.split:
+                self._write()
+
+
 def padded_labels(labels: torch.Tensor, multiple: int = 8) -> torch.Tensor:
     """``labels`` ``(B, T, K)`` fp32 with zero columns up to a multiple of ``multiple`` (what
     :func:`shared_attention` carries as value columns; the rules keep the zero columns zero)."""
@@ -394,7 +474,8 @@ def aligned_target(
 ) -> torch.Tensor:
     """The training target from the compact label of what the classifier reads: ``(B,)`` partner
     shares → ``(1 - s) · y_own + s · y_partner`` with label smoothing (rows sum to 1), detached (Eq. 12)."""
-    return pair_target(labels.to(share.device), mix.partner, 1.0 - share.detach().float(), num_classes, smoothing)
+    lam = 1.0 - share.detach().float()
+    return pair_target(labels.to(share.device), mix.partner, lam, num_classes, smoothing, flip=mix.flip)
 
 
 # ----------------------------------------------------------------------------------------------

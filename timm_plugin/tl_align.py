@@ -60,6 +60,7 @@ from shared_core.mix import Mix
 from shared_core.tl_align import (
     TRANSMIX_MODES,
     LabelCapture,
+    LabelColumns,
     aligned_target,
     attention_labels,
     capture_forward,
@@ -79,6 +80,7 @@ from shared_core.tl_align import (
     trace_labels,
     tracer_for,
     transmix_share,
+    use_fused_label_attn,
     window_labels,
 )
 
@@ -224,8 +226,14 @@ class SharedAttentionViT:
         self.base, self.layers, self.residual, self.drop_path = base, layers, residual, drop_path
         self.num_prefix_tokens = base.num_prefix_tokens
         self.width = labels.shape[-1]
-        self.labels = padded_labels(labels)  # the value columns of the shared attention
+        self._padded = padded_labels(labels)  # the state of the unfused path (the attention materialised once)
+        self.columns: Optional[LabelColumns] = None  # the fused path's state, built at the first aligned block
         self.history = history  # a list to append the state after each aligned block to (tokenaug-viz)
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """The label state ``(B, T, K)`` fp32 after the blocks run so far."""
+        return self.columns.state if self.columns is not None else self._padded[..., : self.width]
 
     @staticmethod
     def applies(base, labels: torch.Tensor, layers) -> bool:
@@ -264,16 +272,24 @@ class SharedAttentionViT:
             if is_causal:
                 raise ValueError('model: causal attention has no TL-Align rule')
             B, N, C = x.shape
-            if N != self.labels.shape[1]:  # as trace_labels says it after the recomputing path's forward
+            if N != self._padded.shape[1]:  # as trace_labels says it after the recomputing path's forward
                 raise ValueError(
                     f'labels: {self.labels.shape[1]} token labels for {N} tokens (prefix {self.num_prefix_tokens} '
                     '+ patches): the patch grid of x does not match'
                 )
             gate = attn.gate(x).sigmoid() if getattr(attn, 'gate', None) is not None else None
             qkv = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-            q, k, v = qkv.unbind(0)
-            q, k = attn.q_norm(q), attn.k_norm(k)
-            out, cap.attn = shared_attention(q, k, v, self.labels, attn.scale, attn_mask)
+            if use_fused_label_attn(x.device):  # one call: [q | 0], [k | 0], [v | labels]
+                if not (isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)):
+                    q, k, v = qkv.unbind(0)
+                    qkv = torch.stack([attn.q_norm(q), attn.k_norm(k), v])
+                if self.columns is None:
+                    self.columns = LabelColumns(self.labels, attn.num_heads, attn.head_dim, qkv.dtype)
+                out, cap.attn = self.columns.attend(qkv, attn.scale, attn_mask)
+            else:  # the attention materialised once for both paths
+                q, k, v = qkv.unbind(0)
+                q, k = attn.q_norm(q), attn.k_norm(k)
+                out, cap.attn = shared_attention(q, k, v, self._padded, attn.scale, attn_mask, fused=False)
             x = out.transpose(1, 2).reshape(B, N, getattr(attn, 'attn_dim', C))
             x = attn.norm(x)
             if gate is not None:
@@ -282,8 +298,11 @@ class SharedAttentionViT:
 
         return forward
 
-    def _update(self, cap: LabelCapture) -> None:
-        self.labels = residual_labels(self.labels, cap.attn, cap.keep, self.residual)  # Eq. 11
+    def _update(self, cap: LabelCapture) -> None:  # Eq. 11
+        if self.columns is not None:
+            self.columns.update(cap.attn, cap.keep, self.residual)
+        else:
+            self._padded = residual_labels(self._padded, cap.attn, cap.keep, self.residual)
         cap.attn, cap.tokens = None, True
         if self.history is not None:
             self.history.append(self.labels[..., : self.width].clone())
@@ -292,7 +311,7 @@ class SharedAttentionViT:
         ran = [c.tokens for i, c in enumerate(captures) if self.layers is None or i in self.layers]
         if not all(ran):
             raise ValueError('model: a block did not run its attention for the label path (a replaced forward?)')
-        return self.labels.shape[1]
+        return self._padded.shape[1]
 
     def propagate(self, captures, labels, layers, residual) -> torch.Tensor:
         return self.labels[..., : self.width]  # already through every block, during the forward
