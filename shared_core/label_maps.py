@@ -195,8 +195,13 @@ def _axes(boxes, flips, map_size: Tuple[int, int], grid, device):
     h, w = map_size
     boxes, flips = _batch_geometry(boxes, flips, device)
     gh, gw = (grid, grid) if isinstance(grid, int) else tuple(grid)
-    wy = axis_weights(boxes[:, 1], boxes[:, 3], h, gh)
-    wx = axis_weights(boxes[:, 0], boxes[:, 2], w, gw)
+    if (h, gh) == (w, gw):  # a square map and grid: both axes in one RoIAlign call (y spans, then x spans)
+        B = boxes.shape[0]
+        both = axis_weights(boxes[:, [1, 0]].T.reshape(-1), boxes[:, [3, 2]].T.reshape(-1), h, gh)
+        wy, wx = both[:B], both[B:]
+    else:
+        wy = axis_weights(boxes[:, 1], boxes[:, 3], h, gh)
+        wx = axis_weights(boxes[:, 0], boxes[:, 2], w, gw)
     wx = torch.where(flips.view(-1, 1, 1), wx.flip(1), wx)
     return wy, wx, (gh, gw)
 

@@ -107,6 +107,9 @@ def mix_class_target(target: torch.Tensor, mix: Optional[Mix]) -> torch.Tensor:
     """Eq. 7: ``M̄ · y + (1 - M̄) · y[partner]`` with ``M̄ = mix.lam`` (own share); rows still sum to 1."""
     if mix is None:
         return target
+    if mix.flip:  # the samplers' partners: one lerp against the flipped batch
+        lam = mix.batch_lam if mix.batch_lam is not None else mix.lam.to(target.device).view(-1, 1)
+        return target.flip(0).lerp_(target, lam)
     return mix_rows(target, mix.partner, 1.0 - mix.lam)
 
 
