@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from common import OpCounter
 from timm.loss import SoftTargetCrossEntropy
 
+from shared_core.token_labeling import token_labeling_loss
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign, TransMix
 from timm_plugin.token_label_data import TokenLabelTarget
@@ -105,6 +106,45 @@ def main():
     views = {n for n in set(a) | set(b) if n not in counters[fused].kernels and n not in counters[plain].kernels}
     for n, name in net[: args.top]:
         print(f'- {name}{" *" if name in views else ""}: {n:+d}')
+
+    token_labeling_breakdown(tl_model, x, y, tl_target, tl_loss)
+
+
+def token_labeling_breakdown(model, x, y, target, loss_fn) -> None:
+    """Where token labeling + MixToken's extra ops go (issue 12, item 2): each phase of its step against the same
+    phase of the plain cross-entropy step on the aux-head model."""
+    from shared_core.token_labeling import draw_mixtoken
+
+    def ops(fn):
+        with OpCounter() as c:
+            out = fn()
+        return out, c
+
+    def row(name, ours, plain=None):
+        a, k = sum(ours.counts.values()), sum(ours.kernels.values())
+        if plain is not None:
+            a, k = a - sum(plain.counts.values()), k - sum(plain.kernels.values())
+        print(f'| {name} | {a:+d} | {k:+d} |')
+
+    wrapper = TokenLabeling(model)
+    model.zero_grad(set_to_none=True)
+    _, draw = ops(lambda: draw_mixtoken(wrapper.sampler, x.shape[0], tuple(x.shape[-2:]), x.device, None))
+    out, fwd = ops(lambda: wrapper(x))
+    logits, plain_fwd = ops(lambda: model(x))
+    targets, tgt = ops(lambda: loss_fn.targets(out, target))
+    loss, lss = ops(lambda: token_labeling_loss(out.cls, targets[0], out.aux, targets[1], loss_fn.dense_weight))
+    ce, plain_loss = ops(lambda: F.cross_entropy(logits, y, label_smoothing=0.1))
+    _, bwd = ops(loss.backward)
+    model.zero_grad(set_to_none=True)
+    _, plain_bwd = ops(ce.backward)
+    print('\ntoken labeling + MixToken, extra aten ops per step by phase (vs the plain CE step of the same model)')
+    print('| phase | aten ops | kernels (not views) |')
+    print('|---|---|---|')
+    row('MixToken box (host; part of the forward row)', draw)
+    row('forward: MixToken hook, aux head, un-mixing', fwd, plain_fwd)
+    row('targets: class target, sparse token targets', tgt)
+    row('loss: class CE + dense sparse soft CE, vs CE', lss, plain_loss)
+    row('backward', bwd, plain_bwd)
 
 
 if __name__ == '__main__':

@@ -192,11 +192,12 @@ def check_labels(labels: torch.Tensor, num_classes: int, name: str = 'target') -
             f'{name}: expected a 1-d integer tensor of class indices, '
             f'got dtype {labels.dtype} and shape {tuple(labels.shape)}'
         )
-    if labels.numel() and labels.device.type == 'cpu' and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
-        raise ValueError(
-            f'{name}: class indices must lie in [0, num_classes={num_classes}), '
-            f'got min {int(labels.min())} and max {int(labels.max())}'
-        )
+    if labels.numel() and labels.device.type == 'cpu':
+        lo, hi = (int(v) for v in torch.aminmax(labels))
+        if lo < 0 or hi >= num_classes:
+            raise ValueError(
+                f'{name}: class indices must lie in [0, num_classes={num_classes}), got min {lo} and max {hi}'
+            )
 
 
 def grid_size(img_size: Tuple[int, int], patch_size: Tuple[int, int]) -> Tuple[int, int]:
