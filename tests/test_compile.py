@@ -154,3 +154,30 @@ def test_tl_align_on_an_inductor_compiled_model():
             return loss_fn(out, aligned), out, aligned
 
         same_step(step, lambda: step(lambda: compiled(xm)), model, atol=1e-4)
+
+
+def test_a_plain_step_compiled_first_does_not_hide_the_methods_hooks():
+    """The methods make dynamo guard on module hooks (shared_core.compiling): after a plain compiled step (mixing
+    off), a step with TL-Align's hooks or MixToken's hook compiles its own graph instead of silently reusing the
+    hook-free one (MixToken would then leave the tokens unmixed), and steps with and without a MixToken box (prob
+    0.5) each reuse theirs."""
+    torch._dynamo.reset()
+    model = vit(aux=True)
+    recompute = TLAlign(model, shared=False)  # built before the first compiled call, as tokenaug-train does
+    draws = [TokenLabeling(model, prob=0.5, generator=torch.Generator().manual_seed(0)) for _ in range(2)]
+    compiled = torch.compile(model, backend='aot_eager')
+    x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(5))
+    assert torch.allclose(compiled(x), model(x), atol=1e-5)  # the plain step first
+    mixer = create_mixer('cutmix', method='tl_align', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=16)
+    xm, target = mixer(x, torch.arange(4))
+    out, aligned = recompute.align(xm, target, lambda: compiled(xm))
+    ref_out, ref = recompute.align(xm, target)
+    assert torch.allclose(aligned, ref, atol=1e-6) and torch.allclose(out, ref_out, atol=1e-5)
+    mixed, graphs = 0, []
+    for _ in range(6):
+        a, b = draws[0].outputs(x, lambda: compiled(x)), draws[1].outputs(x)
+        assert (a.mix is None) == (b.mix is None) and torch.allclose(a.cls, b.cls, atol=1e-5)
+        assert torch.allclose(a.aux, b.aux, atol=1e-5)
+        mixed += a.mix is not None
+        graphs.append(compiled_frames())
+    assert 0 < mixed < 6 and graphs[-1] == graphs[2], graphs  # both kinds of step seen, then no new graphs

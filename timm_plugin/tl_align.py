@@ -56,6 +56,7 @@ from timm.models.swin_transformer import (
 )
 from timm.models.vision_transformer import Block, VisionTransformer
 
+from shared_core.compiling import guard_module_hooks
 from shared_core.mix import Mix
 from shared_core.tl_align import (
     TRANSMIX_MODES,
@@ -796,6 +797,7 @@ class TLAlign(nn.Module):
     ):
         super().__init__()
         self.tracer = timm_tracer(model)
+        guard_module_hooks()  # per-call hooks under torch.compile
         self.shared = shared
         self.model = model
         self.layers = check_layers(layers, self.tracer.depth)

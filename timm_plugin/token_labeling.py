@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 from timm.layers import trunc_normal_
 
+from shared_core.compiling import guard_module_hooks
 from shared_core.mix import Mix, check_image_size
 from shared_core.token_labeling import (
     CLS_TARGETS,
@@ -111,6 +112,7 @@ class TokenLabeling(nn.Module):
                     f'model: token labeling needs a timm ViT-like model with {name!r}; {type(model).__name__} has none'
                 )
         check_head_rule(head_rule)
+        guard_module_hooks()  # per-call hooks under torch.compile
         if aux and getattr(model, 'aux_head', None) is None:
             raise ValueError('model: no aux_head; call attach_aux_head(model) before building the optimizer')
         self.model, self.aux, self.head_rule, self.generator = model, aux, head_rule, generator

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from timm.layers import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 
+from shared_core.compiling import guard_module_hooks
 from shared_core.mix import one_hot
 from shared_core.tokenmixup import DIFFICULTY_SCALE, SCORENETS, ScoreNet, TokenMixupHooks, scorenets
 
@@ -180,6 +181,7 @@ class TokenMixup(nn.Module):
         difficulty_scale: float = DIFFICULTY_SCALE,
         smoothing: float = 0.0,
     ):
+        guard_module_hooks()  # per-call hooks under torch.compile
         super().__init__()
         adapter = TimmTokenMixupAdapter(model)
         if not 0.0 <= smoothing < 1.0:
