@@ -53,6 +53,26 @@ def compiled_frames():
     return counters['stats']['unique_graphs']
 
 
+def aligned_steps(wrapper, model, compiled, kind, steps, seed, atol):
+    """``steps`` CutMix batches through ``wrapper.align`` (TL-Align / TransMix), eager against compiled; the number
+    of compiled graphs after each step."""
+    mixer = create_mixer('cutmix', method=kind, mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=16)
+    loss_fn = SoftTargetCrossEntropy()
+    g = torch.Generator().manual_seed(seed)
+    graphs = []
+    for _ in range(steps):
+        x, y = torch.randn(4, 3, 64, 64, generator=g), torch.randint(0, C, (4,), generator=g)
+        xm, target = mixer(x, y)
+
+        def step(forward=None):
+            out, aligned = wrapper.align(xm, target, forward)
+            return loss_fn(out, aligned), out, aligned
+
+        same_step(step, lambda: step(lambda: compiled(xm)), model, atol=atol)
+        graphs.append(compiled_frames())
+    return graphs
+
+
 @pytest.mark.parametrize('method', ['tl_align', 'tl_align_recompute', 'transmix'])
 def test_tl_align_and_transmix_on_a_compiled_model(method):
     torch._dynamo.reset()
@@ -63,21 +83,7 @@ def test_tl_align_and_transmix_on_a_compiled_model(method):
         'transmix': lambda: TransMix(model),
     }[method]()
     compiled = torch.compile(model, backend='aot_eager')
-    kind = 'transmix' if method == 'transmix' else 'tl_align'
-    mixer = create_mixer('cutmix', method=kind, mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=16)
-    loss_fn = SoftTargetCrossEntropy()
-    g = torch.Generator().manual_seed(1)
-    graphs = []
-    for _ in range(3):
-        x, y = torch.randn(4, 3, 64, 64, generator=g), torch.randint(0, C, (4,), generator=g)
-        xm, target = mixer(x, y)
-
-        def step(forward=None):
-            out, aligned = wrapper.align(xm, target, forward)
-            return loss_fn(out, aligned), out, aligned
-
-        same_step(step, lambda: step(lambda: compiled(xm)), model, atol=1e-5)
-        graphs.append(compiled_frames())
+    graphs = aligned_steps(wrapper, model, compiled, 'transmix' if method == 'transmix' else 'tl_align', 3, 1, 1e-5)
     assert graphs[0] >= 1 and graphs[-1] == graphs[0], graphs  # compiled once, reused by the next steps
 
 
@@ -141,19 +147,7 @@ def test_tl_align_on_an_inductor_compiled_model():
     torch._dynamo.reset()
     model = vit()
     wrapper = TLAlign(model)
-    compiled = torch.compile(model)
-    mixer = create_mixer('cutmix', method='tl_align', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=16)
-    loss_fn = SoftTargetCrossEntropy()
-    g = torch.Generator().manual_seed(4)
-    for _ in range(2):
-        x, y = torch.randn(4, 3, 64, 64, generator=g), torch.randint(0, C, (4,), generator=g)
-        xm, target = mixer(x, y)
-
-        def step(forward=None):
-            out, aligned = wrapper.align(xm, target, forward)
-            return loss_fn(out, aligned), out, aligned
-
-        same_step(step, lambda: step(lambda: compiled(xm)), model, atol=1e-4)
+    aligned_steps(wrapper, model, torch.compile(model), 'tl_align', 2, 4, 1e-4)
 
 
 def test_a_plain_step_compiled_first_does_not_hide_the_methods_hooks():
