@@ -41,7 +41,6 @@ __all__ = [
     'attention_labels',
     'shared_attention',
     'LabelColumns',
-    'padded_labels',
     'residual_labels',
     'merge_labels',
     'merge_2x2_labels',
@@ -190,51 +189,31 @@ def shared_attention(
     """The token path's attention and Eq. 9's label branch from one attention: ``(out, branch)`` with ``out``
     what ``scaled_dot_product_attention(q, k, v, attn_mask, scale=scale)`` gives the token path (with its
     gradients) and ``branch`` ``(B, T, K)`` fp32, without gradients: ``mean_h softmax(q kᵀ · scale + mask) ·
-    labels``. ``labels`` ``(B, T, K)`` fp32 without gradients; a state kept padded with zero columns to a
-    multiple of 8 (:func:`padded_labels`) saves the padding per call, and its branch is padded alike.
+    labels`` (``labels`` ``(B, T, K)``, no gradients).
 
-    ``fused`` (default :func:`use_fused_label_attn`): one fused call with the labels as extra value columns,
-    ``V' = [V | labels]`` (Q and K zero-padded to the same width, the scale passed explicitly: kernels want
-    equal head dims); the label columns carry no gradient, so the gradients of q, k, v are the plain call's.
-    Under a low-precision dtype the labels travel as two columns each, ``hi`` (the labels rounded) and ``lo``
-    (the rounding error), so their sum keeps fp32-like precision. Unfused: the attention materialised once (its
-    logits in fp32) for both paths. No attention dropout here (callers keep the recomputing path then).
+    ``fused`` (default :func:`use_fused_label_attn`): one fused call with the labels as extra value columns
+    (:class:`LabelColumns`, for one call; a model's forward keeps one across its blocks). Unfused: the attention
+    materialised once (its logits in fp32) for both paths. No attention dropout here (callers keep the
+    recomputing path then).
     """
     if fused is None:
         fused = use_fused_label_attn(q.device)
-    if not fused:
-        with torch.autocast(device_type=q.device.type, enabled=False):
-            logits = (q.float() * scale) @ k.float().transpose(-2, -1)
-            if attn_mask is not None:
-                logits = (
-                    logits.masked_fill(~attn_mask, float('-inf'))
-                    if attn_mask.dtype == torch.bool
-                    else logits + attn_mask.float()
-                )
-            attn = logits.softmax(-1)
-            with torch.no_grad():
-                branch = attn.mean(1) @ labels
-        return attn.to(v.dtype) @ v, branch
-    d, K = v.shape[-1], labels.shape[-1]
-    with torch.no_grad():
-        if v.dtype == torch.float32:
-            cols = labels
-        else:  # hi + lo: the rounding error of the labels as a second column each
-            hi = labels.to(v.dtype)
-            cols = torch.cat([hi, (labels - hi.float()).to(v.dtype)], -1)
-        width = cols.shape[-1]
-        if (d + width) % 8:
-            cols = F.pad(cols, (0, -(d + width) % 8))
-        B, T, W = cols.shape
-        cols = cols.as_strided((B, q.shape[1], T, W), (T * W, 0, W, 1))  # the same columns for every head
-    pad = (0, W)
-    out = F.scaled_dot_product_attention(
-        F.pad(q, pad), F.pad(k, pad), torch.cat([v, cols], -1), attn_mask=attn_mask, scale=scale
-    )
-    with torch.no_grad():
-        lab = out[..., d : d + width].mean(1).float()
-        branch = lab[..., :K] + lab[..., K:] if width > K else lab
-    return out[..., :d], branch
+    if fused:
+        columns = LabelColumns(labels, q.shape[1], q.shape[-1], v.dtype)
+        out, heads = columns.attend(torch.stack([q, k, v]), scale, attn_mask)
+        return out, heads.div_(q.shape[1])
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        logits = (q.float() * scale) @ k.float().transpose(-2, -1)
+        if attn_mask is not None:
+            logits = (
+                logits.masked_fill(~attn_mask, float('-inf'))
+                if attn_mask.dtype == torch.bool
+                else logits + attn_mask.float()
+            )
+        attn = logits.softmax(-1)
+        with torch.no_grad():
+            branch = attn.mean(1) @ labels.float()
+    return attn.to(v.dtype) @ v, branch
 
 
 class LabelColumns:
@@ -242,7 +221,7 @@ class LabelColumns:
     (issue 12): a buffer ``(3, B, 1, T, W)`` holds zeros for ``q`` and ``k`` and the label columns for ``v``, so one
     concatenation with a block's stacked ``qkv`` ``(3, B, H, T, d)`` gives ``[q | 0]``, ``[k | 0]`` and ``[v |
     labels]`` (kernels want equal head dims; ``d + W`` a multiple of 8), and the state is updated in place after
-    each block (Eq. 11): the same attention as :func:`shared_attention`'s fused path with fewer ops per block.
+    each block (Eq. 11).
 
     The columns hold ``Z = c · Y``, the state scaled by a power of two ``c`` per sample (exact in floating point):
     Eq. 11's ``Y ← (Y + Σ_h A_h Y / H) / 2`` is then one in-place ``Z ← Z + Σ_h A_h Z / H`` with ``c`` doubled (a
@@ -314,13 +293,6 @@ class LabelColumns:
                 self.scale = self.scale * (kept + 1.0)
             if self.split:
                 self._write()
-
-
-def padded_labels(labels: torch.Tensor, multiple: int = 8) -> torch.Tensor:
-    """``labels`` ``(B, T, K)`` fp32 with zero columns up to a multiple of ``multiple`` (what
-    :func:`shared_attention` carries as value columns; the rules keep the zero columns zero)."""
-    labels = labels.detach().float()
-    return F.pad(labels, (0, -labels.shape[-1] % multiple)) if labels.shape[-1] % multiple else labels
 
 
 def residual_labels(

@@ -72,7 +72,6 @@ from shared_core.tl_align import (
     dense_labels,
     fused_label_attn,
     kept_samples,
-    padded_labels,
     residual_labels,
     self_attention_labels,
     shared_attention,
@@ -226,15 +225,14 @@ class SharedAttentionViT:
     def __init__(self, base: ViTTracer, labels: torch.Tensor, layers, residual: bool, drop_path: str, history=None):
         self.base, self.layers, self.residual, self.drop_path = base, layers, residual, drop_path
         self.num_prefix_tokens = base.num_prefix_tokens
-        self.width = labels.shape[-1]
-        self._padded = padded_labels(labels)  # the state of the unfused path (the attention materialised once)
+        self._state = labels.detach().float()  # the unfused path's state (the attention materialised once)
         self.columns: Optional[LabelColumns] = None  # the fused path's state, built at the first aligned block
         self.history = history  # a list to append the state after each aligned block to (tokenaug-viz)
 
     @property
     def labels(self) -> torch.Tensor:
         """The label state ``(B, T, K)`` fp32 after the blocks run so far."""
-        return self.columns.state if self.columns is not None else self._padded[..., : self.width]
+        return self.columns.state if self.columns is not None else self._state
 
     @staticmethod
     def applies(base, labels: torch.Tensor, layers) -> bool:
@@ -273,7 +271,7 @@ class SharedAttentionViT:
             if is_causal:
                 raise ValueError('model: causal attention has no TL-Align rule')
             B, N, C = x.shape
-            if N != self._padded.shape[1]:  # as trace_labels says it after the recomputing path's forward
+            if N != self._state.shape[1]:  # as trace_labels says it after the recomputing path's forward
                 raise ValueError(
                     f'labels: {self.labels.shape[1]} token labels for {N} tokens (prefix {self.num_prefix_tokens} '
                     '+ patches): the patch grid of x does not match'
@@ -290,7 +288,7 @@ class SharedAttentionViT:
             else:  # the attention materialised once for both paths
                 q, k, v = qkv.unbind(0)
                 q, k = attn.q_norm(q), attn.k_norm(k)
-                out, cap.attn = shared_attention(q, k, v, self._padded, attn.scale, attn_mask, fused=False)
+                out, cap.attn = shared_attention(q, k, v, self._state, attn.scale, attn_mask, fused=False)
             x = out.transpose(1, 2).reshape(B, N, getattr(attn, 'attn_dim', C))
             x = attn.norm(x)
             if gate is not None:
@@ -303,19 +301,19 @@ class SharedAttentionViT:
         if self.columns is not None:
             self.columns.update(cap.attn, cap.keep, self.residual)
         else:
-            self._padded = residual_labels(self._padded, cap.attn, cap.keep, self.residual)
+            self._state = residual_labels(self._state, cap.attn, cap.keep, self.residual)
         cap.attn, cap.tokens = None, True
         if self.history is not None:
-            self.history.append(self.labels[..., : self.width].clone())
+            self.history.append(self.labels.clone())
 
     def num_tokens(self, captures: List[LabelCapture]) -> int:
         ran = [c.tokens for i, c in enumerate(captures) if self.layers is None or i in self.layers]
         if not all(ran):
             raise ValueError('model: a block did not run its attention for the label path (a replaced forward?)')
-        return self._padded.shape[1]
+        return self._state.shape[1]
 
     def propagate(self, captures, labels, layers, residual) -> torch.Tensor:
-        return self.labels[..., : self.width]  # already through every block, during the forward
+        return self.labels  # already through every block, during the forward
 
     def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
         return self.base.readout(labels, output)
