@@ -26,7 +26,7 @@ import torch
 from mmpretrain.registry import BATCH_AUGMENTS
 
 from shared_core.checks import ArgumentError, argument_errors, check_int, check_real
-from shared_core.mix import Mix, check_pairwise_batch, mix_images, mix_rows
+from shared_core.mix import Mix, check_pairwise_batch, mix_images, mix_rows, own_lam
 from shared_core.samplers import MixSampler
 from shared_core.tokenmix import ACTIVATION_TARGETS
 
@@ -93,7 +93,7 @@ class MixBatchAugment:
             )
         mix = self.sample_mix(batch_inputs.shape[0], tuple(batch_inputs.shape[-2:]))
         self.last_mix = mix
-        return mix_images(batch_inputs, mix), mix_rows(batch_score.float(), mix.partner, 1.0 - mix.lam)
+        return mix_images(batch_inputs, mix), mix_rows(batch_score.float(), mix.partner, 1.0 - own_lam(mix), mix.flip)
 
 
 @BATCH_AUGMENTS.register_module()

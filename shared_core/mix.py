@@ -26,6 +26,7 @@ __all__ = [
     'Mix',
     'identity_mix',
     'mix_rows',
+    'own_lam',
     'mix_images',
     'mix_tokens',
     'mix_target',
@@ -305,15 +306,26 @@ def _mix_token_rows(x: torch.Tensor, partner: torch.Tensor, share: torch.Tensor,
     return xp
 
 
-def mix_rows(t: torch.Tensor, partner: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+def mix_rows(t: torch.Tensor, partner: torch.Tensor, share, flip: bool = False) -> torch.Tensor:
     """The pairwise combination every mix uses: ``t · (1 - s) + t[partner] · s`` over the first dim of
-    ``t`` (rows = samples). ``share`` broadcasts against ``t`` (``(B,)``, ``(B, 1)``, ``(B, N, 1)``,
-    ...; trailing singleton dims are added) and is the *partner's* weight; it is moved to ``t``'s
-    device and dtype. ``t`` is not modified."""
-    share = torch.as_tensor(share).to(t.device, t.dtype)
-    if share.dim() < t.dim():
-        share = share.reshape(*share.shape, *([1] * (t.dim() - share.dim())))
+    ``t`` (rows = samples). ``share`` is the *partner's* weight: a float, or a tensor that broadcasts against
+    ``t`` (``(B,)``, ``(B, 1)``, ``(B, N, 1)``, ...; trailing singleton dims are added), moved to ``t``'s device
+    and dtype. ``flip``: the partners are the reversed batch (the samplers' pairing, :attr:`Mix.flip`): one
+    ``lerp(t, t.flip(0), s)``, as timm mixes, without gathering the partners (exact at ``s`` = 0 and 1).
+    ``t`` is not modified."""
+    if not isinstance(share, float):
+        share = torch.as_tensor(share).to(t.device, t.dtype, non_blocking=True)
+        if share.dim() < t.dim():
+            share = share.reshape(*share.shape, *([1] * (t.dim() - share.dim())))
+    if flip:
+        return torch.lerp(t, t.flip(0), share)
     return torch.addcmul(t * (1.0 - share), t[partner.to(t.device)], share)
+
+
+def own_lam(mix: Mix):
+    """Each sample's own share λ: a float in batch mode (the samplers' one λ, on the host: no tensor op), else
+    ``mix.lam`` ``(B,)``. The partner weight of :func:`mix_rows` is ``1 - own_lam(mix)``."""
+    return mix.batch_lam if mix.flip and mix.batch_lam is not None else mix.lam
 
 
 def mix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
@@ -323,10 +335,7 @@ def mix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
         raise ValueError(
             f'tokens: expected (B={mix.batch_size}, N={mix.num_tokens}, D) patch tokens, got {tuple(tokens.shape)}'
         )
-    if mix.flip:  # the samplers' partners: one lerp against the flipped batch (exact at shares 0 and 1)
-        share = mix.token_share.to(tokens.device, tokens.dtype, non_blocking=True).view(mix.batch_size, -1, 1)
-        return torch.lerp(tokens, tokens.flip(0), share)
-    return mix_rows(tokens, mix.partner, mix.token_share_flat())
+    return mix_rows(tokens, mix.partner, mix.token_share_flat(), mix.flip)
 
 
 def one_hot(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
@@ -352,18 +361,15 @@ def pair_target(
         raise ValueError(f'label_smoothing must be in [0, 1), got {smoothing}')
     check_labels(labels, num_classes)
     y = one_hot(labels, num_classes, smoothing)
-    if flip:
-        w = lam if isinstance(lam, float) else torch.as_tensor(lam).to(y.device, torch.float32).view(-1, 1)
-        return y.flip(0).lerp_(y, w)
-    lam = torch.as_tensor(lam, dtype=torch.float32).to(y.device).reshape(-1)
-    return mix_rows(y, partner, 1.0 - lam)
+    if not isinstance(lam, float):
+        lam = torch.as_tensor(lam, dtype=torch.float32).to(y.device).reshape(-1)
+    return mix_rows(y, partner, 1.0 - lam, flip)
 
 
 def mix_target(labels: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
     """The area target ``λ · y + (1 - λ) · y[partner]`` with label smoothing: ``(B, C)`` float32,
     every row sums to 1 (with the samplers' flipped partners one ``lerp``, a scalar λ in batch mode)."""
-    lam = mix.batch_lam if mix.flip and mix.batch_lam is not None else mix.lam
-    return pair_target(labels, mix.partner, lam, num_classes, smoothing, flip=mix.flip)
+    return pair_target(labels, mix.partner, own_lam(mix), num_classes, smoothing, flip=mix.flip)
 
 
 def multi_label_target(target: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
@@ -375,5 +381,4 @@ def multi_label_target(target: torch.Tensor, mix: Mix, num_classes: int, smoothi
             f'got {tuple(target.shape) if torch.is_tensor(target) else type(target).__name__}'
         )
     y = target.float() * (1.0 - smoothing) + 0.5 * smoothing
-    lam = mix.lam.to(y.device, torch.float32).reshape(-1)
-    return mix_rows(y, mix.partner.to(y.device), 1.0 - lam)
+    return mix_rows(y, mix.partner, 1.0 - own_lam(mix), mix.flip)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .label_maps import SparseTokenTargets, crop_targets, token_targets_sparse
-from .mix import Mix, check_labels, mix_rows, mix_tokens, one_hot
+from .mix import Mix, check_labels, mix_rows, mix_tokens, one_hot, own_lam
 from .samplers import MixSampler
 
 __all__ = [
@@ -100,17 +100,14 @@ def unmix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
 
 def mix_dense_targets(targets: torch.Tensor, mix: Mix) -> torch.Tensor:
     """Eq. 6: ``Ŷ = Y_i ⊙ (1 - s) + Y_partner ⊙ s`` for dense targets ``(B, N, C)`` (any mix)."""
-    return mix_rows(targets, mix.partner, mix.token_share_flat())
+    return mix_rows(targets, mix.partner, mix.token_share_flat(), mix.flip)
 
 
 def mix_class_target(target: torch.Tensor, mix: Optional[Mix]) -> torch.Tensor:
     """Eq. 7: ``M̄ · y + (1 - M̄) · y[partner]`` with ``M̄ = mix.lam`` (own share); rows still sum to 1."""
     if mix is None:
         return target
-    if mix.flip:  # the samplers' partners: one lerp against the flipped batch
-        lam = mix.batch_lam if mix.batch_lam is not None else mix.lam.to(target.device).view(-1, 1)
-        return target.flip(0).lerp_(target, lam)
-    return mix_rows(target, mix.partner, 1.0 - mix.lam)
+    return mix_rows(target, mix.partner, 1.0 - own_lam(mix), mix.flip)
 
 
 def class_target(

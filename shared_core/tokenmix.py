@@ -85,5 +85,5 @@ def activation_target(
         return pair_target(labels, mix.partner, activation_lam(maps, mix), num_classes, smoothing, flip=mix.flip)
     p = token_targets_batch(values, indices, num_classes, boxes, flips, mix.grid_size, 0.0, affines, extent)
     p = p.flatten(2).transpose(1, 2)  # (B, N, C)
-    shown = mix_rows(p, mix.partner, mix.token_share_flat())
+    shown = mix_rows(p, mix.partner, mix.token_share_flat(), mix.flip)
     return smooth(shown.mean(1), smoothing)

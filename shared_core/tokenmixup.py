@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from scipy.optimize import linear_sum_assignment
 
-from .mix import Mix, mix_rows, mix_tokens
+from .mix import Mix, mix_rows, mix_tokens, own_lam
 from .tl_align import check_layers
 
 __all__ = [
@@ -155,7 +155,7 @@ def mix_soft_target(target: torch.Tensor, mix: Mix) -> torch.Tensor:
     already mixed); rows keep summing to 1."""
     if target.dim() != 2 or target.shape[0] != mix.batch_size:
         raise ValueError(f'target: expected (B={mix.batch_size}, C) soft targets, got {tuple(target.shape)}')
-    return mix_rows(target.float(), mix.partner, 1.0 - mix.lam)
+    return mix_rows(target.float(), mix.partner, 1.0 - own_lam(mix), mix.flip)
 
 
 def vtm_select(S: torch.Tensor, kappa: int) -> torch.Tensor:
