@@ -14,7 +14,17 @@ from typing import Optional, Sequence, Tuple
 import torch
 from scipy.special import betaincinv
 
-from .boxes import box_token_share, check_box_rounding, minmax_sides, rand, rand_box, rand_box_minmax, sample_beta
+from .boxes import (
+    box_token_share,
+    box_token_share_one,
+    check_box_rounding,
+    minmax_sides,
+    rand,
+    rand_box,
+    rand_box_minmax,
+    rand_box_one,
+    sample_beta,
+)
 from .checks import check_int, check_real
 from .mix import IntPair, Mix, check_image_size, check_pairwise_batch, grid_size, to_2tuple
 from .token_masks import (
@@ -255,25 +265,18 @@ class MixSampler:
             lam = (lam_cut if use_cut else lam_blend) if active else 1.0
             use_cut = use_cut and active
         H, W = img_size
-        (gh, gw), (ph, pw) = grid_size(img_size, self.patch_size), self.patch_size
+        gh, gw = grid_size(img_size, self.patch_size)
         box = None
         if use_cut and self.mix_kind == 'token_box':  # MixToken: a box on the token grid, λ its exact own share
-            y0, y1, x0, x1 = self._host_box((gh, gw), lam, generator)
+            y0, y1, x0, x1 = rand_box_one((gh, gw), lam, generator, self.box_rounding)
             lam = 1.0 - (y1 - y0) * (x1 - x0) / (gh * gw)
             share = torch.zeros(batch_size, gh, gw)
             share[:, y0:y1, x0:x1] = 1.0
         elif use_cut:  # CutMix: rand_box and box_token_share for one box, in Python numbers (the same arithmetic)
-            box = y0, y1, x0, x1 = self._host_box((H, W), lam, generator)
+            box = y0, y1, x0, x1 = rand_box_one((H, W), lam, generator, self.box_rounding)
             if self.correct_lam:
                 lam = 1.0 - (y1 - y0) * (x1 - x0) / (H * W)
-
-            def cover(lo: int, hi: int, cells: int, size: int, side: int) -> list:
-                edges = [(c * size, min(c * size + size, side)) for c in range(cells)]  # clipped last cell
-                return [max(min(hi, b) - max(lo, a), 0) / (b - a) for a, b in edges]
-
-            oy, ox = cover(y0, y1, gh, ph, H), cover(x0, x1, gw, pw, W)
-            share = torch.tensor([[a * b for b in ox] for a in oy], dtype=torch.float32)  # doubles, rounded once
-            share = share.expand(batch_size, gh, gw).clone()
+            share = box_token_share_one(box, img_size, self.patch_size).expand(batch_size, gh, gw).clone()
         else:
             share = torch.full((batch_size, gh, gw), 1.0 - lam)
         return Mix(
@@ -289,15 +292,3 @@ class MixSampler:
             blend=not use_cut,
             batch_lam=lam,
         )
-
-    def _host_box(self, size: Tuple[int, int], lam: float, generator) -> Tuple[int, int, int, int]:
-        """:func:`~shared_core.boxes.rand_box` for one λ in Python integers: the same draws and arithmetic."""
-        H, W = size
-        far = 1 if self.box_rounding == 'timm' else 0
-        ratio = math.sqrt(1.0 - lam)
-        cut_h, cut_w = int(H * ratio), int(W * ratio)
-        uy, ux = rand(2, generator).tolist()
-        cy, cx = min(math.floor(uy * H), H - 1), min(math.floor(ux * W), W - 1)
-        y0, y1 = min(max(cy - cut_h // 2, 0), H), min(max(cy + (cut_h + far) // 2, 0), H)
-        x0, x1 = min(max(cx - cut_w // 2, 0), W), min(max(cx + (cut_w + far) // 2, 0), W)
-        return y0, y1, x0, x1
