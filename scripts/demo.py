@@ -36,14 +36,14 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def run(cmd, env=None, log=None):
-    """Run a command, keep its whole output in ``log``, echo only the evaluation lines."""
+def run(cmd, env=None, log=None, echo=True):
+    """Run a command, keep its whole output in ``log``, echo only the evaluation lines (none without ``echo``)."""
     t = time.time()
     with open(log, 'w') as f:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
         for line in proc.stdout:
             f.write(line)
-            if 'Test:' in line or 'Epoch(val)' in line:
+            if echo and ('Test:' in line or 'Epoch(val)' in line):
                 print('    ' + line.strip()[-110:], flush=True)
     if proc.wait() != 0:
         raise SystemExit(f'demo: command failed (exit {proc.returncode}), log: {log}\n  {" ".join(map(str, cmd))}')

@@ -1,0 +1,473 @@
+#!/usr/bin/env python3
+"""A seeded multi-seed study: each method against its baseline, same recipe, the noise measured.
+
+Trains a grid of {baseline, method} x seeds on a generated world through the real entry points
+(``tokenaug-data``, ``tokenaug-train``, ``tokenaug-maps generate``, ``tokenaug-occlusion`` and mmpretrain's own
+``tools/train.py``) and writes ``study.md`` (the table) and ``study.json`` (every run) under ``--out``:
+
+- per method: mean +- standard deviation over seeds of the final epoch's val top-1 (no selection on val), and
+  the mean wall time of one run;
+- per comparison: the paired difference method - baseline over seeds (same seed = same data order, same
+  initialisation draw), its mean and a 95 % Student-t interval;
+- occlusion (TokenMix Fig. 5 analogue): ``tokenaug-occlusion`` on the same checkpoints, val top-1 with a fraction
+  of the patches zeroed (the same patches for every model), mean and paired difference per ratio.
+
+Resumable: every step (world, annotator, maps, each run, each occlusion curve) keeps a ``study_step.json`` with
+the exact command it ran (and its inputs' steps); a rerun skips a step whose record matches and reruns one whose
+command changed or that did not finish. The annotator of token labeling and of TokenMix's activation-map targets
+is trained in the study (seed 0, the same recipe with average pooling) and its maps serve every seed.
+
+Presets: ``cpu`` (the default; this repo's 2-core machine, about an hour), ``gpu`` (a larger world and the
+full ViT-Tiny; minutes on one GPU), ``tiny`` (2 seeds, 1 epoch: the test of the runner itself).
+
+    .venv/bin/python bench/study.py [--preset cpu] [--out study_out] [--seeds N] [--epochs E] [--no-mmpretrain]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / 'scripts'))
+from demo import BIN, run, upstream  # the demo's command runner: whole log to a file, exit on failure
+
+# The world: objects cover 8-35 % of the image (tokenaug-data's default), so a CutMix box's area is often not
+# the share of the object it shows. ViT sizes as timm kwargs; the mmpretrain row builds the same ViT.
+PRESETS = {
+    'cpu': dict(
+        train_per_class=100,
+        val_per_class=50,
+        vit=dict(depth=6, embed_dim=96, num_heads=3),
+        epochs=15,
+        seeds=5,
+        batch_size=32,
+        workers=2,
+    ),
+    'gpu': dict(
+        train_per_class=500,
+        val_per_class=100,
+        vit=dict(depth=12, embed_dim=192, num_heads=3),
+        epochs=40,
+        seeds=5,
+        batch_size=64,
+        workers=8,
+    ),
+    'tiny': dict(
+        train_per_class=8,
+        val_per_class=4,
+        vit=dict(depth=3, embed_dim=48, num_heads=3),
+        epochs=1,
+        seeds=2,
+        batch_size=16,
+        workers=0,
+    ),
+}
+
+#: the timm runs: name -> (label, config under configs/timm, flags; MAPS stands for the annotator's maps)
+RUNS = {
+    'cutmix': ('MixUp/CutMix (DeiT)', 'world_vit-tiny.yaml', ['--mixup-type', 'cutmix']),
+    'tl_align': ('TL-Align (MixUp/CutMix)', 'world_vit-tiny.yaml', ['--mixup-type', 'tl_align']),
+    'transmix': ('TransMix (MixUp/CutMix)', 'world_vit-tiny.yaml', ['--mixup-type', 'transmix']),
+    'tokenmix_block': (
+        'TokenMix blocks (MixUp/TokenMix, area targets)',
+        'world_vit-tiny.yaml',
+        ['--mixup-type', 'tokenmix_block'],
+    ),
+    'tokenmix_maps': (
+        'TokenMix blocks + activation-map targets',
+        'world_vit-tiny_tokenmix.yaml',
+        ['--activation-map-dir', 'MAPS'],
+    ),
+    'mixtoken': ('MixToken + token labeling', 'world_vit-tiny_token-labeling.yaml', ['--token-label-dir', 'MAPS']),
+    'htm': (
+        'TokenMixup HTM (MixUp/CutMix)',
+        'world_vit-tiny.yaml',
+        ['--mixup-type', 'cutmix', '--tokenmixup-htm-layers', '2', '--tokenmixup-tau', '1.0'],
+    ),
+}
+#: the mmpretrain run (tools/train.py): name -> (label, config under configs/mmpretrain)
+MM_RUNS = {'mm_tl_align': ('TL-Align (MixUp/CutMix), mmpretrain tools/train.py', 'deit-tiny_world_tl-align.py')}
+#: (method, baseline) pairs of the table; the last one holds the two ecosystems' TL-Align against each other
+COMPARISONS = [
+    ('tl_align', 'cutmix'),
+    ('transmix', 'cutmix'),
+    ('tl_align', 'transmix'),
+    ('tokenmix_block', 'cutmix'),
+    ('tokenmix_maps', 'cutmix'),
+    ('tokenmix_maps', 'tokenmix_block'),
+    ('mixtoken', 'cutmix'),
+    ('htm', 'cutmix'),
+    ('mm_tl_align', 'tl_align'),
+]
+OCCLUSION_RUNS = ['cutmix', 'tokenmix_block', 'tokenmix_maps']
+OCCLUSION_RATIOS = ['0', '0.2', '0.4', '0.6', '0.8']
+IMG_SIZE = 112
+NUM_CLASSES = 10
+
+
+def t_quantile(df: int) -> float:
+    """Student's t 0.975 quantile with ``df`` degrees of freedom (a two-sided 95 % interval)."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, df))
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def paired(method: list[float], baseline: list[float]) -> dict:
+    """The paired difference method - baseline over seeds: mean, sample sd, 95 % t half-width (nan for one seed)
+    and whether the interval excludes 0."""
+    if len(method) != len(baseline):
+        raise ValueError(
+            f'paired: method and baseline need one value per seed each, got {len(method)} and {len(baseline)}'
+        )
+    diffs = [m - b for m, b in zip(method, baseline)]
+    mean, sd = mean_sd(diffs)
+    half = t_quantile(len(diffs) - 1) * sd / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
+    return dict(diffs=diffs, mean=mean, sd=sd, half=half, excludes_zero=bool(abs(mean) > half))
+
+
+class Step:
+    """One resumable step: done when ``dir/study_step.json`` records the same key (the command and its inputs'
+    keys). ``run_step`` clears an unfinished or changed step's folder before running it."""
+
+    def __init__(self, directory: Path, cmd: list, inputs: list[str] = ()):
+        self.dir = directory
+        self.cmd = [str(c) for c in cmd]
+        self.key = hashlib.sha256(json.dumps([self.cmd, list(inputs)]).encode()).hexdigest()[:16]
+
+    @property
+    def record(self) -> Path:
+        return self.dir / 'study_step.json'
+
+    def done(self) -> dict | None:
+        if self.record.is_file():
+            rec = json.loads(self.record.read_text())
+            if rec.get('key') == self.key:
+                return rec
+        return None
+
+    def finish(self, **result) -> dict:
+        rec = dict(key=self.key, cmd=self.cmd, **result)
+        self.record.write_text(json.dumps(rec, indent=1) + '\n')
+        return rec
+
+
+class Study:
+    def __init__(self, out: Path, preset: dict, mmpretrain: bool):
+        self.out, self.p, self.mmpretrain = out, preset, mmpretrain
+        self.world = out / 'world'
+        self.logs = out / 'logs'
+        self.logs.mkdir(parents=True, exist_ok=True)
+        vit = preset['vit']
+        self.model_kwargs = [f'img_size={IMG_SIZE}'] + [f'{k}={v}' for k, v in vit.items()]
+        self.steps_done = self.steps_skipped = 0
+        self.secs = 0.0  # the recorded time of every step of this study, skipped ones included
+
+    def step(self, name: str, step: Step, execute) -> dict:
+        """``execute()`` -> result dict, unless ``step`` is already done; prints one line either way."""
+        rec = step.done()
+        if rec is not None:
+            self.steps_skipped += 1
+            self.secs += rec['secs']
+            print(f'  {name}: done before, skipped', flush=True)
+            return rec
+        shutil.rmtree(step.dir, ignore_errors=True)
+        step.dir.mkdir(parents=True)
+        t = time.time()
+        result = execute()
+        rec = step.finish(secs=round(time.time() - t, 1), **result)
+        self.steps_done += 1
+        self.secs += rec['secs']
+        print(
+            f'  {name}: {", ".join(f"{k} {v}" for k, v in result.items())} ({rec["secs"]:.0f} s)',
+            flush=True,
+        )
+        return rec
+
+    def make_world(self) -> Step:
+        cmd = [BIN / 'tokenaug-data', '--out', self.world, '--seed', '0', '--num-classes', NUM_CLASSES]
+        cmd += ['--image-size', IMG_SIZE, '--formats', 'imagenet']
+        cmd += ['--train-per-class', self.p['train_per_class'], '--val-per-class', self.p['val_per_class']]
+        step = Step(self.world, cmd)
+
+        def execute():
+            run(step.cmd, log=self.logs / 'world.log', echo=False)
+            return {}
+
+        self.step('world', step, execute)  # the record lies beside the world's own world.json
+        return step
+
+    def timm_cmd(self, config: str, out_dir: Path, seed: int, flags: list) -> list:
+        return [
+            BIN / 'tokenaug-train',
+            '-c',
+            REPO / 'configs/timm' / config,
+            '--data-dir',
+            self.world / 'imagenet',
+            '--model-kwargs',
+            *self.model_kwargs,
+            '--epochs',
+            self.p['epochs'],
+            '-b',
+            self.p['batch_size'],
+            '-j',
+            self.p['workers'],
+            '--seed',
+            seed,
+            *flags,
+            '--output',
+            out_dir.parent,
+            '--experiment',
+            out_dir.name,
+            '--log-interval',
+            '1000',
+        ]
+
+    def timm_step(self, name: str, step: Step) -> dict:
+        def execute():
+            run(step.cmd, log=self.logs / f'{name}.log', echo=False)
+            final = json.loads((step.dir / 'results.json').read_text())['final']
+            return dict(top1=final['top1'], top5=final['top5'])
+
+        return self.step(name, step, execute)
+
+    def annotator_and_maps(self, world: Step) -> Step:
+        """The annotator (seed 0, the cutmix recipe with average pooling, so its head reads every patch token) and
+        its dense maps of the training split."""
+        ann = self.out / 'runs' / 'annotator' / 'seed0'
+        cmd = self.timm_cmd('world_vit-tiny.yaml', ann, 0, ['--mixup-type', 'cutmix', '--gp', 'avg'])
+        ann_step = Step(ann, cmd, [world.key])
+        self.timm_step('annotator', ann_step)
+        maps = self.out / 'maps' / 'train'
+        cmd = [
+            BIN / 'tokenaug-maps',
+            'generate',
+            '--data-dir',
+            self.world / 'imagenet',
+            '--split',
+            'train',
+            '--model',
+            'vit_tiny_patch16_224',
+            '--model-kwargs',
+            *self.model_kwargs,
+            'global_pool=avg',
+            '--num-classes',
+            NUM_CLASSES,
+            '--checkpoint',
+            ann / 'last.pth.tar',
+            '--input-size',
+            IMG_SIZE,
+            '--topk',
+            '5',
+            '--out',
+            maps,
+            '-j',
+            self.p['workers'],
+            '--no-progress',
+        ]
+        # the store's folder is the tool's own (it refuses a non-empty one), so the record sits beside it
+        step = Step(maps.parent / 'record', cmd, [ann_step.key])
+
+        def execute():
+            shutil.rmtree(maps, ignore_errors=True)
+            run(step.cmd, log=self.logs / 'maps.log', echo=False)
+            return dict(files=len(list(maps.iterdir())))
+
+        self.step('maps', step, execute)
+        return step
+
+    def timm_runs(self, world: Step, maps: Step, seeds: list[int]) -> dict:
+        results = {}
+        for seed in seeds:
+            for name, (_, config, flags) in RUNS.items():
+                uses_maps = 'MAPS' in flags
+                flags = [str(self.out / 'maps' / 'train') if f == 'MAPS' else f for f in flags]
+                out_dir = self.out / 'runs' / name / f'seed{seed}'
+                step = Step(out_dir, self.timm_cmd(config, out_dir, seed, flags), [world.key] + [maps.key] * uses_maps)
+                results[name, seed] = self.timm_step(f'{name} seed {seed}', step)
+        return results
+
+    def mm_runs(self, world: Step, seeds: list[int]) -> dict:
+        """mmpretrain's tools/train.py on a config that inherits the repo's and sets the study's ViT, schedule and
+        seed."""
+        vit = self.p['vit']
+        arch = dict(
+            embed_dims=vit['embed_dim'],
+            num_layers=vit['depth'],
+            num_heads=vit['num_heads'],
+            feedforward_channels=4 * vit['embed_dim'],
+        )
+        results = {}
+        for seed in seeds:
+            for name, (_, config) in MM_RUNS.items():
+                work = self.out / 'runs' / name / f'seed{seed}'
+                cfg = self.out / 'configs' / f'{name}_seed{seed}.py'
+                text = '\n'.join(
+                    [
+                        f'_base_ = [{str(REPO / "configs/mmpretrain" / config)!r}]',
+                        f'model = dict(backbone=dict(arch=dict(_delete_=True, **{arch!r})), '
+                        f'head=dict(in_channels={arch["embed_dims"]}))',
+                        f'train_cfg = dict(max_epochs={self.p["epochs"]})',
+                        f'train_dataloader = dict(batch_size={self.p["batch_size"]}, num_workers={self.p["workers"]})',
+                        f'val_dataloader = dict(num_workers={self.p["workers"]})',
+                        f'randomness = dict(seed={seed})',
+                        '',
+                    ]
+                )
+                cmd = [sys.executable, upstream('mmpretrain', 'train.py'), cfg, '--work-dir', work]
+                step = Step(work, cmd, [world.key, text])
+
+                def execute(cfg=cfg, text=text, work=work, step=step, name=name, seed=seed):
+                    cfg.parent.mkdir(parents=True, exist_ok=True)
+                    cfg.write_text(text)
+                    env = dict(
+                        os.environ,
+                        TOKENAUG_WORLD=str(self.world),
+                        PYTHONPATH=f'{REPO}{os.pathsep}{os.environ.get("PYTHONPATH", "")}',
+                    )
+                    run(step.cmd, env=env, log=self.logs / f'{name}_seed{seed}.log', echo=False)
+                    scalars = sorted(work.glob('*/vis_data/scalars.json'))[-1]
+                    lines = [json.loads(s) for s in scalars.read_text().splitlines()]
+                    last = [r for r in lines if 'accuracy/top1' in r][-1]
+                    return dict(top1=round(last['accuracy/top1'], 2), top5=round(last['accuracy/top5'], 2))
+
+                results[name, seed] = self.step(f'{name} seed {seed}', step, execute)
+        return results
+
+    def occlusion(self, runs: dict, seeds: list[int]) -> dict:
+        curves = {}
+        for seed in seeds:
+            for name in OCCLUSION_RUNS:
+                dst = self.out / 'occlusion' / name / f'seed{seed}'
+                ckpt = self.out / 'runs' / name / f'seed{seed}' / 'last.pth.tar'
+                cmd = [BIN / 'tokenaug-occlusion', '--data-dir', self.world / 'imagenet', '--split', 'val']
+                cmd += ['--model', 'vit_tiny_patch16_224', '--model-kwargs', *self.model_kwargs, '--checkpoint', ckpt]
+                cmd += ['--ratios', *OCCLUSION_RATIOS, '--seed', '0', '--out', dst, '-j', self.p['workers']]
+                cmd += ['--no-progress']
+                step = Step(dst, cmd, [runs[name, seed]['key']])
+
+                def execute(dst=dst, step=step, name=name, seed=seed):
+                    import csv
+
+                    run(step.cmd, log=self.logs / f'occlusion_{name}_seed{seed}.log', echo=False)
+                    with open(dst / 'occlusion.csv') as f:
+                        return dict(top1=[float(r['top1']) for r in csv.DictReader(f)])
+
+                curves[name, seed] = self.step(f'occlusion {name} seed {seed}', step, execute)
+        return curves
+
+
+def table(results: dict, curves: dict, seeds: list[int], preset_name: str, preset: dict, wall: float) -> str:
+    labels = {k: v[0] for k, v in RUNS.items()} | {k: v[0] for k, v in MM_RUNS.items()}
+    names = [n for n in list(RUNS) + list(MM_RUNS) if all((n, s) in results for s in seeds)]
+    top1 = {n: [results[n, s]['top1'] for s in seeds] for n in names}
+    vit = preset['vit']
+    lines = [
+        f'Preset `{preset_name}`: world of {NUM_CLASSES} classes at {IMG_SIZE} px, {preset["train_per_class"]} train / '
+        f'{preset["val_per_class"]} val images per class (objects 8-35 % of the image); ViT depth {vit["depth"]}, '
+        f'width {vit["embed_dim"]}, {vit["num_heads"]} heads, patch 16 (7x7 tokens); {preset["epochs"]} epochs, '
+        f'batch {preset["batch_size"]}; seeds {", ".join(map(str, seeds))}. Top-1: the final epoch on val '
+        f'({preset["val_per_class"] * NUM_CLASSES} images). Study wall time {wall / 60:.0f} min.',
+        '',
+        '| run | top-1 mean ± sd | per seed | wall s / run |',
+        '|---|---|---|---|',
+    ]
+    for n in names:
+        m, sd = mean_sd(top1[n])
+        secs = statistics.fmean(results[n, s]['secs'] for s in seeds)
+        lines.append(f'| {labels[n]} | {m:.2f} ± {sd:.2f} | {" / ".join(f"{v:g}" for v in top1[n])} | {secs:.0f} |')
+    lines += [
+        '',
+        f'Paired differences (method - baseline, same seed; mean and 95 % t interval over {len(seeds)} seeds):',
+        '',
+        '| method | baseline | difference | 95 % interval | interval excludes 0 |',
+        '|---|---|---|---|---|',
+    ]
+    for m, b in COMPARISONS:
+        if m in top1 and b in top1:
+            d = paired(top1[m], top1[b])
+            lines.append(
+                f'| {labels[m]} | {labels[b]} | {d["mean"]:+.2f} | [{d["mean"] - d["half"]:+.2f}, '
+                f'{d["mean"] + d["half"]:+.2f}] | {"yes" if d["excludes_zero"] else "no"} |'
+            )
+    occ = [n for n in OCCLUSION_RUNS if all((n, s) in curves for s in seeds)]
+    if occ:
+        lines += [
+            '',
+            'Occlusion (tokenaug-occlusion on the same checkpoints; val top-1, mean ± sd over seeds, with a fraction '
+            'of the 16x16 patches zeroed, the same patches for every model):',
+            '',
+            '| run | ' + ' | '.join(f'{float(r):.0%}' for r in OCCLUSION_RATIOS) + ' |',
+            '|---' * (len(OCCLUSION_RATIOS) + 1) + '|',
+        ]
+        for n in occ:
+            cells = [mean_sd([curves[n, s]['top1'][i] for s in seeds]) for i in range(len(OCCLUSION_RATIOS))]
+            lines.append(f'| {labels[n]} | ' + ' | '.join(f'{m:.1f} ± {sd:.1f}' for m, sd in cells) + ' |')
+        for n in occ[1:]:
+            cells = []
+            for i in range(len(OCCLUSION_RATIOS)):
+                d = paired([curves[n, s]['top1'][i] for s in seeds], [curves[occ[0], s]['top1'][i] for s in seeds])
+                cells.append(f'{d["mean"]:+.1f} [{d["mean"] - d["half"]:+.1f}, {d["mean"] + d["half"]:+.1f}]')
+            lines.append(f'| {labels[n]} - {labels[occ[0]]} | ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--preset', choices=sorted(PRESETS), default='cpu')
+    p.add_argument('--out', type=Path, default=REPO / 'study_out')
+    p.add_argument('--seeds', type=int, help="number of seeds (0, 1, ...); default: the preset's")
+    p.add_argument('--epochs', type=int, help="default: the preset's")
+    p.add_argument('--no-mmpretrain', action='store_true', help='leave out the mmpretrain tools/train.py row')
+    args = p.parse_args(argv)
+    preset = dict(PRESETS[args.preset])
+    for key in ('seeds', 'epochs'):
+        value = getattr(args, key)
+        if value is not None:
+            if value < 1:
+                p.error(f'--{key} must be >= 1, got {value}')
+            preset[key] = value
+    seeds = list(range(preset['seeds']))
+    out = args.out.resolve()
+    study = Study(out, preset, mmpretrain=not args.no_mmpretrain)
+    t0 = time.time()
+    print(f'== study, preset {args.preset}: {len(seeds)} seeds x {len(RUNS)} timm runs, out {out}', flush=True)
+    world = study.make_world()
+    maps = study.annotator_and_maps(world)
+    results = study.timm_runs(world, maps, seeds)
+    if study.mmpretrain:
+        results |= study.mm_runs(world, seeds)
+    curves = study.occlusion(results, seeds)
+    text = table(results, curves, seeds, args.preset, preset, study.secs)
+    (out / 'study.md').write_text(text + '\n')
+    record = dict(
+        preset=args.preset,
+        settings=preset,
+        seeds=seeds,
+        runs={f'{n} seed {s}': r for (n, s), r in results.items()},
+        occlusion={f'{n} seed {s}': r for (n, s), r in curves.items()},
+        steps_run=study.steps_done,
+        steps_skipped=study.steps_skipped,
+    )
+    (out / 'study.json').write_text(json.dumps(record, indent=1) + '\n')
+    print('\n' + text)
+    print(
+        f'\n({study.steps_done} steps run, {study.steps_skipped} skipped, {time.time() - t0:.0f} s; {out / "study.md"})'
+    )
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,96 @@
+"""bench/study.py, the multi-seed study runner: its statistics against hand-computed values, and the whole
+runner on its ``tiny`` preset (2 seeds, 1 epoch) through the real entry points, resumed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _study():
+    spec = importlib.util.spec_from_file_location('tokenaug_study', REPO / 'bench' / 'study.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_paired_difference_and_its_interval_by_hand():
+    study = _study()
+    method, baseline = [71.0, 73.4, 70.2, 72.8, 74.0], [70.0, 72.0, 71.0, 71.2, 72.6]
+    d = study.paired(method, baseline)
+    diffs = [1.0, 1.4, -0.8, 1.6, 1.4]
+    mean = sum(diffs) / 5
+    sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / 4)
+    assert d['diffs'] == pytest.approx(diffs)
+    assert d['mean'] == pytest.approx(mean) and d['sd'] == pytest.approx(sd)
+    # t(0.975, 4) = 2.7764 (tables); the half-width of the 95 % interval is t * sd / sqrt(n)
+    assert study.t_quantile(4) == pytest.approx(2.7764, abs=1e-4)
+    assert d['half'] == pytest.approx(2.7764 * sd / math.sqrt(5), rel=1e-4)
+    assert d['excludes_zero'] == (mean - d['half'] > 0)
+    # one seed: no interval; a difference that is the same on every seed excludes 0
+    assert math.isnan(study.paired([1.0], [0.0])['half'])
+    assert study.paired([2.0, 3.0, 4.0], [1.0, 2.0, 3.0])['excludes_zero']
+    with pytest.raises(ValueError, match='one value per seed'):
+        study.paired([1.0, 2.0], [1.0])
+
+
+def _run(out: Path, *extra) -> dict:
+    cmd = [sys.executable, REPO / 'bench' / 'study.py', '--preset', 'tiny', '--out', out, *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / 'study.json').read_text())
+
+
+@pytest.mark.slow
+def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path):
+    study = _study()
+    out = tmp_path / 'study'
+    first = _run(out)
+    seeds = [0, 1]
+    assert first['seeds'] == seeds
+    names = list(study.RUNS) + list(study.MM_RUNS)
+    assert set(first['runs']) == {f'{n} seed {s}' for n in names for s in seeds}
+    for name, rec in first['runs'].items():
+        assert 0 <= rec['top1'] <= 100 and rec['secs'] > 0, name
+    # the timm runs are tokenaug-train's own run folders, with their seed and the study's epochs
+    for s in seeds:
+        args = (out / 'runs' / 'tl_align' / f'seed{s}' / 'args.yaml').read_text()
+        assert f'seed: {s}\n' in args and 'epochs: 1\n' in args and 'mixup_type: tl_align' in args
+        assert (out / 'runs' / 'mm_tl_align' / f'seed{s}').is_dir()
+    # the annotator's maps feed token labeling and TokenMix's activation-map targets
+    maps = str(out / 'maps' / 'train')
+    assert maps in (out / 'runs' / 'mixtoken' / 'seed0' / 'args.yaml').read_text()
+    assert maps in (out / 'runs' / 'tokenmix_maps' / 'seed1' / 'args.yaml').read_text()
+    assert set(first['occlusion']) == {f'{n} seed {s}' for n in study.OCCLUSION_RUNS for s in seeds}
+    for rec in first['occlusion'].values():
+        assert len(rec['top1']) == len(study.OCCLUSION_RATIOS)
+    table = (out / 'study.md').read_text()
+    for label, *_ in list(study.RUNS.values()) + list(study.MM_RUNS.values()):
+        assert f'| {label} |' in table
+    # every comparison is a row, and its difference is the mean of the per-seed top-1 differences
+    labels = {k: v[0] for k, v in study.RUNS.items()} | {k: v[0] for k, v in study.MM_RUNS.items()}
+    for m, b in study.COMPARISONS:
+        diff = sum(first['runs'][f'{m} seed {s}']['top1'] - first['runs'][f'{b} seed {s}']['top1'] for s in seeds) / 2
+        assert f'| {labels[m]} | {labels[b]} | {diff:+.2f} |' in table
+    steps = first['steps_run']
+    assert first['steps_skipped'] == 0 and steps == 3 + len(names) * 2 + len(study.OCCLUSION_RUNS) * 2
+
+    # a rerun skips every finished step and writes the same table
+    again = _run(out)
+    assert again['steps_run'] == 0 and again['steps_skipped'] == steps
+    assert again['runs'] == first['runs']
+    # an unfinished step (no record) and a changed one (another key) run again; the rest is kept
+    (out / 'runs' / 'htm' / 'seed1' / 'study_step.json').unlink()
+    record = out / 'runs' / 'transmix' / 'seed0' / 'study_step.json'
+    record.write_text(record.read_text().replace(first['runs']['transmix seed 0']['key'], 'stale'))
+    third = _run(out)
+    assert third['steps_run'] == 2 and third['steps_skipped'] == steps - 2
+    assert third['runs']['cutmix seed 0'] == first['runs']['cutmix seed 0']
