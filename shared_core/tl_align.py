@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from .mix import Mix, pair_target
 
 __all__ = [
+    'abs_row_norm',
+    'linear_token_mixing',
     'compact_labels',
     'dense_labels',
     'attention_labels',
@@ -369,9 +371,28 @@ def talking_heads_labels(attn: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     whenever ``W ≥ 0``; the learnt head mixing is signed, and a signed row sum can vanish, so the
     magnitudes are normalised (labels stay convex combinations, the compact state stays exact)."""
     with torch.autocast(device_type=attn.device.type, enabled=False):
-        W = attn.detach().mean(-1, dtype=torch.float32).abs_()
-        W = W / W.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        return W @ labels.float()
+        return abs_row_norm(attn.detach().mean(-1, dtype=torch.float32)) @ labels.float()
+
+
+def abs_row_norm(W: torch.Tensor) -> torch.Tensor:
+    """``Norm(|W|)``: the magnitudes of a (signed) token-mixing matrix ``(..., N_out, N_in)`` with each row scaled to
+    sum 1 (a zero row stays zero). For ``W ≥ 0`` this is Table 9's ``Norm(W)``; a signed row sum can vanish, so the
+    magnitudes are normalised: labels stay convex combinations, the compact state stays exact."""
+    W = W.abs()
+    return W / W.sum(-1, keepdim=True).clamp_min(torch.finfo(W.dtype).tiny)
+
+
+def linear_token_mixing(*weights: torch.Tensor) -> torch.Tensor:
+    """Table 9 for learnt linear maps over the tokens (MLP-Mixer's token MLP, ResMLP's and gMLP's token
+    projections), applied in the order given (``weights[0]`` first, each ``(N_out, N_in)`` as ``nn.Linear``
+    stores it), with only point-wise ops between them (bias, activation, norm: labels unchanged): each map is a
+    spatial mixing ``Y ← Norm(|W|) · Y``, so the stack is the ``(N, N)`` product ``Norm(|W_L|) ··· Norm(|W_1|)``
+    (rows sum to 1). Static: the same matrix for every sample."""
+    with torch.no_grad(), torch.autocast(device_type=weights[0].device.type, enabled=False):
+        A = abs_row_norm(weights[0].detach().float())
+        for W in weights[1:]:
+            A = abs_row_norm(W.detach().float()) @ A
+        return A
 
 
 def conv_pool_labels(labels: torch.Tensor, kernel_size, stride, padding) -> torch.Tensor:

@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, Dataset
 from shared_core.token_masks import batch_masks, num_dropped, occlusion_mask, patch_ranks
 
 from .image_data import read_sample
-from .token_grid import token_stride
+from .token_grid import patch_embedding, token_stride
 
 __all__ = [
     'DEFAULT_RATIOS',
@@ -82,7 +82,7 @@ CSV_FIELDS = ('ratio', 'dropped_patches', 'num_patches', 'top1', 'top5', 'top1_s
 # -------------------------------------------------------------------------------------- patch grid
 def _stride(model: nn.Module) -> tuple[int, int] | None:
     """:func:`timm_plugin.token_grid.token_stride`, or None for a model without ``patch_embed`` (CNNs)."""
-    return token_stride(model) if getattr(model, 'patch_embed', None) is not None else None
+    return token_stride(model) if patch_embedding(model) is not None else None
 
 
 def patch_grid(

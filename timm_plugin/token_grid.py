@@ -7,7 +7,19 @@ from typing import Tuple
 
 import torch.nn as nn
 
-__all__ = ['token_stride']
+__all__ = ['token_stride', 'patch_embedding']
+
+
+def patch_embedding(model: nn.Module):
+    """A timm model's patch embedding: ``patch_embed`` (ViTs, Swin, PVT, ...) or, for the MLP-Mixer family, a
+    ``stem`` that is timm's ``PatchEmbed``; ``None`` for models without one (CNNs)."""
+    embed = getattr(model, 'patch_embed', None)
+    if embed is None:
+        from timm.layers import PatchEmbed
+
+        stem = getattr(model, 'stem', None)
+        embed = stem if isinstance(stem, PatchEmbed) else None
+    return embed
 
 
 def token_stride(model: nn.Module) -> Tuple[int, int]:
@@ -15,9 +27,9 @@ def token_stride(model: nn.Module) -> Tuple[int, int]:
     ``token_stride`` where it declares one (LV-ViT's conv stem: 16, while its ``proj`` steps 8); else
     ``img_size / grid_size`` where they divide (hybrid ViTs, whose ``proj`` runs on backbone features);
     else the stride of its ``proj`` convolution (PVT v2's overlapping 7x7 embedding: 4); else ``patch_size``."""
-    embed = getattr(model, 'patch_embed', None)
+    embed = patch_embedding(model)
     if embed is None:
-        raise ValueError(f'model: {type(model).__name__} has no patch_embed, so no token grid')
+        raise ValueError(f'model: {type(model).__name__} has no patch_embed (or PatchEmbed stem), so no token grid')
     stride = getattr(embed, 'token_stride', None)
     img_size, grid_size = getattr(embed, 'img_size', None), getattr(embed, 'grid_size', None)
     if (

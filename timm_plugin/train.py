@@ -50,7 +50,7 @@ from .image_data import CheckedImageDataset, UnreadableImageError, check_class_l
 from .mixup import MIX_KINDS, TARGET_METHODS, create_mixer
 from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
 from .timm_fixes import fix_posterize
-from .token_grid import token_stride
+from .token_grid import patch_embedding, token_stride
 from .token_label_data import TokenLabelCollate, TokenLabelDataset
 from .token_labeling import TokenLabelingLoss, attach_aux_head
 from .tokenmixup import attach_scorenets
@@ -113,7 +113,7 @@ def epoch_seed(seed: int, epoch: int) -> int:
 def mixing_patch_size(model: nn.Module, default=16):
     """The token grid step a mixer draws on: :func:`~timm_plugin.token_grid.token_stride` for models with
     a patch embedding, ``default`` for the others (CNNs: only MixUp/CutMix, which need no grid)."""
-    return token_stride(model) if hasattr(model, 'patch_embed') else default
+    return token_stride(model) if patch_embedding(model) is not None else default
 
 
 def method_and_mix_kind(args):

@@ -1,0 +1,176 @@
+"""Generalised TL-Align (TL-Align Appendix A, Table 9) on timm's MlpMixer family: MLP-Mixer, ResMLP and gMLP
+against explicit per-position references, compact-vs-dense agreement, stochastic depth, the unchanged token
+path, and the refusals."""
+
+import pytest
+import timm
+import torch
+from timm.layers import GatedMlp
+from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock, SpatialGatingBlock
+
+from shared_core.mixing import one_hot
+from shared_core.tl_align import abs_row_norm, linear_token_mixing
+from timm_plugin import create_mixer
+from timm_plugin.tl_align import TLAlign
+
+from .test_tl_align import C, random_token_labels, sharpen
+
+# the block settings of timm's mixer_*, resmlp_* and gmlp_* entry points, at a tiny size
+ARCHS = {
+    'mixer': dict(),
+    'resmlp': dict(mlp_ratio=4, block_layer=ResBlock, norm_layer=Affine),
+    'gmlp': dict(mlp_ratio=6, block_layer=SpatialGatingBlock, mlp_layer=GatedMlp),
+}
+
+
+def tiny(arch, **kw):
+    torch.manual_seed(0)
+    args = dict(img_size=32, patch_size=8, num_blocks=2, embed_dim=16, num_classes=C) | ARCHS[arch] | kw
+    return sharpen(MlpMixer(**args))
+
+
+def _mix_rows(W, Y):
+    """``Norm(|W|) · Y`` written out: each output position the |W|-weighted mean of the input labels."""
+    W = W.detach()
+    n_out, n_in = W.shape
+    out = torch.zeros(Y.shape[0], n_out, Y.shape[-1])
+    for n in range(n_out):
+        total = sum(abs(float(W[n, m])) for m in range(n_in))
+        for m in range(n_in):
+            out[:, n] += abs(float(W[n, m])) / total * Y[:, m]
+    return out
+
+
+def mlp_reference(model, arch, Y, layers=None, residual=True, dropped=()):
+    """The label state through the blocks by explicit loops over positions (Table 9 op by op); ``dropped``: the
+    blocks whose token branch stochastic depth dropped for every sample."""
+    for idx, blk in enumerate(model.blocks):
+        if (layers is not None and idx not in layers) or idx in dropped:
+            continue
+        if arch == 'resmlp':
+            g = _mix_rows(blk.linear_tokens.weight, Y)
+        elif arch == 'mixer':  # hidden units of the token MLP, then back to the tokens
+            g = _mix_rows(blk.mlp_tokens.fc2.weight, _mix_rows(blk.mlp_tokens.fc1.weight, Y))
+        else:  # gMLP: u (own label) times proj(v) (mixed labels): their Norm(sum)
+            g = (Y + _mix_rows(blk.mlp_channels.gate.proj.weight, Y)) / 2
+        Y = (Y + g) / 2 if residual else g
+    return Y.mean(1)
+
+
+@pytest.mark.parametrize('arch', list(ARCHS))
+def test_dense_trace_matches_the_explicit_reference(arch):
+    model = tiny(arch).eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 32, 32, generator=g)
+    Y = random_token_labels(2, 16, g)
+    out, label = TLAlign(model).trace(x, Y)
+    assert torch.equal(out, model(x))
+    assert torch.allclose(label, mlp_reference(model, arch, Y), atol=1e-6)
+    assert torch.allclose(label.sum(1), torch.ones(2), atol=1e-6) and label.min() >= 0
+    for layers, residual in [([], True), ([1], False), ([0], True)]:
+        _, label = TLAlign(model, layers=layers, residual=residual).trace(x, Y)
+        assert torch.allclose(label, mlp_reference(model, arch, Y, layers, residual), atol=1e-6)
+    # the labels move: a wrong weight, transpose or order would show
+    assert (label - Y.mean(1)).abs().max() > 1e-3
+
+
+def test_linear_token_mixing_rows_and_order():
+    g = torch.Generator().manual_seed(0)
+    W1, W2 = torch.randn(5, 4, generator=g), torch.randn(4, 5, generator=g)
+    A = linear_token_mixing(W1, W2)
+    assert A.shape == (4, 4) and torch.allclose(A.sum(1), torch.ones(4)) and A.min() >= 0
+    assert torch.allclose(A, abs_row_norm(W2) @ abs_row_norm(W1))
+    assert torch.equal(abs_row_norm(torch.zeros(2, 3)), torch.zeros(2, 3))  # a zero row stays zero
+    P = torch.tensor([[2.0, 0.0], [1.0, 3.0]])  # non-negative: Table 9's Norm(W) itself
+    assert torch.allclose(abs_row_norm(P), P / P.sum(1, keepdim=True))
+
+
+@pytest.mark.parametrize('arch', list(ARCHS))
+@pytest.mark.parametrize('kind', ['cutmix', 'tokenmix_block'])
+def test_compact_and_dense_labels_give_the_same_target(arch, kind):
+    model = tiny(arch, drop_path_rate=0.3).train()
+    g = torch.Generator().manual_seed(3)
+    mixer = create_mixer(
+        kind, num_classes=C, patch_size=8, mode='elem', mixup_alpha=0.0, cutmix_alpha=1.0, label_smoothing=0.1,
+        generator=g, carry_mix=True,
+    )  # fmt: skip
+    x = torch.randn(6, 3, 32, 32, generator=g)
+    y = torch.randint(0, C, (6,), generator=g)
+    xm, target = mixer(x, y)
+    wrapped = TLAlign(model)
+    torch.manual_seed(5)
+    out, aligned = wrapped(xm, target)
+    mix = target.mix
+    s = mix.token_share_flat()[..., None]
+    Y = (1 - s) * one_hot(y, C, 0.1)[:, None] + s * one_hot(y[mix.partner], C, 0.1)[:, None]
+    torch.manual_seed(5)
+    out_dense, label = wrapped.trace(xm, Y)
+    assert torch.equal(out, out_dense)
+    assert torch.allclose(aligned, label, atol=1e-6)
+    assert torch.allclose(aligned.sum(1), torch.ones(6), atol=1e-6) and aligned.min() >= 0
+    assert not aligned.requires_grad
+
+
+@pytest.mark.parametrize('arch', list(ARCHS))
+def test_a_dropped_token_branch_leaves_the_labels(arch):
+    """Block 0's stochastic depth drops every sample's branches, block 1's none: the labels skip block 0."""
+    model = tiny(arch).train()
+    model.blocks[0].drop_path = timm.layers.DropPath(1.0)
+    g = torch.Generator().manual_seed(2)
+    x, Y = torch.randn(3, 3, 32, 32, generator=g), random_token_labels(3, 16, g)
+    _, label = TLAlign(model).trace(x, Y)
+    assert torch.allclose(label, mlp_reference(model, arch, Y, dropped={0}), atol=1e-6)
+    _, public = TLAlign(model, drop_path='public').trace(x, Y)
+    assert torch.allclose(public, mlp_reference(model, arch, Y), atol=1e-6)
+
+
+@pytest.mark.parametrize('arch', list(ARCHS))
+def test_eval_is_the_plain_model_and_training_logits_are_unchanged(arch):
+    model = tiny(arch, drop_path_rate=0.2)
+    wrapped = TLAlign(model)
+    x = torch.randn(4, 3, 32, 32)
+    wrapped.eval()
+    assert torch.equal(wrapped(x), model(x))
+    wrapped.train()
+    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=8, carry_mix=True)
+    xm, target = mixer(x, torch.tensor([0, 1, 2, 3]))
+    torch.manual_seed(0)
+    out, aligned = wrapped(xm, target)
+    torch.manual_seed(0)
+    assert torch.equal(out, model(xm))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert torch.allclose(aligned.sum(1), torch.ones(4), atol=1e-6)
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="global_pool='' has no TL-Align rule"):
+        TLAlign(tiny('mixer', global_pool=''))
+    model = tiny('resmlp')
+    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=4, carry_mix=True)
+    xm, target = mixer(torch.randn(2, 3, 32, 32), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match='64 token labels for 16 tokens'):
+        TLAlign(model).train()(xm, target)
+    model.blocks[1].mlp_channels = torch.nn.Sequential()
+    with pytest.raises(ValueError, match='block 1.mlp_channels is a torch.nn.modules.container.Sequential'):
+        TLAlign(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('model', ['mixer_s16_224', 'resmlp_12_224', 'gmlp_ti16_224'])
+def test_tokenaug_train_tl_align_on_the_mlp_family(tiny_world, tmp_path, model):
+    """``tokenaug-train --mixup-type tl_align`` on a small MLP-Mixer / ResMLP / gMLP over the world (the mixer draws
+    on the stem's 16-pixel grid, the model's 7x7 tokens), with stochastic depth."""
+    from timm_plugin.train import run
+
+    from .conftest import REPO
+
+    metrics = run(
+        ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml'), '--data-dir', str(tiny_world / 'imagenet')]
+        + ['--model', model, '--model-kwargs', 'img_size=112']  # timm's entry points fix depth and width
+        + ['--epochs', '1', '-b', '8', '--workers', '0', '--mixup-type', 'tl_align', '--drop-path', '0.1']
+        + ['--output', str(tmp_path), '--experiment', 'run']
+    )
+    assert set(metrics) == {'loss', 'top1', 'top5'} and 0 <= metrics['top1'] <= 100
+    ckpt = torch.load(tmp_path / 'run' / 'last.pth.tar', map_location='cpu', weights_only=True)
+    plain = timm.create_model(model, img_size=112, num_classes=10)
+    plain.load_state_dict(ckpt['state_dict'])  # a plain timm model: nothing of TL-Align in the checkpoint
