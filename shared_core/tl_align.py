@@ -38,6 +38,7 @@ from .mix import Mix, pair_target
 __all__ = [
     'abs_row_norm',
     'linear_token_mixing',
+    'conv_stencil_labels',
     'compact_labels',
     'dense_labels',
     'attention_labels',
@@ -393,6 +394,18 @@ def linear_token_mixing(*weights: torch.Tensor) -> torch.Tensor:
         for W in weights[1:]:
             A = abs_row_norm(W.detach().float()) @ A
         return A
+
+
+def conv_stencil_labels(labels: torch.Tensor, stencil: torch.Tensor, padding) -> torch.Tensor:
+    """Table 9 spatial mixing for a stride-1 convolution used as one fixed non-negative stencil ``S`` ``(kh, kw)``
+    on a ``(B, K, H, W)`` label map: ``Y'[p] = Σ_q S[q - p + pad] Y[q] / Σ_q S[q - p + pad]`` over the in-grid
+    positions ``q`` of the window (the conv's zero padding is no token), i.e. the conv's equivalent ``(N, N)``
+    matrix with rows normalised to sum 1 (the same cross-correlation as the token path)."""
+    K, H, W = labels.shape[1:]
+    S = stencil.to(labels.dtype)[None, None]
+    num = F.conv2d(labels, S.expand(K, 1, *S.shape[-2:]), padding=padding, groups=K)
+    den = F.conv2d(labels.new_ones(1, 1, H, W), S, padding=padding)
+    return num / den.clamp_min(torch.finfo(labels.dtype).tiny)
 
 
 def conv_pool_labels(labels: torch.Tensor, kernel_size, stride, padding) -> torch.Tensor:

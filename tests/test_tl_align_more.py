@@ -441,7 +441,8 @@ def test_bad_input():
         ValueError,
         match=r'no tracer for .*ResNet; supported: .*VisionTransformerDistilled, '
         r'.*VisionTransformer, .*SwinTransformer, timm\.models\.cait\.Cait, '
-        r'timm\.models\.pvt_v2\.PyramidVisionTransformerV2, timm\.models\.mlp_mixer\.MlpMixer$',
+        r'timm\.models\.pvt_v2\.PyramidVisionTransformerV2, timm\.models\.mlp_mixer\.MlpMixer, '
+        r'timm\.models\.convnext\.ConvNeXt$',
     ):
         TLAlign(timm.create_model('resnet10t', num_classes=C))
     with pytest.raises(ValueError, match="CaiT with global_pool=''"):

@@ -23,8 +23,9 @@ Supported: timm ``VisionTransformer`` (ViT / DeiT, class token or ``global_pool=
 tokens), ``VisionTransformerDistilled`` (DeiT distilled), ``SwinTransformer`` (shifted windows,
 patch merging, average pooling), ``Cait`` (talking-heads self-attention over the patches, then class
 attention) and ``PyramidVisionTransformerV2`` (overlapping patch embeddings, spatial-reduction
-attention, average pooling) and ``MlpMixer`` (MLP-Mixer, ResMLP, gMLP: TL-Align Appendix A's rules for learnt
-token mixing); see :class:`CaitTracer`, :class:`PvtV2Tracer` and :class:`MlpMixerTracer` for their rules.
+attention, average pooling), ``MlpMixer`` (MLP-Mixer, ResMLP, gMLP) and ``ConvNeXt`` (TL-Align Appendix A's
+rules beyond ViTs); see :class:`CaitTracer`, :class:`PvtV2Tracer`, :class:`MlpMixerTracer` and
+:class:`ConvNeXtTracer` for their rules.
 Others raise an error listing these.
 """
 
@@ -38,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import Attention, DropPath, GluMlp, LayerNorm, LayerScale, Mlp, RmsNorm, SwiGLU
 from timm.models.cait import Cait, ClassAttn, LayerScaleBlock, LayerScaleBlockClassAttn, TalkingHeadAttn
+from timm.models.convnext import ConvNeXt, ConvNeXtBlock, ConvNeXtStage
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.mlp_mixer import Affine, MixerBlock, MlpMixer, ResBlock, SpatialGatingBlock, SpatialGatingUnit
 from timm.models.pvt_v2 import (
@@ -72,6 +74,7 @@ from shared_core.tl_align import (
     check_layers,
     compact_labels,
     conv_pool_labels,
+    conv_stencil_labels,
     dense_labels,
     fused_label_attn,
     kept_samples,
@@ -853,6 +856,125 @@ class MlpMixerTracer:
         return None
 
 
+# ---------------------------------------------------------------------------------------------- ConvNeXt
+
+
+class ConvNeXtTracer:
+    """Label rules for timm's ``ConvNeXt`` (TL-Align Appendix A, Table 9; ConvNeXt is the appendix's example of
+    spatial mixing by a convolution, ``W^s = T(K)``):
+
+    - Initial labels: one per token of the patchify stem (``Conv2d`` with kernel = stride, 4 for ConvNeXt): give
+      the mixer ``patch_size`` = that stride (``tokenaug-train`` does), so the stem's grid is the mix grid.
+    - Block (``conv_dw``, norm, MLP, layer scale, residual): the depthwise ``k x k`` conv is the block's only
+      spatial mixing, but each channel has its own signed kernel ``K_c`` while the labels are shared by the
+      channels. We use one fixed stencil per layer, ``S = mean_c |K_c|``, and mix the labels with
+      ``Norm(T(S))`` (:func:`~shared_core.tl_align.conv_stencil_labels`: the conv's equivalent matrix with
+      rows normalised, padding positions not counted): magnitudes because the signed kernels' sums can vanish
+      (as for CaiT and the MLP family), the channel mean because one label map has to stand for all channels
+      and each channel's kernel moves its information by that kernel's weights. The norm, MLP and layer scale
+      are point-wise or channel mixing (labels unchanged); the residual is Eq. 11, ``Y ← Norm(Y + g(Y))``, for
+      the samples whose branch stochastic depth kept.
+    - Downsampling between stages (norm, then a 2x2 stride-2 conv): spatial aggregation, ``Norm(Σ Y_i)`` over
+      each output's window (average pooling with the conv's geometry).
+    - Global average pooling (the head): the mean label.
+
+    Refused (a clear error): overlapping stems, ConvNeXt V2's global response norm (it rescales every token by
+    statistics of all tokens), dilated or strided depthwise convs, a head pooling other than ``avg``.
+    """
+
+    num_prefix_tokens = 0
+
+    def __init__(self, model: ConvNeXt):
+        pool = getattr(getattr(model.head, 'global_pool', None), 'pool_type', None)
+        if pool != 'avg':
+            raise ValueError(f"model: ConvNeXt with head pooling {pool!r} has no TL-Align rule; use 'avg'")
+        stem = model.stem[0] if isinstance(model.stem, nn.Sequential) and len(model.stem) == 2 else None
+        if type(stem) is not nn.Conv2d or stem.kernel_size != stem.stride or stem.padding != (0, 0):
+            raise ValueError(
+                "model: TL-Align traces ConvNeXt's patchify stem (stem_type='patch'); an overlapping stem has no "
+                'token grid of its own'
+            )
+        for i, stage in enumerate(model.stages):
+            if type(stage) is not ConvNeXtStage:
+                raise ValueError(f'model: TL-Align traces ConvNeXtStage stages, stage {i} is {type(stage).__name__}')
+            if not isinstance(stage.downsample, nn.Identity):
+                conv = stage.downsample[-1]
+                if type(conv) is not nn.Conv2d or conv.kernel_size != conv.stride:
+                    raise ValueError(f'model: ConvNeXt stage {i} downsample {conv} has no TL-Align rule')
+            for j, b in enumerate(stage.blocks):
+                dw = b.conv_dw
+                ok = type(b) is ConvNeXtBlock and type(dw) is nn.Conv2d and dw.groups == dw.in_channels
+                if not ok or dw.stride != (1, 1) or dw.dilation != (1, 1) or isinstance(dw.padding, str):
+                    raise ValueError(
+                        f'model: TL-Align traces ConvNeXtBlock with an undilated stride-1 depthwise conv_dw; stage '
+                        f'{i} block {j} is {type(b).__name__} with {dw}'
+                    )
+                if type(b.mlp) not in (Mlp,) or not isinstance(b.shortcut, nn.Identity):
+                    raise ValueError(
+                        f'model: ConvNeXt stage {i} block {j}: mlp {type(b.mlp).__name__} / shortcut '
+                        f'{type(b.shortcut).__name__} has no TL-Align rule (ConvNeXt V2 global response norm '
+                        'mixes all tokens)'
+                    )
+        self.model = model
+
+    def _blocks(self):
+        return [blk for stage in self.model.stages for blk in stage.blocks]
+
+    @property
+    def depth(self) -> int:
+        return len(self._blocks())
+
+    def register(self, captures: List[LabelCapture]) -> list:
+        """``captures[0]`` keeps the stem's grid, then one per block (the samples its drop_path kept)."""
+        stem = LabelCapture()
+        captures.append(stem)
+        handles = [
+            self.model.stem.register_forward_hook(lambda m, i, o, c=stem: setattr(c, 'tokens', tuple(o.shape[-2:])))
+        ]
+        for blk in self._blocks():
+            cap = LabelCapture()
+            captures.append(cap)
+            if isinstance(blk.drop_path, DropPath) and blk.drop_path.drop_prob > 0 and blk.training:
+                handles.append(blk.drop_path.register_forward_hook(partial(_first_call_keep, cap)))
+        return handles
+
+    def num_tokens(self, captures: List[LabelCapture]) -> int:
+        check_captured(captures[:1], ('tokens',), 'the stem did not run (a replaced forward?)')
+        H, W = captures[0].tokens
+        return H * W
+
+    @staticmethod
+    def stencil(conv: nn.Conv2d) -> torch.Tensor:
+        """``S = mean_c |K_c|`` ``(k, k)`` fp32 of a depthwise conv."""
+        return conv.weight.detach().float().abs().mean((0, 1))
+
+    def propagate(
+        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
+    ) -> torch.Tensor:
+        H, W = captures[0].tokens
+        B, _, K = labels.shape
+        Y = labels.transpose(1, 2).reshape(B, K, H, W)  # channels first, for the conv ops
+        caps = iter(captures[1:])
+        idx = 0
+        for stage in self.model.stages:
+            if not isinstance(stage.downsample, nn.Identity):
+                Y = _pool_like(Y, stage.downsample[-1])
+            for blk in stage.blocks:
+                keep = next(caps).keep
+                if layers is None or idx in layers:
+                    dw = blk.conv_dw
+                    branch = conv_stencil_labels(Y, self.stencil(dw), dw.padding)
+                    Y = residual_labels(Y, branch, keep, residual)
+                idx += 1
+        return Y.flatten(2).transpose(1, 2)
+
+    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
+        return labels.mean(1)
+
+    def class_attention(self, captures: List[LabelCapture]):
+        return None
+
+
 # most specific class first
 SUPPORTED_MODELS = {
     CCT: CCTTracer,
@@ -862,6 +984,7 @@ SUPPORTED_MODELS = {
     Cait: CaitTracer,
     PyramidVisionTransformerV2: PvtV2Tracer,
     MlpMixer: MlpMixerTracer,
+    ConvNeXt: ConvNeXtTracer,
 }
 
 

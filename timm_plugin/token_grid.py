@@ -11,14 +11,20 @@ __all__ = ['token_stride', 'patch_embedding']
 
 
 def patch_embedding(model: nn.Module):
-    """A timm model's patch embedding: ``patch_embed`` (ViTs, Swin, PVT, ...) or, for the MLP-Mixer family, a
-    ``stem`` that is timm's ``PatchEmbed``; ``None`` for models without one (CNNs)."""
+    """A timm model's patch embedding: ``patch_embed`` (ViTs, Swin, PVT, ...); for the MLP-Mixer family, a ``stem``
+    that is timm's ``PatchEmbed``; for ConvNeXt, its patchify stem conv (kernel = stride, whose ``stride`` is
+    the token step); ``None`` for models without one (other CNNs)."""
     embed = getattr(model, 'patch_embed', None)
     if embed is None:
         from timm.layers import PatchEmbed
+        from timm.models.convnext import ConvNeXt
 
         stem = getattr(model, 'stem', None)
-        embed = stem if isinstance(stem, PatchEmbed) else None
+        if isinstance(stem, PatchEmbed):
+            embed = stem
+        elif isinstance(model, ConvNeXt) and isinstance(stem, nn.Sequential) and isinstance(stem[0], nn.Conv2d):
+            conv = stem[0]  # ConvNeXt's patchify stem: a conv with kernel = stride
+            embed = conv if conv.kernel_size == conv.stride else None
     return embed
 
 
@@ -39,7 +45,7 @@ def token_stride(model: nn.Module) -> Tuple[int, int]:
         and all(i % g == 0 for i, g in zip(img_size, grid_size))
     ):
         stride = tuple(i // g for i, g in zip(img_size, grid_size))
-    proj = getattr(embed, 'proj', None)
+    proj = embed if isinstance(embed, nn.Conv2d) else getattr(embed, 'proj', None)
     if stride is None and isinstance(proj, nn.Conv2d):
         stride = proj.stride
     if stride is None:

@@ -1,11 +1,12 @@
-"""Generalised TL-Align (TL-Align Appendix A, Table 9) on timm's MlpMixer family: MLP-Mixer, ResMLP and gMLP
-against explicit per-position references, compact-vs-dense agreement, stochastic depth, the unchanged token
-path, and the refusals."""
+"""Generalised TL-Align (TL-Align Appendix A, Table 9) beyond ViTs: timm's MlpMixer family (MLP-Mixer, ResMLP,
+gMLP) and ConvNeXt against explicit per-position references, compact-vs-dense agreement, stochastic depth, the
+unchanged token path, the refusals, and tokenaug-train runs."""
 
 import pytest
 import timm
 import torch
 from timm.layers import GatedMlp
+from timm.models.convnext import ConvNeXt
 from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock, SpatialGatingBlock
 
 from shared_core.mixing import one_hot
@@ -14,6 +15,7 @@ from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign
 
 from .test_tl_align import C, random_token_labels, sharpen
+from .test_tl_align_more import _window_mean
 
 # the block settings of timm's mixer_*, resmlp_* and gmlp_* entry points, at a tiny size
 ARCHS = {
@@ -174,3 +176,130 @@ def test_tokenaug_train_tl_align_on_the_mlp_family(tiny_world, tmp_path, model):
     ckpt = torch.load(tmp_path / 'run' / 'last.pth.tar', map_location='cpu', weights_only=True)
     plain = timm.create_model(model, img_size=112, num_classes=10)
     plain.load_state_dict(ckpt['state_dict'])  # a plain timm model: nothing of TL-Align in the checkpoint
+
+
+# ---------------------------------------------------------------- ConvNeXt
+
+
+def tiny_convnext(**kw):
+    torch.manual_seed(0)
+    return ConvNeXt(**(dict(depths=(1, 2, 1, 1), dims=(8, 8, 16, 16), num_classes=C, patch_size=4) | kw))
+
+
+def _stencil_mix(Y, S, pad):
+    """``(B, H, W, K)`` labels mixed by the stencil ``S`` at every position, normalised over in-grid cells."""
+    B, H, W, K = Y.shape
+    kh, kw = S.shape
+    out = torch.zeros_like(Y)
+    for i in range(H):
+        for j in range(W):
+            num, den = torch.zeros(B, K), 0.0
+            for u in range(kh):
+                for v in range(kw):
+                    r, c = i + u - pad, j + v - pad
+                    if 0 <= r < H and 0 <= c < W:
+                        num += float(S[u, v]) * Y[:, r, c]
+                        den += float(S[u, v])
+            out[:, i, j] = num / den
+    return out
+
+
+def convnext_reference(model, Y_tok, grid, layers=None, residual=True, dropped=()):
+    B = Y_tok.shape[0]
+    Y = Y_tok.reshape(B, *grid, -1)
+    idx = 0
+    for stage in model.stages:
+        if not isinstance(stage.downsample, torch.nn.Identity):
+            Y = _window_mean(Y, 2, 2, 0)
+        for blk in stage.blocks:
+            if (layers is None or idx in layers) and idx not in dropped:
+                Kc = blk.conv_dw.weight.detach()  # (C, 1, k, k): one signed kernel per channel
+                S = sum(Kc[c, 0].abs() for c in range(Kc.shape[0])) / Kc.shape[0]
+                g = _stencil_mix(Y, S, blk.conv_dw.padding[0])
+                Y = (Y + g) / 2 if residual else g
+            idx += 1
+    return Y.flatten(1, 2).mean(1)
+
+
+def test_convnext_dense_trace_matches_the_explicit_reference():
+    model = tiny_convnext().eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 64, 64, generator=g)
+    Y = random_token_labels(2, 256, g)  # the stem's 16x16 grid
+    out, label = TLAlign(model).trace(x, Y)
+    assert torch.equal(out, model(x))
+    assert torch.allclose(label, convnext_reference(model, Y, (16, 16)), atol=1e-6)
+    assert torch.allclose(label.sum(1), torch.ones(2), atol=1e-6) and label.min() >= 0
+    for layers, residual in [([], True), ([0, 2, 4], False), ([1, 3], True)]:
+        _, label = TLAlign(model, layers=layers, residual=residual).trace(x, Y)
+        assert torch.allclose(label, convnext_reference(model, Y, (16, 16), layers, residual), atol=1e-6)
+    assert (label - Y.mean(1)).abs().max() > 1e-3
+    assert TLAlign(model).depth == 5
+
+
+@pytest.mark.parametrize('kind', ['cutmix', 'tokenmix_block'])
+def test_convnext_compact_and_dense_labels_give_the_same_target(kind):
+    model = tiny_convnext(drop_path_rate=0.3).train()
+    g = torch.Generator().manual_seed(3)
+    mixer = create_mixer(
+        kind, num_classes=C, patch_size=4, mode='elem', mixup_alpha=0.0, cutmix_alpha=1.0, label_smoothing=0.1,
+        generator=g, carry_mix=True,
+    )  # fmt: skip
+    x = torch.randn(6, 3, 64, 64, generator=g)
+    y = torch.randint(0, C, (6,), generator=g)
+    xm, target = mixer(x, y)
+    wrapped = TLAlign(model)
+    torch.manual_seed(5)
+    out, aligned = wrapped(xm, target)
+    s = target.mix.token_share_flat()[..., None]
+    Y = (1 - s) * one_hot(y, C, 0.1)[:, None] + s * one_hot(y[target.mix.partner], C, 0.1)[:, None]
+    torch.manual_seed(5)
+    out_dense, label = wrapped.trace(xm, Y)
+    assert torch.equal(out, out_dense)
+    assert torch.allclose(aligned, label, atol=1e-6)
+    assert torch.allclose(aligned.sum(1), torch.ones(6), atol=1e-6) and aligned.min() >= 0
+
+
+def test_convnext_dropped_branch_training_logits_and_eval():
+    model = tiny_convnext()
+    model.stages[1].blocks[0].drop_path = timm.layers.DropPath(1.0)  # block 1 of 5: every sample dropped
+    wrapped = TLAlign(model).train()
+    g = torch.Generator().manual_seed(2)
+    x, Y = torch.randn(3, 3, 64, 64, generator=g), random_token_labels(3, 256, g)
+    _, label = wrapped.trace(x, Y)
+    assert torch.allclose(label, convnext_reference(model, Y, (16, 16), dropped={1}), atol=1e-6)
+    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=4, carry_mix=True)
+    xm, target = mixer(torch.randn(4, 3, 64, 64), torch.tensor([0, 1, 2, 3]))
+    torch.manual_seed(0)
+    out, _ = wrapped(xm, target)
+    torch.manual_seed(0)
+    assert torch.equal(out, model(xm))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    wrapped.eval()
+    assert torch.equal(wrapped(x), model.eval()(x))
+
+
+def test_convnext_refusals():
+    with pytest.raises(ValueError, match='overlapping stem'):
+        TLAlign(tiny_convnext(stem_type='overlap'))
+    with pytest.raises(ValueError, match='global response norm'):
+        TLAlign(tiny_convnext(use_grn=True))
+    with pytest.raises(ValueError, match="head pooling 'max'"):
+        TLAlign(tiny_convnext(global_pool='max'))
+
+
+@pytest.mark.slow
+def test_tokenaug_train_tl_align_on_convnext(tiny_world, tmp_path):
+    """``tokenaug-train --mixup-type tl_align`` on ConvNeXt-Atto over the world: the mixer draws on the stem's
+    4-pixel grid (28x28 tokens at 112 px; on another grid the label path would refuse the token count)."""
+    from timm_plugin.train import run
+
+    from .conftest import REPO
+
+    metrics = run(
+        ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml'), '--data-dir', str(tiny_world / 'imagenet')]
+        + ['--model', 'convnext_atto', '--model-kwargs', '--drop-path', '0.1']  # no img_size for a CNN
+        + ['--epochs', '1', '-b', '8', '--workers', '0', '--mixup-type', 'tl_align']
+        + ['--output', str(tmp_path), '--experiment', 'run']
+    )
+    assert set(metrics) == {'loss', 'top1', 'top5'} and 0 <= metrics['top1'] <= 100
