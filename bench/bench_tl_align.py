@@ -4,6 +4,8 @@ same step with the plain area target, on the same mixed batch; interleaved, medi
     .venv/bin/python bench/bench_tl_align.py [--model deit_tiny_patch16_224] [--batch 32] [--repeats 10]
         [--compile inductor]
 
+Any model TLAlign traces (``--model mixer_s16_224``, ``convnext_tiny``, ...); the mix is drawn on its token grid.
+
 ``--compile BACKEND``: every step runs through ``torch.compile(model, backend=BACKEND)`` (as ``tokenaug-train
 --torchcompile``: the method's hooks sit on the bare model, the compiled module runs the forward).
 """
@@ -20,6 +22,7 @@ from timm.loss import SoftTargetCrossEntropy
 
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign
+from timm_plugin.token_grid import token_stride
 
 
 def main():
@@ -36,7 +39,10 @@ def main():
     model = timm.create_model(args.model, num_classes=1000).to(dev).train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     loss_fn = SoftTargetCrossEntropy()
-    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=1000, patch_size=16, carry_mix=True)
+    stride = token_stride(model)  # the model's token grid (ConvNeXt: 4)
+    mixer = create_mixer(
+        'cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=1000, patch_size=stride, carry_mix=True
+    )
     x = torch.randn(args.batch, 3, 224, 224, device=dev)
     y = torch.randint(0, 1000, (args.batch,), device=dev)
     xm, target = mixer(x, y)
@@ -45,7 +51,7 @@ def main():
     run = torch.compile(model, backend=args.compile) if args.compile else model
     plain = optimizer_step(lambda: loss_fn(run(xm), target), opt, autocast)
     shared = TLAlign(model)  # one attention per block for tokens and labels (the default)
-    recomputed = TLAlign(model, shared=False)  # the model's own attention, recomputed for the labels
+    recomputed = TLAlign(model, shared=False)  # the model's own attention, recomputed (non-ViTs: the same path)
     steps = [plain] + [
         optimizer_step(lambda w=w: loss_fn(*w.align(xm, target, lambda: run(xm))), opt, autocast)
         for w in (shared, recomputed)

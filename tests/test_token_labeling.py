@@ -226,3 +226,50 @@ def test_sparse_soft_cross_entropy_equals_the_dense_one_with_gradients(smoothing
         )
     with pytest.raises(ValueError, match='logits'):
         soft_cross_entropy(torch.randn(B, 11, C), sparse)
+
+
+# ---------------------------------------------------------------- MLP-Mixer family (Token Labeling Table 5)
+
+
+def tiny_mixer(num_blocks=2, num_classes=5, **kw):
+    from timm.models.mlp_mixer import MlpMixer
+
+    torch.manual_seed(0)
+    m = MlpMixer(num_classes=num_classes, img_size=64, patch_size=16, num_blocks=num_blocks, embed_dim=32, **kw)
+    return attach_aux_head(m)
+
+
+def test_mixer_mixtoken_after_the_stem_and_unmixed_outputs():
+    """MLP-Mixer: MixToken mixes the stem's tokens (no prefix token); without blocks no token sees another, so
+    the un-mixed aux logits are each sample's own, position by position."""
+    m = tiny_mixer(num_blocks=0)
+    w = TokenLabeling(m, generator=torch.Generator().manual_seed(3))
+    assert w.num_prefix_tokens == 0 and not any(n.startswith('embed') for n in w.state_dict())
+    x = torch.randn(6, 3, 64, 64)
+    out = w(x)
+    assert out.mix is not None and 0 < out.mix.token_share.sum() < out.mix.token_share.numel()
+    with torch.no_grad():
+        plain = m.aux_head(m.forward_features(x))
+    assert out.aux.shape == (6, 16, 5)
+    torch.testing.assert_close(out.aux, plain, atol=1e-6, rtol=0)
+    # the class logits are those of the mixed tokens: the mean over tokens after the swap, then the head
+    s = out.mix.token_share_flat().bool()[..., None]
+    with torch.no_grad():
+        tokens = m.stem(x)
+        mixed = m.norm(torch.where(s, tokens[out.mix.partner], tokens))
+        torch.testing.assert_close(out.cls, m.head(mixed.mean(1)), atol=1e-5, rtol=0)
+
+
+def test_mixer_eval_rule_and_loss():
+    C = 5
+    m = tiny_mixer(num_classes=C)
+    x, y = torch.randn(2, 3, 64, 64), torch.tensor([1, 3])
+    w = TokenLabeling(m).eval()
+    with torch.no_grad():
+        f = m.forward_features(x)
+        cls, aux = m.head(f.mean(1)), m.aux_head(f)
+        torch.testing.assert_close(w(x), cls + 0.5 * aux.max(1).values)
+    # mixing off, no dense term: the plain smoothed CE of the mixer
+    w = TokenLabeling(m, prob=0.0).train()
+    loss = TokenLabelingLoss(C, dense_weight=0.0, smoothing=0.1)(w(x), y)
+    torch.testing.assert_close(loss, F.cross_entropy(m.train()(x), y, label_smoothing=0.1))

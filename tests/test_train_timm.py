@@ -436,3 +436,36 @@ def test_torchrun_mixtoken_on_lvvit_without_maps(tiny_world, tmp_path, run_env):
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-4000:]
     assert 'Train: 0 [   1/2' in log and 'Acc@1' in log and 'process 1, total 2' in log
+
+
+@pytest.mark.slow
+def test_mixtoken_token_labeling_on_an_mlp_mixer(tiny_world, tmp_path):
+    """Token Labeling Table 5's MLP-Mixer: ``--mixup-type mixtoken --token-label-dir`` on ``mixer_s16_224`` at
+    112 px (MixToken after the PatchEmbed stem, the aux head on its 7x7 tokens)."""
+    from timm.data import create_dataset
+
+    ds = create_dataset('', root=str(tiny_world / 'imagenet'), split='train')
+    paths = [ds.filename(i) for i in range(len(ds))]
+    rng = np.random.default_rng(0)
+    idx = np.stack([rng.permutation(10)[:2] for _ in range(len(paths) * 16)]).reshape(len(paths), 4, 4, 2)
+    write_store(
+        tmp_path / 'maps',
+        paths,
+        np.full((len(paths), 2, 4, 4), 0.4, np.float16),
+        idx.transpose(0, 3, 1, 2),
+        num_classes=10,
+        annotator='test',
+        input_size=(64, 64),
+    )
+    metrics = run(
+        ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny_token-labeling.yaml')]
+        + ['--data-dir', str(tiny_world / 'imagenet'), '--token-label-dir', str(tmp_path / 'maps')]
+        + ['--model', 'mixer_s16_224', '--epochs', '1', '-b', '8', '--workers', '0']
+        + ['--output', str(tmp_path), '--experiment', 'mixer']
+    )
+    assert set(metrics) == {'loss', 'top1', 'top5'}
+    ckpt = torch.load(tmp_path / 'mixer' / 'last.pth.tar', map_location='cpu', weights_only=True)
+    assert ckpt['state_dict']['aux_head.weight'].shape == (10, 512)
+    plain = timm.create_model('mixer_s16_224', img_size=112, num_classes=10)
+    missing, unexpected = plain.load_state_dict(ckpt['state_dict'], strict=False)
+    assert not missing and unexpected == ['aux_head.weight', 'aux_head.bias']

@@ -4,7 +4,8 @@ The data side (label-map rows that follow each crop and flip) is :mod:`timm_plug
 maths (targets, MixToken, un-mixing, the inference rule, the loss) is :mod:`shared_core.token_labeling`.
 
 :class:`TokenLabeling` wraps a timm ViT (class token or average pooling, any patch embedding whose output
-is the ``(B, N, D)`` or ``(B, gh, gw, D)`` token grid — ViT/DeiT, LV-ViT). In training it mixes the patch
+is the ``(B, N, D)`` or ``(B, gh, gw, D)`` token grid — ViT/DeiT, LV-ViT) or an MLP-Mixer / ResMLP / gMLP (the
+``PatchEmbed`` stem's tokens, no prefix token; Token Labeling Table 5). In training it mixes the patch
 tokens of sample pairs inside a box right after patch embedding (MixToken, Eq. 5), returns the class
 logits, the *un-mixed* per-token logits of the aux head, and the mix. The aux head is ``model.aux_head``
 (LV-ViT has one; :func:`attach_aux_head` adds a linear one to any ViT, as a submodule of the model so the
@@ -37,7 +38,7 @@ from shared_core.token_labeling import (
 )
 
 from .carrier import CarrierTensor
-from .token_grid import token_stride
+from .token_grid import patch_embedding, token_stride
 from .token_label_data import TokenLabelTarget
 
 __all__ = [
@@ -106,17 +107,21 @@ class TokenLabeling(nn.Module):
         box_rounding: str = 'timm',
     ):
         super().__init__()
-        for name in ('patch_embed', 'forward_features', 'forward_head', 'head', 'norm'):
-            if not hasattr(model, name):
+        embed = patch_embedding(model)
+        for name in ('forward_features', 'forward_head', 'head', 'norm'):
+            if embed is None or not hasattr(model, name):
+                missing = name if embed is not None else 'patch_embed (or a PatchEmbed stem)'
                 raise ValueError(
-                    f'model: token labeling needs a timm ViT-like model with {name!r}; {type(model).__name__} has none'
+                    f'model: token labeling needs a timm ViT-like model (a token sequence after a patch embedding, '
+                    f'as ViT/DeiT, LV-ViT, MLP-Mixer/ResMLP/gMLP) with {missing}; {type(model).__name__} has none'
                 )
         check_head_rule(head_rule)
         guard_module_hooks()  # per-call hooks under torch.compile
         if aux and getattr(model, 'aux_head', None) is None:
             raise ValueError('model: no aux_head; call attach_aux_head(model) before building the optimizer')
         self.model, self.aux, self.head_rule, self.generator = model, aux, head_rule, generator
-        self.num_prefix_tokens = int(getattr(model, 'num_prefix_tokens', 1))
+        # class/distillation tokens before the patches (the MLP-Mixer family: none)
+        self.num_prefix_tokens = int(getattr(model, 'num_prefix_tokens', 1 if hasattr(model, 'patch_embed') else 0))
         self.token_stride = token_stride(model)
         self.sampler = mixtoken_sampler(beta, prob if mix_token else 0.0, mode, self.token_stride, box_rounding)
 
@@ -148,9 +153,8 @@ class TokenLabeling(nn.Module):
         kept = {}
         handles = []
         if mix is not None:
-            handles.append(
-                self.model.patch_embed.register_forward_hook(lambda m, i, out: mix_patch_embed_output(out, mix))
-            )
+            embed = patch_embedding(self.model)
+            handles.append(embed.register_forward_hook(lambda m, i, out: mix_patch_embed_output(out, mix)))
         if self.aux:
             handles.append(self.model.norm.register_forward_hook(lambda m, i, o: kept.__setitem__('feats', o)))
         try:
