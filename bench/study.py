@@ -91,7 +91,7 @@ RUNS = {
     'htm': (
         'TokenMixup HTM (MixUp/CutMix)',
         'world_vit-tiny.yaml',
-        ['--mixup-type', 'cutmix', '--tokenmixup-htm-layers', '2', '--tokenmixup-tau', '1.0'],
+        ['--mixup-type', 'cutmix', '--tokenmixup-htm-layers', '2'],  # τ, ρ, λ_s: the CIFAR CCT recipe's
     ),
 }
 #: the mmpretrain run (tools/train.py): name -> (label, config under configs/mmpretrain)
