@@ -74,6 +74,12 @@ PRESETS = {
 
 #: the timm runs: name -> (label, config under configs/timm, flags; MAPS stands for the annotator's maps)
 RUNS = {
+    # the control: is mixing itself a help in this recipe? (a mixer that never mixes: label smoothing only)
+    'plain': (
+        'no mixing (label smoothing 0.1)',
+        'world_vit-tiny.yaml',
+        ['--mixup-type', 'cutmix', '--mixup-prob', '0'],
+    ),
     'cutmix': ('MixUp/CutMix (DeiT)', 'world_vit-tiny.yaml', ['--mixup-type', 'cutmix']),
     'tl_align': ('TL-Align (MixUp/CutMix)', 'world_vit-tiny.yaml', ['--mixup-type', 'tl_align']),
     'transmix': ('TransMix (MixUp/CutMix)', 'world_vit-tiny.yaml', ['--mixup-type', 'transmix']),
@@ -98,6 +104,7 @@ RUNS = {
 MM_RUNS = {'mm_tl_align': ('TL-Align (MixUp/CutMix), mmpretrain tools/train.py', 'deit-tiny_world_tl-align.py')}
 #: (method, baseline) pairs of the table; the last one holds the two ecosystems' TL-Align against each other
 COMPARISONS = [
+    ('cutmix', 'plain'),
     ('tl_align', 'cutmix'),
     ('transmix', 'cutmix'),
     ('tl_align', 'transmix'),
@@ -105,6 +112,7 @@ COMPARISONS = [
     ('tokenmix_maps', 'cutmix'),
     ('tokenmix_maps', 'tokenmix_block'),
     ('mixtoken', 'cutmix'),
+    ('mixtoken', 'plain'),
     ('htm', 'cutmix'),
     ('mm_tl_align', 'tl_align'),
 ]
@@ -238,7 +246,7 @@ class Study:
 
     def timm_step(self, name: str, step: Step) -> dict:
         def execute():
-            run(step.cmd, log=self.logs / f'{name}.log', echo=False)
+            run(step.cmd, log=self.logs / f'{name.replace(" ", "_")}.log', echo=False)
             final = json.loads((step.dir / 'results.json').read_text())['final']
             return dict(top1=final['top1'], top5=final['top5'])
 

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Do the mixed targets follow the image? CutMix pairs of the world's val images, each pair's partner share
+measured three ways against the truth the world knows (its ADE20K label maps):
+
+- truth: of the pixels of the two labelled objects that the mixed image shows (the sample's own object outside
+  the box, the partner's object inside it), the partner's fraction;
+- area: the box's area (CutMix's target);
+- TL-Align and TransMix: the share in the target each method builds from a model (a study checkpoint, or a
+  randomly initialised model).
+
+Prints the mean absolute error of each against the truth and their correlation with it. The multi-seed study
+(``bench/study.py``) uses it to check, beside accuracy, that the aligned targets follow their images.
+
+    .venv/bin/python bench/label_fidelity.py --world study_out/world \
+        --checkpoint study_out/runs/tl_align/seed0/last.pth.tar
+        [--model-kwargs img_size=112 depth=6 embed_dim=96 num_heads=3] [--pairs 500]
+
+The world needs its ``ade20k`` layout (``tokenaug-data --formats imagenet,ade20k`` with the study's arguments;
+the same scenes and ids as its ``imagenet`` layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import timm
+import torch
+from PIL import Image
+from timm.data import resolve_data_config
+
+from timm_plugin import create_mixer
+from timm_plugin.tl_align import TLAlign, TransMix
+
+
+def load(world: Path, split: str, classes: list[str]):
+    """Val images (float, 0..1, CHW), their labels and their label maps (0 background, k + 1 class k)."""
+    ade = {'val': 'validation', 'train': 'training'}[split]
+    xs, ys, maps = [], [], []
+    for k, name in enumerate(classes):
+        for path in sorted((world / 'imagenet' / split / name).glob('*.jpg')):
+            xs.append(np.asarray(Image.open(path).convert('RGB'), np.float32) / 255)
+            maps.append(np.asarray(Image.open(world / 'ade20k' / 'annotations' / ade / f'{path.stem}.png')))
+            ys.append(k)
+    x = torch.from_numpy(np.stack(xs)).permute(0, 3, 1, 2)
+    return x, torch.tensor(ys), torch.from_numpy(np.stack(maps).astype(np.int64))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--world', type=Path, required=True)
+    p.add_argument('--split', default='val', choices=['val', 'train'])
+    p.add_argument('--checkpoint', type=Path, nargs='*', default=[], help='timm checkpoints (state_dict)')
+    p.add_argument('--model', default='vit_tiny_patch16_224')
+    p.add_argument('--model-kwargs', nargs='*', default=['img_size=112', 'depth=6', 'embed_dim=96', 'num_heads=3'])
+    p.add_argument('--pairs', type=int, default=500)
+    p.add_argument('--seed', type=int, default=0)
+    args = p.parse_args()
+    classes = sorted(d.name for d in (args.world / 'imagenet' / args.split).iterdir() if d.is_dir())
+    x, y, maps = load(args.world, args.split, classes)
+    g = torch.Generator().manual_seed(args.seed)
+    idx = torch.randperm(len(x), generator=g)[: 2 * (min(args.pairs, len(x)) // 2)]
+    x, y, maps = x[idx], y[idx], maps[idx]
+    kwargs = dict(kv.split('=', 1) for kv in args.model_kwargs)
+    kwargs = {k: int(v) if v.lstrip('-').isdigit() else v for k, v in kwargs.items()}
+    mixer = create_mixer(
+        'cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', label_smoothing=0.0, num_classes=len(classes),
+        patch_size=16, carry_mix=True, generator=g,
+    )  # fmt: skip
+    xm, target = mixer(x, y)
+    mix = target.mix
+    inside = mix.pixel_share()[:, 0] > 0.5  # (B, H, W) partner pixels
+    own = (maps == (y + 1)[:, None, None]) & ~inside
+    partner = (maps[mix.partner] == (y[mix.partner] + 1)[:, None, None]) & inside
+    shown = own.sum((1, 2)) + partner.sum((1, 2))
+    valid = (shown > 0) & (y != y[mix.partner])  # two classes, some object on show
+    truth = partner.sum((1, 2)).float() / shown.clamp_min(1)
+    area = inside.float().mean((1, 2))
+    rows = [('area (CutMix)', area)]
+    models = [('random init', None)] + [(str(c), c) for c in args.checkpoint]
+    for name, ckpt in models:
+        torch.manual_seed(0)
+        model = timm.create_model(args.model, num_classes=len(classes), **kwargs)
+        if ckpt is not None:
+            state = torch.load(ckpt, map_location='cpu', weights_only=True)
+            model.load_state_dict(state.get('state_dict', state))
+        model.eval()
+        cfg = resolve_data_config({}, model=model)
+        mean, std = torch.tensor(cfg['mean'])[:, None, None], torch.tensor(cfg['std'])[:, None, None]
+        inp = (xm - mean) / std
+        with torch.no_grad():
+            for method, cls in (('TL-Align', TLAlign), ('TransMix', TransMix)):
+                _, t = cls(model).eval()(inp, target)
+                share = t.gather(1, y[mix.partner][:, None])[:, 0]  # smoothing 0: the partner's mass
+                rows.append((f'{method}, {name}', share))
+    print(
+        f'# {int(valid.sum())} CutMix pairs of {args.split} images with two classes and an object on show '
+        f'({args.world}); partner share vs the truth from the label maps'
+    )
+    print('| partner share from | mean abs. error vs truth | correlation with truth | mean share |')
+    print('|---|---|---|---|')
+    t = truth[valid]
+    for name, s in rows:
+        s = s[valid].float()
+        corr = float(torch.corrcoef(torch.stack([s, t]))[0, 1])
+        print(f'| {name} | {float((s - t).abs().mean()):.3f} | {corr:.3f} | {float(s.mean()):.3f} |')
+    print(f'| (truth) | 0 | 1 | {float(t.mean()):.3f} |')
+
+
+if __name__ == '__main__':
+    main()
