@@ -9,11 +9,11 @@ from timm.layers import GatedMlp
 from timm.models.convnext import ConvNeXt
 from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock, SpatialGatingBlock
 
-from shared_core.mixing import one_hot
 from shared_core.tl_align import abs_row_norm, linear_token_mixing
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign
 
+from .helpers import check_compact_equals_dense
 from .test_tl_align import C, random_token_labels, sharpen
 from .test_tl_align_more import _window_mean
 
@@ -90,27 +90,13 @@ def test_linear_token_mixing_rows_and_order():
 @pytest.mark.parametrize('arch', list(ARCHS))
 @pytest.mark.parametrize('kind', ['cutmix', 'tokenmix_block'])
 def test_compact_and_dense_labels_give_the_same_target(arch, kind):
-    model = tiny(arch, drop_path_rate=0.3).train()
     g = torch.Generator().manual_seed(3)
     mixer = create_mixer(
         kind, num_classes=C, patch_size=8, mode='elem', mixup_alpha=0.0, cutmix_alpha=1.0, label_smoothing=0.1,
         generator=g, carry_mix=True,
     )  # fmt: skip
-    x = torch.randn(6, 3, 32, 32, generator=g)
-    y = torch.randint(0, C, (6,), generator=g)
-    xm, target = mixer(x, y)
-    wrapped = TLAlign(model)
-    torch.manual_seed(5)
-    out, aligned = wrapped(xm, target)
-    mix = target.mix
-    s = mix.token_share_flat()[..., None]
-    Y = (1 - s) * one_hot(y, C, 0.1)[:, None] + s * one_hot(y[mix.partner], C, 0.1)[:, None]
-    torch.manual_seed(5)
-    out_dense, label = wrapped.trace(xm, Y)
-    assert torch.equal(out, out_dense)
-    assert torch.allclose(aligned, label, atol=1e-6)
-    assert torch.allclose(aligned.sum(1), torch.ones(6), atol=1e-6) and aligned.min() >= 0
-    assert not aligned.requires_grad
+    x, y = torch.randn(6, 3, 32, 32, generator=g), torch.randint(0, C, (6,), generator=g)
+    check_compact_equals_dense(tiny(arch, drop_path_rate=0.3).train(), mixer, x, y, C)
 
 
 @pytest.mark.parametrize('arch', list(ARCHS))
@@ -239,25 +225,13 @@ def test_convnext_dense_trace_matches_the_explicit_reference():
 
 @pytest.mark.parametrize('kind', ['cutmix', 'tokenmix_block'])
 def test_convnext_compact_and_dense_labels_give_the_same_target(kind):
-    model = tiny_convnext(drop_path_rate=0.3).train()
     g = torch.Generator().manual_seed(3)
     mixer = create_mixer(
         kind, num_classes=C, patch_size=4, mode='elem', mixup_alpha=0.0, cutmix_alpha=1.0, label_smoothing=0.1,
         generator=g, carry_mix=True,
     )  # fmt: skip
-    x = torch.randn(6, 3, 64, 64, generator=g)
-    y = torch.randint(0, C, (6,), generator=g)
-    xm, target = mixer(x, y)
-    wrapped = TLAlign(model)
-    torch.manual_seed(5)
-    out, aligned = wrapped(xm, target)
-    s = target.mix.token_share_flat()[..., None]
-    Y = (1 - s) * one_hot(y, C, 0.1)[:, None] + s * one_hot(y[target.mix.partner], C, 0.1)[:, None]
-    torch.manual_seed(5)
-    out_dense, label = wrapped.trace(xm, Y)
-    assert torch.equal(out, out_dense)
-    assert torch.allclose(aligned, label, atol=1e-6)
-    assert torch.allclose(aligned.sum(1), torch.ones(6), atol=1e-6) and aligned.min() >= 0
+    x, y = torch.randn(6, 3, 64, 64, generator=g), torch.randint(0, C, (6,), generator=g)
+    check_compact_equals_dense(tiny_convnext(drop_path_rate=0.3).train(), mixer, x, y, C)
 
 
 def test_convnext_dropped_branch_training_logits_and_eval():

@@ -13,6 +13,7 @@ from shared_core.tl_align import capture_forward
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign, TransMix
 
+from .helpers import check_compact_equals_dense
 from .test_tl_align import C, random_token_labels
 
 
@@ -339,27 +340,13 @@ def test_pvt_dense_trace_matches_materialised_reference(case):
 
 @pytest.mark.parametrize('kind', ['cutmix', 'mixup', 'tokenmix_block', 'token_box'])
 def test_pvt_compact_and_dense_labels_give_the_same_target(kind):
-    model = tiny_pvt(drop_path_rate=0.2).train()
     g = torch.Generator().manual_seed(3)
     kw = dict(mixup_alpha=1.0) if kind == 'mixup' else dict(mixup_alpha=0.0, cutmix_alpha=1.0)
     mixer = create_mixer(
         kind, num_classes=C, patch_size=4, mode='elem', label_smoothing=0.1, generator=g, carry_mix=True, **kw
     )
-    x = torch.randn(6, 3, 32, 32, generator=g)
-    y = torch.randint(0, C, (6,), generator=g)
-    xm, target = mixer(x, y)
-    wrapped = TLAlign(model)
-    torch.manual_seed(5)
-    out, aligned = wrapped(xm, target)
-    mix = target.mix
-    s = mix.token_share_flat()[..., None]
-    Y_tok = (1 - s) * one_hot(y, C, 0.1)[:, None] + s * one_hot(y[mix.partner], C, 0.1)[:, None]
-    torch.manual_seed(5)
-    out_dense, label = wrapped.trace(xm, Y_tok)
-    assert torch.equal(out, out_dense)
-    assert torch.allclose(aligned, label, atol=1e-6)
-    assert torch.allclose(aligned.sum(1), torch.ones(6), atol=1e-6) and aligned.min() >= 0
-    assert not aligned.requires_grad
+    x, y = torch.randn(6, 3, 32, 32, generator=g), torch.randint(0, C, (6,), generator=g)
+    check_compact_equals_dense(tiny_pvt(drop_path_rate=0.2).train(), mixer, x, y, C)
 
 
 # ---------------------------------------------------------------- both

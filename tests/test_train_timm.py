@@ -306,10 +306,8 @@ def test_token_labeling_end_to_end_annotator_maps_then_lvvit_with_mixtoken(tiny_
     assert torch.equal(model.aux_head.weight, ckpt['state_dict_ema']['aux_head.weight'])
 
 
-@pytest.mark.slow
-def test_mixtoken_on_a_plain_vit_adds_an_aux_head_that_timm_loads_non_strict(tiny_world, tmp_path):
-    """A DeiT/ViT trained with token labeling gains `aux_head` (in the optimizer, EMA and checkpoint);
-    timm loads the checkpoint into the plain model with pretrained_strict=False."""
+def _random_top2_store(tiny_world, out):
+    """A label-map store for the world's training split: 4x4 maps, two random classes at 0.4 per cell."""
     from timm.data import create_dataset
 
     ds = create_dataset('', root=str(tiny_world / 'imagenet'), split='train')
@@ -317,7 +315,7 @@ def test_mixtoken_on_a_plain_vit_adds_an_aux_head_that_timm_loads_non_strict(tin
     rng = np.random.default_rng(0)
     idx = np.stack([rng.permutation(10)[:2] for _ in range(len(paths) * 16)]).reshape(len(paths), 4, 4, 2)
     write_store(
-        tmp_path / 'maps',
+        out,
         paths,
         np.full((len(paths), 2, 4, 4), 0.4, np.float16),
         idx.transpose(0, 3, 1, 2),
@@ -325,6 +323,13 @@ def test_mixtoken_on_a_plain_vit_adds_an_aux_head_that_timm_loads_non_strict(tin
         annotator='test',
         input_size=(64, 64),
     )
+
+
+@pytest.mark.slow
+def test_mixtoken_on_a_plain_vit_adds_an_aux_head_that_timm_loads_non_strict(tiny_world, tmp_path):
+    """A DeiT/ViT trained with token labeling gains `aux_head` (in the optimizer, EMA and checkpoint);
+    timm loads the checkpoint into the plain model with pretrained_strict=False."""
+    _random_top2_store(tiny_world, tmp_path / 'maps')
     metrics = run(
         [
             '-c',
@@ -442,21 +447,7 @@ def test_torchrun_mixtoken_on_lvvit_without_maps(tiny_world, tmp_path, run_env):
 def test_mixtoken_token_labeling_on_an_mlp_mixer(tiny_world, tmp_path):
     """Token Labeling Table 5's MLP-Mixer: ``--mixup-type mixtoken --token-label-dir`` on ``mixer_s16_224`` at
     112 px (MixToken after the PatchEmbed stem, the aux head on its 7x7 tokens)."""
-    from timm.data import create_dataset
-
-    ds = create_dataset('', root=str(tiny_world / 'imagenet'), split='train')
-    paths = [ds.filename(i) for i in range(len(ds))]
-    rng = np.random.default_rng(0)
-    idx = np.stack([rng.permutation(10)[:2] for _ in range(len(paths) * 16)]).reshape(len(paths), 4, 4, 2)
-    write_store(
-        tmp_path / 'maps',
-        paths,
-        np.full((len(paths), 2, 4, 4), 0.4, np.float16),
-        idx.transpose(0, 3, 1, 2),
-        num_classes=10,
-        annotator='test',
-        input_size=(64, 64),
-    )
+    _random_top2_store(tiny_world, tmp_path / 'maps')
     metrics = run(
         ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny_token-labeling.yaml')]
         + ['--data-dir', str(tiny_world / 'imagenet'), '--token-label-dir', str(tmp_path / 'maps')]

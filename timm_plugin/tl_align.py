@@ -205,6 +205,19 @@ class ViTTracer:
         return tokens.mean(1)
 
 
+class _StagedBlocks:
+    """The blocks of a staged model (``model.<_stages>[i].blocks``) in order, which ``layers`` indexes."""
+
+    _stages = 'stages'
+
+    def _blocks(self):
+        return [blk for stage in getattr(self.model, self._stages) for blk in stage.blocks]
+
+    @property
+    def depth(self) -> int:
+        return len(self._blocks())
+
+
 class _RestoreForward:
     """A handle that removes an instance-level ``forward`` override (and puts back one that was there)."""
 
@@ -341,7 +354,7 @@ class DistilledViTTracer(ViTTracer):
         return (labels[:, 0] + labels[:, 1]) / 2
 
 
-class SwinTracer:
+class SwinTracer(_StagedBlocks):
     """Label rules for timm's ``SwinTransformer``: per block, the labels take the block's cyclic shift,
     window partition, head-mean window attention (relative-position bias and shift mask included: the
     attention the token path used), window reverse and shift back, then the residual average; each
@@ -368,12 +381,7 @@ class SwinTracer:
                     )
         self.model = model
 
-    def _blocks(self):
-        return [blk for stage in self.model.layers for blk in stage.blocks]
-
-    @property
-    def depth(self) -> int:
-        return len(self._blocks())
+    _stages = 'layers'
 
     def register(self, captures: List[LabelCapture]) -> list:
         handles = []
@@ -584,7 +592,7 @@ def _pool_like(labels: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
     return conv_pool_labels(labels, conv.kernel_size, conv.stride, conv.padding)
 
 
-class PvtV2Tracer:
+class PvtV2Tracer(_StagedBlocks):
     """Label rules for timm's ``PyramidVisionTransformerV2`` (``tl-align.md`` Eq. 9/11 and Table 9).
 
     - Initial labels: one per token of the first (overlapping, 7x7 stride-4) patch embedding, from the
@@ -622,13 +630,6 @@ class PvtV2Tracer:
                 if type(b) is not PvtBlock or type(b.attn) is not PvtAttention:
                     raise ValueError(f'model: TL-Align traces PVT v2 Block/Attention, got {type(b).__name__}')
         self.model = model
-
-    def _blocks(self):
-        return [blk for stage in self.model.stages for blk in stage.blocks]
-
-    @property
-    def depth(self) -> int:
-        return len(self._blocks())
 
     def register(self, captures: List[LabelCapture]) -> list:
         """``captures[0]`` keeps the first token grid (``patch_embed``'s output), then one per block
@@ -859,7 +860,7 @@ class MlpMixerTracer:
 # ---------------------------------------------------------------------------------------------- ConvNeXt
 
 
-class ConvNeXtTracer:
+class ConvNeXtTracer(_StagedBlocks):
     """Label rules for timm's ``ConvNeXt`` (TL-Align Appendix A, Table 9; ConvNeXt is the appendix's example of
     spatial mixing by a convolution, ``W^s = T(K)``):
 
@@ -916,13 +917,6 @@ class ConvNeXtTracer:
                         'mixes all tokens)'
                     )
         self.model = model
-
-    def _blocks(self):
-        return [blk for stage in self.model.stages for blk in stage.blocks]
-
-    @property
-    def depth(self) -> int:
-        return len(self._blocks())
 
     def register(self, captures: List[LabelCapture]) -> list:
         """``captures[0]`` keeps the stem's grid, then one per block (the samples its drop_path kept)."""
