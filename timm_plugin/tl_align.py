@@ -31,7 +31,6 @@ Others raise an error listing these.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Iterable, List, Optional
 
 import torch
@@ -460,8 +459,9 @@ def _set_qk(cap: LabelCapture, qkv: torch.Tensor, num_heads: int) -> None:
 
 
 def _hook_first_drop_path(blk: nn.Module, cap: LabelCapture, handles: list) -> None:
-    """CaiT's blocks call one ``drop_path`` module twice (attention branch, then MLP branch): the kept
-    samples of the first call are the attention residual's."""
+    """Blocks with one ``drop_path`` module (CaiT, MLP-Mixer and ResMLP call it twice: the token-mixing branch,
+    then the MLP branch; gMLP and ConvNeXt once): the kept samples of its first call are the token-mixing
+    residual's."""
 
     def hook(m, i, o, c=cap):
         if c.keep is None:
@@ -760,12 +760,6 @@ class CCTTracer:
 # ---------------------------------------------------------------------------------------------- MLP-Mixer family
 
 
-def _first_call_keep(cap: LabelCapture, module, inputs, output) -> None:
-    """A forward hook: the samples that the first call of a (shared) ``drop_path`` in this forward kept."""
-    if cap.keep is None:
-        cap.keep = kept_samples(inputs[0], output)
-
-
 class MlpMixerTracer:
     """Label rules for timm's ``MlpMixer`` family, where the token mixing is a learnt linear map over the tokens
     (TL-Align Appendix A, Table 9: spatial mixing ``Y ← Norm(W^s) · Y``, point-wise and channel ops leave labels,
@@ -823,9 +817,7 @@ class MlpMixerTracer:
         for blk in self.model.blocks:
             cap = LabelCapture()
             captures.append(cap)
-            dp = blk.drop_path
-            if isinstance(dp, DropPath) and dp.drop_prob > 0 and blk.training:
-                handles.append(dp.register_forward_hook(partial(_first_call_keep, cap)))
+            _hook_first_drop_path(blk, cap, handles)
         return handles
 
     def num_tokens(self, captures: List[LabelCapture]) -> int:
@@ -910,7 +902,7 @@ class ConvNeXtTracer(_StagedBlocks):
                         f'model: TL-Align traces ConvNeXtBlock with an undilated stride-1 depthwise conv_dw; stage '
                         f'{i} block {j} is {type(b).__name__} with {dw}'
                     )
-                if type(b.mlp) not in (Mlp,) or not isinstance(b.shortcut, nn.Identity):
+                if type(b.mlp) is not Mlp or not isinstance(b.shortcut, nn.Identity):
                     raise ValueError(
                         f'model: ConvNeXt stage {i} block {j}: mlp {type(b.mlp).__name__} / shortcut '
                         f'{type(b.shortcut).__name__} has no TL-Align rule (ConvNeXt V2 global response norm '
@@ -928,8 +920,7 @@ class ConvNeXtTracer(_StagedBlocks):
         for blk in self._blocks():
             cap = LabelCapture()
             captures.append(cap)
-            if isinstance(blk.drop_path, DropPath) and blk.drop_path.drop_prob > 0 and blk.training:
-                handles.append(blk.drop_path.register_forward_hook(partial(_first_call_keep, cap)))
+            _hook_first_drop_path(blk, cap, handles)
         return handles
 
     def num_tokens(self, captures: List[LabelCapture]) -> int:

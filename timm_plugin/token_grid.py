@@ -32,7 +32,8 @@ def token_stride(model: nn.Module) -> Tuple[int, int]:
     """Pixels per token along (h, w) of a timm model's first token grid, in this order: the patch embedding's
     ``token_stride`` where it declares one (LV-ViT's conv stem: 16, while its ``proj`` steps 8); else
     ``img_size / grid_size`` where they divide (hybrid ViTs, whose ``proj`` runs on backbone features);
-    else the stride of its ``proj`` convolution (PVT v2's overlapping 7x7 embedding: 4); else ``patch_size``."""
+    else the stride of its ``proj`` convolution (PVT v2's overlapping 7x7 embedding: 4), or of the embedding itself
+    where it is a convolution (ConvNeXt's patchify stem: 4); else ``patch_size``."""
     embed = patch_embedding(model)
     if embed is None:
         raise ValueError(f'model: {type(model).__name__} has no patch_embed (or PatchEmbed stem), so no token grid')

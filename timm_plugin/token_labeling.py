@@ -107,14 +107,13 @@ class TokenLabeling(nn.Module):
         box_rounding: str = 'timm',
     ):
         super().__init__()
-        embed = patch_embedding(model)
-        for name in ('forward_features', 'forward_head', 'head', 'norm'):
-            if embed is None or not hasattr(model, name):
-                missing = name if embed is not None else 'patch_embed (or a PatchEmbed stem)'
-                raise ValueError(
-                    f'model: token labeling needs a timm ViT-like model (a token sequence after a patch embedding, '
-                    f'as ViT/DeiT, LV-ViT, MLP-Mixer/ResMLP/gMLP) with {missing}; {type(model).__name__} has none'
-                )
+        missing = [] if patch_embedding(model) is not None else ['patch_embed (or a PatchEmbed stem)']
+        missing += [n for n in ('forward_features', 'forward_head', 'head', 'norm') if not hasattr(model, n)]
+        if missing:
+            raise ValueError(
+                f'model: token labeling needs a timm ViT-like model (a token sequence after a patch embedding, '
+                f'as ViT/DeiT, LV-ViT, MLP-Mixer/ResMLP/gMLP) with {missing[0]}; {type(model).__name__} has none'
+            )
         check_head_rule(head_rule)
         guard_module_hooks()  # per-call hooks under torch.compile
         if aux and getattr(model, 'aux_head', None) is None:
