@@ -112,7 +112,7 @@ def test_token_labeling_on_a_compiled_model():
             out = w.outputs(x, forward)
             return loss_fn(out, target), out.cls, out.aux
 
-        same_step(lambda: step(eager_w), lambda: step(compiled_w, lambda: compiled(x)), model, atol=1e-5)
+        same_step(lambda: step(eager_w), lambda: step(compiled_w, compiled), model, atol=1e-5)
         graphs.append(compiled_frames())
     assert graphs[-1] == graphs[0], graphs
 
@@ -169,7 +169,7 @@ def test_a_plain_step_compiled_first_does_not_hide_the_methods_hooks():
     assert torch.allclose(aligned, ref, atol=1e-6) and torch.allclose(out, ref_out, atol=1e-5)
     mixed, graphs = 0, []
     for _ in range(6):
-        a, b = draws[0].outputs(x, lambda: compiled(x)), draws[1].outputs(x)
+        a, b = draws[0].outputs(x, compiled), draws[1].outputs(x)
         assert (a.mix is None) == (b.mix is None) and torch.allclose(a.cls, b.cls, atol=1e-5)
         assert torch.allclose(a.aux, b.aux, atol=1e-5)
         mixed += a.mix is not None

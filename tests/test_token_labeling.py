@@ -273,3 +273,113 @@ def test_mixer_eval_rule_and_loss():
     w = TokenLabeling(m, prob=0.0).train()
     loss = TokenLabelingLoss(C, dense_weight=0.0, smoothing=0.1)(w(x), y)
     torch.testing.assert_close(loss, F.cross_entropy(m.train()(x), y, label_smoothing=0.1))
+
+
+# ---------------------------------------------------------------- CNNs (Token Labeling Table 5: ResNeSt-50)
+
+
+def tiny_cnn(name, num_classes=5):
+    """A small randomly initialised timm CNN: a one-block-per-stage ResNet, or ConvNeXt-atto."""
+    torch.manual_seed(0)
+    if name == 'resnet':
+        from timm.models.resnet import BasicBlock, ResNet
+
+        m = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes)
+    else:
+        m = timm.create_model('convnext_atto', num_classes=num_classes)
+    return attach_aux_head(m.train())
+
+
+def loop_mixed_images(x, mix, stride):
+    """The reference MixToken on images: for each sample and each stride x stride cell of the final grid, copy
+    the partner's pixels where the cell's partner share is 1."""
+    out = x.clone()
+    gh, gw = mix.grid_size
+    for b in range(x.shape[0]):
+        for i in range(gh):
+            for j in range(gw):
+                if mix.token_share[b, i, j] == 1:
+                    p = int(mix.partner[b])
+                    out[b, :, i * stride : (i + 1) * stride, j * stride : (j + 1) * stride] = x[
+                        p, :, i * stride : (i + 1) * stride, j * stride : (j + 1) * stride
+                    ]
+                else:
+                    assert mix.token_share[b, i, j] == 0
+    return out
+
+
+@pytest.mark.parametrize('name', ['resnet', 'convnext'])
+@pytest.mark.parametrize('mode', ['batch', 'pair'])
+def test_cnn_mixtoken_in_image_space_and_unmixed_aux_logits_against_loops(name, mode):
+    """CNNs: MixToken pastes the partner's pixels in a box of whole final-stride (32 px) cells; the aux head is a
+    1x1 conv on the final map (ConvNeXt: after the head's per-position norm); un-mixing takes, at each box cell,
+    the partner's row. Reference: explicit loops over samples and cells, a per-position matrix product."""
+    m = tiny_cnn(name)
+    w = TokenLabeling(m, mode=mode, generator=torch.Generator().manual_seed(4))
+    assert w.token_stride == (32, 32) and w.num_prefix_tokens == 0
+    x = torch.randn(6, 3, 96, 128)
+    out = w(x)
+    mix = out.mix
+    assert out.grid == (3, 4) and mix.grid_size == (3, 4) and out.aux.shape == (6, 12, 5)
+    assert 0 < mix.token_share.sum() < mix.token_share.numel()
+    xm = loop_mixed_images(x, mix, 32)
+    with torch.no_grad():
+        feats = m.forward_features(xm)
+        torch.testing.assert_close(out.cls, m.forward_head(feats), atol=1e-5, rtol=0)
+        if name == 'convnext':
+            feats = m.head.norm(feats)
+        W, bias = m.aux_head.weight, m.aux_head.bias
+        ref = torch.zeros(6, 12, 5)
+        for b in range(6):
+            for i in range(3):
+                for j in range(4):
+                    src = int(mix.partner[b]) if mix.token_share[b, i, j] == 1 else b
+                    ref[b, i * 4 + j] = W @ feats[src, :, i, j] + bias
+    torch.testing.assert_close(out.aux, ref, atol=1e-5, rtol=0)
+
+
+def test_convnext_image_space_mixtoken_is_mixtoken_after_its_patchify_stem():
+    """ConvNeXt's stem is a patchify conv (kernel = stride = 4): pasting whole 32-px cells in the image is exactly
+    swapping the stem's tokens inside the box (MixToken after patch embedding, as for ViTs)."""
+    m = tiny_cnn('convnext')
+    mix = TokenLabeling(m, generator=torch.Generator().manual_seed(1)).sampler.sample(
+        4, (64, 96), generator=torch.Generator().manual_seed(1)
+    )
+    x = torch.randn(4, 3, 64, 96)
+    with torch.no_grad():
+        t = m.stem(x)
+        s = mix.token_share.repeat_interleave(8, 1).repeat_interleave(8, 2)[:, None].bool()
+        torch.testing.assert_close(m.stem(loop_mixed_images(x, mix, 32)), torch.where(s, t[mix.partner], t))
+
+
+@pytest.mark.parametrize('name', ['resnet', 'convnext'])
+def test_cnn_eval_rule_loss_and_gradients(name):
+    """Eval: ``cls + 0.5 · max over positions of a 1x1 conv`` of the final map; training: Eq. 3-4 with targets on
+    the final grid, gradients reach the aux head and the stem."""
+    C, B = 5, 4
+    m = tiny_cnn(name, C)
+    w = TokenLabeling(m).eval()
+    x, y = torch.randn(B, 3, 64, 64), torch.tensor([0, 1, 2, 3])
+    with torch.no_grad():
+        f = m.eval().forward_features(x)
+        g = m.head.norm(f) if name == 'convnext' else f
+        aux = F.conv2d(g, m.aux_head.weight[:, :, None, None], m.aux_head.bias)  # (B, C, 2, 2)
+        torch.testing.assert_close(w(x), m.forward_head(f) + 0.5 * aux.flatten(2).max(-1).values, atol=1e-5, rtol=0)
+    w = TokenLabeling(m, generator=torch.Generator().manual_seed(0)).train()
+    out = w(x)
+    tgt = maps_target(y, C, B)
+    lossf = TokenLabelingLoss(C, dense_weight=0.5, smoothing=0.1)
+    _, sparse = lossf.targets(out, tgt)
+    assert sparse.dense().shape == (B, 4, C)
+    lossf(out, tgt).backward()
+    stem = m.conv1 if name == 'resnet' else m.stem[0]
+    assert m.aux_head.weight.grad.abs().sum() > 0 and stem.weight.grad.abs().sum() > 0
+
+
+def test_cnn_refusals_name_what_is_supported():
+    m = tiny_cnn('resnet')
+    with pytest.raises(ValueError, match='112x112 is not divisible by patch_size 32x32'):
+        TokenLabeling(m)(torch.randn(2, 3, 112, 112))
+    eff = timm.create_model('efficientnet_b0', num_classes=5)
+    with pytest.raises(ValueError, match='ResNet, ConvNeXt'):
+        TokenLabeling(attach_aux_head(eff))

@@ -192,7 +192,7 @@ class TokenLabelingTask(ClassificationTask):
         unwrap_model(self.get_trainable_module(ema=ema)).load_state_dict(state_dict, strict=strict)
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Tensor]:
-        out = self.method.outputs(input, lambda: self.trainable_module(input))
+        out = self.method.outputs(input, self.trainable_module)
         return {'loss': self.criterion(out, target), 'output': out.cls}
 
 

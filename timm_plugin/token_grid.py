@@ -57,3 +57,34 @@ def token_stride(model: nn.Module) -> Tuple[int, int]:
         )
     stride = (stride, stride) if isinstance(stride, int) else tuple(stride)
     return int(stride[0]), int(stride[1])
+
+
+def cnn_classes() -> tuple:
+    """The timm CNN families whose final feature map :func:`cnn_features` finds (ResNet covers ResNeSt, ResNeXt,
+    SE-ResNet, ResNet-D and the other ``timm.models.resnet.ResNet`` builds)."""
+    from timm.models.convnext import ConvNeXt
+    from timm.models.resnet import ResNet
+
+    return ResNet, ConvNeXt
+
+
+def cnn_features(model: nn.Module):
+    """For a timm CNN (:func:`cnn_classes`), the module whose output is ``forward_features``' ``(B, C, h, w)``
+    map: ResNet's last block of ``layer4`` (called as such under gradient checkpointing too), ConvNeXt's
+    ``norm_pre``; ``None`` for other models."""
+    resnet_like = cnn_classes()
+    if isinstance(model, resnet_like[0]):
+        return model.layer4[-1]
+    if isinstance(model, resnet_like[1]):
+        return model.norm_pre
+    return None
+
+
+def cnn_stride(model: nn.Module) -> Tuple[int, int]:
+    """Pixels per position of a timm CNN's final feature map (``feature_info[-1]['reduction']``: 32 for ResNet
+    and ConvNeXt, less for dilated builds)."""
+    info = getattr(model, 'feature_info', None)
+    if not info:
+        raise ValueError(f'model: {type(model).__name__} has no feature_info, so no final feature stride')
+    r = int(info[-1]['reduction'])
+    return r, r

@@ -16,14 +16,14 @@ Eq. 3-4 on those outputs; :class:`timm_plugin.tasks.TokenLabelingTask` is the sa
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from timm.layers import trunc_normal_
 
 from shared_core.compiling import guard_module_hooks
-from shared_core.mix import Mix, check_image_size
+from shared_core.mix import Mix, check_image_size, mix_images
 from shared_core.token_labeling import (
     CLS_TARGETS,
     HEAD_RULES,
@@ -38,7 +38,7 @@ from shared_core.token_labeling import (
 )
 
 from .carrier import CarrierTensor
-from .token_grid import patch_embedding, token_stride
+from .token_grid import cnn_classes, cnn_features, cnn_stride, patch_embedding, token_stride
 from .token_label_data import TokenLabelTarget
 
 __all__ = [
@@ -107,21 +107,27 @@ class TokenLabeling(nn.Module):
         box_rounding: str = 'timm',
     ):
         super().__init__()
-        missing = [] if patch_embedding(model) is not None else ['patch_embed (or a PatchEmbed stem)']
-        missing += [n for n in ('forward_features', 'forward_head', 'head', 'norm') if not hasattr(model, n)]
-        if missing:
-            raise ValueError(
-                f'model: token labeling needs a timm ViT-like model (a token sequence after a patch embedding, '
-                f'as ViT/DeiT, LV-ViT, MLP-Mixer/ResMLP/gMLP) with {missing[0]}; {type(model).__name__} has none'
-            )
+        self.cnn = cnn_features(model)  # the module whose output forward_features returns (CNNs), else None
+        if self.cnn is None:
+            missing = [] if patch_embedding(model) is not None else ['patch_embed (or a PatchEmbed stem)']
+            missing += [n for n in ('forward_features', 'forward_head', 'head', 'norm') if not hasattr(model, n)]
+            if missing:
+                raise ValueError(
+                    f'model: token labeling supports timm ViT-like models (a token sequence after a patch '
+                    f'embedding: ViT/DeiT, LV-ViT, MLP-Mixer/ResMLP/gMLP; these need {missing[0]}) and the CNNs '
+                    f'{", ".join(c.__name__ for c in cnn_classes())}; {type(model).__name__} is neither'
+                )
         check_head_rule(head_rule)
         guard_module_hooks()  # per-call hooks under torch.compile
         if aux and getattr(model, 'aux_head', None) is None:
             raise ValueError('model: no aux_head; call attach_aux_head(model) before building the optimizer')
         self.model, self.aux, self.head_rule, self.generator = model, aux, head_rule, generator
-        # class/distillation tokens before the patches (the MLP-Mixer family: none)
-        self.num_prefix_tokens = int(getattr(model, 'num_prefix_tokens', 1 if hasattr(model, 'patch_embed') else 0))
-        self.token_stride = token_stride(model)
+        # class/distillation tokens before the patches (the MLP-Mixer family and CNNs: none)
+        self.num_prefix_tokens = (
+            0 if self.cnn is not None else int(getattr(model, 'num_prefix_tokens', int(hasattr(model, 'patch_embed'))))
+        )
+        # CNNs: the token grid is the final feature map's (MixToken's box and the dense targets at its stride)
+        self.token_stride = cnn_stride(model) if self.cnn is not None else token_stride(model)
         self.sampler = mixtoken_sampler(beta, prob if mix_token else 0.0, mode, self.token_stride, box_rounding)
 
     def grid(self, x: torch.Tensor) -> Tuple[int, int]:
@@ -134,7 +140,7 @@ class TokenLabeling(nn.Module):
         ``model`` (default: the wrapped one; an EMA copy works too)."""
         model = self.model if model is None else model
         feats = model.forward_features(x)
-        cls = model.head(model.forward_head(feats, pre_logits=True))
+        cls = model.forward_head(feats) if self.cnn is not None else model.head(model.forward_head(feats, True))
         aux = (
             aux_logits(model, feats, self.num_prefix_tokens)
             if self.head_rule == 'cls+aux' and getattr(model, 'aux_head', None) is not None
@@ -142,22 +148,26 @@ class TokenLabeling(nn.Module):
         )
         return inference_logits(cls, aux, self.head_rule)
 
-    def outputs(self, x: torch.Tensor, forward=None) -> TokenLabelingOutput:
+    def outputs(self, x: torch.Tensor, forward: Optional[Callable[[torch.Tensor], Any]] = None) -> TokenLabelingOutput:
         """The training forward: MixToken's box drawn on the CPU (:func:`draw_mixtoken`) and applied by a hook on
-        the patch embedding; ``forward()`` (default ``self.model(x)``; a task passes its DDP-wrapped module) runs
-        the token path, whose class logits it returns; a hook on the final norm keeps the tokens the aux head
-        reads; their logits are un-mixed (Eq. 6)."""
+        the patch embedding (CNNs: to the images, the box on the final feature grid); ``forward(images)`` (default
+        ``self.model``; a task passes its DDP-wrapped module) runs the token path, whose class logits it returns;
+        a hook on the final norm (CNNs: on the module that gives the final feature map) keeps the features the
+        aux head reads; their logits are un-mixed (Eq. 6)."""
         grid = self.grid(x)
         mix = draw_mixtoken(self.sampler, x.shape[0], tuple(x.shape[-2:]), x.device, self.generator)
         kept = {}
         handles = []
-        if mix is not None:
+        if mix is not None and self.cnn is None:
             embed = patch_embedding(self.model)
             handles.append(embed.register_forward_hook(lambda m, i, out: mix_patch_embed_output(out, mix)))
+        elif mix is not None:  # CNNs: MixToken in image space, a box of whole final-stride cells
+            x = mix_images(x, mix)
         if self.aux:
-            handles.append(self.model.norm.register_forward_hook(lambda m, i, o: kept.__setitem__('feats', o)))
+            feats = self.model.norm if self.cnn is None else self.cnn
+            handles.append(feats.register_forward_hook(lambda m, i, o: kept.__setitem__('feats', o)))
         try:
-            cls = forward() if forward is not None else self.model(x)
+            cls = (self.model if forward is None else forward)(x)
         finally:
             for h in handles:
                 h.remove()
@@ -176,7 +186,13 @@ class TokenLabeling(nn.Module):
 
 def aux_logits(model: nn.Module, feats: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
     """Per-token logits ``(B, N, C)`` of ``model.aux_head`` on ``forward_features``' patch tokens, through the
-    norm the class head's input gets (``fc_norm`` of average-pooled ViTs)."""
+    norm the class head's input gets (``fc_norm`` of average-pooled ViTs). A CNN's ``(B, C, h, w)`` map: each
+    position is a token (row-major), through the head's norm where it has one (ConvNeXt's ``head.norm``, a
+    per-position channel norm), so the aux head is a 1x1 convolution on the final feature map."""
+    if feats.dim() == 4:
+        norm = getattr(getattr(model, 'head', None), 'norm', None)
+        feats = norm(feats) if isinstance(norm, nn.Module) else feats
+        return model.aux_head(feats.flatten(2).transpose(1, 2))
     tokens = feats[:, num_prefix_tokens:]
     fc_norm = getattr(model, 'fc_norm', None)
     return model.aux_head(fc_norm(tokens) if isinstance(fc_norm, nn.Module) else tokens)
