@@ -22,7 +22,7 @@ from timm.loss import SoftTargetCrossEntropy
 
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign
-from timm_plugin.token_grid import token_stride
+from timm_plugin.token_grid import label_grid_stride
 
 
 def main():
@@ -39,7 +39,7 @@ def main():
     model = timm.create_model(args.model, num_classes=1000).to(dev).train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     loss_fn = SoftTargetCrossEntropy()
-    stride = token_stride(model)  # the model's token grid (ConvNeXt: 4)
+    stride = label_grid_stride(model)  # the grid the label state starts on (ConvNeXt, ResNet: 4)
     mixer = create_mixer(
         'cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=1000, patch_size=stride, carry_mix=True
     )

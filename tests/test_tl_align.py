@@ -270,10 +270,10 @@ def test_bad_input():
 
     with pytest.raises(
         ValueError,
-        match=r'no tracer for .*ResNet; supported: .*VisionTransformerDistilled, '
-        r'.*VisionTransformer, .*SwinTransformer',
+        match=r'no tracer for .*EfficientNet; supported: .*VisionTransformerDistilled, '
+        r'.*VisionTransformer, .*SwinTransformer.*ConvNeXt, .*ResNet',
     ):
-        TLAlign(timm.create_model('resnet10t', num_classes=C))
+        TLAlign(timm.create_model('efficientnet_b0', num_classes=C))
     with pytest.raises(ValueError, match="global_pool='map'"):
         TLAlign(tiny_vit(global_pool='map'))
     wrapped = TLAlign(tiny_vit()).train()

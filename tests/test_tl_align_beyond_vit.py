@@ -11,7 +11,7 @@ from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock, SpatialGatingBlock
 
 from shared_core.tl_align import abs_row_norm, linear_token_mixing
 from timm_plugin import create_mixer
-from timm_plugin.tl_align import TLAlign
+from timm_plugin.tl_align import TLAlign, TransMix
 
 from .helpers import check_compact_equals_dense
 from .test_tl_align import C, random_token_labels, sharpen
@@ -172,17 +172,19 @@ def tiny_convnext(**kw):
     return ConvNeXt(**(dict(depths=(1, 2, 1, 1), dims=(8, 8, 16, 16), num_classes=C, patch_size=4) | kw))
 
 
-def _stencil_mix(Y, S, pad):
-    """``(B, H, W, K)`` labels mixed by the stencil ``S`` at every position, normalised over in-grid cells."""
+def _stencil_mix(Y, S, pad, stride=1):
+    """``(B, H, W, K)`` labels mixed by the stencil ``S`` at every ``stride``-th window, normalised over in-grid
+    cells."""
     B, H, W, K = Y.shape
     kh, kw = S.shape
-    out = torch.zeros_like(Y)
-    for i in range(H):
-        for j in range(W):
+    Ho, Wo = (H + 2 * pad - kh) // stride + 1, (W + 2 * pad - kw) // stride + 1
+    out = torch.zeros(B, Ho, Wo, K)
+    for i in range(Ho):
+        for j in range(Wo):
             num, den = torch.zeros(B, K), 0.0
             for u in range(kh):
                 for v in range(kw):
-                    r, c = i + u - pad, j + v - pad
+                    r, c = i * stride + u - pad, j * stride + v - pad
                     if 0 <= r < H and 0 <= c < W:
                         num += float(S[u, v]) * Y[:, r, c]
                         den += float(S[u, v])
@@ -277,3 +279,114 @@ def test_tokenaug_train_tl_align_on_convnext(tiny_world, tmp_path):
         + ['--output', str(tmp_path), '--experiment', 'run']
     )
     assert set(metrics) == {'loss', 'top1', 'top5'} and 0 <= metrics['top1'] <= 100
+
+
+# ---------------------------------------------------------------- ResNet
+
+
+def tiny_resnet(block='basic', **kw):
+    """A one-block-per-stage timm ResNet whose 3x3 kernels get a strongly non-uniform magnitude per position (random
+    init is near uniform), so a transposed, shifted or mis-strided stencil shows in the labels."""
+    from timm.models.resnet import BasicBlock, Bottleneck, ResNet
+
+    torch.manual_seed(0)
+    # zero_init_last=False: a zero-initialised last norm makes every branch output 0, which stochastic depth
+    # cannot drop (a zero branch counts as kept)
+    model = ResNet(
+        BasicBlock if block == 'basic' else Bottleneck, [1, 1, 1, 1], num_classes=C, zero_init_last=False, **kw
+    )
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3):
+                m.weight.mul_(torch.rand(3, 3, generator=g) ** 3 * 4)
+    return model
+
+
+def resnet_reference(model, Y_tok, grid, layers=None, residual=True, dropped=()):
+    """The label state by explicit loops: each block's 3x3 convs as their ``mean_{o,i} |K|`` stencil (at the conv's
+    stride), the shortcut's geometry (a strided 1x1 conv picks one cell, ResNet-D's 2x2 average pool its mean)."""
+    B = Y_tok.shape[0]
+    Y = Y_tok.reshape(B, *grid, -1)
+    blocks = [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
+    for idx, blk in enumerate(blocks):
+        short = Y
+        if blk.downsample is not None:
+            if isinstance(blk.downsample[0], torch.nn.AvgPool2d):
+                short = _window_mean(Y, 2, 2, 0)
+            else:
+                s = blk.downsample[0].stride[0] if isinstance(blk.downsample[0], torch.nn.Conv2d) else 1
+                short = Y[:, ::s, ::s]
+        if (layers is None or idx in layers) and idx not in dropped:
+            g = Y
+            convs = [blk.conv2] if hasattr(blk, 'conv3') else [blk.conv1, blk.conv2]
+            for conv in convs:
+                K = conv.weight.detach()  # (O, I, 3, 3), signed
+                S = sum(K[o, i].abs() for o in range(K.shape[0]) for i in range(K.shape[1])) / (K.shape[0] * K.shape[1])
+                g = _stencil_mix(g, S, conv.padding[0], conv.stride[0])
+            Y = (short + g) / 2 if residual else g
+        else:
+            Y = short
+    return Y.flatten(1, 2).mean(1)
+
+
+@pytest.mark.parametrize(
+    'block, kw', [('basic', {}), ('bottleneck', {}), ('bottleneck', dict(stem_type='deep', avg_down=True))]
+)
+def test_resnet_dense_trace_matches_the_explicit_reference(block, kw):
+    model = tiny_resnet(block, **kw).eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 64, 64, generator=g)
+    Y = random_token_labels(2, 256, g)  # layer1's 16x16 grid (stride 4)
+    out, label = TLAlign(model).trace(x, Y)
+    assert torch.equal(out, model(x))
+    assert torch.allclose(label, resnet_reference(model, Y, (16, 16)), atol=1e-6)
+    assert torch.allclose(label.sum(1), torch.ones(2), atol=1e-6) and label.min() >= 0
+    for layers, residual in [([], True), ([0, 2], False), ([1, 3], True)]:
+        _, label = TLAlign(model, layers=layers, residual=residual).trace(x, Y)
+        assert torch.allclose(label, resnet_reference(model, Y, (16, 16), layers, residual), atol=1e-6)
+    assert (label - Y.mean(1)).abs().max() > 1e-3
+    assert TLAlign(model).depth == 4
+
+
+@pytest.mark.parametrize('kind', ['cutmix', 'tokenmix_block'])
+def test_resnet_compact_and_dense_labels_give_the_same_target(kind):
+    g = torch.Generator().manual_seed(3)
+    mixer = create_mixer(
+        kind, num_classes=C, patch_size=4, mode='elem', mixup_alpha=0.0, cutmix_alpha=1.0, label_smoothing=0.1,
+        generator=g, carry_mix=True,
+    )  # fmt: skip
+    x, y = torch.randn(6, 3, 64, 64, generator=g), torch.randint(0, C, (6,), generator=g)
+    check_compact_equals_dense(tiny_resnet('bottleneck', drop_path_rate=0.3).train(), mixer, x, y, C)
+
+
+def test_resnet_dropped_branch_training_logits_and_eval():
+    model = tiny_resnet()
+    model.layer2[0].drop_path = timm.layers.DropPath(1.0)  # block 1 of 4: every sample's branch dropped
+    wrapped = TLAlign(model).train()
+    g = torch.Generator().manual_seed(2)
+    x, Y = torch.randn(3, 3, 64, 64, generator=g), random_token_labels(3, 256, g)
+    _, label = wrapped.trace(x, Y)
+    assert torch.allclose(label, resnet_reference(model, Y, (16, 16), dropped={1}), atol=1e-6)
+    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=4, carry_mix=True)
+    xm, target = mixer(torch.randn(4, 3, 64, 64), torch.tensor([0, 1, 2, 3]))
+    out, _ = wrapped(xm, target)
+    assert torch.equal(out, model(xm))  # batch norm in train mode, no randomness left in the model
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    wrapped.eval()
+    assert torch.equal(wrapped(x), model.eval()(x))
+
+
+def test_resnet_refusals():
+    with pytest.raises(ValueError, match='ResNestBottleneck'):
+        TLAlign(timm.create_model('resnest14d', num_classes=C))
+    with pytest.raises(ValueError, match='se has no TL-Align rule'):
+        TLAlign(timm.create_model('seresnet18', num_classes=C))
+    with pytest.raises(ValueError, match="global_pool='max'"):
+        TLAlign(tiny_resnet(global_pool='max'))
+    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=16, carry_mix=True)
+    xm, target = mixer(torch.randn(2, 3, 64, 64), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match='ResNet has no rule here'):
+        TransMix(tiny_resnet())  # nothing attends: TL-Align's rules, not TransMix's
+    with pytest.raises(ValueError, match='16 token labels for 256 tokens'):
+        TLAlign(tiny_resnet())(xm, target)  # the mix must be drawn on the stride-4 grid

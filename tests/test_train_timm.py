@@ -460,3 +460,38 @@ def test_mixtoken_token_labeling_on_an_mlp_mixer(tiny_world, tmp_path):
     plain = timm.create_model('mixer_s16_224', img_size=112, num_classes=10)
     missing, unexpected = plain.load_state_dict(ckpt['state_dict'], strict=False)
     assert not missing and unexpected == ['aux_head.weight', 'aux_head.bias']
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('model', ['resnest14d', 'convnext_atto'])
+def test_mixtoken_token_labeling_on_a_cnn(tiny_world, tmp_path, model):
+    """Token Labeling Table 5's CNNs (ResNeSt; ConvNeXt): MixToken pastes a box of whole 32-px cells in the images,
+    the aux head reads the final 4x4 map at 128 px; the checkpoint holds aux_head and loads into the plain model."""
+    _random_top2_store(tiny_world, tmp_path / 'maps')
+    metrics = run(
+        ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny_token-labeling.yaml')]
+        + ['--data-dir', str(tiny_world / 'imagenet'), '--token-label-dir', str(tmp_path / 'maps')]
+        + ['--model', model, '--model-kwargs', '--input-size', '3', '128', '128', '--drop-path', '0.1']
+        + ['--epochs', '1', '-b', '8', '--workers', '0', '--output', str(tmp_path), '--experiment', 'cnn']
+    )
+    assert set(metrics) == {'loss', 'top1', 'top5'}
+    ckpt = torch.load(tmp_path / 'cnn' / 'last.pth.tar', map_location='cpu', weights_only=True)
+    plain = timm.create_model(model, num_classes=10)
+    assert ckpt['state_dict']['aux_head.weight'].shape == (10, plain.num_features)
+    missing, unexpected = plain.load_state_dict(ckpt['state_dict'], strict=False)
+    assert not missing and unexpected == ['aux_head.weight', 'aux_head.bias']
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mixup_type, grid', [('tokenmix_block', 16), ('tl_align', 4)])
+def test_resnet_tokenmix_blocks_and_tl_align(tiny_world, tmp_path, caplog, mixup_type, grid):
+    """TokenMix Table 8's ResNet-50 row at world scale (resnet18): block masks in image space on a 16-px grid (DeiT's
+    14x14 at 224); TL-Align's generalised rules on a ResNet, whose mix is drawn on the first stage's 4-px grid."""
+    caplog.set_level('INFO')
+    metrics = run(
+        ['-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--model', 'resnet18', '--model-kwargs']
+        + ['--epochs', '1', '-b', '8', '--workers', '0', '--mixup-type', mixup_type]
+        + ['--output', str(tmp_path), '--experiment', 'run']
+    )
+    assert set(metrics) == {'loss', 'top1', 'top5'} and 0 <= metrics['top1'] <= 100
+    assert f'on a {grid}x{grid}-px token grid' in caplog.text

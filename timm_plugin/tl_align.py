@@ -52,6 +52,7 @@ from timm.models.pvt_v2 import (
     PyramidVisionTransformerStage,
     PyramidVisionTransformerV2,
 )
+from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 from timm.models.swin_transformer import (
     PatchMerging,
     SwinTransformer,
@@ -960,6 +961,147 @@ class ConvNeXtTracer(_StagedBlocks):
         return None
 
 
+# ---------------------------------------------------------------------------------------------- ResNet
+
+
+class ResNetTracer:
+    """Label rules for timm's ``ResNet`` with ``BasicBlock`` / ``Bottleneck`` blocks (ResNet, ResNet-D, ResNeXt, wide
+    ResNets; TL-Align Appendix A, Table 9 applied to a plain CNN):
+
+    - Initial labels: one per cell of the grid the first stage runs on (stride 4: the stem's stride-2 conv and
+      stride-2 max pool), from the partner share of that 4x4 cell: give the mixer ``patch_size=4``
+      (``tokenaug-train`` does for TL-Align on a ResNet). The stem's overlapping 7x7 / 3x3 windows reach into
+      the neighbouring cells; that is not traced (as PVT v2's overlapping patch embedding).
+    - 3x3 convolutions (``Bottleneck.conv2``; ``BasicBlock.conv1`` and ``conv2``): spatial mixing with one fixed
+      stencil per layer, ``S = mean_{o,i} |K_{o,i}|`` over the output and input channels (grouped convs: over the
+      groups' kernels), mixed as ``Norm(T(S))`` (:func:`~shared_core.tl_align.conv_stencil_labels`, in-grid
+      positions only). A stride-2 3x3 conv mixes and aggregates at once: the same stencil read at stride 2.
+      Why the channel mean of magnitudes: as ConvNeXt's depthwise kernels, one label map stands for every
+      channel, and a signed kernel's sum can vanish.
+    - 1x1 convolutions, batch norms, activations: channel mixing / point-wise, labels unchanged.
+    - Shortcut: identity, or the downsample's geometry: a strided 1x1 conv reads one position of each 2x2 cell
+      (:func:`~shared_core.tl_align.conv_pool_labels` with its window), ResNet-D's 2x2 average pool (ceil mode) is
+      the mean of its window.
+    - Residual (Eq. 11): ``Y ← Norm(Y_shortcut + Y_branch)``; a sample whose branch stochastic depth dropped keeps
+      its shortcut labels. Global average pooling reads the mean label.
+
+    Refused with a clear error: attention / SE layers and anti-aliased downsampling (``attn_layer``, ``aa_layer``:
+    the SE gate comes from every position, like ConvNeXt V2's GRN), ResNeSt's split attention, dilated convs,
+    and pooling other than ``avg``.
+    """
+
+    num_prefix_tokens = 0
+
+    def __init__(self, model: ResNet):
+        if model.global_pool.pool_type != 'avg':
+            raise ValueError(
+                f"model: ResNet with global_pool={model.global_pool.pool_type!r} has no TL-Align rule; use 'avg'"
+            )
+        for i, blk in enumerate(self._blocks(model)):
+            convs = self._spatial_convs(blk)
+            if type(blk) not in (BasicBlock, Bottleneck) or convs is None:
+                raise ValueError(
+                    f'model: TL-Align traces ResNet BasicBlock / Bottleneck blocks; block {i} is {type(blk).__name__} '
+                    '(ResNeSt split attention has no rule)'
+                )
+            extras = [n for n in ('se', 'aa') if not isinstance(getattr(blk, n), (type(None), nn.Identity))]
+            bad = [c for c in convs if type(c) is not nn.Conv2d or c.dilation != (1, 1) or isinstance(c.padding, str)]
+            if extras or bad:
+                raise ValueError(
+                    f'model: ResNet block {i}: {", ".join(extras + [str(c) for c in bad])} has no TL-Align rule '
+                    '(attention/SE gates read every position; dilated or anti-aliased convs are not traced)'
+                )
+            self._shortcut(blk)  # checks the downsample
+        self.model = model
+
+    @staticmethod
+    def _blocks(model) -> list:
+        return [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
+
+    @staticmethod
+    def _spatial_convs(blk):
+        """The block's k x k convs in order (``None`` for a block type without a rule)."""
+        if type(blk) is Bottleneck:
+            return [blk.conv2]
+        if type(blk) is BasicBlock:
+            return [blk.conv1, blk.conv2]
+        return None
+
+    @staticmethod
+    def _shortcut(blk):
+        """The shortcut's label op: ``None`` (identity), or a function of the ``(B, K, H, W)`` labels."""
+        ds = blk.downsample
+        if ds is None or isinstance(ds, nn.Identity):
+            return None
+        parts = (
+            [m for m in ds if not isinstance(m, (nn.BatchNorm2d, nn.Identity))] if isinstance(ds, nn.Sequential) else []
+        )
+        if len(parts) == 1 and type(parts[0]) is nn.Conv2d:
+            conv = parts[0]
+            return lambda Y: _pool_like(Y, conv)
+        if len(parts) == 2 and type(parts[0]) is nn.AvgPool2d and type(parts[1]) is nn.Conv2d:
+            pool, conv = parts
+            if conv.kernel_size != (1, 1) or conv.stride != (1, 1):
+                raise ValueError(f'model: ResNet downsample {ds} has no TL-Align rule')
+            return lambda Y: F.avg_pool2d(
+                Y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, count_include_pad=False
+            )
+        raise ValueError(f'model: ResNet downsample {ds} has no TL-Align rule')
+
+    @property
+    def depth(self) -> int:
+        return len(self._blocks(self.model))
+
+    def register(self, captures: List[LabelCapture]) -> list:
+        """``captures[0]`` keeps the first stage's grid, then one per block (the samples its drop_path kept)."""
+        stem = LabelCapture()
+        captures.append(stem)
+        handles = [
+            self.model.layer1.register_forward_pre_hook(
+                lambda m, a, c=stem: setattr(c, 'tokens', tuple(a[0].shape[-2:]))
+            )
+        ]
+        for blk in self._blocks(self.model):
+            cap = LabelCapture()
+            captures.append(cap)
+            _hook_first_drop_path(blk, cap, handles)
+        return handles
+
+    def num_tokens(self, captures: List[LabelCapture]) -> int:
+        check_captured(captures[:1], ('tokens',), 'layer1 did not run (a replaced forward?)')
+        H, W = captures[0].tokens
+        return H * W
+
+    @staticmethod
+    def stencil(conv: nn.Conv2d) -> torch.Tensor:
+        """``S = mean_{o,i} |K_{o,i}|`` ``(k, k)`` fp32 of a conv."""
+        return conv.weight.detach().float().abs().mean((0, 1))
+
+    def propagate(
+        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
+    ) -> torch.Tensor:
+        H, W = captures[0].tokens
+        B, _, K = labels.shape
+        Y = labels.transpose(1, 2).reshape(B, K, H, W)  # channels first, for the conv ops
+        for idx, (blk, cap) in enumerate(zip(self._blocks(self.model), captures[1:])):
+            shortcut = self._shortcut(blk)
+            short = Y if shortcut is None else shortcut(Y)
+            if layers is None or idx in layers:
+                branch = Y
+                for conv in self._spatial_convs(blk):
+                    branch = conv_stencil_labels(branch, self.stencil(conv), conv.padding, conv.stride)
+                Y = residual_labels(short, branch, cap.keep, residual)
+            else:
+                Y = short
+        return Y.flatten(2).transpose(1, 2)
+
+    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
+        return labels.mean(1)
+
+    def class_attention(self, captures: List[LabelCapture]):
+        return None
+
+
 # most specific class first
 SUPPORTED_MODELS = {
     CCT: CCTTracer,
@@ -970,6 +1112,7 @@ SUPPORTED_MODELS = {
     PyramidVisionTransformerV2: PvtV2Tracer,
     MlpMixer: MlpMixerTracer,
     ConvNeXt: ConvNeXtTracer,
+    ResNet: ResNetTracer,
 }
 
 
@@ -1098,10 +1241,11 @@ class TransMix(TLAlign):
         super().__init__(model, fused=fused)
         if mode not in self.MODES:
             raise ValueError(f'mode must be one of {self.MODES}, got {mode!r}')
-        if isinstance(self.tracer, CaitTracer):
+        if isinstance(self.tracer, (CaitTracer, MlpMixerTracer, ConvNeXtTracer, ResNetTracer)):
             raise ValueError(
                 'model: TransMix is defined on the class token of a self-attention ViT (DeiT '
-                'family; our extension: class-free ViT, Swin, PVT v2); CaiT has no rule here'
+                f'family; our extension: class-free ViT, Swin, PVT v2); {type(model).__name__} has no rule here '
+                '(CaiT: class attention; MLP-Mixer, ConvNeXt, ResNet: no attention to read; use tl_align)'
             )
         self.mode = mode
 

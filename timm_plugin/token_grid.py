@@ -7,7 +7,7 @@ from typing import Tuple
 
 import torch.nn as nn
 
-__all__ = ['token_stride', 'patch_embedding']
+__all__ = ['token_stride', 'patch_embedding', 'label_grid_stride', 'cnn_classes', 'cnn_features', 'cnn_stride']
 
 
 def patch_embedding(model: nn.Module):
@@ -88,3 +88,14 @@ def cnn_stride(model: nn.Module) -> Tuple[int, int]:
         raise ValueError(f'model: {type(model).__name__} has no feature_info, so no final feature stride')
     r = int(info[-1]['reduction'])
     return r, r
+
+
+def label_grid_stride(model: nn.Module) -> Tuple[int, int]:
+    """Pixels per token of the grid TL-Align's label state starts on: :func:`token_stride` for models with a patch
+    embedding; for a timm ResNet, the grid its first stage runs on (``layer1``'s ``feature_info`` reduction: 4)."""
+    if patch_embedding(model) is not None:
+        return token_stride(model)
+    if isinstance(model, cnn_classes()[0]):
+        r = next(int(f['reduction']) for f in model.feature_info if f['module'] == 'layer1')
+        return r, r
+    raise ValueError(f'model: {type(model).__name__} has no patch embedding or first stage, so no label grid')

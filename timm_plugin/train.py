@@ -50,7 +50,7 @@ from .image_data import CheckedImageDataset, UnreadableImageError, check_class_l
 from .mixup import MIX_KINDS, TARGET_METHODS, create_mixer
 from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
 from .timm_fixes import fix_posterize
-from .token_grid import patch_embedding, token_stride
+from .token_grid import label_grid_stride, patch_embedding, token_stride
 from .token_label_data import TokenLabelCollate, TokenLabelDataset
 from .token_labeling import TokenLabelingLoss, attach_aux_head
 from .tokenmixup import attach_scorenets
@@ -110,10 +110,16 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int(seed) + 100_003 * int(epoch)
 
 
-def mixing_patch_size(model: nn.Module, default=16):
-    """The token grid step a mixer draws on: :func:`~timm_plugin.token_grid.token_stride` for models with
-    a patch embedding, ``default`` for the others (CNNs: only MixUp/CutMix, which need no grid)."""
-    return token_stride(model) if patch_embedding(model) is not None else default
+def mixing_patch_size(model: nn.Module, method=None, default=16):
+    """The token grid step a mixer draws on: :func:`~timm_plugin.token_grid.token_stride` for models with a patch
+    embedding; for TL-Align on a ResNet, the grid its label state starts on (4 px,
+    :func:`~timm_plugin.token_grid.label_grid_stride`); ``default`` for other CNNs (16 px, DeiT's grid: TokenMix's
+    masks in image space; MixUp/CutMix need no grid)."""
+    if patch_embedding(model) is not None:
+        return token_stride(model)
+    if method == 'tl_align':
+        return label_grid_stride(model)
+    return default
 
 
 def method_and_mix_kind(args):
@@ -198,7 +204,7 @@ def mixer_kwargs(args, model: nn.Module) -> dict:
         mode=args.mixup_mode,
         label_smoothing=args.smoothing,
         num_classes=args.num_classes,
-        patch_size=mixing_patch_size(model),
+        patch_size=mixing_patch_size(model, method),
         tokenmix_lam=args.tokenmix_lam,
         box_rounding=args.box_rounding,
         tokenmix_rule=args.tokenmix_rule,
@@ -566,8 +572,10 @@ def run(argv=None) -> dict:
         shown = f'{method} over {mix_kind}' if method else mix_kind
         if args.activation_map_dir:
             shown += f' with {args.activation_target} activation-map targets'
+        grid = mixer_args['patch_size']
+        grid = f'{grid}x{grid}' if isinstance(grid, int) else 'x'.join(map(str, grid))
         _logger.info(
-            f'Mixing: {shown} (mixup_alpha={args.mixup}, cutmix_alpha={args.cutmix}, '
+            f'Mixing: {shown} on a {grid}-px token grid (mixup_alpha={args.mixup}, cutmix_alpha={args.cutmix}, '
             f'prob={args.mixup_prob}, switch_prob={args.mixup_switch_prob}, mode={args.mixup_mode})'
         )
 
