@@ -15,7 +15,9 @@ last block's class-token attention over the pasted region, ``mode='paper'`` or t
 ``'average'``).
 
 Supported backbones: mmpretrain ``VisionTransformer`` (DeiT archs; ``out_type`` ``'cls_token'`` or
-``'avg_featmap'``) and ``SwinTransformer`` (the classification output: last stage, average pooled).
+``'avg_featmap'``) and ``SwinTransformer`` (the classification output: last stage, average pooled); for TL-Align,
+also ``TIMMBackbone`` around a timm ConvNeXt or ResNet with a ``GlobalAveragePooling`` neck (timm_plugin's
+generalised rules, TL-Align Appendix A; the data preprocessor's ``patch_size=4``, their first grid).
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from typing import List, Optional
 
 import torch
 import torch.nn as nn
-from mmpretrain.models.backbones import SwinTransformer, VisionTransformer
+from mmpretrain.models.backbones import SwinTransformer, TIMMBackbone, VisionTransformer
 from mmpretrain.models.backbones.swin_transformer import SwinBlock
 from mmpretrain.models.backbones.vision_transformer import TransformerEncoderLayer
 from mmpretrain.models.classifiers import ImageClassifier
+from mmpretrain.models.necks import GlobalAveragePooling
 from mmpretrain.models.utils.attention import MultiheadAttention, ShiftWindowMSA, WindowMSA
 from mmpretrain.registry import MODELS
 
@@ -220,15 +223,26 @@ class MMSwinTracer:
 MM_SUPPORTED_BACKBONES = {VisionTransformer: MMViTTracer, SwinTransformer: MMSwinTracer}
 
 
-def mm_tracer(backbone: nn.Module):
-    """The TL-Align tracer of a supported mmpretrain backbone (exact classes: a subclass may change the rules)."""
+def mm_tracer(backbone: nn.Module, neck: Optional[nn.Module] = None):
+    """The TL-Align tracer of a supported mmpretrain backbone (exact classes: a subclass may change the rules), or of
+    the timm CNN inside a ``TIMMBackbone`` (ConvNeXt, ResNet: timm_plugin's generalised rules) whose map ``neck``
+    average-pools (``GlobalAveragePooling``)."""
+    if type(backbone) is TIMMBackbone:
+        if type(neck) is not GlobalAveragePooling:
+            raise ValueError(
+                "neck: TL-Align on a TIMMBackbone reads the mean label of the final map; use neck=dict(type='"
+                f"GlobalAveragePooling'), got {type(neck).__name__}"
+            )
+        from timm_plugin.tl_align import timm_tracer  # here: `import mm_plugin` does not load timm_plugin
+
+        return timm_tracer(backbone.timm_model, pooled_outside=True, name='backbone')
     exact = {cls: tracer for cls, tracer in MM_SUPPORTED_BACKBONES.items() if type(backbone) is cls}
     if exact:
         return tracer_for(backbone, exact, 'backbone')
     names = ', '.join(f'{c.__module__}.{c.__name__}' for c in MM_SUPPORTED_BACKBONES)
     raise ValueError(
         f'backbone: TL-Align has no tracer for {type(backbone).__module__}.{type(backbone).__name__}; '
-        f'supported: {names}'
+        f'supported: {names}, TIMMBackbone around a timm ConvNeXt or ResNet'
     )
 
 
@@ -249,7 +263,7 @@ class TLAlignClassifier(ImageClassifier):
 
     def __init__(self, *args, tl_align: Optional[dict] = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.tracer = mm_tracer(self.backbone)
+        self.tracer = mm_tracer(self.backbone, self.neck)
         self._configure(dict(tl_align or {}))
 
     def _configure(self, cfg: dict) -> None:
@@ -305,7 +319,12 @@ class TransMixClassifier(TLAlignClassifier):
 
     def __init__(self, *args, transmix: Optional[dict] = None, **kwargs):
         ImageClassifier.__init__(self, *args, **kwargs)
-        self.tracer = mm_tracer(self.backbone)
+        if type(self.backbone) is TIMMBackbone:
+            raise ValueError(
+                f'backbone: TransMix reads the attention of a ViT / Swin; the timm '
+                f'{type(self.backbone.timm_model).__name__} of this TIMMBackbone has none (use TLAlignClassifier)'
+            )
+        self.tracer = mm_tracer(self.backbone, self.neck)
         cfg = dict(transmix or {})
         self.transmix_mode = cfg.pop('mode', 'paper')
         if self.transmix_mode not in TRANSMIX_MODES:

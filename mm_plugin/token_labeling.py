@@ -48,7 +48,7 @@ from mmpretrain.models.classifiers import ImageClassifier
 from mmpretrain.registry import MODELS
 from mmpretrain.structures import DataSample
 
-from shared_core.mix import Mix, check_image_size, check_pairwise_batch, to_2tuple
+from shared_core.mix import Mix, check_image_size, check_pairwise_batch, mix_images, to_2tuple
 from shared_core.token_labeling import (
     AUX_WEIGHT,
     CLS_TARGETS,
@@ -147,8 +147,11 @@ class TokenLabelingHead(BaseModule):
         return bool(self.dense_weight) or self.cls_target != 'gt'
 
     def tokens(self, feats: Tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The backbone's last output: ``(B, prefix + N, D)`` tokens."""
+        """The backbone's last output as ``(B, prefix + N, D)`` tokens; a CNN's ``(B, D, h, w)`` map (``TIMMBackbone``
+        around a timm ResNet / ConvNeXt) gives one token per position, row-major."""
         x = feats[-1] if isinstance(feats, (tuple, list)) else feats
+        if torch.is_tensor(x) and x.dim() == 4 and not self.num_prefix_tokens and x.shape[1] == self.in_channels:
+            x = x.flatten(2).transpose(1, 2)
         if (
             not torch.is_tensor(x)
             or x.dim() != 3
@@ -157,14 +160,16 @@ class TokenLabelingHead(BaseModule):
         ):
             raise ValueError(
                 f'feats: expected (B, {self.num_prefix_tokens} + N, {self.in_channels}) tokens (class '
-                f"token first; mmpretrain VisionTransformer with out_type='raw'), got "
-                f'{tuple(x.shape) if torch.is_tensor(x) else type(x).__name__}'
+                f"token first; mmpretrain VisionTransformer with out_type='raw'), or a CNN's (B, {self.in_channels}, "
+                f'h, w) map, got {tuple(x.shape) if torch.is_tensor(x) else type(x).__name__}'
             )
         return x
 
     def pre_logits(self, feats: Tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The class token ``(B, D)``."""
-        return self.tokens(feats)[:, 0]
+        """The class token ``(B, D)``; without prefix tokens (MLP-Mixer, CNNs) the mean of the tokens (their own
+        global average pooling)."""
+        x = self.tokens(feats)
+        return x[:, 0] if self.num_prefix_tokens else x.mean(1)
 
     def logits(
         self, feats: Tuple[torch.Tensor, ...], mix: Optional[Mix] = None
@@ -172,7 +177,7 @@ class TokenLabelingHead(BaseModule):
         """Class logits ``(B, C)`` and per-token logits ``(B, N, C)`` (``None`` without aux head),
         un-mixed when the tokens were mixed by ``mix``."""
         x = self.tokens(feats)
-        cls = self.head(x[:, 0])
+        cls = self.head(x[:, 0] if self.num_prefix_tokens else x.mean(1))
         if self.aux_head is None:
             return cls, None
         aux = self.aux_head(x[:, self.num_prefix_tokens :])
@@ -244,8 +249,10 @@ class TokenLabelingHead(BaseModule):
 # ----------------------------------------------------------------------------------------------
 
 
-def backbone_tokens(backbone: nn.Module) -> Tuple[nn.Module, int]:
-    """``(patch embedding, number of prefix tokens)`` of a supported backbone whose output is every token."""
+def backbone_tokens(backbone: nn.Module) -> Tuple[Optional[nn.Module], int, Tuple[int, int]]:
+    """``(patch embedding, number of prefix tokens, pixels per output token)`` of a supported backbone whose output
+    is every token. The patch embedding is ``None`` for a CNN (``TIMMBackbone`` around a timm ResNet / ResNeSt /
+    ConvNeXt): MixToken then pastes its box in the images, on whole cells of the final feature map."""
     if isinstance(backbone, VisionTransformer):
         if backbone.out_type != 'raw':
             raise ValueError(
@@ -259,21 +266,29 @@ def backbone_tokens(backbone: nn.Module) -> Tuple[nn.Module, int]:
                 f'backbone: token labeling reads the last layer (out_indices containing '
                 f'{backbone.num_layers - 1}), got {backbone.out_indices}'
             )
-        return backbone.patch_embed, int(backbone.num_extra_tokens)
+        return backbone.patch_embed, int(backbone.num_extra_tokens), token_stride(backbone.patch_embed)
     if isinstance(backbone, TIMMBackbone):
+        # imported here: `import mm_plugin` does not load timm_plugin
+        from timm_plugin.token_grid import cnn_classes, cnn_stride, patch_embedding
+        from timm_plugin.token_grid import token_stride as timm_token_stride
+
         model = backbone.timm_model
-        for name in ('patch_embed', 'num_prefix_tokens', 'forward_features'):
-            if not hasattr(model, name):
-                raise ValueError(
-                    f'backbone: token labeling needs a timm ViT (no features_only) with {name!r}; '
-                    f'{type(model).__name__} has none'
-                )
-        if not getattr(model, 'has_class_token', False) or model.num_prefix_tokens < 1:
+        if isinstance(model, cnn_classes()):
+            return None, 0, cnn_stride(model)
+        embed = patch_embedding(model)
+        if embed is None or not hasattr(model, 'forward_features'):
+            raise ValueError(
+                f'backbone: token labeling needs a timm ViT / MLP-Mixer (a patch embedding, no features_only) or a '
+                f'timm CNN ({", ".join(c.__name__ for c in cnn_classes())}); {type(model).__name__} is neither'
+            )
+        prefix = int(getattr(model, 'num_prefix_tokens', 0))
+        if hasattr(model, 'patch_embed') and (not getattr(model, 'has_class_token', False) or prefix < 1):
             raise ValueError(f'backbone: token labeling needs a class token; {type(model).__name__} has none')
-        return model.patch_embed, int(model.num_prefix_tokens)
+        return embed, prefix, timm_token_stride(model)
     raise ValueError(
         f"backbone: token labeling supports mmpretrain.models.VisionTransformer (out_type='raw') and "
-        f'TIMMBackbone around a timm ViT; got {type(backbone).__module__}.{type(backbone).__name__}'
+        f'TIMMBackbone around a timm ViT, MLP-Mixer / ResMLP / gMLP, ResNet / ResNeSt or ConvNeXt; got '
+        f'{type(backbone).__module__}.{type(backbone).__name__}'
     )
 
 
@@ -321,8 +336,7 @@ class TokenLabelingClassifier(ImageClassifier):
                 'train_cfg: image batch augments (MixUp/CutMix) mix pixels that the token labels do '
                 'not follow; MixToken is in the model; remove train_cfg.augments'
             )
-        patch_embed, self.head.num_prefix_tokens = backbone_tokens(self.backbone)
-        self.token_stride = token_stride(patch_embed)
+        _, self.head.num_prefix_tokens, self.token_stride = backbone_tokens(self.backbone)
         try:
             self.sampler = (
                 mixtoken_sampler(mix_beta, mix_prob, mix_mode, self.token_stride, mix_box_rounding)
@@ -348,12 +362,15 @@ class TokenLabelingClassifier(ImageClassifier):
         return draw_mixtoken(self.sampler, inputs.shape[0], tuple(inputs.shape[-2:]), inputs.device, self.generator)
 
     def extract_feat_mixed(self, inputs: torch.Tensor):
-        """``(feats, mix or None, grid)``: the backbone run with the patch tokens mixed by MixToken."""
+        """``(feats, mix or None, grid)``: the backbone run with the patch tokens mixed by MixToken (CNNs: the
+        images, in a box of whole final-stride cells)."""
         grid = self.token_grid(inputs)
         mix = self.sample_mix(inputs)
         if mix is None:
             return self.extract_feat(inputs), None, grid
         patch_embed = backbone_tokens(self.backbone)[0]  # not kept as an attribute: it would register twice
+        if patch_embed is None:
+            return self.extract_feat(mix_images(inputs, mix)), mix, grid
         handle = patch_embed.register_forward_hook(lambda m, i, out: mix_patch_embed_output(out, mix))
         try:
             feats = self.extract_feat(inputs)

@@ -26,7 +26,12 @@ def test_mmpretrain_config_builds_our_preprocessor(path):
     model = MODELS.build(model_cfg)
     pre = model.data_preprocessor
     assert isinstance(pre, TokenAugDataPreprocessor) and pre.batch_augments is not None
-    assert pre.patch_size == tuple(model.backbone.patch_embed.projection.stride)  # the backbone's token grid
+    if type(model.backbone).__name__ == 'TIMMBackbone':  # a timm CNN: the grid its label state starts on
+        from timm_plugin.token_grid import label_grid_stride
+
+        assert pre.patch_size == label_grid_stride(model.backbone.timm_model)
+    else:
+        assert pre.patch_size == tuple(model.backbone.patch_embed.projection.stride)  # the backbone's token grid
     assert all(a.sampler.patch_size == pre.patch_size for a in pre.batch_augments.augments if a is not None)
 
 
@@ -55,6 +60,15 @@ def test_token_labeling_config_builds_its_model_and_pipeline(path):
         ra = cfg.train_dataloader.dataset.pipeline[steps.index('TokenLabelRandAugment')]
         assert ra.magnitude_level == 9 and ra.magnitude_std == 0.5
         assert cfg.train_dataloader.dataset.pipeline[steps.index('RandomErasing')].erase_prob == 0.25
+    if 'mixer' in path.name or 'resnest' in path.name:  # Token Labeling Table 5's families via TIMMBackbone
+        assert cfg.model.backbone.type == 'TIMMBackbone' and cfg.model.backbone.model_name in (
+            'mixer_s16_224',
+            'resnest50d',
+        )
+        if 'in1k' in path.name:  # Table 5: Mixer-S/16 18M, ResNeSt-50 27M with their classifier (not the aux head)
+            expected = {'mixer_s16_224': 18, 'resnest50d': 27}[cfg.model.backbone.model_name]
+            aux = sum(p.numel() for p in model.head.aux_head.parameters())
+            assert int((sum(p.numel() for p in model.parameters()) - aux) / 1e6) == expected
     if 'lvvit' in path.name:
         assert cfg.model.backbone.model_name == 'lvvit_s' and 'timm_plugin' in cfg.custom_imports['imports']
         assert round(sum(p.numel() for p in model.parameters()) / 1e6) == 26  # Table 1: LV-ViT-S 26M

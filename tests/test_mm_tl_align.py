@@ -246,10 +246,51 @@ def test_bad_backbone_and_config():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     'config, cls',
-    [('deit-tiny_world_tl-align.py', 'TLAlignClassifier'), ('deit-tiny_world_transmix.py', 'TransMixClassifier')],
+    [
+        ('deit-tiny_world_tl-align.py', 'TLAlignClassifier'),
+        ('deit-tiny_world_transmix.py', 'TransMixClassifier'),
+        ('convnext-atto_world_tl-align.py', 'TLAlignClassifier'),  # TL-Align Appendix A via TIMMBackbone
+    ],
 )
 def test_upstream_train_py_runs_the_tl_align_config(tiny_world, tmp_path, run_env, config, cls):
     run_env['TOKENAUG_WORLD'] = str(tiny_world)
     log = mmpretrain_train(config, tmp_path, run_env, tmp_path)
     assert 'Epoch(train) [1][2/2]' in log and 'accuracy/top1' in log
     assert f"type='{cls}'" in (tmp_path / config).read_text()
+
+
+@pytest.mark.parametrize('name', ['resnet18', 'convnext_atto'])
+def test_timm_cnn_through_timm_backbone_gives_timm_plugins_aligned_target(name):
+    """TL-Align Appendix A's rules on a timm CNN inside mmpretrain's TIMMBackbone (GlobalAveragePooling neck, linear
+    head): the same weights, input and mix give timm_plugin.TLAlign's logits and aligned target; TransMix (no
+    attention) and a neck that does not average are refused."""
+    import timm
+
+    cfg = dict(
+        type='TLAlignClassifier',
+        backbone=dict(type='TIMMBackbone', model_name=name),
+        neck=dict(type='GlobalAveragePooling'),
+        head=dict(type='LinearClsHead', num_classes=C, in_channels=512 if name == 'resnet18' else 320),
+    )
+    torch.manual_seed(0)
+    mm_model = MODELS.build(cfg).train()
+    timm_model = timm.create_model(name, num_classes=C).train()
+    timm_model.load_state_dict(mm_model.backbone.timm_model.state_dict(), strict=False)
+    timm_model.get_classifier().load_state_dict(mm_model.head.fc.state_dict())
+    g = torch.Generator().manual_seed(1)
+    mix = MixSampler('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', patch_size=4).sample(4, 64, g)
+    y = torch.tensor([0, 1, 2, 3])
+    x = mix_images(torch.randn(4, 3, 64, 64, generator=g), mix)
+    target = MixTarget.wrap(mix_target(y, mix, C), mix, y, C, 0.0)
+    timm_logits, timm_target = TLAlign(timm_model)(x, target)
+    feats, mm_target = mm_model.extract_feat_aligned(x, samples_with_mix(y, mix))
+    assert torch.allclose(mm_target, timm_target, atol=1e-6)
+    assert not torch.allclose(mm_target, target.as_tensor(), atol=1e-4)  # the labels moved
+    if name == 'resnet18':  # same readout (ConvNeXt's timm head normalises after pooling, mm's map before it)
+        assert torch.allclose(mm_model.head(feats), timm_logits, atol=1e-4)
+    with pytest.raises(ValueError, match='neck: TL-Align on a TIMMBackbone .*GlobalAveragePooling'):
+        MODELS.build(dict(cfg, neck=None))
+    with pytest.raises(ValueError, match='backbone: TransMix .*has none'):
+        MODELS.build(dict(cfg, type='TransMixClassifier'))
+    with pytest.raises(ValueError, match='backbone: TL-Align has no tracer for .*EfficientNet'):
+        MODELS.build(dict(cfg, backbone=dict(type='TIMMBackbone', model_name='efficientnet_b0')))

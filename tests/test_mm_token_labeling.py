@@ -103,9 +103,9 @@ MM_VIT = dict(
 TIMM_VIT0 = dict(type='TIMMBackbone', model_name='vit_tiny_patch16_224', img_size=64, depth=0)
 
 
-def tl_model(backbone=MM_VIT, **head):
+def tl_model(backbone=MM_VIT, dim=None, **head):
     torch.manual_seed(0)
-    dim = 192 if backbone['type'] == 'TIMMBackbone' else backbone['arch']['embed_dims']
+    dim = dim or (192 if backbone['type'] == 'TIMMBackbone' else backbone['arch']['embed_dims'])
     return MODELS.build(
         dict(
             type='TokenLabelingClassifier',
@@ -258,6 +258,52 @@ def test_loss_equals_timm_token_labeling_loss(cls_target, backbone):
     assert model.head.aux_head.weight.grad is not None
     embed = model.backbone.patch_embed.projection if backbone == 'mm' else model.backbone.timm_model.patch_embed.proj
     assert embed.weight.grad is not None
+
+
+TIMM_BEYOND = {  # Token Labeling Table 5's families through TIMMBackbone: (backbone, width, pixels per output token)
+    'resnet': (dict(type='TIMMBackbone', model_name='resnet18'), 512, 32),
+    'resnest': (dict(type='TIMMBackbone', model_name='resnest14d'), 2048, 32),
+    'mixer': (dict(type='TIMMBackbone', model_name='mixer_s16_224', img_size=64), 512, 16),
+}
+
+
+@pytest.mark.parametrize('family', sorted(TIMM_BEYOND))
+def test_timm_cnn_and_mixer_backbones_match_the_timm_wrapper(family):
+    """``TIMMBackbone`` around a timm CNN (MixToken pasted in the images on whole 32-px cells, one token per position
+    of the final map) or an MLP-Mixer (MixToken after its stem, no class token): the mm classifier's class and
+    un-mixed aux logits and loss equal timm_plugin's ``TokenLabeling`` on the same weights and MixToken draw (both
+    read the tokens' mean for the class)."""
+    import timm
+
+    from timm_plugin.token_labeling import TokenLabeling, attach_aux_head
+
+    backbone, dim, stride = TIMM_BEYOND[family]
+    model = tl_model(backbone, dim).train()
+    name = backbone['model_name']
+    timm_model = timm.create_model(name, num_classes=C, **({'img_size': 64} if family == 'mixer' else {}))
+    missing, _ = timm_model.load_state_dict(model.backbone.timm_model.state_dict(), strict=False)
+    assert set(missing) <= {'fc.weight', 'fc.bias', 'head.weight', 'head.bias'}
+    attach_aux_head(timm_model).get_classifier().load_state_dict(model.head.head.state_dict())
+    timm_model.aux_head.load_state_dict(model.head.aux_head.state_dict())
+    wrapper = TokenLabeling(timm_model.train(), generator=torch.Generator().manual_seed(1))
+    assert model.token_stride == wrapper.token_stride == (stride, stride)
+    x = torch.randn(4, 3, 64, 64)
+    model.generator = torch.Generator().manual_seed(1)
+    feats, mix, grid = model.extract_feat_mixed(x)
+    out = wrapper(x)
+    assert mix is not None and grid == out.grid == (64 // stride, 64 // stride)
+    assert torch.equal(mix.token_share, out.mix.token_share)
+    cls, aux = model.head.logits(feats, mix)
+    torch.testing.assert_close(cls, out.cls, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(aux, out.aux, atol=1e-5, rtol=1e-4)
+    labels, values, indices, boxes, flips = batch()
+    losses = model.head.loss(feats, packed_samples(labels, values, indices, boxes, flips), mix=mix, grid=grid)
+    target = TokenLabelTarget.wrap(labels, torch.from_numpy(values), torch.from_numpy(indices), boxes, flips, C)
+    ref = TokenLabelingLoss(C, dense_weight=0.5, smoothing=0.1)(out, target)
+    torch.testing.assert_close(losses['loss_cls'] + losses['loss_token'], ref, atol=1e-5, rtol=1e-4)
+    model.eval()
+    with torch.no_grad():  # inference: cls + 0.5 max over the tokens
+        torch.testing.assert_close(model.head(model.extract_feat(x)), wrapper.eval()(x), atol=1e-5, rtol=1e-4)
 
 
 def test_relabel_is_the_annotators_pooled_class_target_without_dense_term():
@@ -415,10 +461,18 @@ def test_model_errors_name_the_argument():
     head = dict(type='TokenLabelingHead', num_classes=C, in_channels=192)
     with pytest.raises(ValueError, match="out_type='raw'"):
         MODELS.build(dict(type='TokenLabelingClassifier', backbone=dict(vit, out_type='cls_token'), head=head))
-    with pytest.raises(ValueError, match='backbone: token labeling supports .*ResNet'):
+    with pytest.raises(ValueError, match='backbone: token labeling supports .*TIMMBackbone around .*ResNet'):
         MODELS.build(
             dict(
                 type='TokenLabelingClassifier', backbone=dict(type='ResNet', depth=18), head=dict(head, in_channels=512)
+            )
+        )
+    with pytest.raises(ValueError, match='backbone: token labeling needs a timm ViT .*EfficientNet is neither'):
+        MODELS.build(
+            dict(
+                type='TokenLabelingClassifier',
+                backbone=dict(type='TIMMBackbone', model_name='efficientnet_b0'),
+                head=dict(head, in_channels=1280),
             )
         )
     with pytest.raises(ValueError, match='train_cfg'):
@@ -476,6 +530,16 @@ def test_upstream_train_py_runs_the_token_labeling_config(tiny_world, tmp_path, 
     assert 'Epoch(train) [1][2/2]' in log and 'loss_token' in log and 'loss_cls' in log and 'accuracy/top1' in log
     dumped = (work / 'deit-tiny_world_token-labeling.py').read_text()
     assert "type='TokenLabelingClassifier'" in dumped and str(tmp_path / 'maps') in dumped
+
+
+@pytest.mark.slow
+def test_upstream_train_py_runs_the_mixer_token_labeling_config(tiny_world, tmp_path, run_env):
+    """Token Labeling Table 5's MLP-Mixer through TIMMBackbone, by mmpretrain's own tools/train.py on the world."""
+    run_env.update(TOKENAUG_WORLD=str(tiny_world), TOKENAUG_MAPS=str(random_world_maps(tiny_world, tmp_path / 'maps')))
+    log = mmpretrain_train('mixer-s16_world_token-labeling.py', tmp_path / 'work', run_env, tmp_path)
+    assert 'Epoch(train) [1][2/2]' in log and 'loss_token' in log and 'accuracy/top1' in log
+    dumped = (tmp_path / 'work' / 'mixer-s16_world_token-labeling.py').read_text()
+    assert "model_name='mixer_s16_224'" in dumped and "type='TIMMBackbone'" in dumped
 
 
 # ----------------------------------------------------------------------------- TokenMix activation-map targets

@@ -878,9 +878,9 @@ class ConvNeXtTracer(_StagedBlocks):
 
     num_prefix_tokens = 0
 
-    def __init__(self, model: ConvNeXt):
+    def __init__(self, model: ConvNeXt, pooled_outside: bool = False):
         pool = getattr(getattr(model.head, 'global_pool', None), 'pool_type', None)
-        if pool != 'avg':
+        if pool != 'avg' and not pooled_outside:
             raise ValueError(f"model: ConvNeXt with head pooling {pool!r} has no TL-Align rule; use 'avg'")
         stem = model.stem[0] if isinstance(model.stem, nn.Sequential) and len(model.stem) == 2 else None
         if type(stem) is not nn.Conv2d or stem.kernel_size != stem.stride or stem.padding != (0, 0):
@@ -992,8 +992,8 @@ class ResNetTracer:
 
     num_prefix_tokens = 0
 
-    def __init__(self, model: ResNet):
-        if model.global_pool.pool_type != 'avg':
+    def __init__(self, model: ResNet, pooled_outside: bool = False):
+        if model.global_pool.pool_type != 'avg' and not pooled_outside:
             raise ValueError(
                 f"model: ResNet with global_pool={model.global_pool.pool_type!r} has no TL-Align rule; use 'avg'"
             )
@@ -1116,9 +1116,20 @@ SUPPORTED_MODELS = {
 }
 
 
-def timm_tracer(model: nn.Module):
-    """The TL-Align tracer of a supported timm model (:data:`SUPPORTED_MODELS`)."""
-    return tracer_for(model, SUPPORTED_MODELS)
+#: the timm CNNs whose unpooled feature map another framework may pool (``TIMMBackbone`` + a global average neck)
+POOLED_OUTSIDE = {ConvNeXt: ConvNeXtTracer, ResNet: ResNetTracer}
+
+
+def timm_tracer(model: nn.Module, pooled_outside: bool = False, name: str = 'model'):
+    """The TL-Align tracer of a supported timm model (:data:`SUPPORTED_MODELS`). ``pooled_outside``: the model's own
+    head pooling is off (mmpretrain's ``TIMMBackbone`` resets it) and its final map is average-pooled outside it
+    (a ``GlobalAveragePooling`` neck): the timm CNNs of :data:`POOLED_OUTSIDE`, read out by the mean label."""
+    if not pooled_outside:
+        return tracer_for(model, SUPPORTED_MODELS, name)
+    for cls, tracer in POOLED_OUTSIDE.items():
+        if isinstance(model, cls):
+            return tracer(model, pooled_outside=True)
+    return tracer_for(model, POOLED_OUTSIDE, name)  # no tracer: the error that lists the supported classes
 
 
 class TLAlign(nn.Module):
