@@ -4,10 +4,12 @@
 1. the world (``tokenaug-data``: ImageNet, ADE20K and COCO layouts of the same scenes);
 2. classification: a small ViT trained with CutMix, TokenMix-style block masks and TL-Align, through
    ``tokenaug-train`` (timm) and through mmpretrain's own ``tools/train.py``, and with TokenMixup (HTM, and
-   HTM + VTM) on top of CutMix through ``tokenaug-train``;
+   HTM + VTM) on top of CutMix through ``tokenaug-train``; a ConvNeXt-Atto with CutMix and with TL-Align
+   (TL-Align Appendix A's rules for a CNN);
 3. token labeling and TokenMix: a small annotator (ViT-Tiny with average pooling, so its head reads every
    patch token) trained on the world, its dense maps written by ``tokenaug-maps generate``, then ViT-Tiny
-   trained with token labeling + MixToken (``--mixup-type mixtoken --token-label-dir ...``) and with TokenMix
+   trained with token labeling + MixToken (``--mixup-type mixtoken --token-label-dir ...``), an MLP-Mixer-S/16
+   with CutMix and with token labeling + MixToken on the same maps (Token Labeling Table 5), and ViT-Tiny with TokenMix
    block masks whose targets come from the same maps (``--activation-map-dir ...``); ``tokenaug-occlusion``
    then compares the CutMix and TokenMix models with patches dropped (TokenMix Fig. 5);
 4. transfer, for CutMix and TL-Align pretraining: ``tokenaug-convert`` -> UperNet (the ViT) with mmseg's
@@ -151,6 +153,31 @@ def token_labeling(world, out, epochs, curves):
                 maps,
                 config='world_vit-tiny_tokenmix.yaml',
                 curves=curves,
+            ),
+        )
+    )
+    # Token Labeling Table 5's MLP-Mixer: the same maps on a Mixer-S/16 (7x7 tokens at 112 px), beside its CutMix run
+    mixer = ['--model', 'mixer_s16_224']
+    rows.append(
+        (
+            'timm (tokenaug-train)',
+            'Mixer-S/16: MixUp/CutMix',
+            *timm_run(world, out, 'mixer_cutmix', epochs, *mixer, '--mixup-type', 'cutmix'),
+        )
+    )
+    rows.append(
+        (
+            'timm (tokenaug-train)',
+            'Mixer-S/16: MixToken + token labeling',
+            *timm_run(
+                world,
+                out,
+                'mixer_mixtoken',
+                epochs,
+                *mixer,
+                '--token-label-dir',
+                maps,
+                config='world_vit-tiny_token-labeling.yaml',
             ),
         )
     )
@@ -415,7 +442,7 @@ def main():
             ['--tokenmixup-htm-layers', '3', '--tokenmixup-vtm-layers', '2', '--tokenmixup-kappa', '3'],
         ),
     ]
-    print(f'== 2/5 timm: ViT-Tiny/16 at 112 px, {args.epochs} epochs (tokenaug-train)', flush=True)
+    print(f'== 2/5 timm: ViT-Tiny/16 and ConvNeXt-Atto at 112 px, {args.epochs} epochs (tokenaug-train)', flush=True)
     for kind, label in kinds:
         print(f'  -- {label}', flush=True)
         rows.append(
@@ -425,6 +452,14 @@ def main():
                 *timm_run(world, out, kind, args.epochs, '--mixup-type', kind, curves=curves),
             )
         )
+    # TL-Align Appendix A's generalised rules on a CNN: ConvNeXt-Atto (the mix on its 4-px stem grid)
+    for kind, label in [
+        ('cutmix', 'ConvNeXt-Atto: MixUp/CutMix'),
+        ('tl_align', 'ConvNeXt-Atto: MixUp/CutMix + TL-Align'),
+    ]:
+        print(f'  -- {label}', flush=True)
+        flags = ['--model', 'convnext_atto', '--model-kwargs', '--mixup-type', kind]
+        rows.append(('timm (tokenaug-train)', label, *timm_run(world, out, f'convnext_{kind}', args.epochs, *flags)))
     for experiment, label, flags in tokenmixup:
         print(f'  -- {label}', flush=True)
         tm_flags = ['--mixup-type', 'cutmix', '--tokenmixup-tau', '1.0', *flags]
@@ -441,8 +476,8 @@ def main():
         rows.append(('mmpretrain (tools/train.py)', label, *mmpretrain_run(world, out, config, args.epochs)))
 
     print(
-        f'== 4/5 token labeling and TokenMix: annotator, tokenaug-maps generate, MixToken + token labeling, '
-        f'TokenMix with activation-map targets ({args.epochs} epochs each), tokenaug-occlusion',
+        f'== 4/5 token labeling and TokenMix: annotator, tokenaug-maps generate, MixToken + token labeling '
+        f'(ViT-Tiny, Mixer-S/16), TokenMix with activation-map targets ({args.epochs} epochs each), tokenaug-occlusion',
         flush=True,
     )
     rows += token_labeling(world, out, args.epochs, curves)
