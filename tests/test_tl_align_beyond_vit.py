@@ -265,16 +265,17 @@ def test_convnext_refusals():
 
 
 @pytest.mark.slow
-def test_tokenaug_train_tl_align_on_convnext(tiny_world, tmp_path):
-    """``tokenaug-train --mixup-type tl_align`` on ConvNeXt-Atto over the world: the mixer draws on the stem's
-    4-pixel grid (28x28 tokens at 112 px; on another grid the label path would refuse the token count)."""
+@pytest.mark.parametrize('model', ['convnext_atto', 'convnext_tiny'])
+def test_tokenaug_train_tl_align_on_convnext(tiny_world, tmp_path, model):
+    """``tokenaug-train --mixup-type tl_align`` on ConvNeXt-Atto and ConvNeXt-T over the world: the mixer draws on
+    the stem's 4-pixel grid (28x28 tokens at 112 px; on another grid the label path would refuse the token count)."""
     from timm_plugin.train import run
 
     from .conftest import REPO
 
     metrics = run(
         ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml'), '--data-dir', str(tiny_world / 'imagenet')]
-        + ['--model', 'convnext_atto', '--model-kwargs', '--drop-path', '0.1']  # no img_size for a CNN
+        + ['--model', model, '--model-kwargs', '--drop-path', '0.1']  # no img_size for a CNN
         + ['--epochs', '1', '-b', '8', '--workers', '0', '--mixup-type', 'tl_align']
         + ['--output', str(tmp_path), '--experiment', 'run']
     )

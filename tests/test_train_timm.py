@@ -483,13 +483,13 @@ def test_mixtoken_token_labeling_on_a_cnn(tiny_world, tmp_path, model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('mixup_type, grid', [('tokenmix_block', 16), ('tl_align', 4)])
-def test_resnet_tokenmix_blocks_and_tl_align(tiny_world, tmp_path, caplog, mixup_type, grid):
-    """TokenMix Table 8's ResNet-50 row at world scale (resnet18): block masks in image space on a 16-px grid (DeiT's
-    14x14 at 224); TL-Align's generalised rules on a ResNet, whose mix is drawn on the first stage's 4-px grid."""
+@pytest.mark.parametrize('mixup_type, model, grid', [('tokenmix_block', 'resnet50', 16), ('tl_align', 'resnet18', 4)])
+def test_resnet_tokenmix_blocks_and_tl_align(tiny_world, tmp_path, caplog, mixup_type, model, grid):
+    """TokenMix Table 8's ResNet-50 row at world scale: block masks in image space on a 16-px grid (DeiT's 14x14 at
+    224); TL-Align's generalised rules on a ResNet, whose mix is drawn on the first stage's 4-px grid."""
     caplog.set_level('INFO')
     metrics = run(
-        ['-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--model', 'resnet18', '--model-kwargs']
+        ['-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--model', model, '--model-kwargs']
         + ['--epochs', '1', '-b', '8', '--workers', '0', '--mixup-type', mixup_type]
         + ['--output', str(tmp_path), '--experiment', 'run']
     )
