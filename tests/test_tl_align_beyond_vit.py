@@ -209,52 +209,6 @@ def convnext_reference(model, Y_tok, grid, layers=None, residual=True, dropped=(
     return Y.flatten(1, 2).mean(1)
 
 
-def test_convnext_dense_trace_matches_the_explicit_reference():
-    model = tiny_convnext().eval()
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 3, 64, 64, generator=g)
-    Y = random_token_labels(2, 256, g)  # the stem's 16x16 grid
-    out, label = TLAlign(model).trace(x, Y)
-    assert torch.equal(out, model(x))
-    assert torch.allclose(label, convnext_reference(model, Y, (16, 16)), atol=1e-6)
-    assert torch.allclose(label.sum(1), torch.ones(2), atol=1e-6) and label.min() >= 0
-    for layers, residual in [([], True), ([0, 2, 4], False), ([1, 3], True)]:
-        _, label = TLAlign(model, layers=layers, residual=residual).trace(x, Y)
-        assert torch.allclose(label, convnext_reference(model, Y, (16, 16), layers, residual), atol=1e-6)
-    assert (label - Y.mean(1)).abs().max() > 1e-3
-    assert TLAlign(model).depth == 5
-
-
-@pytest.mark.parametrize('kind', ['cutmix', 'tokenmix_block'])
-def test_convnext_compact_and_dense_labels_give_the_same_target(kind):
-    g = torch.Generator().manual_seed(3)
-    mixer = create_mixer(
-        kind, num_classes=C, patch_size=4, mode='elem', mixup_alpha=0.0, cutmix_alpha=1.0, label_smoothing=0.1,
-        generator=g, carry_mix=True,
-    )  # fmt: skip
-    x, y = torch.randn(6, 3, 64, 64, generator=g), torch.randint(0, C, (6,), generator=g)
-    check_compact_equals_dense(tiny_convnext(drop_path_rate=0.3).train(), mixer, x, y, C)
-
-
-def test_convnext_dropped_branch_training_logits_and_eval():
-    model = tiny_convnext()
-    model.stages[1].blocks[0].drop_path = timm.layers.DropPath(1.0)  # block 1 of 5: every sample dropped
-    wrapped = TLAlign(model).train()
-    g = torch.Generator().manual_seed(2)
-    x, Y = torch.randn(3, 3, 64, 64, generator=g), random_token_labels(3, 256, g)
-    _, label = wrapped.trace(x, Y)
-    assert torch.allclose(label, convnext_reference(model, Y, (16, 16), dropped={1}), atol=1e-6)
-    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=4, carry_mix=True)
-    xm, target = mixer(torch.randn(4, 3, 64, 64), torch.tensor([0, 1, 2, 3]))
-    torch.manual_seed(0)
-    out, _ = wrapped(xm, target)
-    torch.manual_seed(0)
-    assert torch.equal(out, model(xm))
-    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
-    wrapped.eval()
-    assert torch.equal(wrapped(x), model.eval()(x))
-
-
 def test_convnext_refusals():
     with pytest.raises(ValueError, match='overlapping stem'):
         TLAlign(tiny_convnext(stem_type='overlap'))
@@ -331,53 +285,6 @@ def resnet_reference(model, Y_tok, grid, layers=None, residual=True, dropped=())
     return Y.flatten(1, 2).mean(1)
 
 
-@pytest.mark.parametrize(
-    'block, kw', [('basic', {}), ('bottleneck', {}), ('bottleneck', dict(stem_type='deep', avg_down=True))]
-)
-def test_resnet_dense_trace_matches_the_explicit_reference(block, kw):
-    model = tiny_resnet(block, **kw).eval()
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 3, 64, 64, generator=g)
-    Y = random_token_labels(2, 256, g)  # layer1's 16x16 grid (stride 4)
-    out, label = TLAlign(model).trace(x, Y)
-    assert torch.equal(out, model(x))
-    assert torch.allclose(label, resnet_reference(model, Y, (16, 16)), atol=1e-6)
-    assert torch.allclose(label.sum(1), torch.ones(2), atol=1e-6) and label.min() >= 0
-    for layers, residual in [([], True), ([0, 2], False), ([1, 3], True)]:
-        _, label = TLAlign(model, layers=layers, residual=residual).trace(x, Y)
-        assert torch.allclose(label, resnet_reference(model, Y, (16, 16), layers, residual), atol=1e-6)
-    assert (label - Y.mean(1)).abs().max() > 1e-3
-    assert TLAlign(model).depth == 4
-
-
-@pytest.mark.parametrize('kind', ['cutmix', 'tokenmix_block'])
-def test_resnet_compact_and_dense_labels_give_the_same_target(kind):
-    g = torch.Generator().manual_seed(3)
-    mixer = create_mixer(
-        kind, num_classes=C, patch_size=4, mode='elem', mixup_alpha=0.0, cutmix_alpha=1.0, label_smoothing=0.1,
-        generator=g, carry_mix=True,
-    )  # fmt: skip
-    x, y = torch.randn(6, 3, 64, 64, generator=g), torch.randint(0, C, (6,), generator=g)
-    check_compact_equals_dense(tiny_resnet('bottleneck', drop_path_rate=0.3).train(), mixer, x, y, C)
-
-
-def test_resnet_dropped_branch_training_logits_and_eval():
-    model = tiny_resnet()
-    model.layer2[0].drop_path = timm.layers.DropPath(1.0)  # block 1 of 4: every sample's branch dropped
-    wrapped = TLAlign(model).train()
-    g = torch.Generator().manual_seed(2)
-    x, Y = torch.randn(3, 3, 64, 64, generator=g), random_token_labels(3, 256, g)
-    _, label = wrapped.trace(x, Y)
-    assert torch.allclose(label, resnet_reference(model, Y, (16, 16), dropped={1}), atol=1e-6)
-    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=4, carry_mix=True)
-    xm, target = mixer(torch.randn(4, 3, 64, 64), torch.tensor([0, 1, 2, 3]))
-    out, _ = wrapped(xm, target)
-    assert torch.equal(out, model(xm))  # batch norm in train mode, no randomness left in the model
-    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
-    wrapped.eval()
-    assert torch.equal(wrapped(x), model.eval()(x))
-
-
 def test_resnet_refusals():
     with pytest.raises(ValueError, match='ResNestBottleneck'):
         TLAlign(timm.create_model('resnest14d', num_classes=C))
@@ -391,3 +298,75 @@ def test_resnet_refusals():
         TransMix(tiny_resnet())  # nothing attends: TL-Align's rules, not TransMix's
     with pytest.raises(ValueError, match='16 token labels for 256 tokens'):
         TLAlign(tiny_resnet())(xm, target)  # the mix must be drawn on the stride-4 grid
+
+
+# ---------------------------------------------------------------- both CNN tracers
+
+# name -> (the model, its explicit reference, (layers, residual) settings, depth); 64 px: a 16x16 first grid
+CNNS = {
+    'convnext': (tiny_convnext, convnext_reference, [([], True), ([0, 2, 4], False), ([1, 3], True)], 5),
+    'resnet': (
+        lambda **kw: tiny_resnet('basic', **kw),
+        resnet_reference,
+        [([], True), ([0, 2], False), ([1, 3], True)],
+        4,
+    ),
+    'resnet-bottleneck': (lambda **kw: tiny_resnet('bottleneck', **kw), resnet_reference, [([1, 3], False)], 4),
+    'resnet-d': (
+        lambda **kw: tiny_resnet('bottleneck', stem_type='deep', avg_down=True, **kw),
+        resnet_reference,
+        [([0, 1], True)],
+        4,
+    ),
+}
+
+
+@pytest.mark.parametrize('name', sorted(CNNS))
+def test_cnn_dense_trace_matches_the_explicit_reference(name):
+    make, reference, settings, depth = CNNS[name]
+    model = make().eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 64, 64, generator=g)
+    Y = random_token_labels(2, 256, g)  # the first 16x16 grid (stride 4)
+    out, label = TLAlign(model).trace(x, Y)
+    assert torch.equal(out, model(x))
+    assert torch.allclose(label, reference(model, Y, (16, 16)), atol=1e-6)
+    assert torch.allclose(label.sum(1), torch.ones(2), atol=1e-6) and label.min() >= 0
+    for layers, residual in settings:
+        _, label = TLAlign(model, layers=layers, residual=residual).trace(x, Y)
+        assert torch.allclose(label, reference(model, Y, (16, 16), layers, residual), atol=1e-6)
+    assert (label - Y.mean(1)).abs().max() > 1e-3  # the labels moved
+    assert TLAlign(model).depth == depth
+
+
+@pytest.mark.parametrize('name', ['convnext', 'resnet-bottleneck'])
+@pytest.mark.parametrize('kind', ['cutmix', 'tokenmix_block'])
+def test_cnn_compact_and_dense_labels_give_the_same_target(name, kind):
+    g = torch.Generator().manual_seed(3)
+    mixer = create_mixer(
+        kind, num_classes=C, patch_size=4, mode='elem', mixup_alpha=0.0, cutmix_alpha=1.0, label_smoothing=0.1,
+        generator=g, carry_mix=True,
+    )  # fmt: skip
+    x, y = torch.randn(6, 3, 64, 64, generator=g), torch.randint(0, C, (6,), generator=g)
+    check_compact_equals_dense(CNNS[name][0](drop_path_rate=0.3).train(), mixer, x, y, C)
+
+
+@pytest.mark.parametrize('name', ['convnext', 'resnet'])
+def test_cnn_dropped_branch_training_logits_and_eval(name):
+    make, reference, _, _ = CNNS[name]
+    model = make()
+    wrapped = TLAlign(model).train()
+    wrapped.tracer._blocks()[1].drop_path = timm.layers.DropPath(1.0)  # block 1: every sample's branch dropped
+    g = torch.Generator().manual_seed(2)
+    x, Y = torch.randn(3, 3, 64, 64, generator=g), random_token_labels(3, 256, g)
+    _, label = wrapped.trace(x, Y)
+    assert torch.allclose(label, reference(model, Y, (16, 16), dropped={1}), atol=1e-6)
+    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=4, carry_mix=True)
+    xm, target = mixer(torch.randn(4, 3, 64, 64), torch.tensor([0, 1, 2, 3]))
+    torch.manual_seed(0)
+    out, _ = wrapped(xm, target)
+    torch.manual_seed(0)
+    assert torch.equal(out, model(xm))  # the token path is the model's own
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    wrapped.eval()
+    assert torch.equal(wrapped(x), model.eval()(x))

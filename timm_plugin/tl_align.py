@@ -853,7 +853,54 @@ class MlpMixerTracer:
 # ---------------------------------------------------------------------------------------------- ConvNeXt
 
 
-class ConvNeXtTracer(_StagedBlocks):
+class _ConvLabelGrid(_StagedBlocks):
+    """What the CNN tracers share: the label state starts on the grid one module reports (:meth:`_grid_hook`), one
+    capture per block keeps the samples its (first) drop path kept, convs mix labels by their fixed stencil
+    ``mean |K|`` over the channel dims, and global average pooling reads the mean label."""
+
+    num_prefix_tokens = 0
+    _grid_module = 'the stem'
+
+    def _grid_hook(self, cap: LabelCapture):
+        """A hook that sets ``cap.tokens`` to the ``(H, W)`` grid the label state starts on; returns its handle."""
+        raise NotImplementedError
+
+    def register(self, captures: List[LabelCapture]) -> list:
+        """``captures[0]`` keeps the first grid, then one per block (the samples its drop_path kept)."""
+        stem = LabelCapture()
+        captures.append(stem)
+        handles = [self._grid_hook(stem)]
+        for blk in self._blocks():
+            cap = LabelCapture()
+            captures.append(cap)
+            _hook_first_drop_path(blk, cap, handles)
+        return handles
+
+    def num_tokens(self, captures: List[LabelCapture]) -> int:
+        check_captured(captures[:1], ('tokens',), f'{self._grid_module} did not run (a replaced forward?)')
+        H, W = captures[0].tokens
+        return H * W
+
+    @staticmethod
+    def _label_map(captures: List[LabelCapture], labels: torch.Tensor) -> torch.Tensor:
+        """The ``(B, N, K)`` labels as a channels-first ``(B, K, H, W)`` map on the first grid, for the conv ops."""
+        H, W = captures[0].tokens
+        return labels.transpose(1, 2).reshape(labels.shape[0], labels.shape[2], H, W)
+
+    @staticmethod
+    def stencil(conv: nn.Conv2d) -> torch.Tensor:
+        """``S = mean |K|`` ``(k, k)`` fp32 over a conv's output and input channel dims (a depthwise conv: over its
+        channels' kernels)."""
+        return conv.weight.detach().float().abs().mean((0, 1))
+
+    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
+        return labels.mean(1)
+
+    def class_attention(self, captures: List[LabelCapture]):
+        return None
+
+
+class ConvNeXtTracer(_ConvLabelGrid):
     """Label rules for timm's ``ConvNeXt`` (TL-Align Appendix A, Table 9; ConvNeXt is the appendix's example of
     spatial mixing by a convolution, ``W^s = T(K)``):
 
@@ -875,8 +922,6 @@ class ConvNeXtTracer(_StagedBlocks):
     Refused (a clear error): overlapping stems, ConvNeXt V2's global response norm (it rescales every token by
     statistics of all tokens), dilated or strided depthwise convs, a head pooling other than ``avg``.
     """
-
-    num_prefix_tokens = 0
 
     def __init__(self, model: ConvNeXt, pooled_outside: bool = False):
         pool = getattr(getattr(model.head, 'global_pool', None), 'pool_type', None)
@@ -911,35 +956,13 @@ class ConvNeXtTracer(_StagedBlocks):
                     )
         self.model = model
 
-    def register(self, captures: List[LabelCapture]) -> list:
-        """``captures[0]`` keeps the stem's grid, then one per block (the samples its drop_path kept)."""
-        stem = LabelCapture()
-        captures.append(stem)
-        handles = [
-            self.model.stem.register_forward_hook(lambda m, i, o, c=stem: setattr(c, 'tokens', tuple(o.shape[-2:])))
-        ]
-        for blk in self._blocks():
-            cap = LabelCapture()
-            captures.append(cap)
-            _hook_first_drop_path(blk, cap, handles)
-        return handles
-
-    def num_tokens(self, captures: List[LabelCapture]) -> int:
-        check_captured(captures[:1], ('tokens',), 'the stem did not run (a replaced forward?)')
-        H, W = captures[0].tokens
-        return H * W
-
-    @staticmethod
-    def stencil(conv: nn.Conv2d) -> torch.Tensor:
-        """``S = mean_c |K_c|`` ``(k, k)`` fp32 of a depthwise conv."""
-        return conv.weight.detach().float().abs().mean((0, 1))
+    def _grid_hook(self, cap: LabelCapture):
+        return self.model.stem.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'tokens', tuple(o.shape[-2:])))
 
     def propagate(
         self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
     ) -> torch.Tensor:
-        H, W = captures[0].tokens
-        B, _, K = labels.shape
-        Y = labels.transpose(1, 2).reshape(B, K, H, W)  # channels first, for the conv ops
+        Y = self._label_map(captures, labels)
         caps = iter(captures[1:])
         idx = 0
         for stage in self.model.stages:
@@ -954,17 +977,11 @@ class ConvNeXtTracer(_StagedBlocks):
                 idx += 1
         return Y.flatten(2).transpose(1, 2)
 
-    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
-        return labels.mean(1)
-
-    def class_attention(self, captures: List[LabelCapture]):
-        return None
-
 
 # ---------------------------------------------------------------------------------------------- ResNet
 
 
-class ResNetTracer:
+class ResNetTracer(_ConvLabelGrid):
     """Label rules for timm's ``ResNet`` with ``BasicBlock`` / ``Bottleneck`` blocks (ResNet, ResNet-D, ResNeXt, wide
     ResNets; TL-Align Appendix A, Table 9 applied to a plain CNN):
 
@@ -990,14 +1007,13 @@ class ResNetTracer:
     and pooling other than ``avg``.
     """
 
-    num_prefix_tokens = 0
-
     def __init__(self, model: ResNet, pooled_outside: bool = False):
         if model.global_pool.pool_type != 'avg' and not pooled_outside:
             raise ValueError(
                 f"model: ResNet with global_pool={model.global_pool.pool_type!r} has no TL-Align rule; use 'avg'"
             )
-        for i, blk in enumerate(self._blocks(model)):
+        self.model = model
+        for i, blk in enumerate(self._blocks()):
             convs = self._spatial_convs(blk)
             if type(blk) not in (BasicBlock, Bottleneck) or convs is None:
                 raise ValueError(
@@ -1012,11 +1028,12 @@ class ResNetTracer:
                     '(attention/SE gates read every position; dilated or anti-aliased convs are not traced)'
                 )
             self._shortcut(blk)  # checks the downsample
-        self.model = model
 
-    @staticmethod
-    def _blocks(model) -> list:
-        return [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
+    _grid_module = 'layer1'
+
+    def _blocks(self) -> list:
+        m = self.model
+        return [b for layer in (m.layer1, m.layer2, m.layer3, m.layer4) for b in layer]
 
     @staticmethod
     def _spatial_convs(blk):
@@ -1048,42 +1065,16 @@ class ResNetTracer:
             )
         raise ValueError(f'model: ResNet downsample {ds} has no TL-Align rule')
 
-    @property
-    def depth(self) -> int:
-        return len(self._blocks(self.model))
-
-    def register(self, captures: List[LabelCapture]) -> list:
-        """``captures[0]`` keeps the first stage's grid, then one per block (the samples its drop_path kept)."""
-        stem = LabelCapture()
-        captures.append(stem)
-        handles = [
-            self.model.layer1.register_forward_pre_hook(
-                lambda m, a, c=stem: setattr(c, 'tokens', tuple(a[0].shape[-2:]))
-            )
-        ]
-        for blk in self._blocks(self.model):
-            cap = LabelCapture()
-            captures.append(cap)
-            _hook_first_drop_path(blk, cap, handles)
-        return handles
-
-    def num_tokens(self, captures: List[LabelCapture]) -> int:
-        check_captured(captures[:1], ('tokens',), 'layer1 did not run (a replaced forward?)')
-        H, W = captures[0].tokens
-        return H * W
-
-    @staticmethod
-    def stencil(conv: nn.Conv2d) -> torch.Tensor:
-        """``S = mean_{o,i} |K_{o,i}|`` ``(k, k)`` fp32 of a conv."""
-        return conv.weight.detach().float().abs().mean((0, 1))
+    def _grid_hook(self, cap: LabelCapture):
+        return self.model.layer1.register_forward_pre_hook(
+            lambda m, a, c=cap: setattr(c, 'tokens', tuple(a[0].shape[-2:]))
+        )
 
     def propagate(
         self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
     ) -> torch.Tensor:
-        H, W = captures[0].tokens
-        B, _, K = labels.shape
-        Y = labels.transpose(1, 2).reshape(B, K, H, W)  # channels first, for the conv ops
-        for idx, (blk, cap) in enumerate(zip(self._blocks(self.model), captures[1:])):
+        Y = self._label_map(captures, labels)
+        for idx, (blk, cap) in enumerate(zip(self._blocks(), captures[1:])):
             shortcut = self._shortcut(blk)
             short = Y if shortcut is None else shortcut(Y)
             if layers is None or idx in layers:
@@ -1094,12 +1085,6 @@ class ResNetTracer:
             else:
                 Y = short
         return Y.flatten(2).transpose(1, 2)
-
-    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
-        return labels.mean(1)
-
-    def class_attention(self, captures: List[LabelCapture]):
-        return None
 
 
 # most specific class first
