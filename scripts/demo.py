@@ -267,6 +267,8 @@ def occlusion(world, out, runs):
 
 
 def convert(src, dst, to, model, *model_kwargs):
+    """``tokenaug-convert`` of a demo checkpoint; ``--force``: a rerun of the demo replaces its own earlier backbone
+    files (they come from the runs it has just repeated)."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     run(
         [
@@ -280,6 +282,7 @@ def convert(src, dst, to, model, *model_kwargs):
             '--model',
             model,
             *(['--model-kwargs', *model_kwargs] if model_kwargs else []),
+            '--force',
         ],
         log=dst.with_suffix('.log'),
     )
