@@ -21,6 +21,7 @@ Presets: ``cpu`` (the default; this repo's 2-core machine, about an hour), ``gpu
 full ViT-Tiny; minutes on one GPU), ``tiny`` (2 seeds, 1 epoch: the test of the runner itself).
 
     .venv/bin/python bench/study.py [--preset cpu] [--out study_out] [--seeds N] [--epochs E] [--no-mmpretrain]
+        [--runs plain cutmix ...]
 """
 
 from __future__ import annotations
@@ -174,8 +175,9 @@ class Step:
 
 
 class Study:
-    def __init__(self, out: Path, preset: dict, mmpretrain: bool):
+    def __init__(self, out: Path, preset: dict, mmpretrain: bool, runs=None):
         self.out, self.p, self.mmpretrain = out, preset, mmpretrain
+        self.runs = list(RUNS) + list(MM_RUNS) if runs is None else list(runs)  # the runs this study trains
         self.world = out / 'world'
         self.logs = out / 'logs'
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -209,6 +211,8 @@ class Study:
         cmd = [BIN / 'tokenaug-data', '--out', self.world, '--seed', '0', '--num-classes', NUM_CLASSES]
         cmd += ['--image-size', IMG_SIZE, '--formats', 'imagenet']
         cmd += ['--train-per-class', self.p['train_per_class'], '--val-per-class', self.p['val_per_class']]
+        if 'max_extra_objects' in self.p:  # else tokenaug-data's default (one extra, smaller object per scene)
+            cmd += ['--max-extra-objects', self.p['max_extra_objects']]
         step = Step(self.world, cmd)
 
         def execute():
@@ -301,10 +305,13 @@ class Study:
         results = {}
         for seed in seeds:
             for name, (_, config, flags) in RUNS.items():
+                if name not in self.runs:
+                    continue
                 uses_maps = 'MAPS' in flags
                 flags = [str(self.out / 'maps' / 'train') if f == 'MAPS' else f for f in flags]
                 out_dir = self.out / 'runs' / name / f'seed{seed}'
-                step = Step(out_dir, self.timm_cmd(config, out_dir, seed, flags), [world.key] + [maps.key] * uses_maps)
+                inputs = [world.key] + ([maps.key] if uses_maps else [])
+                step = Step(out_dir, self.timm_cmd(config, out_dir, seed, flags), inputs)
                 results[name, seed] = self.timm_step(f'{name} seed {seed}', step)
         return results
 
@@ -321,6 +328,8 @@ class Study:
         results = {}
         for seed in seeds:
             for name, (_, config) in MM_RUNS.items():
+                if name not in self.runs:
+                    continue
                 work = self.out / 'runs' / name / f'seed{seed}'
                 cfg = self.out / 'configs' / f'{name}_seed{seed}.py'
                 text = '\n'.join(
@@ -359,6 +368,8 @@ class Study:
         curves = {}
         for seed in seeds:
             for name in OCCLUSION_RUNS:
+                if name not in self.runs:
+                    continue
                 dst = self.out / 'occlusion' / name / f'seed{seed}'
                 ckpt = self.out / 'runs' / name / f'seed{seed}' / 'last.pth.tar'
                 cmd = [BIN / 'tokenaug-occlusion', '--data-dir', self.world / 'imagenet', '--split', 'val']
@@ -440,6 +451,13 @@ def main(argv=None):
     p.add_argument('--seeds', type=int, help="number of seeds (0, 1, ...); default: the preset's")
     p.add_argument('--epochs', type=int, help="default: the preset's")
     p.add_argument('--no-mmpretrain', action='store_true', help='leave out the mmpretrain tools/train.py row')
+    p.add_argument(
+        '--runs',
+        nargs='+',
+        choices=list(RUNS) + list(MM_RUNS),
+        metavar='RUN',
+        help=f'train only these runs (default: all of {", ".join(list(RUNS) + list(MM_RUNS))})',
+    )
     args = p.parse_args(argv)
     preset = dict(PRESETS[args.preset])
     for key in ('seeds', 'epochs'):
@@ -450,13 +468,15 @@ def main(argv=None):
             preset[key] = value
     seeds = list(range(preset['seeds']))
     out = args.out.resolve()
-    study = Study(out, preset, mmpretrain=not args.no_mmpretrain)
+    study = Study(out, preset, mmpretrain=not args.no_mmpretrain, runs=args.runs)
     t0 = time.time()
-    print(f'== study, preset {args.preset}: {len(seeds)} seeds x {len(RUNS)} timm runs, out {out}', flush=True)
+    timm_runs = [n for n in RUNS if n in study.runs]
+    print(f'== study, preset {args.preset}: {len(seeds)} seeds x {len(timm_runs)} timm runs, out {out}', flush=True)
     world = study.make_world()
-    maps = study.annotator_and_maps(world)
+    # the annotator and its maps only where a run reads them
+    maps = study.annotator_and_maps(world) if any('MAPS' in RUNS[n][2] for n in timm_runs) else None
     results = study.timm_runs(world, maps, seeds)
-    if study.mmpretrain:
+    if study.mmpretrain and any(n in study.runs for n in MM_RUNS):
         results |= study.mm_runs(world, seeds)
     curves = study.occlusion(results, seeds)
     text = table(results, curves, seeds, args.preset, preset, study.secs)

@@ -94,3 +94,9 @@ def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path):
     third = _run(out)
     assert third['steps_run'] == 2 and third['steps_skipped'] == steps - 2
     assert third['runs']['cutmix seed 0'] == first['runs']['cutmix seed 0']
+    # a subset (--runs): only those runs, no annotator or maps, no mmpretrain row, occlusion of the ones trained
+    subset = _run(tmp_path / 'subset', '--runs', 'plain', 'cutmix', '--seeds', '1')
+    assert set(subset['runs']) == {'plain seed 0', 'cutmix seed 0'} and set(subset['occlusion']) == {'cutmix seed 0'}
+    assert subset['steps_run'] == 1 + 2 + 1 and not (tmp_path / 'subset' / 'maps').exists()
+    table = (tmp_path / 'subset' / 'study.md').read_text()
+    assert f'| {labels["cutmix"]} | {labels["plain"]} |' in table and labels['tl_align'] not in table
