@@ -119,7 +119,11 @@ def test_tl_align_pictures_read_back_and_start_from_the_mix(tiny_world, tmp_path
             read = share_from_colour(_png(out / sample['files'][key])[rc[:, 0], rc[:, 1]]).reshape(7, 7)
             assert np.abs(read - np.asarray(sample[key])).max() < 1 / 300
         assert 0.0 <= sample['aligned_lam'] <= 1.0 and {'block0', 'block1'} <= set(sample['files'])
-    with pytest.raises(ValueError, match='no tracer for .*ResNet'):
+    with pytest.raises(ValueError, match='no tracer for .*EfficientNet'):
+        viz_cli.tl_align(
+            [*common[:-3], '--model', 'efficientnet_b0', '--model-kwargs', '--viz-dir', str(tmp_path / 'r')]
+        )
+    with pytest.raises(ValueError, match='draws timm ViT / DeiT and Swin models, got ResNet'):  # traced, not drawn
         viz_cli.tl_align([*common[:-3], '--model', 'resnet18', '--model-kwargs', '--viz-dir', str(tmp_path / 'r')])
 
 

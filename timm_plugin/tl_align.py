@@ -23,9 +23,9 @@ Supported: timm ``VisionTransformer`` (ViT / DeiT, class token or ``global_pool=
 tokens), ``VisionTransformerDistilled`` (DeiT distilled), ``SwinTransformer`` (shifted windows,
 patch merging, average pooling), ``Cait`` (talking-heads self-attention over the patches, then class
 attention) and ``PyramidVisionTransformerV2`` (overlapping patch embeddings, spatial-reduction
-attention, average pooling), ``MlpMixer`` (MLP-Mixer, ResMLP, gMLP) and ``ConvNeXt`` (TL-Align Appendix A's
-rules beyond ViTs); see :class:`CaitTracer`, :class:`PvtV2Tracer`, :class:`MlpMixerTracer` and
-:class:`ConvNeXtTracer` for their rules.
+attention, average pooling), ``MlpMixer`` (MLP-Mixer, ResMLP, gMLP), ``ConvNeXt`` and ``ResNet`` (TL-Align
+Appendix A's rules beyond ViTs); see :class:`CaitTracer`, :class:`PvtV2Tracer`, :class:`MlpMixerTracer`,
+:class:`ConvNeXtTracer` and :class:`ResNetTracer` for their rules.
 Others raise an error listing these.
 """
 

@@ -5,7 +5,9 @@ maths (targets, MixToken, un-mixing, the inference rule, the loss) is :mod:`shar
 
 :class:`TokenLabeling` wraps a timm ViT (class token or average pooling, any patch embedding whose output
 is the ``(B, N, D)`` or ``(B, gh, gw, D)`` token grid — ViT/DeiT, LV-ViT) or an MLP-Mixer / ResMLP / gMLP (the
-``PatchEmbed`` stem's tokens, no prefix token; Token Labeling Table 5). In training it mixes the patch
+``PatchEmbed`` stem's tokens, no prefix token; Token Labeling Table 5) or a timm CNN (ResNet / ResNeSt /
+ResNeXt, ConvNeXt: one token per position of the final feature map, the aux head a 1x1 conv there; MixToken's
+box on whole cells of that map, pasted in the images). In training it mixes the patch
 tokens of sample pairs inside a box right after patch embedding (MixToken, Eq. 5), returns the class
 logits, the *un-mixed* per-token logits of the aux head, and the mix. The aux head is ``model.aux_head``
 (LV-ViT has one; :func:`attach_aux_head` adds a linear one to any ViT, as a submodule of the model so the
@@ -82,7 +84,8 @@ class TokenLabeling(nn.Module):
 
     Args:
         model: a timm ViT-like model (``patch_embed``, ``num_prefix_tokens``, ``forward_features``,
-            ``forward_head(pre_logits=True)``, ``head``); LV-ViT included.
+            ``forward_head(pre_logits=True)``, ``head``; LV-ViT included), an MLP-Mixer family model, or a timm
+            ResNet / ConvNeXt (images a multiple of its final stride, 32 px).
         mix_token: MixToken on (Eq. 5); the box on the token grid as in CutMix, ``λ ~ Beta(beta, beta)``.
         beta: the Beta parameter of the box (1.0, as CutMix).
         prob: probability of mixing a batch.
