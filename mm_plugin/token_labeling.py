@@ -168,7 +168,9 @@ class TokenLabelingHead(BaseModule):
     def pre_logits(self, feats: Tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The class token ``(B, D)``; without prefix tokens (MLP-Mixer, CNNs) the mean of the tokens (their own
         global average pooling)."""
-        x = self.tokens(feats)
+        return self._class_input(self.tokens(feats))
+
+    def _class_input(self, x: torch.Tensor) -> torch.Tensor:
         return x[:, 0] if self.num_prefix_tokens else x.mean(1)
 
     def logits(
@@ -177,7 +179,7 @@ class TokenLabelingHead(BaseModule):
         """Class logits ``(B, C)`` and per-token logits ``(B, N, C)`` (``None`` without aux head),
         un-mixed when the tokens were mixed by ``mix``."""
         x = self.tokens(feats)
-        cls = self.head(x[:, 0] if self.num_prefix_tokens else x.mean(1))
+        cls = self.head(self._class_input(x))
         if self.aux_head is None:
             return cls, None
         aux = self.aux_head(x[:, self.num_prefix_tokens :])
