@@ -7,6 +7,7 @@ copy``/``path``) and ``tokenaug-train -c tokenaug::...``; mmseg / mmdet configs 
 installed; then ``tokenaug[mm]`` (with mmpretrain) and an mmpretrain config. About 3 minutes (the installs)."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -53,7 +54,8 @@ def user(tmp_path_factory):
     printed = _run([str(bin_ / 'tokenaug-mmcv-wheel'), '--install', '--cache', str(default_cache())], work, env)
     assert printed.strip().endswith('.whl')
     _run([*pip, 'mmengine==0.10.7', 'mmsegmentation==1.2.2', 'mmdet==3.3.0', 'ftfy', 'regex'], work, env)
-    return bin_, work, env, wheel
+    yield bin_, work, env, wheel
+    shutil.rmtree(root / 'venv', ignore_errors=True)  # 6 GB (torch): not kept for a later look
 
 
 def _py(user, code):
