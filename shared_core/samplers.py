@@ -11,18 +11,17 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from scipy.special import betaincinv
 
 from .boxes import (
     box_token_share,
-    box_token_share_one,
     check_box_rounding,
     minmax_sides,
     rand,
     rand_box,
     rand_box_minmax,
-    rand_box_one,
     sample_beta,
 )
 from .checks import check_int, check_real
@@ -146,25 +145,25 @@ class MixSampler:
     def has_cut(self) -> bool:
         return self.mix_kind != 'mixup' and (self.cutmix_alpha > 0 or self.tokenmix_lam is not None)
 
-    def _unit_params(self, n: int, generator) -> Tuple[torch.Tensor, torch.Tensor]:
-        """λ (float64) and use-cut (bool) for ``n`` parameter units; λ = 1 where not mixed."""
-        lam = torch.ones(n, dtype=torch.float64)
-        use_cut = torch.zeros(n, dtype=torch.bool)
+    def _unit_params(self, n: int, generator) -> Tuple[np.ndarray, np.ndarray]:
+        """λ (float64) and use-cut (bool) for ``n`` parameter units, host arrays; λ = 1 where not mixed."""
+        lam = np.ones(n)
+        use_cut = np.zeros(n, dtype=bool)
         if not self.mixup_enabled or n == 0:
             return lam, use_cut
-        active = rand(n, generator) < self.mix_prob
+        active = rand(n, generator).numpy() < self.mix_prob
         if self.has_blend and self.has_cut:
-            use_cut = rand(n, generator) < self.switch_prob
+            use_cut = rand(n, generator).numpy() < self.switch_prob
         elif self.has_cut:
-            use_cut = torch.ones(n, dtype=torch.bool)
-        lam_blend = sample_beta(self.mixup_alpha, n, generator) if self.has_blend else lam
+            use_cut = np.ones(n, dtype=bool)
+        lam_blend = sample_beta(self.mixup_alpha, n, generator).numpy() if self.has_blend else lam
         if self.has_cut and self.mix_kind.startswith('tokenmix') and self.tokenmix_lam is not None:
-            lam_cut = torch.full((n,), float(self.tokenmix_lam), dtype=torch.float64)
+            lam_cut = np.full(n, float(self.tokenmix_lam))
         elif self.has_cut:
-            lam_cut = sample_beta(self.cutmix_alpha, n, generator)
+            lam_cut = sample_beta(self.cutmix_alpha, n, generator).numpy()
         else:
             lam_cut = lam
-        lam = torch.where(active, torch.where(use_cut, lam_cut, lam_blend), lam)
+        lam = np.where(active, np.where(use_cut, lam_cut, lam_blend), lam)
         return lam, use_cut & active
 
     def sample(
@@ -176,7 +175,10 @@ class MixSampler:
         allow_odd: bool = False,
     ) -> Mix:
         """A mix for a batch of ``batch_size`` images of ``img_size``; ``allow_odd``: an odd batch's middle
-        sample partners itself (it stays as it is), as mmpretrain's augments take any batch size."""
+        sample partners itself (it stays as it is), as mmpretrain's augments take any batch size.
+
+        λ, the switch and the boxes are drawn and combined on the host (numpy; the generator's draws are the
+        only tensor ops), as timm draws them; TokenMix's masks come from their own samplers."""
         check_pairwise_batch(batch_size, allow_odd=allow_odd)
         img_size = to_2tuple(img_size, 'img_size')
         if self.mix_kind not in ('mixup', 'cutmix'):
@@ -190,62 +192,64 @@ class MixSampler:
         lam, use_cut = self._unit_params(n, generator)
         grid = grid_size(img_size, self.patch_size)
         N = grid[0] * grid[1]
-        share = (1.0 - lam).float()[:, None, None].expand(n, *grid).clone()
+        share = np.broadcast_to((1.0 - lam).astype(np.float32)[:, None, None], (n, *grid)).copy()
         boxes = valid = None
-        cut = use_cut.nonzero().flatten()
-        if cut.numel():
+        cut = np.flatnonzero(use_cut)
+        if cut.size:
             lam_c = lam[cut]
             if self.mix_kind == 'cutmix':
                 if self.cutmix_minmax is not None:
-                    b = rand_box_minmax(img_size, self.cutmix_minmax, cut.numel(), generator)
+                    b = rand_box_minmax(img_size, self.cutmix_minmax, cut.size, generator).numpy()
                 else:
-                    b = rand_box(img_size, lam_c, generator, self.box_rounding)
+                    b = rand_box(img_size, lam_c, generator, self.box_rounding).numpy()
                 if self.correct_lam or self.cutmix_minmax is not None:
                     area = (b[:, 1] - b[:, 0]) * (b[:, 3] - b[:, 2])
-                    lam_c = 1.0 - area.double() / (img_size[0] * img_size[1])
-                share[cut] = box_token_share(b, img_size, self.patch_size)
-                boxes = torch.zeros(n, 4, dtype=torch.long)
+                    lam_c = 1.0 - area.astype(np.float64) / (img_size[0] * img_size[1])
+                share[cut] = box_token_share(b, img_size, self.patch_size).numpy()
+                boxes = np.zeros((n, 4), dtype=np.int64)
                 boxes[cut] = b
                 valid = use_cut
             else:
+                lam_t = torch.from_numpy(lam_c)
                 if self.mix_kind == 'token_box':
-                    m = grid_box_mask(grid, lam_c, generator, self.box_rounding)
+                    m = grid_box_mask(grid, lam_t, generator, self.box_rounding)
                 elif self.tokenmix_rule == 'public':
                     extra = self.tokenmix_min_tokens
-                    k = tokenmix_public_count(grid, lam_c, max(1, round(14 * N / 196)) if extra is None else extra)
+                    k = tokenmix_public_count(grid, lam_t, max(1, round(14 * N / 196)) if extra is None else extra)
                     if self.mix_kind == 'tokenmix_block':
                         m = tokenmix_masks_public(grid, k, generator)
                     else:
                         m = random_token_mask(grid, k, generator)
                 else:
-                    k = torch.round((1.0 - lam_c) * N).long()
+                    k = torch.from_numpy(np.round((1.0 - lam_c) * N).astype(np.int64))
                     if self.mix_kind == 'tokenmix_block':
                         m = tokenmix_masks(grid, k, generator, self.tokenmix_min_tokens)
                     else:
                         m = random_token_mask(grid, k, generator)
-                share[cut] = m.float()
-                lam_c = 1.0 - m.flatten(1).sum(1).double() / N
-            lam = lam.clone()
+                m = m.numpy()
+                share[cut] = m
+                lam_c = 1.0 - m.reshape(cut.size, -1).sum(1).astype(np.float64) / N
+            lam = lam.copy()
             lam[cut] = lam_c
         # expand parameter units to samples
         if self.mode == 'batch':
-            idx = torch.zeros(batch_size, dtype=torch.long)
+            idx = np.zeros(batch_size, dtype=np.int64)
         elif self.mode == 'pair':  # an odd batch's middle sample is its own pair (its own unit)
-            half = torch.arange(batch_size // 2)
-            idx = torch.cat([half, torch.arange(batch_size // 2, n), half.flip(0)])
+            half = np.arange(batch_size // 2)
+            idx = np.concatenate([half, np.arange(batch_size // 2, n), half[::-1]])
         else:
-            idx = torch.arange(batch_size)
+            idx = np.arange(batch_size)
         mix = Mix(
             partner=torch.arange(batch_size - 1, -1, -1),
-            lam=lam[idx].float(),
-            token_share=share[idx],
+            lam=torch.from_numpy(lam[idx].astype(np.float32)),
+            token_share=torch.from_numpy(share[idx]),
             img_size=img_size,
             patch_size=self.patch_size,
             kind=self.mix_kind if self.mixup_enabled else 'none',
-            boxes=None if boxes is None else boxes[idx],
-            box_valid=None if valid is None else valid[idx],
+            boxes=None if boxes is None else torch.from_numpy(boxes[idx]),
+            box_valid=None if valid is None else torch.from_numpy(valid[idx]),
             flip=True,
-            blend=not cut.numel(),
+            blend=not cut.size,
             batch_lam=float(lam[0]) if self.mode == 'batch' else None,
         )
         return mix if device is None else mix.to(device)
@@ -268,15 +272,15 @@ class MixSampler:
         gh, gw = grid_size(img_size, self.patch_size)
         box = None
         if use_cut and self.mix_kind == 'token_box':  # MixToken: a box on the token grid, λ its exact own share
-            y0, y1, x0, x1 = rand_box_one((gh, gw), lam, generator, self.box_rounding)
+            y0, y1, x0, x1 = rand_box((gh, gw), [lam], generator, self.box_rounding)[0].tolist()
             lam = 1.0 - (y1 - y0) * (x1 - x0) / (gh * gw)
             share = torch.zeros(batch_size, gh, gw)
             share[:, y0:y1, x0:x1] = 1.0
-        elif use_cut:  # CutMix: rand_box and box_token_share for one box, in Python numbers (the same arithmetic)
-            box = y0, y1, x0, x1 = rand_box_one((H, W), lam, generator, self.box_rounding)
+        elif use_cut:  # CutMix: one box for the batch
+            box = y0, y1, x0, x1 = rand_box((H, W), [lam], generator, self.box_rounding)[0].tolist()
             if self.correct_lam:
                 lam = 1.0 - (y1 - y0) * (x1 - x0) / (H * W)
-            share = box_token_share_one(box, img_size, self.patch_size).expand(batch_size, gh, gw).clone()
+            share = box_token_share([box], img_size, self.patch_size).expand(batch_size, gh, gw).clone()
         else:
             share = torch.full((batch_size, gh, gw), 1.0 - lam)
         return Mix(

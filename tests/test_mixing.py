@@ -222,7 +222,7 @@ def test_cutmix_lambda_correction_and_minmax():
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     m_raw = s.sample(64, (32, 32), g1)
     lam_draw, _ = s._unit_params(64, g2)
-    assert torch.allclose(m_raw.lam, lam_draw.float())
+    assert torch.allclose(m_raw.lam, torch.from_numpy(lam_draw).float())
 
 
 def test_pair_mode_is_symmetric_and_batch_mode_shared():
@@ -667,17 +667,27 @@ def test_flipped_partner_targets_equal_the_gathered_ones(kind, mode):
 @given(
     H=st.integers(4, 40),
     W=st.integers(4, 40),
-    lam=st.floats(0.0, 1.0),
+    lams=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=6),
     rounding=st.sampled_from(['timm', 'public']),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_one_box_host_functions_equal_their_vector_twins(H, W, lam, rounding, seed):
-    """``rand_box_one`` / ``box_token_share_one`` (batch mode on the host) give exactly what ``rand_box`` /
-    ``box_token_share`` give for one box and the same generator state."""
-    from shared_core.boxes import box_token_share_one, rand_box_one
-
-    one = rand_box_one((H, W), lam, torch.Generator().manual_seed(seed), rounding)
-    ref = rand_box((H, W), torch.tensor([lam], dtype=torch.float64), torch.Generator().manual_seed(seed), rounding)
-    assert list(one) == ref[0].tolist()
-    for patch in ((4, 4), (3, 5)):
-        assert torch.equal(box_token_share_one(one, (H, W), patch), box_token_share(ref, (H, W), patch))
+def test_rand_box_equals_rand_bbox_written_per_box(H, W, lams, rounding, seed):
+    """``rand_box`` (vectorised on the host) against timm's ``rand_bbox`` written box by box in Python numbers,
+    fed the generator's uniforms as ``rand_box`` draws them (every box's centre row, then every centre column);
+    ``rounding='public'``: the authors' pinned timm, ``cut // 2`` on both sides."""
+    n = len(lams)
+    g = torch.Generator().manual_seed(seed)
+    uy, ux = (torch.rand(n, generator=g, dtype=torch.float64).tolist() for _ in range(2))
+    expected = []
+    for lam, u, v in zip(lams, uy, ux):
+        cut_h, cut_w = int(H * math.sqrt(1 - lam)), int(W * math.sqrt(1 - lam))
+        cy, cx = min(math.floor(u * H), H - 1), min(math.floor(v * W), W - 1)
+        far_h = cut_h - cut_h // 2 if rounding == 'timm' else cut_h // 2
+        far_w = cut_w - cut_w // 2 if rounding == 'timm' else cut_w // 2
+        box = (cy - cut_h // 2, cy + far_h, cx - cut_w // 2, cx + far_w)
+        expected.append([min(max(c, 0), side) for c, side in zip(box, (H, H, W, W))])
+    got = rand_box((H, W), torch.tensor(lams, dtype=torch.float64), torch.Generator().manual_seed(seed), rounding)
+    assert got.dtype == torch.int64 and got.tolist() == expected
+    for patch in ((4, 4), (3, 5)):  # one box at a time (batch mode) = the vector
+        one = torch.cat([box_token_share([b], (H, W), patch) for b in expected])
+        assert torch.equal(one, box_token_share(got, (H, W), patch))
