@@ -18,8 +18,8 @@ command changed or that did not finish. The annotator of token labeling and of T
 is trained in the study (seed 0, the same recipe with average pooling) and its maps serve every seed.
 
 Presets: ``cpu`` (the default; this repo's 2-core machine, about an hour), ``cpu_small`` (300 train images, 60
-epochs: where mixing regularises; about 12 min per run name over 5 seeds, so pick ``--runs``), ``gpu`` (a larger world and the
-full ViT-Tiny; minutes on one GPU), ``tiny`` (2 seeds, 1 epoch: the test of the runner itself).
+epochs: where mixing regularises; about 12 min per run name over 5 seeds, so pick ``--runs``), ``gpu`` (a larger
+world and the full ViT-Tiny; minutes on one GPU), ``tiny`` (2 seeds, 1 epoch: the test of the runner itself).
 
     .venv/bin/python bench/study.py [--preset cpu] [--out study_out] [--seeds N] [--epochs E] [--no-mmpretrain]
         [--runs plain cutmix ...]
