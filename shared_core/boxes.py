@@ -5,6 +5,7 @@ covers. Boxes are ``(y0, y1, x0, x1)`` half-open pixel (or token) coordinates.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
@@ -20,9 +21,11 @@ __all__ = [
     'randint',
     'sample_beta',
     'rand_box',
+    'rand_box_one',
     'minmax_sides',
     'rand_box_minmax',
     'box_token_share',
+    'box_token_share_one',
 ]
 
 #: how a box's far side is rounded: ``'timm'`` (today's timm, ``cut - cut // 2`` after the centre) or
@@ -88,11 +91,27 @@ def rand_box(
     n = ratio.size
     cy = _randint(np.zeros(n, np.int64), np.full(n, H), generator)
     cx = _randint(np.zeros(n, np.int64), np.full(n, W), generator)
-    y0 = np.clip(cy - cut_h // 2, 0, H)
-    y1 = np.clip(cy + (cut_h + far) // 2, 0, H)
-    x0 = np.clip(cx - cut_w // 2, 0, W)
-    x1 = np.clip(cx + (cut_w + far) // 2, 0, W)
+    y0 = np.minimum(np.maximum(cy - cut_h // 2, 0), H)
+    y1 = np.minimum(np.maximum(cy + (cut_h + far) // 2, 0), H)
+    x0 = np.minimum(np.maximum(cx - cut_w // 2, 0), W)
+    x1 = np.minimum(np.maximum(cx + (cut_w + far) // 2, 0), W)
     return torch.from_numpy(np.stack([y0, y1, x0, x1], 1))
+
+
+def rand_box_one(
+    size: Tuple[int, int], lam: float, generator: Optional[torch.Generator] = None, rounding: str = 'timm'
+) -> Tuple[int, int, int, int]:
+    """:func:`rand_box` for one λ in Python integers (the samplers' batch mode, drawn on the host): the same two
+    draws from ``generator`` and the same arithmetic, so both give the same box for a seed."""
+    H, W = size
+    far = 1 if check_box_rounding(rounding, 'rounding') == 'timm' else 0
+    ratio = math.sqrt(1.0 - lam)
+    cut_h, cut_w = int(H * ratio), int(W * ratio)
+    uy, ux = rand(2, generator).tolist()
+    cy, cx = min(math.floor(uy * H), H - 1), min(math.floor(ux * W), W - 1)
+    y0, y1 = min(max(cy - cut_h // 2, 0), H), min(max(cy + (cut_h + far) // 2, 0), H)
+    x0, x1 = min(max(cx - cut_w // 2, 0), W), min(max(cx + (cut_w + far) // 2, 0), W)
+    return y0, y1, x0, x1
 
 
 def minmax_sides(img_size: Tuple[int, int], minmax: Sequence[float]) -> Tuple[Tuple[int, int], Tuple[int, int]]:
@@ -138,3 +157,16 @@ def box_token_share(boxes, img_size: Tuple[int, int], patch_size: Tuple[int, int
     ox = np.maximum(np.minimum(x1[:, None], right) - np.maximum(x0[:, None], left), 0) / (right - left)
     share = torch.from_numpy((oy[:, :, None] * ox[:, None, :]).astype(np.float32))
     return share.to(boxes.device) if isinstance(boxes, torch.Tensor) else share
+
+
+def box_token_share_one(box: Sequence[int], img_size: Tuple[int, int], patch_size: Tuple[int, int]) -> torch.Tensor:
+    """:func:`box_token_share` of one box ``(y0, y1, x0, x1)`` in Python numbers (the separable overlap in doubles,
+    rounded once to float32, as there): ``(1, gh, gw)``."""
+
+    def cover(lo: int, hi: int, size: int, side: int) -> list:
+        edges = [(c, min(c + size, side)) for c in range(0, side, size)]  # a last patch clipped by the border
+        return [max(min(hi, b) - max(lo, a), 0) / (b - a) for a, b in edges]
+
+    (y0, y1, x0, x1), (ph, pw) = box, patch_size
+    oy, ox = cover(y0, y1, ph, img_size[0]), cover(x0, x1, pw, img_size[1])
+    return torch.tensor([[[a * b for b in ox] for a in oy]], dtype=torch.float32)

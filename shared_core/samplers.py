@@ -17,11 +17,13 @@ from scipy.special import betaincinv
 
 from .boxes import (
     box_token_share,
+    box_token_share_one,
     check_box_rounding,
     minmax_sides,
     rand,
     rand_box,
     rand_box_minmax,
+    rand_box_one,
     sample_beta,
 )
 from .checks import check_int, check_real
@@ -272,15 +274,15 @@ class MixSampler:
         gh, gw = grid_size(img_size, self.patch_size)
         box = None
         if use_cut and self.mix_kind == 'token_box':  # MixToken: a box on the token grid, λ its exact own share
-            y0, y1, x0, x1 = rand_box((gh, gw), [lam], generator, self.box_rounding)[0].tolist()
+            y0, y1, x0, x1 = rand_box_one((gh, gw), lam, generator, self.box_rounding)
             lam = 1.0 - (y1 - y0) * (x1 - x0) / (gh * gw)
             share = torch.zeros(batch_size, gh, gw)
             share[:, y0:y1, x0:x1] = 1.0
-        elif use_cut:  # CutMix: one box for the batch
-            box = y0, y1, x0, x1 = rand_box((H, W), [lam], generator, self.box_rounding)[0].tolist()
+        elif use_cut:  # CutMix: rand_box and box_token_share for one box, in Python numbers (the same arithmetic)
+            box = y0, y1, x0, x1 = rand_box_one((H, W), lam, generator, self.box_rounding)
             if self.correct_lam:
                 lam = 1.0 - (y1 - y0) * (x1 - x0) / (H * W)
-            share = box_token_share([box], img_size, self.patch_size).expand(batch_size, gh, gw).clone()
+            share = box_token_share_one(box, img_size, self.patch_size).expand(batch_size, gh, gw).clone()
         else:
             share = torch.full((batch_size, gh, gw), 1.0 - lam)
         return Mix(

@@ -691,3 +691,23 @@ def test_rand_box_equals_rand_bbox_written_per_box(H, W, lams, rounding, seed):
     for patch in ((4, 4), (3, 5)):  # one box at a time (batch mode) = the vector
         one = torch.cat([box_token_share([b], (H, W), patch) for b in expected])
         assert torch.equal(one, box_token_share(got, (H, W), patch))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    H=st.integers(4, 40),
+    W=st.integers(4, 40),
+    lam=st.floats(0.0, 1.0),
+    rounding=st.sampled_from(['timm', 'public']),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_one_box_host_functions_equal_their_vector_twins(H, W, lam, rounding, seed):
+    """``rand_box_one`` / ``box_token_share_one`` (batch mode on the host) give exactly what ``rand_box`` /
+    ``box_token_share`` give for one box and the same generator state."""
+    from shared_core.boxes import box_token_share_one, rand_box_one
+
+    one = rand_box_one((H, W), lam, torch.Generator().manual_seed(seed), rounding)
+    ref = rand_box((H, W), torch.tensor([lam], dtype=torch.float64), torch.Generator().manual_seed(seed), rounding)
+    assert list(one) == ref[0].tolist()
+    for patch in ((4, 4), (3, 5)):
+        assert torch.equal(box_token_share_one(one, (H, W), patch), box_token_share(ref, (H, W), patch))
