@@ -82,8 +82,9 @@ def rand_box(
     """timm's ``rand_bbox`` for a vector of λ (a tensor, array or sequence): a box of side ``sqrt(1 - λ)`` times
     the image side, centred uniformly, clipped by the borders. Returns ``(n, 4)`` int64 ``(y0, y1, x0, x1)`` on
     the CPU. ``rounding`` (:data:`BOX_ROUNDINGS`): ``'public'`` gives the authors' pinned timm (``cut // 2`` on
-    both sides of the centre). Computed on the host (numpy, float64): the samplers draw every mode's boxes here
-    with two tensor ops (the draws of the centres' rows, then columns)."""
+    both sides of the centre). Computed on the host (numpy, float64): the samplers' pair and elem modes draw
+    their boxes here with two tensor ops (the centres' rows, then their columns; :func:`rand_box_one` is batch
+    mode's one box in Python numbers)."""
     far = 1 if check_box_rounding(rounding, 'rounding') == 'timm' else 0
     H, W = img_size
     ratio = np.sqrt(1.0 - _host(lam, np.float64))
