@@ -2,6 +2,7 @@
 blocks one by one with materialised per-head attention, the brute-force matching and loops for the token swap,
 the relabelling and VTM's gather and cross-attention."""
 
+import csv
 import math
 
 import pytest
@@ -248,6 +249,9 @@ def test_cct_parameters_and_tokenmixup_task_in_a_timm_loop():
         optimizer.step()
         assert torch.isfinite(result['loss']) and result['scorenet_loss'] > 0
         assert torch.allclose(result['target'].sum(1), torch.ones(4), atol=1e-5)
+        # the logged share: the samples block 1 mixed, over the batch (τ 10: every sample is easy)
+        assert result['htm_mixed'] == result['target'].stats['htm1']['mixed'] / 4
+        assert result['target'].stats['htm1']['easy'] == 4
     assert model.tokenmixup_scorenet['1'].fc.weight.grad is not None
     task.eval()
     with torch.no_grad():
@@ -298,6 +302,10 @@ def test_tokenaug_train_runs_the_world_tokenmixup_config(tiny_world, tmp_path):
     ]
     metrics = run(argv)
     assert set(metrics) == {'loss', 'top1', 'top5'} and 0 <= metrics['top1'] <= 100
+    # the share of samples HTM mixed, per epoch (the paper's Fig. 4): in the log line and in summary.csv
+    with open(tmp_path / 'run' / 'summary.csv') as f:
+        (row,) = list(csv.DictReader(f))
+    assert 0 <= float(row['train_htm_mixed']) <= 1
     ckpt = torch.load(tmp_path / 'run' / 'last.pth.tar', map_location='cpu', weights_only=True)
     assert any(k.startswith('tokenmixup_scorenet.1.') for k in ckpt['state_dict'])
     model = timm.create_model('cct_7_3x1_32', depth=3, num_classes=10)

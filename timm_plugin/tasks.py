@@ -20,7 +20,7 @@ eager step: ``tests/test_compile.py``).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -42,6 +42,8 @@ class MethodTask(ClassificationTask):
     module stays the model: DDP, EMA and checkpoint keys as timm's)."""
 
     method_cls: type = nn.Module
+    #: keys of ``forward``'s output (floats) that the training loop averages over the epoch and logs
+    log_keys: Tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -207,12 +209,16 @@ class TokenMixupTask(MethodTask):
         criterion: a soft-target loss (``SoftTargetCrossEntropy``): the target is soft after HTM's relabelling.
         **method_kwargs: :class:`timm_plugin.TokenMixup`'s (``htm_layers``, ``vtm_layers``, ``rho``, ``tau``, ...).
 
-    ``forward`` returns ``loss``, ``output``, ``target`` (relabelled) and ``scorenet_loss``.
+    ``forward`` returns ``loss``, ``output``, ``target`` (relabelled), ``scorenet_loss`` and ``htm_mixed`` (a
+    float: the samples HTM mixed, summed over its blocks, per sample of the batch; with one block, the share of
+    the batch it mixed: the paper's Fig. 4 curve), which ``tokenaug-train`` logs (:attr:`log_keys`).
     """
 
     method_cls = TokenMixup  # attaches the ScoreNets to the model before the optimizer is built
+    log_keys = ('htm_mixed',)
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Tensor]:
         output, mixed = self.method.mix_forward(input, target, lambda: self.trainable_module(input))
         loss = self.criterion(output, mixed.as_subclass(torch.Tensor)) + mixed.aux_loss
-        return {'loss': loss, 'output': output, 'target': mixed, 'scorenet_loss': mixed.aux_loss}
+        share = sum(s['mixed'] for s in mixed.stats.values()) / input.shape[0]
+        return {'loss': loss, 'output': output, 'target': mixed, 'scorenet_loss': mixed.aux_loss, 'htm_mixed': share}

@@ -846,6 +846,7 @@ def train_one_epoch(
     accum = args.grad_accum_steps
     second_order = getattr(optimizer, 'is_second_order', False)
     losses_m, data_time_m, update_time_m = utils.AverageMeter(), utils.AverageMeter(), utils.AverageMeter()
+    logged = {k: utils.AverageMeter() for k in getattr(task, 'log_keys', ())}  # a method's own figures
     task.train()
     num_batches = len(loader)
     last_batch_idx = num_batches - 1
@@ -868,7 +869,10 @@ def train_one_epoch(
         sync = task.no_sync if (args.distributed and not need_update) else suppress
         with sync():
             with amp_autocast():
-                loss = task(x, target)['loss']
+                out = task(x, target)
+            loss = out['loss']
+            for k, meter in logged.items():
+                meter.update(float(out[k]), x.size(0))
             if accum > 1:
                 loss = loss / accum
             params = task.get_trainable_module().parameters()
@@ -907,6 +911,7 @@ def train_one_epoch(
                 f'Loss: {losses_m.val:#.3g} ({losses_m.avg:#.3g})  '
                 f'Time: {update_time_m.val:.3f}s, {x.size(0) * accum / update_time_m.val:>7.2f}/s  '
                 f'LR: {sum(lrs) / len(lrs):.3e}  Data: {data_time_m.val:.3f} ({data_time_m.avg:.3f})'
+                + ''.join(f'  {k}: {m.val:#.3g} ({m.avg:#.3g})' for k, m in logged.items())
             )
             if args.save_images and output_dir:
                 torchvision.utils.save_image(
@@ -922,7 +927,7 @@ def train_one_epoch(
         total = torch.tensor([losses_m.sum, losses_m.count], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(total)
         loss = float(total[0] / total[1].clamp_min(1))
-    return OrderedDict([('loss', loss)])
+    return OrderedDict([('loss', loss)] + [(k, m.avg) for k, m in logged.items()])
 
 
 def validate(model, loader, loss_fn, args, device, amp_autocast=suppress, log_suffix='', model_dtype=None):
