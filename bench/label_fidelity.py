@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Do the mixed targets follow the image? CutMix pairs of the world's val images, each pair's partner share
-measured three ways against the truth the world knows (its ADE20K label maps):
+measured three ways against the truth the world knows (its ADE20K label maps), and (``--htm-layer``) TokenMixup
+HTM's token swaps and labels on the same images:
 
 - truth: of the pixels of the two labelled objects that the mixed image shows (the sample's own object outside
   the box, the partner's object inside it), the partner's fraction;
@@ -47,6 +48,17 @@ def load(world: Path, split: str, classes: list[str]):
     return x, torch.tensor(ys), torch.from_numpy(np.stack(maps).astype(np.int64))
 
 
+def load_model(args, kwargs: dict, num_classes: int, ckpt):
+    """The model, randomly initialised (seed 0) or from a timm checkpoint; an HTM run's ScoreNet is left out."""
+    torch.manual_seed(0)
+    model = timm.create_model(args.model, num_classes=num_classes, **kwargs)
+    if ckpt is not None:
+        state = torch.load(ckpt, map_location='cpu', weights_only=True)
+        state = state.get('state_dict', state)
+        model.load_state_dict({k: v for k, v in state.items() if not k.startswith('tokenmixup_scorenet.')})
+    return model
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--world', type=Path, required=True)
@@ -56,6 +68,8 @@ def main():
     p.add_argument('--model-kwargs', nargs='*', default=['img_size=112', 'depth=6', 'embed_dim=96', 'num_heads=3'])
     p.add_argument('--pairs', type=int, default=500)
     p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--htm-layer', type=int, default=None, help='also score HTM at this block (TokenMixup)')
+    p.add_argument('--htm-rho', type=float, default=0.005, help="HTM's ρ")
     args = p.parse_args()
     classes = sorted(d.name for d in (args.world / 'imagenet' / args.split).iterdir() if d.is_dir())
     x, y, maps = load(args.world, args.split, classes)
@@ -80,11 +94,7 @@ def main():
     rows = [('area (CutMix)', area)]
     models = [('random init', None)] + [(str(c), c) for c in args.checkpoint]
     for name, ckpt in models:
-        torch.manual_seed(0)
-        model = timm.create_model(args.model, num_classes=len(classes), **kwargs)
-        if ckpt is not None:
-            state = torch.load(ckpt, map_location='cpu', weights_only=True)
-            model.load_state_dict(state.get('state_dict', state))
+        model = load_model(args, kwargs, len(classes), ckpt)
         model.eval()
         cfg = resolve_data_config({}, model=model)
         mean, std = torch.tensor(cfg['mean'])[:, None, None], torch.tensor(cfg['std'])[:, None, None]
@@ -106,6 +116,61 @@ def main():
         corr = float(torch.corrcoef(torch.stack([s, t]))[0, 1])
         print(f'| {name} | {float((s - t).abs().mean()):.3f} | {corr:.3f} | {float(s.mean()):.3f} |')
     print(f'| (truth) | 0 | 1 | {float(t.mean()):.3f} |')
+    if args.htm_layer is not None:
+        htm_fidelity(args, x, y, maps, kwargs, len(classes))
+
+
+def htm_fidelity(args, x, y, maps, kwargs, num_classes):
+    """TokenMixup's HTM on the clean val images (every sample easy: τ = inf, so the plan alone is scored): its
+    swap decides which 16x16 patches of sample i show the partner's object at block ``--htm-layer``. Truth: of
+    the object pixels on show (i's own in the kept patches, the partner's in the swapped ones), the partner's
+    fraction; against it HTM's label (1 - λ, from saliency, Eq. 11) and the swapped-token count (the paper's
+    Table 4 ablation). Also where the saliency looks: its mean on a sample's object patches over its mean on the
+    others (1: blind to the object)."""
+    from timm_plugin import TokenMixup
+
+    ps = 16
+    own_obj = (maps == (y + 1)[:, None, None]).float()  # (B, H, W)
+    obj_tokens = torch.nn.functional.avg_pool2d(own_obj[:, None], ps).flatten(1)  # (B, N) object share per patch
+    print()
+    print(
+        f'# HTM at block {args.htm_layer} (ρ {args.htm_rho:g}, every sample easy) on {len(y)} clean {args.split} '
+        'images: partner share vs the truth from the label maps, over the mixed pairs with two classes'
+    )
+    print(
+        '| checkpoint | pairs | truth mean | 1 - λ (saliency): abs. error / corr. | swapped count: abs. error / corr. '
+        '| saliency on object / elsewhere |'
+    )
+    print('|---|---|---|---|---|---|')
+    for ckpt in [None] + list(args.checkpoint):
+        model = load_model(args, kwargs, num_classes, ckpt)
+        tm = TokenMixup(model, htm_layers=(args.htm_layer,), tau=float('inf'), rho=args.htm_rho)
+        cfg = resolve_data_config({}, model=model)
+        mean, std = torch.tensor(cfg['mean'])[:, None, None], torch.tensor(cfg['std'])[:, None, None]
+        tm.hooks.record = {}
+        tm.train()
+        with torch.no_grad():
+            _, target = tm((x - mean) / std, torch.nn.functional.one_hot(y, num_classes).float())
+        mix = target.mixes[0]
+        S = tm.hooks.record[args.htm_layer]['saliency']  # (B, N)
+        swap = mix.token_share.flatten(1) > 0.5
+        partner = mix.partner
+        n_pix = ps * ps
+        kept_own = (obj_tokens * ~swap).sum(1) * n_pix
+        given = (obj_tokens[partner] * swap).sum(1) * n_pix
+        shown = kept_own + given
+        valid = swap.any(1) & (shown > 0) & (y != y[partner])
+        truth = (given / shown.clamp_min(1))[valid]
+        cells = []
+        for share in (1 - mix.lam, swap.float().mean(1)):
+            s = share[valid].float()
+            corr = float(torch.corrcoef(torch.stack([s, truth]))[0, 1])
+            cells.append(f'{float((s - truth).abs().mean()):.3f} / {corr:.3f}')
+        on = obj_tokens > 0.5
+        ratio = (S * on).sum(1) / on.sum(1).clamp_min(1) / ((S * ~on).sum(1) / (~on).sum(1).clamp_min(1))
+        ratio = float(ratio[on.any(1) & (~on).any(1)].mean())
+        name = 'random init' if ckpt is None else str(ckpt)
+        print(f'| {name} | {int(valid.sum())} | {float(truth.mean()):.3f} | {cells[0]} | {cells[1]} | {ratio:.2f} |')
 
 
 if __name__ == '__main__':
