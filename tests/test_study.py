@@ -50,6 +50,20 @@ def _run(out: Path, *extra) -> dict:
 
 
 @pytest.mark.slow
+def test_a_preset_evaluates_every_val_interval_epochs(tmp_path):
+    """cpu_small evaluates every 20 of its 60 epochs (the table reads the last one); cpu, every epoch (timm's
+    default, so its runs keep their recorded commands)."""
+    study = _study()
+
+    def cmd(preset):
+        s = study.Study(tmp_path / preset, study.PRESETS[preset], mmpretrain=False)
+        return [str(c) for c in s.timm_cmd('world_vit-tiny.yaml', tmp_path / 'runs' / 'seed0', 0, [])]
+
+    small = cmd('cpu_small')
+    assert small[small.index('--val-interval') + 1] == '20' and small[small.index('--epochs') + 1] == '60'
+    assert '--val-interval' not in cmd('cpu')
+
+
 def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path):
     study = _study()
     out = tmp_path / 'study'
