@@ -160,6 +160,10 @@ def htm_fidelity(args, x, y, maps, kwargs, num_classes):
         given = (obj_tokens[partner] * swap).sum(1) * n_pix
         shown = kept_own + given
         valid = swap.any(1) & (shown > 0) & (y != y[partner])
+        name = 'random init' if ckpt is None else str(ckpt)
+        if not bool(valid.any()):  # an untrained model's saliency is flat: no token clears the margin ρ
+            print(f'| {name} | 0 | - | - | - | - |')
+            continue
         truth = (given / shown.clamp_min(1))[valid]
         cells = []
         for share in (1 - mix.lam, swap.float().mean(1)):
@@ -169,7 +173,6 @@ def htm_fidelity(args, x, y, maps, kwargs, num_classes):
         on = obj_tokens > 0.5
         ratio = (S * on).sum(1) / on.sum(1).clamp_min(1) / ((S * ~on).sum(1) / (~on).sum(1).clamp_min(1))
         ratio = float(ratio[on.any(1) & (~on).any(1)].mean())
-        name = 'random init' if ckpt is None else str(ckpt)
         print(f'| {name} | {int(valid.sum())} | {float(truth.mean()):.3f} | {cells[0]} | {cells[1]} | {ratio:.2f} |')
 
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO / 'scripts'))
 from demo import BIN, run, upstream  # the demo's command runner: whole log to a file, exit on failure
 
 # The world: objects cover 8-35 % of the image (tokenaug-data's default), so a CutMix box's area is often not
-# the share of the object it shows. ViT sizes as timm kwargs; the mmpretrain row builds the same ViT.
+# the share of the object it shows. ViT sizes as timm kwargs; the mmpretrain rows build the same ViT.
 PRESETS = {
     'cpu': dict(
         train_per_class=100,
@@ -135,8 +135,12 @@ RUNS = {
     ),
 }
 #: the mmpretrain run (tools/train.py): name -> (label, config under configs/mmpretrain)
-MM_RUNS = {'mm_tl_align': ('TL-Align (MixUp/CutMix), mmpretrain tools/train.py', 'deit-tiny_world_tl-align.py')}
-#: (method, baseline) pairs of the table; the last one holds the two ecosystems' TL-Align against each other
+MM_RUNS = {
+    'mm_tl_align': ('TL-Align (MixUp/CutMix), mmpretrain tools/train.py', 'deit-tiny_world_tl-align.py'),
+    'mm_cutmix': ('MixUp/CutMix (DeiT), mmpretrain tools/train.py', 'deit-tiny_world_cutmix.py'),
+}
+#: (method, baseline) pairs of the table; the last three: TL-Align vs CutMix within mmpretrain, then each of the two
+#: across the ecosystems (the same recipe, as far as the two libraries allow)
 COMPARISONS = [
     ('cutmix', 'plain'),
     ('tl_align', 'cutmix'),
@@ -149,6 +153,8 @@ COMPARISONS = [
     ('mixtoken', 'plain'),
     ('htm', 'cutmix'),
     ('htm_c100', 'cutmix'),
+    ('mm_tl_align', 'mm_cutmix'),
+    ('mm_cutmix', 'cutmix'),
     ('mm_tl_align', 'tl_align'),
 ]
 OCCLUSION_RUNS = ['cutmix', 'tokenmix_block', 'tokenmix_maps']
