@@ -17,12 +17,14 @@ the exact command it ran (and its inputs' steps); a rerun skips a step whose rec
 command changed or that did not finish. The annotator of token labeling and of TokenMix's activation-map targets
 is trained in the study (seed 0, the same recipe with average pooling) and its maps serve every seed.
 
-Presets: ``cpu`` (the default; this repo's 2-core machine, about an hour), ``cpu_small`` (300 train images, 60
-epochs: where mixing regularises; about 12 min per run name over 5 seeds, so pick ``--runs``), ``gpu`` (a larger
-world and the full ViT-Tiny; minutes on one GPU), ``tiny`` (2 seeds, 1 epoch: the test of the runner itself).
+Presets: ``cpu_small`` (the default: 300 train images, 60 epochs, where mixing regularises; the grid in about 80
+min on this repo's 2-core machine), ``cpu`` (1000 train images, 15 epochs: an underfitting recipe where mixing
+costs; about 75 min), ``gpu`` (a larger world and the full ViT-Tiny; minutes on one GPU), ``tiny`` (2 seeds, 1
+epoch: the test of the runner itself). The grid is every run but the probes (:data:`PROBES`), which train when
+``--runs`` names them.
 
-    .venv/bin/python bench/study.py [--preset cpu] [--out study_out] [--seeds N] [--epochs E] [--no-mmpretrain]
-        [--runs plain cutmix ...]
+    .venv/bin/python bench/study.py [--preset cpu_small] [--out study_out] [--seeds N] [--epochs E]
+        [--no-mmpretrain] [--runs plain cutmix ... | --runs all]
 """
 
 from __future__ import annotations
@@ -139,6 +141,11 @@ MM_RUNS = {
     'mm_tl_align': ('TL-Align (MixUp/CutMix), mmpretrain tools/train.py', 'deit-tiny_world_tl-align.py'),
     'mm_cutmix': ('MixUp/CutMix (DeiT), mmpretrain tools/train.py', 'deit-tiny_world_cutmix.py'),
 }
+#: runs that answer a question the grid raised (bench/STUDY.md): trained only when ``--runs`` names them (or
+#: ``--runs all``): HTM with CIFAR-100's τ on this 10-class world, and mmpretrain's own CutMix baseline
+PROBES = ('htm_c100', 'mm_cutmix')
+#: the default grid: every run but the probes
+GRID = [n for n in list(RUNS) + list(MM_RUNS) if n not in PROBES]
 #: (method, baseline) pairs of the table; the last three: TL-Align vs CutMix within mmpretrain, then each of the two
 #: across the ecosystems (the same recipe, as far as the two libraries allow)
 COMPARISONS = [
@@ -217,7 +224,9 @@ class Step:
 class Study:
     def __init__(self, out: Path, preset: dict, mmpretrain: bool, runs=None):
         self.out, self.p, self.mmpretrain = out, preset, mmpretrain
-        self.runs = list(RUNS) + list(MM_RUNS) if runs is None else list(runs)  # the runs this study trains
+        every = list(RUNS) + list(MM_RUNS)
+        runs = GRID if runs is None else every if list(runs) == ['all'] else runs
+        self.runs = [n for n in every if n in runs]  # the runs this study trains
         self.world = out / 'world'
         self.logs = out / 'logs'
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -488,7 +497,7 @@ def table(results: dict, curves: dict, seeds: list[int], preset_name: str, prese
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--preset', choices=sorted(PRESETS), default='cpu')
+    p.add_argument('--preset', choices=sorted(PRESETS), default='cpu_small')
     p.add_argument('--out', type=Path, default=REPO / 'study_out')
     p.add_argument('--seeds', type=int, help="number of seeds (0, 1, ...); default: the preset's")
     p.add_argument('--epochs', type=int, help="default: the preset's")
@@ -496,11 +505,14 @@ def main(argv=None):
     p.add_argument(
         '--runs',
         nargs='+',
-        choices=list(RUNS) + list(MM_RUNS),
+        choices=list(RUNS) + list(MM_RUNS) + ['all'],
         metavar='RUN',
-        help=f'train only these runs (default: all of {", ".join(list(RUNS) + list(MM_RUNS))})',
+        help=f'train only these runs (default: the grid, {", ".join(GRID)}; the probes {", ".join(PROBES)} only '
+        "when named; 'all': the grid and the probes)",
     )
     args = p.parse_args(argv)
+    if args.runs and 'all' in args.runs and len(args.runs) > 1:
+        p.error("--runs: 'all' stands alone")
     preset = dict(PRESETS[args.preset])
     for key in ('seeds', 'epochs'):
         value = getattr(args, key)

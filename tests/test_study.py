@@ -49,7 +49,6 @@ def _run(out: Path, *extra) -> dict:
     return json.loads((out / 'study.json').read_text())
 
 
-@pytest.mark.slow
 def test_a_preset_evaluates_every_val_interval_epochs(tmp_path):
     """cpu_small evaluates every 20 of its 60 epochs (the table reads the last one); cpu, every epoch (timm's
     default, so its runs keep their recorded commands)."""
@@ -59,18 +58,23 @@ def test_a_preset_evaluates_every_val_interval_epochs(tmp_path):
         s = study.Study(tmp_path / preset, study.PRESETS[preset], mmpretrain=False)
         return [str(c) for c in s.timm_cmd('world_vit-tiny.yaml', tmp_path / 'runs' / 'seed0', 0, [])]
 
+    assert study.Study(tmp_path / 'grid', study.PRESETS['tiny'], mmpretrain=False).runs == study.GRID
+    every = study.Study(tmp_path / 'all', study.PRESETS['tiny'], mmpretrain=False, runs=['all']).runs
+    assert every == list(study.RUNS) + list(study.MM_RUNS)
     small = cmd('cpu_small')
     assert small[small.index('--val-interval') + 1] == '20' and small[small.index('--epochs') + 1] == '60'
     assert '--val-interval' not in cmd('cpu')
 
 
+@pytest.mark.slow
 def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path):
     study = _study()
     out = tmp_path / 'study'
     first = _run(out)
     seeds = [0, 1]
     assert first['seeds'] == seeds
-    names = list(study.RUNS) + list(study.MM_RUNS)
+    names = study.GRID  # the probes train only when --runs names them
+    assert set(study.PROBES) <= set(study.RUNS) | set(study.MM_RUNS) and not set(study.PROBES) & set(names)
     assert set(first['runs']) == {f'{n} seed {s}' for n in names for s in seeds}
     for name, rec in first['runs'].items():
         assert 0 <= rec['top1'] <= 100 and rec['secs'] > 0, name
@@ -87,11 +91,11 @@ def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path):
     for rec in first['occlusion'].values():
         assert len(rec['top1']) == len(study.OCCLUSION_RATIOS)
     table = (out / 'study.md').read_text()
-    for label, *_ in list(study.RUNS.values()) + list(study.MM_RUNS.values()):
-        assert f'| {label} |' in table
-    # every comparison is a row, and its difference is the mean of the per-seed top-1 differences
     labels = {k: v[0] for k, v in study.RUNS.items()} | {k: v[0] for k, v in study.MM_RUNS.items()}
-    for m, b in study.COMPARISONS:
+    for name in names:
+        assert f'| {labels[name]} |' in table
+    # every comparison of the grid's runs is a row, and its difference is the mean of the per-seed differences
+    for m, b in [(m, b) for m, b in study.COMPARISONS if m in names and b in names]:
         diff = sum(first['runs'][f'{m} seed {s}']['top1'] - first['runs'][f'{b} seed {s}']['top1'] for s in seeds) / 2
         assert f'| {labels[m]} | {labels[b]} | {diff:+.2f} |' in table
     steps = first['steps_run']
