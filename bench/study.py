@@ -82,6 +82,12 @@ PRESETS = {
 # of a run, and evaluation draws nothing from the training streams, so the final top-1 is the same.
 PRESETS['cpu_small'] = dict(PRESETS['cpu'], train_per_class=30, epochs=60, val_interval=20)
 
+
+def _htm(tau: str, rho: str) -> list:
+    """tokenaug-train's flags for HTM at block 2 on top of MixUp/CutMix with this τ and ρ."""
+    return ['--mixup-type', 'cutmix', '--tokenmixup-htm-layers', '2', '--tokenmixup-tau', tau, '--tokenmixup-rho', rho]
+
+
 #: the timm runs: name -> (label, config under configs/timm, flags; MAPS stands for the annotator's maps)
 RUNS = {
     # the control: is mixing itself a help in this recipe? (a mixer that never mixes: label smoothing only)
@@ -107,34 +113,8 @@ RUNS = {
     # HTM at block 2 on top of MixUp/CutMix, as the public CCT CIFAR recipes. The world has 10 classes, as CIFAR-10:
     # its recipe is τ 0.1, ρ 0.003 (easy when CE <= 1.0, 43 % of ln 10). CIFAR-100's τ 0.2, ρ 0.005 (tokenaug-train's
     # defaults) mark CE <= 2.0 easy, 87 % of ln 10 here: most samples (STUDY.md).
-    'htm': (
-        'TokenMixup HTM (MixUp/CutMix; CIFAR-10 recipe, τ 0.1)',
-        'world_vit-tiny.yaml',
-        [
-            '--mixup-type',
-            'cutmix',
-            '--tokenmixup-htm-layers',
-            '2',
-            '--tokenmixup-tau',
-            '0.1',
-            '--tokenmixup-rho',
-            '0.003',
-        ],
-    ),
-    'htm_c100': (
-        'TokenMixup HTM (MixUp/CutMix; CIFAR-100 recipe, τ 0.2)',
-        'world_vit-tiny.yaml',
-        [
-            '--mixup-type',
-            'cutmix',
-            '--tokenmixup-htm-layers',
-            '2',
-            '--tokenmixup-tau',
-            '0.2',
-            '--tokenmixup-rho',
-            '0.005',
-        ],
-    ),
+    'htm': ('TokenMixup HTM (MixUp/CutMix; CIFAR-10 recipe, τ 0.1)', 'world_vit-tiny.yaml', _htm('0.1', '0.003')),
+    'htm_c100': ('TokenMixup HTM (MixUp/CutMix; CIFAR-100 recipe, τ 0.2)', 'world_vit-tiny.yaml', _htm('0.2', '0.005')),
 }
 #: the mmpretrain run (tools/train.py): name -> (label, config under configs/mmpretrain)
 MM_RUNS = {
