@@ -30,7 +30,7 @@ bench: install
 	$(PYTHON) bench/bench_token_labels.py --images 64 --rounds 5 --step-model deit_tiny_patch16_224 --batch 32
 	$(PYTHON) bench/bench_maps.py --model resnet50 --input-size 576 --batch-size 8 --images 32 --workers 2 --repeats 3
 
-# the multi-seed study (bench/STUDY.md; preset cpu_small): about 80 min on 2 cores, resumable (rerun to continue)
+# the multi-seed study (bench/STUDY.md; preset cpu_small): about 85 min on 2 cores, resumable (rerun to continue)
 study: install
 	$(PYTHON) bench/study.py --out study_out
 

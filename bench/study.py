@@ -3,21 +3,25 @@
 
 Trains a grid of {baseline, method} x seeds on a generated world through the real entry points
 (``tokenaug-data``, ``tokenaug-train``, ``tokenaug-maps generate``, ``tokenaug-occlusion`` and mmpretrain's own
-``tools/train.py``) and writes ``study.md`` (the table) and ``study.json`` (every run) under ``--out``:
+``tools/train.py`` and ``tools/test.py``) and writes ``study.md`` (the table) and ``study.json`` (every run) under
+``--out``:
 
-- per method: mean +- standard deviation over seeds of the final epoch's val top-1 (no selection on val), and
-  the mean wall time of one run;
+- per method: mean +- standard deviation over seeds of the final checkpoint's top-1 on a test split ten times the
+  val split (the world regenerated with more val images; ``bench/study_eval.py``), beside the training's own val
+  top-1 (no selection on either), and the mean wall time of one run. The 500 val images alone have a binomial
+  standard error of about 1.9 points at 75 %, as large as the effects looked for;
 - per comparison: the paired difference method - baseline over seeds (same seed = same data order, same
   initialisation draw), its mean and a 95 % Student-t interval;
 - occlusion (TokenMix Fig. 5 analogue): ``tokenaug-occlusion`` on the same checkpoints, val top-1 with a fraction
   of the patches zeroed (the same patches for every model), mean and paired difference per ratio.
 
-Resumable: every step (world, annotator, maps, each run, each occlusion curve) keeps a ``study_step.json`` with
-the exact command it ran (and its inputs' steps); a rerun skips a step whose record matches and reruns one whose
-command changed or that did not finish. The annotator of token labeling and of TokenMix's activation-map targets
-is trained in the study (seed 0, the same recipe with average pooling) and its maps serve every seed.
+Resumable: every step (world, test world, annotator, maps, each run, its test evaluation, each occlusion curve)
+keeps a ``study_step.json`` with the exact command it ran (and its inputs' steps); a rerun skips a step whose
+record matches and reruns one whose command changed or that did not finish. The annotator of token labeling and
+of TokenMix's activation-map targets is trained in the study (seed 0, the same recipe with average pooling) and
+its maps serve every seed.
 
-Presets: ``cpu_small`` (the default: 300 train images, 60 epochs, where mixing regularises; the grid in about 80
+Presets: ``cpu_small`` (the default: 300 train images, 60 epochs, where mixing regularises; the grid in about 85
 min on this repo's 2-core machine), ``cpu`` (1000 train images, 15 epochs: an underfitting recipe where mixing
 costs; about 75 min), ``gpu`` (a larger world and the full ViT-Tiny; minutes on one GPU), ``tiny`` (2 seeds, 1
 epoch: the test of the runner itself). The grid is every run but the probes (:data:`PROBES`), which train when
@@ -41,8 +45,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / 'scripts'))
-from demo import BIN, run, upstream  # the demo's command runner: whole log to a file, exit on failure
+sys.path[:0] = [str(REPO / 'scripts'), str(REPO / 'bench')]
+from demo import BIN, metric, run, upstream  # the demo's command runner: whole log to a file, exit on failure
 
 # The world: objects cover 8-35 % of the image (tokenaug-data's default), so a CutMix box's area is often not
 # the share of the object it shows. ViT sizes as timm kwargs; the mmpretrain rows build the same ViT.
@@ -50,6 +54,7 @@ PRESETS = {
     'cpu': dict(
         train_per_class=100,
         val_per_class=50,
+        test_per_class=500,
         vit=dict(depth=6, embed_dim=96, num_heads=3),
         epochs=15,
         seeds=5,
@@ -59,6 +64,7 @@ PRESETS = {
     'gpu': dict(
         train_per_class=500,
         val_per_class=100,
+        test_per_class=1000,
         vit=dict(depth=12, embed_dim=192, num_heads=3),
         epochs=40,
         seeds=5,
@@ -68,6 +74,7 @@ PRESETS = {
     'tiny': dict(
         train_per_class=8,
         val_per_class=4,
+        test_per_class=6,
         vit=dict(depth=3, embed_dim=48, num_heads=3),
         epochs=1,
         seeds=2,
@@ -207,7 +214,7 @@ class Study:
         every = list(RUNS) + list(MM_RUNS)
         runs = GRID if runs is None else every if list(runs) == ['all'] else runs
         self.runs = [n for n in every if n in runs]  # the runs this study trains
-        self.world = out / 'world'
+        self.world, self.test_world = out / 'world', out / 'test_world'
         self.logs = out / 'logs'
         self.logs.mkdir(parents=True, exist_ok=True)
         vit = preset['vit']
@@ -236,19 +243,24 @@ class Study:
         )
         return rec
 
-    def make_world(self) -> Step:
-        cmd = [BIN / 'tokenaug-data', '--out', self.world, '--seed', '0', '--num-classes', NUM_CLASSES]
+    def make_world(self, test: bool = False) -> Step:
+        """The world (``test=False``), or the test world: the same generator, seed and train split with
+        ``test_per_class`` val images per class (each image is drawn from its split and index, so its first val
+        images are the world's own)."""
+        out = self.test_world if test else self.world
+        val = self.p['test_per_class' if test else 'val_per_class']
+        cmd = [BIN / 'tokenaug-data', '--out', out, '--seed', '0', '--num-classes', NUM_CLASSES]
         cmd += ['--image-size', IMG_SIZE, '--formats', 'imagenet']
-        cmd += ['--train-per-class', self.p['train_per_class'], '--val-per-class', self.p['val_per_class']]
+        cmd += ['--train-per-class', self.p['train_per_class'], '--val-per-class', val]
         if 'max_extra_objects' in self.p:  # else tokenaug-data's default (one extra, smaller object per scene)
             cmd += ['--max-extra-objects', self.p['max_extra_objects']]
-        step = Step(self.world, cmd)
+        step = Step(out, cmd)
 
         def execute():
-            run(step.cmd, log=self.logs / 'world.log', echo=False)
+            run(step.cmd, log=self.logs / f'{out.name}.log', echo=False)
             return {}
 
-        self.step('world', step, execute)  # the record lies beside the world's own world.json
+        self.step(out.name.replace('_', ' '), step, execute)  # the record lies beside the world's own world.json
         return step
 
     def timm_cmd(self, config: str, out_dir: Path, seed: int, flags: list) -> list:
@@ -395,6 +407,40 @@ class Study:
                 results[name, seed] = self.step(f'{name} seed {seed}', step, execute)
         return results
 
+    def test_eval(self, runs: dict, test: Step) -> dict:
+        """Each run's final checkpoint on the test world's val split: the timm runs in this process
+        (``bench/study_eval.py``: the model as ``tokenaug-train`` built it, its val top-1 checked against the
+        training's own first), the mmpretrain runs by mmpretrain's ``tools/test.py`` on the run's own config with
+        ``$TOKENAUG_WORLD`` the test world (its test loader is its val loader)."""
+        results = {}
+        for (name, seed), rec in runs.items():
+            run_dir = self.out / 'runs' / name / f'seed{seed}'
+            dst = self.out / 'test' / name / f'seed{seed}'
+            if name in MM_RUNS:
+                cfg = self.out / 'configs' / f'{name}_seed{seed}.py'
+                ckpt = run_dir / f'epoch_{self.p["epochs"]}.pth'
+                cmd = [sys.executable, upstream('mmpretrain', 'test.py'), cfg, ckpt, '--work-dir', dst]
+            else:
+                cmd = ['bench/study_eval.py', run_dir, self.test_world / 'imagenet']
+            step = Step(dst, cmd, [rec['key'], test.key])
+
+            def execute(step=step, name=name, seed=seed, run_dir=run_dir, rec=rec):
+                if name in MM_RUNS:
+                    env = dict(
+                        os.environ,
+                        TOKENAUG_WORLD=str(self.test_world),
+                        PYTHONPATH=f'{REPO}{os.pathsep}{os.environ.get("PYTHONPATH", "")}',
+                    )
+                    log = self.logs / f'test_{name}_seed{seed}.log'
+                    run(step.cmd, env=env, log=log, echo=False)
+                    return dict(top1=round(metric(log, 'accuracy/top1'), 2))
+                from study_eval import evaluate_run
+
+                return evaluate_run(run_dir, self.test_world / 'imagenet', self.world / 'imagenet', rec['top1'])
+
+            results[name, seed] = self.step(f'test {name} seed {seed}', step, execute)
+        return results
+
     def occlusion(self, runs: dict, seeds: list[int]) -> dict:
         curves = {}
         for seed in seeds:
@@ -420,28 +466,41 @@ class Study:
         return curves
 
 
-def table(results: dict, curves: dict, seeds: list[int], preset_name: str, preset: dict, wall: float) -> str:
+def table(
+    results: dict, tests: dict, curves: dict, seeds: list[int], preset_name: str, preset: dict, wall: float
+) -> str:
+    """The study's markdown: per run the test top-1 (mean ± sd, per seed) beside the training's own val top-1, the
+    paired differences on the test top-1, and the occlusion curves."""
     labels = {k: v[0] for k, v in RUNS.items()} | {k: v[0] for k, v in MM_RUNS.items()}
-    names = [n for n in list(RUNS) + list(MM_RUNS) if all((n, s) in results for s in seeds)]
-    top1 = {n: [results[n, s]['top1'] for s in seeds] for n in names}
+    names = [n for n in list(RUNS) + list(MM_RUNS) if all((n, s) in results and (n, s) in tests for s in seeds)]
+    top1 = {n: [tests[n, s]['top1'] for s in seeds] for n in names}
+    val = {n: [results[n, s]['top1'] for s in seeds] for n in names}
     vit = preset['vit']
+    n_val, n_test = preset['val_per_class'] * NUM_CLASSES, preset['test_per_class'] * NUM_CLASSES
     lines = [
         f'Preset `{preset_name}`: world of {NUM_CLASSES} classes at {IMG_SIZE} px, {preset["train_per_class"]} train / '
         f'{preset["val_per_class"]} val images per class (objects 8-35 % of the image); ViT depth {vit["depth"]}, '
         f'width {vit["embed_dim"]}, {vit["num_heads"]} heads, patch 16 (7x7 tokens); {preset["epochs"]} epochs, '
-        f'batch {preset["batch_size"]}; seeds {", ".join(map(str, seeds))}. Top-1: the final epoch on val '
-        f'({preset["val_per_class"] * NUM_CLASSES} images). Study wall time {wall / 60:.0f} min.',
+        f'batch {preset["batch_size"]}; seeds {", ".join(map(str, seeds))}. Test top-1: the final checkpoint on '
+        f'{n_test} test images (the world regenerated with {preset["test_per_class"]} val images per class; no '
+        f"selection on either split). Val top-1: the training's own final evaluation of {n_val} images. Study wall "
+        f'time {wall / 60:.0f} min.',
         '',
-        '| run | top-1 mean ± sd | per seed | wall s / run |',
-        '|---|---|---|---|',
+        '| run | test top-1 mean ± sd | per seed | val top-1 mean ± sd | wall s / run |',
+        '|---|---|---|---|---|',
     ]
     for n in names:
         m, sd = mean_sd(top1[n])
+        vm, vsd = mean_sd(val[n])
         secs = statistics.fmean(results[n, s]['secs'] for s in seeds)
-        lines.append(f'| {labels[n]} | {m:.2f} ± {sd:.2f} | {" / ".join(f"{v:g}" for v in top1[n])} | {secs:.0f} |')
+        lines.append(
+            f'| {labels[n]} | {m:.2f} ± {sd:.2f} | {" / ".join(f"{v:g}" for v in top1[n])} | {vm:.2f} ± {vsd:.2f} '
+            f'| {secs:.0f} |'
+        )
     lines += [
         '',
-        f'Paired differences (method - baseline, same seed; mean and 95 % t interval over {len(seeds)} seeds):',
+        f'Paired differences of the test top-1 (method - baseline, same seed; mean and 95 % t interval over '
+        f'{len(seeds)} seeds):',
         '',
         '| method | baseline | difference | 95 % interval | interval excludes 0 |',
         '|---|---|---|---|---|',
@@ -457,8 +516,8 @@ def table(results: dict, curves: dict, seeds: list[int], preset_name: str, prese
     if occ:
         lines += [
             '',
-            'Occlusion (tokenaug-occlusion on the same checkpoints; val top-1, mean ± sd over seeds, with a fraction '
-            'of the 16x16 patches zeroed, the same patches for every model):',
+            f'Occlusion (tokenaug-occlusion on the same checkpoints; top-1 on the {n_val} val images, mean ± sd over '
+            'seeds, with a fraction of the 16x16 patches zeroed, the same patches for every model):',
             '',
             '| run | ' + ' | '.join(f'{float(r):.0%}' for r in OCCLUSION_RATIOS) + ' |',
             '|---' * (len(OCCLUSION_RATIOS) + 1) + '|',
@@ -512,14 +571,16 @@ def main(argv=None):
     results = study.timm_runs(world, maps, seeds)
     if study.mmpretrain and any(n in study.runs for n in MM_RUNS):
         results |= study.mm_runs(world, seeds)
+    tests = study.test_eval(results, study.make_world(test=True))
     curves = study.occlusion(results, seeds)
-    text = table(results, curves, seeds, args.preset, preset, study.secs)
+    text = table(results, tests, curves, seeds, args.preset, preset, study.secs)
     (out / 'study.md').write_text(text + '\n')
     record = dict(
         preset=args.preset,
         settings=preset,
         seeds=seeds,
         runs={f'{n} seed {s}': r for (n, s), r in results.items()},
+        test={f'{n} seed {s}': r for (n, s), r in tests.items()},
         occlusion={f'{n} seed {s}': r for (n, s), r in curves.items()},
         steps_run=study.steps_done,
         steps_skipped=study.steps_skipped,

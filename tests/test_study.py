@@ -78,6 +78,40 @@ def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path):
     assert set(first['runs']) == {f'{n} seed {s}' for n in names for s in seeds}
     for name, rec in first['runs'].items():
         assert 0 <= rec['top1'] <= 100 and rec['secs'] > 0, name
+    # every run's final checkpoint on the test world (6 val images per class, the world's 4 first among them):
+    # the timm runs in process after reproducing their own val top-1, the mmpretrain ones by its tools/test.py
+    assert set(first['test']) == set(first['runs'])
+    for name, rec in first['test'].items():
+        assert 0 <= rec['top1'] <= 100 and rec['secs'] > 0, name
+        assert name.startswith('mm_') or rec['images'] == 60, name
+    for split in ('train', 'val'):
+        world = sorted(p.read_bytes() for p in (out / 'world' / 'imagenet' / split).rglob('*.jpg'))
+        test = sorted(p.read_bytes() for p in (out / 'test_world' / 'imagenet' / split).rglob('*.jpg'))
+        assert len(test) == (80 if split == 'train' else 60)
+        assert world == test if split == 'train' else set(world) < set(test)
+    assert (out / 'logs' / 'test_mm_tl_align_seed1.log').is_file()
+    # per-class test accuracy of the study's runs (bench/study_eval.py): one row per run, a cell per class
+    cmd = [sys.executable, REPO / 'bench' / 'study_eval.py', '--out', out, '--runs', 'plain', 'tl_align']
+    cmd += ['--seeds', '2']
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(('| plain |', '| tl_align |'))]
+    assert len(rows) == 2 and all(len(r.split('|')) == 1 + 1 + 10 + 1 + 1 for r in rows), proc.stdout
+    cmd[-1] = '3'
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and 'no run folder' in proc.stderr and 'plain seed 2' in proc.stderr
+    # the evaluator refuses a run whose own val top-1 it does not reproduce (the token-labeling run: cls + aux)
+    sys.path.insert(0, str(REPO / 'bench'))
+    try:
+        from study_eval import evaluate_run
+    finally:
+        sys.path.remove(str(REPO / 'bench'))
+    run, own = out / 'runs' / 'mixtoken' / 'seed0', first['runs']['mixtoken seed 0']['top1']
+    worlds = (out / 'test_world' / 'imagenet', out / 'world' / 'imagenet')
+    again = evaluate_run(run, *worlds, own)
+    assert again['top1'] == first['test']['mixtoken seed 0']['top1'] and again['val_top1'] == pytest.approx(own)
+    with pytest.raises(RuntimeError, match='the training reported'):
+        evaluate_run(run, *worlds, own + 50)
     # the timm runs are tokenaug-train's own run folders, with their seed and the study's epochs
     for s in seeds:
         args = (out / 'runs' / 'tl_align' / f'seed{s}' / 'args.yaml').read_text()
@@ -94,12 +128,12 @@ def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path):
     labels = {k: v[0] for k, v in study.RUNS.items()} | {k: v[0] for k, v in study.MM_RUNS.items()}
     for name in names:
         assert f'| {labels[name]} |' in table
-    # every comparison of the grid's runs is a row, and its difference is the mean of the per-seed differences
+    # every comparison of the grid's runs is a row, and its difference is the mean of the per-seed test differences
     for m, b in [(m, b) for m, b in study.COMPARISONS if m in names and b in names]:
-        diff = sum(first['runs'][f'{m} seed {s}']['top1'] - first['runs'][f'{b} seed {s}']['top1'] for s in seeds) / 2
+        diff = sum(first['test'][f'{m} seed {s}']['top1'] - first['test'][f'{b} seed {s}']['top1'] for s in seeds) / 2
         assert f'| {labels[m]} | {labels[b]} | {diff:+.2f} |' in table
-    steps = first['steps_run']
-    assert first['steps_skipped'] == 0 and steps == 3 + len(names) * 2 + len(study.OCCLUSION_RUNS) * 2
+    steps = first['steps_run']  # world, annotator, maps, test world; runs, their test evaluations; occlusion
+    assert first['steps_skipped'] == 0 and steps == 4 + len(names) * 2 * 2 + len(study.OCCLUSION_RUNS) * 2
 
     # a rerun skips every finished step and writes the same table
     again = _run(out)
@@ -110,11 +144,12 @@ def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path):
     record = out / 'runs' / 'transmix' / 'seed0' / 'study_step.json'
     record.write_text(record.read_text().replace(first['runs']['transmix seed 0']['key'], 'stale'))
     third = _run(out)
+    # (their test evaluations are kept: a step's key is its command and its inputs' commands, not their outputs)
     assert third['steps_run'] == 2 and third['steps_skipped'] == steps - 2
     assert third['runs']['cutmix seed 0'] == first['runs']['cutmix seed 0']
     # a subset (--runs): only those runs, no annotator or maps, no mmpretrain row, occlusion of the ones trained
     subset = _run(tmp_path / 'subset', '--runs', 'plain', 'cutmix', '--seeds', '1')
     assert set(subset['runs']) == {'plain seed 0', 'cutmix seed 0'} and set(subset['occlusion']) == {'cutmix seed 0'}
-    assert subset['steps_run'] == 1 + 2 + 1 and not (tmp_path / 'subset' / 'maps').exists()
+    assert subset['steps_run'] == 2 + 2 * 2 + 1 and not (tmp_path / 'subset' / 'maps').exists()
     table = (tmp_path / 'subset' / 'study.md').read_text()
     assert f'| {labels["cutmix"]} | {labels["plain"]} |' in table and labels['tl_align'] not in table
