@@ -81,8 +81,8 @@ def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path):
     # every run's final checkpoint on the test world (6 val images per class, the world's 4 first among them):
     # the timm runs in process after reproducing their own val top-1, the mmpretrain ones by its tools/test.py
     assert set(first['test']) == set(first['runs'])
-    for name, rec in first['test'].items():
-        assert 0 <= rec['top1'] <= 100 and rec['secs'] > 0, name
+    for name, rec in first['test'].items():  # (a 60-image evaluation may take under the 0.1 s the record keeps)
+        assert 0 <= rec['top1'] <= 100 and rec['secs'] >= 0, name
         assert name.startswith('mm_') or rec['images'] == 60, name
     for split in ('train', 'val'):
         world = sorted(p.read_bytes() for p in (out / 'world' / 'imagenet' / split).rglob('*.jpg'))
