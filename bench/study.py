@@ -182,6 +182,13 @@ def paired(method: list[float], baseline: list[float]) -> dict:
     return dict(diffs=diffs, mean=mean, sd=sd, half=half, excludes_zero=bool(abs(mean) > half))
 
 
+def mm_env(world: Path) -> dict:
+    """The environment of an mmpretrain tool on the repo's world configs: ``$TOKENAUG_WORLD`` the world's root
+    and the repo importable (the configs' custom imports)."""
+    path = f'{REPO}{os.pathsep}{os.environ.get("PYTHONPATH", "")}'
+    return dict(os.environ, TOKENAUG_WORLD=str(world), PYTHONPATH=path)
+
+
 class Step:
     """One resumable step: done when ``dir/study_step.json`` records the same key (the command and its inputs'
     keys). ``run_step`` clears an unfinished or changed step's folder before running it."""
@@ -393,11 +400,7 @@ class Study:
                 def execute(cfg=cfg, text=text, work=work, step=step, name=name, seed=seed):
                     cfg.parent.mkdir(parents=True, exist_ok=True)
                     cfg.write_text(text)
-                    env = dict(
-                        os.environ,
-                        TOKENAUG_WORLD=str(self.world),
-                        PYTHONPATH=f'{REPO}{os.pathsep}{os.environ.get("PYTHONPATH", "")}',
-                    )
+                    env = mm_env(self.world)
                     run(step.cmd, env=env, log=self.logs / f'{name}_seed{seed}.log', echo=False)
                     scalars = sorted(work.glob('*/vis_data/scalars.json'))[-1]
                     lines = [json.loads(s) for s in scalars.read_text().splitlines()]
@@ -426,11 +429,7 @@ class Study:
 
             def execute(step=step, name=name, seed=seed, run_dir=run_dir, rec=rec):
                 if name in MM_RUNS:
-                    env = dict(
-                        os.environ,
-                        TOKENAUG_WORLD=str(self.test_world),
-                        PYTHONPATH=f'{REPO}{os.pathsep}{os.environ.get("PYTHONPATH", "")}',
-                    )
+                    env = mm_env(self.test_world)
                     log = self.logs / f'test_{name}_seed{seed}.log'
                     run(step.cmd, env=env, log=log, echo=False)
                     return dict(top1=round(metric(log, 'accuracy/top1'), 2))
