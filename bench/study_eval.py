@@ -24,6 +24,7 @@ import torch
 import yaml
 from timm.data import create_transform
 
+from shared_core.checkpoint_io import load_checkpoint_file
 from timm_plugin.occlusion import data_config
 from timm_plugin.tasks import TokenLabelingEval
 from timm_plugin.token_labeling import TokenLabeling, attach_aux_head
@@ -54,8 +55,7 @@ def run_model(run_dir: Path, device: torch.device | str = 'cpu') -> torch.nn.Mod
     args = argparse.Namespace(**yaml.safe_load((run_dir / 'args.yaml').read_text()))
     args.pretrained, args.pretrained_path, args.initial_checkpoint = False, None, ''
     model = build_model(args)
-    ckpt = torch.load(run_dir / 'last.pth.tar', map_location='cpu', weights_only=True)
-    state = ckpt['state_dict']
+    state = load_checkpoint_file(run_dir / 'last.pth.tar')['state_dict']  # weights only; a bad file named
     aux = any(k.startswith('aux_head.') for k in state)
     if aux:
         attach_aux_head(model)
@@ -66,6 +66,11 @@ def run_model(run_dir: Path, device: torch.device | str = 'cpu') -> torch.nn.Mod
     if not aux:
         return model
     return TokenLabelingEval(model, TokenLabeling(model, mix_token=False, head_rule=args.head_rule))
+
+
+def model_split(model: torch.nn.Module, root: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """``root/val`` through the eval transform of ``model``'s data config (a wrapper's ``.model``)."""
+    return load_split(root, 'val', data_config(getattr(model, 'model', model), None, None))
 
 
 def top1(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, device='cpu') -> float:
@@ -86,14 +91,13 @@ def evaluate_run(run_dir: Path, test_root: Path, val_root: Path, val_top1: float
     another batch size may flip a borderline image)."""
     device = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     model = run_model(run_dir, device)
-    config = data_config(getattr(model, 'model', model), None, None)
-    check = top1(model, *load_split(val_root, 'val', config), device)
+    check = top1(model, *model_split(model, val_root), device)
     if abs(check - val_top1) > tolerance:
         raise RuntimeError(
             f'{run_dir}: the study evaluator gives {check:.2f} on the val split, the training reported {val_top1}; '
             "the test top-1 would not be the training's evaluation"
         )
-    images, targets = load_split(test_root, 'val', config)
+    images, targets = model_split(model, test_root)
     return dict(top1=round(top1(model, images, targets, device), 2), images=len(images), val_top1=round(check, 2))
 
 
@@ -107,7 +111,7 @@ def per_class(out: Path, runs: list[str], seeds: list[int]) -> str:
         accs, confusions = [], []
         for seed in seeds:
             model = run_model(out / 'runs' / name / f'seed{seed}')
-            images, targets = load_split(test_root, 'val', data_config(getattr(model, 'model', model), None, None))
+            images, targets = model_split(model, test_root)
             pred = predictions(model, images)
             k = int(targets.max()) + 1
             conf = torch.zeros(k, k, dtype=torch.long)
