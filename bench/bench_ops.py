@@ -68,10 +68,10 @@ def main():
     tl_loss = TokenLabelingLoss(C)
     steps = {
         'plain (CutMix batch, area target)': lambda: soft_ce(model(xm), target),
-        'TL-Align (CutMix; on the CPU: shared attention materialised once)': lambda w=TLAlign(model): soft_ce(
+        'TL-Align (CutMix; shared fused attention, the default on every device)': lambda w=TLAlign(model): soft_ce(
             *w(xm, target)
         ),
-        'TL-Align, fused shared attention (the accelerator path)': lambda w=TLAlign(model, fused=True): soft_ce(
+        'TL-Align, shared attention materialised once (fused=False)': lambda w=TLAlign(model, fused=False): soft_ce(
             *w(xm, target)
         ),
         'TL-Align, attention recomputed (shared=False)': lambda w=TLAlign(model, shared=False): soft_ce(*w(xm, target)),
@@ -99,7 +99,7 @@ def main():
         kern = sum(c.kernels.values()) - sum(ref.kernels.values())
         total = sum(c.counts.values())
         print(f'| {name} | {total} | {extra:+d} | {extra / depth:+.1f} | {kern:+d} | {kern / depth:+.1f} |')
-    fused = 'TL-Align, fused shared attention (the accelerator path)'
+    fused = 'TL-Align (CutMix; shared fused attention, the default on every device)'
     a, b = counters[fused].counts, counters[plain].counts
     net = sorted(((a[n] - b[n], n) for n in set(a) | set(b) if a[n] != b[n]), key=lambda t: (-abs(t[0]), t[1]))
     print(f'\n{fused} vs plain, net change per op name over the step ({depth} blocks; * a view)')

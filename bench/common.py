@@ -42,11 +42,11 @@ def timed(fn: Callable[[], object], sync: Optional[Callable[[], None]] = None) -
     return time.perf_counter() - t
 
 
-def median_times(
+def interleaved_times(
     fns: Sequence[Callable[[], object]], repeats: int, warmup: int = 0, sync: Optional[Callable[[], None]] = None
-) -> List[float]:
-    """Median seconds per call of each of ``fns``: ``warmup`` untimed rounds, then ``repeats`` rounds that
-    time each function once, in the given order (interleaved: a drift of the machine's speed hits all alike)."""
+) -> List[List[float]]:
+    """Seconds of each call of each of ``fns``: ``warmup`` untimed rounds, then ``repeats`` rounds that time each
+    function once, in the given order (interleaved: a drift of the machine's speed hits all alike)."""
     for _ in range(warmup):
         for fn in fns:
             fn()
@@ -54,7 +54,22 @@ def median_times(
     for _ in range(repeats):
         for fn, acc in zip(fns, times):
             acc.append(timed(fn, sync))
-    return [statistics.median(t) for t in times]
+    return times
+
+
+def median_times(
+    fns: Sequence[Callable[[], object]], repeats: int, warmup: int = 0, sync: Optional[Callable[[], None]] = None
+) -> List[float]:
+    """Median seconds per call of each of ``fns`` over :func:`interleaved_times`'s rounds."""
+    return [statistics.median(t) for t in interleaved_times(fns, repeats, warmup, sync)]
+
+
+def pair_ratios(ours: Sequence[float], base: Sequence[float]) -> str:
+    """``median [q1, q3]`` of the per-round ratios ``ours / base`` of two interleaved series (each round's pair ran
+    back to back, so a drift of the machine's speed cancels in the ratio)."""
+    r = [a / b for a, b in zip(ours, base)]
+    q1, med, q3 = statistics.quantiles(r, n=4) if len(r) > 1 else (r[0],) * 3
+    return f'{med:.3f} [{q1:.3f}, {q3:.3f}]'
 
 
 #: ops that only make a tensor's metadata (no kernel on a device) besides those aten marks as views

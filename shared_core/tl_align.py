@@ -75,7 +75,7 @@ __all__ = [
 # The one switch: the label attention as a fused SDPA call or a transient softmax
 # ----------------------------------------------------------------------------------------------
 
-#: environment override: ``TOKENAUG_FUSED_LABEL_ATTN=1`` (always fused) / ``0`` (never); unset: per device
+#: environment override: ``TOKENAUG_FUSED_LABEL_ATTN=1`` (always fused) / ``0`` (never); unset: by device and path
 FUSED_ENV = 'TOKENAUG_FUSED_LABEL_ATTN'
 _FUSED: Optional[bool] = None if os.environ.get(FUSED_ENV, '') == '' else os.environ[FUSED_ENV] not in ('0', 'false')
 _FUSED_SCOPE: contextvars.ContextVar = contextvars.ContextVar('tokenaug_fused_label_attn', default=None)
@@ -98,17 +98,20 @@ def fused_label_attn(enable: Optional[bool]):
             _FUSED_SCOPE.reset(token)
 
 
-def use_fused_label_attn(device: torch.device) -> bool:
+def use_fused_label_attn(device: torch.device, shared: bool = False) -> bool:
     """Whether the label attention runs as a fused ``scaled_dot_product_attention`` call: the innermost
-    :func:`fused_label_attn` scope, else :func:`set_fused_label_attn` / ``$TOKENAUG_FUSED_LABEL_ATTN``, else
-    fused on accelerators and a transient softmax on the CPU (PyTorch's fused CPU kernel is slower for the
-    1-wide values of the compact state, ``bench/RESULTS.md``)."""
+    :func:`fused_label_attn` scope, else :func:`set_fused_label_attn` / ``$TOKENAUG_FUSED_LABEL_ATTN``, else by
+    device and path. ``shared``: the labels ride as extra value columns in the token path's own call
+    (:class:`LabelColumns`): fused on every device (on the CPU too, PyTorch's fused CPU kernel with a few more
+    columns costs less than materialising the attention once, ``bench/RESULTS.md``). A separate label-only call
+    (the recomputing path): fused on accelerators, a transient softmax on the CPU (the fused CPU kernel is slower
+    for the 1-wide values of the compact state)."""
     scoped = _FUSED_SCOPE.get()
     if scoped is not None:
         return scoped
     if _FUSED is not None:
         return _FUSED
-    return torch.device(device).type != 'cpu'
+    return shared or torch.device(device).type != 'cpu'
 
 
 def compact_labels(mix: Mix, num_prefix_tokens: int = 1) -> torch.Tensor:
@@ -194,13 +197,14 @@ def shared_attention(
     gradients) and ``branch`` ``(B, T, K)`` fp32, without gradients: ``mean_h softmax(q kᵀ · scale + mask) ·
     labels`` (``labels`` ``(B, T, K)``, no gradients).
 
-    ``fused`` (default :func:`use_fused_label_attn`): one fused call with the labels as extra value columns
+    ``fused`` (default :func:`use_fused_label_attn` with ``shared``: fused on every device): one fused call with
+    the labels as extra value columns
     (:class:`LabelColumns`, for one call; a model's forward keeps one across its blocks). Unfused: the attention
     materialised once (its logits in fp32) for both paths. No attention dropout here (callers keep the
     recomputing path then).
     """
     if fused is None:
-        fused = use_fused_label_attn(q.device)
+        fused = use_fused_label_attn(q.device, shared=True)
     if fused:
         columns = LabelColumns(labels, q.shape[1], q.shape[-1], v.dtype)
         out, heads = columns.attend(torch.stack([q, k, v]), scale, attn_mask)

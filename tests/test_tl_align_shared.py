@@ -2,13 +2,23 @@
 targets as the explicit reference, the plain model's logits and gradients, under fp32 and bf16 autocast.
 (``tests/test_tl_align.py``'s dense references run through the shared path too: its widths are <= 8.)"""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from timm.models.deit import VisionTransformerDistilled
 
 from shared_core.mixing import one_hot
-from shared_core.tl_align import shared_attention
+from shared_core.tl_align import (
+    FUSED_ENV,
+    fused_label_attn,
+    set_fused_label_attn,
+    shared_attention,
+    use_fused_label_attn,
+)
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import SharedAttentionViT, TLAlign
 
@@ -157,3 +167,40 @@ def test_shared_attention_against_a_materialised_reference():
         # the kernel rounds the attention weights to bf16 before applying them (hi/lo keeps the labels exact):
         # one call's branch is within a few bf16 ulps of 1
         assert branch.dtype == torch.float32 and (branch - ref_branch).abs().max() < 5e-3
+
+
+def test_the_one_switch_defaults_by_device_and_path_and_its_overrides():
+    """``use_fused_label_attn``: the shared path fused on every device (the CPU included: bench/RESULTS.md), a
+    separate label attention fused on accelerators only; a scope, the process-wide setting and the environment
+    variable override both paths."""
+    assert use_fused_label_attn('cpu', shared=True) and not use_fused_label_attn('cpu')
+    assert use_fused_label_attn('cuda') and use_fused_label_attn('cuda', shared=True)
+    with fused_label_attn(False):
+        assert not use_fused_label_attn('cpu', shared=True) and not use_fused_label_attn('cuda')
+    set_fused_label_attn(True)
+    try:
+        assert use_fused_label_attn('cpu')
+        with fused_label_attn(False):  # the innermost scope first
+            assert not use_fused_label_attn('cuda', shared=True)
+    finally:
+        set_fused_label_attn(None)
+    code = 'from shared_core.tl_align import use_fused_label_attn as u; print(u("cpu", shared=True), u("cuda"))'
+    for value, expected in (('0', 'False False'), ('1', 'True True')):
+        env = {**os.environ, FUSED_ENV: value}
+        out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected, (value, out.stdout, out.stderr)
+
+
+def test_the_default_on_the_cpu_is_the_fused_shared_call():
+    """``TLAlign(model)`` on the CPU runs the labels as value columns of the token path's fused call: the same
+    logits and target, bit for bit, as ``fused=True``, and the plain model's logits within float rounding (the wider
+    call's kernel adds in another order)."""
+    model = tiny_vit(depth=3).train()
+    (xm, target), _ = _batch(6)
+    torch.manual_seed(1)
+    out, aligned = TLAlign(model)(xm, target)
+    torch.manual_seed(1)
+    out_f, aligned_f = TLAlign(model, fused=True)(xm, target)
+    assert torch.equal(out, out_f) and torch.equal(aligned, aligned_f)
+    torch.manual_seed(1)
+    assert torch.allclose(out, model(xm), atol=1e-5, rtol=0)  # measured 1.9e-6 (logits up to 5.4)

@@ -16,8 +16,9 @@ depth dropped. After the forward, the label state (compact ``(B, T, 1)`` partner
 transient softmax is faster), and the token path is untouched: still the model's fused attention.
 
 On timm ``VisionTransformer`` / DeiT the default is :class:`SharedAttentionViT`: the labels travel through
-the token path's own attention call (one attention per block for both; ``TLAlign(model, shared=False)`` keeps
-the recomputing path described above).
+the token path's own attention call as extra value columns (one fused attention per block for both, on every
+device; ``fused=False`` materialises the attention once for both; ``TLAlign(model, shared=False)`` keeps the
+recomputing path described above).
 
 Supported: timm ``VisionTransformer`` (ViT / DeiT, class token or ``global_pool='avg'``, register
 tokens), ``VisionTransformerDistilled`` (DeiT distilled), ``SwinTransformer`` (shifted windows,
@@ -299,7 +300,7 @@ class SharedAttentionViT:
                 )
             gate = attn.gate(x).sigmoid() if getattr(attn, 'gate', None) is not None else None
             qkv = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-            if use_fused_label_attn(x.device):  # one call: [q | 0], [k | 0], [v | labels]
+            if use_fused_label_attn(x.device, shared=True):  # one call: [q | 0], [k | 0], [v | labels]
                 if not (isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)):
                     q, k, v = qkv.unbind(0)
                     qkv = torch.stack([attn.q_norm(q), attn.k_norm(k), v])
@@ -1128,7 +1129,8 @@ class TLAlign(nn.Module):
         residual: ``False`` drops the residual from the label path (Table 8, "normalization disabled").
         fused: the label attention as a fused SDPA call (``True``) or a transient softmax (``False``) for this
             wrapper; default :func:`shared_core.tl_align.use_fused_label_attn` (``$TOKENAUG_FUSED_LABEL_ATTN``,
-            else fused on accelerators). With ``shared=False`` the token path is the model's own either way.
+            else the shared path fused on every device, the recomputing path fused on accelerators). With
+            ``shared=False`` the token path is the model's own either way.
         drop_path: ``'kept'`` (a sample whose attention branch stochastic depth dropped keeps its labels) or
             ``'public'`` (the public code: they update anyway).
         shared: timm ViTs: one attention per block for tokens and labels (:class:`SharedAttentionViT`);
