@@ -28,6 +28,7 @@ __all__ = [
     'mix_rows',
     'own_lam',
     'mix_images',
+    'mix_images_flip',
     'mix_tokens',
     'mix_target',
     'multi_label_target',
@@ -184,16 +185,18 @@ def check_pairwise_batch(batch_size: int, name: str = 'x', allow_odd: bool = Fal
         )
 
 
-def check_labels(labels: torch.Tensor, num_classes: int, name: str = 'target') -> None:
+def check_labels(labels: torch.Tensor, num_classes: int, name: str = 'target', values: bool = True) -> None:
     """A 1-d integer tensor of class indices in ``[0, num_classes)``. The range is checked where the labels
     are on the CPU (the collates and loaders of tokenaug check them there): on an accelerator the check
-    would stall every training step on a device sync, and the device's own index check still fails loudly."""
+    would stall every training step on a device sync, and the device's own index check still fails loudly.
+    ``values=False``: the dtype and shape only, for labels that go straight into :func:`one_hot` (its scatter
+    checks the range on the CPU, and a failure is reported by this function, with the same message)."""
     if labels.dim() != 1 or labels.dtype.is_floating_point or labels.dtype == torch.bool:
         raise ValueError(
             f'{name}: expected a 1-d integer tensor of class indices, '
             f'got dtype {labels.dtype} and shape {tuple(labels.shape)}'
         )
-    if labels.numel() and labels.device.type == 'cpu':
+    if values and labels.numel() and labels.device.type == 'cpu':
         lo, hi = (int(v) for v in torch.aminmax(labels))
         if lo < 0 or hi >= num_classes:
             raise ValueError(
@@ -238,17 +241,11 @@ def mix_images(x: torch.Tensor, mix: Mix) -> torch.Tensor:
     dev = x.device
     if mix.flip and x.dtype.is_floating_point:  # timm's fast paths: the partners are x.flip(0)
         if mix.blend:  # MixUp (or unmixed) rows: one lerp, λ a scalar in batch mode
-            if mix.batch_lam == 1.0:
-                return x.clone()
-            w = mix.batch_lam
-            if w is None:
-                w = mix.lam.to(dev, x.dtype, non_blocking=True).view(-1, 1, 1, 1)
-            return x.flip(0).lerp_(x, w)
+            if mix.batch_lam is not None:
+                return mix_images_flip(x, mix.batch_lam)
+            return x.flip(0).lerp_(x, mix.lam.to(dev, x.dtype, non_blocking=True).view(-1, 1, 1, 1))
         if mix.batch_lam is not None and mix.boxes is not None:  # batch mode CutMix: one box for all
-            y0, y1, x0, x1 = mix.boxes[0].tolist()
-            out = x.clone()
-            out[:, :, y0:y1, x0:x1] = x[:, :, y0:y1, x0:x1].flip(0)
-            return out
+            return mix_images_flip(x, mix.batch_lam, tuple(mix.boxes[0].tolist()))
     partner = mix.partner.to(dev, non_blocking=True)
     share = mix.token_share.to(dev, non_blocking=True)
     # the row plan reads the mix where it lives (the samplers build it on the CPU: no device sync)
@@ -269,6 +266,18 @@ def mix_images(x: torch.Tensor, mix: Mix) -> torch.Tensor:
             for b, (p, (y0, y1, x0, x1), v) in enumerate(zip(mix.partner.tolist(), boxes, valid)):
                 if v:
                     out[b, :, y0:y1, x0:x1] = x[p, :, y0:y1, x0:x1]
+    return out
+
+
+def mix_images_flip(x: torch.Tensor, lam: float, box: Optional[Tuple[int, int, int, int]] = None) -> torch.Tensor:
+    """Batch-mode MixUp / CutMix against the reversed batch, timm's fast path (float images): the blend ``λ · x +
+    (1 - λ) · x.flip(0)`` as one ``lerp``, or CutMix's pixel ``box`` ``(y0, y1, x0, x1)`` copied from ``x.flip(0)``
+    into a copy of ``x`` (λ is then the box's complement, not used here). ``x`` is not modified."""
+    if box is None:
+        return x.clone() if lam == 1.0 else x.flip(0).lerp_(x, lam)
+    y0, y1, x0, x1 = box
+    out = x.clone()
+    out[:, :, y0:y1, x0:x1] = x[:, :, y0:y1, x0:x1].flip(0)
     return out
 
 
@@ -338,11 +347,17 @@ def mix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
     return mix_rows(tokens, mix.partner, mix.token_share_flat(), mix.flip)
 
 
-def one_hot(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
-    """Label-smoothed one-hot rows (timm's convention: off = ε/C, on = 1 - ε + ε/C); rows sum to 1."""
+def one_hot(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0, name: str = 'target') -> torch.Tensor:
+    """Label-smoothed one-hot rows (timm's convention: off = ε/C, on = 1 - ε + ε/C); rows sum to 1. A label out of
+    ``[0, num_classes)`` fails with :func:`check_labels`'s error naming ``name`` (checked when the CPU's scatter
+    refuses an index, so a valid batch pays no separate range check)."""
     off = smoothing / num_classes
     out = torch.full((labels.shape[0], num_classes), off, device=labels.device)
-    return out.scatter_(1, labels.long().view(-1, 1), 1.0 - smoothing + off)
+    try:
+        return out.scatter_(1, labels.long().view(-1, 1), 1.0 - smoothing + off)
+    except RuntimeError:
+        check_labels(labels, num_classes, name)
+        raise
 
 
 def pair_target(
@@ -359,8 +374,8 @@ def pair_target(
     ``mixup_target``, instead of gathering the partners."""
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f'label_smoothing must be in [0, 1), got {smoothing}')
-    check_labels(labels, num_classes)
-    y = one_hot(labels, num_classes, smoothing)
+    check_labels(labels, num_classes, values=False)
+    y = one_hot(labels, num_classes, smoothing)  # checks the range where the labels are on the CPU
     if not isinstance(lam, float):
         lam = torch.as_tensor(lam, dtype=torch.float32).to(y.device).reshape(-1)
     return mix_rows(y, partner, 1.0 - lam, flip)

@@ -256,21 +256,50 @@ class MixSampler:
         )
         return mix if device is None else mix.to(device)
 
+    def _batch_draw(self, generator) -> Tuple[float, bool]:
+        """``mode='batch'``: λ and whether the cut branch is taken, drawn on the host in Python numbers, the same
+        draws in the same order as the vector path (a seed gives the same mix; the generator's doubles are
+        sequential whether drawn one by one or together)."""
+        if not self.mixup_enabled:
+            return 1.0, False
+        both = self.has_blend and self.has_cut
+        u = rand(1 + both + self.has_blend + self.has_cut, generator).tolist()
+        active = u.pop(0) < self.mix_prob
+        use_cut = u.pop(0) < self.switch_prob if both else self.has_cut
+        lam_blend = float(betaincinv(self.mixup_alpha, self.mixup_alpha, u.pop(0))) if self.has_blend else 1.0
+        lam_cut = float(betaincinv(self.cutmix_alpha, self.cutmix_alpha, u.pop(0))) if self.has_cut else 1.0
+        if not active:
+            return 1.0, False
+        return (lam_cut, True) if use_cut else (lam_blend, False)
+
+    def _batch_box(self, img_size: Tuple[int, int], lam: float, generator) -> Tuple[float, Tuple[int, int, int, int]]:
+        """CutMix's one pixel box of a batch and its (corrected) λ: :func:`rand_box` in Python numbers."""
+        box = y0, y1, x0, x1 = rand_box_one(img_size, lam, generator, self.box_rounding)
+        if self.correct_lam:
+            lam = 1.0 - (y1 - y0) * (x1 - x0) / (img_size[0] * img_size[1])
+        return lam, box
+
+    def plain_batch(
+        self, batch_size: int, img_size: IntPair, generator: Optional[torch.Generator] = None
+    ) -> Tuple[float, Optional[Tuple[int, int, int, int]]]:
+        """``mode='batch'`` MixUp / CutMix without a :class:`Mix` (timm's path, for a plain area target): ``(λ,
+        box)``, the batch's own share λ and CutMix's pixel box ``(y0, y1, x0, x1)`` (``None`` for a blend), the
+        same draws as :meth:`sample` (a seed gives the same λ and box). Every sample's partner is the reversed
+        batch: :func:`~shared_core.mix.mix_images_flip` and :func:`~shared_core.mix.pair_target` apply it."""
+        if self.mode != 'batch' or self.mix_kind not in ('mixup', 'cutmix') or self.cutmix_minmax is not None:
+            raise ValueError(
+                f"plain_batch: mode='batch' MixUp / CutMix without cutmix_minmax only; got mode={self.mode!r}, "
+                f'mix_kind={self.mix_kind!r}, cutmix_minmax={self.cutmix_minmax}'
+            )
+        check_pairwise_batch(batch_size)
+        img_size = to_2tuple(img_size, 'img_size')
+        lam, use_cut = self._batch_draw(generator)
+        return self._batch_box(img_size, lam, generator) if use_cut else (lam, None)
+
     def _sample_batch_mode(self, batch_size: int, img_size: Tuple[int, int], generator) -> Mix:
-        """``mode='batch'`` MixUp / CutMix / MixToken's token box on the host: the same draws, in the same order,
-        as the vector path (so a seed gives the same mix; the generator's doubles are sequential whether drawn
-        one by one or together), in Python numbers; a handful of tensor ops build the :class:`Mix`."""
-        lam, use_cut = 1.0, False
-        if self.mixup_enabled:
-            both = self.has_blend and self.has_cut
-            u = rand(1 + both + self.has_blend + self.has_cut, generator).tolist()
-            active = u.pop(0) < self.mix_prob
-            use_cut = u.pop(0) < self.switch_prob if both else self.has_cut
-            lam_blend = float(betaincinv(self.mixup_alpha, self.mixup_alpha, u.pop(0))) if self.has_blend else 1.0
-            lam_cut = float(betaincinv(self.cutmix_alpha, self.cutmix_alpha, u.pop(0))) if self.has_cut else 1.0
-            lam = (lam_cut if use_cut else lam_blend) if active else 1.0
-            use_cut = use_cut and active
-        H, W = img_size
+        """``mode='batch'`` MixUp / CutMix / MixToken's token box on the host (:meth:`_batch_draw`); a handful of
+        tensor ops build the :class:`Mix`."""
+        lam, use_cut = self._batch_draw(generator)
         gh, gw = grid_size(img_size, self.patch_size)
         box = None
         if use_cut and self.mix_kind == 'token_box':  # MixToken: a box on the token grid, λ its exact own share
@@ -279,9 +308,7 @@ class MixSampler:
             share = torch.zeros(batch_size, gh, gw)
             share[:, y0:y1, x0:x1] = 1.0
         elif use_cut:  # CutMix: rand_box and box_token_share for one box, in Python numbers (the same arithmetic)
-            box = y0, y1, x0, x1 = rand_box_one((H, W), lam, generator, self.box_rounding)
-            if self.correct_lam:
-                lam = 1.0 - (y1 - y0) * (x1 - x0) / (H * W)
+            lam, box = self._batch_box(img_size, lam, generator)
             share = box_token_share_one(box, img_size, self.patch_size).expand(batch_size, gh, gw).clone()
         else:
             share = torch.full((batch_size, gh, gw), 1.0 - lam)

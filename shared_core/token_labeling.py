@@ -155,7 +155,7 @@ def token_labeling_targets(
     ``.flips`` ``(B,)`` on the training device, and optionally the geometric ops after them ``.affines``
     with their ``.extent`` (needed for ``dense`` or a non-``'gt'`` class target).
     Every row sums to 1."""
-    check_labels(labels, num_classes, name)
+    check_labels(labels, num_classes, name, values=False)  # the range: one_hot's scatter below, on the CPU
     if maps is None and (dense or cls_target != 'gt'):
         raise ValueError(
             'maps: token labeling needs the label maps of the batch (dense token targets or an '
@@ -166,7 +166,7 @@ def token_labeling_targets(
         annotator = crop_targets(
             maps.values, maps.indices, num_classes, maps.boxes, smoothing, maps.flips, *_geometry(maps)
         )
-    gt = one_hot(labels, num_classes, smoothing)
+    gt = one_hot(labels, num_classes, smoothing, name)
     y_cls = mix_class_target(class_target(gt, annotator, cls_target, cls_target_mix), mix)  # Eq. 7
     tokens = None
     if dense:

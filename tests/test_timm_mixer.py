@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 from timm.data import FastCollateMixup, create_dataset, create_loader
 from timm.loss import BinaryCrossEntropy, SoftTargetCrossEntropy
@@ -142,6 +144,15 @@ def test_bad_input_errors():
         mixer(torch.randn(4, 3, 32, 32), torch.rand(4))
     with pytest.raises(ValueError, match='x: image size 32x40 is not divisible by patch_size 16x16'):
         mixer(torch.randn(4, 3, 32, 40), torch.tensor([0, 1, 2, 3]))
+    for plain in (create_mixer(mixup_alpha=0.8, num_classes=10), create_mixer(cutmix_alpha=1.0, num_classes=10)):
+        # the batch path without a Mix: the range is checked when one_hot's scatter refuses an index
+        for bad in ([0, 1, 2, 10], [0, -1, 2, 3]):
+            with pytest.raises(ValueError, match=r'target: .*\[0, num_classes=10\)'):
+                plain(torch.randn(4, 3, 32, 32), torch.tensor(bad))
+        with pytest.raises(ValueError, match='target: .*integer'):
+            plain(torch.randn(4, 3, 32, 32), torch.rand(4))
+        with pytest.raises(ValueError, match='x: .*even'):
+            plain(torch.randn(3, 3, 32, 32), torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match='mix_kind'):
         create_mixer('transmixx')
     with pytest.raises(ValueError, match='num_classes'):
@@ -263,3 +274,43 @@ def test_create_mixer_takes_timms_mixup_arguments_and_matches_its_targets(args):
         if mix.boxes is None:  # a blend
             lam = mix.lam.view(-1, 1, 1, 1)
             torch.testing.assert_close(out, lam * x + (1 - lam) * x.flip(0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    kind=st.sampled_from(['mixup', 'cutmix', 'switch']),
+    prob=st.sampled_from([1.0, 0.5]),
+    correct_lam=st.booleans(),
+    box_rounding=st.sampled_from(['timm', 'public']),
+    enabled=st.booleans(),
+    size=st.sampled_from([(32, 32), (30, 20)]),
+)
+def test_plain_batch_path_equals_the_mix_path(seed, kind, prob, correct_lam, box_rounding, enabled, size):
+    """Batch-mode MixUp / CutMix into a plain target skip the Mix (timm's path: λ and the box on the host, mixed
+    against x.flip(0)): the same images and target, bit for bit, as drawing the Mix and applying it, from the same
+    generator state; the input is left as it was."""
+    alphas = {'mixup': (0.8, 0.0), 'cutmix': (0.0, 1.0), 'switch': (0.8, 1.0)}[kind]
+    args = dict(
+        mixup_alpha=alphas[0],
+        cutmix_alpha=alphas[1],
+        prob=prob,
+        correct_lam=correct_lam,
+        box_rounding=box_rounding,
+        num_classes=10,
+        patch_size=8,
+    )
+    fast = create_mixer(generator=torch.Generator().manual_seed(seed), **args)
+    slow = create_mixer(generator=torch.Generator().manual_seed(seed), **args)
+    fast.mixup_enabled = slow.mixup_enabled = enabled
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(6, 3, *size, generator=g)
+    y = torch.randint(0, 10, (6,), generator=g)
+    x0 = x.clone()
+    for _ in range(3):
+        xa, ta = fast(x, y)
+        mix = slow.sample(x, y)
+        tb = slow.make_target(y, mix)
+        assert type(ta) is torch.Tensor and torch.equal(ta, tb)
+        assert torch.equal(xa, mix_images(x, mix))
+        assert torch.equal(x, x0)

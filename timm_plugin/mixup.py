@@ -30,7 +30,15 @@ import torch
 from timm.data import FastCollateMixup
 
 from shared_core.checks import check_real
-from shared_core.mix import Mix, check_pairwise_batch, mix_images, mix_target, multi_label_target
+from shared_core.mix import (
+    Mix,
+    check_pairwise_batch,
+    mix_images,
+    mix_images_flip,
+    mix_target,
+    multi_label_target,
+    pair_target,
+)
 from shared_core.samplers import MIX_KINDS, MixSampler
 from shared_core.tokenmix import ACTIVATION_TARGETS, activation_target
 
@@ -153,6 +161,12 @@ class TokenAwareMixup:
 
     def sample(self, x: torch.Tensor, target: torch.Tensor, name: str = 'x') -> Mix:
         """Check the batch and draw its mix (on the CPU, without applying it)."""
+        self.sample_checks(x, target, name)
+        return self.sampler.sample(x.shape[0], tuple(x.shape[-2:]), self.generator)
+
+    @staticmethod
+    def sample_checks(x: torch.Tensor, target: torch.Tensor, name: str = 'x') -> None:
+        """A ``(B, C, H, W)`` image batch of an even size and a target per image."""
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(
                 f'{name}: expected a (B, C, H, W) image tensor, got '
@@ -163,7 +177,6 @@ class TokenAwareMixup:
             raise ValueError(f'target: expected a tensor, got {type(target).__name__}')
         if target.shape[0] != x.shape[0]:
             raise ValueError(f'target: {target.shape[0]} labels for a batch of {x.shape[0]} images')
-        return self.sampler.sample(x.shape[0], tuple(x.shape[-2:]), self.generator)
 
     def make_target(self, target: torch.Tensor, mix: Mix) -> torch.Tensor:
         """The area target (checks the labels), or with ``activation_targets`` TokenMix's target from the
@@ -200,7 +213,26 @@ class TokenAwareMixup:
             soft, mix.to(soft.device, non_blocking=True), target.to(soft.device), self.num_classes, self.label_smoothing
         )
 
+    def _plain_batch(self, x: torch.Tensor) -> bool:
+        """Whether this call takes timm's own path without a :class:`Mix`: batch-mode MixUp / CutMix of float
+        images into a plain area target (nothing carries or re-weights the mix)."""
+        return (
+            self.mode == 'batch'
+            and self.mix_kind in PLAIN_TARGET_KINDS
+            and not self.carry_mix
+            and not self.multi_label
+            and self.activation_targets is None
+            and self.cutmix_minmax is None
+            and isinstance(x, torch.Tensor)
+            and x.dtype.is_floating_point
+        )
+
     def __call__(self, x: torch.Tensor, target: torch.Tensor, name: str = 'x'):
+        if self._plain_batch(x):  # λ and the box drawn on the host, mixed against x.flip(0), as timm does
+            self.sample_checks(x, target, name)
+            lam, box = self.sampler.plain_batch(x.shape[0], tuple(x.shape[-2:]), self.generator)
+            soft = pair_target(target, None, lam, self.num_classes, self.label_smoothing, flip=True)
+            return mix_images_flip(x, lam, box), soft
         mix = self.sample(x, target, name)
         target = self.make_target(target, mix)
         return mix_images(x, mix), target
