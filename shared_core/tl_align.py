@@ -223,6 +223,54 @@ def shared_attention(
     return attn.to(v.dtype) @ v, branch
 
 
+_ATEN = torch.ops.aten
+#: PyTorch's fused CPU attention and its backward (what ``scaled_dot_product_attention`` runs on the CPU)
+_CPU_FLASH = all(
+    hasattr(_ATEN, n)
+    for n in ('_scaled_dot_product_flash_attention_for_cpu', '_scaled_dot_product_flash_attention_for_cpu_backward')
+)
+
+
+class _CPUSharedAttention(torch.autograd.Function):
+    """The CPU's fused attention over ``[q | 0]``, ``[k | 0]``, ``[v | labels]`` whose backward is the plain
+    attention's: the zero columns leave the logits, the softmax and its log-sum-exp as they are, and the label
+    columns carry no gradient, so the backward runs PyTorch's own CPU attention backward on ``q, k, v`` at their
+    head dim with the forward's log-sum-exp (the gradients are the plain ``scaled_dot_product_attention``'s,
+    bit for bit on this machine) instead of at the wider one."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, ext: torch.Tensor, scale: float):
+        d = qkv.shape[-1]
+        q, k, v = torch.cat([qkv, ext], -1).unbind(0)
+        out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+        tokens, labels = out[..., :d], out[..., d:]
+        ctx.mark_non_differentiable(labels)
+        ctx.set_materialize_grads(False)  # no zeros for the label columns' (absent) gradient
+        ctx.save_for_backward(*qkv.unbind(0), tokens, lse)
+        ctx.scale = scale
+        return tokens, labels
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, False, scale=ctx.scale
+        )
+        return torch.stack(grads), None, None
+
+
+def _cpu_shared_attention(qkv: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> bool:
+    """Whether :class:`_CPUSharedAttention` applies: eager (a compiled graph gets the plain call, which inductor
+    optimises itself), on the CPU, no mask, a dtype the CPU kernel takes."""
+    return (
+        _CPU_FLASH
+        and attn_mask is None
+        and qkv.device.type == 'cpu'
+        and qkv.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and not torch.compiler.is_compiling()
+    )
+
+
 class LabelColumns:
     """TL-Align's label state as extra value columns of the token path's own fused attention, for one forward
     (issue 12): a buffer ``(3, B, 1, T, W)`` holds zeros for ``q`` and ``k`` and the label columns for ``v``, so one
@@ -272,16 +320,20 @@ class LabelColumns:
         """``(out, heads)``: the token path's ``scaled_dot_product_attention(q, k, v, attn_mask, scale=scale)``
         ``(B, H, T, d)`` for ``q, k, v = qkv.unbind(0)``, and ``Σ_h softmax(q kᵀ · scale + mask) · Z`` ``(B, T, K)``
         fp32 without gradient (for :meth:`update`)."""
-        q, k, v = torch.cat([qkv, self.ext], -1).unbind(0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
         d = self.head_dim
+        if _cpu_shared_attention(qkv, attn_mask):  # the backward at the head dim (the plain one)
+            out, lab = _CPUSharedAttention.apply(qkv, self.ext, scale)
+        else:
+            q, k, v = torch.cat([qkv, self.ext], -1).unbind(0)
+            wide = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+            out, lab = wide[..., :d], wide[..., d:]
         with torch.no_grad():
-            lab = out[..., d : d + self.width]
+            lab = lab[..., : self.width]
             if self.split:  # the heads and the hi + lo pair summed in fp32
                 heads = lab.unflatten(-1, (2, self.width // 2)).sum((1, 3), dtype=torch.float32)
             else:
                 heads = lab.sum(1)
-        return out[..., :d], heads
+        return out, heads
 
     def update(self, heads: torch.Tensor, keep: Optional[torch.Tensor] = None, residual: bool = True) -> None:
         """Eq. 11 with the head mean, ``Y ← Norm(Y + Σ_h A_h Y / H)`` (``residual=False``: ``Y ← Σ_h A_h Y / H``),

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
 
@@ -190,36 +189,38 @@ def test_one_attention_per_block_or_the_fused_token_path_kept(fused, shared):
     the labels as value columns (head_dim + 1 padded to a multiple of 8) or, unfused, one materialised softmax.
     ``shared=False``: the token path stays on the model's scaled_dot_product_attention (3 calls, head_dim-wide
     values) and the label path adds one fused call per block with 1-wide values padded to 8, or one transient
-    softmax. All give the same target."""
+    softmax. All give the same target. Counted at the kernels PyTorch dispatches (forward and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     model = tiny_vit().train()
     assert all(blk.attn.fused_attn for blk in model.blocks)
-    calls, softmaxes = [], []
-    sdpa, softmax = F.scaled_dot_product_attention, torch.Tensor.softmax
+    fwd, bwd, softmaxes = [], [], []
 
-    def count_sdpa(*a, **k):
-        calls.append((a[2].shape[-1], a[0].requires_grad))  # value width; token path (grad) or labels
-        return sdpa(*a, **k)
-
-    def count_softmax(self, *a, **k):
-        softmaxes.append(self.shape)
-        return softmax(self, *a, **k)
+    class Kernels(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            if name == 'aten._scaled_dot_product_flash_attention_for_cpu':
+                fwd.append(args[2].shape[-1])  # the value width
+            elif name == 'aten._scaled_dot_product_flash_attention_for_cpu_backward':
+                bwd.append(args[3].shape[-1])
+            elif name == 'aten._softmax':
+                softmaxes.append(args[0].shape)
+            return func(*args, **(kwargs or {}))
 
     mixer = create_mixer('tokenmix_block', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=8)
     xm, target = mixer(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3]))
-    try:
-        F.scaled_dot_product_attention, torch.Tensor.softmax = count_sdpa, count_softmax
-        _, aligned = TLAlign(model, fused=fused, shared=shared)(xm, target)
-    finally:
-        F.scaled_dot_product_attention, torch.Tensor.softmax = sdpa, softmax
+    with Kernels():
+        logits, aligned = TLAlign(model, fused=fused, shared=shared)(xm, target)
+        (logits * aligned).sum().backward()
     head_dim = model.blocks[0].attn.head_dim
-    if shared and fused:
-        assert calls == [(head_dim + 8, True)] * 3 and softmaxes == []
+    if shared and fused:  # one wide forward per block; the backward at the head dim (the plain one, on the CPU)
+        assert fwd == [head_dim + 8] * 3 and bwd == [head_dim] * 3 and softmaxes == []
     elif shared:
-        assert calls == [] and len(softmaxes) == 3
+        assert fwd == [] and len(softmaxes) == 3
     elif fused:  # the label values (1 wide) are padded to 8 columns for the aligned fused kernels
-        assert calls == [(head_dim, True)] * 3 + [(8, False)] * 3 and softmaxes == []
+        assert fwd == [head_dim] * 3 + [8] * 3 and bwd == [head_dim] * 3 and softmaxes == []
     else:
-        assert calls == [(head_dim, True)] * 3 and len(softmaxes) == 3
+        assert fwd == [head_dim] * 3 and bwd == [head_dim] * 3 and len(softmaxes) == 3
     for other_fused, other_shared in ((True, True), (False, True), (True, False), (False, False)):
         _, other = TLAlign(model, fused=other_fused, shared=other_shared)(xm, target)
         assert torch.allclose(aligned, other, atol=1e-6)

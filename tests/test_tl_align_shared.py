@@ -108,23 +108,28 @@ def test_distilled_deit_and_stochastic_depth_match_the_recomputing_path():
                 assert torch.allclose(out_a, out_b, atol=1e-5, rtol=0), opts
 
 
-@pytest.mark.parametrize('fused', [True, False])
-def test_gradients_of_a_step_are_the_plain_steps(fused):
-    """The label columns carry no gradient: the same loss on the same logits gives the plain step's gradients."""
+@pytest.mark.parametrize('fused, amp', [(True, False), (False, False), (True, True)])
+def test_gradients_of_a_step_are_the_plain_steps(fused, amp):
+    """The label columns carry no gradient: the same loss on the same logits gives the plain step's gradients (the
+    CPU's fused path runs the plain attention backward: measured max |diff| 8.7e-6 of gradients up to 8.8 in fp32,
+    0 under bf16 autocast; the unfused path computes its attention in fp32, so under bf16 it is not the plain
+    step's kernel and is left out there)."""
     model = tiny_vit(depth=3).train()
     (xm, target), _ = _batch(4)
     soft = torch.softmax(torch.randn(xm.shape[0], C, generator=torch.Generator().manual_seed(9)), -1)
 
     def grads(fn):
         model.zero_grad(set_to_none=True)
-        logits = fn()
-        (-(soft * F.log_softmax(logits, -1)).sum(-1).mean()).backward()
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=amp):
+            logits = fn()
+        (-(soft * F.log_softmax(logits.float(), -1)).sum(-1).mean()).backward()
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
     plain = grads(lambda: model(xm))
     shared = grads(lambda: TLAlign(model, fused=fused)(xm, target)[0])
+    tol = dict(atol=1e-3, rtol=1e-2) if amp else dict(atol=1e-5, rtol=1e-4)
     for n in plain:
-        assert torch.allclose(plain[n], shared[n], atol=1e-5, rtol=1e-4), n
+        assert torch.allclose(plain[n], shared[n], **tol), n
 
 
 def test_attention_dropout_keeps_the_recomputing_path_and_overrides_are_removed():
