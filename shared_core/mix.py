@@ -305,11 +305,17 @@ def _mix_token_rows(x: torch.Tensor, partner: torch.Tensor, share: torch.Tensor,
             xp &= mask
             xp |= x & ~mask
             return xp
+        # rows whose share is one number (blends; box rows, 0 here) blend with a per-row weight on the plain
+        # (B, C, H, W) layout: the same lerp, element by element, without the patch view's 6-d broadcast
+        const = (share == share[:, :1, :1]).flatten(1).all(1).tolist()
         binary = binary.tolist()
+        s4 = share[:, :1, :1].reshape(B, 1, 1, 1)
         for i in range(0, B, 8):  # a few rows at a time: small, reused float buffers
             sl = slice(i, i + 8)
             if all(binary[sl]):
                 torch.where(s6[sl] > 0.5, xp6[sl], x6[sl], out=xp6[sl])
+            elif all(const[sl]):
+                xp[sl] = torch.lerp(x[sl].float(), xp[sl].float(), s4[sl]).round_().to(x.dtype)
             else:
                 xp6[sl] = torch.lerp(x6[sl].float(), xp6[sl].float(), s6[sl]).round_().to(x.dtype)
     return xp

@@ -79,6 +79,21 @@ def test_mix_images_matches_pixel_reference(kind, mode, switch):
                 assert torch.equal(out.float(), ref)
 
 
+@pytest.mark.parametrize('kind', MIX_KINDS)
+@pytest.mark.parametrize('mode', ['batch', 'pair', 'elem'])
+def test_uint8_mix_is_the_rounded_per_pixel_lerp_bit_for_bit(kind, mode):
+    """The collate path (uint8): whatever route a row takes (a bitwise select for 0/1 rows, a per-row weight for
+    blends and box rows, the patch view otherwise, boxes pasted), each pixel is ``round(lerp(x, x[partner], s))``
+    with ``s`` its partner share, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    sampler = MixSampler(kind, mode=mode, patch_size=(8, 4), **KINDS_KW[kind])
+    for _ in range(4):
+        x = torch.randint(0, 256, (10, 3, 24, 16), generator=g, dtype=torch.uint8)
+        mix = sampler.sample(10, (24, 16), g)
+        ref = torch.lerp(x.float(), x[mix.partner].float(), mix.pixel_share()).round_().to(torch.uint8)
+        assert torch.equal(mix_images(x, mix), ref)
+
+
 @pytest.mark.parametrize('kind', ['mixup', 'cutmix'])
 def test_timm_kinds_work_when_the_patch_does_not_divide_the_image(kind):
     g = torch.Generator().manual_seed(0)
