@@ -52,7 +52,8 @@ def main():
     run = torch.compile(model, backend=args.compile) if args.compile else model
     plain = optimizer_step(lambda: loss_fn(run(xm), target), opt, autocast)
     shared = TLAlign(model)  # one fused attention per block for tokens and labels (the default)
-    materialised = TLAlign(model, fused=False)  # ViTs: one attention for both, materialised (the other models: =)
+    # ViTs: one attention for both, materialised; models without the shared path: their recomputing path, unfused
+    materialised = TLAlign(model, fused=False)
     recomputed = TLAlign(model, shared=False)  # the model's own attention, recomputed (non-ViTs: the same path)
     steps = [plain] + [
         optimizer_step(lambda w=w: loss_fn(*w.align(xm, target, lambda: run(xm))), opt, autocast)

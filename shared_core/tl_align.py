@@ -239,11 +239,11 @@ class _CPUSharedAttention(torch.autograd.Function):
     bit for bit on this machine) instead of at the wider one."""
 
     @staticmethod
-    def forward(ctx, qkv: torch.Tensor, ext: torch.Tensor, scale: float):
+    def forward(ctx, qkv: torch.Tensor, ext: torch.Tensor, scale: float, width: int):
         d = qkv.shape[-1]
         q, k, v = torch.cat([qkv, ext], -1).unbind(0)
         out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
-        tokens, labels = out[..., :d], out[..., d:]
+        tokens, labels = out[..., :d], out[..., d : d + width]
         ctx.mark_non_differentiable(labels)
         ctx.set_materialize_grads(False)  # no zeros for the label columns' (absent) gradient
         ctx.save_for_backward(*qkv.unbind(0), tokens, lse)
@@ -256,7 +256,7 @@ class _CPUSharedAttention(torch.autograd.Function):
         grads = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, False, scale=ctx.scale
         )
-        return torch.stack(grads), None, None
+        return torch.stack(grads), None, None, None
 
 
 def _cpu_shared_attention(qkv: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> bool:
@@ -322,13 +322,12 @@ class LabelColumns:
         fp32 without gradient (for :meth:`update`)."""
         d = self.head_dim
         if _cpu_shared_attention(qkv, attn_mask):  # the backward at the head dim (the plain one)
-            out, lab = _CPUSharedAttention.apply(qkv, self.ext, scale)
+            out, lab = _CPUSharedAttention.apply(qkv, self.ext, scale, self.width)
         else:
             q, k, v = torch.cat([qkv, self.ext], -1).unbind(0)
             wide = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
-            out, lab = wide[..., :d], wide[..., d:]
+            out, lab = wide[..., :d], wide[..., d : d + self.width]
         with torch.no_grad():
-            lab = lab[..., : self.width]
             if self.split:  # the heads and the hi + lo pair summed in fp32
                 heads = lab.unflatten(-1, (2, self.width // 2)).sum((1, 3), dtype=torch.float32)
             else:
