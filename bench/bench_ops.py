@@ -6,12 +6,16 @@ On a GPU the eager step of a small ViT is bound by kernel launches, so extra ops
 their size; on this CPU-only machine the counts show progress that step timings (which swing by ±20 % from
 pair to pair here) cannot. Counts are exact and do not depend on the device's speed.
 
+Each method's extra ops are split into what one more block adds (the same model with 4 and 5 blocks, each step
+against its baseline's) and the per-step work that does not grow with depth (building the label state, the target).
+
     .venv/bin/python bench/bench_ops.py [--model deit_tiny_patch16_224] [--batch 8] [--top 12]
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Dict
 
 import timm
 import torch
@@ -37,6 +41,54 @@ def count_step(loss_fn, *models) -> OpCounter:
     return counter
 
 
+PLAIN = 'plain (CutMix batch, area target)'
+AUX = 'plain CE, aux-head model (token labeling baseline)'
+TL_ALIGN = 'TL-Align (CutMix; shared fused attention, the default on every device)'
+
+
+def step_counts(model_name: str, x, y, xm, target, num_classes: int, **kwargs) -> Dict[str, OpCounter]:
+    """The op counts of each method's step (and of its baseline) on ``timm.create_model(model_name, **kwargs)``."""
+    torch.manual_seed(0)
+    model = timm.create_model(model_name, num_classes=num_classes, **kwargs).train()
+    soft_ce = SoftTargetCrossEntropy()
+    # token labeling: an aux head on a copy of the model, sparse map rows (k = 5 of 14x14) as the store gives
+    tl_model = attach_aux_head(timm.create_model(model_name, num_classes=num_classes, **kwargs)).train()
+    tl_model.load_state_dict(model.state_dict(), strict=False)
+    tl_target, tl_loss = token_label_target(y, num_classes), TokenLabelingLoss(num_classes)
+    steps = {
+        PLAIN: lambda: soft_ce(model(xm), target),
+        TL_ALIGN: lambda w=TLAlign(model): soft_ce(*w(xm, target)),
+        'TL-Align, shared attention materialised once (fused=False)': lambda w=TLAlign(model, fused=False): soft_ce(
+            *w(xm, target)
+        ),
+        'TL-Align, attention recomputed (shared=False)': lambda w=TLAlign(model, shared=False): soft_ce(*w(xm, target)),
+        'TransMix (CutMix)': lambda w=TransMix(model): soft_ce(*w(xm, target)),
+        AUX: lambda: F.cross_entropy(tl_model(x), y, label_smoothing=0.1),
+        'token labeling + MixToken': lambda w=TokenLabeling(tl_model): tl_loss(w(x), tl_target),
+        'TokenMixup HTM (block 3)': lambda w=TokenMixup(model, htm_layers=(3,), tau=100.0): (
+            lambda out: soft_ce(out[0], out[1]) + out[1].aux_loss
+        )(w(xm, target)),
+    }
+    return {name: count_step(fn, model, tl_model) for name, fn in steps.items()}
+
+
+def token_label_target(y: torch.Tensor, num_classes: int, k: int = 5) -> TokenLabelTarget:
+    """Sparse token-label rows (``k`` of 14x14) as the map store gives them."""
+    B = y.shape[0]
+    return TokenLabelTarget.wrap(
+        y,
+        torch.rand(B, k, 14, 14).softmax(1).half(),
+        torch.randint(0, num_classes, (B, k, 14, 14)),
+        torch.tensor([[0.1, 0.1, 0.9, 0.9]]).repeat(B, 1),
+        torch.zeros(B, dtype=torch.bool),
+        num_classes,
+    )
+
+
+def total(counter: OpCounter, kernels: bool = False) -> int:
+    return sum((counter.kernels if kernels else counter.counts).values())
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--model', default='deit_tiny_patch16_224')
@@ -45,69 +97,45 @@ def main():
     args = p.parse_args()
     torch.manual_seed(0)
     C = 1000
-    model = timm.create_model(args.model, num_classes=C).train()
-    depth = len(model.blocks)
+    depth = len(timm.create_model(args.model, num_classes=C).blocks)
     x = torch.randn(args.batch, 3, 224, 224)
     y = torch.randint(0, C, (args.batch,))
     mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=16, carry_mix=True)
     xm, target = mixer(x, y)
-    soft_ce = SoftTargetCrossEntropy()
-
-    # token labeling: an aux head on a copy of the model, sparse map rows (k = 5 of 14x14) as the store gives
-    tl_model = attach_aux_head(timm.create_model(args.model, num_classes=C)).train()
-    tl_model.load_state_dict(model.state_dict(), strict=False)
-    k = 5
-    tl_target = TokenLabelTarget.wrap(
-        y,
-        torch.rand(args.batch, k, 14, 14).softmax(1).half(),
-        torch.randint(0, C, (args.batch, k, 14, 14)),
-        torch.tensor([[0.1, 0.1, 0.9, 0.9]]).repeat(args.batch, 1),
-        torch.zeros(args.batch, dtype=torch.bool),
-        C,
-    )
-    tl_loss = TokenLabelingLoss(C)
-    steps = {
-        'plain (CutMix batch, area target)': lambda: soft_ce(model(xm), target),
-        'TL-Align (CutMix; shared fused attention, the default on every device)': lambda w=TLAlign(model): soft_ce(
-            *w(xm, target)
-        ),
-        'TL-Align, shared attention materialised once (fused=False)': lambda w=TLAlign(model, fused=False): soft_ce(
-            *w(xm, target)
-        ),
-        'TL-Align, attention recomputed (shared=False)': lambda w=TLAlign(model, shared=False): soft_ce(*w(xm, target)),
-        'TransMix (CutMix)': lambda w=TransMix(model): soft_ce(*w(xm, target)),
-        'plain CE, aux-head model (token labeling baseline)': lambda: F.cross_entropy(
-            tl_model(x), y, label_smoothing=0.1
-        ),
-        'token labeling + MixToken': lambda w=TokenLabeling(tl_model): tl_loss(w(x), tl_target),
-        'TokenMixup HTM (block 3)': lambda w=TokenMixup(model, htm_layers=(3,), tau=100.0): (
-            lambda out: soft_ce(out[0], out[1]) + out[1].aux_loss
-        )(w(xm, target)),
-    }
-    counters = {name: count_step(fn, model, tl_model) for name, fn in steps.items()}
-    plain, aux = 'plain (CutMix batch, area target)', 'plain CE, aux-head model (token labeling baseline)'
-    base = {name: aux if name in ('token labeling + MixToken', aux) else plain for name in counters}
+    counters = step_counts(args.model, x, y, xm, target, C)
+    # the same model with 4 and 5 blocks: what one more block adds (the per-block cost, without the per-step work)
+    shallow, deeper = (step_counts(args.model, x, y, xm, target, C, depth=n) for n in (4, 5))
+    base = {name: AUX if name in ('token labeling + MixToken', AUX) else PLAIN for name in counters}
     print(
         f'# aten ops per training step (forward + loss + backward), {args.model} ({depth} blocks), '
         f'batch {args.batch}, torch {torch.__version__}'
     )
-    print('| step | aten ops | extra vs its baseline | extra per block | of them kernels (not views) | per block |')
-    print('|---|---|---|---|---|---|')
+    print(
+        '| step | aten ops | extra vs its baseline | extra / blocks | of them kernels (not views) | kernels / blocks '
+        '| one more block adds (ops, kernels) | per-step work (ops, kernels) |'
+    )
+    print('|---|---|---|---|---|---|---|---|')
     for name, c in counters.items():
         ref = counters[base[name]]
-        extra = sum(c.counts.values()) - sum(ref.counts.values())
-        kern = sum(c.kernels.values()) - sum(ref.kernels.values())
-        total = sum(c.counts.values())
-        print(f'| {name} | {total} | {extra:+d} | {extra / depth:+.1f} | {kern:+d} | {kern / depth:+.1f} |')
-    fused = 'TL-Align (CutMix; shared fused attention, the default on every device)'
-    a, b = counters[fused].counts, counters[plain].counts
+        extra, kern = total(c) - total(ref), total(c, True) - total(ref, True)
+        block, block_k = (
+            (total(deeper[name], k) - total(shallow[name], k))
+            - (total(deeper[base[name]], k) - total(shallow[base[name]], k))
+            for k in (False, True)
+        )
+        print(
+            f'| {name} | {total(c)} | {extra:+d} | {extra / depth:+.1f} | {kern:+d} | {kern / depth:+.1f} '
+            f'| {block:+d}, {block_k:+d} | {extra - depth * block:+d}, {kern - depth * block_k:+d} |'
+        )
+    a, b = counters[TL_ALIGN].counts, counters[PLAIN].counts
     net = sorted(((a[n] - b[n], n) for n in set(a) | set(b) if a[n] != b[n]), key=lambda t: (-abs(t[0]), t[1]))
-    print(f'\n{fused} vs plain, net change per op name over the step ({depth} blocks; * a view)')
-    views = {n for n in set(a) | set(b) if n not in counters[fused].kernels and n not in counters[plain].kernels}
+    print(f'\n{TL_ALIGN} vs plain, net change per op name over the step ({depth} blocks; * a view)')
+    views = {n for n in set(a) | set(b) if n not in counters[TL_ALIGN].kernels and n not in counters[PLAIN].kernels}
     for n, name in net[: args.top]:
         print(f'- {name}{" *" if name in views else ""}: {n:+d}')
 
-    token_labeling_breakdown(tl_model, x, y, tl_target, tl_loss)
+    tl_model = attach_aux_head(timm.create_model(args.model, num_classes=C)).train()
+    token_labeling_breakdown(tl_model, x, y, token_label_target(y, C), TokenLabelingLoss(C))
 
 
 def token_labeling_breakdown(model, x, y, target, loss_fn) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     'mix_target',
     'multi_label_target',
     'pair_target',
+    'partner_target',
     'one_hot',
     'check_labels',
     'check_pairwise_batch',
@@ -378,13 +379,24 @@ def pair_target(
     ``lam`` is the weight of each sample's own label (a scalar or ``(B,)``). ``flip``: the partners are the
     reversed batch (the samplers' pairing, :attr:`Mix.flip`): one ``lerp`` against ``y.flip(0)``, as timm's
     ``mixup_target``, instead of gathering the partners."""
+    if not isinstance(lam, float):
+        lam = torch.as_tensor(lam, dtype=torch.float32)
+    return partner_target(labels, partner, 1.0 - lam, num_classes, smoothing, flip)
+
+
+def partner_target(
+    labels: torch.Tensor, partner: torch.Tensor, share, num_classes: int, smoothing: float = 0.0, flip: bool = False
+) -> torch.Tensor:
+    """:func:`pair_target` given each sample's *partner* share ``s = 1 - λ`` (a float or ``(B,)``):
+    ``(1 - s) · y + s · y[partner]``, smoothed, ``(B, C)`` float32 (what TL-Align's readout gives, with no
+    ``1 - s`` to take twice)."""
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f'label_smoothing must be in [0, 1), got {smoothing}')
     check_labels(labels, num_classes, values=False)
     y = one_hot(labels, num_classes, smoothing)  # checks the range where the labels are on the CPU
-    if not isinstance(lam, float):
-        lam = torch.as_tensor(lam, dtype=torch.float32).to(y.device).reshape(-1)
-    return mix_rows(y, partner, 1.0 - lam, flip)
+    if not isinstance(share, float):
+        share = torch.as_tensor(share, dtype=torch.float32).to(y.device).reshape(-1)
+    return mix_rows(y, partner, share, flip)
 
 
 def mix_target(labels: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:

@@ -33,7 +33,7 @@ from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, Uni
 import torch
 import torch.nn.functional as F
 
-from .mix import Mix, pair_target
+from .mix import Mix, partner_target
 
 __all__ = [
     'abs_row_norm',
@@ -231,6 +231,13 @@ _CPU_FLASH = all(
 )
 
 
+def _column_sizes(head_dim: int, width: int, total: int) -> List[int]:
+    """The column groups of a wide attention output: the tokens' ``head_dim``, the ``width`` label columns, and
+    the padding (if any) up to ``total``; one ``split_with_sizes`` (one op) takes them apart."""
+    pad = total - head_dim - width
+    return [head_dim, width, pad] if pad else [head_dim, width]
+
+
 class _CPUSharedAttention(torch.autograd.Function):
     """The CPU's fused attention over ``[q | 0]``, ``[k | 0]``, ``[v | labels]`` whose backward is the plain
     attention's: the zero columns leave the logits, the softmax and its log-sum-exp as they are, and the label
@@ -240,10 +247,9 @@ class _CPUSharedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, ext: torch.Tensor, scale: float, width: int):
-        d = qkv.shape[-1]
         q, k, v = torch.cat([qkv, ext], -1).unbind(0)
         out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
-        tokens, labels = out[..., :d], out[..., d : d + width]
+        tokens, labels = out.split_with_sizes(_column_sizes(qkv.shape[-1], width, out.shape[-1]), -1)[:2]
         ctx.mark_non_differentiable(labels)
         ctx.set_materialize_grads(False)  # no zeros for the label columns' (absent) gradient
         ctx.save_for_backward(*qkv.unbind(0), tokens, lse)
@@ -289,7 +295,9 @@ class LabelColumns:
     """
 
     def __init__(self, labels: torch.Tensor, num_heads: int, head_dim: int, dtype: torch.dtype):
-        labels = labels.detach().float()
+        labels = labels.float()
+        if labels.requires_grad:
+            labels = labels.detach()
         B, T, K = labels.shape
         self.num_heads, self.head_dim, self.split = num_heads, head_dim, dtype != torch.float32
         self.width = 2 * K if self.split else K
@@ -312,7 +320,7 @@ class LabelColumns:
 
     def _write(self) -> None:
         self._hi.copy_(self.z)
-        self._lo.copy_(self.z - self._hi)
+        torch.sub(self.z, self._hi, out=self._lo)  # in fp32, rounded once as it is written
 
     def attend(
         self, qkv: torch.Tensor, scale: float, attn_mask: Optional[torch.Tensor] = None
@@ -326,7 +334,7 @@ class LabelColumns:
         else:
             q, k, v = torch.cat([qkv, self.ext], -1).unbind(0)
             wide = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
-            out, lab = wide[..., :d], wide[..., d : d + self.width]
+            out, lab = wide.split_with_sizes(_column_sizes(d, self.width, wide.shape[-1]), -1)[:2]
         with torch.no_grad():
             if self.split:  # the heads and the hi + lo pair summed in fp32
                 heads = lab.unflatten(-1, (2, self.width // 2)).sum((1, 3), dtype=torch.float32)
@@ -536,8 +544,10 @@ def aligned_target(
 ) -> torch.Tensor:
     """The training target from the compact label of what the classifier reads: ``(B,)`` partner
     shares → ``(1 - s) · y_own + s · y_partner`` with label smoothing (rows sum to 1), detached (Eq. 12)."""
-    lam = 1.0 - share.detach().float()
-    return pair_target(labels.to(share.device), mix.partner, lam, num_classes, smoothing, flip=mix.flip)
+    share = share.float()
+    if share.requires_grad:
+        share = share.detach()
+    return partner_target(labels.to(share.device), mix.partner, share, num_classes, smoothing, flip=mix.flip)
 
 
 # ----------------------------------------------------------------------------------------------
