@@ -288,7 +288,12 @@ def affine_extent(boxes, affines, map_size: Tuple[int, int]) -> torch.Tensor:
     boxes = _as_tensor(boxes).float()
     a = check_affines(affines, boxes.shape[0])
     h, w = map_size
-    size = torch.stack([(boxes[:, 2] - boxes[:, 0]) * w, (boxes[:, 3] - boxes[:, 1]) * h], 1)  # (B, 2) x, y
+    # (B, 2) x, y: the crop's span in map cells as RoIAlign computes it (aligned: each end times the cells, less
+    # half a cell, then the difference, in float32), so that an identity chain takes the crop path's sample
+    # counts exactly where a span sits on a multiple of the grid ((hi - lo) · cells may round to the other side)
+    size = torch.stack(
+        [(boxes[:, 2] * w - 0.5) - (boxes[:, 0] * w - 0.5), (boxes[:, 3] * h - 0.5) - (boxes[:, 1] * h - 0.5)], 1
+    )
     if a is None:
         return size.flip(1)
     E = size[:, :, None] * _chain_linear(a.to(boxes.device))  # rows: map x, y; columns: output u, v
