@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from common import OpCounter
 from timm.loss import SoftTargetCrossEntropy
 
+import shared_core.tl_align as tl_align_core
 from shared_core.token_labeling import token_labeling_loss
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign, TransMix
@@ -42,6 +43,19 @@ def count_step(loss_fn, *models) -> OpCounter:
 
 
 PLAIN = 'plain (CutMix batch, area target)'
+WIDE = 'TL-Align, the same with the wide call as accelerators run it (its backward at the wider head dim)'
+
+
+def wide_call(step):
+    """``step()`` with TL-Align's shared attention on the plain wide ``scaled_dot_product_attention`` call, as on
+    an accelerator or in a compiled graph (on the CPU in eager, the labels ride PyTorch's CPU kernel with the
+    backward at the head dim, ``shared_core.tl_align._CPUSharedAttention``)."""
+    flag = tl_align_core._CPU_FLASH
+    tl_align_core._CPU_FLASH = False
+    try:
+        return step()
+    finally:
+        tl_align_core._CPU_FLASH = flag
 AUX = 'plain CE, aux-head model (token labeling baseline)'
 TL_ALIGN = 'TL-Align (CutMix; shared fused attention, the default on every device)'
 
@@ -58,6 +72,7 @@ def step_counts(model_name: str, x, y, xm, target, num_classes: int, **kwargs) -
     steps = {
         PLAIN: lambda: soft_ce(model(xm), target),
         TL_ALIGN: lambda w=TLAlign(model): soft_ce(*w(xm, target)),
+        WIDE: lambda w=TLAlign(model): wide_call(lambda: soft_ce(*w(xm, target))),
         'TL-Align, shared attention materialised once (fused=False)': lambda w=TLAlign(model, fused=False): soft_ce(
             *w(xm, target)
         ),

@@ -334,7 +334,8 @@ class LabelColumns:
         else:
             q, k, v = torch.cat([qkv, self.ext], -1).unbind(0)
             wide = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
-            out, lab = wide.split_with_sizes(_column_sizes(d, self.width, wide.shape[-1]), -1)[:2]
+            # two slices, not one split: the token slice's backward is one op (a split's: two zeros and a cat)
+            out, lab = wide[..., :d], wide[..., d : d + self.width]
         with torch.no_grad():
             if self.split:  # the heads and the hi + lo pair summed in fp32
                 heads = lab.unflatten(-1, (2, self.width // 2)).sum((1, 3), dtype=torch.float32)

@@ -109,12 +109,17 @@ def test_distilled_deit_and_stochastic_depth_match_the_recomputing_path():
                 assert torch.allclose(out_a, out_b, atol=1e-5, rtol=0), opts
 
 
-@pytest.mark.parametrize('fused, amp', [(True, False), (False, False), (True, True)])
-def test_gradients_of_a_step_are_the_plain_steps(fused, amp):
+@pytest.mark.parametrize(
+    'fused, amp, wide', [(True, False, False), (False, False, False), (True, True, False), (True, False, True)]
+)
+def test_gradients_of_a_step_are_the_plain_steps(fused, amp, wide, monkeypatch):
     """The label columns carry no gradient: the same loss on the same logits gives the plain step's gradients (the
     CPU's fused path runs the plain attention backward: measured max |diff| 8.7e-6 of gradients up to 8.8 in fp32,
     0 under bf16 autocast; the unfused path computes its attention in fp32, so under bf16 it is not the plain
-    step's kernel and is left out there)."""
+    step's kernel and is left out there). ``wide``: the plain wide ``scaled_dot_product_attention`` call that
+    accelerators and compiled graphs run (its backward at the wider head dim), here in eager on the CPU."""
+    if wide:
+        monkeypatch.setattr('shared_core.tl_align._CPU_FLASH', False)
     model = tiny_vit(depth=3).train()
     (xm, target), _ = _batch(4)
     soft = torch.softmax(torch.randn(xm.shape[0], C, generator=torch.Generator().manual_seed(9)), -1)
