@@ -46,14 +46,19 @@ def interleaved_times(
     fns: Sequence[Callable[[], object]], repeats: int, warmup: int = 0, sync: Optional[Callable[[], None]] = None
 ) -> List[List[float]]:
     """Seconds of each call of each of ``fns``: ``warmup`` untimed rounds, then ``repeats`` rounds that time each
-    function once, in the given order (interleaved: a drift of the machine's speed hits all alike)."""
+    function once (interleaved: a drift of the machine's speed hits all alike). Round ``r`` starts at function
+    ``r mod len(fns)`` (the order rotated: each function takes each place in a round equally often, so what one
+    step leaves behind, a warm cache or a heap to grow, does not always fall on the same neighbour; for two
+    functions, ABBA)."""
     for _ in range(warmup):
         for fn in fns:
             fn()
     times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, acc in zip(fns, times):
-            acc.append(timed(fn, sync))
+    n = len(fns)
+    for r in range(repeats):
+        for i in range(n):
+            j = (r + i) % n
+            times[j].append(timed(fns[j], sync))
     return times
 
 
@@ -66,7 +71,7 @@ def median_times(
 
 def pair_ratios(ours: Sequence[float], base: Sequence[float]) -> str:
     """``median [q1, q3]`` of the per-round ratios ``ours / base`` of two interleaved series (each round's pair ran
-    back to back, so a drift of the machine's speed cancels in the ratio)."""
+    in the same round, so a drift of the machine's speed cancels in the ratio)."""
     r = [a / b for a, b in zip(ours, base)]
     q1, med, q3 = statistics.quantiles(r, n=4) if len(r) > 1 else (r[0],) * 3
     return f'{med:.3f} [{q1:.3f}, {q3:.3f}]'
