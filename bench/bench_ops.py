@@ -43,6 +43,8 @@ def count_step(loss_fn, *models) -> OpCounter:
 
 
 PLAIN = 'plain (CutMix batch, area target)'
+AUX = 'plain CE, aux-head model (token labeling baseline)'
+TL_ALIGN = 'TL-Align (CutMix; shared fused attention, the default on every device)'
 WIDE = 'TL-Align, the same with the wide call as accelerators run it (its backward at the wider head dim)'
 
 
@@ -56,8 +58,6 @@ def wide_call(step):
         return step()
     finally:
         tl_align_core._CPU_FLASH = flag
-AUX = 'plain CE, aux-head model (token labeling baseline)'
-TL_ALIGN = 'TL-Align (CutMix; shared fused attention, the default on every device)'
 
 
 def step_counts(model_name: str, x, y, xm, target, num_classes: int, **kwargs) -> Dict[str, OpCounter]:
