@@ -231,13 +231,6 @@ _CPU_FLASH = all(
 )
 
 
-def _column_sizes(head_dim: int, width: int, total: int) -> List[int]:
-    """The column groups of a wide attention output: the tokens' ``head_dim``, the ``width`` label columns, and
-    the padding (if any) up to ``total``; one ``split_with_sizes`` (one op) takes them apart."""
-    pad = total - head_dim - width
-    return [head_dim, width, pad] if pad else [head_dim, width]
-
-
 class _CPUSharedAttention(torch.autograd.Function):
     """The CPU's fused attention over ``[q | 0]``, ``[k | 0]``, ``[v | labels]`` whose backward is the plain
     attention's: the zero columns leave the logits, the softmax and its log-sum-exp as they are, and the label
@@ -249,7 +242,8 @@ class _CPUSharedAttention(torch.autograd.Function):
     def forward(ctx, qkv: torch.Tensor, ext: torch.Tensor, scale: float, width: int):
         q, k, v = torch.cat([qkv, ext], -1).unbind(0)
         out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
-        tokens, labels = out.split_with_sizes(_column_sizes(qkv.shape[-1], width, out.shape[-1]), -1)[:2]
+        d = qkv.shape[-1]  # one op takes the token columns, the label columns and the padding (maybe 0) apart
+        tokens, labels, _ = out.split_with_sizes([d, width, out.shape[-1] - d - width], -1)
         ctx.mark_non_differentiable(labels)
         ctx.set_materialize_grads(False)  # no zeros for the label columns' (absent) gradient
         ctx.save_for_backward(*qkv.unbind(0), tokens, lse)
