@@ -15,12 +15,14 @@ against its baseline's) and the per-step work that does not grow with depth (bui
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 from typing import Dict
 
 import timm
 import torch
 import torch.nn.functional as F
-from common import OpCounter
+from common import OpCounter, interleaved_times, pair_ratios
 from timm.loss import SoftTargetCrossEntropy
 
 import shared_core.tl_align as tl_align_core
@@ -34,11 +36,13 @@ from timm_plugin.tokenmixup import TokenMixup
 
 def count_step(loss_fn, *models) -> OpCounter:
     """The aten ops of ``loss_fn().backward()`` (all, and the computing ones), from gradients set to None (as a
-    step after ``zero_grad(set_to_none=True)``: the backward stores each gradient instead of accumulating it)."""
-    for m in models:
-        m.zero_grad(set_to_none=True)
-    with OpCounter() as counter:
-        loss_fn().backward()
+    step after ``zero_grad(set_to_none=True)``: the backward stores each gradient instead of accumulating it), in
+    the steady state: after one uncounted step (which builds what is made once, e.g. the targets' constants)."""
+    for counted in (False, True):
+        for m in models:
+            m.zero_grad(set_to_none=True)
+        with OpCounter() if counted else contextlib.nullcontext() as counter:
+            loss_fn().backward()
     return counter
 
 
@@ -62,6 +66,13 @@ def wide_call(step):
 
 def step_counts(model_name: str, x, y, xm, target, num_classes: int, **kwargs) -> Dict[str, OpCounter]:
     """The op counts of each method's step (and of its baseline) on ``timm.create_model(model_name, **kwargs)``."""
+    steps, models = make_steps(model_name, x, y, xm, target, num_classes, **kwargs)
+    return {name: count_step(fn, *models) for name, fn in steps.items()}
+
+
+def make_steps(model_name: str, x, y, xm, target, num_classes: int, **kwargs):
+    """``({name: loss function}, models)``: each method's training loss (and its baseline's) on
+    ``timm.create_model(model_name, **kwargs)``, and the models whose gradients a step fills."""
     torch.manual_seed(0)
     model = timm.create_model(model_name, num_classes=num_classes, **kwargs).train()
     soft_ce = SoftTargetCrossEntropy()
@@ -84,7 +95,7 @@ def step_counts(model_name: str, x, y, xm, target, num_classes: int, **kwargs) -
             lambda out: soft_ce(out[0], out[1]) + out[1].aux_loss
         )(w(xm, target)),
     }
-    return {name: count_step(fn, model, tl_model) for name, fn in steps.items()}
+    return steps, (model, tl_model)
 
 
 def token_label_target(y: torch.Tensor, num_classes: int, k: int = 5) -> TokenLabelTarget:
@@ -109,6 +120,9 @@ def main():
     p.add_argument('--model', default='deit_tiny_patch16_224')
     p.add_argument('--batch', type=int, default=8)
     p.add_argument('--top', type=int, default=12, help='list the ops TL-Align adds most of (by name)')
+    p.add_argument(
+        '--host-rounds', type=int, default=100, help='rounds of the micro-model host-time table (0: skip it)'
+    )
     args = p.parse_args()
     torch.manual_seed(0)
     C = 1000
@@ -151,6 +165,54 @@ def main():
 
     tl_model = attach_aux_head(timm.create_model(args.model, num_classes=C)).train()
     token_labeling_breakdown(tl_model, x, y, token_label_target(y, C), TokenLabelingLoss(C))
+    if args.host_rounds:
+        host_times(args.model, args.host_rounds)
+
+
+#: the micro ViT of :func:`host_times`: the model's blocks at width 32, 4x4 tokens, 10 classes
+MICRO = dict(embed_dim=32, num_heads=2, img_size=64)
+
+
+def host_times(model_name: str, rounds: int, batch: int = 4, num_classes: int = 10) -> None:
+    """Wall time per training step of each method vs its baseline on a micro version of ``model_name``
+    (:data:`MICRO`, batch 4, one thread). Its compute is negligible, so the step time is what every op and
+    Python call costs on the host: the part of the step a launch-bound accelerator pays in wall time (the H200's
+    eager DeiT-S step at batch 128 is bound by the CPU launching kernels, RESULTS.md), measured rather than
+    counted. Rounds interleaved, order rotated, after warm-up rounds."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x = torch.randn(batch, 3, MICRO['img_size'], MICRO['img_size'])
+    y = torch.randint(0, num_classes, (batch,))
+    mixer = create_mixer(
+        'cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=num_classes, patch_size=16, carry_mix=True
+    )
+    xm, target = mixer(x, y)
+    steps, models = make_steps(model_name, x, y, xm, target, num_classes, **MICRO)
+
+    def step(fn):
+        def run():
+            for m in models:
+                m.zero_grad(set_to_none=True)
+            fn().backward()
+
+        return run
+
+    names = list(steps)
+    times = interleaved_times([step(steps[n]) for n in names], rounds, warmup=10)
+    med = {n: statistics.median(t) for n, t in zip(names, times)}
+    print(
+        f'\n# host time per training step, micro {model_name} ({MICRO}), batch {batch}, {num_classes} classes, '
+        f'1 thread, median of {rounds} interleaved rounds'
+    )
+    print('| step | ms | baseline ms | ratio of medians | per-round ratio median [q1, q3] |')
+    print('|---|---|---|---|---|')
+    base = {n: AUX if n in ('token labeling + MixToken', AUX) else PLAIN for n in names}
+    for n, t in zip(names, times):
+        b = base[n]
+        print(
+            f'| {n} | {med[n] * 1e3:.2f} | {med[b] * 1e3:.2f} | {med[n] / med[b]:.3f} '
+            f'| {pair_ratios(t, times[names.index(b)])} |'
+        )
 
 
 def token_labeling_breakdown(model, x, y, target, loss_fn) -> None:

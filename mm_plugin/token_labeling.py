@@ -60,6 +60,7 @@ from shared_core.token_labeling import (
     mixtoken_sampler,
     soft_cross_entropy,
     token_labeling_targets,
+    token_swap,
     unmix_tokens,
 )
 
@@ -373,7 +374,8 @@ class TokenLabelingClassifier(ImageClassifier):
         patch_embed = backbone_tokens(self.backbone)[0]  # not kept as an attribute: it would register twice
         if patch_embed is None:
             return self.extract_feat(mix_images(inputs, mix)), mix, grid
-        handle = patch_embed.register_forward_hook(lambda m, i, out: mix_patch_embed_output(out, mix))
+        swap = token_swap(mix, inputs.device)
+        handle = patch_embed.register_forward_hook(lambda m, i, out: mix_patch_embed_output(out, swap))
         try:
             feats = self.extract_feat(inputs)
         finally:

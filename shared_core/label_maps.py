@@ -150,13 +150,52 @@ def axis_weights(lo: torch.Tensor, hi: torch.Tensor, cells: int, out: int) -> to
     adaptive sampling) of a one-hot basis of ``cells`` rows over the spans ``[lo, hi]`` (normalised).
     RoIAlign of an axis-aligned box is separable: its 2-D weight of map cell ``(i, j)`` for token
     ``(a, b)`` is ``Wy[a, i] · Wx[b, j]``, sample counts and border clamping included."""
-    basis = torch.eye(cells, dtype=torch.float32, device=lo.device).view(1, cells, cells, 1)
-    zero, one = torch.zeros_like(lo), torch.ones_like(lo)
-    # boxes (x1, y1, x2, y2): x over the basis image's single column, y over the span
-    rois = torch.stack([zero, zero, lo.float() * cells, one, hi.float() * cells], 1)
+    spans = torch.stack([lo.float(), hi.float()], 1)  # (B, 2)
+    offset, matrix = _span_rois(spans.device, (cells,), ((0, 1),))
+    return _span_weights(torch.addmm(offset, spans, matrix), cells, out)
+
+
+def _span_weights(rois: torch.Tensor, cells: int, out: int) -> torch.Tensor:
+    """:func:`axis_weights` of RoIAlign boxes ``(K, 5)`` over the one-hot basis of ``cells`` rows."""
+    basis = _constant('basis', rois.device, cells, lambda: torch.eye(cells).view(1, cells, cells, 1))
     return roi_align(basis, rois, output_size=(out, 1), spatial_scale=1.0, sampling_ratio=-1, aligned=True)[
         ..., 0
     ].transpose(1, 2)
+
+
+def _span_rois(device, cells: Tuple[int, ...], columns: Tuple[Tuple[int, int], ...]):
+    """``(offset, matrix)`` of ``addmm``: rows of normalised spans, axis ``a``'s ``(lo, hi)`` in ``columns[a]`` of
+    ``2 · axes`` columns, to the RoIAlign boxes ``(K, 5 · axes)`` of :func:`_span_weights` over ``cells[a]`` (each
+    axis's box: batch index 0, ``x`` over the basis's single column ``[0, 1]``, ``y`` over ``[lo, hi] · cells``)."""
+
+    def make():
+        n = len(cells)
+        matrix, offset = torch.zeros(2 * n, 5 * n), torch.zeros(1, 5 * n)
+        for a, (c, (lo, hi)) in enumerate(zip(cells, columns)):
+            matrix[lo, 5 * a + 2] = matrix[hi, 5 * a + 4] = float(c)
+            offset[0, 5 * a + 3] = 1.0
+        return offset, matrix
+
+    return _constant('span_rois', device, (cells, columns), make)
+
+
+_CONSTANTS: dict = {}
+
+
+def _constant(name: str, device, key, make):
+    """``make()`` (a tensor or a tuple of them, built on the CPU) on ``device``, built once per
+    ``(name, device, key)``: the targets are built every step, and constants made there would cost a
+    host-to-device copy each. Not kept while a compiler traces (its tensors are fake)."""
+    device = torch.device(device)
+    k = (name, device, key)
+    hit = _CONSTANTS.get(k)
+    if hit is not None:
+        return hit
+    made = make()
+    value = tuple(t.to(device) for t in made) if isinstance(made, tuple) else made.to(device)
+    if not torch.compiler.is_compiling():
+        _CONSTANTS[k] = value
+    return value
 
 
 def _support(weights: torch.Tensor):
@@ -182,6 +221,12 @@ def _cells(values: torch.Tensor, num_classes: int):
     return f, v - f[:, None]
 
 
+def _resample(wy: torch.Tensor, maps: torch.Tensor, wx: torch.Tensor) -> torch.Tensor:
+    """``wy @ maps @ wxᵀ`` for ``(B, gh, h)``, ``(B, h, w)``, ``(B, gw, w)``: maps ``(B, h, w)`` resampled by
+    :func:`_axes`' weights to ``(B, gh, gw)`` (two ``bmm``: ``@`` adds expands and views around each)."""
+    return torch.bmm(torch.bmm(wy, maps), wx.transpose(1, 2))
+
+
 def _batch_geometry(boxes, flips, device):
     """Crops ``(B, 4)`` float32 (checked) and flips ``(B,)`` bool on ``device``."""
     boxes = _as_tensor(boxes).to(device, torch.float32)
@@ -195,13 +240,15 @@ def _axes(boxes, flips, map_size: Tuple[int, int], grid, device):
     h, w = map_size
     boxes, flips = _batch_geometry(boxes, flips, device)
     gh, gw = (grid, grid) if isinstance(grid, int) else tuple(grid)
-    if (h, gh) == (w, gw):  # a square map and grid: both axes in one RoIAlign call (y spans, then x spans)
-        B = boxes.shape[0]
-        both = axis_weights(boxes[:, [1, 0]].T.reshape(-1), boxes[:, [3, 2]].T.reshape(-1), h, gh)
-        wy, wx = both[:B], both[B:]
+    B = boxes.shape[0]
+    # both axes' boxes in one addmm on the crops (x0, y0, x1, y1): rows 2b and 2b + 1 the x and the y box of crop b
+    offset, matrix = _span_rois(boxes.device, (w, h), ((0, 2), (1, 3)))
+    rois = torch.addmm(offset, boxes, matrix).view(2 * B, 5)
+    if (h, gh) == (w, gw):  # a square map and grid: both axes in one RoIAlign call
+        both = _span_weights(rois, h, gh)
+        wx, wy = both[0::2], both[1::2]
     else:
-        wy = axis_weights(boxes[:, 1], boxes[:, 3], h, gh)
-        wx = axis_weights(boxes[:, 0], boxes[:, 2], w, gw)
+        wx, wy = _span_weights(rois[0::2], w, gw), _span_weights(rois[1::2], h, gh)
     wx = torch.where(flips.view(-1, 1, 1), wx.flip(1), wx)
     return wy, wx, (gh, gw)
 
@@ -425,9 +472,9 @@ def token_targets_sparse(
         raise ValueError(f'boxes: expected one crop per map row ({B}), got {_as_tensor(boxes).shape[0]}')
     affines = None if affines is None else check_affines(affines, B)
     with torch.autocast(values.device.type, enabled=False):  # targets in fp32 under a training autocast
-        f, u = _cells(values, num_classes)
-        u = u.flatten(2)  # (B, k, h*w): the top-k entries above the constant
+        f, u = _cells(values, num_classes)  # u: the top-k entries above the constant
         if affines is not None:
+            u = u.flatten(2)
             cell, weight, fill, _ = _affine_samples(
                 *_batch_geometry(boxes, flips, values.device), affines.to(values.device), (h, w), grid, extent
             )
@@ -441,16 +488,18 @@ def token_targets_sparse(
         wy, wx, (gh, gw) = _axes(boxes, flips, (h, w), grid, values.device)
         N = gh * gw
         # label smoothing folded in: (1 - ε) · (constant + top-k entries) + ε / C
-        base = (wy @ f @ wx.transpose(1, 2)).reshape(B, N) * (1.0 - smoothing) + smoothing / num_classes
+        base = _resample(wy, f, wx).view(B, N) * (1.0 - smoothing) + smoothing / num_classes
         sy, iy = _support(wy)  # (B, gh, Ry)
         sx, ix = _support(wx)  # (B, gw, Rx)
-        weight = (sy[:, :, None, :, None] * sx[:, None, :, None, :]).reshape(B, N, 1, -1)  # (B, N, 1, R)
-        cell = (iy[:, :, None, :, None] * w + ix[:, None, :, None, :]).reshape(B, N, 1, -1)
-        R = cell.shape[-1]
+        Ry, Rx = sy.shape[-1], sx.shape[-1]
+        R = Ry * Rx
+        # each token's R = Ry · Rx supporting cells (row-major) and their weights, (B, N, 1, R)
+        weight = (sy.view(B, gh, 1, Ry, 1) * sx.view(B, 1, gw, 1, Rx)).view(B, N, 1, R)
+        cell = torch.add(ix.view(B, 1, gw, 1, Rx), iy.view(B, gh, 1, Ry, 1), alpha=w).view(B, N, 1, R)
         cell = cell.expand(B, N, k, R)
-        src = torch.gather(u[:, None].expand(B, N, k, h * w), 3, cell) * (weight * (1.0 - smoothing))
-        cls = torch.gather(indices.long().flatten(2)[:, None].expand(B, N, k, h * w), 3, cell)
-        return SparseTokenTargets(base, cls.reshape(B, N, k * R), src.reshape(B, N, k * R), num_classes)
+        src = torch.gather(u.view(B, 1, k, h * w).expand(B, N, k, h * w), 3, cell) * (weight * (1.0 - smoothing))
+        cls = torch.gather(indices.long().view(B, 1, k, h * w).expand(B, N, k, h * w), 3, cell)
+        return SparseTokenTargets(base, cls.view(B, N, k * R), src.view(B, N, k * R), num_classes)
 
 
 def token_targets_batch(
@@ -509,7 +558,7 @@ def class_maps(
             p = (torch.gather(d.flatten(1), 1, cell.flatten(1)).view_as(weight) * weight).sum(-1)
             return (p + fill / num_classes).view(B, gh, gw)
         wy, wx, _ = _axes(boxes, flips, (h, w), grid, values.device)
-        return wy @ d @ wx.transpose(1, 2)
+        return _resample(wy, d, wx)
 
 
 def token_targets(

@@ -1,7 +1,7 @@
 """Token labeling's objective and MixToken, framework-free (``token-labeling.md`` Sec. 3.2-3.3).
 
 - MixToken (Eq. 5): the patch tokens of two images are swapped inside a box on the token grid, right
-  after patch embedding (:func:`shared_core.mixing.mix_tokens` with a ``'token_box'`` :class:`Mix`).
+  after patch embedding (:func:`swap_tokens` with a ``'token_box'`` :class:`Mix`).
 - Dense targets (Eq. 6) stay each sample's own: the model's dense outputs are *un-mixed*
   (:func:`unmix_tokens`), so the output at a token position of sample ``i`` is the prediction for the
   content that came from sample ``i``. For the pairwise mixes of MixToken (partner ``B-1-i``, the
@@ -18,13 +18,13 @@ crop (the public code's default; ReLabel, :func:`shared_core.label_maps.crop_tar
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from .label_maps import SparseTokenTargets, crop_targets, token_targets_sparse
-from .mix import Mix, check_labels, mix_rows, mix_tokens, one_hot, own_lam
+from .mix import Mix, check_labels, mix_rows, one_hot, own_lam
 from .samplers import MixSampler
 
 __all__ = [
@@ -34,6 +34,9 @@ __all__ = [
     'MIXTOKEN_MODES',
     'check_pairwise_swap',
     'unmix_tokens',
+    'TokenSwap',
+    'token_swap',
+    'swap_tokens',
     'mix_dense_targets',
     'mix_class_target',
     'class_target',
@@ -81,21 +84,64 @@ def check_pairwise_swap(mix: Mix) -> None:
         )
 
 
-def unmix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
-    """Undo a pairwise token swap on per-token outputs ``(B, N, D)``: where sample ``i`` received its
-    partner's token, take the output of the partner's row, which holds ``i``'s own token there. The mix is
-    checked (:func:`check_pairwise_swap`) when it is on the CPU; on an accelerator that is the caller's job
-    (a check there would stall the step on a device sync): :func:`draw_mixtoken` checks the mix before
-    moving it."""
-    if tokens.dim() != 3 or tokens.shape[0] != mix.batch_size or tokens.shape[1] != mix.num_tokens:
-        raise ValueError(
-            f'tokens: expected (B={mix.batch_size}, N={mix.num_tokens}, D) outputs, got {tuple(tokens.shape)}'
-        )
+class TokenSwap(NamedTuple):
+    """A pairwise token swap on the training device (:func:`token_swap`): ``swapped (B, N, 1)`` bool, where sample
+    ``i`` takes the token of ``partner[i]`` (``partner`` None: the reversed batch, the samplers' pairing)."""
+
+    swapped: torch.Tensor
+    partner: Optional[torch.Tensor]
+
+
+def token_swap(mix: Mix, device) -> TokenSwap:
+    """The :class:`TokenSwap` of a MixToken ``mix`` on ``device``, made once per step for the patch-embedding hook
+    and the un-mixing. The mix must be a pairwise swap (:func:`check_pairwise_swap`): checked here when it is on the
+    CPU; on an accelerator that is the caller's job (a check there would stall the step on a device sync), and
+    :func:`draw_mixtoken` checks the mix before moving it."""
     if mix.partner.device.type == 'cpu':
         check_pairwise_swap(mix)
-    swapped = mix.token_share_flat().to(tokens.device).bool().unsqueeze(-1)
-    partner_rows = tokens.flip(0) if mix.flip else tokens[mix.partner.to(tokens.device)]
-    return torch.where(swapped, partner_rows, tokens)
+    device = torch.device(device)
+    return TokenSwap(
+        mix.token_share_flat().to(device).bool().unsqueeze(-1), None if mix.flip else mix.partner.to(device)
+    )
+
+
+def swap_tokens(tokens: torch.Tensor, swap: Union[Mix, TokenSwap], name: str = 'tokens') -> torch.Tensor:
+    """MixToken's token swap (Eq. 5) on ``(B, N, D)`` tokens: sample ``i`` takes its partner's token where its
+    0/1 mask is set (``swap``: a :class:`TokenSwap`, or a MixToken :class:`Mix`, made one by :func:`token_swap`).
+    A pairwise swap is its own inverse: the same call un-mixes outputs (:func:`unmix_tokens`), and its backward
+    is the swap of the gradient (two ops where autograd's chain of ``where`` and ``flip`` takes six)."""
+    if isinstance(swap, Mix):
+        swap = token_swap(swap, tokens.device)
+    B, N = swap.swapped.shape[:2]
+    if tokens.dim() != 3 or tuple(tokens.shape[:2]) != (B, N):
+        raise ValueError(f'{name}: expected (B={B}, N={N}, D) tokens, got {tuple(tokens.shape)}')
+    return _TokenSwap.apply(tokens, swap.swapped, swap.partner)
+
+
+def unmix_tokens(tokens: torch.Tensor, swap: Union[Mix, TokenSwap]) -> torch.Tensor:
+    """Undo a pairwise token swap on per-token outputs ``(B, N, D)``: where sample ``i`` received its
+    partner's token, take the output of the partner's row, which holds ``i``'s own token there. A pairwise
+    swap is its own inverse, so this is :func:`swap_tokens`."""
+    return swap_tokens(tokens, swap, 'tokens')
+
+
+class _TokenSwap(torch.autograd.Function):
+    """``where(swapped, tokens[partner], tokens)`` (``partner`` None: the reversed batch) for a pairwise swap,
+    whose backward is the same swap of the gradient."""
+
+    @staticmethod
+    def forward(ctx, tokens, swapped, partner):
+        ctx.save_for_backward(swapped, partner)
+        return _swap(tokens, swapped, partner)
+
+    @staticmethod
+    def backward(ctx, grad):
+        swapped, partner = ctx.saved_tensors
+        return _swap(grad, swapped, partner), None, None
+
+
+def _swap(t: torch.Tensor, swapped: torch.Tensor, partner: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.where(swapped, t.flip(0) if partner is None else t[partner], t)
 
 
 def mix_dense_targets(targets: torch.Tensor, mix: Mix) -> torch.Tensor:
@@ -229,15 +275,16 @@ def draw_mixtoken(
     return mix.pin_memory().to(device, non_blocking=True) if device.type == 'cuda' else mix.to(device)
 
 
-def mix_patch_embed_output(out, mix: Mix):
-    """Eq. 5 on a patch embedding's output, for a forward hook: timm's ``(B, N, D)`` or ``(B, gh, gw, D)``
-    (dynamic image size), or mmcv's ``(tokens (B, N, D), hw_shape)``."""
+def mix_patch_embed_output(out, mix: Union[Mix, TokenSwap]):
+    """Eq. 5 on a patch embedding's output, for a forward hook (:func:`swap_tokens`; pass the step's
+    :class:`TokenSwap`, so that a compiled model's graph holds no check of the mix): timm's ``(B, N, D)`` or
+    ``(B, gh, gw, D)`` (dynamic image size), or mmcv's ``(tokens (B, N, D), hw_shape)``."""
     if isinstance(out, tuple):
-        return (mix_tokens(out[0], mix),) + tuple(out[1:])
+        return (swap_tokens(out[0], mix, 'out'),) + tuple(out[1:])
     if out.dim() == 4:
         B, gh, gw, D = out.shape
-        return mix_tokens(out.reshape(B, gh * gw, D), mix).view(B, gh, gw, D)
-    return mix_tokens(out, mix)
+        return swap_tokens(out.reshape(B, gh * gw, D), mix, 'out').view(B, gh, gw, D)
+    return swap_tokens(out, mix, 'out')
 
 
 def soft_cross_entropy(logits: torch.Tensor, target: Union[torch.Tensor, SparseTokenTargets]) -> torch.Tensor:
@@ -251,13 +298,43 @@ def soft_cross_entropy(logits: torch.Tensor, target: Union[torch.Tensor, SparseT
                 f'logits: expected (B, N, C) = {(*target.base.shape, target.num_classes)} for these '
                 f'token targets, got {tuple(logits.shape)}'
             )
-        z = logits.float()
-        dot = target.base * z.sum(-1) + (target.weight * z.gather(-1, target.cls)).sum(-1)
-        mass = target.base * target.num_classes + target.weight.sum(-1)
-        return (torch.logsumexp(z, -1) * mass - dot).mean()
+        if target.base.requires_grad or target.weight.requires_grad:
+            raise ValueError('target: sparse token targets are constants of the loss; got tensors that require grad')
+        return _SparseSoftCrossEntropy.apply(logits, target.base, target.cls, target.weight, target.num_classes)
     if logits.shape != target.shape:
         raise ValueError(f"target: expected the logits' shape {tuple(logits.shape)}, got {tuple(target.shape)}")
     return -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+
+
+class _SparseSoftCrossEntropy(torch.autograd.Function):
+    """:func:`soft_cross_entropy` on sparse token targets, the mean over the ``B · N`` rows, with its gradient
+    written out: ``∂/∂z = (mass · softmax(z) - base - Σ_j w_j · onehot(c_j)) / rows``, ``mass = C · base + Σ_j w_j``
+    (the target's sum). About 10 ops forward and 10 backward where autograd's chain of the forward's expression
+    takes about 30 (a launch-bound step pays per op); the backward recomputes ``softmax`` from the logits as
+    given (bf16 stays bf16 until then) instead of keeping an fp32 copy of the ``(B, N, C)`` logits."""
+
+    @staticmethod
+    def forward(ctx, logits, base, cls, weight, num_classes: int):
+        z = logits.to(_loss_dtype(logits))  # bf16/fp16 in fp32
+        lse = torch.logsumexp(z, -1)
+        mass = weight.sum(-1).add_(base, alpha=num_classes)
+        dot = torch.addcmul((weight * z.gather(-1, cls)).sum(-1), base, z.sum(-1))
+        ctx.save_for_backward(logits, mass, base, cls, weight)
+        return lse.mul_(mass).sub_(dot).mean()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        logits, mass, base, cls, weight = ctx.saved_tensors
+        dtype = _loss_dtype(logits)
+        g = torch.softmax(logits, -1, dtype=dtype).mul_(mass.unsqueeze(-1)).sub_(base.unsqueeze(-1))
+        g = g.scatter_add_(-1, cls, weight.neg().to(dtype)).mul_(grad / base.numel())
+        return g.to(logits.dtype), None, None, None, None
+
+
+def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
+    """fp32 for half-precision and fp32 logits, fp64 for fp64 (a Python branch: ``torch.promote_types`` is an op)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 def token_labeling_loss(

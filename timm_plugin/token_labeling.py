@@ -36,6 +36,7 @@ from shared_core.token_labeling import (
     mixtoken_sampler,
     token_labeling_loss,
     token_labeling_targets,
+    token_swap,
     unmix_tokens,
 )
 
@@ -159,11 +160,12 @@ class TokenLabeling(nn.Module):
         aux head reads; their logits are un-mixed (Eq. 6)."""
         grid = self.grid(x)
         mix = draw_mixtoken(self.sampler, x.shape[0], tuple(x.shape[-2:]), x.device, self.generator)
+        swap = None if mix is None else token_swap(mix, x.device)  # one mask for the hook and the un-mixing
         kept = {}
         handles = []
         if mix is not None and self.cnn is None:
             embed = patch_embedding(self.model)
-            handles.append(embed.register_forward_hook(lambda m, i, out: mix_patch_embed_output(out, mix)))
+            handles.append(embed.register_forward_hook(lambda m, i, out: mix_patch_embed_output(out, swap)))
         elif mix is not None:  # CNNs: MixToken in image space, a box of whole final-stride cells
             x = mix_images(x, mix)
         if self.aux:
@@ -180,7 +182,7 @@ class TokenLabeling(nn.Module):
         if aux is not None and aux.shape[1] != grid[0] * grid[1]:
             raise ValueError(f'model: {aux.shape[1]} patch tokens for a {grid[0]}x{grid[1]} token grid')
         if aux is not None and mix is not None:
-            aux = unmix_tokens(aux, mix)
+            aux = unmix_tokens(aux, swap)
         return TokenLabelingOutput(cls, aux, mix, grid)
 
     def forward(self, x: torch.Tensor):
