@@ -141,8 +141,13 @@ def check_captured(captures: List[LabelCapture], fields, why: str) -> None:
             raise ValueError(f'model: block {i} left no {"/".join(fields)} for the label path: {why}')
 
 
+def _drops_paths(blk: nn.Module) -> bool:
+    """Whether stochastic depth may drop the attention branch of ``blk`` in this forward."""
+    return isinstance(blk.drop_path1, DropPath) and blk.drop_path1.drop_prob > 0 and blk.training
+
+
 def _hook_drop_path(blk: nn.Module, cap: LabelCapture, handles: list) -> None:
-    if isinstance(blk.drop_path1, DropPath) and blk.drop_path1.drop_prob > 0 and blk.training:
+    if _drops_paths(blk):
         handles.append(
             blk.drop_path1.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'keep', kept_samples(i[0], o)))
         )
@@ -280,14 +285,20 @@ class SharedAttentionViT:
             if self.layers is not None and idx not in self.layers:
                 continue
             handles.append(_RestoreForward(blk.attn))
-            blk.attn.forward = self._attention(blk.attn, cap)
-            if self.drop_path == 'kept':
-                _hook_drop_path(blk, cap, handles)
-            handles.append(blk.register_forward_hook(lambda m, i, o, c=cap: self._update(c)))
+            # Eq. 11 right after the attention call (no hook per block: a launch-bound step pays for each), or,
+            # where stochastic depth may drop the branch ('kept'), once its drop path has said for which samples
+            after_drop_path = self.drop_path == 'kept' and _drops_paths(blk)
+            blk.attn.forward = self._attention(blk.attn, cap, update=not after_drop_path)
+            if after_drop_path:
+                handles.append(
+                    blk.drop_path1.register_forward_hook(
+                        lambda m, i, o, c=cap: self._update(c, kept_samples(i[0], o))
+                    )
+                )
         return handles
 
-    def _attention(self, attn: Attention, cap: LabelCapture):
-        """timm 1.0.31's ``Attention.forward`` with the shared attention call."""
+    def _attention(self, attn: Attention, cap: LabelCapture, update: bool):
+        """timm 1.0.31's ``Attention.forward`` with the shared attention call (``update``: then Eq. 11)."""
 
         def forward(x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False):
             if is_causal:
@@ -311,6 +322,8 @@ class SharedAttentionViT:
                 q, k, v = qkv.unbind(0)
                 q, k = attn.q_norm(q), attn.k_norm(k)
                 out, cap.attn = shared_attention(q, k, v, self._state, attn.scale, attn_mask, fused=False)
+            if update:
+                self._update(cap)
             x = out.transpose(1, 2).reshape(B, N, getattr(attn, 'attn_dim', C))
             x = attn.norm(x)
             if gate is not None:
@@ -319,11 +332,11 @@ class SharedAttentionViT:
 
         return forward
 
-    def _update(self, cap: LabelCapture) -> None:  # Eq. 11
+    def _update(self, cap: LabelCapture, keep: Optional[torch.Tensor] = None) -> None:  # Eq. 11
         if self.columns is not None:
-            self.columns.update(cap.attn, cap.keep, self.residual)
+            self.columns.update(cap.attn, keep, self.residual)
         else:
-            self._state = residual_labels(self._state, cap.attn, cap.keep, self.residual)
+            self._state = residual_labels(self._state, cap.attn, keep, self.residual)
         cap.attn, cap.tokens = None, True
         if self.history is not None:
             self.history.append(self.labels.clone())
