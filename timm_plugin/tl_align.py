@@ -291,9 +291,7 @@ class SharedAttentionViT:
             blk.attn.forward = self._attention(blk.attn, cap, update=not after_drop_path)
             if after_drop_path:
                 handles.append(
-                    blk.drop_path1.register_forward_hook(
-                        lambda m, i, o, c=cap: self._update(c, kept_samples(i[0], o))
-                    )
+                    blk.drop_path1.register_forward_hook(lambda m, i, o, c=cap: self._update(c, kept_samples(i[0], o)))
                 )
         return handles
 
