@@ -185,7 +185,7 @@ _CONSTANTS: dict = {}
 def _constant(name: str, device, key, make):
     """``make()`` (a tensor or a tuple of them, built on the CPU) on ``device``, built once per
     ``(name, device, key)``: the targets are built every step, and constants made there would cost a
-    host-to-device copy each. Not kept while a compiler traces (its tensors are fake)."""
+    host-to-device copy each. Not kept while a compiler traces, nor when a mode made them fake."""
     device = torch.device(device)
     k = (name, device, key)
     hit = _CONSTANTS.get(k)
@@ -193,7 +193,8 @@ def _constant(name: str, device, key, make):
         return hit
     made = make()
     value = tuple(t.to(device) for t in made) if isinstance(made, tuple) else made.to(device)
-    if not torch.compiler.is_compiling():
+    plain = all(type(t) is torch.Tensor for t in (value if isinstance(value, tuple) else (value,)))
+    if plain and not torch.compiler.is_compiling():  # not a fake or traced tensor of a compiler
         _CONSTANTS[k] = value
     return value
 

@@ -471,3 +471,28 @@ def test_cnn_refusals_name_what_is_supported():
     eff = timm.create_model('efficientnet_b0', num_classes=5)
     with pytest.raises(ValueError, match='ResNet, ConvNeXt'):
         TokenLabeling(attach_aux_head(eff))
+
+
+def test_targets_constants_are_made_once_per_device_and_never_kept_fake():
+    """The targets' RoIAlign constants are made once per device (later steps reuse them), and a fake tensor made
+    under a ``FakeTensorMode`` (what compilers trace with) is not kept for the real steps after it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import shared_core.label_maps as lm
+
+    C = 5
+    target = maps_target(torch.tensor([0, 1]), C, 2, k=2, boxes=torch.tensor([[0.1, 0.2, 0.8, 0.9]] * 2))
+
+    def targets():
+        return lm.token_targets_sparse(target.values, target.indices, C, target.boxes, target.flips, (3, 3), 0.1)
+
+    lm._CONSTANTS.clear()
+    with FakeTensorMode():
+        offset, matrix = lm._span_rois('cpu', (4, 4), ((0, 2), (1, 3)))
+    assert type(matrix) is not torch.Tensor and not lm._CONSTANTS
+    first = targets()
+    kept = dict(lm._CONSTANTS)
+    assert kept and all(type(v) is torch.Tensor for c in kept.values() for v in (c if isinstance(c, tuple) else (c,)))
+    again = targets()
+    assert all(lm._CONSTANTS[k] is v for k, v in kept.items())
+    torch.testing.assert_close(again.dense(), first.dense(), atol=0, rtol=0)
