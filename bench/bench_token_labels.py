@@ -86,6 +86,12 @@ def main():
         '(aux head, un-mixing, dense targets built in the step)',
     )
     p.add_argument('--amp', action='store_true')
+    p.add_argument(
+        '--compile',
+        default=None,
+        metavar='BACKEND',
+        help='the training step through torch.compile(model, backend=BACKEND), as tokenaug-train --torchcompile',
+    )
     args = p.parse_args()
     fix_posterize()  # as tokenaug-train: timm asks Pillow for 0 posterize bits at magnitude 10
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -199,13 +205,16 @@ def main():
     if step:
         tp, tt = step
         print(
-            f'| training step {args.step_model}, batch {args.batch} ({args.device}, amp={args.amp}) | '
+            f'| training step {args.step_model}, batch {args.batch} ({args.device}, amp={args.amp}'
+            + (f', torch.compile backend {args.compile}' if args.compile else '')
+            + ') | '
             f'{tp * 1e3:.1f} ms | {tt * 1e3:.1f} ms | {tt / tp:.3f} |'
         )
 
 
 def training_step(args, target):
-    """Median step times (plain CE on the class head, token labeling + MixToken) on one batch."""
+    """Median step times (plain CE on the class head, token labeling + MixToken) on one batch, warm-up rounds
+    first (with ``--compile``, they compile)."""
     import timm
     import torch.nn.functional as F
 
@@ -220,9 +229,12 @@ def training_step(args, target):
     x = torch.randn(args.batch, 3, 224, 224, device=dev)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.amp)
 
-    plain = optimizer_step(lambda: F.cross_entropy(model(x), target.as_tensor(), label_smoothing=0.1), opt, autocast)
-    tl = optimizer_step(lambda: lossf(wrapped(x), target), opt, autocast)
-    return tuple(median_times([plain, tl], args.rounds * 2, warmup=2, sync=device_sync(dev)))
+    # compiled: the hooks sit on the bare model, the compiled module runs the forward (as tokenaug-train)
+    run = torch.compile(model, backend=args.compile) if args.compile else model
+    plain = optimizer_step(lambda: F.cross_entropy(run(x), target.as_tensor(), label_smoothing=0.1), opt, autocast)
+    tl = optimizer_step(lambda: lossf(wrapped.outputs(x, run), target), opt, autocast)
+    warmup = 3 if args.compile else 2
+    return tuple(median_times([plain, tl], args.rounds * 2, warmup=warmup, sync=device_sync(dev)))
 
 
 if __name__ == '__main__':
