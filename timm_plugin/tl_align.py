@@ -141,16 +141,15 @@ def check_captured(captures: List[LabelCapture], fields, why: str) -> None:
             raise ValueError(f'model: block {i} left no {"/".join(fields)} for the label path: {why}')
 
 
-def _drops_paths(blk: nn.Module) -> bool:
-    """Whether stochastic depth may drop the attention branch of ``blk`` in this forward."""
-    return isinstance(blk.drop_path1, DropPath) and blk.drop_path1.drop_prob > 0 and blk.training
-
-
-def _hook_drop_path(blk: nn.Module, cap: LabelCapture, handles: list) -> None:
-    if _drops_paths(blk):
-        handles.append(
-            blk.drop_path1.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'keep', kept_samples(i[0], o)))
-        )
+def _hook_drop_path(blk: nn.Module, cap: LabelCapture, handles: list, kept=None) -> bool:
+    """Where stochastic depth may drop the attention branch of ``blk`` in this forward, a hook on its drop path
+    that gives the samples whose branch ran (:func:`kept_samples`) to ``kept(keep)`` (default: kept as
+    ``cap.keep``); whether it did."""
+    if not (isinstance(blk.drop_path1, DropPath) and blk.drop_path1.drop_prob > 0 and blk.training):
+        return False
+    kept = kept or (lambda keep: setattr(cap, 'keep', keep))
+    handles.append(blk.drop_path1.register_forward_hook(lambda m, i, o: kept(kept_samples(i[0], o))))
+    return True
 
 
 class ViTTracer:
@@ -287,12 +286,10 @@ class SharedAttentionViT:
             handles.append(_RestoreForward(blk.attn))
             # Eq. 11 right after the attention call (no hook per block: a launch-bound step pays for each), or,
             # where stochastic depth may drop the branch ('kept'), once its drop path has said for which samples
-            after_drop_path = self.drop_path == 'kept' and _drops_paths(blk)
+            after_drop_path = self.drop_path == 'kept' and _hook_drop_path(
+                blk, cap, handles, lambda keep, c=cap: self._update(c, keep)
+            )
             blk.attn.forward = self._attention(blk.attn, cap, update=not after_drop_path)
-            if after_drop_path:
-                handles.append(
-                    blk.drop_path1.register_forward_hook(lambda m, i, o, c=cap: self._update(c, kept_samples(i[0], o)))
-                )
         return handles
 
     def _attention(self, attn: Attention, cap: LabelCapture, update: bool):
