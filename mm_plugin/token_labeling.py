@@ -38,7 +38,7 @@ Model (registered in mmpretrain's ``MODELS``):
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -53,6 +53,7 @@ from shared_core.token_labeling import (
     AUX_WEIGHT,
     CLS_TARGETS,
     HEAD_RULES,
+    TokenSwap,
     check_head_rule,
     draw_mixtoken,
     inference_logits,
@@ -175,10 +176,10 @@ class TokenLabelingHead(BaseModule):
         return x[:, 0] if self.num_prefix_tokens else x.mean(1)
 
     def logits(
-        self, feats: Tuple[torch.Tensor, ...], mix: Optional[Mix] = None
+        self, feats: Tuple[torch.Tensor, ...], mix: Optional[Union[Mix, TokenSwap]] = None
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Class logits ``(B, C)`` and per-token logits ``(B, N, C)`` (``None`` without aux head),
-        un-mixed when the tokens were mixed by ``mix``."""
+        un-mixed when the tokens were mixed by ``mix`` (or the step's :class:`TokenSwap` of it)."""
         x = self.tokens(feats)
         cls = self.head(self._class_input(x))
         if self.aux_head is None:
@@ -218,11 +219,13 @@ class TokenLabelingHead(BaseModule):
         data_samples: Sequence[DataSample],
         mix: Optional[Mix] = None,
         grid: Optional[Tuple[int, int]] = None,
+        swap: Optional[TokenSwap] = None,
     ) -> dict:
         """``loss_cls = H(cls, ŷ^cls)`` (Eq. 1, 7) and ``loss_token = β · mean_i H(aux_i, y^i)`` (Eq. 2-4);
         their sum is :func:`shared_core.token_labeling.token_labeling_loss`. ``grid``: the token grid
-        ``(gh, gw)`` (default: square)."""
-        cls, aux = self.logits(feats, mix)
+        ``(gh, gw)`` (default: square). ``swap``: the :class:`TokenSwap` the patch tokens were mixed with (made
+        from ``mix`` when not given)."""
+        cls, aux = self.logits(feats, mix if swap is None else swap)
         if grid is None and aux is not None:
             side = int(round(aux.shape[1] ** 0.5))
             grid = (side, side)
@@ -367,21 +370,26 @@ class TokenLabelingClassifier(ImageClassifier):
     def extract_feat_mixed(self, inputs: torch.Tensor):
         """``(feats, mix or None, grid)``: the backbone run with the patch tokens mixed by MixToken (CNNs: the
         images, in a box of whole final-stride cells)."""
+        return self._extract_feat_mixed(inputs)[:3]
+
+    def _extract_feat_mixed(self, inputs: torch.Tensor):
+        """:meth:`extract_feat_mixed` and the :class:`TokenSwap` of the mix (or None), made once for the
+        patch-embedding hook and the head's un-mixing."""
         grid = self.token_grid(inputs)
         mix = self.sample_mix(inputs)
         if mix is None:
-            return self.extract_feat(inputs), None, grid
+            return self.extract_feat(inputs), None, grid, None
+        swap = token_swap(mix, inputs.device)
         patch_embed = backbone_tokens(self.backbone)[0]  # not kept as an attribute: it would register twice
         if patch_embed is None:
-            return self.extract_feat(mix_images(inputs, mix)), mix, grid
-        swap = token_swap(mix, inputs.device)
+            return self.extract_feat(mix_images(inputs, mix)), mix, grid, swap
         handle = patch_embed.register_forward_hook(lambda m, i, out: mix_patch_embed_output(out, swap))
         try:
             feats = self.extract_feat(inputs)
         finally:
             handle.remove()
-        return feats, mix, grid
+        return feats, mix, grid, swap
 
     def loss(self, inputs: torch.Tensor, data_samples: List[DataSample]) -> dict:
-        feats, mix, grid = self.extract_feat_mixed(inputs)
-        return self.head.loss(feats, data_samples, mix=mix, grid=grid)
+        feats, mix, grid, swap = self._extract_feat_mixed(inputs)
+        return self.head.loss(feats, data_samples, mix=mix, grid=grid, swap=swap)
