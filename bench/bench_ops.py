@@ -49,7 +49,14 @@ def count_step(loss_fn, *models) -> OpCounter:
 PLAIN = 'plain (CutMix batch, area target)'
 AUX = 'plain CE, aux-head model (token labeling baseline)'
 TL_ALIGN = 'TL-Align (CutMix; shared fused attention, the default on every device)'
+TOKEN_LABELING = 'token labeling + MixToken'
 WIDE = 'TL-Align, the same with the wide call as accelerators run it (its backward at the wider head dim)'
+
+
+def baseline(name: str) -> str:
+    """The step a method's step is compared with: the plain CE step of the aux-head model for token labeling, the
+    plain CutMix step for the others."""
+    return AUX if name in (TOKEN_LABELING, AUX) else PLAIN
 
 
 def wide_call(step):
@@ -90,7 +97,7 @@ def make_steps(model_name: str, x, y, xm, target, num_classes: int, **kwargs):
         'TL-Align, attention recomputed (shared=False)': lambda w=TLAlign(model, shared=False): soft_ce(*w(xm, target)),
         'TransMix (CutMix)': lambda w=TransMix(model): soft_ce(*w(xm, target)),
         AUX: lambda: F.cross_entropy(tl_model(x), y, label_smoothing=0.1),
-        'token labeling + MixToken': lambda w=TokenLabeling(tl_model): tl_loss(w(x), tl_target),
+        TOKEN_LABELING: lambda w=TokenLabeling(tl_model): tl_loss(w(x), tl_target),
         'TokenMixup HTM (block 3)': lambda w=TokenMixup(model, htm_layers=(3,), tau=100.0): (
             lambda out: soft_ce(out[0], out[1]) + out[1].aux_loss
         )(w(xm, target)),
@@ -134,7 +141,7 @@ def main():
     counters = step_counts(args.model, x, y, xm, target, C)
     # the same model with 4 and 5 blocks: what one more block adds (the per-block cost, without the per-step work)
     shallow, deeper = (step_counts(args.model, x, y, xm, target, C, depth=n) for n in (4, 5))
-    base = {name: AUX if name in ('token labeling + MixToken', AUX) else PLAIN for name in counters}
+    base = {name: baseline(name) for name in counters}
     print(
         f'# aten ops per training step (forward + loss + backward), {args.model} ({depth} blocks), '
         f'batch {args.batch}, torch {torch.__version__}'
@@ -206,7 +213,7 @@ def host_times(model_name: str, rounds: int, batch: int = 4, num_classes: int = 
     )
     print('| step | ms | baseline ms | ratio of medians | per-round ratio median [q1, q3] |')
     print('|---|---|---|---|---|')
-    base = {n: AUX if n in ('token labeling + MixToken', AUX) else PLAIN for n in names}
+    base = {n: baseline(n) for n in names}
     for n, t in zip(names, times):
         b = base[n]
         print(
