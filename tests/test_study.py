@@ -1,13 +1,12 @@
 """bench/study.py, the multi-seed study runner: its statistics against hand-computed values, and the whole
-runner on its ``tiny`` preset (2 seeds, 1 epoch) through the real entry points, resumed."""
+runner on its ``tiny`` preset (1 epoch; one seed, then a second for two runs) through the real entry points,
+resumed."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -43,9 +42,9 @@ def test_paired_difference_and_its_interval_by_hand():
 
 
 def _run(out: Path, *extra) -> dict:
-    cmd = [sys.executable, REPO / 'bench' / 'study.py', '--preset', 'tiny', '--out', out, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    """bench/study.py's main on its tiny preset, in this process (its steps are subprocesses either way); its
+    record."""
+    _study().main(['--preset', 'tiny', '--out', str(out), *extra])
     return json.loads((out / 'study.json').read_text())
 
 
@@ -66,23 +65,25 @@ def test_a_preset_evaluates_every_val_interval_epochs(tmp_path):
     assert '--val-interval' not in cmd('cpu')
 
 
-#: the runs the end-to-end test trains (2 seeds each): one of each kind of step (no mixing, a mixer, TL-Align, the two
-#: runs that read the annotator's maps, two of the occlusion runs, an mmpretrain run); the grid's other runs go
-#: through the same code (the grid itself: test_a_preset_evaluates_every_val_interval_epochs)
+#: the runs the end-to-end test trains: one of each kind of step (no mixing, a mixer, TL-Align, the two runs that
+#: read the annotator's maps, two of the occlusion runs, an mmpretrain run); the grid's other runs go through the
+#: same code (the grid itself: test_a_preset_evaluates_every_val_interval_epochs)
 SOME = ['plain', 'cutmix', 'tl_align', 'tokenmix_maps', 'mixtoken', 'mm_tl_align']
 
 
 @pytest.mark.slow
-def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path):
+def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path, monkeypatch, capsys):
+    """SOME on one seed; rerun (every step skipped); an unfinished and a changed step rerun; then a second seed of
+    two runs, which runs only their new steps and gives the table's paired differences over two seeds."""
     study = _study()
+    monkeypatch.chdir(REPO)
     out = tmp_path / 'study'
-    first = _run(out, '--runs', *SOME)
-    seeds = [0, 1]
-    assert first['seeds'] == seeds
+    first = _run(out, '--runs', *SOME, '--seeds', '1')
     names = SOME
+    assert first['seeds'] == [0]
     assert set(names) < set(study.GRID)
     assert set(study.PROBES) <= set(study.RUNS) | set(study.MM_RUNS) and not set(study.PROBES) & set(study.GRID)
-    assert set(first['runs']) == {f'{n} seed {s}' for n in names for s in seeds}
+    assert set(first['runs']) == {f'{n} seed 0' for n in names}
     for name, rec in first['runs'].items():
         assert 0 <= rec['top1'] <= 100 and rec['secs'] > 0, name
     # every run's final checkpoint on the test world (6 val images per class, the world's 4 first among them):
@@ -96,23 +97,11 @@ def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path):
         test = sorted(p.read_bytes() for p in (out / 'test_world' / 'imagenet' / split).rglob('*.jpg'))
         assert len(test) == (80 if split == 'train' else 60)
         assert world == test if split == 'train' else set(world) < set(test)
-    assert (out / 'logs' / 'test_mm_tl_align_seed1.log').is_file()
-    # per-class test accuracy of the study's runs (bench/study_eval.py): one row per run, a cell per class
-    cmd = [sys.executable, REPO / 'bench' / 'study_eval.py', '--out', out, '--runs', 'plain', 'tl_align']
-    cmd += ['--seeds', '2']
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith(('| plain |', '| tl_align |'))]
-    assert len(rows) == 2 and all(len(r.split('|')) == 1 + 1 + 10 + 1 + 1 for r in rows), proc.stdout
-    cmd[-1] = '3'
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 2 and 'no run folder' in proc.stderr and 'plain seed 2' in proc.stderr
+    assert (out / 'logs' / 'test_mm_tl_align_seed0.log').is_file()
+    assert (out / 'runs' / 'mm_tl_align' / 'seed0').is_dir()
     # the evaluator refuses a run whose own val top-1 it does not reproduce (the token-labeling run: cls + aux)
-    sys.path.insert(0, str(REPO / 'bench'))
-    try:
-        from study_eval import evaluate_run
-    finally:
-        sys.path.remove(str(REPO / 'bench'))
+    from study_eval import evaluate_run  # (bench/ is on sys.path: study.py puts it there)
+
     run, own = out / 'runs' / 'mixtoken' / 'seed0', first['runs']['mixtoken seed 0']['top1']
     worlds = (out / 'test_world' / 'imagenet', out / 'world' / 'imagenet')
     again = evaluate_run(run, *worlds, own)
@@ -120,44 +109,69 @@ def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path):
     with pytest.raises(RuntimeError, match='the training reported'):
         evaluate_run(run, *worlds, own + 50)
     # the timm runs are tokenaug-train's own run folders, with their seed and the study's epochs
-    for s in seeds:
-        args = (out / 'runs' / 'tl_align' / f'seed{s}' / 'args.yaml').read_text()
-        assert f'seed: {s}\n' in args and 'epochs: 1\n' in args and 'mixup_type: tl_align' in args
-        assert (out / 'runs' / 'mm_tl_align' / f'seed{s}').is_dir()
+    args = (out / 'runs' / 'tl_align' / 'seed0' / 'args.yaml').read_text()
+    assert 'seed: 0\n' in args and 'epochs: 1\n' in args and 'mixup_type: tl_align' in args
     # the annotator's maps feed token labeling and TokenMix's activation-map targets
     maps = str(out / 'maps' / 'train')
     assert maps in (out / 'runs' / 'mixtoken' / 'seed0' / 'args.yaml').read_text()
-    assert maps in (out / 'runs' / 'tokenmix_maps' / 'seed1' / 'args.yaml').read_text()
+    assert maps in (out / 'runs' / 'tokenmix_maps' / 'seed0' / 'args.yaml').read_text()
     occluded = [n for n in study.OCCLUSION_RUNS if n in names]  # the occlusion runs that trained
-    assert set(first['occlusion']) == {f'{n} seed {s}' for n in occluded for s in seeds}
+    assert set(first['occlusion']) == {f'{n} seed 0' for n in occluded}
     for rec in first['occlusion'].values():
         assert len(rec['top1']) == len(study.OCCLUSION_RATIOS)
-    table = (out / 'study.md').read_text()
     labels = {k: v[0] for k, v in study.RUNS.items()} | {k: v[0] for k, v in study.MM_RUNS.items()}
-    for name in names:
-        assert f'| {labels[name]} |' in table
-    # every comparison of the grid's runs is a row, and its difference is the mean of the per-seed test differences
-    for m, b in [(m, b) for m, b in study.COMPARISONS if m in names and b in names]:
-        diff = sum(first['test'][f'{m} seed {s}']['top1'] - first['test'][f'{b} seed {s}']['top1'] for s in seeds) / 2
-        assert f'| {labels[m]} | {labels[b]} | {diff:+.2f} |' in table
+
+    def check_table(record, runs, seeds):
+        """study.md has a row per run and one per comparison among them, whose difference is the mean of the
+        per-seed test differences."""
+        table = (out / 'study.md').read_text()
+        for name in runs:
+            assert f'| {labels[name]} |' in table
+        pairs = [(m, b) for m, b in study.COMPARISONS if m in runs and b in runs]
+        for m, b in pairs:
+            diffs = [record['test'][f'{m} seed {s}']['top1'] - record['test'][f'{b} seed {s}']['top1'] for s in seeds]
+            assert f'| {labels[m]} | {labels[b]} | {sum(diffs) / len(seeds):+.2f} |' in table
+        return table, pairs
+
+    assert check_table(first, names, [0])[1]
     steps = first['steps_run']  # world, annotator, maps, test world; runs, their test evaluations; occlusion
-    assert first['steps_skipped'] == 0 and steps == 4 + len(names) * 2 * 2 + len(occluded) * 2
+    assert first['steps_skipped'] == 0 and steps == 4 + len(names) * 2 + len(occluded)
 
     # a rerun skips every finished step and writes the same table
-    again = _run(out, '--runs', *SOME)
+    again = _run(out, '--runs', *SOME, '--seeds', '1')
     assert again['steps_run'] == 0 and again['steps_skipped'] == steps
     assert again['runs'] == first['runs']
     # an unfinished step (no record) and a changed one (another key) run again; the rest is kept
-    (out / 'runs' / 'mixtoken' / 'seed1' / 'study_step.json').unlink()
+    (out / 'runs' / 'mixtoken' / 'seed0' / 'study_step.json').unlink()
     record = out / 'runs' / 'tl_align' / 'seed0' / 'study_step.json'
     record.write_text(record.read_text().replace(first['runs']['tl_align seed 0']['key'], 'stale'))
-    third = _run(out, '--runs', *SOME)
+    third = _run(out, '--runs', *SOME, '--seeds', '1')
     # (their test evaluations are kept: a step's key is its command and its inputs' commands, not their outputs)
     assert third['steps_run'] == 2 and third['steps_skipped'] == steps - 2
     assert third['runs']['cutmix seed 0'] == first['runs']['cutmix seed 0']
-    # a subset (--runs): only those runs, no annotator or maps, no mmpretrain row, occlusion of the ones trained
-    subset = _run(tmp_path / 'subset', '--runs', 'plain', 'cutmix', '--seeds', '1')
-    assert set(subset['runs']) == {'plain seed 0', 'cutmix seed 0'} and set(subset['occlusion']) == {'cutmix seed 0'}
-    assert subset['steps_run'] == 2 + 2 * 2 + 1 and not (tmp_path / 'subset' / 'maps').exists()
-    table = (tmp_path / 'subset' / 'study.md').read_text()
-    assert f'| {labels["cutmix"]} | {labels["plain"]} |' in table and labels['tl_align'] not in table
+
+    # two seeds of a subset (--runs, --seeds): only the new seed's steps run (its runs, their test evaluations, the
+    # occlusion of the one that has it); no annotator or maps step, no mmpretrain row; the table over both seeds
+    pair = ['plain', 'cutmix']
+    two = _run(out, '--runs', *pair, '--seeds', '2')
+    assert two['seeds'] == [0, 1] and set(two['runs']) == {f'{n} seed {s}' for n in pair for s in (0, 1)}
+    assert set(two['occlusion']) == {'cutmix seed 0', 'cutmix seed 1'}
+    assert two['steps_run'] == 2 + 2 + 1 and two['steps_skipped'] == 2 + 2 + 2 + 1
+    assert two['runs']['cutmix seed 0'] == first['runs']['cutmix seed 0']
+    assert 'seed: 1\n' in (out / 'runs' / 'cutmix' / 'seed1' / 'args.yaml').read_text()
+    table, pairs = check_table(two, pair, [0, 1])
+    assert pairs == [('cutmix', 'plain')] and labels['tl_align'] not in table
+    d = study.paired(*([two['test'][f'{n} seed {s}']['top1'] for s in (0, 1)] for n in pair[::-1]))
+    assert f'| {d["mean"]:+.2f} | [{d["mean"] - d["half"]:+.2f}, {d["mean"] + d["half"]:+.2f}] |' in table
+    # per-class test accuracy of the study's runs (bench/study_eval.py): one row per run, a cell per class
+    from study_eval import main as per_class
+
+    capsys.readouterr()
+    per_class(['--out', str(out), '--runs', *pair, '--seeds', '2'])
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.startswith(('| plain |', '| cutmix |'))]
+    assert len(rows) == 2 and all(len(r.split('|')) == 1 + 1 + 10 + 1 + 1 for r in rows), printed
+    with pytest.raises(SystemExit) as exit_:
+        per_class(['--out', str(out), '--runs', *pair, '--seeds', '3'])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and 'no run folder' in err and 'plain seed 2' in err
