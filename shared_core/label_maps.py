@@ -436,6 +436,13 @@ class SparseTokenTargets(NamedTuple):
         out = self.base.unsqueeze(-1).expand(B, N, self.num_classes).contiguous()
         return out.scatter_add_(2, self.cls, self.weight)
 
+    def to(self, *args, **kwargs) -> 'SparseTokenTargets':
+        """The same targets moved (``Tensor.to``'s arguments; a loader's batch goes to the device this way)."""
+        return SparseTokenTargets(*(t.to(*args, **kwargs) for t in self[:3]), self.num_classes)
+
+    def pin_memory(self) -> 'SparseTokenTargets':
+        return SparseTokenTargets(*(t.pin_memory() for t in self[:3]), self.num_classes)
+
 
 def token_targets_sparse(
     values: torch.Tensor,

@@ -218,10 +218,33 @@ def token_labeling_targets(
     if dense:
         if grid is None:
             raise ValueError('grid: dense token targets need the token grid (gh, gw)')
-        tokens = token_targets_sparse(
+        tokens = _token_targets(maps, num_classes, tuple(grid), float(smoothing))
+    return y_cls, tokens
+
+
+def _token_targets(maps, num_classes: int, grid: Tuple[int, int], smoothing: float) -> SparseTokenTargets:
+    """The batch's sparse token targets: the ones ``maps`` carries where the loader built them (``.tokens``, for
+    ``.token_grid`` at ``.token_smoothing``: they do not depend on MixToken's mix, which un-mixes the logits
+    instead), checked to be for this grid, smoothing and number of classes; else built here."""
+    built = getattr(maps, 'tokens', None)
+    if built is None:
+        return token_targets_sparse(
             maps.values, maps.indices, num_classes, maps.boxes, maps.flips, grid, smoothing, *_geometry(maps)
         )
-    return y_cls, tokens
+    made_for = (tuple(maps.token_grid), float(maps.token_smoothing), built.num_classes)
+    if made_for != (grid, smoothing, num_classes):
+        raise ValueError(
+            f'maps: its token targets were built in the loader for a {made_for[0][0]}x{made_for[0][1]} token grid, '
+            f'smoothing {made_for[1]} and {made_for[2]} classes; the step needs a {grid[0]}x{grid[1]} grid, '
+            f"smoothing {smoothing} and {num_classes} classes (build the collate with the model's token stride "
+            "and the loss's smoothing)"
+        )
+    if built.base.shape != (maps.values.shape[0], grid[0] * grid[1]):
+        raise ValueError(
+            f'maps: its token targets are {tuple(built.base.shape)} (samples, tokens); the batch has '
+            f'{maps.values.shape[0]} samples of {grid[0] * grid[1]} tokens'
+        )
+    return built
 
 
 def check_head_rule(head_rule: str, name: str = 'head_rule') -> str:

@@ -2,6 +2,7 @@
 of quadrant images, both the fast-collate prefetcher path and the plain path, square and non-square inputs,
 checked token by token against the pixels."""
 
+import copy
 import subprocess
 import sys
 
@@ -34,7 +35,7 @@ def pixel_classes(x):
     return d.argmin(-1)
 
 
-def loader(root, prefetcher, batch_size=6, input_size=(64, 64), **kw):
+def loader(root, prefetcher, batch_size=6, input_size=(64, 64), collate=None, workers=0, **kw):
     ds = TokenLabelDataset(
         create_dataset('', root=str(root), split='train', is_training=True), LabelMapStore.open(root / 'maps')
     )
@@ -51,8 +52,8 @@ def loader(root, prefetcher, batch_size=6, input_size=(64, 64), **kw):
         hflip=0.5,
         color_jitter=0.0,
         interpolation='nearest',
-        num_workers=0,
-        collate_fn=TokenLabelCollate(4),
+        num_workers=workers,
+        collate_fn=collate or TokenLabelCollate(4),
         **kw,
     )
 
@@ -74,6 +75,42 @@ def test_token_targets_follow_crops_and_flips_through_timms_loader(quadrant_data
             assert torch.equal(t.argmax(-1)[pure], tok[..., 0][pure])
             checked += int(pure.sum())
     assert checked > 300 and flipped > 0
+
+
+@pytest.mark.parametrize('prefetcher', [True, False])
+def test_the_collate_builds_the_token_targets_in_the_workers(quadrant_data, prefetcher):
+    """``TokenLabelCollate(token_stride=, smoothing=)`` in two worker processes: each batch carries the sparse token
+    targets of its map rows on its images' token grid (equal, tensor by tensor, to the ones built from the rows),
+    through the workers' pickling, the prefetcher's ``.to`` and a deepcopy; the loss's targets take them, and refuse
+    them for another grid or smoothing."""
+    from shared_core.token_labeling import token_labeling_targets
+
+    torch.manual_seed(0)
+    collate = TokenLabelCollate(4, token_stride=16, smoothing=0.1)
+    batches, ld = 0, loader(quadrant_data, prefetcher, input_size=(48, 64), collate=collate, workers=2)
+    for x, target in ld:
+        assert target.token_grid == (3, 4) and target.token_smoothing == 0.1
+        built = target.token_targets((3, 4), 0.1)
+        for name in ('base', 'cls', 'weight'):
+            assert torch.equal(getattr(target.tokens, name), getattr(built, name)), name
+        labels = target.as_tensor()
+        y_cls, tokens = token_labeling_targets(labels, 4, 0.1, None, copy.deepcopy(target), (3, 4))
+        assert tokens.base.data_ptr() != built.base.data_ptr() and torch.equal(tokens.dense(), built.dense())
+        for grid, smoothing in (((4, 4), 0.1), ((3, 4), 0.0)):
+            with pytest.raises(ValueError, match='built in the loader for a 3x4 token grid, smoothing 0.1'):
+                token_labeling_targets(labels, 4, smoothing, None, target, grid)
+        batches += 1
+    assert batches == len(ld) > 0
+
+
+def test_the_collate_refuses_a_bad_token_stride_or_smoothing(quadrant_data):
+    for bad in (0, (16,), (16, 8.0)):
+        with pytest.raises(ValueError, match='token_stride: expected a positive int or'):
+            TokenLabelCollate(4, token_stride=bad)
+    with pytest.raises(ValueError, match=r'smoothing: expected a label smoothing in \[0, 1\)'):
+        TokenLabelCollate(4, token_stride=16, smoothing=1.0)
+    with pytest.raises(ValueError, match='token_stride: the images are 48x64 px, not a whole number of 20x20'):
+        next(iter(loader(quadrant_data, False, input_size=(48, 64), collate=TokenLabelCollate(4, token_stride=20))))
 
 
 def check_pure_tokens(x, target, grid):

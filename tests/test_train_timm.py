@@ -444,9 +444,10 @@ def test_torchrun_mixtoken_on_lvvit_without_maps(tiny_world, tmp_path, run_env):
 
 
 @pytest.mark.slow
-def test_mixtoken_token_labeling_on_an_mlp_mixer(tiny_world, tmp_path):
+def test_mixtoken_token_labeling_on_an_mlp_mixer(tiny_world, tmp_path, caplog):
     """Token Labeling Table 5's MLP-Mixer: ``--mixup-type mixtoken --token-label-dir`` on ``mixer_s16_224`` at
-    112 px (MixToken after the PatchEmbed stem, the aux head on its 7x7 tokens)."""
+    112 px (MixToken after the PatchEmbed stem, the aux head on its 7x7 tokens; the loader builds their targets)."""
+    caplog.set_level('INFO')
     _random_top2_store(tiny_world, tmp_path / 'maps')
     metrics = run(
         ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny_token-labeling.yaml')]
@@ -455,6 +456,7 @@ def test_mixtoken_token_labeling_on_an_mlp_mixer(tiny_world, tmp_path):
         + ['--output', str(tmp_path), '--experiment', 'mixer']
     )
     assert set(metrics) == {'loss', 'top1', 'top5'}
+    assert 'the loader builds the token targets (16x16 px tokens)' in caplog.text
     ckpt = torch.load(tmp_path / 'mixer' / 'last.pth.tar', map_location='cpu', weights_only=True)
     assert ckpt['state_dict']['aux_head.weight'].shape == (10, 512)
     plain = timm.create_model('mixer_s16_224', img_size=112, num_classes=10)
@@ -464,9 +466,11 @@ def test_mixtoken_token_labeling_on_an_mlp_mixer(tiny_world, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize('model', ['resnest14d', 'convnext_atto'])
-def test_mixtoken_token_labeling_on_a_cnn(tiny_world, tmp_path, model):
+def test_mixtoken_token_labeling_on_a_cnn(tiny_world, tmp_path, caplog, model):
     """Token Labeling Table 5's CNNs (ResNeSt; ConvNeXt): MixToken pastes a box of whole 32-px cells in the images,
-    the aux head reads the final 4x4 map at 128 px; the checkpoint holds aux_head and loads into the plain model."""
+    the aux head reads the final 4x4 map at 128 px (the loader builds its targets on those cells); the checkpoint
+    holds aux_head and loads into the plain model."""
+    caplog.set_level('INFO')
     _random_top2_store(tiny_world, tmp_path / 'maps')
     metrics = run(
         ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny_token-labeling.yaml')]
@@ -475,6 +479,7 @@ def test_mixtoken_token_labeling_on_a_cnn(tiny_world, tmp_path, model):
         + ['--epochs', '1', '-b', '8', '--workers', '0', '--output', str(tmp_path), '--experiment', 'cnn']
     )
     assert set(metrics) == {'loss', 'top1', 'top5'}
+    assert 'the loader builds the token targets (32x32 px tokens)' in caplog.text
     ckpt = torch.load(tmp_path / 'cnn' / 'last.pth.tar', map_location='cpu', weights_only=True)
     plain = timm.create_model(model, num_classes=10)
     assert ckpt['state_dict']['aux_head.weight'].shape == (10, plain.num_features)

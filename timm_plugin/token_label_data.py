@@ -75,9 +75,22 @@ class TokenLabelTarget(CarrierTensor):
     probabilities), ``.indices (B, k, h, w)`` (int64 classes), the crops ``.boxes (B, 4)`` (normalised
     ``x0, y0, x1, y1``), ``.flips (B,)``, ``.num_classes``, and the geometric ops after them:
     ``.affines (B, L, 2, 3)`` (identity-padded chains; ``None`` when no image had one) with ``.extent``,
-    their largest sample extent ``(ey, ex)`` computed on the CPU (see :func:`~shared_core.label_maps.affine_extent`)."""
+    their largest sample extent ``(ey, ex)`` computed on the CPU (see :func:`~shared_core.label_maps.affine_extent`).
+    Where the collate built the sparse token targets (``TokenLabelCollate(token_stride=...)``), ``.tokens`` holds
+    them, for the grid ``.token_grid`` at label smoothing ``.token_smoothing`` (else all three ``None``)."""
 
-    _carried = ('values', 'indices', 'boxes', 'flips', 'num_classes', 'affines', 'extent')
+    _carried = (
+        'values',
+        'indices',
+        'boxes',
+        'flips',
+        'num_classes',
+        'affines',
+        'extent',
+        'tokens',
+        'token_grid',
+        'token_smoothing',
+    )
 
     @staticmethod
     def wrap(
@@ -89,6 +102,9 @@ class TokenLabelTarget(CarrierTensor):
         num_classes: int,
         affines: Optional[torch.Tensor] = None,
         extent: Optional[Tuple[float, float]] = None,
+        tokens: Optional[SparseTokenTargets] = None,
+        token_grid: Optional[Tuple[int, int]] = None,
+        token_smoothing: Optional[float] = None,
     ) -> 'TokenLabelTarget':
         return TokenLabelTarget._wrap(
             labels,
@@ -100,11 +116,15 @@ class TokenLabelTarget(CarrierTensor):
                 num_classes=num_classes,
                 affines=affines,
                 extent=extent,
+                tokens=tokens,
+                token_grid=token_grid,
+                token_smoothing=token_smoothing,
             ),
         )
 
     def token_targets(self, grid: Tuple[int, int], smoothing: float = 0.0) -> SparseTokenTargets:
-        """Per-token targets (row-major token order; ``.dense()`` is ``(B, gh * gw, C)``, rows summing to 1)."""
+        """Per-token targets (row-major token order; ``.dense()`` is ``(B, gh * gw, C)``, rows summing to 1),
+        built from the map rows (not the ones the collate may carry)."""
         return token_targets_sparse(
             self.values,
             self.indices,
@@ -340,10 +360,22 @@ class TokenLabelDataset(torch.utils.data.Dataset):
 class TokenLabelCollate:
     """Stacks ``(image, (label, values, indices, box, flip[, affines]))`` samples into ``(images,
     TokenLabelTarget)``: uint8 images stay uint8 (timm's fast-collate prefetcher normalises them on the
-    device); the affine chains are padded with identities to the batch's longest."""
+    device); the affine chains are padded with identities to the batch's longest.
 
-    def __init__(self, num_classes: int, check: bool = True):
+    ``token_stride`` (the model's, ``(sh, sw)`` or one int; :func:`~timm_plugin.token_labeling.labeling_stride`):
+    the sparse token targets are built here too, on the batch's token grid at label smoothing ``smoothing`` (the
+    loss's), so the DataLoader's workers build them instead of the training step (they do not depend on MixToken's
+    mix: the aux logits are un-mixed instead). The loss checks that they are for its grid and smoothing."""
+
+    def __init__(self, num_classes: int, check: bool = True, token_stride=None, smoothing: float = 0.0):
         self.num_classes, self.check = int(num_classes), check
+        if token_stride is not None:
+            token_stride = (token_stride, token_stride) if isinstance(token_stride, int) else tuple(token_stride)
+            if len(token_stride) != 2 or not all(isinstance(s, int) and s > 0 for s in token_stride):
+                raise ValueError(f'token_stride: expected a positive int or (sh, sw), got {token_stride!r}')
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f'smoothing: expected a label smoothing in [0, 1), got {smoothing}')
+        self.token_stride, self.smoothing = token_stride, float(smoothing)
 
     def __call__(self, batch):
         imgs = [torch.as_tensor(np.asarray(b[0])) if not torch.is_tensor(b[0]) else b[0] for b in batch]
@@ -359,4 +391,17 @@ class TokenLabelCollate:
         check_boxes(boxes)
         flips = torch.tensor([b[1][4] for b in batch], dtype=torch.bool)
         affines, extent = stack_affines([b[1][5] if len(b[1]) > 5 else None for b in batch], boxes, values.shape[-2:])
-        return x, TokenLabelTarget.wrap(labels, values, indices, boxes, flips, self.num_classes, affines, extent)
+        target = TokenLabelTarget.wrap(labels, values, indices, boxes, flips, self.num_classes, affines, extent)
+        if self.token_stride is None:
+            return x, target
+        size = tuple(x.shape[-2:])
+        if any(n % s for n, s in zip(size, self.token_stride)):
+            raise ValueError(
+                f'token_stride: the images are {size[0]}x{size[1]} px, not a whole number of '
+                f'{self.token_stride[0]}x{self.token_stride[1]}-px tokens'
+            )
+        grid = (size[0] // self.token_stride[0], size[1] // self.token_stride[1])
+        tokens = target.token_targets(grid, self.smoothing)
+        return x, TokenLabelTarget.wrap(
+            labels, values, indices, boxes, flips, self.num_classes, affines, extent, tokens, grid, self.smoothing
+        )

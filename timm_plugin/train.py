@@ -52,7 +52,7 @@ from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
 from .timm_fixes import fix_posterize
 from .token_grid import label_grid_stride, patch_embedding, token_stride
 from .token_label_data import TokenLabelCollate, TokenLabelDataset
-from .token_labeling import TokenLabelingLoss, attach_aux_head
+from .token_labeling import TokenLabelingLoss, attach_aux_head, labeling_stride
 from .tokenmixup import attach_scorenets
 from .train_args import TOKEN_LABELING_TYPES, check_supported, parse_args
 
@@ -556,7 +556,12 @@ def run(argv=None) -> dict:
         if store.num_classes != args.num_classes:
             raise ValueError(f'{maps_flag}: the maps have {store.num_classes} classes, the model {args.num_classes}')
         dataset_train = TokenLabelDataset(dataset_train, store, geometric_aa=args.geometric_aa)
-        collate_fn = TokenLabelCollate(args.num_classes, check=False)  # the dataset checks each row, named
+        # the dense term's token targets built by the loader's workers, not the training step
+        stride = labeling_stride(model) if token_labeling and dense else None
+        # (check=False: the dataset checks each row, named)
+        collate_fn = TokenLabelCollate(args.num_classes, check=False, token_stride=stride, smoothing=args.smoothing)
+        if stride is not None:
+            _logger.info(f'Token labeling: the loader builds the token targets ({stride[0]}x{stride[1]} px tokens)')
     # mixing: the kind, and where it runs (fast-collate with the prefetcher, else in the loop);
     # MixToken runs in the task (TokenLabelingTask)
     mixup_active = resolve_mixing(args, token_labeling)
