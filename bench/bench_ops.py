@@ -30,7 +30,7 @@ from shared_core.token_labeling import token_labeling_loss
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign, TransMix
 from timm_plugin.token_label_data import TokenLabelTarget
-from timm_plugin.token_labeling import TokenLabeling, TokenLabelingLoss, attach_aux_head
+from timm_plugin.token_labeling import TokenLabeling, TokenLabelingLoss, attach_aux_head, labeling_stride
 from timm_plugin.tokenmixup import TokenMixup
 
 
@@ -50,13 +50,14 @@ PLAIN = 'plain (CutMix batch, area target)'
 AUX = 'plain CE, aux-head model (token labeling baseline)'
 TL_ALIGN = 'TL-Align (CutMix; shared fused attention, the default on every device)'
 TOKEN_LABELING = 'token labeling + MixToken'
+TOKEN_LABELING_LOADER = 'token labeling + MixToken, its token targets built by the loader (as tokenaug-train does)'
 WIDE = 'TL-Align, the same with the wide call as accelerators run it (its backward at the wider head dim)'
 
 
 def baseline(name: str) -> str:
     """The step a method's step is compared with: the plain CE step of the aux-head model for token labeling, the
     plain CutMix step for the others."""
-    return AUX if name in (TOKEN_LABELING, AUX) else PLAIN
+    return AUX if name in (TOKEN_LABELING, TOKEN_LABELING_LOADER, AUX) else PLAIN
 
 
 def wide_call(step):
@@ -87,6 +88,12 @@ def make_steps(model_name: str, x, y, xm, target, num_classes: int, **kwargs):
     tl_model = attach_aux_head(timm.create_model(model_name, num_classes=num_classes, **kwargs)).train()
     tl_model.load_state_dict(model.state_dict(), strict=False)
     tl_target, tl_loss = token_label_target(y, num_classes), TokenLabelingLoss(num_classes)
+    # the same rows with their token targets built once, as TokenLabelCollate(token_stride=...) does in a worker
+    sh, sw = labeling_stride(tl_model)
+    grid = (x.shape[-2] // sh, x.shape[-1] // sw)
+    smoothing = tl_loss.smoothing
+    built = dict(tokens=tl_target.token_targets(grid, smoothing), token_grid=grid, token_smoothing=smoothing)
+    tl_built = TokenLabelTarget.wrap(tl_target.as_tensor(), **tl_target.carried() | built)
     steps = {
         PLAIN: lambda: soft_ce(model(xm), target),
         TL_ALIGN: lambda w=TLAlign(model): soft_ce(*w(xm, target)),
@@ -98,6 +105,7 @@ def make_steps(model_name: str, x, y, xm, target, num_classes: int, **kwargs):
         'TransMix (CutMix)': lambda w=TransMix(model): soft_ce(*w(xm, target)),
         AUX: lambda: F.cross_entropy(tl_model(x), y, label_smoothing=0.1),
         TOKEN_LABELING: lambda w=TokenLabeling(tl_model): tl_loss(w(x), tl_target),
+        TOKEN_LABELING_LOADER: lambda w=TokenLabeling(tl_model): tl_loss(w(x), tl_built),
         'TokenMixup HTM (block 3)': lambda w=TokenMixup(model, htm_layers=(3,), tau=100.0): (
             lambda out: soft_ce(out[0], out[1]) + out[1].aux_loss
         )(w(xm, target)),

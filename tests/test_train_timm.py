@@ -465,11 +465,11 @@ def test_mixtoken_token_labeling_on_an_mlp_mixer(tiny_world, tmp_path, caplog):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('model', ['resnest14d', 'convnext_atto'])
-def test_mixtoken_token_labeling_on_a_cnn(tiny_world, tmp_path, caplog, model):
+@pytest.mark.parametrize('model, where', [('resnest14d', 'loader'), ('convnext_atto', 'step')])
+def test_mixtoken_token_labeling_on_a_cnn(tiny_world, tmp_path, caplog, model, where):
     """Token Labeling Table 5's CNNs (ResNeSt; ConvNeXt): MixToken pastes a box of whole 32-px cells in the images,
-    the aux head reads the final 4x4 map at 128 px (the loader builds its targets on those cells); the checkpoint
-    holds aux_head and loads into the plain model."""
+    the aux head reads the final 4x4 map at 128 px (its targets on those cells, built by the loader or, with
+    ``--token-targets step``, in the step); the checkpoint holds aux_head and loads into the plain model."""
     caplog.set_level('INFO')
     _random_top2_store(tiny_world, tmp_path / 'maps')
     metrics = run(
@@ -477,9 +477,10 @@ def test_mixtoken_token_labeling_on_a_cnn(tiny_world, tmp_path, caplog, model):
         + ['--data-dir', str(tiny_world / 'imagenet'), '--token-label-dir', str(tmp_path / 'maps')]
         + ['--model', model, '--model-kwargs', '--input-size', '3', '128', '128', '--drop-path', '0.1']
         + ['--epochs', '1', '-b', '8', '--workers', '0', '--output', str(tmp_path), '--experiment', 'cnn']
+        + ['--token-targets', where]
     )
     assert set(metrics) == {'loss', 'top1', 'top5'}
-    assert 'the loader builds the token targets (32x32 px tokens)' in caplog.text
+    assert ('the loader builds the token targets (32x32 px tokens)' in caplog.text) == (where == 'loader')
     ckpt = torch.load(tmp_path / 'cnn' / 'last.pth.tar', map_location='cpu', weights_only=True)
     plain = timm.create_model(model, num_classes=10)
     assert ckpt['state_dict']['aux_head.weight'].shape == (10, plain.num_features)

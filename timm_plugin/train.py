@@ -557,7 +557,7 @@ def run(argv=None) -> dict:
             raise ValueError(f'{maps_flag}: the maps have {store.num_classes} classes, the model {args.num_classes}')
         dataset_train = TokenLabelDataset(dataset_train, store, geometric_aa=args.geometric_aa)
         # the dense term's token targets built by the loader's workers, not the training step
-        stride = labeling_stride(model) if token_labeling and dense else None
+        stride = labeling_stride(model) if token_labeling and dense and args.token_targets == 'loader' else None
         # (check=False: the dataset checks each row, named)
         collate_fn = TokenLabelCollate(args.num_classes, check=False, token_stride=stride, smoothing=args.smoothing)
         if stride is not None:

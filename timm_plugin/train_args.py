@@ -1033,6 +1033,13 @@ def add_tokenaug_args(parser: argparse.ArgumentParser) -> None:
         help='ReLabel: one pooled label per crop from the maps as the class target, no dense term',
     )
     g.add_argument(
+        '--token-targets',
+        default='loader',
+        choices=('loader', 'step'),
+        help="where the dense term's token targets are built: by the DataLoader's workers (about 13 MiB more per "
+        'batch of 128 at 224 px to copy to the device, asynchronously with the prefetcher) or in the training step',
+    )
+    g.add_argument(
         '--head-rule',
         default='cls+aux',
         choices=HEAD_RULES,
