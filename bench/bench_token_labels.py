@@ -33,7 +33,7 @@ from timm.data.loader import fast_collate
 from shared_core.label_maps import token_targets_batch, token_targets_sparse
 from shared_core.map_store import LabelMapStore, MapWriter
 from timm_plugin.timm_fixes import fix_posterize
-from timm_plugin.token_label_data import TokenLabelCollate, TokenLabelDataset
+from timm_plugin.token_label_data import TokenLabelCollate, TokenLabelDataset, TokenLabelTarget
 
 
 def make_images(root: Path, n: int, seed: int = 0) -> list:
@@ -83,7 +83,7 @@ def main():
         '--step-model',
         default=None,
         help='also time a training step of this timm model: plain CE vs token labeling + MixToken '
-        '(aux head, un-mixing, dense targets built in the step)',
+        '(aux head, un-mixing, dense targets built in the step, and built by the loader as tokenaug-train does)',
     )
     p.add_argument('--amp', action='store_true')
     p.add_argument(
@@ -203,12 +203,17 @@ def main():
         )
 
     if step:
-        tp, tt = step
+        tp, tt, tb = step
+        setting = f'{args.step_model}, batch {args.batch} ({args.device}, amp={args.amp}' + (
+            f', torch.compile backend {args.compile})' if args.compile else ')'
+        )
         print(
-            f'| training step {args.step_model}, batch {args.batch} ({args.device}, amp={args.amp}'
-            + (f', torch.compile backend {args.compile}' if args.compile else '')
-            + ') | '
-            f'{tp * 1e3:.1f} ms | {tt * 1e3:.1f} ms | {tt / tp:.3f} |'
+            f'| training step {setting}, token targets built in the step | {tp * 1e3:.1f} ms | {tt * 1e3:.1f} ms | '
+            f'{tt / tp:.3f} |'
+        )
+        print(
+            f'| training step {setting}, token targets built by the loader (tokenaug-train) | {tp * 1e3:.1f} ms | '
+            f'{tb * 1e3:.1f} ms | {tb / tp:.3f} |'
         )
 
 
@@ -225,6 +230,10 @@ def training_step(args, target):
     model = attach_aux_head(timm.create_model(args.step_model, num_classes=1000)).to(dev).train()
     wrapped = TokenLabeling(model)
     lossf = TokenLabelingLoss(1000)
+    # the same rows with their token targets already built, as TokenLabelCollate(token_stride=...) hands them over
+    grid = tuple(224 // s for s in wrapped.token_stride)
+    built = dict(tokens=target.token_targets(grid, lossf.smoothing), token_grid=grid, token_smoothing=lossf.smoothing)
+    loader_built = TokenLabelTarget.wrap(target.as_tensor(), **target.carried() | built)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     x = torch.randn(args.batch, 3, 224, 224, device=dev)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.amp)
@@ -233,8 +242,9 @@ def training_step(args, target):
     run = torch.compile(model, backend=args.compile) if args.compile else model
     plain = optimizer_step(lambda: F.cross_entropy(run(x), target.as_tensor(), label_smoothing=0.1), opt, autocast)
     tl = optimizer_step(lambda: lossf(wrapped.outputs(x, run), target), opt, autocast)
+    tl_loader = optimizer_step(lambda: lossf(wrapped.outputs(x, run), loader_built), opt, autocast)
     warmup = 3 if args.compile else 2
-    return tuple(median_times([plain, tl], args.rounds * 2, warmup=warmup, sync=device_sync(dev)))
+    return tuple(median_times([plain, tl, tl_loader], args.rounds * 2, warmup=warmup, sync=device_sync(dev)))
 
 
 if __name__ == '__main__':
