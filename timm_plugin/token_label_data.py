@@ -369,12 +369,12 @@ class TokenLabelCollate:
 
     def __init__(self, num_classes: int, check: bool = True, token_stride=None, smoothing: float = 0.0):
         self.num_classes, self.check = int(num_classes), check
-        if token_stride is not None:
+        if token_stride is not None:  # (smoothing is only read then)
             token_stride = (token_stride, token_stride) if isinstance(token_stride, int) else tuple(token_stride)
             if len(token_stride) != 2 or not all(isinstance(s, int) and s > 0 for s in token_stride):
                 raise ValueError(f'token_stride: expected a positive int or (sh, sw), got {token_stride!r}')
-        if not 0.0 <= smoothing < 1.0:
-            raise ValueError(f'smoothing: expected a label smoothing in [0, 1), got {smoothing}')
+            if not 0.0 <= smoothing < 1.0:
+                raise ValueError(f'smoothing: expected a label smoothing in [0, 1), got {smoothing}')
         self.token_stride, self.smoothing = token_stride, float(smoothing)
 
     def __call__(self, batch):
