@@ -91,9 +91,7 @@ def make_steps(model_name: str, x, y, xm, target, num_classes: int, **kwargs):
     # the same rows with their token targets built once, as TokenLabelCollate(token_stride=...) does in a worker
     sh, sw = labeling_stride(tl_model)
     grid = (x.shape[-2] // sh, x.shape[-1] // sw)
-    smoothing = tl_loss.smoothing
-    built = dict(tokens=tl_target.token_targets(grid, smoothing), token_grid=grid, token_smoothing=smoothing)
-    tl_built = TokenLabelTarget.wrap(tl_target.as_tensor(), **tl_target.carried() | built)
+    tl_built = tl_target.with_token_targets(grid, tl_loss.smoothing)
     steps = {
         PLAIN: lambda: soft_ce(model(xm), target),
         TL_ALIGN: lambda w=TLAlign(model): soft_ce(*w(xm, target)),

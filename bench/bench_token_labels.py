@@ -33,7 +33,7 @@ from timm.data.loader import fast_collate
 from shared_core.label_maps import token_targets_batch, token_targets_sparse
 from shared_core.map_store import LabelMapStore, MapWriter
 from timm_plugin.timm_fixes import fix_posterize
-from timm_plugin.token_label_data import TokenLabelCollate, TokenLabelDataset, TokenLabelTarget
+from timm_plugin.token_label_data import TokenLabelCollate, TokenLabelDataset
 
 
 def make_images(root: Path, n: int, seed: int = 0) -> list:
@@ -231,9 +231,7 @@ def training_step(args, target):
     wrapped = TokenLabeling(model)
     lossf = TokenLabelingLoss(1000)
     # the same rows with their token targets already built, as TokenLabelCollate(token_stride=...) hands them over
-    grid = tuple(224 // s for s in wrapped.token_stride)
-    built = dict(tokens=target.token_targets(grid, lossf.smoothing), token_grid=grid, token_smoothing=lossf.smoothing)
-    loader_built = TokenLabelTarget.wrap(target.as_tensor(), **target.carried() | built)
+    loader_built = target.with_token_targets(tuple(224 // s for s in wrapped.token_stride), lossf.smoothing)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     x = torch.randn(args.batch, 3, 224, 224, device=dev)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.amp)

@@ -137,6 +137,13 @@ class TokenLabelTarget(CarrierTensor):
             self.extent,
         )
 
+    def with_token_targets(self, grid: Tuple[int, int], smoothing: float = 0.0) -> 'TokenLabelTarget':
+        """This target carrying its sparse token targets for ``grid`` at ``smoothing`` (:meth:`token_targets`), as
+        ``TokenLabelCollate(token_stride=...)`` hands a batch over; the loss then reads them instead of building
+        them."""
+        built = dict(tokens=self.token_targets(grid, smoothing), token_grid=tuple(grid), token_smoothing=smoothing)
+        return TokenLabelTarget._wrap(self.as_tensor(), self.carried() | built)
+
     def crop_targets(self, smoothing: float = 0.0) -> torch.Tensor:
         """``(B, C)`` the annotator's pooled label over each crop (ReLabel)."""
         return crop_targets(
@@ -401,7 +408,4 @@ class TokenLabelCollate:
                 f'{self.token_stride[0]}x{self.token_stride[1]}-px tokens'
             )
         grid = (size[0] // self.token_stride[0], size[1] // self.token_stride[1])
-        tokens = target.token_targets(grid, self.smoothing)
-        return x, TokenLabelTarget.wrap(
-            labels, values, indices, boxes, flips, self.num_classes, affines, extent, tokens, grid, self.smoothing
-        )
+        return x, target.with_token_targets(grid, self.smoothing)
