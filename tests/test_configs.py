@@ -101,6 +101,28 @@ def test_timm_config_parses(path):
         assert (args.tokenmixup_htm_layers, args.tokenmixup_vtm_layers, args.tokenmixup_kappa) == expected
         if args.tokenmixup_htm_layers:
             assert (args.tokenmixup_tau, args.tokenmixup_rho, args.tokenmixup_scorenet_weight) == (0.2, 0.005, 0.001)
+    if tokenmixup and 'cifar10_' in path.name:  # the public cct_cifar10_HTM.yaml, on the public model's name
+        assert (args.model, args.num_classes, args.img_size, args.epochs, args.batch_size) == (
+            'cct_7_3x1_32_sine',
+            10,
+            32,
+            1500,
+            128,
+        )
+        assert (args.lr, args.weight_decay, args.warmup_lr, args.min_lr, args.smoothing) == (
+            5e-4,
+            0.05,
+            1e-5,
+            1e-5,
+            0.1,
+        )
+        assert (args.mean, args.std, args.dataset) == (
+            [0.4914, 0.4822, 0.4465],
+            [0.247, 0.2435, 0.2616],
+            'torch/cifar10',
+        )
+        assert (args.tokenmixup_htm_layers, args.tokenmixup_tau, args.tokenmixup_rho) == ([2], 0.1, 0.003)
+        assert args.tokenmixup_scorenet_weight == 0.001
     if tokenmixup and 'in1k' in path.name:  # the public ViT-B/16 scripts: SGD 0.015, 30 epochs, no mixing
         assert (args.model, args.opt, args.lr, args.epochs, args.clip_grad, args.mixup, args.cutmix) == (
             'vit_base_patch16_224',

@@ -1,12 +1,16 @@
 """Compact Convolutional Transformers (CCT; Hassani et al., "Escaping the Big Data Paradigm with Compact
 Transformers") as timm models: TokenMixup's CIFAR model (``tokenmixup.md`` Table 1: CCT-7/3x1, 3.78M parameters).
-timm has no CCT; ``import timm_plugin`` registers ``cct_7_3x1_32`` (learnable positional embedding, the CIFAR-100
-model) and ``cct_7_3x1_32_sine`` (sinusoidal, the CIFAR-10 model).
+timm has no CCT; ``import timm_plugin`` registers ``cct_7_3x1_32`` (100 classes, the CIFAR-100 model) and
+``cct_7_3x1_32_sine`` (10 classes, the CIFAR-10 model). Both have a *learnable* positional embedding, as the public
+code trained them: its ``_cct()`` takes ``positional_embedding`` and never passes it on, so the public ``_sine``
+models learn theirs too (the paper's CIFAR-10 rows and the released checkpoints are that model).
+``positional='sine'`` gives CCT's fixed sinusoid (a buffer: 65,536 parameters fewer).
 
 - Tokenizer: one 3x3 convolution (stride 1, padding 1, no bias) to the embedding width, ReLU, 3x3 max pooling
   (stride 2, padding 1): a 32 px image becomes 16x16 = 256 tokens (token stride 2).
 - 7 pre-norm transformer blocks, 4 heads, embedding 256, MLP ratio 2, attention dropout 0.1, stochastic depth
-  0.1, no class token. CCT renormalises the residual stream after the attention residual
+  0.1, no class token. Every LayerNorm has torch's eps 1e-5, as the public code's ``nn.LayerNorm`` (timm's
+  ``Block`` defaults to 1e-6). CCT renormalises the residual stream after the attention residual
   (``x = norm1(x + attn(pre_norm(x)))``, then ``x + mlp(x)``): :class:`CCTBlock` is a timm ``Block`` whose
   ``norm1`` is that pre-norm and ``norm2`` the stream's norm.
 - SeqPool: ``softmax(Linear(D, 1)(x))ᵀ x`` over the tokens after the final norm, then the linear head.
@@ -15,6 +19,7 @@ model) and ``cct_7_3x1_32_sine`` (sinusoidal, the CIFAR-10 model).
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Optional
 
 import torch
@@ -25,6 +30,8 @@ from timm.models.vision_transformer import Block
 
 __all__ = ['CCT', 'CCTBlock', 'ConvTokenizer']
 
+#: the public CCT's LayerNorm (``torch.nn.LayerNorm``'s default eps), in the blocks and the final norm
+LAYER_NORM_EPS = 1e-5
 CIFAR_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR_STD = (0.2673, 0.2564, 0.2762)
 
@@ -117,11 +124,12 @@ class CCT(nn.Module):
                     proj_drop=drop_rate,
                     attn_drop=attn_drop_rate,
                     drop_path=dpr[i],
+                    norm_layer=partial(nn.LayerNorm, eps=LAYER_NORM_EPS),
                 )
                 for i in range(depth)
             ]
         )
-        self.norm = nn.LayerNorm(embed_dim)
+        self.norm = nn.LayerNorm(embed_dim, eps=LAYER_NORM_EPS)
         self.attention_pool = nn.Linear(embed_dim, 1)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.grad_checkpointing = False
@@ -200,7 +208,9 @@ def cct_7_3x1_32(pretrained: bool = False, **kwargs) -> CCT:
 
 @register_model
 def cct_7_3x1_32_sine(pretrained: bool = False, **kwargs) -> CCT:
-    """CCT-7/3x1 for 32 px with sinusoidal positions (CIFAR-10 in TokenMixup)."""
+    """CCT-7/3x1 for 32 px, 10 classes (CIFAR-10 in TokenMixup), as the public code builds it under this name: a
+    *learnable* positional embedding (the module docstring says why); ``positional='sine'`` for the fixed
+    sinusoid the name promises."""
     args = dict(
         img_size=32,
         embed_dim=256,
@@ -209,6 +219,6 @@ def cct_7_3x1_32_sine(pretrained: bool = False, **kwargs) -> CCT:
         mlp_ratio=2.0,
         kernel_size=3,
         num_conv_layers=1,
-        positional='sine',
+        positional='learnable',
     )
     return _create('cct_7_3x1_32_sine', pretrained=pretrained, **dict(args, **kwargs))
