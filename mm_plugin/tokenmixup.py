@@ -9,6 +9,11 @@ one-hot label) before the head's loss, and adds the ScoreNet loss as ``loss_scor
 ``htm_mixed`` count). Prediction is the stock classifier's. The ScoreNets are ``tokenmixup_scorenet.*`` of the
 classifier (saved with it; ``tokenaug-convert`` drops them).
 
+Label smoothing: mmpretrain smooths in the head's loss (``LabelSmoothLoss``), after the classifier has written
+``gt_score``. HTM judges difficulty and trains the ScoreNet on the target the loss will see, as timm (whose mixers
+smooth) and the public code do: the classifier runs the hooks on the smoothed score, then relabels the unsmoothed
+``gt_score`` with the same plans (smoothing commutes with Eq. 11's relabelling), and the loss smooths it once.
+
 Backbones: mmpretrain ``VisionTransformer`` (``TransformerEncoderLayer`` / ``MultiheadAttention``) and
 ``TIMMBackbone`` around a timm ViT/DeiT or a tokenaug CCT (``cct_7_3x1_32``; ``custom_imports`` with
 ``timm_plugin``).
@@ -23,11 +28,13 @@ import torch.nn as nn
 from mmpretrain.models.backbones import TIMMBackbone, VisionTransformer
 from mmpretrain.models.backbones.vision_transformer import TransformerEncoderLayer
 from mmpretrain.models.classifiers import ImageClassifier
+from mmpretrain.models.losses import LabelSmoothLoss
 from mmpretrain.models.utils.attention import MultiheadAttention
 from mmpretrain.registry import MODELS
 
+from shared_core.label_maps import smooth
 from shared_core.mix import one_hot
-from shared_core.tokenmixup import DIFFICULTY_SCALE, TokenMixupHooks, scorenets
+from shared_core.tokenmixup import DIFFICULTY_SCALE, TokenMixupHooks, mix_soft_target, scorenets
 
 from .tl_align import attention_scale, split_qk
 
@@ -103,6 +110,19 @@ def mm_tokenmixup_adapter(backbone: nn.Module):
     )
 
 
+def head_smoothing(head: nn.Module) -> float:
+    """The label smoothing ``ε`` the head's loss applies to a soft target as ``(1 − ε) y + ε / C``: mmpretrain's
+    ``LabelSmoothLoss`` (``'original'``: its ``label_smooth_val``; ``'classy_vision'``: ``val / (1 + val)``); 0 for
+    any other loss. A ``'multi_label'`` smoothing has no such form and is refused."""
+    loss = getattr(head, 'loss_module', None)
+    if not isinstance(loss, LabelSmoothLoss):
+        return 0.0
+    if loss.mode == 'multi_label':
+        raise ValueError("head.loss: TokenMixup relabels soft scores; LabelSmoothLoss(mode='multi_label') is not one")
+    val = float(loss.label_smooth_val)
+    return val / (1.0 + val) if loss.mode == 'classy_vision' else val
+
+
 @MODELS.register_module()
 class TokenMixupClassifier(ImageClassifier):
     """``ImageClassifier`` trained with TokenMixup (see the module docstring).
@@ -110,7 +130,7 @@ class TokenMixupClassifier(ImageClassifier):
     Args:
         tokenmixup: ``dict(htm_layers=[], vtm_layers=[], rho=0.005, tau=0.2, kappa=3, saliency='auto',
             scorenet='auto', scorenet_weight=1e-3, scorenet_stopgrad=False, vtm_stopgrad=False,
-            difficulty_scale=0.1)``, as :class:`timm_plugin.TokenMixup`.
+            difficulty_scale=0.1, vtm_memory='mixed')``, as :class:`timm_plugin.TokenMixup`.
         Other args: as ``ImageClassifier``.
     """
 
@@ -126,6 +146,7 @@ class TokenMixupClassifier(ImageClassifier):
         'scorenet_stopgrad',
         'vtm_stopgrad',
         'difficulty_scale',
+        'vtm_memory',
     )
 
     def __init__(self, *args, tokenmixup: Optional[dict] = None, **kwargs):
@@ -151,6 +172,7 @@ class TokenMixupClassifier(ImageClassifier):
                 cfg.get('scorenet_stopgrad', False),
                 cfg.get('vtm_stopgrad', False),
                 cfg.get('difficulty_scale', DIFFICULTY_SCALE),
+                cfg.get('vtm_memory', 'mixed'),
             )
         except ValueError as e:
             raise ValueError(f'tokenmixup.{e}') from None
@@ -173,7 +195,13 @@ class TokenMixupClassifier(ImageClassifier):
             y = one_hot(torch.cat([s.gt_label for s in data_samples]).to(inputs.device), C)
         if y.shape != (len(data_samples), C):
             raise ValueError(f'data_samples: TokenMixup needs one label or a ({C},) score per sample')
-        feats, y, aux, stats, _ = self.tokenmixup.run(y, lambda: self.extract_feat(inputs))
+        eps = head_smoothing(self.head)  # judge the target the loss sees (module docstring)
+        feats, judged, aux, stats, mixes = self.tokenmixup.run(smooth(y, eps), lambda: self.extract_feat(inputs))
+        if eps:
+            for mix in mixes:
+                y = mix_soft_target(y, mix)
+        else:
+            y = judged
         for sample, score in zip(data_samples, y):
             sample.set_gt_score(score)
         losses = self.head.loss(feats, data_samples)

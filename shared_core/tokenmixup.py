@@ -19,7 +19,10 @@ and soft targets with :func:`mix_soft_target`. It describes a *token-space* mix 
 ``img_size``/``pixel_share`` mean nothing for images.
 
 Vertical TokenMixup (VTM, Sec. 3.5) lets block ``L`` attend, besides its own tokens, to the ``κ`` most salient
-tokens of each earlier block's input (:func:`vtm_select`).
+tokens of each earlier block's input (:func:`vtm_select`). Where an earlier block is an HTM block, its input is
+the mixed one, and the tokens are chosen by the block's own attention on that mixed input (``vtm_memory='mixed'``,
+ours); the public code chooses them by the saliency HTM computed on the *pre-mix* input and takes them from the
+mixed input (``vtm_memory='public'``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from .tl_align import check_layers
 __all__ = [
     'SALIENCY_MODES',
     'DIFFICULTY_SCALE',
+    'VTM_MEMORY',
     'token_saliency',
     'qk_saliency',
     'difficulty',
@@ -55,6 +59,9 @@ __all__ = [
 SALIENCY_MODES = ('cls', 'mean')
 #: the public code's scale of the difficulty (``0.1 · CE ≤ τ``)
 DIFFICULTY_SCALE = 0.1
+#: how VTM picks the memory tokens of an HTM block: by the block's attention on its mixed input (ours), or by
+#: HTM's pre-mix saliency, gathered from the mixed input (the public code)
+VTM_MEMORY = ('mixed', 'public')
 
 
 def token_saliency(attn: torch.Tensor, num_prefix_tokens: int, mode: str) -> torch.Tensor:
@@ -275,6 +282,7 @@ class TokenMixupHooks:
         scorenet_stopgrad: bool = False,
         vtm_stopgrad: bool = False,
         difficulty_scale: float = DIFFICULTY_SCALE,
+        vtm_memory: str = 'mixed',
     ):
         depth = len(adapter.blocks)
         self.htm_layers = sorted(check_layers(htm_layers, depth, 'htm_layers'))
@@ -291,26 +299,31 @@ class TokenMixupHooks:
             raise ValueError(f'kappa: expected an int >= 1, got {kappa!r}')
         if scorenet_weight < 0:
             raise ValueError(f'scorenet_weight: expected >= 0, got {scorenet_weight}')
+        if vtm_memory not in VTM_MEMORY:
+            raise ValueError(f'vtm_memory: expected one of {VTM_MEMORY}, got {vtm_memory!r}')
+        self.vtm_memory = vtm_memory
         self.adapter, self.nets, self.saliency = adapter, nets, saliency
         self.rho, self.tau, self.kappa = float(rho), float(tau), kappa
         self.scorenet_weight, self.scorenet_stopgrad = float(scorenet_weight), scorenet_stopgrad
         self.vtm_stopgrad, self.difficulty_scale = vtm_stopgrad, float(difficulty_scale)
-        #: a dict to keep each HTM block's saliency ``(B, N)`` and easy rows in (``tokenaug-viz tokenmixup``)
+        #: a dict to keep each HTM block's saliency ``(B, N)``, difficulty ``(B,)`` and easy rows in
+        #: (``tokenaug-viz tokenmixup``)
         self.record: Optional[dict] = None
 
     def run(self, y: torch.Tensor, forward: Callable[[], torch.Tensor]):
         """``(output, target (B, C), aux_loss, stats, mixes)`` of one training forward with soft target ``y``."""
-        state = dict(y=y, aux=[], stats={}, mixes=[], inputs={}, qk={}, undo=[])
+        state = dict(y=y, aux=[], stats={}, mixes=[], inputs={}, qk={}, premix={}, undo=[])
         handles = []
         need_memory = set(range(self.vtm_layers[-1])) if self.vtm_layers else set()
         for idx, blk in enumerate(self.adapter.blocks):
             if idx in self.htm_layers:
-                handles.append(blk.register_forward_pre_hook(self._htm_hook(idx, state)))
+                handles.append(blk.register_forward_pre_hook(self._htm_hook(idx, state, idx in need_memory)))
             if idx in need_memory:  # after HTM's hook: the block's actual (mixed) input
                 handles.append(
                     blk.register_forward_pre_hook(lambda m, args, i=idx: state['inputs'].__setitem__(i, args[0]))
                 )
-                handles += self.adapter.capture_qk(idx, state['qk'].setdefault(idx, {}))
+                if not (self.vtm_memory == 'public' and idx in self.htm_layers):  # else HTM's pre-mix saliency
+                    handles += self.adapter.capture_qk(idx, state['qk'].setdefault(idx, {}))
             if idx in self.vtm_layers:
                 handles.append(blk.register_forward_pre_hook(self._vtm_hook(idx, state)))
         try:
@@ -323,19 +336,25 @@ class TokenMixupHooks:
         aux = torch.stack(state['aux']).sum() if state['aux'] else torch.zeros((), device=state['y'].device)
         return output, state['y'], aux, state['stats'], state['mixes']
 
-    def _htm_hook(self, idx: int, state: dict):
+    def _htm_hook(self, idx: int, state: dict, memory: bool = False):
         P = self.adapter.num_prefix_tokens
+        keep_premix = memory and self.vtm_memory == 'public'
 
         def hook(module, args):
             x = args[0]
             scores = self.nets[str(idx)](x.detach() if self.scorenet_stopgrad else x)
             y = state['y']
             state['aux'].append(self.scorenet_weight * -(y * torch.log_softmax(scores.float(), -1)).sum(-1).mean())
-            easy = difficulty(scores, y, self.difficulty_scale) <= self.tau
+            hardness = difficulty(scores, y, self.difficulty_scale)
+            easy = hardness <= self.tau
             S = qk_saliency(*self.adapter.qk(idx, x), self.adapter.scale(idx), P, self.saliency)
             partner, swap, lam = htm_plan(S, easy, self.rho)
+            if keep_premix:  # VTM's memory of this block, chosen as the public code does
+                state['premix'][idx] = S
             if self.record is not None:
-                self.record[idx] = dict(saliency=S.detach().float().cpu(), easy=easy.detach().cpu())
+                self.record[idx] = dict(
+                    saliency=S.detach().float().cpu(), easy=easy.detach().cpu(), difficulty=hardness.detach().cpu()
+                )
             mix = htm_mix(partner, swap, lam, (1, S.shape[1]))
             state['mixes'].append(mix)
             mixed = swap.any(1)
@@ -359,8 +378,12 @@ class TokenMixupHooks:
         def hook(module, args):
             memory = []
             for src in range(idx):
-                qk, x_src = state['qk'][src], state['inputs'][src]
-                S = qk_saliency(qk['q'], qk['k'], self.adapter.scale(src), P, self.saliency)
+                x_src = state['inputs'][src]
+                if src in state['premix']:
+                    S = state['premix'][src]
+                else:
+                    qk = state['qk'][src]
+                    S = qk_saliency(qk['q'], qk['k'], self.adapter.scale(src), P, self.saliency)
                 top = vtm_select(S, self.kappa) + P
                 tokens = x_src.gather(1, top[:, :, None].expand(-1, -1, x_src.shape[-1]))
                 memory.append(tokens.detach() if self.vtm_stopgrad else tokens)

@@ -161,6 +161,9 @@ class TokenMixup(nn.Module):
         scorenet_stopgrad: the ScoreNet reads the tokens detached (the public ViT recipe).
         vtm_stopgrad: the memory tokens are detached (off in every public run).
         difficulty_scale: the public code's 0.1.
+        vtm_memory: how VTM picks the memory tokens of an HTM block: ``'mixed'`` (default) by the block's attention
+            on its mixed input; ``'public'``: by HTM's pre-mix saliency, gathered from the mixed input (the public
+            code).
         smoothing: label smoothing of the one-hot target made from class indices (a soft target, e.g. from a
             MixUp/CutMix mixer, is taken as it is).
     """
@@ -180,6 +183,7 @@ class TokenMixup(nn.Module):
         vtm_stopgrad: bool = False,
         difficulty_scale: float = DIFFICULTY_SCALE,
         smoothing: float = 0.0,
+        vtm_memory: str = 'mixed',
     ):
         guard_module_hooks()  # per-call hooks under torch.compile
         super().__init__()
@@ -200,6 +204,7 @@ class TokenMixup(nn.Module):
             scorenet_stopgrad,
             vtm_stopgrad,
             difficulty_scale,
+            vtm_memory,
         )
         self.model, self.smoothing = model, float(smoothing)
         if self.hooks.htm_layers:
