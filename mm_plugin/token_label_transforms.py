@@ -11,14 +11,20 @@ device (:func:`shared_core.label_maps.token_targets_sparse`, one batched call)::
 
 - :class:`LoadTokenLabelMap` reads the image's row (key: ``img_path`` relative to the split root);
 - :class:`TokenLabelRandomResizedCrop` is mmpretrain's ``RandomResizedCrop`` that records its crop as
-  ``crop_box`` = normalised ``(x0, y0, x1, y1)``; it must be the first geometric op;
+  ``crop_box`` = normalised ``(x0, y0, x1, y1)``; it must be the first geometric op, or come after
+  ``RandomFlip`` and ``TokenLabelRandAugment`` only (the public Token Labeling order: flip and RandAugment on
+  the whole image, then the crop; :func:`shared_core.label_maps.crop_after_ops` records that geometry)::
+
+      LoadImageFromFile -> LoadTokenLabelMap -> RandomFlip (horizontal) -> TokenLabelRandAugment
+          -> TokenLabelRandomResizedCrop -> RandomErasing -> PackTokenLabelInputs
+
 - mmcv's ``RandomFlip`` records ``flip`` / ``flip_direction``; only horizontal flips are allowed;
 - :class:`TokenLabelRandAugment` is mmpretrain's ``RandAugment`` whose geometric policies (``Rotate``,
   ``Shear``, ``Translate``) record the affine they applied in ``results['token_affines']``
   (``geometric='follow'``, the default and the public code's behaviour: the labels follow them, fill
   outside the image a uniform label); ``geometric='drop'`` removes them instead (our earlier default). It
-  must come after ``RandomFlip``. The stock ``RandAugment`` / ``AutoAugment`` must not be used with token
-  labels (a pipeline cannot see what they did);
+  must come after ``RandomFlip``, before or after the crop. The stock ``RandAugment`` / ``AutoAugment`` must not
+  be used with token labels (a pipeline cannot see what they did);
 - :class:`PackTokenLabelInputs` is ``PackInputs`` that also packs ``token_label_values``,
   ``token_label_indices``, ``crop_box`` and ``token_affines`` (``flip`` / ``flip_direction`` are default
   meta keys) and refuses a vertical or diagonal flip. ``PackInputs(algorithm_keys=TOKEN_LABEL_KEYS)`` works too (the
@@ -42,7 +48,14 @@ from mmpretrain.datasets.transforms.auto_augment import RANDAUG_POLICIES
 from mmpretrain.registry import TRANSFORMS
 from mmpretrain.structures import DataSample
 
-from shared_core.label_maps import check_boxes, check_map_row, crop_box, normalised_affine, stack_affines
+from shared_core.label_maps import (
+    check_boxes,
+    check_map_row,
+    crop_after_ops,
+    crop_box,
+    normalised_affine,
+    stack_affines,
+)
 from shared_core.map_store import LabelMapStore, MissingLabelMapError
 
 __all__ = [
@@ -71,6 +84,7 @@ TOKEN_LABEL_KEYS = ('token_label_values', 'token_label_indices', 'crop_box')
 #: the optional field of the geometric ops' affine chain (``(L, 2, 3)``, see :mod:`shared_core.label_maps`)
 AFFINE_KEY = 'token_affines'
 _BEFORE_FLIP = '_token_label_aa_before_flip'
+_FLIP_AT_CROP = '_token_label_flip_before_crop'
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,16 +152,12 @@ class LoadTokenLabelMap(BaseTransform):
 
 
 def _check_uncropped(results: dict, name: str) -> None:
-    """The crop's box is in the coordinates of the image the map covers: the image as loaded."""
+    """The crop's box is in the coordinates of the image the map covers: the image as loaded (flipped and augmented
+    by recorded ops at most, the public order)."""
     if 'crop_box' in results:
         raise ValueError(
             f'{name}: the image {_image_name(results)} was already cropped by a crop that records '
             'its box; use one TokenLabelRandomResizedCrop per pipeline'
-        )
-    if results.get('flip'):
-        raise ValueError(
-            f'{name}: the image {_image_name(results)} was flipped before the crop; put RandomFlip '
-            'after TokenLabelRandomResizedCrop'
         )
     ori = results.get('ori_shape')
     now = tuple(results['img'].shape[:2])
@@ -156,8 +166,8 @@ def _check_uncropped(results: dict, name: str) -> None:
         raise ValueError(
             f'{name}: the image {_image_name(results)} was resized or cropped before '
             f'(ori_shape {tuple(ori[:2])}, img_shape {shape}); the token-label map covers the image '
-            'as loaded, so the recorded crop must be the first geometric transform after '
-            'LoadImageFromFile'
+            'as loaded, so the recorded crop must be the first transform after LoadImageFromFile that resizes '
+            '(only RandomFlip and TokenLabelRandAugment may come before it: the public order)'
         )
 
 
@@ -178,7 +188,12 @@ class TokenLabelRandomResizedCrop(RandomResizedCrop):
         img = mmcv.imresize(img, tuple(self.scale[::-1]), interpolation=self.interpolation, backend=self.backend)
         results['img'] = img
         results['img_shape'] = img.shape
-        results['crop_box'] = crop_box(top, left, h, w, img_h, img_w)
+        box = crop_box(top, left, h, w, img_h, img_w)
+        if 'flip' in results or len(results.get(AFFINE_KEY, ())):  # the public order: flip, RandAugment, crop
+            _check_flip(bool(results.get('flip')), results.get('flip_direction'), _image_name(results))
+            box, results[AFFINE_KEY] = crop_after_ops(box, bool(results.get('flip')), results.get(AFFINE_KEY, ()))
+            results[_FLIP_AT_CROP] = bool(results.get('flip'))
+        results['crop_box'] = box
         return results
 
 
@@ -242,7 +257,8 @@ class TokenLabelRandAugment(RandAugment):
     Args:
         geometric: ``'follow'`` (default) or ``'drop'`` (:data:`GEOMETRIC`).
         Other args: as ``RandAugment`` (``policies`` a preset name such as ``'timm_increasing'`` or a list).
-    It must come after ``RandomFlip`` (the recorded ops act on the flipped crop).
+    It must come after ``RandomFlip`` (the recorded ops act on the flipped image), after the crop (timm's order) or
+    before it (the public order).
     """
 
     def __init__(
@@ -321,6 +337,11 @@ class PackTokenLabelInputs(PackInputs):
             raise ValueError(
                 f'pipeline: the image {image} was flipped after TokenLabelRandAugment; put RandomFlip '
                 'before it (the recorded geometric ops act on the flipped crop)'
+            )
+        if _FLIP_AT_CROP in results and results.pop(_FLIP_AT_CROP) != bool(results.get('flip', False)):
+            raise ValueError(
+                f'pipeline: the image {image} was flipped before TokenLabelRandomResizedCrop and again after it; '
+                'flip once: before the crop (the public order) or after it'
             )
         results.setdefault(AFFINE_KEY, np.zeros((0, 2, 3), np.float32))
         return super().transform(results)

@@ -31,6 +31,8 @@ Conventions, all in one place:
   axis), each sample mapped back through the chain; a sample that lands outside the image of any stage
   (the op's fill) counts as a uniform distribution, the public code's zero-logit fill. With identity
   affines this is RoIAlign exactly (:func:`normalised_affine` converts a pixel matrix of PIL or OpenCV).
+- *The public order* (flip and RandAugment on the whole image, then the crop): :func:`crop_after_ops` writes it
+  in the form above (the whole image as the box, the ops then the crop as the chain).
 - *ReLabel* (``token-labeling.md`` Table 2): one label per crop, the mean of the map's distribution
   over the crop (:func:`crop_targets`, ``roi_align`` to a 1x1 grid).
 
@@ -63,6 +65,7 @@ __all__ = [
     'crop_targets',
     'check_map_row',
     'crop_box',
+    'crop_after_ops',
     'smooth',
     'stack_affines',
 ]
@@ -623,3 +626,20 @@ def crop_box(top: int, left: int, height: int, width: int, img_height: int, img_
     if height <= 0 or width <= 0:
         raise ValueError(f'crop: expected a positive size, got {height}x{width}')
     return (left / img_width, top / img_height, (left + width) / img_width, (top + height) / img_height)
+
+
+def crop_after_ops(box, flip: bool, affines) -> Tuple[Tuple[float, ...], np.ndarray]:
+    """The public Token Labeling order — the whole image flipped (``flip``), then its geometric ops (``affines
+    (L, 2, 3)`` as recorded, in normalised coordinates of the whole image, first op first), then cropped to
+    ``box`` (normalised in the augmented image) — in this module's form, a box, then the same ``flip``, then a
+    chain: ``(box, chain)``.
+
+    With no op, a flip then a crop is the mirrored crop then a flip: the box mirrored where flipped and no chain
+    (the crop path). With ops, the box is the whole image and the chain the ops followed by the crop's own affine
+    (at output point ``(u, v)`` the crop read the augmented image at ``(x0 + u (x1 - x0), y0 + v (y1 - y0))``)."""
+    x0, y0, x1, y1 = (float(c) for c in box)
+    chain = np.asarray(affines, np.float32).reshape(-1, 2, 3)
+    if not len(chain):
+        return ((1.0 - x1, y0, 1.0 - x0, y1) if flip else (x0, y0, x1, y1)), chain
+    crop = np.array([[x1 - x0, 0.0, x0], [0.0, y1 - y0, y0]], np.float32)
+    return (0.0, 0.0, 1.0, 1.0), np.concatenate([chain, crop[None]])

@@ -28,14 +28,23 @@ C = 5
 
 # ----------------------------------------------------------------------------------------------- helpers
 def tl_pipeline(
-    root, flip=dict(type='RandomFlip', prob=0.5, direction='horizontal'), pack='PackTokenLabelInputs', aug=(), scale=64
+    root,
+    flip=dict(type='RandomFlip', prob=0.5, direction='horizontal'),
+    pack='PackTokenLabelInputs',
+    aug=(),
+    scale=64,
+    order='timm',
 ):
-    steps = [
+    """crop -> flip -> aug (timm's order), or flip -> aug -> crop (``order='public'``, the public code's)."""
+    load = [
         dict(type='LoadImageFromFile'),
         dict(type='LoadTokenLabelMap', store=str(root / 'maps'), split_root=str(root / 'train')),
-        dict(type='TokenLabelRandomResizedCrop', scale=scale, crop_ratio_range=(0.08, 1.0), interpolation='nearest'),
     ]
-    return steps + ([flip] if flip else []) + list(aug) + [dict(type=pack)]
+    crop = [
+        dict(type='TokenLabelRandomResizedCrop', scale=scale, crop_ratio_range=(0.08, 1.0), interpolation='nearest')
+    ]
+    moves = ([flip] if flip else []) + list(aug)
+    return load + (crop + moves if order == 'timm' else moves + crop) + [dict(type=pack)]
 
 
 def dataset(root, pipeline):
@@ -127,10 +136,12 @@ def token_independent_mm_vit():
 
 
 # ------------------------------------------------------------------------------------- (a) orientation
-def test_token_targets_follow_crops_and_flips_through_the_mm_pipeline(quadrant_data):
+@pytest.mark.parametrize('order', ['timm', 'public'])
+def test_token_targets_follow_crops_and_flips_through_the_mm_pipeline(quadrant_data, order):
     """LoadImageFromFile -> LoadTokenLabelMap -> TokenLabelRandomResizedCrop -> RandomFlip -> PackTokenLabelInputs
-    on quadrant images: the classifier's dense targets equal the pixels' classes on every pure token."""
-    ds = dataset(quadrant_data, tl_pipeline(quadrant_data))
+    on quadrant images: the classifier's dense targets equal the pixels' classes on every pure token; and with the
+    flip before the crop (the public order: the mirrored crop)."""
+    ds = dataset(quadrant_data, tl_pipeline(quadrant_data, order=order))
     head = TokenLabelingHead(num_classes=4, in_channels=8, label_smoothing=0.0)
     np.random.seed(0)
     checked = flipped = 0
@@ -177,13 +188,17 @@ def forced(policy, geometric='follow'):
 
 @pytest.mark.parametrize('scale', [64, (48, 64)])
 @pytest.mark.parametrize('op', sorted(GEOMETRIC_POLICIES))
-def test_token_targets_follow_each_geometric_policy_through_the_mm_pipeline(quadrant_data, op, scale):
+@pytest.mark.parametrize('order', ['timm', 'public'])
+def test_token_targets_follow_each_geometric_policy_through_the_mm_pipeline(quadrant_data, op, scale, order):
     """... -> RandomFlip -> TokenLabelRandAugment (one geometric policy, forced) -> PackTokenLabelInputs: every
     token that is one quadrant has that class as its target's argmax, every all-fill token a uniform target,
-    square and non-square crops (mmcv's warps, OpenCV pixel centres)."""
+    square and non-square crops (mmcv's warps, OpenCV pixel centres); and in the public order (RandomFlip ->
+    TokenLabelRandAugment on the whole image -> TokenLabelRandomResizedCrop)."""
     gh, gw = (4, 4) if scale == 64 else (3, 4)
     H, W = 16 * gh, 16 * gw
-    ds = dataset(quadrant_data, tl_pipeline(quadrant_data, aug=[forced(GEOMETRIC_POLICIES[op])], scale=scale))
+    aug = [forced(GEOMETRIC_POLICIES[op])]
+    ds = dataset(quadrant_data, tl_pipeline(quadrant_data, aug=aug, scale=scale, order=order))
+    L = 1 if order == 'timm' else 2  # public: the op, then the crop (crop_after_ops)
     head = TokenLabelingHead(num_classes=4, in_channels=8, label_smoothing=0.0)
     np.random.seed(0)
     quad = fill = 0
@@ -191,7 +206,7 @@ def test_token_targets_follow_each_geometric_policy_through_the_mm_pipeline(quad
         items = [ds[i] for i in range(len(ds))]
         x = torch.stack([it['inputs'] for it in items])
         samples = [it['data_samples'] for it in items]
-        assert x.shape[-2:] == (H, W) and all(s.token_affines.shape == (1, 2, 3) for s in samples)
+        assert x.shape[-2:] == (H, W) and all(s.token_affines.shape == (L, 2, 3) for s in samples)
         _, dense = head.targets(samples, None, (gh, gw))
         dense = dense.dense()  # (B, N, 4)
         torch.testing.assert_close(dense.sum(-1), torch.ones(len(x), gh * gw))
@@ -204,6 +219,37 @@ def test_token_targets_follow_each_geometric_policy_through_the_mm_pipeline(quad
     assert quad > 60, quad
     if op.startswith('translate'):
         assert fill > 0
+
+
+def test_the_public_order_is_the_stock_pipeline_in_that_order_and_has_its_fill_share(quadrant_data):
+    """The public order through our transforms gives, draw for draw, the images of mmpretrain's stock transforms in
+    that order (RandomFlip -> RandAugment -> RandomResizedCrop: recording changes no pixel), and a rotation of the
+    whole image leaves less fill in a crop than the same rotation of the crop (timm's order)."""
+    aug = forced(GEOMETRIC_POLICIES['rotate'])
+    stock_aug = dict(aug, type='RandAugment')
+    stock_aug.pop('geometric')
+    stock = [
+        dict(type='LoadImageFromFile'),
+        dict(type='RandomFlip', prob=0.5, direction='horizontal'),
+        stock_aug,
+        dict(type='RandomResizedCrop', scale=(48, 64), crop_ratio_range=(0.08, 1.0), interpolation='nearest'),
+        dict(type='PackInputs'),
+    ]
+    shares = {}
+    for order in ('public', 'timm'):
+        ours = dataset(quadrant_data, tl_pipeline(quadrant_data, aug=[aug], scale=(48, 64), order=order))
+        plain = dataset(quadrant_data, stock)
+        fills = []
+        for draw in range(20):
+            for i in range(len(ours)):
+                np.random.seed(draw)
+                x = ours[i]['inputs']
+                if order == 'public':
+                    np.random.seed(draw)
+                    assert torch.equal(x, plain[i]['inputs']), (draw, i)
+                fills.append(float((pixel_classes(x[None]) == FILL).float().mean()))
+        shares[order] = float(np.mean(fills))
+    assert shares['public'] < shares['timm'], shares
 
 
 def test_geometric_policies_must_follow_the_flip(quadrant_data):
@@ -413,10 +459,10 @@ def test_pipeline_refuses_what_the_maps_cannot_follow(quadrant_data, tmp_path):
     resized.insert(2, dict(type='Resize', scale=(80, 80)))
     with pytest.raises(ValueError, match='resized or cropped before'):
         dataset(quadrant_data, resized)[0]
-    flipped_first = tl_pipeline(quadrant_data)
-    flipped_first.insert(2, dict(type='RandomFlip', prob=1.0, direction='horizontal'))
-    with pytest.raises(ValueError, match='flipped before the crop'):
-        dataset(quadrant_data, flipped_first)[0]
+    flipped_twice = tl_pipeline(quadrant_data, flip=dict(type='RandomFlip', prob=0.0, direction='horizontal'))
+    flipped_twice.insert(2, dict(type='RandomFlip', prob=1.0, direction='horizontal'))  # and before the crop
+    with pytest.raises(ValueError, match='flipped before TokenLabelRandomResizedCrop and again after it'):
+        dataset(quadrant_data, flipped_twice)[0]
     no_crop = [s for s in tl_pipeline(quadrant_data) if s['type'] != 'TokenLabelRandomResizedCrop']
     with pytest.raises(KeyError, match='crop box for image .*img0.png'):
         dataset(quadrant_data, no_crop)[0]

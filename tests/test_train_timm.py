@@ -446,16 +446,19 @@ def test_torchrun_mixtoken_on_lvvit_without_maps(tiny_world, tmp_path, run_env):
 @pytest.mark.slow
 def test_mixtoken_token_labeling_on_an_mlp_mixer(tiny_world, tmp_path, caplog):
     """Token Labeling Table 5's MLP-Mixer: ``--mixup-type mixtoken --token-label-dir`` on ``mixer_s16_224`` at
-    112 px (MixToken after the PatchEmbed stem, the aux head on its 7x7 tokens; the loader builds their targets)."""
+    112 px (MixToken after the PatchEmbed stem, the aux head on its 7x7 tokens; the loader builds their targets),
+    with the public code's augmentation order (``--aa-order public``: flip and RandAugment, then the crop)."""
     caplog.set_level('INFO')
     _random_top2_store(tiny_world, tmp_path / 'maps')
     metrics = run(
         ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny_token-labeling.yaml')]
         + ['--data-dir', str(tiny_world / 'imagenet'), '--token-label-dir', str(tmp_path / 'maps')]
         + ['--model', 'mixer_s16_224', '--epochs', '1', '-b', '8', '--workers', '0']
+        + ['--aa', 'rand-m9-mstd0.5-inc1', '--aa-order', 'public']
         + ['--output', str(tmp_path), '--experiment', 'mixer']
     )
     assert set(metrics) == {'loss', 'top1', 'top5'}
+    assert yaml.safe_load((tmp_path / 'mixer' / 'args.yaml').read_text())['aa_order'] == 'public'
     assert 'the loader builds the token targets (16x16 px tokens)' in caplog.text
     ckpt = torch.load(tmp_path / 'mixer' / 'last.pth.tar', map_location='cpu', weights_only=True)
     assert ckpt['state_dict']['aux_head.weight'].shape == (10, 512)

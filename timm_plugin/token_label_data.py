@@ -15,6 +15,10 @@ dataset; the dataset splits it into the geometry it must record and the rest:
   several chains) is refused, as are vertical flips and other crop modes;
 - everything after (colour jitter, RandAugment's other ops, to-tensor, normalise, random erasing) as built.
 
+``aa_order='public'`` runs the public code's order instead: the flip and RandAugment (or AutoAugment) on the whole
+image, then the crop, then the rest. The labels follow either way; the orders differ in how much of a crop the
+ops' fill covers (:func:`shared_core.label_maps.crop_after_ops` writes the public order's geometry).
+
 Each sample is ``(image, (label, values, indices, box, flip, affines))``; :class:`TokenLabelCollate` stacks
 them into ``(images, TokenLabelTarget)``, which also works with timm's fast-collate prefetcher (uint8
 images, the target's ``.to`` moves the map rows). The per-token targets are built on the training
@@ -38,6 +42,7 @@ from shared_core.label_maps import (
     SparseTokenTargets,
     check_boxes,
     check_map_row,
+    crop_after_ops,
     crop_box,
     crop_targets,
     normalised_affine,
@@ -51,6 +56,7 @@ from .carrier import CarrierTensor
 from .image_data import read_image, readable
 
 __all__ = [
+    'AA_ORDERS',
     'GEOMETRIC_AA',
     'GEOMETRIC_RAND_OPS',
     'AffineRecorder',
@@ -68,6 +74,9 @@ __all__ = [
 GEOMETRIC_RAND_OPS = ('Rotate', 'ShearX', 'ShearY', 'TranslateX', 'TranslateY', 'TranslateXRel', 'TranslateYRel')
 #: what the data path does with them: the targets follow them (the public code), or they are dropped (ours)
 GEOMETRIC_AA = ('follow', 'drop')
+#: where RandAugment runs: on the crop after the flip (timm's transform), or on the whole flipped image before the
+#: crop (the public Token Labeling code)
+AA_ORDERS = ('timm', 'public')
 
 
 class TokenLabelTarget(CarrierTensor):
@@ -308,15 +317,20 @@ class TokenLabelDataset(torch.utils.data.Dataset):
         store: the :class:`~shared_core.map_store.LabelMapStore` of that split.
         geometric_aa: ``'follow'`` (default; the public code): the targets follow RandAugment's (and
             AutoAugment's) geometric ops; ``'drop'``: those ops are removed (ours, earlier).
+        aa_order: ``'timm'`` (default): crop, flip, then RandAugment, as timm built the transform;
+            ``'public'``: flip and RandAugment on the whole image, then the crop (the public code's order).
     """
 
-    def __init__(self, dataset, store, geometric_aa: str = 'follow'):
+    def __init__(self, dataset, store, geometric_aa: str = 'follow', aa_order: str = 'timm'):
         if geometric_aa not in GEOMETRIC_AA:
             raise ValueError(f'geometric_aa: expected one of {GEOMETRIC_AA}, got {geometric_aa!r}')
-        self.dataset, self.store, self.geometric_aa = dataset, store, geometric_aa
+        if aa_order not in AA_ORDERS:
+            raise ValueError(f'aa_order: expected one of {AA_ORDERS}, got {aa_order!r}')
+        self.dataset, self.store, self.geometric_aa, self.aa_order = dataset, store, geometric_aa, aa_order
         self.num_classes = int(store.num_classes)
         check_store_covers(store, dataset)
         self._transform = self._crop = self._rest = self._recorder = None
+        self._augment, self._after = None, None  # aa_order='public': the augmentation, and what follows the crop
         self._hflip = 0.0
         dataset.transform = None  # we load the PIL image and transform it here
 
@@ -333,9 +347,16 @@ class TokenLabelDataset(torch.utils.data.Dataset):
         crop, self._hflip, self._rest, self._recorder = split_train_transform(transform, self.geometric_aa)
         crop.get_params = _RecordParams(type(crop).get_params)
         self._crop = crop
+        rest = list(self._rest.transforms)
+        augment = [t for t in rest if isinstance(t, (RandAugment, AutoAugment))]
+        self._augment = augment[0] if augment else None
+        self._after = T.Compose([t for t in rest if t is not self._augment])
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def _recorded(self) -> np.ndarray:
+        return self._recorder.affines() if self._recorder is not None else np.zeros((0, 2, 3), np.float32)
 
     def filename(self, index: int, basename: bool = False, absolute: bool = False):
         return self.dataset.filename(index, basename, absolute)
@@ -351,16 +372,26 @@ class TokenLabelDataset(torch.utils.data.Dataset):
         check_map_row(values, indices, self.num_classes, name=f'label map of {rel!r} (row {row} of {self.store.root})')
         if self._crop is None:
             raise RuntimeError('TokenLabelDataset: no training transform set (create_loader sets it)')
+        if self._recorder is not None:
+            self._recorder.reset()
+        if self.aa_order == 'public':  # flip and augment the whole image, then crop (crop_after_ops)
+            flip = bool(torch.rand(()) < self._hflip)  # torch's RNG: seeded per DataLoader worker
+            if flip:
+                img = TF.hflip(img)
+            if self._augment is not None:
+                img = self._augment(img)
+            W, H = TF.get_image_size(img)
+            img = self._crop(img)
+            box, affines = crop_after_ops(crop_box(*self._crop.get_params.last, H, W), flip, self._recorded())
+            return self._after(img), (int(label), values, indices, box, flip, affines)
         W, H = TF.get_image_size(img)
         img = self._crop(img)
         box = crop_box(*self._crop.get_params.last, H, W)
-        flip = bool(torch.rand(()) < self._hflip)  # torch's RNG: seeded per DataLoader worker
+        flip = bool(torch.rand(()) < self._hflip)
         if flip:
             img = TF.hflip(img)
-        if self._recorder is not None:
-            self._recorder.reset()
         img = self._rest(img)
-        affines = self._recorder.affines() if self._recorder is not None else np.zeros((0, 2, 3), np.float32)
+        affines = self._recorded()
         return img, (int(label), values, indices, box, flip, affines)
 
 

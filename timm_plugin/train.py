@@ -336,6 +336,7 @@ def build_task(args, model: nn.Module, criterion: nn.Module, token_labeling: boo
             scorenet_weight=args.tokenmixup_scorenet_weight,
             scorenet_stopgrad=args.tokenmixup_scorenet_stopgrad,
             vtm_stopgrad=args.tokenmixup_vtm_stopgrad,
+            vtm_memory=args.tokenmixup_vtm_memory,
             smoothing=args.smoothing,  # for class-index targets (no mixer); a mixer's soft targets are taken as is
         )
     if token_labeling:
@@ -555,7 +556,7 @@ def run(argv=None) -> dict:
         store = LabelMapStore.open(maps_dir)
         if store.num_classes != args.num_classes:
             raise ValueError(f'{maps_flag}: the maps have {store.num_classes} classes, the model {args.num_classes}')
-        dataset_train = TokenLabelDataset(dataset_train, store, geometric_aa=args.geometric_aa)
+        dataset_train = TokenLabelDataset(dataset_train, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order)
         # the dense term's token targets built by the loader's workers, not the training step
         stride = labeling_stride(model) if token_labeling and dense and args.token_targets == 'loader' else None
         # (check=False: the dataset checks each row, named)

@@ -30,9 +30,10 @@ from shared_core.configs import resolve_config_arg
 from shared_core.tl_align import DROP_PATH_LABELS, TRANSMIX_MODES
 from shared_core.token_labeling import HEAD_RULES
 from shared_core.token_masks import TOKENMIX_RULES
+from shared_core.tokenmixup import VTM_MEMORY
 
 from .mixup import MIX_KINDS, TARGET_METHODS
-from .token_label_data import GEOMETRIC_AA
+from .token_label_data import AA_ORDERS, GEOMETRIC_AA
 
 _logger = logging.getLogger('tokenaug.train')
 
@@ -1052,6 +1053,13 @@ def add_tokenaug_args(parser: argparse.ArgumentParser) -> None:
         help="with label maps (token labeling, TokenMix activation targets): 'follow' (the public code) keeps "
         "RandAugment's rotate/shear/translate and the maps follow them; 'drop' removes those ops",
     )
+    g.add_argument(
+        '--aa-order',
+        default='timm',
+        choices=AA_ORDERS,
+        help="with label maps: 'timm' crops, flips, then runs RandAugment (timm's transform); 'public' flips and "
+        'runs RandAugment on the whole image, then crops (the public Token Labeling code: less fill in a crop)',
+    )
     g = parser.add_argument_group(
         'TokenMixup parameters (TokenMixup paper; with any mixing kind but tl_align/transmix)'
     )
@@ -1103,6 +1111,13 @@ def add_tokenaug_args(parser: argparse.ArgumentParser) -> None:
         action='store_true',
         default=False,
         help="VTM's earlier-block tokens detached (the public code's choice)",
+    )
+    g.add_argument(
+        '--tokenmixup-vtm-memory',
+        default='mixed',
+        choices=VTM_MEMORY,
+        help="VTM memory of an HTM block: chosen by the block's attention on its mixed input ('mixed'), or by "
+        "HTM's pre-mix saliency and gathered from the mixed input ('public', the public code)",
     )
 
 

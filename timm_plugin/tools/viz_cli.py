@@ -137,7 +137,10 @@ def _mixed_batch(args, count: int):
             raise ValueError(
                 f'--activation-map-dir: the maps have {store.num_classes} classes, the model {args.num_classes}'
             )
-        base, dataset = dataset, TokenLabelDataset(dataset, store, geometric_aa=args.geometric_aa)
+        base, dataset = (
+            dataset,
+            TokenLabelDataset(dataset, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order),
+        )
         kwargs = dict(kwargs, activation_targets=args.activation_target)
     dataset.transform = transform
     if len(dataset) < count:
@@ -370,7 +373,7 @@ def token_labels(argv) -> Path:
     stride = token_stride(model)
     grid = (size[0] // stride[0], size[1] // stride[1])
     base, transform = _training_split(args, data_config, use_prefetcher=True)  # uint8, as the prefetcher's
-    dataset = TokenLabelDataset(base, store, geometric_aa=args.geometric_aa)
+    dataset = TokenLabelDataset(base, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order)
     dataset.transform = transform
     count = min(args.count, len(dataset))
     indices = sorted(random.Random(args.viz_seed).sample(range(len(dataset)), count))
@@ -426,6 +429,7 @@ def token_labels(argv) -> Path:
         classes=names,
         class_colours=colours.tolist(),
         geometric_aa=args.geometric_aa,
+        aa_order=args.aa_order,
         images=meta_images,
     )
     return write_index(out, 'tokenaug-viz token-labels', [('token labels', 'token_labels.png')], meta)
