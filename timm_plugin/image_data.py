@@ -11,9 +11,11 @@ and validation sets of ``tokenaug-train``.
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Tuple
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -23,6 +25,8 @@ __all__ = [
     'readable',
     'CheckedImageDataset',
     'MAX_SKIPS',
+    'MAX_SKIP_SHARE',
+    'SKIP_WINDOW',
     'class_names',
     'check_class_lists',
     'read_sample',
@@ -32,16 +36,29 @@ _logger = logging.getLogger(__name__)
 
 #: consecutive unreadable images skipped before giving up (timm's ``_ERROR_RETRY``)
 MAX_SKIPS = 50
+#: :class:`CheckedImageDataset` stops when more than this share of the last :data:`SKIP_WINDOW` images it tried to
+#: read (in one process: a DataLoader worker reads whole batches) could not be read: the data is broken, not one file
+MAX_SKIP_SHARE = 0.5
+SKIP_WINDOW = 64
 
 
 class UnreadableImageError(OSError):
     """An image that cannot be decoded, named."""
 
 
+#: errors of opening or decoding one image file (PIL: UnidentifiedImageError, truncated data, bad headers, an
+#: image over its decompression-bomb limit; the OS: a dangling link, a file removed mid-run, EIO / ESTALE)
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+#: PIL modes of 16-bit grayscale (PNG): PIL's RGB conversion clips them to white; they are scaled to 8 bits
+_SIXTEEN_BIT = ('I;16', 'I;16L', 'I;16B', 'I;16N')
+
+
 def _decode(src, mode) -> Image.Image:
     img = Image.open(src)
     try:
         img.load()  # the whole decode here: a truncated file fails now, not later in a transform
+        if img.mode in _SIXTEEN_BIT:
+            img = Image.fromarray((np.asarray(img, dtype=np.uint16) >> 8).astype(np.uint8), 'L')
         return img.convert(mode) if mode else img
     finally:
         fp = getattr(src, 'close', None)
@@ -65,30 +82,32 @@ def readable(dataset) -> bool:
     )
 
 
-def read_image(dataset, index: int, skip: bool = True, mode=None) -> Tuple[Image.Image, object, int]:
+def read_image(dataset, index: int, skip: bool = True, mode=None, on_skip=None) -> Tuple[Image.Image, object, int]:
     """``(image, target, index_read)`` from a timm ``ImageDataset`` (its ``reader``): the image decoded and
-    converted to ``mode`` (default the dataset's ``input_img_mode``). An image that cannot be decoded is
-    skipped for the next (with a warning naming the file; at most :data:`MAX_SKIPS` in a row), or with
-    ``skip=False`` raises :class:`UnreadableImageError` naming it."""
+    converted to ``mode`` (default the dataset's ``input_img_mode``; 16-bit grayscale scaled to 8 bits). An image
+    that cannot be opened or decoded is skipped for the next (with a warning naming the file, and ``on_skip(name)``;
+    at most :data:`MAX_SKIPS` in a row), or with ``skip=False`` raises :class:`UnreadableImageError` naming it."""
     reader = dataset.reader
     mode = getattr(dataset, 'input_img_mode', None) if mode is None else mode
     n = len(reader)
     for attempt in range(MAX_SKIPS if skip else 1):
         i = (index + attempt) % n
-        src, target, *_ = reader[i]
         try:
+            src, target, *_ = reader[i]  # opens the file: a dangling link or a removed file fails here
             return _decode(src, mode), target, i
-        except (OSError, ValueError, SyntaxError) as e:  # PIL: UnidentifiedImageError, truncated data, bad headers
+        except DECODE_ERRORS as e:
             name = reader.filename(i)
             if not skip:
-                raise UnreadableImageError(f'image {name} (index {i}) cannot be decoded: {e}') from None
+                raise UnreadableImageError(f'image {name} (index {i}) cannot be read: {e}') from None
             _logger.warning(f'Skipped unreadable image {name} (index {i}): {e}')
+            if on_skip is not None:
+                on_skip(name)
     raise UnreadableImageError(
         f'{MAX_SKIPS} consecutive unreadable images from index {index} ({reader.filename(index)})'
     )
 
 
-def read_sample(dataset, index: int, skip: bool = False):
+def read_sample(dataset, index: int, skip: bool = False, on_skip=None):
     """``dataset[index]`` (image through the dataset's ``transform``, target). By default for a tool that needs
     the image *of that index* (a store row, a seeded mask): a timm image dataset is read with :func:`read_image`
     without skipping, so an unreadable image raises :class:`UnreadableImageError` naming the file (``skip``:
@@ -96,7 +115,7 @@ def read_sample(dataset, index: int, skip: bool = False):
     if not readable(dataset):
         return dataset[index]
     base = dataset.dataset if isinstance(dataset, CheckedImageDataset) else dataset
-    img, target, _ = read_image(base, index, skip=skip)
+    img, target, _ = read_image(base, index, skip=skip, on_skip=on_skip)
     if dataset.transform is not None:
         img = dataset.transform(img)
     if target is None:
@@ -111,15 +130,18 @@ class CheckedImageDataset(torch.utils.data.Dataset):
     skipped like unreadable ones). ``transform`` / ``target_transform`` as timm's (``create_loader`` sets the
     transform on this wrapper); ``filename``/``filenames``/``reader`` are the dataset's."""
 
-    def __init__(self, dataset):
+    def __init__(self, dataset, max_skip_share: float = MAX_SKIP_SHARE):
         if not readable(dataset):
             raise ValueError(
                 f'dataset: expected a timm ImageDataset reading images (a reader, load_bytes=False), '
                 f'got {type(dataset).__name__}'
             )
-        self.dataset = dataset
+        if not 0.0 <= max_skip_share <= 1.0:
+            raise ValueError(f'max_skip_share: expected a share in [0, 1], got {max_skip_share}')
+        self.dataset, self.max_skip_share = dataset, float(max_skip_share)
         self.transform, self.target_transform = dataset.transform, dataset.target_transform
         dataset.transform = dataset.target_transform = None
+        self._tries = collections.deque(maxlen=SKIP_WINDOW)  # this process's last reads: (file, skipped)
 
     @property
     def reader(self):
@@ -133,7 +155,18 @@ class CheckedImageDataset(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int):
-        return read_sample(self, index, skip=True)
+        sample = read_sample(self, index, skip=True, on_skip=self._skipped)
+        self._tries.append((None, False))
+        return sample
+
+    def _skipped(self, name: str) -> None:
+        self._tries.append((name, True))
+        bad = [n for n, skipped in self._tries if skipped]
+        if len(self._tries) == SKIP_WINDOW and len(bad) > self.max_skip_share * SKIP_WINDOW:
+            raise UnreadableImageError(
+                f'{len(bad)} of the last {SKIP_WINDOW} images read could not be read (more than '
+                f'{self.max_skip_share:.0%}; e.g. {bad[-3:]}): the data is broken, not one file'
+            )
 
     def filename(self, index: int, basename: bool = False, absolute: bool = False):
         return self.dataset.filename(index, basename, absolute)
