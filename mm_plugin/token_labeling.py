@@ -48,6 +48,7 @@ from mmpretrain.models.classifiers import ImageClassifier
 from mmpretrain.registry import MODELS
 from mmpretrain.structures import DataSample
 
+from shared_core.checks import check_real
 from shared_core.mix import Mix, check_image_size, check_pairwise_batch, mix_images, to_2tuple
 from shared_core.token_labeling import (
     AUX_WEIGHT,
@@ -125,8 +126,7 @@ class TokenLabelingHead(BaseModule):
         dense_weight = (0.0 if relabel else 0.5) if dense_weight is None else float(dense_weight)
         cls_target = ('annotator' if relabel else 'gt') if cls_target is None else cls_target
         head_rule = ('cls+aux' if dense_weight else 'cls') if head_rule is None else head_rule
-        if dense_weight < 0:
-            raise ValueError(f'dense_weight: expected >= 0, got {dense_weight}')
+        dense_weight = check_real(dense_weight, 'dense_weight', lo=0.0)  # NaN would poison the loss
         if cls_target not in CLS_TARGETS:
             raise ValueError(f'cls_target: expected one of {CLS_TARGETS}, got {cls_target!r}')
         if not 0.0 <= cls_target_mix <= 1.0:

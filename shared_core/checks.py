@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 import numbers
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Set
 
-__all__ = ['check_real', 'check_int', 'ArgumentError', 'argument_errors']
+__all__ = ['check_real', 'check_int', 'check_layers', 'ArgumentError', 'argument_errors']
 
 
 class ArgumentError(ValueError, AssertionError):
@@ -71,3 +71,22 @@ def check_int(value, name: str, lo: Optional[int] = None) -> int:
     if lo is not None and value < lo:
         raise ValueError(f'{name}: expected an integer >= {lo}, got {value!r}')
     return int(value)
+
+
+def check_layers(layers, depth: int, name: str = 'layers') -> Optional[Set[int]]:
+    """``None`` (every block) or the set of block indices, each an integer in ``[0, depth)``; one integer is one
+    block. A string (``'12'`` is not blocks 1 and 2), a fraction or a bool is refused, naming ``name``."""
+    if layers is None:
+        return None
+    if isinstance(layers, numbers.Integral) and not isinstance(layers, bool):
+        layers = [layers]
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, '__iter__'):
+        raise ValueError(f'{name}: expected a block index or a list of block indices, got {layers!r}')
+    out = set()
+    for i in layers:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise ValueError(f'{name}: block indices must be integers, got {i!r} ({type(i).__name__})')
+        out.add(int(i))
+    if not out <= set(range(depth)):
+        raise ValueError(f'{name}: block indices must be in [0, {depth}), got {sorted(out)}')
+    return out

@@ -33,6 +33,7 @@ from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, Uni
 import torch
 import torch.nn.functional as F
 
+from .checks import check_layers
 from .mix import Mix, partner_target
 
 __all__ = [
@@ -614,16 +615,6 @@ def tracer_for(model, supported: dict, name: str = 'model') -> LabelTracer:
     raise ValueError(
         f'{name}: TL-Align has no tracer for {type(model).__module__}.{type(model).__name__}; supported: {names}'
     )
-
-
-def check_layers(layers, depth: int, name: str = 'layers') -> Optional[set]:
-    """``None`` (every block) or the set of block indices, each in ``[0, depth)``."""
-    if layers is None:
-        return None
-    out = set(int(i) for i in layers)
-    if not out <= set(range(depth)):
-        raise ValueError(f'{name}: block indices must be in [0, {depth}), got {sorted(out)}')
-    return out
 
 
 def capture_forward(tracer: LabelTracer, forward: Callable[[], Any]) -> Tuple[Any, List[LabelCapture]]:

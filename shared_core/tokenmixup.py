@@ -27,6 +27,7 @@ mixed input (``vtm_memory='public'``).
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
@@ -34,8 +35,8 @@ import torch
 import torch.nn as nn
 from scipy.optimize import linear_sum_assignment
 
+from .checks import check_layers, check_real
 from .mix import Mix, mix_rows, mix_tokens, own_lam
-from .tl_align import check_layers
 
 __all__ = [
     'SALIENCY_MODES',
@@ -44,6 +45,7 @@ __all__ = [
     'token_saliency',
     'qk_saliency',
     'difficulty',
+    'check_tau',
     'htm_plan',
     'htm_mix',
     'mix_soft_target',
@@ -91,6 +93,14 @@ def qk_saliency(q: torch.Tensor, k: torch.Tensor, scale: float, num_prefix_token
         if mode == 'cls':
             q = q[:, :, :1]
         return token_saliency((q @ k.transpose(-2, -1) * scale).softmax(-1), num_prefix_tokens, mode)
+
+
+def check_tau(tau) -> float:
+    """τ as a float: a number ``>= 0``, ``inf`` for every sample easy (NaN or a negative τ would mark no sample
+    easy, switching HTM off without a word)."""
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not tau >= 0:
+        raise ValueError(f'tau: expected a number >= 0 (inf: every sample easy), got {tau!r}')
+    return float(tau)
 
 
 def difficulty(logits: torch.Tensor, target: torch.Tensor, scale: float = DIFFICULTY_SCALE) -> torch.Tensor:
@@ -293,12 +303,12 @@ class TokenMixupHooks:
             raise ValueError('vtm_layers: block 0 has no earlier block to take tokens from')
         P = adapter.num_prefix_tokens
         token_saliency(torch.zeros(1, 1, P + 1, P + 1), P, saliency)  # the mode against the model
-        if not rho >= 0:
-            raise ValueError(f'rho: expected >= 0, got {rho}')
-        if not isinstance(kappa, int) or kappa < 1:
+        rho = check_real(rho, 'rho', lo=0.0)  # a finite margin (ρ = inf would swap nothing)
+        tau = check_tau(tau)
+        if isinstance(kappa, bool) or not isinstance(kappa, int) or kappa < 1:
             raise ValueError(f'kappa: expected an int >= 1, got {kappa!r}')
-        if scorenet_weight < 0:
-            raise ValueError(f'scorenet_weight: expected >= 0, got {scorenet_weight}')
+        scorenet_weight = check_real(scorenet_weight, 'scorenet_weight', lo=0.0)
+        difficulty_scale = check_real(difficulty_scale, 'difficulty_scale', lo=0.0, lo_open=True)
         if vtm_memory not in VTM_MEMORY:
             raise ValueError(f'vtm_memory: expected one of {VTM_MEMORY}, got {vtm_memory!r}')
         self.vtm_memory = vtm_memory

@@ -285,12 +285,15 @@ def test_eval_and_no_target_are_the_plain_model_bit_for_bit():
         train_plain = tm(x)  # training mode, no target
         assert torch.equal(train_plain, model(x))
         tm.eval()
-        assert torch.equal(tm(x, soft(torch.arange(3))), model(x))
+        logits, target = tm(x, soft(torch.arange(3)))  # a pair in eval too: B = 2 cannot unpack the logits' rows
+        assert torch.equal(logits, model(x)) and torch.equal(target.as_subclass(torch.Tensor), soft(torch.arange(3)))
+        assert float(target.aux_loss) == 0.0 and target.stats == {} and target.mixes == []
+        assert torch.equal(tm(x), model(x))
 
 
 def test_nothing_easy_changes_nothing():
     model = tiny_vit(True)
-    tm = TokenMixup(model, htm_layers=(2,), tau=-1.0)
+    tm = TokenMixup(model, htm_layers=(2,), tau=0.0)  # 0.1 · CE > 0 for a smoothed target: nothing easy
     x, y = torch.randn(4, 3, 32, 32), soft(torch.arange(4))
     logits, target = tm(x, y)
     with torch.no_grad():

@@ -39,7 +39,7 @@ from shared_core.mix import (
     multi_label_target,
     pair_target,
 )
-from shared_core.samplers import MIX_KINDS, MixSampler
+from shared_core.samplers import MIX_KINDS, MODES, MixSampler
 from shared_core.tokenmix import ACTIVATION_TARGETS, activation_target
 
 from .carrier import CarrierTensor, MixTarget
@@ -390,6 +390,9 @@ def create_mixer(
         if collate:
             raise ValueError('activation_targets: mix on the device (collate=False), after TokenLabelCollate')
         kwargs['activation_targets'] = activation_targets
+    modes = MODES + ('half',) if collate else MODES  # timm's FastCollateMixup modes
+    if not isinstance(mode, str) or mode not in modes:
+        raise ValueError(f'mode: expected one of {modes}, got {mode!r}')
     if collate:
         return FastCollateTokenMixup(mix_kind, mode=mode, **kwargs)
     if 'half' in mode:

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 from timm.layers import trunc_normal_
 
+from shared_core.checks import check_real
 from shared_core.compiling import guard_module_hooks
 from shared_core.mix import Mix, check_image_size, mix_images
 from shared_core.token_labeling import (
@@ -234,8 +235,7 @@ class TokenLabelingLoss(nn.Module):
             raise ValueError(f'cls_target: expected one of {CLS_TARGETS}, got {cls_target!r}')
         if not 0.0 <= cls_target_mix <= 1.0:
             raise ValueError(f'cls_target_mix: expected a weight in [0, 1], got {cls_target_mix}')
-        if dense_weight < 0:
-            raise ValueError(f'dense_weight: expected >= 0, got {dense_weight}')
+        dense_weight = check_real(dense_weight, 'dense_weight', lo=0.0)  # NaN would poison the loss
         self.num_classes, self.dense_weight = int(num_classes), float(dense_weight)
         self.cls_target, self.cls_target_mix, self.smoothing = cls_target, float(cls_target_mix), float(smoothing)
 

@@ -2,10 +2,11 @@
 
 ``tm = TokenMixup(model, htm_layers=(3,), vtm_layers=(4,), ...)``; in training ``logits, target = tm(x, target)``
 gives the model's logits in input row order and the relabelled soft target, a :class:`TokenMixupTarget` that
-also carries the ScoreNet loss (``target.aux_loss``, with gradient) and statistics (``target.stats``). In eval,
-or without a target, it is exactly ``model(x)``. :class:`timm_plugin.tasks.TokenMixupTask` is the same as a timm
-training task. The maths and the hook driver (:class:`~shared_core.tokenmixup.TokenMixupHooks`) are
-:mod:`shared_core.tokenmixup`; this module is timm's adapter (blocks, attention, VTM's attention call).
+also carries the ScoreNet loss (``target.aux_loss``, with gradient) and statistics (``target.stats``). Without a
+target it is exactly ``model(x)``; in eval with one, ``model(x)`` and the target unchanged.
+:class:`timm_plugin.tasks.TokenMixupTask` is the same as a timm training task. The maths and the hook driver
+(:class:`~shared_core.tokenmixup.TokenMixupHooks`) are :mod:`shared_core.tokenmixup`; this module is timm's adapter
+(blocks, attention, VTM's attention call).
 
 - **HTM at block L** (a forward pre-hook on ``model.blocks[L]``): the ScoreNet (``model.tokenmixup_scorenet``,
   one per HTM layer, so optimizer, EMA and checkpoints hold it) reads the block's input ``x``; a sample is easy
@@ -36,7 +37,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 
 from shared_core.compiling import guard_module_hooks
 from shared_core.mix import one_hot
-from shared_core.tokenmixup import DIFFICULTY_SCALE, SCORENETS, ScoreNet, TokenMixupHooks, scorenets
+from shared_core.tokenmixup import DIFFICULTY_SCALE, SCORENETS, ScoreNet, TokenMixupHooks, check_tau, scorenets
 
 from .carrier import CarrierTensor
 
@@ -217,11 +218,18 @@ class TokenMixup(nn.Module):
 
     @tau.setter
     def tau(self, value: float) -> None:
-        self.hooks.tau = float(value)
+        self.hooks.tau = check_tau(value)
 
     def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None, forward=None):
-        if not self.training or target is None:
+        """``model(x)`` without a target; with one, ``(logits, TokenMixupTarget)`` in train and eval mode alike (in
+        eval: the plain model's logits and the target as it came, no ScoreNet loss), so that ``logits, target =
+        tm(x, y)`` never unpacks the rows of a 2-sample batch."""
+        if target is None:
             return self.model(x)
+        if not self.training:
+            y = self._soft_target(target).to(x.device)
+            zero = torch.zeros((), device=x.device)
+            return self.model(x), TokenMixupTarget._wrap(y, dict(aux_loss=zero, stats={}, mixes=[]))
         return self.mix_forward(x, target, forward)
 
     def _soft_target(self, target: torch.Tensor) -> torch.Tensor:
