@@ -2,12 +2,14 @@
 that never replace their source or an existing file unasked, and writes that leave either the complete new
 file or the old one (a temporary file in the same folder, renamed into place; removed on any failure).
 
-Every load is ``torch.load(..., weights_only=True)``: a file holding Python objects beyond tensors and plain
-containers is refused, never unpickled.
+Every load is ``torch.load(..., weights_only=True)`` with exactly the one extra global timm's own loader allows
+(``argparse.Namespace``: timm's ``CheckpointSaver`` stores ``args`` as one, ``timm.models._helpers._torch_load``):
+a file holding any other Python object is refused, never unpickled.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import os
@@ -20,6 +22,7 @@ from typing import Iterator, Optional
 import torch
 
 __all__ = [
+    'SAFE_GLOBALS',
     'CheckpointError',
     'check_input_file',
     'check_output_file',
@@ -27,6 +30,10 @@ __all__ = [
     'atomic_output',
     'save_checkpoint_file',
 ]
+
+
+#: the globals a weights-only load allows besides tensors and plain containers: timm's loader's one
+SAFE_GLOBALS = [argparse.Namespace]
 
 
 class CheckpointError(ValueError):
@@ -52,9 +59,17 @@ def load_checkpoint_file(path, name: str = 'checkpoint', map_location='cpu', mma
         raise CheckpointError(f'{name}: {path} is empty (0 bytes)')
     try:
         mmap = mmap and zipfile.is_zipfile(path)
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        with _allowing(SAFE_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:
         _checkpoint_error(e, path, name)
+
+
+def _allowing(extra):
+    """torch's ``safe_globals`` for the ``extra`` globals not allowed already (its exit removes what it added,
+    so it must not take back one that the process allowed for good)."""
+    missing = [g for g in extra if g not in torch.serialization.get_safe_globals()]
+    return torch.serialization.safe_globals(missing) if missing else contextlib.nullcontext()
 
 
 def _looks_like_checkpoint(path) -> bool:

@@ -54,11 +54,22 @@ from .token_grid import label_grid_stride, patch_embedding, token_stride
 from .token_label_data import TokenLabelCollate, TokenLabelDataset
 from .token_labeling import TokenLabelingLoss, attach_aux_head, labeling_stride
 from .tokenmixup import attach_scorenets
-from .train_args import TOKEN_LABELING_TYPES, check_supported, parse_args
+from .train_args import TOKEN_LABELING_TYPES, check_numbers, check_supported, parse_args
 
 _logger = logging.getLogger('tokenaug.train')
 
-RUNTIME_KEYS = ('config', 'data', 'distributed', 'prefetcher', 'rank', 'world_size', 'local_rank', 'device')
+# run-time keys, and --overwrite: a config made from args.yaml must not replace a run without being asked
+RUNTIME_KEYS = (
+    'config',
+    'data',
+    'distributed',
+    'prefetcher',
+    'rank',
+    'world_size',
+    'local_rank',
+    'device',
+    'overwrite',
+)
 
 
 def plain_args(args) -> dict:
@@ -296,6 +307,55 @@ def start_wandb(args, exp_name: str, resume_path: str) -> None:
     )
 
 
+#: what a run writes into its --experiment folder (timm's CheckpointSaver names and ours)
+RUN_FILES = ('args.yaml', 'summary.csv', 'last.pth.tar', 'model_best.pth.tar', 'results.json')
+
+
+def check_output_folder(args, resume_path: str) -> None:
+    """Refuse to write a fresh run over the run already in ``--output/--experiment`` (its checkpoints, summary and
+    args would be replaced): continue it with ``--resume`` of a checkpoint in that folder, or pass ``--overwrite``.
+    A folder without run files (or a new timestamped one) is used as it is."""
+    if not args.experiment or args.overwrite:
+        return
+    out = os.path.join(args.output or './output/train', args.experiment)
+    if not os.path.isdir(out):
+        return
+    found = sorted(f for f in os.listdir(out) if f in RUN_FILES or (f.startswith('checkpoint-') and f.endswith('.tar')))
+    if not found:
+        return
+    if resume_path and os.path.samefile(os.path.dirname(os.path.abspath(resume_path)), out):
+        return
+    raise FileExistsError(
+        f'--experiment: {out} holds a run ({", ".join(found)}); continue it with --resume '
+        f'{os.path.join(out, "last.pth.tar")}, name another --experiment, or pass --overwrite to replace it'
+    )
+
+
+#: timm's split folders and their synonyms (``timm.data.dataset_factory``); ``test`` is a split folder too
+_SPLITS = {
+    'train': ('train', 'training'),
+    'eval': ('val', 'valid', 'validation', 'eval', 'evaluation'),
+}
+
+
+def check_split_folder(data_dir: str, split: str, flag: str) -> None:
+    """An image-folder split must exist: where ``data_dir`` has split folders but neither ``split`` nor one of
+    its synonyms, timm falls back to reading ``data_dir`` itself, every split's images as this one (a typo in
+    ``--val-split`` would validate on training images). A ``data_dir`` without split folders (a folder of class
+    folders) is read as timm does."""
+    name = split.split('[')[0]
+    synonyms = next((names for names in _SPLITS.values() if name in names), (name,))
+    if any(os.path.isdir(os.path.join(data_dir, s)) for s in (name,) + synonyms):
+        return
+    known = {n for names in _SPLITS.values() for n in names} | {'test'}
+    present = sorted(d for d in os.listdir(data_dir) if d in known and os.path.isdir(os.path.join(data_dir, d)))
+    if present:
+        raise FileNotFoundError(
+            f'{flag}: no folder {name!r} under {data_dir} (its split folders: {present}); timm would read the whole '
+            'folder, every split, as this split'
+        )
+
+
 def resolve_resume(args) -> str:
     """The checkpoint ``--resume`` names: a path, nothing, or for ``auto`` (timm 1.0.31) the
     ``last.pth.tar`` of the ``--experiment`` folder when there is one (else a fresh run there)."""
@@ -376,6 +436,7 @@ def run(argv=None) -> dict:
     fix_posterize()  # before any transform is built (timm_plugin.timm_fixes)
     args = parse_args(argv)
     check_supported(args)
+    check_numbers(args)
     for module in args.device_modules or ():
         importlib.import_module(module)
     if args.data and not args.data_dir:
@@ -385,6 +446,10 @@ def run(argv=None) -> dict:
     if not args.dataset and not os.path.isdir(args.data_dir):  # before the model is built
         raise FileNotFoundError(f'--data-dir: {args.data_dir} is not a directory')
     resume_path = resolve_resume(args)
+    check_output_folder(args, resume_path)
+    if not args.dataset or args.dataset.lower() in ('folder', 'imagefolder'):
+        check_split_folder(args.data_dir, args.train_split, '--train-split')
+        check_split_folder(args.data_dir, args.val_split, '--val-split')
     args.prefetcher = not args.no_prefetcher
     args.grad_accum_steps = max(1, args.grad_accum_steps)
     device = utils.init_distributed_device(args)
@@ -410,8 +475,12 @@ def run(argv=None) -> dict:
     if args.fast_norm:
         set_fast_norm()
 
-    if resume_path:  # a missing, truncated or foreign file named before anything is built
-        load_checkpoint_file(resume_path, '--resume', mmap=True)
+    # a missing, truncated or foreign file named before anything is built (timm's loaders would say less)
+    for flag, path in (('--resume', resume_path), ('--initial-checkpoint', args.initial_checkpoint)):
+        if path:
+            load_checkpoint_file(path, flag, mmap=True)
+    if args.pretrained_path and os.path.splitext(args.pretrained_path)[1] != '.safetensors':
+        load_checkpoint_file(args.pretrained_path, '--pretrained-path', mmap=True)
     model = build_model(args)
     if args.num_classes is None:
         args.num_classes = model.num_classes

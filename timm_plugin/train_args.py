@@ -19,6 +19,7 @@ scalar for a list stops with the key named).
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 
 import torch
@@ -26,11 +27,12 @@ import yaml
 from timm import utils
 
 from shared_core.boxes import BOX_ROUNDINGS
+from shared_core.checks import check_int, check_real
 from shared_core.configs import resolve_config_arg
 from shared_core.tl_align import DROP_PATH_LABELS, TRANSMIX_MODES
 from shared_core.token_labeling import HEAD_RULES
 from shared_core.token_masks import TOKENMIX_RULES
-from shared_core.tokenmixup import VTM_MEMORY
+from shared_core.tokenmixup import VTM_MEMORY, check_tau
 
 from .mixup import MIX_KINDS, TARGET_METHODS
 from .token_label_data import AA_ORDERS, GEOMETRIC_AA
@@ -690,6 +692,13 @@ def build_parser() -> argparse.ArgumentParser:
         help='name of train experiment, name of sub-folder for output',
     )
     group.add_argument(
+        '--overwrite',
+        action='store_true',
+        default=False,
+        help='replace the run already in the --experiment folder (without it, and without --resume of that run, '
+        'tokenaug-train refuses to write over it)',
+    )
+    group.add_argument(
         '--eval-metric', default='top1', type=str, metavar='EVAL_METRIC', help='Best metric (default: "top1"'
     )
     group.add_argument(
@@ -1172,6 +1181,13 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> None:
         parser.error(f'config {path}: expected a mapping of argument names to values, got {type(cfg).__name__}')
     actions = {a.dest: a for a in parser._actions if a.dest != 'help'}
     unknown = [k for k in cfg if k not in actions]
+    # a key one typo away from an argument would silently not apply it (mixup_typ: tl_align trains CutMix): an
+    # error; other unknown keys (timm's train.py writes some to args.yaml) are ignored with a warning
+    near = {k: difflib.get_close_matches(k, actions, n=1, cutoff=0.85) for k in unknown}
+    near = {k: m[0] for k, m in near.items() if m}
+    if near:
+        k, m = next(iter(near.items()))
+        parser.error(f'config {path}: {k}: not an argument of tokenaug-train; did you mean {m}?')
     if unknown:
         _logger.warning(f'config {path}: unknown keys ignored (not arguments of tokenaug-train): {unknown}')
     parser.set_defaults(**{k: _convert(parser, path, k, actions[k], v) for k, v in cfg.items() if k in actions})
@@ -1192,6 +1208,25 @@ def parse_args(argv=None, add=None, prog: str | None = None) -> argparse.Namespa
     args = parser.parse_args(remaining)
     args.config = args_config.config
     return args
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Refuse, naming the flag, a number that would silently switch a method off or poison the run: NaN or
+    infinite learning rates and weights (``--lr inf`` trains NaN weights into ``model_best``), a negative or NaN
+    dense weight (no aux head: token labeling without its dense term) or τ (HTM never mixes), no epochs."""
+    check_int(args.epochs, '--epochs', lo=1)
+    for flag, value in (('--lr', args.lr), ('--lr-base', args.lr_base)):
+        if value is not None:
+            check_real(value, flag, lo=0.0, lo_open=True)
+    check_real(args.smoothing, '--smoothing', lo=0.0, hi=1.0, hi_open=True)
+    check_real(args.dense_weight, '--dense-weight', lo=0.0)
+    check_real(args.tokenmixup_rho, '--tokenmixup-rho', lo=0.0)
+    check_real(args.tokenmixup_scorenet_weight, '--tokenmixup-scorenet-weight', lo=0.0)
+    check_int(args.tokenmixup_kappa, '--tokenmixup-kappa', lo=1)
+    try:
+        check_tau(args.tokenmixup_tau)
+    except ValueError as e:
+        raise ValueError(f'--tokenmixup-{e}') from None
 
 
 def check_supported(args: argparse.Namespace) -> None:

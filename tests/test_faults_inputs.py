@@ -1,0 +1,269 @@
+"""Faults from the fault-injection pass (reviews/reliability.md), second part: images that cannot be opened, a run
+that a second one would replace, a split that is not there, numbers that would switch a method off or poison the
+run, checkpoints named as what they are, and the API's sharp edges. Each case: a clear error naming the argument
+or the file, or the documented behaviour, and nothing lost."""
+
+import argparse
+import hashlib
+import logging
+import os
+import random
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+from timm.data import create_dataset
+
+from timm_plugin.image_data import SKIP_WINDOW, CheckedImageDataset, UnreadableImageError, read_image
+
+from .test_faults import train_cmd
+
+
+def sha(path):
+    return hashlib.sha256(open(path, 'rb').read()).hexdigest()
+
+
+def image_folder(root, files):
+    """``root/train/<class>/<name>``: ``files`` maps a relative path to a writer ``f(path)``."""
+    for rel, write in files.items():
+        path = root / 'train' / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path)
+    return root
+
+
+def rgb(value):
+    return lambda p: Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(p)
+
+
+# 1. an image that cannot be opened is skipped by name; a broken dataset stops -------------------------------------
+def test_unopenable_oversized_and_16_bit_images(tmp_path, caplog):
+    """A dangling link (a file removed mid-run, EIO on NFS take the same path) and an image over Pillow's
+    decompression-bomb limit are skipped for the next one, each named; ``skip=False`` names them in the error. A
+    16-bit grayscale PNG is scaled to 8 bits (Pillow's RGB conversion clips it to white)."""
+
+    def dangling(p):
+        os.symlink(p.parent / 'gone.jpg', p)
+
+    def bomb(p):  # 20000 x 20000 1-bit: 48 KB on disk, 400 M pixels decoded (over Pillow's limit)
+        Image.new('1', (20000, 20000)).save(p)
+
+    def sixteen_bit(p):
+        Image.fromarray(np.full((8, 8), 30000, np.uint16)).save(p)
+
+    root = image_folder(
+        tmp_path,
+        {'c0/a.png': rgb(10), 'c0/b.jpg': dangling, 'c0/c.png': bomb, 'c1/d.png': sixteen_bit, 'c1/e.png': rgb(20)},
+    )
+    base = create_dataset('', root=str(root), split='train', is_training=True)
+    assert Image.open(root / 'train' / 'c1' / 'd.png').mode.startswith('I;16')
+    img, _, i = read_image(base, 3, mode='RGB')
+    assert i == 3 and abs(np.asarray(img).mean() - 30000 / 256) < 1  # not 255
+    with caplog.at_level(logging.WARNING):
+        img, target, i = read_image(base, 1, mode='RGB')  # b.jpg (dangling), c.png (bomb), then d.png
+    assert i == 3 and target == 1
+    skipped = [r.getMessage() for r in caplog.records if 'Skipped unreadable image' in r.getMessage()]
+    assert len(skipped) == 2 and 'b.jpg' in skipped[0] and 'c.png' in skipped[1] and 'decompression' in skipped[1]
+    for index, name in ((1, 'b.jpg'), (2, 'c.png')):
+        with pytest.raises(UnreadableImageError, match=rf'image .*{name} \(index {index}\) cannot be read'):
+            read_image(base, index, skip=False)
+    ds = CheckedImageDataset(base)
+    assert [ds[k][1] for k in range(len(ds))] == [0, 1, 1, 1, 1]  # every index gives a sample
+
+
+def test_a_dataset_that_is_mostly_unreadable_stops_with_a_clear_error(tmp_path):
+    """Two files of every three unreadable: skipping one by one would go on (never 50 in a row); the dataset
+    stops once more than half of its last reads failed, naming some of the files."""
+    files = {}
+    for k in range(3 * SKIP_WINDOW):
+        good = k % 3 == 2
+        files[f'c{k % 2}/f{k:04d}.png'] = rgb(k % 250) if good else (lambda p: p.write_bytes(b'not an image'))
+    ds = CheckedImageDataset(create_dataset('', root=str(image_folder(tmp_path, files)), split='train'))
+    with pytest.raises(UnreadableImageError, match=rf'of the last {SKIP_WINDOW} images read could not be read'):
+        for k in range(len(ds)):
+            ds[k]
+    with pytest.raises(ValueError, match=r'max_skip_share: expected a share in \[0, 1\]'):
+        CheckedImageDataset(create_dataset('', root=str(tmp_path), split='train'), max_skip_share=1.5)
+
+
+# 2. a second run in the same --experiment folder ------------------------------------------------------------------
+def test_a_second_run_in_an_experiment_folder_is_refused_unless_resumed_or_overwritten(tiny_world, tmp_path):
+    from timm_plugin.train import check_output_folder, run
+
+    out = tmp_path / 'x'
+    out.mkdir()
+    for name in ('args.yaml', 'summary.csv', 'last.pth.tar', 'model_best.pth.tar'):
+        (out / name).write_bytes(os.urandom(64))
+    before = {p.name: sha(p) for p in out.iterdir()}
+    with pytest.raises(FileExistsError, match=r'--experiment: .*/x holds a run \(args.yaml, last.pth.tar, .*--resume'):
+        run(train_cmd(tiny_world / 'imagenet', tmp_path, 'x', '--epochs', '1'))
+    assert {p.name: sha(p) for p in out.iterdir()} == before  # nothing replaced
+
+    def args(**kw):
+        return argparse.Namespace(**dict(dict(output=str(tmp_path), experiment='x', overwrite=False), **kw))
+
+    check_output_folder(args(), str(out / 'last.pth.tar'))  # continuing that run
+    check_output_folder(args(overwrite=True), '')  # asked for
+    check_output_folder(args(experiment='fresh'), '')  # no such folder yet
+    (tmp_path / 'empty').mkdir()
+    check_output_folder(args(experiment='empty'), '')  # a folder without run files
+    other = tmp_path / 'other'
+    other.mkdir()
+    (other / 'last.pth.tar').write_bytes(b'x')
+    with pytest.raises(FileExistsError, match='holds a run'):  # a resume from elsewhere would write over x's run
+        check_output_folder(args(), str(other / 'last.pth.tar'))
+
+
+# 3. a split that is not there -------------------------------------------------------------------------------------
+def test_a_split_that_is_not_there_is_an_error_not_the_whole_folder(tiny_world, tmp_path):
+    from timm_plugin.train import check_split_folder, run
+
+    data = tiny_world / 'imagenet'
+    for flag, split in (('--val-split', 'nothere'), ('--train-split', 'trian')):
+        with pytest.raises(FileNotFoundError, match=rf"{flag}: no folder '{split}' under .* \['train', 'val'\]"):
+            run(train_cmd(data, tmp_path, 'x', '--epochs', '1', flag, split))
+    check_split_folder(str(data), 'validation', '--val-split')  # a synonym of val, as timm reads it
+    check_split_folder(str(data), 'train[:50%]', '--train-split')  # a sub-split of train
+    check_split_folder(str(data / 'train'), 'train', '--train-split')  # a folder of class folders: read as it is
+    assert not (tmp_path / 'x').exists()
+
+
+# 4. numbers that switch a method off or poison the run ------------------------------------------------------------
+@pytest.mark.parametrize(
+    'extra, match',
+    [
+        (['--dense-weight', 'nan'], '--dense-weight: expected a finite number, got nan'),
+        (['--dense-weight', '-1'], '--dense-weight: expected a number >= 0, got -1.0'),
+        (['--tokenmixup-htm-layers', '1', '--tokenmixup-tau', 'nan'], '--tokenmixup-tau: expected a number >= 0'),
+        (['--tokenmixup-tau', '-1'], '--tokenmixup-tau: expected a number >= 0'),
+        (['--tokenmixup-scorenet-weight', 'inf'], '--tokenmixup-scorenet-weight: expected a finite number'),
+        (['--tokenmixup-rho', 'inf'], '--tokenmixup-rho: expected a finite number'),
+        (['--lr', 'inf'], '--lr: expected a finite number, got inf'),
+        (['--epochs', '0'], '--epochs: expected an integer >= 1, got 0'),
+        (['--smoothing', '1'], r'--smoothing: expected a number in \[0, 1\), got 1.0'),
+    ],
+)
+def test_train_refuses_numbers_that_switch_a_method_off(extra, match, tiny_world, tmp_path):
+    from timm_plugin.train import run
+
+    with pytest.raises(ValueError, match=match):
+        run(train_cmd(tiny_world / 'imagenet', tmp_path, 'x', '--epochs', '1', *extra))
+    assert not (tmp_path / 'x').exists()
+
+
+def tiny_vit():
+    torch.manual_seed(0)
+    return timm.create_model('vit_tiny_patch16_224', img_size=32, patch_size=8, depth=2, num_classes=10)
+
+
+@pytest.mark.parametrize(
+    'kwargs, match',
+    [
+        (dict(tau=float('nan')), 'tau: expected a number >= 0'),
+        (dict(tau=-1.0), 'tau: expected a number >= 0'),
+        (dict(difficulty_scale=float('nan')), 'difficulty_scale: expected a finite number'),
+        (dict(difficulty_scale=0.0), 'difficulty_scale: expected a number > 0'),
+        (dict(rho=float('inf')), 'rho: expected a finite number'),
+        (dict(scorenet_weight=float('nan')), 'scorenet_weight: expected a finite number'),
+        (dict(scorenet_weight=float('inf')), 'scorenet_weight: expected a finite number'),
+        (dict(htm_layers='12'), "htm_layers: expected a block index or a list of block indices, got '12'"),
+        (dict(htm_layers=[1.7]), r'htm_layers: block indices must be integers, got 1.7 \(float\)'),
+        (dict(htm_layers=[True]), r'htm_layers: block indices must be integers, got True \(bool\)'),
+    ],
+)
+def test_tokenmixup_refuses_what_would_switch_it_off(kwargs, match):
+    from timm_plugin import TokenMixup
+
+    with pytest.raises(ValueError, match=match):
+        TokenMixup(tiny_vit(), **dict(dict(htm_layers=(1,)), **kwargs))
+
+
+def test_tokenmixup_tau_setter_and_single_block_layers():
+    from timm_plugin import TokenMixup
+    from timm_plugin.tl_align import TLAlign
+
+    tm = TokenMixup(tiny_vit(), htm_layers=1)  # one block, as an int
+    assert tm.hooks.htm_layers == [1]
+    tm.tau = float('inf')  # every sample easy
+    with pytest.raises(ValueError, match='tau: expected a number >= 0'):
+        tm.tau = float('nan')
+    assert TLAlign(tiny_vit(), layers=1).layers == {1}
+    with pytest.raises(ValueError, match=r'layers: block indices must be integers, got 1.7'):
+        TLAlign(tiny_vit(), layers=[1.7])
+
+
+def test_token_labeling_loss_and_mixer_mode_name_their_argument():
+    from timm_plugin import create_mixer
+    from timm_plugin.token_labeling import TokenLabelingLoss
+
+    for bad in (float('nan'), float('inf'), -1.0):
+        with pytest.raises(ValueError, match='dense_weight: expected a'):
+            TokenLabelingLoss(10, dense_weight=bad)
+    with pytest.raises(ValueError, match=r"mode: expected one of \('batch', 'pair', 'elem'\), got None"):
+        create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=10, mode=None)
+    with pytest.raises(ValueError, match=r"mode: expected one of \('batch', 'pair', 'elem', 'half'\), got 'rows'"):
+        create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=10, mode='rows', collate=True)
+
+
+def test_tokenmixup_in_eval_returns_a_pair_for_two_samples():
+    """``logits, target = tm(x, y)`` in eval with B = 2 must not unpack the logits' two rows."""
+    from timm_plugin import TokenMixup
+
+    tm = TokenMixup(tiny_vit(), htm_layers=(1,)).eval()
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([3, 4])
+    logits, target = tm(x, y)
+    assert logits.shape == (2, 10) and target.shape == (2, 10) and torch.equal(target.argmax(1), y)
+
+
+# 5. checkpoints named as what they are ----------------------------------------------------------------------------
+def test_initial_checkpoint_errors_name_the_flag_and_file(tiny_world, tmp_path):
+    from shared_core.checkpoint_io import CheckpointError
+    from timm_plugin.train import run
+
+    with pytest.raises(FileNotFoundError, match=r'--initial-checkpoint: no such file: .*nothere.pth'):
+        run(train_cmd(tiny_world / 'imagenet', tmp_path, 'x', '--initial-checkpoint', str(tmp_path / 'nothere.pth')))
+    junk = tmp_path / 'junk.pth.tar'
+    junk.write_bytes(random.Random(0).randbytes(5000))
+    with pytest.raises(CheckpointError, match=r'--initial-checkpoint: .*junk.pth.tar is not a PyTorch checkpoint'):
+        run(train_cmd(tiny_world / 'imagenet', tmp_path, 'x', '--initial-checkpoint', str(junk)))
+
+
+def test_a_timm_checkpoint_saver_file_loads_and_a_pickle_payload_does_not(tmp_path):
+    """timm's own ``CheckpointSaver`` stores ``args`` as an ``argparse.Namespace`` (timm's loader allows exactly
+    that global): our reader loads the file; a file with any other global is refused without running it."""
+    from timm.utils import CheckpointSaver
+
+    from shared_core.checkpoint_io import CheckpointError, load_checkpoint_file
+
+    model = tiny_vit()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    saver = CheckpointSaver(model, opt, args=argparse.Namespace(model='vit', lr=0.1), checkpoint_dir=str(tmp_path))
+    saver.save_checkpoint(epoch=0, metric=1.0)
+    ckpt = load_checkpoint_file(tmp_path / 'last.pth.tar', '--initial-checkpoint')
+    assert isinstance(ckpt['args'], argparse.Namespace) and ckpt['args'].model == 'vit'
+    assert torch.equal(ckpt['state_dict']['head.weight'], model.state_dict()['head.weight'])
+    evil = tmp_path / 'evil.pth'
+    torch.save({'args': argparse.Namespace(a=1), 'hook': os.system}, evil)
+    with pytest.raises(CheckpointError, match=r'evil.pth holds Python objects .*\(posix.system\)'):
+        load_checkpoint_file(evil, '--initial-checkpoint')
+    assert argparse.Namespace not in torch.serialization.get_safe_globals()  # allowed for the load only
+
+
+# 6. a YAML key one typo away from an argument ---------------------------------------------------------------------
+def test_a_near_miss_yaml_key_is_an_error_and_other_unknown_keys_a_warning(tmp_path, caplog, capsys):
+    import yaml
+
+    from timm_plugin.train_args import parse_args
+
+    typo = tmp_path / 'typo.yaml'
+    typo.write_text(yaml.safe_dump(dict(mixup_typ='tl_align', lr=0.1)))
+    with pytest.raises(SystemExit):
+        parse_args(['-c', str(typo), '--data-dir', 'x'])
+    assert 'mixup_typ: not an argument of tokenaug-train; did you mean mixup_type?' in capsys.readouterr().err
+    other = tmp_path / 'other.yaml'
+    other.write_text(yaml.safe_dump(dict(some_tool_key=1, lr=0.1)))
+    with caplog.at_level(logging.WARNING):
+        assert parse_args(['-c', str(other), '--data-dir', 'x']).lr == 0.1
+    assert 'unknown keys ignored' in caplog.text and 'some_tool_key' in caplog.text
