@@ -17,7 +17,7 @@ import pickle
 import re
 import tempfile
 import zipfile
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -28,6 +28,7 @@ __all__ = [
     'check_output_file',
     'load_checkpoint_file',
     'atomic_output',
+    'remove_stale_temporaries',
     'save_checkpoint_file',
 ]
 
@@ -141,6 +142,26 @@ def atomic_output(dst, name: str = 'dst') -> Iterator[str]:
         raise
 
 
+#: the temporaries :func:`atomic_output` makes: ``.<file name>.<8 random characters>.tmp``
+_TEMPORARY = re.compile(r'^\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp$')
+
+
+def remove_stale_temporaries(folder, names: Optional[Iterable[str]] = None) -> list:
+    """Remove what a killed :func:`atomic_output` left in ``folder``: hidden temporaries next to the files it was
+    writing (of the files ``names``, or any). Call it where no other process writes into ``folder``. Returns the
+    removed paths."""
+    names = None if names is None else set(names)
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(folder):
+            m = _TEMPORARY.match(entry.name)
+            if m and entry.is_file(follow_symlinks=False) and (names is None or m.group('name') in names):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(entry.path)
+                    removed.append(entry.path)
+    return removed
+
+
 def _disk_full(e: BaseException) -> bool:
     """An OSError of a full disk / size limit, or torch's writer failing mid-file (it reports a bare
     ``unexpected pos`` when the OS refused the rest)."""
@@ -153,6 +174,7 @@ def save_checkpoint_file(obj, dst, name: str = 'dst', check: Optional[callable] 
     """``torch.save(obj, dst)`` through :func:`atomic_output`; ``check(tmp_path)`` runs on the written file
     before it replaces ``dst`` (an exception there leaves ``dst`` as it was)."""
     with atomic_output(dst, name) as tmp:
-        torch.save(obj, tmp)
+        with open(tmp, 'wb') as f:  # a file object: the zip records are named 'archive/', not after the temp name
+            torch.save(obj, f)
         if check is not None:
             check(tmp)

@@ -399,6 +399,16 @@ def test_a_full_disk_during_a_checkpoint_save_is_named_and_keeps_the_last_one(ti
     assert res.returncode == 2 and 'the disk is full or the file exceeds a size limit' in res.stderr
     assert 'Traceback' not in res.stderr, res.stderr[-2000:]
     assert sha(last) == before and not [p for p in (tmp_path / 'full').iterdir() if 'tmp' in p.name]
+    # epoch 1's summary row was written before its checkpoint failed; a kill -9 mid-write would also leave the
+    # temporary behind: the next resume drops the row of the epoch it redoes and removes the temporary
+    summary = (tmp_path / 'full' / 'summary.csv').read_text().splitlines()
+    assert [r.split(',')[0] for r in summary] == ['epoch', '0', '1']
+    stale = tmp_path / 'full' / '.last.pth.tar.k1ll3d_x.tmp'
+    stale.write_bytes(os.urandom(1000))
+    res = subprocess.run(base + ['--resume', str(last)], env=run_env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = (tmp_path / 'full' / 'summary.csv').read_text().splitlines()
+    assert [r.split(',')[0] for r in summary] == ['epoch', '0', '1'] and not stale.exists()
 
 
 # 6. mmseg / mmdet must not train from a random backbone ------------------------------------------------------

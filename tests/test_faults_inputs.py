@@ -267,3 +267,65 @@ def test_a_near_miss_yaml_key_is_an_error_and_other_unknown_keys_a_warning(tmp_p
     with caplog.at_level(logging.WARNING):
         assert parse_args(['-c', str(other), '--data-dir', 'x']).lr == 0.1
     assert 'unknown keys ignored' in caplog.text and 'some_tool_key' in caplog.text
+
+
+# 7. checkpoint bytes, temporaries and the summary of a resumed run ------------------------------------------------
+def test_checkpoint_bytes_do_not_depend_on_the_temporary_name(tmp_path):
+    from shared_core.checkpoint_io import save_checkpoint_file
+
+    state = {'epoch': 3, 'state_dict': tiny_vit().state_dict()}
+    save_checkpoint_file(state, tmp_path / 'a.pth.tar')
+    save_checkpoint_file(state, tmp_path / 'b.pth.tar')
+    assert sha(tmp_path / 'a.pth.tar') == sha(tmp_path / 'b.pth.tar')
+
+
+def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
+    from shared_core.checkpoint_io import remove_stale_temporaries
+
+    keep = ['last.pth.tar', '.hidden', '.last.pth.tar.tmp', 'x.abcdefgh.tmp', '.notes.txt.too_long_1.tmp']
+    for name in keep + ['.last.pth.tar.zyll4h1x.tmp', '.summary.csv.ab_cd123.tmp']:
+        (tmp_path / name).write_bytes(b'x')
+    removed = remove_stale_temporaries(tmp_path)
+    assert sorted(os.path.basename(p) for p in removed) == ['.last.pth.tar.zyll4h1x.tmp', '.summary.csv.ab_cd123.tmp']
+    assert sorted(os.listdir(tmp_path)) == sorted(keep)
+    assert remove_stale_temporaries(tmp_path / 'missing') == []
+
+
+def test_the_summary_of_a_resumed_run_drops_the_epochs_it_redoes(tmp_path):
+    from timm_plugin.train import drop_summary_rows
+
+    path = tmp_path / 'summary.csv'
+    text = 'epoch,train_loss,eval_top1\n0,2.3,10.0\n1,2.2,12.5\n2,2.1,15.0\n'
+    path.write_text(text)
+    drop_summary_rows(str(path), from_epoch=3)
+    assert path.read_text() == text  # nothing to drop: untouched
+    drop_summary_rows(str(path), from_epoch=1)
+    assert path.read_text().splitlines() == ['epoch,train_loss,eval_top1', '0,2.3,10.0']
+
+
+def test_a_symlink_loop_in_the_data_is_refused_naming_the_folder(tmp_path):
+    from timm_plugin.image_data import check_repeated_folders
+
+    root = image_folder(tmp_path, {'c0/a.png': rgb(1), 'c1/b.png': rgb(2)})
+    check_repeated_folders(create_dataset('', root=str(root), split='train'), '--data-dir')
+    os.symlink(root / 'train' / 'c0', root / 'train' / 'c0' / 'loop')  # c0/loop/loop/... : c0 again and again
+    ds = create_dataset('', root=str(root), split='train')
+    assert len(ds) > 2  # timm lists c0's image once per level of the loop
+    with pytest.raises(ValueError, match=r'--data-dir: the folder .*train/c0 is listed .* times .*symlink'):
+        check_repeated_folders(ds, '--data-dir')
+
+
+@pytest.mark.slow
+def test_a_run_resumed_into_another_folder_takes_its_best_checkpoint(tiny_world, tmp_path):
+    from timm_plugin.train import run
+
+    data = tiny_world / 'imagenet'
+    run(train_cmd(data, tmp_path, 'a', '--epochs', '2', '--stop-epoch', '1'))
+    before = {p.name: sha(p) for p in (tmp_path / 'a').iterdir()}
+    run(train_cmd(data, tmp_path, 'b', '--epochs', '2', '--resume', str(tmp_path / 'a' / 'last.pth.tar')))
+    import json
+
+    best = json.loads((tmp_path / 'b' / 'results.json').read_text())['best_epoch']
+    assert (tmp_path / 'b' / 'model_best.pth.tar').exists()
+    assert torch.load(tmp_path / 'b' / 'model_best.pth.tar', weights_only=True)['epoch'] == best
+    assert {p.name: sha(p) for p in (tmp_path / 'a').iterdir()} == before  # the other run untouched

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from typing import Tuple
 
 import numpy as np
@@ -28,6 +29,7 @@ __all__ = [
     'MAX_SKIP_SHARE',
     'SKIP_WINDOW',
     'class_names',
+    'check_repeated_folders',
     'check_class_lists',
     'read_sample',
 ]
@@ -173,6 +175,25 @@ class CheckedImageDataset(torch.utils.data.Dataset):
 
     def filenames(self, basename: bool = False, absolute: bool = False):
         return self.dataset.filenames(basename, absolute)
+
+
+def check_repeated_folders(dataset, name: str = '--data-dir') -> None:
+    """Refuse a folder dataset that lists one folder under several paths: a symlink loop (``c0/loop -> c0``: timm
+    follows links, so ``c0/loop/loop/...`` repeats ``c0``'s images dozens of times) or a link to another class
+    folder. Checks the distinct folders of the samples (a few thousand ``realpath`` calls for ImageNet)."""
+    samples = getattr(getattr(dataset, 'reader', None), 'samples', None)
+    if not samples:
+        return
+    seen = {}
+    for folder in sorted({os.path.dirname(s[0]) for s in samples}):
+        seen.setdefault(os.path.realpath(folder), []).append(folder)
+    repeated = {real: folders for real, folders in seen.items() if len(folders) > 1}
+    if repeated:
+        real, folders = next(iter(repeated.items()))
+        raise ValueError(
+            f'{name}: the folder {real} is listed {len(folders)} times (as {folders[:2]}...): a symlink loop, or a '
+            'link to another folder of the dataset; its images would count once per path'
+        )
 
 
 def class_names(dataset):

@@ -17,10 +17,12 @@ load them; the full arguments are also written to ``args.yaml`` beside them.
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections import OrderedDict
@@ -42,11 +44,22 @@ from timm.task import ClassificationTask
 from timm.utils import NativeScaler
 from timm.utils.model import get_state_dict
 
-from shared_core.checkpoint_io import load_checkpoint_file, save_checkpoint_file
+from shared_core.checkpoint_io import (
+    atomic_output,
+    load_checkpoint_file,
+    remove_stale_temporaries,
+    save_checkpoint_file,
+)
 from shared_core.map_store import MissingLabelMapError
 from shared_core.mix import check_labels
 
-from .image_data import CheckedImageDataset, UnreadableImageError, check_class_lists, readable
+from .image_data import (
+    CheckedImageDataset,
+    UnreadableImageError,
+    check_class_lists,
+    check_repeated_folders,
+    readable,
+)
 from .mixup import MIX_KINDS, TARGET_METHODS, create_mixer
 from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
 from .timm_fixes import fix_posterize
@@ -309,6 +322,42 @@ def start_wandb(args, exp_name: str, resume_path: str) -> None:
 
 #: what a run writes into its --experiment folder (timm's CheckpointSaver names and ours)
 RUN_FILES = ('args.yaml', 'summary.csv', 'last.pth.tar', 'model_best.pth.tar', 'results.json')
+
+
+def carry_best_checkpoint(saver, resume_path: str, output_dir: str) -> None:
+    """A run resumed into another ``--experiment`` folder takes the best checkpoint its saver state names along
+    (``model_best.pth.tar`` of the resumed run's folder, when it is of that epoch), so that its folder holds the
+    file its ``results.json`` names; where it is not there, the best is this run's own from now on."""
+    src = os.path.dirname(os.path.abspath(resume_path))
+    if os.path.samefile(src, output_dir) or saver.best_epoch is None:
+        return
+    best, dst = os.path.join(src, 'model_best.pth.tar'), os.path.join(output_dir, 'model_best.pth.tar')
+    if os.path.exists(dst):
+        return
+    if os.path.isfile(best) and load_checkpoint_file(best, 'model_best.pth.tar', mmap=True).get('epoch') == (
+        saver.best_epoch
+    ):
+        shutil.copy2(best, dst)
+        _logger.info(f'Copied the best checkpoint so far (epoch {saver.best_epoch}) from {src}')
+        return
+    _logger.warning(f"{src} has no best checkpoint of epoch {saver.best_epoch}: the best is this run's own from here")
+    saver.best_epoch = saver.best_metric = None
+
+
+def drop_summary_rows(path: str, from_epoch: int) -> None:
+    """Remove the rows of epochs ``>= from_epoch`` from a ``summary.csv`` (rewritten whole or not at all): a run
+    killed after an epoch's row but before its checkpoint resumes at that epoch and writes its row again."""
+    with open(path, newline='') as f:
+        rows = list(csv.reader(f))
+    if len(rows) < 2 or 'epoch' not in rows[0]:
+        return
+    col = rows[0].index('epoch')
+    keep = [rows[0]] + [r for r in rows[1:] if r and int(float(r[col])) < from_epoch]
+    if len(keep) == len(rows):
+        return
+    with atomic_output(path, 'summary.csv') as tmp, open(tmp, 'w', newline='') as f:
+        csv.writer(f).writerows(keep)
+    _logger.info(f'{path}: the rows of epochs {from_epoch} on are removed (the resumed run writes them again)')
 
 
 def check_output_folder(args, resume_path: str) -> None:
@@ -609,6 +658,8 @@ def run(argv=None) -> dict:
         input_key=args.input_key,
         target_key=args.target_key,
     )
+    check_repeated_folders(dataset_train, '--data-dir')
+    check_repeated_folders(dataset_eval, '--data-dir')
     check_class_lists(dataset_train, dataset_eval, args.num_classes)
     # unreadable (and truncated) images are skipped with the file named, not fatal mid-epoch
     dataset_train, dataset_eval = (CheckedImageDataset(d) if readable(d) else d for d in (dataset_train, dataset_eval))
@@ -761,6 +812,8 @@ def run(argv=None) -> dict:
             [time.strftime('%Y%m%d-%H%M%S'), safe_model_name(args.model), str(data_config['input_size'][-1])]
         )
         output_dir = utils.get_outdir(args.output if args.output else './output/train', exp_name)
+        for stale in remove_stale_temporaries(output_dir):  # a write killed mid-file (kill -9, a full disk)
+            _logger.info(f'Removed the temporary file of an interrupted write: {stale}')
         saver = PlainCheckpointSaver(
             model=model,
             optimizer=optimizer,
@@ -776,6 +829,7 @@ def run(argv=None) -> dict:
             yaml.safe_dump(plain_args(args), f, sort_keys=False)
         if resume_path:  # the best / history bookkeeping of the run being continued (timm's saver wrote it)
             saver.load_state_dict_from_checkpoint(resume_path)
+            carry_best_checkpoint(saver, resume_path, output_dir)
         if args.log_wandb:
             start_wandb(args, exp_name, resume_path)
 
@@ -799,6 +853,8 @@ def run(argv=None) -> dict:
     write_header = summary is not None and not (resume_path and os.path.exists(summary))
     if write_header and os.path.exists(summary):  # a fresh run in an existing folder starts a fresh summary
         os.remove(summary)
+    elif summary is not None and os.path.exists(summary):  # resumed: the epochs it will run again are not done
+        drop_summary_rows(summary, from_epoch=start_epoch)
     eval_metrics = {}
     if args.stop_epoch is not None and not 0 < args.stop_epoch <= num_epochs:
         raise ValueError(f'--stop-epoch: expected 1..{num_epochs} (the scheduled epochs), got {args.stop_epoch}')
