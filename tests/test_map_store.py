@@ -345,3 +345,64 @@ def test_round_trip_is_bit_exact(tmp_path_factory, n, k, h, w, num_classes, seed
         v, i = store.lookup(paths[r])
         assert v.tobytes() == values[r].tobytes()
         np.testing.assert_array_equal(i, indices[r])
+
+
+# ------------------------------------------------------------------------------------- path index
+def test_the_path_index_is_memory_mapped_written_once_and_rebuilt_when_stale(tmp_path):
+    """The readers' path index: written when the store is finalized, memory-mapped by every reader (nothing per
+    process but the maps), equal to a dict of the paths, and rebuilt from paths.txt when that changed."""
+    root = tmp_path / 's'
+    _full_store(root)
+    index_file = root / M.PATH_INDEX_FILE
+    assert index_file.is_file() and (root / M.PATH_OFFSETS_FILE).is_file()
+    written = index_file.stat().st_mtime_ns
+    store = LabelMapStore.open(root)
+    assert isinstance(store._index._hashes, np.memmap) and isinstance(store._index._text, np.memmap)
+    assert index_file.stat().st_mtime_ns == written  # opening reads it, does not rewrite it
+    assert [store.index_of(p) for p in PATHS] == list(range(len(PATHS)))
+    for missing in ('00_class/000000.jp', '00_class/000000.jpgx', 'x/00_class/000000.jpg', '99_class/1.jpg'):
+        assert missing not in store
+    assert store._paths is None  # lookups need no list of the paths
+    # paths.txt edited (same count, other names): the stale index is rebuilt, not trusted
+    renamed = [p.replace('class', 'klasse') for p in PATHS]
+    (root / M.PATHS_FILE).write_text('\n'.join(renamed) + '\n')
+    store = LabelMapStore.open(root)
+    assert [store.index_of(p) for p in renamed] == list(range(len(PATHS))) and PATHS[0] not in store
+    # a garbled index file is rebuilt too
+    index_file.write_bytes(b'garbage')
+    assert LabelMapStore.open(root).index_of(renamed[5]) == 5
+
+
+def test_the_path_index_of_a_read_only_store_stays_in_memory(tmp_path, monkeypatch):
+    """A store on a read-only file system (the index cannot be written): the reader keeps it in memory."""
+    import errno
+
+    root = tmp_path / 's'
+    _full_store(root)
+    for name in (M.PATH_INDEX_FILE, M.PATH_OFFSETS_FILE):
+        (root / name).unlink()
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, 'Read-only file system')
+
+    monkeypatch.setattr(M.np, 'save', read_only)
+    store = LabelMapStore.open(root)
+    assert [store.index_of(p) for p in PATHS] == list(range(len(PATHS)))
+    assert not isinstance(store._index._hashes, np.memmap)
+    assert sorted(p.name for p in root.iterdir()) == sorted(M.STORE_FILES)  # nothing half-written left
+
+
+def test_hash_collisions_cost_a_comparison_and_hide_no_duplicate(tmp_path, monkeypatch):
+    """With a hash of 3 values every path collides with others: lookups still find the right row by comparing
+    the path's bytes, and a duplicate among colliding paths is still refused."""
+    monkeypatch.setattr(M, '_hash64', lambda data: len(data) % 3)
+    root = tmp_path / 's'
+    paths = PATHS + ['a.jpg', 'bb.jpg', 'ccc.jpg']
+    _full_store(root, paths)
+    store = LabelMapStore.open(root)
+    assert [store.index_of(p) for p in paths] == list(range(len(paths)))
+    assert 'dd.jpg' not in store and 'a.jpg' in store
+    dup = paths[:-1] + ['bb.jpg']
+    (root / M.PATHS_FILE).write_text('\n'.join(dup) + '\n')
+    with pytest.raises(LabelMapError, match=r"duplicate image path 'bb.jpg' at rows 13 and 14"):
+        LabelMapStore.open(root)

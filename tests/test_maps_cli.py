@@ -450,4 +450,28 @@ def test_an_unreadable_image_is_named_not_replaced_by_the_next(tmp_path, data_di
     victim.write_bytes(raw[: len(raw) // 3])
     assert maps.main(_argv(bad, checkpoint, tmp_path / 'maps')) == 2
     err = capsys.readouterr().err
-    assert f'{victim.parent.name}/{victim.name}' in err and 'cannot be decoded' in err, err
+    assert f'{victim.parent.name}/{victim.name}' in err and 'cannot be read' in err, err
+
+
+def test_maps_info_prints_a_store_without_importing_torch(tmp_path, run_env):
+    """``tokenaug-maps info`` (the console script's own entry) reads a store with numpy and json only; the other
+    commands go on to the annotation tools."""
+    import json
+
+    from .helpers import write_store
+
+    paths = [f'c{i % 2}/img{i}.png' for i in range(6)]
+    values = np.full((6, 1, 2, 2), 0.5, np.float16)
+    write_store(tmp_path / 's', paths, values, np.zeros((6, 1, 2, 2), np.int64), 4, 'test', (8, 8))
+    code = (
+        'import sys; from shared_core.tools.maps_info import main; rc = main(["info", sys.argv[1], "--json"]); '
+        'assert "torch" not in sys.modules and "timm" not in sys.modules; sys.exit(rc)'
+    )
+    res = subprocess.run([sys.executable, '-c', code, str(tmp_path / 's')], capture_output=True, text=True, env=run_env)
+    assert res.returncode == 0, res.stderr
+    status = json.loads(res.stdout)
+    assert status['complete'] and status['meta']['num_images'] == 6
+    res = subprocess.run(
+        ['tokenaug-maps', 'info', str(tmp_path / 'nothere')], capture_output=True, text=True, env=run_env
+    )
+    assert res.returncode == 2 and 'tokenaug-maps info: error:' in res.stderr and 'nothere' in res.stderr

@@ -45,7 +45,7 @@ SKIP_WINDOW = 64
 
 
 class UnreadableImageError(OSError):
-    """An image that cannot be decoded, named."""
+    """An image that cannot be opened or decoded, named."""
 
 
 #: errors of opening or decoding one image file (PIL: UnidentifiedImageError, truncated data, bad headers, an

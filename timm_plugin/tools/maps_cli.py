@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import os
-import re
 import socket
 import sys
 import time
@@ -63,6 +61,7 @@ from shared_core.map_store import (
     remove_store,
     store_status,
 )
+from shared_core.tools.maps_info import info, print_info, shard_dirs
 
 from ..annotator import (
     annotate,
@@ -78,7 +77,6 @@ from .common import add_data_model_args, parse_model_kwargs, resolve_device, spl
 
 __all__ = ['shard_rows', 'shard_dir', 'generate', 'merge', 'info', 'main', 'parse_args']
 
-SHARD_DIR_RE = re.compile(r'^shard-(\d+)-of-(\d+)$')
 OnBatch = Callable[[np.ndarray], None]
 
 
@@ -400,19 +398,6 @@ def _generate_shard(args: argparse.Namespace, dist: _Dist, device: torch.device,
 
 
 # ------------------------------------------------------------------------------------ merge, info
-def _shard_dirs(out: Path) -> list[Path]:
-    found = [(d, SHARD_DIR_RE.match(d.name)) for d in sorted((out / 'shards').glob('shard-*-of-*')) if d.is_dir()]
-    found = [(int(m.group(1)), int(m.group(2)), d) for d, m in found if m]
-    counts = sorted({s for _, s, _ in found})
-    if not found:
-        raise LabelMapError(f'{out / "shards"}: no shard stores (shard-I-of-S) to merge')
-    if len(counts) > 1:
-        raise LabelMapError(
-            f'{out / "shards"} holds shards of runs with different --num-shards {counts}; remove the stale ones'
-        )
-    return [d for _, _, d in sorted(found)]
-
-
 def merge(out: str | os.PathLike, keep_shards: bool = False) -> Path:
     """Merge ``OUT/shards/shard-I-of-S`` into the store at ``OUT``; delete the shard stores unless ``keep_shards``."""
     out = Path(out)
@@ -422,7 +407,7 @@ def merge(out: str | os.PathLike, keep_shards: bool = False) -> Path:
             print(f'tokenaug-maps: {out} is already a complete store; nothing to merge', file=sys.stderr)
             return out
         raise LabelMapError(f'{out} holds an incomplete (unsharded) store; finish it with generate --resume')
-    shards = _shard_dirs(out)
+    shards = shard_dirs(out)
     merge_stores(shards, out)
     if not keep_shards:
         for shard in shards:
@@ -433,34 +418,6 @@ def merge(out: str | os.PathLike, keep_shards: bool = False) -> Path:
             pass
     print(f'tokenaug-maps: merged {len(shards)} shards into {out}', file=sys.stderr)
     return out
-
-
-def info(path: str | os.PathLike) -> dict:
-    """Status of a store (meta, completeness, bytes per image) or of the shards of an unmerged run."""
-    root = Path(path)
-    if (root / 'meta.json').is_file():
-        return store_status(root)
-    if (root / 'shards').is_dir():
-        return {'shards': {d.name: store_status(d) for d in _shard_dirs(root)}}
-    raise LabelMapError(f'{root} is neither a label-map store (no meta.json) nor a sharded run (no shards/)')
-
-
-def _format_status(status: dict) -> str:
-    meta = status['meta']
-    n = meta['num_images']
-    lines = [
-        json.dumps(meta, indent=1),
-        '',
-        f'rows: {status["rows_done"]} of {n} done, {status["rows_missing"]} missing; complete: {status["complete"]}',
-        *(f'problem: {p}' for p in status.get('problems', ())),
-        f'payload bytes per image: {status["payload_bytes_per_image"]} '
-        f'(k {meta["k"]} x grid {meta["grid"][0]}x{meta["grid"][1]} x (2 B float16 + '
-        f'{np.dtype(meta["indices_dtype"]).itemsize} B {meta["indices_dtype"]}))',
-        f'file bytes per image: {status["file_bytes_per_image"]:.1f} '
-        f'(all files: {sum(status["file_bytes"].values())} B; allocated on disk: '
-        f'{sum(status["allocated_bytes"].values())} B)',
-    ]
-    return '\n'.join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -527,14 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == 'merge':
             merge(args.out, keep_shards=args.keep_shards)
         else:
-            status = info(args.path)
-            if args.json:
-                print(json.dumps(status, indent=1))
-            elif 'shards' in status:
-                for name, st in status['shards'].items():
-                    print(f'== {name}\n{_format_status(st)}\n')
-            else:
-                print(_format_status(status))
+            print_info(args.path, args.json)
     except (LabelMapError, ValueError, FileNotFoundError, UnreadableImageError) as e:
         print(f'tokenaug-maps {args.command}: error: {e}', file=sys.stderr)
         return 2
