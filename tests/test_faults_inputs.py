@@ -329,3 +329,13 @@ def test_a_run_resumed_into_another_folder_takes_its_best_checkpoint(tiny_world,
     assert (tmp_path / 'b' / 'model_best.pth.tar').exists()
     assert torch.load(tmp_path / 'b' / 'model_best.pth.tar', weights_only=True)['epoch'] == best
     assert {p.name: sha(p) for p in (tmp_path / 'a').iterdir()} == before  # the other run untouched
+
+
+def test_a_mixer_for_another_class_count_is_named():
+    from timm_plugin import create_mixer
+    from timm_plugin.tl_align import TLAlign
+
+    mixer = create_mixer('cutmix', method='tl_align', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=100, patch_size=8)
+    x, target = mixer(torch.randn(4, 3, 32, 32), torch.arange(4))
+    with pytest.raises(ValueError, match='target: the mixer made 100-class targets for a model with 10 classes'):
+        TLAlign(tiny_vit()).train()(x, target)

@@ -1206,6 +1206,12 @@ class TLAlign(nn.Module):
         """``(output, aligned (B, C) target)``; ``forward`` (default ``self.model(x)``) runs the token path."""
         mix = self._check_mix(target)
         self._check_batch(x, mix)
+        classes = getattr(self.model, 'num_classes', None)
+        if isinstance(classes, int) and classes > 0 and target.num_classes != classes:
+            raise ValueError(
+                f'target: the mixer made {target.num_classes}-class targets for a model with {classes} classes '
+                "(create_mixer(num_classes=...) must be the model's)"
+            )
         output, share = self._run(x, compact_labels(mix, self.num_prefix_tokens), forward)
         return output, aligned_target(share[:, 0], target.labels, mix, target.num_classes, target.smoothing)
 
