@@ -201,7 +201,7 @@ def test_token_labeling_loss_and_mixer_mode_name_their_argument():
     for bad in (float('nan'), float('inf'), -1.0):
         with pytest.raises(ValueError, match='dense_weight: expected a'):
             TokenLabelingLoss(10, dense_weight=bad)
-    with pytest.raises(ValueError, match=r"mode: expected one of \('batch', 'pair', 'elem'\), got None"):
+    with pytest.raises(ValueError, match=r"mode: expected one of \('batch', 'pair', 'elem', 'half'\), got None"):
         create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=10, mode=None)
     with pytest.raises(ValueError, match=r"mode: expected one of \('batch', 'pair', 'elem', 'half'\), got 'rows'"):
         create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=10, mode='rows', collate=True)

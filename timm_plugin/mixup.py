@@ -390,7 +390,7 @@ def create_mixer(
         if collate:
             raise ValueError('activation_targets: mix on the device (collate=False), after TokenLabelCollate')
         kwargs['activation_targets'] = activation_targets
-    modes = MODES + ('half',) if collate else MODES  # timm's FastCollateMixup modes
+    modes = MODES + ('half',)  # timm's FastCollateMixup modes ('half': the collate mixer only, below)
     if not isinstance(mode, str) or mode not in modes:
         raise ValueError(f'mode: expected one of {modes}, got {mode!r}')
     if collate:
