@@ -626,6 +626,11 @@ def run(argv=None) -> dict:
             )
         except RuntimeError as e:  # load_state_dict: another architecture or size
             raise ValueError(f'--resume: {resume_path} does not fit --model {args.model}: {e}') from None
+        except ValueError as e:  # the optimizer's load_state_dict: other parameter groups
+            raise ValueError(
+                f"--resume: {resume_path} holds an optimizer state that does not fit this run's optimizer ({e}); "
+                'pass --no-resume-opt to take the weights and epoch only'
+            ) from None
     # as timm's train.py: images converted to the model's channels (grayscale and CMYK JPEGs occur in ImageNet)
     input_img_mode = args.input_img_mode or ('RGB' if data_config['input_size'][0] == 3 else 'L')
     dataset_train = create_dataset(
