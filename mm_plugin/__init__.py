@@ -4,7 +4,8 @@ on import:
 
 - always (MMEngine only): the hook :class:`BackboneCheckpointCheck` (strict backbone loading for our mmseg /
   mmdet configs) and :func:`allow_mmengine_checkpoints`;
-- with mmseg: the LV-ViT backbone (``type='LVViT'``);
+- with mmseg: the LV-ViT backbone (``type='LVViT'``) and ``PretrainedEncoderDecoder`` (our mmseg configs' model: it
+  takes mmseg's ``model.pretrained=PATH`` route too);
 - with mmpretrain: the batch augments, data preprocessor, classifiers, heads and token-label transforms.
 
 So a segmentation or detection user needs neither mmpretrain nor (for detection) mmseg. MMEngine's checkpoints
@@ -36,8 +37,9 @@ __all__ = ['__version__', 'BackboneCheckpointCheck', 'allow_mmengine_checkpoints
 
 if HAS_MMSEG:
     from .lvvit import LVViT
+    from .segmentors import PretrainedEncoderDecoder
 
-    __all__ += ['LVViT']
+    __all__ += ['LVViT', 'PretrainedEncoderDecoder']
 
 if HAS_MMPRETRAIN:
     from .batch_augments import MixBatchAugment, TACutMix, TAMixToken, TAMixup, TATokenMix

@@ -36,8 +36,8 @@ from .mmengine_safe_load import allow_mmengine_checkpoints
 __all__ = ['BackboneCheckpointCheck', 'check_backbone_loaded']
 
 HOW = (
-    'set $TOKENAUG_BACKBONE (our configs read it) or --cfg-options model.backbone.init_cfg.checkpoint=PATH; '
-    'make the file with tokenaug-convert --to {mmseg,mmdet}'
+    'set $TOKENAUG_BACKBONE (our configs read it) or --cfg-options model.backbone.init_cfg.checkpoint=PATH '
+    '(mmseg: model.pretrained=PATH too); make the file with tokenaug-convert --to {mmseg,mmdet}'
 )
 
 

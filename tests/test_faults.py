@@ -1,6 +1,7 @@
 """Fault injection (issue 14, ``../shared/reviews/reliability.md``): each case reproduces a way a user could
 lose data or get silently wrong results, and checks the fix."""
 
+import copy
 import hashlib
 import os
 import random
@@ -436,13 +437,14 @@ def ade_world(tmp_path_factory):
     return world
 
 
-def mmseg_runner(config, backbone, world, work, monkeypatch):
+def mmseg_runner(config, backbone, world, work, monkeypatch, options=None):
     from mmengine.config import Config
     from mmengine.runner import Runner
 
     monkeypatch.setenv('TOKENAUG_WORLD', str(world))
     monkeypatch.setenv('TOKENAUG_BACKBONE', str(backbone))
     cfg = Config.fromfile(os.path.join(os.path.dirname(__file__), '..', 'configs', 'mmseg', config))
+    cfg.merge_from_dict(options or {})  # as --cfg-options
     cfg.work_dir = str(work)
     cfg.train_cfg.max_iters = 1
     cfg.train_dataloader.num_workers = cfg.val_dataloader.num_workers = 0
@@ -479,6 +481,35 @@ def test_mmseg_refuses_backbones_that_would_not_load(ade_world, tmp_path, monkey
     swin = timm_checkpoint(tmp_path / 'swin.pth', 'swin_tiny_patch4_window7_224', **SWIN_MINI)
     convert_checkpoint(swin, tmp_path / 'det.pth', 'mmdet', 'swin_tiny_patch4_window7_224', model_kwargs=SWIN_MINI)
     mmseg_runner('upernet_swin-mini_world.py', tmp_path / 'det.pth', ade_world, tmp_path / 'w3', monkeypatch).train()
+
+
+@pytest.mark.slow
+def test_mmsegs_own_model_pretrained_route_loads_and_is_checked(ade_world, tmp_path, monkeypatch, own_scope):
+    """``--cfg-options model.pretrained=PATH`` (mmseg's ViT configs' route) with our config, whose backbone names
+    its file in init_cfg: the stock EncoderDecoder stops at mmseg's assert; ours loads PATH (it wins over
+    $TOKENAUG_BACKBONE) and checks it the same way."""
+    from mmengine.config import Config
+    from mmseg.registry import MODELS
+
+    import mm_plugin  # noqa: F401  (registers PretrainedEncoderDecoder)
+
+    vit = 'upernet_vit-tiny_world.py'
+    raw = timm_checkpoint(tmp_path / 'raw.pth', 'vit_tiny_patch16_224', img_size=112)
+    seg = tmp_path / 'seg.pth'
+    convert_checkpoint(raw, seg, 'mmseg', 'vit_tiny_patch16_224', model_kwargs=dict(img_size=112))
+    monkeypatch.setenv('TOKENAUG_WORLD', str(ade_world))
+    monkeypatch.setenv('TOKENAUG_BACKBONE', str(tmp_path / 'nowhere.pth'))
+    cfg = Config.fromfile(os.path.join(os.path.dirname(__file__), '..', 'configs', 'mmseg', vit))
+    assert cfg.model.type == 'PretrainedEncoderDecoder'
+    with pytest.raises(AssertionError, match='init_cfg and pretrained cannot be set at the same time'):
+        MODELS.build(dict(copy.deepcopy(cfg.model), type='EncoderDecoder', pretrained=str(seg)))  # (it edits cfg)
+    model = MODELS.build(dict(cfg.model, pretrained=str(seg)))
+    assert model.backbone.init_cfg == dict(type='Pretrained', checkpoint=str(seg))
+    options = {'model.pretrained': str(seg)}
+    mmseg_runner(vit, tmp_path / 'nowhere.pth', ade_world, tmp_path / 'w0', monkeypatch, options).train()
+    runner = mmseg_runner(vit, seg, ade_world, tmp_path / 'w1', monkeypatch, {'model.pretrained': str(raw)})
+    with pytest.raises(ValueError, match='convert the checkpoint first'):  # the route's file is checked too
+        runner.train()
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ backbone_checkpoint = '{{$TOKENAUG_BACKBONE:demo_out/backbones/lvvit-tiny_mmseg.
 custom_hooks = [dict(type='BackboneCheckpointCheck')]
 norm_cfg = dict(type='BN', requires_grad=True)
 model = dict(
+    type='PretrainedEncoderDecoder',  # also takes mmseg's model.pretrained=PATH (mm_plugin.segmentors)
     pretrained=None,
     data_preprocessor=dict(size=(112, 112)),
     backbone=dict(

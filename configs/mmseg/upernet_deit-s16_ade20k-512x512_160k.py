@@ -12,6 +12,7 @@ backbone_checkpoint = '{{$TOKENAUG_BACKBONE:pretrain/deit-s16_tokenaug_mmseg.pth
 # the backbone must load entirely (mm_plugin.backbone_check): a wrong file is an error, not a random backbone
 custom_hooks = [dict(type='BackboneCheckpointCheck')]
 model = dict(
+    type='PretrainedEncoderDecoder',  # also takes mmseg's model.pretrained=PATH (mm_plugin.segmentors)
     pretrained=None,
     backbone=dict(
         patch_bias=True,  # timm's patch embedding has a bias; mmseg's ViT defaults to none

@@ -11,4 +11,7 @@ custom_imports = dict(
 backbone_checkpoint = '{{$TOKENAUG_BACKBONE:pretrain/swin-base_tokenaug_mmseg.pth}}'
 # the backbone must load entirely (mm_plugin.backbone_check): a wrong file is an error, not a random backbone
 custom_hooks = [dict(type='BackboneCheckpointCheck')]
-model = dict(backbone=dict(init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint)))
+model = dict(
+    type='PretrainedEncoderDecoder',  # also takes mmseg's model.pretrained=PATH (mm_plugin.segmentors)
+    backbone=dict(init_cfg=dict(type='Pretrained', checkpoint=backbone_checkpoint)),
+)

@@ -11,6 +11,7 @@ backbone_checkpoint = '{{$TOKENAUG_BACKBONE:demo_out/backbones/swin-mini_mmseg.p
 custom_hooks = [dict(type='BackboneCheckpointCheck')]
 norm_cfg = dict(type='BN', requires_grad=True)
 model = dict(
+    type='PretrainedEncoderDecoder',  # also takes mmseg's model.pretrained=PATH (mm_plugin.segmentors)
     data_preprocessor=dict(size=(224, 224)),
     backbone=dict(
         embed_dims=32,
