@@ -66,6 +66,7 @@ __all__ = [
     'check_map_row',
     'crop_box',
     'crop_after_ops',
+    'rows_from_topk_logits',
     'smooth',
     'stack_affines',
 ]
@@ -643,3 +644,32 @@ def crop_after_ops(box, flip: bool, affines) -> Tuple[Tuple[float, ...], np.ndar
         return ((1.0 - x1, y0, 1.0 - x0, y1) if flip else (x0, y0, x1, y1)), chain
     crop = np.array([[x1 - x0, 0.0, x0], [0.0, y1 - y0, y0]], np.float32)
     return (0.0, 0.0, 1.0, 1.0), np.concatenate([chain, crop[None]])
+
+
+def rows_from_topk_logits(logits, indices, num_classes: int) -> Tuple[np.ndarray, np.ndarray]:
+    """A store row ``(values (k, h, w) float16 descending, indices (k, h, w) int64)`` from the public Token Labeling
+    maps' top-k *raw logits* and their class indices (``generate_label.py``'s ``(2, k, h, w)`` file). What the
+    public training consumes is a dense map with logit 0 for every class outside the top-k, softmaxed over all
+    ``C`` classes: class ``i`` of the top-k has probability ``exp(l_i) / (Σ_j exp(l_j) + C − k)`` and every other
+    class ``1 / (Σ_j exp(l_j) + C − k)``, which is exactly the store's rule for the mass outside the top-k (spread
+    uniformly). Computed in float64 (max-shifted); indices must be whole numbers in ``[0, C)``, distinct per
+    cell."""
+    lg = torch.as_tensor(logits).double()
+    ix = torch.as_tensor(indices).double()
+    if lg.dim() != 3 or lg.shape != ix.shape:
+        raise ValueError(f'logits/indices: expected two (k, h, w) arrays, got {tuple(lg.shape)} and {tuple(ix.shape)}')
+    k = lg.shape[0]
+    if not 1 <= k <= num_classes:
+        raise ValueError(f'k: {k} top classes for num_classes={num_classes}')
+    if not torch.isfinite(lg).all():
+        raise ValueError('logits: expected finite values')
+    if not (torch.isfinite(ix).all() and (ix == ix.round()).all() and ix.min() >= 0 and ix.max() < num_classes):
+        raise ValueError(f'indices: expected whole class indices in [0, {num_classes})')
+    ix = ix.long()
+    if k > 1 and (ix.sort(0).values.diff(dim=0) == 0).any():
+        raise ValueError('indices: a class appears twice in one cell')
+    m = lg.max(0).values.clamp_min(0.0)  # the others' logit is 0
+    e = (lg - m).exp()
+    p = e / (e.sum(0) + (num_classes - k) * (-m).exp())
+    order = p.argsort(dim=0, descending=True, stable=True)
+    return p.gather(0, order).to(torch.float16).numpy(), ix.gather(0, order).numpy()

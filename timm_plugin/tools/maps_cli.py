@@ -8,8 +8,16 @@ in half precision). This tool writes those maps into a :mod:`shared_core.map_sto
                            [--model-kwargs k=v ...] [--num-classes N] --out OUT [--input-size 576]
                            [--topk 5] [-b 32] [-j 2] [--device cpu|cuda] [--amp] [--resume]
                            [--shard-index I --num-shards S]
+    tokenaug-maps import --from tokenlabeling --src LABEL_ROOT --data-dir DIR [--split train]
+                         --num-classes C --out OUT [-b 256] [-j 2] [--resume] [--shard-index I --num-shards S]
     tokenaug-maps merge OUT [--keep-shards]
     tokenaug-maps info DIR [--json]
+
+``import`` reads the maps released with Token Labeling (``generate_label.py``: one ``torch.save`` per image at
+``LABEL_ROOT/<class folder>/<image stem>.pt``, a ``(2, k, h, w)`` float16 tensor of the top-k raw logits and
+their class indices) into a store: each row holds what the public training consumes, the softmax over all C
+classes of a dense map with logit 0 outside the top-k (:func:`shared_core.label_maps.rows_from_topk_logits`).
+It streams in constant memory, with workers, resume and shards as ``generate``.
 
 How a map is made: :mod:`timm_plugin.annotator`.
 
@@ -49,6 +57,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 
+from shared_core.label_maps import rows_from_topk_logits
 from shared_core.map_store import (
     VOLATILE_META_KEYS,
     LabelMapError,
@@ -75,7 +84,17 @@ from ..annotator import (
 from ..image_data import UnreadableImageError, read_sample
 from .common import add_data_model_args, parse_model_kwargs, resolve_device, split_dataset
 
-__all__ = ['shard_rows', 'shard_dir', 'generate', 'merge', 'info', 'main', 'parse_args']
+__all__ = [
+    'shard_rows',
+    'shard_dir',
+    'generate',
+    'import_maps',
+    'public_label_file',
+    'merge',
+    'info',
+    'main',
+    'parse_args',
+]
 
 OnBatch = Callable[[np.ndarray], None]
 
@@ -397,6 +416,158 @@ def _generate_shard(args: argparse.Namespace, dist: _Dist, device: torch.device,
     return {'store': str(store), 'rows_computed': computed, 'seconds': seconds, 'shard': (dist.index, dist.count)}
 
 
+# ------------------------------------------------------------------------------------ import
+#: stores ``tokenaug-maps import --from`` reads
+IMPORT_SOURCES = ('tokenlabeling',)
+
+
+def public_label_file(rel_path: str) -> str:
+    """The public code's label file of an image (``generate_label.py`` and its dataset): the last two parts of the
+    image path cut at the first ``.``, plus ``.pt`` (``n01440764/n01440764_10026.JPEG`` ->
+    ``n01440764/n01440764_10026.pt``)."""
+    return '/'.join(rel_path.split('/')[-2:]).split('.')[0] + '.pt'
+
+
+def _read_public_file(src: Path, rel: str, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(values, indices)`` of the store row of image ``rel`` from its public label file; a missing or malformed
+    file names the image and the file."""
+    path = src / public_label_file(rel)
+    if not path.is_file():
+        raise LabelMapError(f'--src: no label file for image {rel!r} (expected {path})')
+    try:
+        t = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:  # noqa: BLE001 (any failure of the file: named)
+        first = (str(e).splitlines() or [''])[0]
+        raise LabelMapError(f'--src: the label file of image {rel!r} ({path}) cannot be read: {first}') from None
+    if not torch.is_tensor(t) or t.dim() != 4 or t.shape[0] != 2:
+        got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
+        raise LabelMapError(f'--src: the label file of image {rel!r} ({path}) is {got}, expected (2, k, h, w)')
+    try:
+        return rows_from_topk_logits(t[0], t[1], num_classes)
+    except ValueError as e:
+        raise LabelMapError(f'--src: the label file of image {rel!r} ({path}): {e}') from None
+
+
+class _PublicFiles(Dataset):
+    """Store rows ``rows`` from the public label files; item i is ``(values, indices, row)``."""
+
+    def __init__(self, src: Path, paths: list[str], rows: np.ndarray, num_classes: int, shape: tuple):
+        self.src, self.paths, self.rows, self.num_classes, self.shape = src, paths, rows, num_classes, shape
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        row = int(self.rows[i])
+        values, indices = _read_public_file(self.src, self.paths[row], self.num_classes)
+        if values.shape != self.shape:
+            raise LabelMapError(
+                f'--src: the label file of image {self.paths[row]!r} holds (k, h, w) = {values.shape}, the others '
+                f'{self.shape}'
+            )
+        return values, indices, row
+
+
+def import_maps(args: argparse.Namespace, on_batch: OnBatch | None = None) -> dict:
+    """Run ``tokenaug-maps import`` (see the module doc). Returns ``{'store', 'rows_computed', 'seconds',
+    'shard'}`` as :func:`generate`."""
+    if args.source not in IMPORT_SOURCES:
+        raise ValueError(f'--from: expected one of {IMPORT_SOURCES}, got {args.source!r}')
+    src = Path(args.src)
+    if not src.is_dir():
+        raise FileNotFoundError(f'--src: {src} is not a directory (the label root: <class folder>/<image stem>.pt)')
+    dist = _Dist(args)
+    dist.init(torch.device('cpu'), args.dist_timeout)
+    try:
+        result = _import_shard(args, src, dist, on_batch)
+        if dist.torchrun:
+            dist.barrier(torch.device('cpu'))
+            if dist.index == 0 and not (Path(args.out) / 'meta.json').is_file():
+                merge(args.out, keep_shards=args.keep_shards)
+            result['store'] = str(args.out)
+        return result
+    finally:
+        dist.close()
+
+
+def _import_shard(args: argparse.Namespace, src: Path, dist: _Dist, on_batch: OnBatch | None) -> dict:
+    from tqdm import tqdm
+
+    out = Path(args.out)
+    if dist.count > 1 and (out / 'meta.json').is_file():
+        if not args.resume:
+            raise LabelMapError(f'{out} already holds a merged label-map store; pass --resume or choose another --out')
+        return {'store': str(out), 'rows_computed': 0, 'seconds': 0.0, 'shard': (dist.index, dist.count)}
+    dataset, split_root = split_dataset(args.data_dir, args.split)
+    paths = [normalize_path(dataset.filename(i)) for i in range(len(dataset))]
+    if not paths:
+        raise LabelMapError(f'--data-dir {args.data_dir} / --split {args.split!r}: no images')
+    seen: dict[str, str] = {}
+    for p in paths:  # two images whose public file would be the same (the public naming cuts at the first '.')
+        other = seen.setdefault(public_label_file(p), p)
+        if other != p:
+            raise LabelMapError(f'--src: images {other!r} and {p!r} would both read {public_label_file(p)}')
+    values, _ = _read_public_file(src, paths[0], args.num_classes)
+    k, h, w = values.shape
+    start, stop = shard_rows(len(paths), dist.index, dist.count, args.batch_size)
+    size = (32 * h, 32 * w)
+    fmt = new_meta(
+        stop - start, num_classes=args.num_classes, k=k, grid=(h, w), annotator='tokenlabeling', input_size=size
+    )
+    extra = {
+        'split': args.split,
+        'source': {
+            'from': 'tokenlabeling',
+            'files': '<class folder>/<image stem>.pt: (2, k, h, w) float16, top-k raw logits and class indices',
+            'stored': 'softmax over all classes of the dense map with logit 0 outside the top-k (public training)',
+            'input_size': 'not recorded by the public files: the grid times 32, the annotator stride (NFNet-F6)',
+        },
+        'run': {
+            'src': str(src.resolve()),
+            'data_dir': str(Path(args.data_dir).resolve()),
+            'split_root': str(split_root.resolve()),
+            'batch_size': args.batch_size,
+            'workers': args.workers,
+            'host': socket.gethostname(),
+            'tokenaug_version': _version('tokenaug'),
+        },
+    }
+    store = out
+    if dist.count > 1:
+        store = shard_dir(out, dist.index, dist.count)
+        extra['shard'] = {
+            'index': dist.index,
+            'num_shards': dist.count,
+            'row_start': start,
+            'row_stop': stop,
+            'num_images_total': len(paths),
+        }
+    writer = _open_writer(store, paths[start:stop], fmt, extra, args.resume)
+    t0, computed = time.perf_counter(), 0
+    if writer is not None:
+        with writer:
+            todo = writer.missing()
+            files = _PublicFiles(src, paths, todo + start, args.num_classes, (k, h, w))
+            loader = DataLoader(files, batch_sampler=_batches(todo, args.batch_size), num_workers=args.workers)
+            show = not args.no_progress and dist.index == 0
+            with tqdm(total=int(todo.size), unit='img', desc=f'import {store.name}', disable=not show) as bar:
+                for values, indices, rows in loader:
+                    rows = rows.numpy()
+                    writer.write(rows - start, values.numpy(), indices.numpy())
+                    computed += len(rows)
+                    bar.update(len(rows))
+                    if on_batch is not None:
+                        on_batch(rows)
+            writer.finalize()
+    seconds = time.perf_counter() - t0
+    print(
+        f'tokenaug-maps: {store}: {computed} maps imported ({stop - start} rows, grid {h}x{w}, top-{k}) in '
+        f'{seconds:.1f}s',
+        file=sys.stderr,
+    )
+    return {'store': str(store), 'rows_computed': computed, 'seconds': seconds, 'shard': (dist.index, dist.count)}
+
+
 # ------------------------------------------------------------------------------------ merge, info
 def merge(out: str | os.PathLike, keep_shards: bool = False) -> Path:
     """Merge ``OUT/shards/shard-I-of-S`` into the store at ``OUT``; delete the shard stores unless ``keep_shards``."""
@@ -447,6 +618,21 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument('--keep-shards', action='store_true', help='under torchrun: keep the shard stores after merging')
     g.add_argument('--dist-timeout', type=float, default=24 * 60, help='torch.distributed timeout, minutes')
     g.add_argument('--no-progress', action='store_true', help='no progress bar')
+    im = sub.add_parser('import', help='import the maps released with Token Labeling into a store')
+    im.add_argument('--from', dest='source', required=True, choices=IMPORT_SOURCES, help='the format of --src')
+    im.add_argument('--src', required=True, help='the label root: <class folder>/<image stem>.pt')
+    im.add_argument('--data-dir', required=True, help='dataset root (ImageFolder layout: DIR/SPLIT/<class>/<image>)')
+    im.add_argument('--split', default='train', help='split folder under --data-dir (default train)')
+    im.add_argument('--num-classes', type=int, required=True, help='classes of the annotator (ImageNet: 1000)')
+    im.add_argument('--out', required=True, help='output store directory')
+    im.add_argument('-b', '--batch-size', type=int, default=256, help='rows written at once (default 256)')
+    im.add_argument('-j', '--workers', type=int, default=2, help='DataLoader workers reading the files')
+    im.add_argument('--resume', action='store_true', help='continue an interrupted import with the same arguments')
+    im.add_argument('--shard-index', type=int, default=None, help="this process's shard (without torchrun)")
+    im.add_argument('--num-shards', type=int, default=None, help='number of shards (without torchrun)')
+    im.add_argument('--keep-shards', action='store_true', help='under torchrun: keep the shard stores after merging')
+    im.add_argument('--dist-timeout', type=float, default=24 * 60, help='torch.distributed timeout, minutes')
+    im.add_argument('--no-progress', action='store_true', help='no progress bar')
     m = sub.add_parser('merge', help='merge OUT/shards/shard-I-of-S into the store at OUT')
     m.add_argument('out')
     m.add_argument('--keep-shards', action='store_true', help='keep the shard stores after merging')
@@ -460,6 +646,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = _parser().parse_args(argv)
     if args.command == 'generate':
         _check_generate_args(args)
+    if args.command == 'import':
+        for name in ('batch_size', 'num_classes'):
+            if getattr(args, name) < 1:
+                raise SystemExit(f'tokenaug-maps: --{name.replace("_", "-")} must be >= 1, got {getattr(args, name)}')
+        if args.workers < 0:
+            raise SystemExit(f'tokenaug-maps: --workers must be >= 0, got {args.workers}')
     return args
 
 
@@ -481,6 +673,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == 'generate':
             generate(args)
+        elif args.command == 'import':
+            import_maps(args)
         elif args.command == 'merge':
             merge(args.out, keep_shards=args.keep_shards)
         else:
