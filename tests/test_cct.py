@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import timm_plugin  # noqa: F401  (registers cct_*)
-from timm_plugin.cct import LAYER_NORM_EPS, sinusoidal_embedding
+from timm_plugin.cct import LAYER_NORM_EPS, checkpoint_filter_fn, sinusoidal_embedding
 
 
 class PublicAttention(nn.Module):
@@ -44,66 +44,61 @@ class PublicEncoderLayer(nn.Module):
         return src + self.linear2(F.gelu(self.linear1(src)))
 
 
-class PublicCCT(nn.Module):
-    """The public ``CCT`` (tokenizer, ``TransformerClassifier`` with ``seq_pool=True``) for 32 px, one conv layer."""
+class PublicTokenizer(nn.Module):
+    """The public ``Tokenizer`` for one conv layer: ``conv_layers.0`` = conv 3x3 (no bias), ReLU, max pool 3/2."""
 
-    def __init__(self, num_classes, embed_dim=256, depth=7, num_heads=4, mlp_ratio=2.0):
+    def __init__(self, embed_dim):
         super().__init__()
-        self.conv = nn.Conv2d(3, embed_dim, 3, stride=1, padding=1, bias=False)
-        self.pool = nn.MaxPool2d(3, 2, 1)
-        self.positional_emb = nn.Parameter(torch.zeros(1, 256, embed_dim))  # 'learnable' whatever the name says
+        self.conv_layers = nn.Sequential(
+            nn.Sequential(nn.Conv2d(3, embed_dim, 3, stride=1, padding=1, bias=False), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        )
+        self.flattener = nn.Flatten(2, 3)
+
+    def forward(self, x):
+        return self.flattener(self.conv_layers(x)).transpose(-2, -1)
+
+
+class PublicClassifier(nn.Module):
+    """The public ``TransformerClassifier`` with ``seq_pool=True`` ('learnable' whatever the model name says)."""
+
+    def __init__(self, num_classes, embed_dim, depth, num_heads, mlp_ratio, seq_len=256):
+        super().__init__()
+        self.attention_pool = nn.Linear(embed_dim, 1)
+        self.positional_emb = nn.Parameter(torch.zeros(1, seq_len, embed_dim))
         self.blocks = nn.ModuleList(
             [PublicEncoderLayer(embed_dim, num_heads, int(embed_dim * mlp_ratio)) for _ in range(depth)]
         )
         self.norm = nn.LayerNorm(embed_dim)
-        self.attention_pool = nn.Linear(embed_dim, 1)
         self.fc = nn.Linear(embed_dim, num_classes)
 
     def forward(self, x):
-        x = self.pool(F.relu(self.conv(x))).flatten(2).transpose(1, 2) + self.positional_emb
+        x = x + self.positional_emb
         for blk in self.blocks:
             x = blk(x)
         x = self.norm(x)
         return self.fc((F.softmax(self.attention_pool(x), dim=1).transpose(-1, -2) @ x).squeeze(-2))
 
 
-def public_state(ours: dict) -> dict:
-    """Our state dict under the port's names (norm1 is the public pre_norm, norm2 its norm1)."""
-    names = {
-        'patch_embed.proj.0.weight': 'conv.weight',
-        'pos_embed': 'positional_emb',
-        'norm.weight': 'norm.weight',
-        'norm.bias': 'norm.bias',
-        'attention_pool.weight': 'attention_pool.weight',
-        'attention_pool.bias': 'attention_pool.bias',
-        'head.weight': 'fc.weight',
-        'head.bias': 'fc.bias',
-    }
-    block = {
-        'norm1': 'pre_norm',
-        'attn.qkv': 'self_attn.qkv',
-        'attn.proj': 'self_attn.proj',
-        'norm2': 'norm1',
-        'mlp.fc1': 'linear1',
-        'mlp.fc2': 'linear2',
-    }
-    out = {}
-    for k, v in ours.items():
-        if k.startswith('blocks.'):
-            _, i, rest = k.split('.', 2)
-            mod, leaf = rest.rsplit('.', 1)
-            out[f'blocks.{i}.{block[mod]}.{leaf}'] = v
-        else:
-            out[names[k]] = v
-    return out
+class PublicCCT(nn.Module):
+    """The public ``CCT`` for 32 px (``tokenizer`` + ``classifier``, the state-dict names its checkpoints hold)."""
+
+    def __init__(self, num_classes, embed_dim=256, depth=7, num_heads=4, mlp_ratio=2.0):
+        super().__init__()
+        self.tokenizer = PublicTokenizer(embed_dim)
+        self.classifier = PublicClassifier(num_classes, embed_dim, depth, num_heads, mlp_ratio)
+
+    def forward(self, x):
+        return self.classifier(self.tokenizer(x))
 
 
 def peaked(model):
-    """Random LayerNorm affines and sharp attention, so that an eps difference shows in the logits."""
+    """Random LayerNorm affines, a random positional embedding and sharp attention, so that an eps difference shows
+    in the logits."""
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for blk in model.blocks:
-            blk.attn.qkv.weight.mul_(8.0)
+        for name, p in model.named_parameters():
+            if 'qkv' in name or 'positional_emb' in name:
+                p.normal_(0, 0.2, generator=g)
         for m in model.modules():
             if isinstance(m, nn.LayerNorm):
                 m.weight.copy_(torch.rand(m.weight.shape, generator=g) * 2)
@@ -111,16 +106,28 @@ def peaked(model):
     return model
 
 
+def public_checkpoint(path, classes, seed=0):
+    """A public CCT with random weights, saved as its training script saves it (``{'state_dict': ...}``)."""
+    torch.manual_seed(seed)
+    public = peaked(PublicCCT(classes)).double().eval()
+    torch.save({'state_dict': public.state_dict(), 'epoch': 3}, path)
+    return public
+
+
 @pytest.mark.parametrize('name, classes', [('cct_7_3x1_32', 100), ('cct_7_3x1_32_sine', 10)])
-def test_cct_equals_the_public_model_in_float64(name, classes):
-    """Same weights: the logits of ours and of the public port agree to float64 noise, every LayerNorm has eps
-    1e-5; with timm's block default eps 1e-6 they would differ by far more (the pin bites)."""
-    model = peaked(timm.create_model(name)).double().eval()
+def test_a_public_checkpoint_loads_into_ours_with_equal_logits_in_float64(name, classes, tmp_path):
+    """The public model's checkpoint (its names) loads through timm's own route, ``create_model(pretrained=True,
+    pretrained_cfg_overlay=dict(file=...))`` (``checkpoint_filter_fn`` renames), strictly; the logits agree to
+    float64 noise, every LayerNorm has eps 1e-5; with timm's block default eps 1e-6 they would differ by far
+    more (the pin bites)."""
+    public = public_checkpoint(tmp_path / 'public.pth', classes)
+    model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / 'public.pth')))
+    model = model.double().eval()
     assert model.num_classes == classes
     norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
     assert len(norms) == 2 * 7 + 1 and all(m.eps == LAYER_NORM_EPS == 1e-5 for m in norms)
-    public = PublicCCT(classes).double().eval()
-    public.load_state_dict(public_state(model.state_dict()), strict=True)
+    renamed = checkpoint_filter_fn(torch.load(tmp_path / 'public.pth', weights_only=True), model)
+    assert set(renamed) == set(model.state_dict())  # every key, once
     x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     with torch.no_grad():
         ours, ref = model(x), public(x)
@@ -128,6 +135,30 @@ def test_cct_equals_the_public_model_in_float64(name, classes):
         for m in norms[:-1]:
             m.eps = 1e-6  # timm's Block default: what the blocks had before
         assert (model(x) - ref).abs().max() > 1e-6
+
+
+def test_a_public_tokenmixup_checkpoint_brings_its_scorenet(tmp_path):
+    """mlvlab's TokenMixup CCT saves the HTM block's ScoreNet as ``classifier.blocks.L.small_h_*``: it becomes
+    ``tokenmixup_scorenet.L`` (attention pooling), which computes what the public ScoreNet does."""
+    from timm_plugin.tokenmixup import attach_scorenets
+
+    public_checkpoint(tmp_path / 'p.pth', 100)
+    state = torch.load(tmp_path / 'p.pth', weights_only=True)['state_dict']
+    g = torch.Generator().manual_seed(2)
+    pool_w, pool_b = torch.randn(1, 256, generator=g).double(), torch.randn(1, generator=g).double()
+    fc_w, fc_b = torch.randn(100, 256, generator=g).double(), torch.randn(100, generator=g).double()
+    state['classifier.blocks.2.small_h_attention_pool.weight'] = pool_w
+    state['classifier.blocks.2.small_h_attention_pool.bias'] = pool_b
+    state['classifier.blocks.2.small_h_fc.weight'] = fc_w
+    state['classifier.blocks.2.small_h_fc.bias'] = fc_b
+    model = timm.create_model('cct_7_3x1_32')
+    nets = attach_scorenets(model, [2])
+    model.double().load_state_dict(checkpoint_filter_fn({'state_dict': state}, model), strict=True)
+    src = torch.randn(2, 256, 256, generator=g).double()  # a block's input tokens
+    pooled = F.softmax(src @ pool_w.T + pool_b, dim=1).transpose(-1, -2) @ src  # the public ScoreNet
+    expect = pooled.squeeze(-2) @ fc_w.T + fc_b
+    with torch.no_grad():
+        assert torch.allclose(nets['2'](src), expect, atol=1e-10)
 
 
 def test_sine_is_the_public_learnable_model_and_the_fixed_sinusoid_on_request():

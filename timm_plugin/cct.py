@@ -19,6 +19,7 @@ models learn theirs too (the paper's CIFAR-10 rows and the released checkpoints 
 from __future__ import annotations
 
 import math
+import re
 from functools import partial
 from typing import Optional
 
@@ -28,7 +29,7 @@ from timm.layers import trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import Block
 
-__all__ = ['CCT', 'CCTBlock', 'ConvTokenizer']
+__all__ = ['CCT', 'CCTBlock', 'ConvTokenizer', 'checkpoint_filter_fn']
 
 #: the public CCT's LayerNorm (``torch.nn.LayerNorm``'s default eps), in the blocks and the final norm
 LAYER_NORM_EPS = 1e-5
@@ -195,8 +196,54 @@ def _cfg(**kwargs) -> dict:
 default_cfgs = generate_default_cfgs({'cct_7_3x1_32': _cfg(), 'cct_7_3x1_32_sine': _cfg(num_classes=10)})
 
 
+#: the public CCT's (SHI-Labs, and mlvlab's TokenMixup copy) state-dict names -> ours, as regular expressions
+_PUBLIC_NAMES = (
+    (r'^tokenizer\.conv_layers\.0\.0\.', 'patch_embed.proj.0.'),
+    (r'^classifier\.positional_emb$', 'pos_embed'),
+    (r'^classifier\.(attention_pool|norm)\.', r'\1.'),
+    (r'^classifier\.fc\.', 'head.'),
+    (r'^classifier\.blocks\.(\d+)\.pre_norm\.', r'blocks.\1.norm1.'),
+    (r'^classifier\.blocks\.(\d+)\.self_attn\.', r'blocks.\1.attn.'),
+    (r'^classifier\.blocks\.(\d+)\.norm1\.', r'blocks.\1.norm2.'),
+    (r'^classifier\.blocks\.(\d+)\.linear1\.', r'blocks.\1.mlp.fc1.'),
+    (r'^classifier\.blocks\.(\d+)\.linear2\.', r'blocks.\1.mlp.fc2.'),
+    # TokenMixup's ScoreNet of an HTM block (attention pooling, then a linear layer): ours is tokenmixup_scorenet
+    (r'^classifier\.blocks\.(\d+)\.small_h_attention_pool\.', r'tokenmixup_scorenet.\1.attn.'),
+    (r'^classifier\.blocks\.(\d+)\.small_h_fc\.', r'tokenmixup_scorenet.\1.fc.'),
+)
+
+
+def checkpoint_filter_fn(state_dict: dict, model: nn.Module) -> dict:
+    """A checkpoint of the public CCT code (``{'state_dict': ...}`` or the bare state dict, SHI-Labs' names or
+    mlvlab TokenMixup's) in our names, so that ``timm.create_model('cct_7_3x1_32', pretrained=True,
+    pretrained_cfg_overlay=dict(file=PATH))`` (``tokenaug-train --pretrained-path PATH``) loads it; our own
+    checkpoints pass unchanged. A fixed sinusoid (``positional='sine'``) has no ``pos_embed`` to load: a public
+    ``positional_emb`` is dropped for it. TokenMixup's ScoreNets become ``tokenmixup_scorenet.*``: load those with
+    ``strict=False`` into a plain model, or attach the ScoreNets first."""
+    state_dict = state_dict.get('state_dict', state_dict)
+    out = {}
+    for key, value in state_dict.items():
+        key = key[7:] if key.startswith('module.') else key
+        for pattern, repl in _PUBLIC_NAMES:
+            new = re.sub(pattern, repl, key)
+            if new != key:
+                key = new
+                break
+        out[key] = value
+    if 'pos_embed' in out and not isinstance(getattr(model, 'pos_embed', None), nn.Parameter):
+        del out['pos_embed']  # the model's fixed sinusoid is a buffer, not saved
+    return out
+
+
 def _create(variant: str, pretrained: bool = False, **kwargs) -> CCT:
-    return build_model_with_cfg(CCT, variant, pretrained, feature_cfg=dict(flatten_sequential=True), **kwargs)
+    return build_model_with_cfg(
+        CCT,
+        variant,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(flatten_sequential=True),
+        **kwargs,
+    )
 
 
 @register_model
