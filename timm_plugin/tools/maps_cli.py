@@ -342,14 +342,29 @@ def generate(args: argparse.Namespace, on_batch: OnBatch | None = None) -> dict:
             '--resume: the annotator has random weights (no --checkpoint): the rest of the store would come from '
             'other random weights than its first rows; pass --checkpoint, or start again without --resume'
         )
+    return _sharded(
+        args,
+        lambda dist: resolve_device(args.device, dist.local_rank if dist.torchrun else None),
+        lambda dist, device: _generate_shard(args, dist, device, on_batch),
+    )
+
+
+def _sharded(args: argparse.Namespace, device_of, one_shard) -> dict:
+    """This process's shard of a ``generate`` / ``import`` run (``one_shard(dist, device)``); under torchrun, rank 0
+    merges the shards after a barrier. A merged store already at ``--out`` is refused, or with ``--resume`` done."""
     dist = _Dist(args)
-    device = resolve_device(args.device, dist.local_rank if dist.torchrun else None)
+    device = device_of(dist)
+    out = Path(args.out)
+    if dist.count > 1 and (out / 'meta.json').is_file():
+        if not args.resume:
+            raise LabelMapError(f'{out} already holds a merged label-map store; pass --resume or choose another --out')
+        return {'store': str(out), 'rows_computed': 0, 'seconds': 0.0, 'shard': (dist.index, dist.count)}
     dist.init(device, args.dist_timeout)
     try:
-        result = _generate_shard(args, dist, device, on_batch)
+        result = one_shard(dist, device)
         if dist.torchrun:
             dist.barrier(device)
-            if dist.index == 0 and not (Path(args.out) / 'meta.json').is_file():
+            if dist.index == 0 and not (out / 'meta.json').is_file():
                 merge(args.out, keep_shards=args.keep_shards)
             result['store'] = str(args.out)
         return result
@@ -357,12 +372,23 @@ def generate(args: argparse.Namespace, on_batch: OnBatch | None = None) -> dict:
         dist.close()
 
 
+def _shard_writer(out: Path, dist: _Dist, paths: list, start: int, stop: int, fmt: dict, extra: dict, resume: bool):
+    """``(store, writer)`` of this shard: ``out``, or ``out/shards/shard-I-of-S`` with its ``shard`` meta; the
+    writer is None when ``--resume`` finds the store complete."""
+    store = out
+    if dist.count > 1:
+        store = shard_dir(out, dist.index, dist.count)
+        extra['shard'] = {
+            'index': dist.index,
+            'num_shards': dist.count,
+            'row_start': start,
+            'row_stop': stop,
+            'num_images_total': len(paths),
+        }
+    return store, _open_writer(store, paths[start:stop], fmt, extra, resume)
+
+
 def _generate_shard(args: argparse.Namespace, dist: _Dist, device: torch.device, on_batch: OnBatch | None) -> dict:
-    out = Path(args.out)
-    if dist.count > 1 and (out / 'meta.json').is_file():
-        if not args.resume:
-            raise LabelMapError(f'{out} already holds a merged label-map store; pass --resume or choose another --out')
-        return {'store': str(out), 'rows_computed': 0, 'seconds': 0.0, 'shard': (dist.index, dist.count)}
     model = create_annotator(
         args.model,
         checkpoint=args.checkpoint,
@@ -381,17 +407,7 @@ def _generate_shard(args: argparse.Namespace, dist: _Dist, device: torch.device,
     fmt, extra = _generation_meta(
         args, stop - start, grid=grid, num_classes=num_classes, layout=layout, split_root=split_root, device=device
     )
-    store = out
-    if dist.count > 1:
-        store = shard_dir(out, dist.index, dist.count)
-        extra['shard'] = {
-            'index': dist.index,
-            'num_shards': dist.count,
-            'row_start': start,
-            'row_stop': stop,
-            'num_images_total': len(paths),
-        }
-    writer = _open_writer(store, paths[start:stop], fmt, extra, args.resume)
+    store, writer = _shard_writer(Path(args.out), dist, paths, start, stop, fmt, extra, args.resume)
     t0 = time.perf_counter()
     computed = 0
     if writer is not None:
@@ -476,28 +492,13 @@ def import_maps(args: argparse.Namespace, on_batch: OnBatch | None = None) -> di
     src = Path(args.src)
     if not src.is_dir():
         raise FileNotFoundError(f'--src: {src} is not a directory (the label root: <class folder>/<image stem>.pt)')
-    dist = _Dist(args)
-    dist.init(torch.device('cpu'), args.dist_timeout)
-    try:
-        result = _import_shard(args, src, dist, on_batch)
-        if dist.torchrun:
-            dist.barrier(torch.device('cpu'))
-            if dist.index == 0 and not (Path(args.out) / 'meta.json').is_file():
-                merge(args.out, keep_shards=args.keep_shards)
-            result['store'] = str(args.out)
-        return result
-    finally:
-        dist.close()
+    cpu = torch.device('cpu')
+    return _sharded(args, lambda dist: cpu, lambda dist, device: _import_shard(args, src, dist, on_batch))
 
 
 def _import_shard(args: argparse.Namespace, src: Path, dist: _Dist, on_batch: OnBatch | None) -> dict:
     from tqdm import tqdm
 
-    out = Path(args.out)
-    if dist.count > 1 and (out / 'meta.json').is_file():
-        if not args.resume:
-            raise LabelMapError(f'{out} already holds a merged label-map store; pass --resume or choose another --out')
-        return {'store': str(out), 'rows_computed': 0, 'seconds': 0.0, 'shard': (dist.index, dist.count)}
     dataset, split_root = split_dataset(args.data_dir, args.split)
     paths = [normalize_path(dataset.filename(i)) for i in range(len(dataset))]
     if not paths:
@@ -532,17 +533,7 @@ def _import_shard(args: argparse.Namespace, src: Path, dist: _Dist, on_batch: On
             'tokenaug_version': _version('tokenaug'),
         },
     }
-    store = out
-    if dist.count > 1:
-        store = shard_dir(out, dist.index, dist.count)
-        extra['shard'] = {
-            'index': dist.index,
-            'num_shards': dist.count,
-            'row_start': start,
-            'row_stop': stop,
-            'num_images_total': len(paths),
-        }
-    writer = _open_writer(store, paths[start:stop], fmt, extra, args.resume)
+    store, writer = _shard_writer(Path(args.out), dist, paths, start, stop, fmt, extra, args.resume)
     t0, computed = time.perf_counter(), 0
     if writer is not None:
         with writer:
