@@ -50,6 +50,7 @@ import datetime
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -340,13 +341,15 @@ class PathIndex:
 
     def _save(self, index: np.ndarray, offsets: np.ndarray) -> None:
         for name, arr in ((PATH_OFFSETS_FILE, offsets), (PATH_INDEX_FILE, index)):  # the index last: it vouches
-            tmp = self.root / (name + '.tmp')
-            try:
-                with open(tmp, 'wb') as f:
+            tmp = None
+            try:  # a temporary of this process's own, renamed whole: readers building it at once cannot collide
+                fd, tmp = tempfile.mkstemp(prefix=f'.{name}.', suffix='.tmp', dir=self.root)
+                with os.fdopen(fd, 'wb') as f:
                     np.save(f, arr, allow_pickle=False)
                 os.replace(tmp, self.root / name)
             except OSError:  # a read-only store: the index stays in this process's memory
-                tmp.unlink(missing_ok=True)
+                if tmp is not None:
+                    Path(tmp).unlink(missing_ok=True)
                 return
 
     def row(self, key: str) -> int:
@@ -900,9 +903,11 @@ def read_store_paths(path: str | os.PathLike) -> list[str]:
 def remove_store(path: str | os.PathLike) -> None:
     """Delete a store's own files (and its directory if that leaves it empty); nothing else is touched."""
     root = Path(path)
-    derived = (PATH_INDEX_FILE, PATH_OFFSETS_FILE, PATH_INDEX_FILE + '.tmp', PATH_OFFSETS_FILE + '.tmp')
-    for name in STORE_FILES + (META_FILE + '.tmp', PATHS_FILE + '.tmp') + derived:
+    for name in STORE_FILES + (META_FILE + '.tmp', PATHS_FILE + '.tmp', PATH_INDEX_FILE, PATH_OFFSETS_FILE):
         (root / name).unlink(missing_ok=True)
+    for name in (PATH_INDEX_FILE, PATH_OFFSETS_FILE):  # a path index's write that never finished
+        for tmp in root.glob(f'.{name}.*.tmp'):
+            tmp.unlink(missing_ok=True)
     try:
         root.rmdir()
     except OSError:

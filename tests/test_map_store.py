@@ -406,3 +406,27 @@ def test_hash_collisions_cost_a_comparison_and_hide_no_duplicate(tmp_path, monke
     (root / M.PATHS_FILE).write_text('\n'.join(dup) + '\n')
     with pytest.raises(LabelMapError, match=r"duplicate image path 'bb.jpg' at rows 13 and 14"):
         LabelMapStore.open(root)
+
+
+def _open_and_look_up(root):
+    store = LabelMapStore.open(root)
+    return [store.index_of(p) for p in PATHS]
+
+
+def test_readers_building_the_path_index_at_once_do_not_collide(tmp_path):
+    """An older store without the index, opened by several processes at once (loader workers): each writes its
+    own temporary and renames it whole, so every reader and the files left are right; remove_store takes an
+    unfinished temporary too."""
+    import multiprocessing as mp
+
+    root = tmp_path / 's'
+    _full_store(root)
+    for name in (M.PATH_INDEX_FILE, M.PATH_OFFSETS_FILE):
+        (root / name).unlink()
+    with mp.get_context('spawn').Pool(4) as pool:
+        rows = pool.map(_open_and_look_up, [root] * 8)
+    assert all(r == list(range(len(PATHS))) for r in rows)
+    assert sorted(p.name for p in root.iterdir()) == sorted(M.STORE_FILES + (M.PATH_INDEX_FILE, M.PATH_OFFSETS_FILE))
+    (root / f'.{M.PATH_INDEX_FILE}.abcd1234.tmp').write_bytes(b'half')
+    M.remove_store(root)
+    assert not root.exists()

@@ -372,7 +372,8 @@ def check_output_folder(args, resume_path: str) -> None:
     found = sorted(f for f in os.listdir(out) if f in RUN_FILES or (f.startswith('checkpoint-') and f.endswith('.tar')))
     if not found:
         return
-    if resume_path and os.path.samefile(os.path.dirname(os.path.abspath(resume_path)), out):
+    src = os.path.dirname(os.path.abspath(resume_path)) if resume_path else ''
+    if src and os.path.isdir(src) and os.path.samefile(src, out):
         return
     raise FileExistsError(
         f'--experiment: {out} holds a run ({", ".join(found)}); continue it with --resume '
