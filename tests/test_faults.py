@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import timm
@@ -446,6 +447,9 @@ def mmseg_runner(config, backbone, world, work, monkeypatch, options=None):
     cfg = Config.fromfile(os.path.join(os.path.dirname(__file__), '..', 'configs', 'mmseg', config))
     cfg.merge_from_dict(options or {})  # as --cfg-options
     cfg.work_dir = str(work)
+    # mmseg's runtime config names its visualizer 'visualizer', and MMEngine reuses an instance of that name with
+    # the folder of the runner that made it (a previous test's, deleted by now): a name of this run's own
+    cfg.visualizer.name = f'{Path(work).parent.name}-{Path(work).name}'
     cfg.train_cfg.max_iters = 1
     cfg.train_dataloader.num_workers = cfg.val_dataloader.num_workers = 0
     cfg.train_dataloader.persistent_workers = cfg.val_dataloader.persistent_workers = False

@@ -126,7 +126,7 @@ def test_seg_and_det_configs_inherited_without_mmpretrain(user):
         print('mmpretrain loaded:', any(k.startswith('mmpretrain') for k in sys.modules))
         """,
     )
-    assert 'my_seg.py EncoderDecoder None' in out and 'my_fcn.py EncoderDecoder' in out
+    assert 'my_seg.py PretrainedEncoderDecoder None' in out and 'my_fcn.py PretrainedEncoderDecoder' in out
     assert 'my_det.py CascadeRCNN' in out and 'mmpretrain loaded: False' in out
 
 

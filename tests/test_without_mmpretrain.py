@@ -42,5 +42,6 @@ def test_seg_det_configs_and_convert_need_no_mmpretrain(tmp_path, run_env):
     res = subprocess.run([sys.executable, '-c', code], env=run_env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
-    assert 'upernet_vit-tiny_world.py EncoderDecoder' in out and 'fcn_lvvit-tiny_world.py EncoderDecoder' in out
+    assert 'upernet_vit-tiny_world.py PretrainedEncoderDecoder' in out
+    assert 'fcn_lvvit-tiny_world.py PretrainedEncoderDecoder' in out
     assert 'det CascadeRCNN' in out and 'convert rc 0 mmpretrain modules []' in out, out
