@@ -190,7 +190,6 @@ class TokenLabelRandomResizedCrop(RandomResizedCrop):
         results['img_shape'] = img.shape
         box = crop_box(top, left, h, w, img_h, img_w)
         if 'flip' in results or len(results.get(AFFINE_KEY, ())):  # the public order: flip, RandAugment, crop
-            _check_flip(bool(results.get('flip')), results.get('flip_direction'), _image_name(results))
             box, results[AFFINE_KEY] = crop_after_ops(box, bool(results.get('flip')), results.get(AFFINE_KEY, ()))
             results[_FLIP_AT_CROP] = bool(results.get('flip'))
         results['crop_box'] = box

@@ -35,6 +35,7 @@ import torchvision
 import yaml
 from timm import utils
 from timm.data import create_dataset, create_loader, resolve_data_config
+from timm.data.dataset_factory import _EVAL_SYNONYM, _TRAIN_SYNONYM
 from timm.layers import convert_sync_batchnorm, set_fast_norm
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.models import create_model, is_model, resume_checkpoint, safe_model_name
@@ -381,11 +382,8 @@ def check_output_folder(args, resume_path: str) -> None:
     )
 
 
-#: timm's split folders and their synonyms (``timm.data.dataset_factory``); ``test`` is a split folder too
-_SPLITS = {
-    'train': ('train', 'training'),
-    'eval': ('val', 'valid', 'validation', 'eval', 'evaluation'),
-}
+#: the split synonyms timm's ``_search_split`` tries (``timm.data.dataset_factory``), as it has them
+_SPLITS = (tuple(_TRAIN_SYNONYM), tuple(_EVAL_SYNONYM))
 
 
 def check_split_folder(data_dir: str, split: str, flag: str) -> None:
@@ -394,10 +392,10 @@ def check_split_folder(data_dir: str, split: str, flag: str) -> None:
     ``--val-split`` would validate on training images). A ``data_dir`` without split folders (a folder of class
     folders) is read as timm does."""
     name = split.split('[')[0]
-    synonyms = next((names for names in _SPLITS.values() if name in names), (name,))
+    synonyms = next((names for names in _SPLITS if name in names), (name,))
     if any(os.path.isdir(os.path.join(data_dir, s)) for s in (name,) + synonyms):
         return
-    known = {n for names in _SPLITS.values() for n in names} | {'test'}
+    known = {n for names in _SPLITS for n in names} | {'test'}  # ('test' is a split folder too)
     present = sorted(d for d in os.listdir(data_dir) if d in known and os.path.isdir(os.path.join(data_dir, d)))
     if present:
         raise FileNotFoundError(

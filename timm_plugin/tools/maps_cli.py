@@ -582,6 +582,18 @@ def merge(out: str | os.PathLike, keep_shards: bool = False) -> Path:
     return out
 
 
+def _add_run_args(p: argparse.ArgumentParser, batch_size: int, batch_help: str) -> None:
+    """The flags ``generate`` and ``import`` share: batches, loader workers, resume and shards."""
+    p.add_argument('-b', '--batch-size', type=int, default=batch_size, help=f'{batch_help} (default {batch_size})')
+    p.add_argument('-j', '--workers', type=int, default=2, help='DataLoader workers')
+    p.add_argument('--resume', action='store_true', help='continue an interrupted run with the same arguments')
+    p.add_argument('--shard-index', type=int, default=None, help="this process's shard (without torchrun)")
+    p.add_argument('--num-shards', type=int, default=None, help='number of shards (without torchrun)')
+    p.add_argument('--keep-shards', action='store_true', help='under torchrun: keep the shard stores after merging')
+    p.add_argument('--dist-timeout', type=float, default=24 * 60, help='torch.distributed timeout, minutes')
+    p.add_argument('--no-progress', action='store_true', help='no progress bar')
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog='tokenaug-maps', description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -599,16 +611,9 @@ def _parser() -> argparse.ArgumentParser:
         help='annotator input: S (square) or H W; the whole image is resized to it (default 576)',
     )
     g.add_argument('--topk', type=int, default=5, help='classes kept per location (default 5)')
-    g.add_argument('-b', '--batch-size', type=int, default=32)
-    g.add_argument('-j', '--workers', type=int, default=2, help='DataLoader workers')
     g.add_argument('--device', default=None, help='cpu | cuda | cuda:N (default: cuda when available)')
     g.add_argument('--amp', action='store_true', help='autocast (float16 on CUDA, bfloat16 on CPU)')
-    g.add_argument('--resume', action='store_true', help='continue an interrupted run with the same arguments')
-    g.add_argument('--shard-index', type=int, default=None, help="this process's shard (without torchrun)")
-    g.add_argument('--num-shards', type=int, default=None, help='number of shards (without torchrun)')
-    g.add_argument('--keep-shards', action='store_true', help='under torchrun: keep the shard stores after merging')
-    g.add_argument('--dist-timeout', type=float, default=24 * 60, help='torch.distributed timeout, minutes')
-    g.add_argument('--no-progress', action='store_true', help='no progress bar')
+    _add_run_args(g, batch_size=32, batch_help='images annotated at once')
     im = sub.add_parser('import', help='import the maps released with Token Labeling into a store')
     im.add_argument('--from', dest='source', required=True, choices=IMPORT_SOURCES, help='the format of --src')
     im.add_argument('--src', required=True, help='the label root: <class folder>/<image stem>.pt')
@@ -616,14 +621,7 @@ def _parser() -> argparse.ArgumentParser:
     im.add_argument('--split', default='train', help='split folder under --data-dir (default train)')
     im.add_argument('--num-classes', type=int, required=True, help='classes of the annotator (ImageNet: 1000)')
     im.add_argument('--out', required=True, help='output store directory')
-    im.add_argument('-b', '--batch-size', type=int, default=256, help='rows written at once (default 256)')
-    im.add_argument('-j', '--workers', type=int, default=2, help='DataLoader workers reading the files')
-    im.add_argument('--resume', action='store_true', help='continue an interrupted import with the same arguments')
-    im.add_argument('--shard-index', type=int, default=None, help="this process's shard (without torchrun)")
-    im.add_argument('--num-shards', type=int, default=None, help='number of shards (without torchrun)')
-    im.add_argument('--keep-shards', action='store_true', help='under torchrun: keep the shard stores after merging')
-    im.add_argument('--dist-timeout', type=float, default=24 * 60, help='torch.distributed timeout, minutes')
-    im.add_argument('--no-progress', action='store_true', help='no progress bar')
+    _add_run_args(im, batch_size=256, batch_help='rows written at once')
     m = sub.add_parser('merge', help='merge OUT/shards/shard-I-of-S into the store at OUT')
     m.add_argument('out')
     m.add_argument('--keep-shards', action='store_true', help='keep the shard stores after merging')
@@ -638,11 +636,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.command == 'generate':
         _check_generate_args(args)
     if args.command == 'import':
-        for name in ('batch_size', 'num_classes'):
-            if getattr(args, name) < 1:
-                raise SystemExit(f'tokenaug-maps: --{name.replace("_", "-")} must be >= 1, got {getattr(args, name)}')
-        if args.workers < 0:
-            raise SystemExit(f'tokenaug-maps: --workers must be >= 0, got {args.workers}')
+        _check_run_args(args, ('batch_size', 'num_classes'))
     return args
 
 
@@ -650,7 +644,12 @@ def _check_generate_args(args: argparse.Namespace) -> None:
     if len(args.input_size) not in (1, 2) or min(args.input_size) < 1:
         raise SystemExit(f'tokenaug-maps: --input-size expects S or H W (positive), got {args.input_size}')
     args.input_size = list(args.input_size) * (2 if len(args.input_size) == 1 else 1)
-    for name in ('topk', 'batch_size'):
+    _check_run_args(args, ('topk', 'batch_size'))
+
+
+def _check_run_args(args: argparse.Namespace, counts: Sequence[str]) -> None:
+    """The counts ``counts`` at least 1, and the flags of :func:`_add_run_args` in range."""
+    for name in counts:
         if getattr(args, name) < 1:
             raise SystemExit(f'tokenaug-maps: --{name.replace("_", "-")} must be >= 1, got {getattr(args, name)}')
     if args.workers < 0:
