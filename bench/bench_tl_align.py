@@ -1,16 +1,20 @@
 """TL-Align's cost: one training step (forward, loss, backward, optimizer) with the aligned target vs the
-same step with the plain area target, on the same mixed batch; interleaved, medians, ratio.
+same step with the plain area target, on the same mixed batch; interleaved, medians, ratio. TransMix's step (the
+target re-weighted by the last block's attention) is timed in the same rounds.
 
     .venv/bin/python bench/bench_tl_align.py [--model deit_tiny_patch16_224] [--batch 32] [--repeats 10]
-        [--compile inductor] [--default-only]
+        [--compile inductor] [--default-only] [--profile]
 
 Any model TLAlign traces (``--model mixer_s16_224``, ``convnext_tiny``, ...); the mix is drawn on its token grid.
 
 ``--compile BACKEND``: every step runs through ``torch.compile(model, backend=BACKEND)`` (as ``tokenaug-train
 --torchcompile``: the method's hooks sit on the bare model, the compiled module runs the forward).
 
-``--default-only``: time the plain step and TL-Align's default path only (the other two columns ``-``), so that
-more rounds fit in the same time where the per-round ratio is noisy.
+``--default-only``: time the plain step and the methods' default paths only (the materialised and recomputed
+TL-Align columns ``-``), so that more rounds fit in the same time where the per-round ratio is noisy.
+
+``--profile``: after the timing, each step's host op time and kernel time (``common.profile_table``): whether the
+step is launch-bound, and the methods' kernel-time ratio apart from their launches.
 """
 
 from __future__ import annotations
@@ -21,11 +25,11 @@ import statistics
 
 import timm
 import torch
-from common import device_sync, interleaved_times, optimizer_step, pair_ratios
+from common import device_sync, interleaved_times, optimizer_step, pair_ratios, profile_table
 from timm.loss import SoftTargetCrossEntropy
 
 from timm_plugin import create_mixer
-from timm_plugin.tl_align import TLAlign
+from timm_plugin.tl_align import TLAlign, TransMix
 from timm_plugin.token_grid import label_grid_stride
 
 
@@ -37,7 +41,8 @@ def main():
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     p.add_argument('--amp', action='store_true')
     p.add_argument('--compile', default=None, metavar='BACKEND', help='run every step through torch.compile')
-    p.add_argument('--default-only', action='store_true', help="time only the plain step and TL-Align's default")
+    p.add_argument('--default-only', action='store_true', help="time only the plain step and the methods' defaults")
+    p.add_argument('--profile', action='store_true', help='print host op time and kernel time per step')
     args = p.parse_args()
     dev = torch.device(args.device)
     torch.manual_seed(0)
@@ -56,16 +61,24 @@ def main():
     run = torch.compile(model, backend=args.compile) if args.compile else model
     plain = optimizer_step(lambda: loss_fn(run(xm), target), opt, autocast)
     wrappers = [TLAlign(model)]  # one fused attention per block for tokens and labels (the default)
+    try:  # TransMix reads the class token's attention: ViTs (DeiT family, Swin, PVT v2) only
+        wrappers.append(TransMix(model))
+    except ValueError:
+        wrappers.append(None)
     if not args.default_only:
         # ViTs: one attention for both, materialised; models without the shared path: their recomputing path
         wrappers.append(TLAlign(model, fused=False))
         wrappers.append(TLAlign(model, shared=False))  # the model's own attention, recomputed (non-ViTs: the same)
-    steps = [plain] + [
-        optimizer_step(lambda w=w: loss_fn(*w.align(xm, target, lambda: run(xm))), opt, autocast) for w in wrappers
-    ]
+
+    def aligned(w):
+        return optimizer_step(lambda: loss_fn(*w.align(xm, target, lambda: run(xm))), opt, autocast)
+
+    live = [w for w in wrappers if w is not None]
+    steps = [plain] + [aligned(w) for w in live]
     times = interleaved_times(steps, args.repeats, warmup=2, sync=device_sync(dev))
-    b, a, *others = (statistics.median(t) for t in times)
-    m, r = others or (None, None)
+    medians = iter(statistics.median(t) for t in times[1:])
+    b = statistics.median(times[0])
+    a, t, m, r = (None if w is None else next(medians) for w in wrappers + [None] * (4 - len(wrappers)))
 
     def cells(t):
         return '- | -' if t is None else f'{t * 1e3:.1f} | {t / b:.3f}'
@@ -78,13 +91,18 @@ def main():
     )
     print(
         '| training step | plain (area target) ms | TL-Align ms | ratio of medians | per-round ratio median [q1, q3] '
-        '| TL-Align, attention materialised (fused=False) ms | ratio | TL-Align, attention recomputed ms | ratio |'
+        '| TransMix ms | ratio | TL-Align, attention materialised (fused=False) ms | ratio '
+        '| TL-Align, attention recomputed ms | ratio |'
     )
-    print('|---|---|---|---|---|---|---|---|---|')
+    print('|---|---|---|---|---|---|---|---|---|---|---|')
     print(
         f'| {args.model} | {b * 1e3:.1f} | {a * 1e3:.1f} | {a / b:.3f} | {pair_ratios(times[1], times[0])} '
-        f'| {cells(m)} | {cells(r)} |'
+        f'| {cells(t)} | {cells(m)} | {cells(r)} |',
+        flush=True,
     )
+    if args.profile:
+        names = ['plain (area target)', 'TL-Align', 'TransMix', 'TL-Align fused=False', 'TL-Align recomputed']
+        profile_table(steps, [n for n, w in zip(names, [plain] + wrappers) if w is not None], dev)
 
 
 if __name__ == '__main__':

@@ -12,6 +12,7 @@
    samples RandAugment rotated, sheared or translated) and without (the crop path), interleaved.
 
     .venv/bin/python bench/bench_token_labels.py [--images 64] [--rounds 5] [--batch 128] [--device cpu]
+        [--step-model deit_small_patch16_224 [--amp] [--compile inductor] [--profile]]
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import device_sync, median_times, optimizer_step
+from common import device_sync, median_times, optimizer_step, profile_table
 from PIL import Image
 from timm.data import create_dataset, create_transform
 from timm.data.loader import fast_collate
@@ -92,6 +93,7 @@ def main():
         metavar='BACKEND',
         help='the training step through torch.compile(model, backend=BACKEND), as tokenaug-train --torchcompile',
     )
+    p.add_argument('--profile', action='store_true', help='with --step-model: host op time and kernel time per step')
     args = p.parse_args()
     fix_posterize()  # as tokenaug-train: timm asks Pillow for 0 posterize bits at magnitude 10
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -242,7 +244,10 @@ def training_step(args, target):
     tl = optimizer_step(lambda: lossf(wrapped.outputs(x, run), target), opt, autocast)
     tl_loader = optimizer_step(lambda: lossf(wrapped.outputs(x, run), loader_built), opt, autocast)
     warmup = 3 if args.compile else 2
-    return tuple(median_times([plain, tl, tl_loader], args.rounds * 2, warmup=warmup, sync=device_sync(dev)))
+    times = tuple(median_times([plain, tl, tl_loader], args.rounds * 2, warmup=warmup, sync=device_sync(dev)))
+    if args.profile:
+        profile_table([plain, tl_loader], ['plain CE', 'token labeling, loader-built targets'], dev)
+    return times
 
 
 if __name__ == '__main__':

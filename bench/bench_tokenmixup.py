@@ -4,6 +4,10 @@ the batch, tokenmixup.md Sec. 3.3) vs a gradient saliency (one backward of the l
 and PuzzleMix use; the paper's Table 3: 16 ms vs 236 ms per batch of 128 on a GPU), plus the optimal matching.
 
     .venv/bin/python bench/bench_tokenmixup.py [--model cct_7_3x1_32] [--batch 128] [--repeats 10] [--device cpu]
+        [--amp] [--compile inductor]
+
+``--compile BACKEND``: every step runs through ``torch.compile(model, backend=BACKEND)`` (as ``tokenaug-train
+--torchcompile``: the method's hooks on the bare model; HTM's matching on the host breaks the graph there).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def main():
     p.add_argument('--repeats', type=int, default=10)
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     p.add_argument('--amp', action='store_true')
+    p.add_argument('--compile', default=None, metavar='BACKEND', help='run every step through torch.compile')
     args = p.parse_args()
     dev = torch.device(args.device)
     torch.manual_seed(0)
@@ -50,17 +55,20 @@ def main():
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.amp)
     sync = device_sync(dev)
 
+    run = torch.compile(model, backend=args.compile) if args.compile else model
+
     def tm_loss(tm):
-        logits, t = tm(xm, target)
+        logits, t = tm(xm, target, lambda: run(xm))
         return loss_fn(logits, t) + t.aux_loss
 
-    steps = [optimizer_step(lambda: loss_fn(model(xm), target), opt, autocast)]
+    steps = [optimizer_step(lambda: loss_fn(run(xm), target), opt, autocast)]
     steps += [optimizer_step(lambda tm=tm: tm_loss(tm), opt, autocast) for tm in variants.values()]
     times = median_times(steps, args.repeats, warmup=2, sync=sync)
     name = torch.cuda.get_device_name(dev) if dev.type == 'cuda' else (platform.processor() or platform.machine())
     print(
         f'# {args.model}, batch {args.batch}x3x{size}x{size}, device {dev} ({name}), amp={args.amp}, '
         f'torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}'
+        + (f', torch.compile backend {args.compile}' if args.compile else '')
     )
     print('| training step | ms | / plain |')
     print('|---|---|---|')

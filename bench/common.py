@@ -103,3 +103,30 @@ def count_ops(fn: Callable[[], object]) -> int:
     with OpCounter() as counter:
         fn()
     return sum(counter.counts.values())
+
+
+def profile_table(fns: Sequence[Callable[[], object]], names: Sequence[str], device, steps: int = 5) -> None:
+    """Where each step's time goes on ``device``: per step, the host time of the aten ops (what launches the
+    kernels) and the device time of the kernels, from ``torch.profiler`` over ``steps`` calls (after one untimed
+    call), printed as a table. An eager step whose host time exceeds its kernel time is launch-bound: there each
+    extra op costs wall time even when its kernel is tiny."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == 'cuda' else [])
+    sync = device_sync(device)
+    print('| step | host op time ms / step | kernel time ms / step | kernel time / first row |')
+    print('|---|---|---|---|')
+    first = None
+    for fn, name in zip(fns, names):
+        fn()
+        sync()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                fn()
+            sync()
+        events = prof.key_averages()
+        host = sum(e.self_cpu_time_total for e in events) / steps / 1e3
+        kernel = sum(getattr(e, 'self_device_time_total', 0) or 0 for e in events) / steps / 1e3
+        first = first or kernel or None
+        ratio = f'{kernel / first:.3f}' if first else '-'
+        print(f'| {name} | {host:.1f} | {kernel:.1f} | {ratio} |', flush=True)

@@ -2,6 +2,10 @@
 # The GPU figures of bench/RESULTS.md, in one run on a device machine (timm 1.0.31 carried as a wheel in
 # .whl/, as the device image's timm may differ; mm packages are not needed by these benchmarks):
 #   bash bench/device_bench.sh      (writes its tables to $OUT, or to ./bench_out without $OUT)
+# Every method's training step against its baseline (interleaved, medians, bf16 autocast), eager first, then
+# through torch.compile (inductor); each line has its own time limit so that one slow compile cannot take the
+# rows after it. Five files: env.txt, tl_align.txt (TL-Align and TransMix vs CutMix), token_labels.txt,
+# mixers.txt (on-device MixUp / CutMix / TokenMix vs timm's Mixup, collates), tokenmixup.txt (HTM / VTM vs plain).
 set -o pipefail
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -9,9 +13,21 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site || exit 1
 fi
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
-python3 -c "import torch, timm, torchvision; print('torch', torch.__version__, 'timm', timm.__version__, 'torchvision', torchvision.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
-python3 bench/bench_token_labels.py --device cuda --images 256 --rounds 5 --step-model deit_small_patch16_224 --amp 2>&1 | tee "$OUT/token_labels.txt"
-python3 bench/bench_token_labels.py --device cuda --images 16 --rounds 5 --step-model deit_small_patch16_224 --amp --compile inductor 2>&1 | tee "$OUT/token_labels_compiled.txt"
-python3 bench/bench_tl_align.py --device cuda --model deit_small_patch16_224 --batch 128 --repeats 20 --amp 2>&1 | tee "$OUT/tl_align.txt"
-python3 bench/bench_tl_align.py --device cuda --model deit_small_patch16_224 --batch 128 --repeats 20 --amp --compile inductor 2>&1 | tee "$OUT/tl_align_compiled.txt"
-python3 bench/bench_mixers.py --device cuda --repeats 50 2>&1 | tee "$OUT/mixers.txt"
+start=$SECONDS
+bench() {  # bench FILE LIMIT_S SCRIPT ARGS...: one benchmark, appended to $OUT/FILE, stopped after LIMIT_S
+  local file=$1 limit=$2; shift 2
+  echo "## python3 $* (limit ${limit}s, at ${SECONDS}s)" | tee -a "$OUT/$file"
+  timeout "$limit" python3 "$@" 2>&1 | grep -v -e '^W[0-9]' -e 'UserWarning' -e '^  warnings.warn' | tee -a "$OUT/$file"
+  echo "## exit ${PIPESTATUS[0]} after $((SECONDS - start))s" | tee -a "$OUT/$file"
+}
+{ python3 -c "import torch, timm, torchvision; print('torch', torch.__version__, 'timm', timm.__version__, 'torchvision', torchvision.__version__, torch.cuda.get_device_name())"; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; nproc; } 2>&1 | tee "$OUT/env.txt"
+# eager
+bench tl_align.txt 120 bench/bench_tl_align.py --device cuda --model deit_small_patch16_224 --batch 128 --repeats 20 --amp --profile
+bench tl_align.txt 60 bench/bench_tl_align.py --device cuda --model deit_small_patch16_224 --batch 256 --repeats 10 --amp --default-only
+bench token_labels.txt 150 bench/bench_token_labels.py --device cuda --images 128 --rounds 5 --step-model deit_small_patch16_224 --amp --profile
+bench mixers.txt 90 bench/bench_mixers.py --device cuda --repeats 50
+bench tokenmixup.txt 60 bench/bench_tokenmixup.py --device cuda --model cct_7_3x1_32 --batch 128 --repeats 20 --amp
+# torch.compile (inductor)
+bench tl_align.txt 150 bench/bench_tl_align.py --device cuda --model deit_small_patch16_224 --batch 128 --repeats 20 --amp --compile inductor --default-only
+bench token_labels.txt 120 bench/bench_token_labels.py --device cuda --images 16 --rounds 5 --step-model deit_small_patch16_224 --amp --compile inductor
+bench tokenmixup.txt 100 bench/bench_tokenmixup.py --device cuda --model cct_7_3x1_32 --batch 128 --repeats 10 --amp --compile inductor
