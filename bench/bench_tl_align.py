@@ -43,6 +43,7 @@ def main():
     p.add_argument('--compile', default=None, metavar='BACKEND', help='run every step through torch.compile')
     p.add_argument('--default-only', action='store_true', help="time only the plain step and the methods' defaults")
     p.add_argument('--profile', action='store_true', help='print host op time and kernel time per step')
+    p.add_argument('--kernels', type=int, default=0, help='with --profile: the N kernels each method adds most')
     args = p.parse_args()
     dev = torch.device(args.device)
     torch.manual_seed(0)
@@ -102,7 +103,7 @@ def main():
     )
     if args.profile:
         names = ['plain (area target)', 'TL-Align', 'TransMix', 'TL-Align fused=False', 'TL-Align recomputed']
-        profile_table(steps, [n for n, w in zip(names, [plain] + wrappers) if w is not None], dev)
+        profile_table(steps, [n for n, w in zip(names, [plain] + wrappers) if w is not None], dev, kernels=args.kernels)
 
 
 if __name__ == '__main__':

@@ -105,18 +105,21 @@ def count_ops(fn: Callable[[], object]) -> int:
     return sum(counter.counts.values())
 
 
-def profile_table(fns: Sequence[Callable[[], object]], names: Sequence[str], device, steps: int = 5) -> None:
+def profile_table(
+    fns: Sequence[Callable[[], object]], names: Sequence[str], device, steps: int = 5, kernels: int = 0
+) -> None:
     """Where each step's time goes on ``device``: per step, the host time of the aten ops (what launches the
     kernels) and the device time of the kernels, from ``torch.profiler`` over ``steps`` calls (after one untimed
     call), printed as a table. An eager step whose host time exceeds its kernel time is launch-bound: there each
-    extra op costs wall time even when its kernel is tiny."""
+    extra op costs wall time even when its kernel is tiny. ``kernels=N``: then, for each step after the first, the
+    N kernels whose device time per step grew most against the first step (what the method adds)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == 'cuda' else [])
     sync = device_sync(device)
     print('| step | host op time ms / step | kernel time ms / step | kernel time / first row |')
     print('|---|---|---|---|')
-    first = None
+    first, per_kernel = None, []
     for fn, name in zip(fns, names):
         fn()
         sync()
@@ -127,6 +130,15 @@ def profile_table(fns: Sequence[Callable[[], object]], names: Sequence[str], dev
         events = prof.key_averages()
         host = sum(e.self_cpu_time_total for e in events) / steps / 1e3
         kernel = sum(getattr(e, 'self_device_time_total', 0) or 0 for e in events) / steps / 1e3
+        per_kernel.append(Counter())
+        for e in events:
+            per_kernel[-1][e.key] += (getattr(e, 'self_device_time_total', 0) or 0) / steps / 1e3
         first = first or kernel or None
         ratio = f'{kernel / first:.3f}' if first else '-'
         print(f'| {name} | {host:.1f} | {kernel:.1f} | {ratio} |', flush=True)
+    for name, counts in list(zip(names, per_kernel))[1:] if kernels else ():
+        grown = sorted(counts.keys() | per_kernel[0].keys(), key=lambda k: per_kernel[0][k] - counts[k])[:kernels]
+        print(f'\n| {name}: kernel (grown most) | ms / step | {names[0]} ms / step |')
+        print('|---|---|---|')
+        for k in grown:
+            print(f'| {k[:90]} | {counts[k]:.2f} | {per_kernel[0][k]:.2f} |')
