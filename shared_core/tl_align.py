@@ -25,7 +25,6 @@ The rules (each a function here, used by every architecture's tracer):
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 from dataclasses import replace
 from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, Union
@@ -79,7 +78,9 @@ __all__ = [
 #: environment override: ``TOKENAUG_FUSED_LABEL_ATTN=1`` (always fused) / ``0`` (never); unset: by device and path
 FUSED_ENV = 'TOKENAUG_FUSED_LABEL_ATTN'
 _FUSED: Optional[bool] = None if os.environ.get(FUSED_ENV, '') == '' else os.environ[FUSED_ENV] not in ('0', 'false')
-_FUSED_SCOPE: contextvars.ContextVar = contextvars.ContextVar('tokenaug_fused_label_attn', default=None)
+#: the innermost :func:`fused_label_attn` scope's choice: a plain global (read inside a compiled forward, dynamo
+#: guards on it; torch 2.11's dynamo breaks the graph at a ``ContextVar.get`` in every block)
+_FUSED_SCOPE: Optional[bool] = None
 
 
 def set_fused_label_attn(enable: Optional[bool]) -> None:
@@ -91,12 +92,14 @@ def set_fused_label_attn(enable: Optional[bool]) -> None:
 @contextlib.contextmanager
 def fused_label_attn(enable: Optional[bool]):
     """The choice inside a ``with`` block (what a wrapper's ``fused=`` argument sets); ``None`` leaves it."""
-    token = _FUSED_SCOPE.set(enable) if enable is not None else None
+    global _FUSED_SCOPE
+    outer = _FUSED_SCOPE
+    if enable is not None:
+        _FUSED_SCOPE = enable
     try:
         yield
     finally:
-        if token is not None:
-            _FUSED_SCOPE.reset(token)
+        _FUSED_SCOPE = outer
 
 
 def use_fused_label_attn(device: torch.device, shared: bool = False) -> bool:
@@ -107,9 +110,8 @@ def use_fused_label_attn(device: torch.device, shared: bool = False) -> bool:
     columns costs less than materialising the attention once, ``bench/RESULTS.md``). A separate label-only call
     (the recomputing path): fused on accelerators, a transient softmax on the CPU (the fused CPU kernel is slower
     for the 1-wide values of the compact state)."""
-    scoped = _FUSED_SCOPE.get()
-    if scoped is not None:
-        return scoped
+    if _FUSED_SCOPE is not None:
+        return _FUSED_SCOPE
     if _FUSED is not None:
         return _FUSED
     return shared or torch.device(device).type != 'cpu'
@@ -315,7 +317,12 @@ class LabelColumns:
 
     def _write(self) -> None:
         self._hi.copy_(self.z)
-        torch.sub(self.z, self._hi, out=self._lo)  # in fp32, rounded once as it is written
+        # in fp32, rounded once as it is written; compiled: a copy (dynamo breaks the graph at an ``out=`` view,
+        # and inductor fuses the two), eager: one op
+        if torch.compiler.is_compiling():
+            self._lo.copy_(self.z - self._hi)
+        else:
+            torch.sub(self.z, self._hi, out=self._lo)
 
     def attend(
         self, qkv: torch.Tensor, scale: float, attn_mask: Optional[torch.Tensor] = None
