@@ -72,7 +72,7 @@ def check_backbone_loaded(backbone: torch.nn.Module, path: str, values: bool = T
     """Raise ``ValueError`` unless the checkpoint file ``path`` fits ``backbone`` exactly (see the module
     docstring): the keys as the backbone's loader reads them, and with ``values`` every tensor loaded."""
     allow_mmengine_checkpoints()
-    ckpt = load_checkpoint_file(path, 'model.backbone.init_cfg.checkpoint', mmap=True)
+    ckpt = load_checkpoint_file(path, 'model.backbone.init_cfg.checkpoint', mmap=True, mmengine=True)
     sd = ckpt.get('state_dict', ckpt) if isinstance(ckpt, dict) else {}
     meta = ckpt.get('meta', {}) if isinstance(ckpt, dict) else {}
     not_in_source = set((meta.get('tokenaug_convert') or {}).get('not_in_source', ()))

@@ -19,7 +19,7 @@ from typing import Dict, Tuple
 
 import torch
 
-__all__ = ['timm_vit_to_mmpretrain']
+__all__ = ['timm_vit_to_mmpretrain', 'mmpretrain_to_timm']
 
 _VIT_RULES: Tuple[Tuple[str, str], ...] = (
     (r'^cls_token$', 'backbone.cls_token'),
@@ -57,6 +57,40 @@ def timm_vit_to_mmpretrain(state_dict: Dict[str, torch.Tensor]) -> Dict[str, tor
     """timm ``VisionTransformer`` (ViT/DeiT, class token, no registers) -> mmpretrain ``ImageClassifier``
     (``VisionTransformer`` backbone, ``VisionTransformerClsHead``). Unknown keys are an error."""
     return _apply(_VIT_RULES, state_dict, 'timm ViT')
+
+
+#: mmpretrain ``ImageClassifier`` keys -> timm model keys, per architecture: ViT/DeiT (mmpretrain's
+#: ``VisionTransformer`` backbone and ``VisionTransformerClsHead``: the inverse of ``_VIT_RULES``) and timm models
+#: held by mmpretrain's ``TIMMBackbone`` (``backbone.timm_model.``, our LV-ViT configs) with a ``LinearClsHead``
+_MMPRETRAIN_HEADS = (
+    (r'^head\.(?:layers\.)?head\.(weight|bias)$', r'head.\1'),  # VisionTransformerClsHead, TokenLabelingHead
+    (r'^head\.fc\.(weight|bias)$', r'head.\1'),  # LinearClsHead
+    (r'^head\.aux_head\.(weight|bias)$', r'aux_head.\1'),  # token labeling's aux head
+    (r'^(tokenmixup_scorenet\..+)$', r'\1'),  # TokenMixup's ScoreNets: the same names on a timm model
+)
+_MMPRETRAIN_TO_TIMM = {
+    'vit': (
+        (r'^backbone\.(cls_token|pos_embed)$', r'\1'),
+        (r'^backbone\.patch_embed\.projection\.(weight|bias)$', r'patch_embed.proj.\1'),
+        (r'^backbone\.layers\.(\d+)\.ln1\.(weight|bias)$', r'blocks.\1.norm1.\2'),
+        (r'^backbone\.layers\.(\d+)\.attn\.(qkv|proj)\.(weight|bias)$', r'blocks.\1.attn.\2.\3'),
+        (r'^backbone\.layers\.(\d+)\.ln2\.(weight|bias)$', r'blocks.\1.norm2.\2'),
+        (r'^backbone\.layers\.(\d+)\.ffn\.layers\.0\.0\.(weight|bias)$', r'blocks.\1.mlp.fc1.\2'),
+        (r'^backbone\.layers\.(\d+)\.ffn\.layers\.1\.(weight|bias)$', r'blocks.\1.mlp.fc2.\2'),
+        (r'^backbone\.ln1\.(weight|bias)$', r'norm.\1'),
+    )
+    + _MMPRETRAIN_HEADS,
+    'lvvit': ((r'^backbone\.timm_model\.(?!model\.)(.+)$', r'\1'),) + _MMPRETRAIN_HEADS,
+}
+
+
+def mmpretrain_to_timm(state_dict: Dict[str, torch.Tensor], arch: str) -> Dict[str, torch.Tensor]:
+    """An mmpretrain classifier's state dict as the timm model's (``arch``: ``'vit'`` or ``'lvvit'``), the
+    classifier kept; the preprocessor's buffers (``data_preprocessor.*``) dropped. Unknown keys are an error."""
+    if arch not in _MMPRETRAIN_TO_TIMM:
+        raise ValueError(f'model: no mmpretrain -> timm key map for {arch!r} (ViT/DeiT, LV-ViT)')
+    kept = {k: v for k, v in state_dict.items() if not k.startswith('data_preprocessor.')}
+    return _apply(_MMPRETRAIN_TO_TIMM[arch], kept, f'mmpretrain {arch}')
 
 
 # ------------------------------------------------------------------------------------------------

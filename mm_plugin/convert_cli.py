@@ -2,6 +2,13 @@
 
     tokenaug-convert --src CKPT --dst OUT --to {mmseg,mmdet} --model TIMM_MODEL_NAME [--from {timm,mmpretrain}]
                      [--model-kwargs img_size=112 ...] [--use-ema] [--final-norm] [--force]
+    tokenaug-convert --src MMPRETRAIN_CKPT --dst OUT --to timm --from mmpretrain --model TIMM_MODEL_NAME
+
+``--to timm``: an mmpretrain classifier (ViT/DeiT with mmpretrain's ``VisionTransformer``, LV-ViT through
+``TIMMBackbone``; its classifier, token labeling's aux head and TokenMixup's ScoreNets kept) as the timm model's
+checkpoint ``{'state_dict': ...}``, loaded strictly into ``--model`` before it is written: what the timm entry
+points (``tokenaug-train --initial-checkpoint``, ``tokenaug-maps generate --checkpoint``, ``tokenaug-occlusion``,
+``tokenaug-viz``) read.
 
 ``CKPT`` is a ``tokenaug-train`` checkpoint or a plain timm state dict (``--from timm``), or an
 mmpretrain/MMEngine checkpoint (``--from mmpretrain``). ``--model`` names the timm architecture the
@@ -31,7 +38,7 @@ import torch
 
 from shared_core.checkpoint_io import check_input_file, check_output_file, load_checkpoint_file, save_checkpoint_file
 
-from .convert import to_dense_backbone
+from .convert import mmpretrain_to_timm, to_dense_backbone
 from .mmengine_safe_load import allow_mmengine_checkpoints
 
 __all__ = ['convert_checkpoint', 'main', 'build_backbone']
@@ -168,7 +175,7 @@ def build_backbone(target: str, arch: str, hp: dict, final_norm: bool = False, i
 
 def _load_source(path: str, use_ema: bool) -> Dict[str, torch.Tensor]:
     allow_mmengine_checkpoints()
-    ckpt = load_checkpoint_file(path, 'src')
+    ckpt = load_checkpoint_file(path, 'src', mmengine=True)
     if not isinstance(ckpt, dict):
         raise ValueError(f'src: {path} holds a {type(ckpt).__name__}, not a checkpoint dict')
     key = 'state_dict_ema' if use_ema else 'state_dict'
@@ -179,6 +186,54 @@ def _load_source(path: str, use_ema: bool) -> Dict[str, torch.Tensor]:
     if bad:
         raise ValueError(f'src: {path}: entries that are not tensors: {bad[:8]}')
     return {re.sub(r'^module\.', '', k): v for k, v in sd.items()}
+
+
+def _to_timm(src: str, dst: str, model: str, source: str, model_kwargs: dict, use_ema: bool) -> dict:
+    """An mmpretrain classifier checkpoint as the timm model ``model``'s (classifier, aux head and ScoreNets kept),
+    loaded strictly into that model before it is written, and read back through the checkpoint reader: what
+    ``tokenaug-train --initial-checkpoint``, ``tokenaug-maps generate --checkpoint``, ``tokenaug-occlusion`` and
+    ``tokenaug-viz`` take."""
+    import timm
+
+    from timm_plugin.token_labeling import attach_aux_head
+    from timm_plugin.tokenmixup import attach_scorenets
+
+    if source != 'mmpretrain':
+        raise ValueError('to: --to timm converts an mmpretrain checkpoint (--from mmpretrain); a timm one loads as is')
+    if 'num_classes' in model_kwargs:
+        raise ValueError("model-kwargs: --to timm takes num_classes from the checkpoint's classifier")
+    arch, _ = _timm_arch(model, model_kwargs)
+    sd = mmpretrain_to_timm(_load_source(src, use_ema), arch)
+    if 'head.weight' not in sd:
+        raise ValueError(f'src: {src} has no classifier (head) to size a timm {model}')
+    net = timm.create_model(model, pretrained=False, num_classes=int(sd['head.weight'].shape[0]), **model_kwargs)
+    if any(k.startswith('aux_head.') for k in sd):
+        attach_aux_head(net)
+    layers = sorted({int(k.split('.')[1]) for k in sd if k.startswith('tokenmixup_scorenet.')})
+    if layers:
+        attach_scorenets(net, layers)
+    try:
+        net.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f'src: {src} does not fit timm {model} {model_kwargs}: {e}') from None
+
+    def verify(written: str) -> None:  # read back as every timm entry point reads it: all must arrive
+        got = load_checkpoint_file(written, 'dst')['state_dict']
+        if set(got) != set(sd) or any(not torch.equal(got[k], v) for k, v in sd.items()):
+            raise ValueError(f'dst: {dst} does not read back as written')
+
+    meta = dict(src=str(src), to='timm', model=model, source=source, arch=arch)
+    save_checkpoint_file({'state_dict': sd, 'meta': {'tokenaug_convert': meta}}, dst, check=verify)
+    return dict(
+        arch=arch,
+        hyper_parameters=model_kwargs,
+        converted=len(sd),
+        dropped=[],
+        not_in_source=[],
+        derived_from_target=[],
+        dst=str(dst),
+        prefix='',
+    )
 
 
 def convert_checkpoint(
@@ -197,6 +252,8 @@ def convert_checkpoint(
     into place (a failure leaves no partial file and any old ``dst`` as it was)."""
     check_input_file(src, 'src')
     check_output_file(dst, src, force)
+    if to == 'timm':
+        return _to_timm(src, dst, model, source, dict(model_kwargs or {}), use_ema)
     arch, hp = _timm_arch(model, dict(model_kwargs or {}))
     sd, dropped = to_dense_backbone(_load_source(src, use_ema), arch, source)
     final_norm_prefix = {'vit': 'ln1.', 'lvvit': 'norm.'}.get(arch)
@@ -259,7 +316,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='tokenaug-convert', description=__doc__.splitlines()[0])
     p.add_argument('--src', required=True, help='classification checkpoint (tokenaug-train, timm or mmpretrain)')
     p.add_argument('--dst', required=True, help='output checkpoint for init_cfg=dict(type="Pretrained", ...)')
-    p.add_argument('--to', required=True, choices=('mmseg', 'mmdet'))
+    p.add_argument(
+        '--to',
+        required=True,
+        choices=('mmseg', 'mmdet', 'timm'),
+        help='mmseg / mmdet: a backbone checkpoint; timm: an mmpretrain classifier as the timm model --model',
+    )
     p.add_argument(
         '--model', required=True, help='timm model name of the source architecture (ViT/DeiT, Swin, lvvit_t/s/m/l)'
     )
@@ -309,9 +371,14 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f'tokenaug-convert: error: {e}', file=sys.stderr)
         return 2
+    checked = (
+        f'strict load into timm {args.model} and read-back verified'
+        if args.to == 'timm'
+        else f'strict load and {args.to} init_weights verified'
+    )
     print(
         f'tokenaug-convert: {report["arch"]} -> {args.to}: {report["converted"]} tensors written to {report["dst"]}'
-        f'{" (keys prefixed backbone.)" if report["prefix"] else ""}; strict load and {args.to} init_weights verified'
+        f'{" (keys prefixed backbone.)" if report["prefix"] else ""}; {checked}'
     )
     print(f'  dropped (training-only): {report["dropped"] or "none"}')
     print(f'  not in the source (initialised by the target): {report["not_in_source"] or "none"}')

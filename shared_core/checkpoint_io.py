@@ -51,19 +51,34 @@ def check_input_file(path, name: str = 'checkpoint') -> str:
     return path
 
 
-def load_checkpoint_file(path, name: str = 'checkpoint', map_location='cpu', mmap: bool = False):
+def load_checkpoint_file(
+    path, name: str = 'checkpoint', map_location='cpu', mmap: bool = False, mmengine: bool = False
+):
     """``torch.load(path, weights_only=True)`` whose errors say what is wrong with the file: missing, empty,
     truncated or corrupt, not a PyTorch checkpoint, or holding Python objects a weights-only load refuses.
-    ``mmap``: memory-map the tensors (a cheap check of a large file; zip checkpoints only)."""
+    ``mmap``: memory-map the tensors (a cheap check of a large file; zip checkpoints only). ``mmengine``: the
+    caller reads MMEngine's checkpoints (the converter, the mm configs: they allow MMEngine's types first); else
+    an MMEngine checkpoint is named as one with the route to a timm one, whatever this process allowed before."""
     path = check_input_file(path, name)
     if os.path.getsize(path) == 0:
         raise CheckpointError(f'{name}: {path} is empty (0 bytes)')
     try:
         mmap = mmap and zipfile.is_zipfile(path)
         with _allowing(SAFE_GLOBALS):
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:
         _checkpoint_error(e, path, name)
+    if not mmengine and isinstance(ckpt, dict) and 'message_hub' in ckpt and 'meta' in ckpt:
+        raise CheckpointError(_mmengine_route(name, path, ' (meta, message_hub)'))
+    return ckpt
+
+
+def _mmengine_route(name: str, path, what: str) -> str:
+    return (
+        f'{name}: {path} is an MMEngine (mmpretrain) checkpoint{what}; this entry point reads timm checkpoints '
+        '(tokenaug-train, timm train.py). Convert it: tokenaug-convert --from mmpretrain --to timm --model '
+        'TIMM_NAME --src FILE --dst OUT (mmseg / mmdet backbones: --to mmseg / --to mmdet)'
+    )
 
 
 def _allowing(extra):
@@ -90,9 +105,12 @@ def _checkpoint_error(e: Exception, path, name):
     if isinstance(e, pickle.UnpicklingError):  # the weights-only unpickler met a global it does not allow
         found = re.search(r'GLOBAL ([\w.]+)', text)
         what = f' ({found.group(1)})' if found else ''
+        if found and found.group(1).startswith('mmengine.'):  # an OpenMMLab Runner's checkpoint at a timm entry point
+            raise CheckpointError(_mmengine_route(name, path, what)) from None
         raise CheckpointError(
             f'{name}: {path} holds Python objects beyond tensors and plain containers{what}; a weights-only '
-            'load refuses them and nothing was unpickled (a checkpoint written by tokenaug, timm or MMEngine loads)'
+            'load refuses them and nothing was unpickled (checkpoints written by tokenaug-train and timm train.py '
+            'load here; MMEngine ones through tokenaug-convert and the mm configs)'
         ) from None
     first = (text.splitlines() or [''])[0]
     raise CheckpointError(f'{name}: {path} is truncated or corrupt ({type(e).__name__}: {first})') from None

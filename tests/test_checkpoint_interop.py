@@ -1,12 +1,20 @@
 """Checkpoints users bring from timm's own ``train.py``: its ``CheckpointSaver`` stores ``args`` as an
 ``argparse.Namespace``, the one global timm's loader allows. Every entry point that reads a classification
 checkpoint reads it with :func:`shared_core.checkpoint_io.load_checkpoint_file` (``weights_only=True`` plus that
-global): the converter, the annotator of ``tokenaug-maps generate`` / ``tokenaug-occlusion``, and
-``tokenaug-train``'s ``--initial-checkpoint`` / ``--pretrained-path`` / ``--resume``. A file with any other
-global is refused without running it."""
+global): the converter, the annotator of ``tokenaug-maps generate`` / ``tokenaug-occlusion``, ``tokenaug-viz``,
+and ``tokenaug-train``'s ``--initial-checkpoint`` / ``--pretrained-path`` / ``--resume``. A file with any other
+global is refused without running it.
+
+And from mmpretrain's own ``tools/train.py`` (MMEngine's Runner): the converter and the mm configs read it (with
+MMEngine's own types allowed, ``mm_plugin.allow_mmengine_checkpoints``); the timm entry points name it as an
+MMEngine checkpoint and the route, ``tokenaug-convert --from mmpretrain --to timm``, whose output they take with
+the mmpretrain model's logits."""
 
 import argparse
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import timm
@@ -14,6 +22,8 @@ import torch
 from timm.optim import create_optimizer_v2
 from timm.utils import CheckpointSaver, ModelEmaV3
 
+from .conftest import REPO, VENV_BIN
+from .helpers import mmpretrain_train
 from .test_faults import train_cmd
 
 KW = dict(img_size=112, depth=2, num_classes=10)  # tests/test_faults.py's FAST model of the world config
@@ -86,3 +96,91 @@ def test_tokenaug_train_takes_it_as_initial_pretrained_and_resumed_checkpoint(ti
     with pytest.raises(ValueError, match=r'--resume: .*other.pth.tar holds an optimizer state .*--no-resume-opt'):
         run(train_cmd(data, tmp_path, 'other', '--epochs', '2', '--resume', str(other)))
     assert run(train_cmd(data, tmp_path, 'other', '--epochs', '2', '--resume', str(other), '--no-resume-opt'))
+
+
+def test_viz_and_occlusion_take_it(timm_checkpoint, tiny_world, tmp_path):
+    from timm_plugin.tools import occlusion_cli, viz_cli
+
+    path, _ = timm_checkpoint
+    data = str(tiny_world / 'imagenet')
+    common = ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml'), '--data-dir', data, '--count', '2']
+    common += ['--mixup', '0', '--cutmix', '1.0', '--model-kwargs', 'img_size=112', 'depth=2']
+    out = tmp_path / 'viz'
+    assert viz_cli.main(['tl-align', *common, '--initial-checkpoint', str(path), '--viz-dir', str(out)]) == 0
+    assert (out / 'meta.json').is_file()
+    argv = ['--data-dir', data, '--out', str(tmp_path / 'occ'), '-b', '4', '-j', '0', '--device', 'cpu']
+    argv += ['--no-progress', '--model', 'vit_tiny_patch16_224', '--model-kwargs', 'img_size=112', 'depth=2']
+    assert occlusion_cli.main([*argv, '--checkpoint', str(path), '--ratios', '0', '0.5']) == 0
+    assert (tmp_path / 'occ' / 'occlusion.csv').is_file()
+
+
+@pytest.fixture(scope='module')
+def mmpretrain_checkpoint(tiny_world, tmp_path_factory):
+    """``epoch_1.pth`` as mmpretrain's own tools/train.py writes it (MMEngine's Runner and CheckpointHook: meta,
+    message hub, optimizer, schedulers) for our DeiT-Tiny world config, one epoch of 2 iterations."""
+    work = tmp_path_factory.mktemp('mmpretrain_run')
+    env = dict(os.environ, TOKENAUG_WORLD=str(tiny_world))
+    env['PATH'] = f'{VENV_BIN}{os.pathsep}{env.get("PATH", "")}'
+    env['PYTHONPATH'] = f'{REPO}{os.pathsep}{env.get("PYTHONPATH", "")}'
+    mmpretrain_train('deit-tiny_world_cutmix.py', work, env, work)
+    return work / 'epoch_1.pth'
+
+
+def test_timm_entry_points_name_an_mmpretrain_checkpoint_and_the_route(mmpretrain_checkpoint, tiny_world, tmp_path):
+    import mm_plugin
+    from shared_core.checkpoint_io import CheckpointError, load_checkpoint_file
+    from timm_plugin.annotator import create_annotator
+    from timm_plugin.train import run
+
+    path = str(mmpretrain_checkpoint)
+    route = r'is an MMEngine \(mmpretrain\) checkpoint \(.*tokenaug-convert --from mmpretrain --to timm'
+    # a fresh process, MMEngine's types not allowed: refused as it is unpickled, the global named
+    code = f'from shared_core.checkpoint_io import load_checkpoint_file as f; f({path!r}, "--checkpoint")'
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 1 and re.search(route.replace(r'\(.*', r'\(mmengine\..*'), done.stderr), done.stderr
+    mm_plugin.allow_mmengine_checkpoints()  # as an mm config or the converter does in a process: named still
+    with pytest.raises(CheckpointError, match='--checkpoint: .*epoch_1.pth ' + route):
+        load_checkpoint_file(path, '--checkpoint')
+    with pytest.raises(CheckpointError, match=route):
+        create_annotator('deit_tiny_patch16_224', checkpoint=path, model_kwargs=dict(img_size=112))
+    with pytest.raises(CheckpointError, match='--initial-checkpoint: .*' + route):
+        run(train_cmd(tiny_world / 'imagenet', tmp_path, 'mm', '--epochs', '1', '--initial-checkpoint', path))
+
+
+def test_an_mmpretrain_checkpoint_converts_to_timm_with_equal_logits(mmpretrain_checkpoint, tmp_path):
+    from mmengine.config import Config
+    from mmengine.runner import load_checkpoint
+    from mmpretrain.registry import MODELS
+    from mmpretrain.utils import register_all_modules
+
+    import mm_plugin
+    from mm_plugin.convert_cli import convert_checkpoint, main
+    from shared_core.checkpoint_io import load_checkpoint_file
+    from timm_plugin.annotator import create_annotator
+
+    register_all_modules()
+    mm_plugin.allow_mmengine_checkpoints()
+    cfg = Config.fromfile(str(REPO / 'configs' / 'mmpretrain' / 'deit-tiny_world_cutmix.py'))
+    mm_model = MODELS.build(cfg.model)
+    load_checkpoint(mm_model, str(mmpretrain_checkpoint), map_location='cpu', strict=True)
+    dst = tmp_path / 'timm.pth'
+    argv = ['--src', str(mmpretrain_checkpoint), '--dst', str(dst), '--to', 'timm', '--from', 'mmpretrain']
+    assert main([*argv, '--model', 'deit_tiny_patch16_224', '--model-kwargs', 'img_size=112']) == 0
+    assert set(load_checkpoint_file(dst, 'dst')) == {'state_dict', 'meta'}
+    timm_model = create_annotator('deit_tiny_patch16_224', checkpoint=str(dst), model_kwargs=dict(img_size=112))
+    x = torch.randn(3, 3, 112, 112, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = timm_model(x), mm_model.eval()(x, mode='tensor')
+    assert ours.shape == (3, 10) and torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+    # the same Runner file onto mmseg directly, and the wrong direction named
+    report = convert_checkpoint(
+        str(mmpretrain_checkpoint),
+        str(tmp_path / 'seg.pth'),
+        'mmseg',
+        'deit_tiny_patch16_224',
+        'mmpretrain',
+        model_kwargs=dict(img_size=112),
+    )
+    assert report['converted'] > 0
+    with pytest.raises(ValueError, match='to: --to timm converts an mmpretrain checkpoint'):
+        convert_checkpoint(str(dst), str(tmp_path / 'again.pth'), 'timm', 'deit_tiny_patch16_224', 'timm')
