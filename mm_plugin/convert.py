@@ -19,6 +19,8 @@ from typing import Dict, Tuple
 
 import torch
 
+from shared_core.state_dict_maps import rename_strict as _apply
+
 __all__ = ['timm_vit_to_mmpretrain', 'mmpretrain_to_timm']
 
 _VIT_RULES: Tuple[Tuple[str, str], ...] = (
@@ -34,23 +36,6 @@ _VIT_RULES: Tuple[Tuple[str, str], ...] = (
     (r'^norm\.(weight|bias)$', r'backbone.ln1.\1'),
     (r'^head\.(weight|bias)$', r'head.layers.head.\1'),
 )
-
-
-def _apply(rules, state_dict: Dict[str, torch.Tensor], what: str) -> Dict[str, torch.Tensor]:
-    out, unmapped = {}, []
-    for key, value in state_dict.items():
-        for pattern, repl in rules:
-            if re.match(pattern, key):
-                out[re.sub(pattern, repl, key)] = value
-                break
-        else:
-            unmapped.append(key)
-    if unmapped:
-        raise ValueError(
-            f'state_dict: {len(unmapped)} {what} keys have no mapping: {unmapped[:10]}'
-            f'{" ..." if len(unmapped) > 10 else ""}'
-        )
-    return out
 
 
 def timm_vit_to_mmpretrain(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

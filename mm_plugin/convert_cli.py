@@ -8,7 +8,8 @@
 ``TIMMBackbone``; its classifier, token labeling's aux head and TokenMixup's ScoreNets kept) as the timm model's
 checkpoint ``{'state_dict': ...}``, loaded strictly into ``--model`` before it is written: what the timm entry
 points (``tokenaug-train --initial-checkpoint``, ``tokenaug-maps generate --checkpoint``, ``tokenaug-occlusion``,
-``tokenaug-viz``) read.
+``tokenaug-viz``) read. ``--from tokenmixup --to timm``: the ViT-B/16 checkpoints of mlvlab/TokenMixup (a bare
+state dict in jeonsworld/ViT-pytorch's names; its HTM ScoreNet kept as ``tokenmixup_scorenet.L``), likewise.
 
 ``CKPT`` is a ``tokenaug-train`` checkpoint or a plain timm state dict (``--from timm``), or an
 mmpretrain/MMEngine checkpoint (``--from mmpretrain``). ``--model`` names the timm architecture the
@@ -37,6 +38,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from shared_core.checkpoint_io import check_input_file, check_output_file, load_checkpoint_file, save_checkpoint_file
+from shared_core.state_dict_maps import tokenmixup_vit_to_timm
 
 from .convert import mmpretrain_to_timm, to_dense_backbone
 from .mmengine_safe_load import allow_mmengine_checkpoints
@@ -198,12 +200,20 @@ def _to_timm(src: str, dst: str, model: str, source: str, model_kwargs: dict, us
     from timm_plugin.token_labeling import attach_aux_head
     from timm_plugin.tokenmixup import attach_scorenets
 
-    if source != 'mmpretrain':
-        raise ValueError('to: --to timm converts an mmpretrain checkpoint (--from mmpretrain); a timm one loads as is')
+    if source not in ('mmpretrain', 'tokenmixup'):
+        raise ValueError(
+            "to: --to timm converts an mmpretrain checkpoint (--from mmpretrain) or TokenMixup's public ViT "
+            '(--from tokenmixup); a timm one loads as is'
+        )
     if 'num_classes' in model_kwargs:
         raise ValueError("model-kwargs: --to timm takes num_classes from the checkpoint's classifier")
     arch, _ = _timm_arch(model, model_kwargs)
-    sd = mmpretrain_to_timm(_load_source(src, use_ema), arch)
+    if source == 'tokenmixup':
+        if arch != 'vit':
+            raise ValueError(f"model: TokenMixup's public ViT converts onto a timm ViT, not {model} ({arch})")
+        sd = tokenmixup_vit_to_timm(_load_source(src, use_ema))
+    else:
+        sd = mmpretrain_to_timm(_load_source(src, use_ema), arch)
     if 'head.weight' not in sd:
         raise ValueError(f'src: {src} has no classifier (head) to size a timm {model}')
     net = timm.create_model(model, pretrained=False, num_classes=int(sd['head.weight'].shape[0]), **model_kwargs)
@@ -325,7 +335,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         '--model', required=True, help='timm model name of the source architecture (ViT/DeiT, Swin, lvvit_t/s/m/l)'
     )
-    p.add_argument('--from', dest='source', default='timm', choices=('timm', 'mmpretrain'))
+    p.add_argument(
+        '--from',
+        dest='source',
+        default='timm',
+        choices=('timm', 'mmpretrain', 'tokenmixup'),
+        help="the source's layout; tokenmixup: mlvlab/TokenMixup's ViT-B/16 release (--to timm)",
+    )
     p.add_argument(
         '--model-kwargs',
         nargs='*',

@@ -184,3 +184,28 @@ def test_an_mmpretrain_checkpoint_converts_to_timm_with_equal_logits(mmpretrain_
     assert report['converted'] > 0
     with pytest.raises(ValueError, match='to: --to timm converts an mmpretrain checkpoint'):
         convert_checkpoint(str(dst), str(tmp_path / 'again.pth'), 'timm', 'deit_tiny_patch16_224', 'timm')
+
+
+def test_an_mmpretrain_lvvit_with_its_aux_head_converts_to_timm_with_equal_logits(tmp_path):
+    """Our LV-ViT token labeling config (mmpretrain's TIMMBackbone around lvvit_s, the aux head in the head) onto
+    timm's lvvit_s: the same inference rule (class head + 0.5 x the aux head's max over tokens) gives equal logits."""
+    from mmengine.config import Config
+    from mmpretrain.registry import MODELS
+    from mmpretrain.utils import register_all_modules
+
+    from mm_plugin.convert_cli import convert_checkpoint
+    from timm_plugin.annotator import create_annotator
+
+    register_all_modules()
+    torch.manual_seed(0)
+    cfg = Config.fromfile(str(REPO / 'configs' / 'mmpretrain' / 'lvvit-s_in1k_token-labeling.py'))
+    mm_model = MODELS.build(cfg.model).eval()
+    src = tmp_path / 'mm.pth'
+    torch.save({'meta': {'epoch': 1}, 'state_dict': mm_model.state_dict()}, src)
+    report = convert_checkpoint(str(src), str(tmp_path / 'timm.pth'), 'timm', 'lvvit_s', 'mmpretrain')
+    assert report['arch'] == 'lvvit'
+    timm_model = create_annotator('lvvit_s', checkpoint=str(tmp_path / 'timm.pth'))
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = timm_model(x), mm_model(x, mode='tensor')
+    assert ours.shape == (2, 1000) and torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()

@@ -29,6 +29,8 @@ from timm.layers import trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import Block
 
+from shared_core.state_dict_maps import fuse_qkv
+
 __all__ = ['CCT', 'CCTBlock', 'ConvTokenizer', 'checkpoint_filter_fn']
 
 #: the public CCT's LayerNorm (``torch.nn.LayerNorm``'s default eps), in the blocks and the final norm
@@ -230,6 +232,7 @@ def checkpoint_filter_fn(state_dict: dict, model: nn.Module) -> dict:
                 key = new
                 break
         out[key] = value
+    out = fuse_qkv(out)  # a VTM block's Attention_Vertical saves query / key / value (mlvlab TokenMixup)
     if 'pos_embed' in out and not isinstance(getattr(model, 'pos_embed', None), nn.Parameter):
         del out['pos_embed']  # the model's fixed sinusoid is a buffer, not saved
     return out
