@@ -89,6 +89,14 @@ def test_tokenaug_train_takes_it_as_initial_pretrained_and_resumed_checkpoint(ti
     metrics = run(train_cmd(data, tmp_path, 'resumed', '--epochs', '2', '--resume', str(path)))
     assert 0 <= metrics['top1'] <= 100
     assert (tmp_path / 'resumed' / 'summary.csv').read_text().splitlines()[1].split(',')[0] == '1'  # epoch 1 only
+    # tokenaug-train's own checkpoint through the converter and the annotator (maps generate, occlusion)
+    from mm_plugin.convert_cli import convert_checkpoint
+    from timm_plugin.annotator import create_annotator
+
+    ours = tmp_path / 'resumed' / 'last.pth.tar'
+    assert convert_checkpoint(str(ours), str(tmp_path / 'seg.pth'), 'mmseg', 'vit_tiny_patch16_224', model_kwargs=KW)
+    annotator = create_annotator('vit_tiny_patch16_224', checkpoint=str(ours), model_kwargs=dict(img_size=112, depth=2))
+    assert annotator.num_classes == 10
     bare = timm.create_model('vit_tiny_patch16_224', **KW)
     plain = create_optimizer_v2(bare, 'sgd', lr=0.1)  # one parameter group: not this run's optimizer
     other = tmp_path / 'other.pth.tar'
