@@ -530,3 +530,24 @@ def test_cli(tmp_path, capsys):
         W.main(['--out', str(tmp_path / 'bad'), '--color-consistency', '2'])
     assert e.value.code == 2
     assert 'color_consistency' in capsys.readouterr().err
+
+
+def test_one_default_data_folder_for_the_world_and_the_configs_that_read_it():
+    """``tokenaug-data`` with no --out writes where every world config reads by default: ``tokenaug-data`` then
+    ``tokenaug-train -c tokenaug::timm/world_*.yaml`` / the mm world configs work with no path given."""
+    import re
+
+    import yaml
+
+    from .conftest import REPO
+
+    default = W._parser().parse_args([]).out
+    assert default == 'data/world'
+    timm_configs = sorted((REPO / 'configs' / 'timm').glob('world_*.yaml'))
+    assert timm_configs
+    for path in timm_configs:
+        assert yaml.safe_load(path.read_text())['data_dir'] == f'{default}/imagenet', path.name
+    mm_roots = set()
+    for path in (REPO / 'configs').rglob('*.py'):
+        mm_roots |= set(re.findall(r"\{\{\$TOKENAUG_WORLD:([^}]*)\}\}", path.read_text()))
+    assert mm_roots == {default}, mm_roots

@@ -84,7 +84,7 @@ The same arguments therefore give byte-identical files.
 
 Command line::
 
-    tokenaug-data [--out demo_out/world] [--seed 0] [--num-classes 10] [--image-size 112]
+    tokenaug-data [--out data/world] [--seed 0] [--num-classes 10] [--image-size 112]
                   [--train-per-class 40] [--val-per-class 10] [--max-extra-objects 1]
                   [--min-area 0.08] [--max-area 0.35] [--color-consistency 0.75]
                   [--formats imagenet,ade20k,coco] [--force]
@@ -877,7 +877,9 @@ def _parser() -> argparse.ArgumentParser:
         description='Write a deterministic synthetic world of textured objects as ImageNet '
         'folders, ADE20K label maps and COCO instances (same scenes in all).',
     )
-    p.add_argument('--out', default='demo_out/world', help='output directory (default: demo_out/world)')
+    p.add_argument(
+        '--out', default='data/world', help='output directory (default: data/world, where the world configs read)'
+    )
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--num-classes', type=int, default=10, help=f'2..{MAX_CLASSES} (default 10)')
     p.add_argument('--image-size', type=int, default=112, help='square image side, >= 32 (default 112)')
