@@ -31,12 +31,21 @@ def save_png(array: np.ndarray, path, scale: int = 1) -> Path:
     return path
 
 
-def save_figure(rows: Sequence[Sequence[Panel]], path, title: Optional[str] = None, panel_inches: float = 2.3) -> Path:
-    """A grid of titled panels (rows of ``(title, image)``; a missing panel is ``None``) as one PNG."""
-    import matplotlib
-
+def pyplot():
+    """``matplotlib.pyplot`` on the headless Agg backend; without matplotlib, an error naming the extra."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError('the pictures need matplotlib: pip install "tokenaug[viz]"') from None
     matplotlib.use('Agg', force=False)
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(rows: Sequence[Sequence[Panel]], path, title: Optional[str] = None, panel_inches: float = 2.3) -> Path:
+    """A grid of titled panels (rows of ``(title, image)``; a missing panel is ``None``) as one PNG."""
+    plt = pyplot()
 
     nrows, ncols = len(rows), max(len(r) for r in rows)
     fig, axes = plt.subplots(nrows, ncols, figsize=(ncols * panel_inches, nrows * panel_inches + 0.4), squeeze=False)

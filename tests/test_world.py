@@ -549,5 +549,5 @@ def test_one_default_data_folder_for_the_world_and_the_configs_that_read_it():
         assert yaml.safe_load(path.read_text())['data_dir'] == f'{default}/imagenet', path.name
     mm_roots = set()
     for path in (REPO / 'configs').rglob('*.py'):
-        mm_roots |= set(re.findall(r"\{\{\$TOKENAUG_WORLD:([^}]*)\}\}", path.read_text()))
+        mm_roots |= set(re.findall(r'\{\{\$TOKENAUG_WORLD:([^}]*)\}\}', path.read_text()))
     assert mm_roots == {default}, mm_roots

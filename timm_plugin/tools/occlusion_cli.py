@@ -65,10 +65,9 @@ def format_table(rows: Sequence[dict], repeats: int = 1) -> str:
 
 
 def _plot(rows: Sequence[dict], path: Path, title: str) -> None:
-    import matplotlib
+    from shared_core.plotting import pyplot
 
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     x = [100 * row['ratio'] for row in rows]
     fig, ax = plt.subplots(figsize=(5, 3.6))
