@@ -317,3 +317,17 @@ def test_function_level_errors(resnet):
     with pytest.raises(ValueError, match='--mode drop.*ResNet'):
         with occ.token_drop(resnet):
             pass
+
+
+def test_top5_is_left_out_with_five_classes_or_fewer(tmp_path):
+    """With 5 classes or fewer top-5 is 100 % whatever the model: the table and the plot leave it out (the CSV,
+    the data, keeps it); with more classes both columns stay."""
+    rows = [
+        dict(ratio=r, dropped_patches=d, num_patches=49, top1=t, top5=100.0, top1_std=0.0, top5_std=0.0, images=8)
+        for r, d, t in ((0.0, 0, 62.5), (0.5, 24, 37.5))
+    ]
+    assert 'top-5' not in occlusion_cli.format_table(rows, num_classes=4)
+    assert occlusion_cli.format_table(rows, num_classes=4).splitlines()[2] == '| 0% | 0/49 | 62.50 |'
+    assert occlusion_cli.format_table(rows, num_classes=10).splitlines()[2] == '| 0% | 0/49 | 62.50 | 100.00 |'
+    paths = occlusion_cli.write_results(rows, tmp_path, header='h', num_classes=4)
+    assert 'top-5' not in paths['md'].read_text() and 'top5' in paths['csv'].read_text().splitlines()[0]

@@ -74,6 +74,23 @@ def test_mix_pictures_show_what_training_mixes(tiny_world, tmp_path, kind):
     assert (partial > 0) == (kind == 'cutmix')  # pixel boxes cut tokens; token masks never do
 
 
+def test_mix_pictures_name_the_branch_the_switch_drew(tiny_world, tmp_path):
+    """With MixUp beside a token kind (DeiT's switch), each sample's picture and meta.json name the branch drawn
+    for it (a blend is 'mixup', not 'tokenmix_block'), and the figure's title says how many of each."""
+    out = tmp_path / 'switch'
+    argv = ['mix', '-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--mixup-type', 'tokenmix_block']
+    argv += ['--mixup', '0.8', '--cutmix', '1.0', '--mixup-mode', 'elem', '--count', '8', '--viz-dir', str(out)]
+    assert viz_cli.main(argv) == 0
+    meta = json.loads((out / 'meta.json').read_text())
+    branches = [sample['branch'] for sample in meta['samples']]
+    for sample, branch in zip(meta['samples'], branches):
+        share = np.asarray(sample['token_share'])
+        blend = sample['lam'] < 1 and np.allclose(share, 1 - sample['lam'])
+        assert (branch == 'mixup') == blend and branch in ('mixup', 'tokenmix_block', 'unmixed')
+    assert 'mixup' in branches and 'tokenmix_block' in branches  # this seed draws both
+    assert f'this draw: mixup for {branches.count("mixup")} of 8' in meta['mixing']
+
+
 def test_tokenmix_masks_have_the_requested_size(tmp_path):
     out = tmp_path / 'tm'
     assert viz_cli.main(['tokenmix', '--lam', '0.3', '--count', '4', '--viz-dir', str(out)]) == 0
@@ -192,6 +209,27 @@ def test_tokenmixup_pictures_show_the_htm_plan(tiny_world, tmp_path):
         swapped_any += int(swap.sum())
         assert abs(sum(sample['target']) - 1) < 1e-5
     assert swapped_any > 0
+    assert meta['scorenet_note'] is None  # no checkpoint: nothing loaded, nothing to say
+
+
+def test_tokenmixup_pictures_of_a_checkpoint_trained_without_tokenmixup(tiny_world, tmp_path, capsys):
+    """A checkpoint with no ScoreNets (trained without TokenMixup) draws, with the untrained ScoreNet said in the
+    output, meta.json and the title; a checkpoint that does not fit otherwise is an error naming the keys."""
+    import timm
+
+    ckpt = tmp_path / 'plain.pth'
+    torch.manual_seed(0)
+    torch.save(timm.create_model('vit_tiny_patch16_224', num_classes=10, img_size=112, depth=2).state_dict(), ckpt)
+    argv = ['tokenmixup', '-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--tokenmixup-htm-layers', '1']
+    argv += ['--count', '2', '--model-kwargs', 'img_size=112', 'depth=2', '--initial-checkpoint', str(ckpt)]
+    assert viz_cli.main([*argv, '--viz-dir', str(tmp_path / 'out')]) == 0
+    meta = json.loads((tmp_path / 'out' / 'meta.json').read_text())
+    assert 'has no ScoreNet' in meta['scorenet_note'] and 'has no ScoreNet' in capsys.readouterr().out
+    deeper = tmp_path / 'deeper.pth'
+    torch.save(timm.create_model('vit_tiny_patch16_224', num_classes=10, img_size=112, depth=3).state_dict(), deeper)
+    argv[argv.index(str(ckpt))] = str(deeper)
+    with pytest.raises(ValueError, match=r'--initial-checkpoint: .*deeper.pth does not fit .*unexpected \[.blocks.2'):
+        viz_cli.tokenmixup([*argv, '--viz-dir', str(tmp_path / 'out2')])
 
 
 def test_mix_pictures_show_tokenmix_activation_map_targets(quadrant_data, tmp_path):

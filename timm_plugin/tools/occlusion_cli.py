@@ -49,29 +49,38 @@ __all__ = ['write_results', 'format_table', 'parse_args', 'run', 'main']
 
 
 # ----------------------------------------------------------------------------------------- output
-def format_table(rows: Sequence[dict], repeats: int = 1) -> str:
-    """Markdown table of the rows (``± std`` over repeats when there are several)."""
+def shows_top5(num_classes) -> bool:
+    """Top-5 says something only with more than 5 classes (with 5 or fewer it is 100 % whatever the model)."""
+    return num_classes is None or num_classes > 5
+
+
+def format_table(rows: Sequence[dict], repeats: int = 1, num_classes=None) -> str:
+    """Markdown table of the rows (``± std`` over repeats when there are several); no top-5 column with 5
+    classes or fewer."""
 
     def acc(row: dict, key: str) -> str:
         return f'{row[key]:.2f}' + (f' ± {row[key + "_std"]:.2f}' if repeats > 1 else '')
 
-    lines = ['| drop ratio | dropped patches | top-1 (%) | top-5 (%) |', '|---:|---:|---:|---:|']
+    top5 = shows_top5(num_classes)
+    lines = ['| drop ratio | dropped patches | top-1 (%) |' + (' top-5 (%) |' if top5 else ''), '|---:|---:|---:|']
+    lines[1] += '---:|' if top5 else ''
     for row in rows:
         lines.append(
             f'| {row["ratio"]:.0%} | {row["dropped_patches"]}/{row["num_patches"]} | '
-            f'{acc(row, "top1")} | {acc(row, "top5")} |'
+            f'{acc(row, "top1")} |' + (f' {acc(row, "top5")} |' if top5 else '')
         )
     return '\n'.join(lines)
 
 
-def _plot(rows: Sequence[dict], path: Path, title: str) -> None:
+def _plot(rows: Sequence[dict], path: Path, title: str, num_classes=None) -> None:
     from shared_core.plotting import pyplot
 
     plt = pyplot()
 
     x = [100 * row['ratio'] for row in rows]
     fig, ax = plt.subplots(figsize=(5, 3.6))
-    for key, style in (('top1', 'o-'), ('top5', 's--')):
+    curves = (('top1', 'o-'), ('top5', 's--')) if shows_top5(num_classes) else (('top1', 'o-'),)
+    for key, style in curves:
         y, err = [row[key] for row in rows], [row[key + '_std'] for row in rows]
         ax.errorbar(x, y, yerr=err if any(err) else None, fmt=style, capsize=3, label=key.replace('top', 'top-'))
     ax.set_xlabel('drop ratio (% of patches)')
@@ -86,9 +95,16 @@ def _plot(rows: Sequence[dict], path: Path, title: str) -> None:
 
 
 def write_results(
-    rows: Sequence[dict], out: str | Path, *, header: str, repeats: int = 1, title: str | None = None
+    rows: Sequence[dict],
+    out: str | Path,
+    *,
+    header: str,
+    repeats: int = 1,
+    title: str | None = None,
+    num_classes: int | None = None,
 ) -> dict[str, Path]:
-    """``occlusion.csv`` (one row per ratio), ``occlusion.md`` (header + table) and ``occlusion.png`` in ``out``."""
+    """``occlusion.csv`` (one row per ratio), ``occlusion.md`` (header + table) and ``occlusion.png`` in ``out``;
+    with ``num_classes`` <= 5 the table and the plot leave top-5 out (it is 100 %; the CSV keeps it)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {'csv': out / 'occlusion.csv', 'md': out / 'occlusion.md', 'png': out / 'occlusion.png'}
@@ -96,8 +112,9 @@ def write_results(
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         writer.writeheader()
         writer.writerows(rows)
-    paths['md'].write_text(f'# Occlusion robustness\n\n{header}\n\n{format_table(rows, repeats)}\n')
-    _plot(rows, paths['png'], title or header.splitlines()[0])
+    table = format_table(rows, repeats, num_classes)
+    paths['md'].write_text(f'# Occlusion robustness\n\n{header}\n\n{table}\n')
+    _plot(rows, paths['png'], title or header.splitlines()[0], num_classes)
     return paths
 
 
@@ -218,8 +235,12 @@ def run(args: argparse.Namespace) -> list[dict]:
         f'{patch[0]}x{patch[1]} px; seed {args.seed}, {args.repeats} repeat(s)'
     )
     title = f'{args.model} ({Path(args.checkpoint).name if args.checkpoint else "random weights"}), mode {args.mode}'
-    paths = write_results(rows, args.out, header=header, repeats=args.repeats, title=title)
-    print(f'{header}\n\n{format_table(rows, args.repeats)}\n\nwrote {", ".join(str(p) for p in paths.values())}')
+    classes = model.num_classes
+    if not shows_top5(classes):
+        header += f'; top-5 left out: {classes} classes'
+    paths = write_results(rows, args.out, header=header, repeats=args.repeats, title=title, num_classes=classes)
+    table = format_table(rows, args.repeats, classes)
+    print(f'{header}\n\n{table}\n\nwrote {", ".join(str(p) for p in paths.values())}')
     return rows
 
 

@@ -187,6 +187,7 @@ def mix(argv) -> Path:
     rows, meta_samples = [], []
     soft = target.as_tensor() if hasattr(target, 'as_tensor') else target
     labels = y.as_tensor() if hasattr(y, 'as_tensor') else y
+    branches = [_branch(m, i, mix_kind) for i in range(count)]
     maps = act_lam = None
     if args.activation_map_dir:  # the teacher's map of each image's own class on the token grid (Eq. 2's A)
         from shared_core.label_maps import class_maps
@@ -206,23 +207,27 @@ def mix(argv) -> Path:
         row = [
             (f'{i}: {names[int(labels[i])]}', own[i]),
             (f'partner {p}: {names[int(labels[p])]}', partner[i]),
-            (f'mixed, λ={lam:.2f}', mixed[i]),
+            (f'{branches[i]}, λ={lam:.2f}', mixed[i]),
             ('target: ' + _top(soft[i], names), tinted[i]),
             ('partner share', shares[i]),
         ]
-        sample = dict(index=indices[i], label=int(labels[i]), partner=p, lam=lam, token_share=m.token_share[i].tolist())
+        sample = dict(index=indices[i], label=int(labels[i]), partner=p, lam=lam, branch=branches[i])
+        sample['token_share'] = m.token_share[i].tolist()
         if maps is not None:
             files['map'] = f'sample{i}_map.png'
             save_png(map_pics[i], out / files['map'])
             row.insert(2, (f"partner's map ({names[int(labels[p])]})", map_pics[p]))
             row.insert(1, (f'teacher map ({names[int(labels[i])]})', map_pics[i]))
-            row[4] = (f"mixed, area λ={lam:.2f}, λ'={float(act_lam[i]):.2f}", mixed[i])
+            row[4] = (f"{branches[i]}, area λ={lam:.2f}, λ'={float(act_lam[i]):.2f}", mixed[i])
             sample.update(activation_map=maps[i].tolist(), activation_lam=float(act_lam[i]))
         rows.append(row)
         meta_samples.append(dict(sample, target=soft[i].tolist(), files=files))
     shown = f'{method} over {mix_kind}' if method else mix_kind
     if args.activation_map_dir:
         shown += f' with {args.activation_target} activation-map targets'
+    drawn = sorted(set(branches) - {mix_kind})
+    if drawn:  # the MixUp/CutMix switch (or λ = 1) drew another branch for some samples: say so, not only the kind
+        shown += f' (this draw: {", ".join(f"{b} for {branches.count(b)} of {count}" for b in drawn)})'
     save_figure(rows, out / 'mix.png', title=f'{shown} (what tokenaug-train mixes; red: from the partner)')
     meta = dict(
         command='mix',
@@ -233,6 +238,19 @@ def mix(argv) -> Path:
         samples=meta_samples,
     )
     return write_index(out, f'tokenaug-viz mix: {shown}', [('samples', 'mix.png')], meta)
+
+
+def _branch(m, i: int, mix_kind: str) -> str:
+    """What the sampler drew for sample ``i``: ``'unmixed'`` (λ = 1), ``'mixup'`` (a blend: no box, the same partner
+    share on every token: the MixUp branch of a MixUp/CutMix switch), else the mixing kind asked for."""
+    lam = float(m.lam[i])
+    if lam >= 1.0:
+        return 'unmixed'
+    boxed = m.boxes is not None and (m.box_valid is None or bool(m.box_valid[i]))
+    share = m.token_share[i]
+    if not boxed and mix_kind != 'mixup' and bool(torch.allclose(share, torch.full_like(share, 1.0 - lam))):
+        return 'mixup'
+    return mix_kind
 
 
 def _tl_align_args(parser: argparse.ArgumentParser) -> None:
@@ -435,6 +453,27 @@ def token_labels(argv) -> Path:
     return write_index(out, 'tokenaug-viz token-labels', [('token labels', 'token_labels.png')], meta)
 
 
+def _load_with_scorenets(model, state: dict, checkpoint: str):
+    """Load ``state`` into ``model`` (with its ScoreNets attached) strictly; a checkpoint of a run without
+    TokenMixup has no ScoreNets: then everything else loads strictly, the ScoreNets stay as initialised, and the
+    returned note (printed, in meta.json and the title) says so. Any other mismatch is an error naming the keys."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    other = [k for k in missing if not k.startswith('tokenmixup_scorenet.')]
+    if other or unexpected:
+        raise ValueError(
+            f'--initial-checkpoint: {checkpoint} does not fit {type(model).__name__}: missing {other[:8]}, '
+            f'unexpected {unexpected[:8]}'
+        )
+    if not missing:
+        return None
+    note = (
+        f'{checkpoint} has no ScoreNet (a run without TokenMixup): the ScoreNet is untrained, so which samples HTM '
+        "counts as easy is arbitrary; the saliency, the matching and the swapped tokens are the model's own"
+    )
+    print(f'tokenaug-viz tokenmixup: note: {note}', flush=True)
+    return note
+
+
 def tokenmixup(argv) -> Path:
     """``tokenaug-viz tokenmixup``: one batch at the first HTM block of a model (``--tokenmixup-htm-layers``,
     ``--initial-checkpoint`` with its ScoreNets): each sample's token saliency, the partner HTM matched it with
@@ -465,10 +504,11 @@ def tokenmixup(argv) -> Path:
         saliency=args.tokenmixup_saliency,
         scorenet=args.tokenmixup_scorenet,
     )
-    if checkpoint:  # after the ScoreNets are attached: a tokenaug-train checkpoint holds them
+    scorenet_note = None
+    if checkpoint:  # after the ScoreNets are attached: a checkpoint of a TokenMixup run holds them
         state = load_checkpoint_file(checkpoint, '--initial-checkpoint')
         state = state.get('state_dict', state) if isinstance(state, dict) else state
-        model.load_state_dict(state)
+        scorenet_note = _load_with_scorenets(model, state, checkpoint)
     data_config = resolve_data_config(vars(args), model=model)
     dataset, dataset.transform = _training_split(args, data_config)
     if len(dataset) < count:
@@ -537,11 +577,15 @@ def tokenmixup(argv) -> Path:
                 files=files,
             )
         )
-    save_figure(rows, out / 'tokenmixup.png', title=f'HTM at block {layer} (tau {tm.tau}, rho {args.tokenmixup_rho})')
+    title = f'HTM at block {layer} (tau {tm.tau}, rho {args.tokenmixup_rho})'
+    if scorenet_note:
+        title += '; ScoreNet untrained: which samples count as easy is arbitrary'
+    save_figure(rows, out / 'tokenmixup.png', title=title)
     meta = dict(
         command='tokenmixup',
         model=args.model,
         checkpoint=checkpoint or None,
+        scorenet_note=scorenet_note,
         layer=layer,
         grid=list(grid),
         patch_size=list(patch),
