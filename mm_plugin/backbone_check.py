@@ -116,7 +116,14 @@ def check_backbone_loaded(backbone: torch.nn.Module, path: str, values: bool = T
 
 @HOOKS.register_module()
 class BackboneCheckpointCheck(Hook):
-    """See the module docstring. ``custom_hooks = [dict(type='BackboneCheckpointCheck')]``."""
+    """``custom_hooks = [dict(type='BackboneCheckpointCheck')]``: the backbone's pretrained checkpoint
+    (``model.backbone.init_cfg.checkpoint``) must exist and load entirely, checked before the run (the keys) and
+    after the weights are initialised (every tensor); see the module docstring.
+
+    Args:
+        (none): it reads the checkpoint path from the backbone's ``init_cfg``; it does nothing in test runs or
+            when ``load_from`` / ``resume`` supply the weights. Priority ``'VERY_HIGH'``.
+    """
 
     priority = 'VERY_HIGH'
 

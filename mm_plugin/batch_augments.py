@@ -98,7 +98,17 @@ class MixBatchAugment:
 
 @BATCH_AUGMENTS.register_module()
 class TAMixup(MixBatchAugment):
-    """MixUp (λ ~ Beta(α, α), every token gets the partner share 1 - λ)."""
+    """MixUp (λ ~ Beta(α, α), every token gets the partner share 1 - λ); mmpretrain's ``Mixup`` with the mix
+    carried to the token-aware methods.
+
+    Args:
+        alpha (float): Beta(α, α) parameter of λ. Defaults to 1.0.
+        patch_size (int | tuple, optional): the backbone's patch size; ``None``: the data preprocessor's.
+        mode (str): ``'batch'`` (one λ per batch, as mmpretrain's ``Mixup``), ``'pair'`` or ``'elem'``.
+            Defaults to ``'batch'``.
+        activation_targets (str, optional): ``'true_class'`` or ``'distribution'``: TokenMix's targets from a
+            teacher's activation maps instead of the area target (:class:`MixBatchAugment`). Defaults to None.
+    """
 
     mix_kind = 'mixup'
 
@@ -107,7 +117,18 @@ class TAMixup(MixBatchAugment):
 class TACutMix(MixBatchAugment):
     """CutMix with timm's box sampling: λ corrected to the clipped box area (``correct_lam``), or a
     box from ``cutmix_minmax``. Patch tokens cut by the box get fractional partner shares.
-    ``box_rounding='public'``: the public code's box (``cut // 2`` on both sides of the centre)."""
+
+    Args:
+        alpha (float): Beta(α, α) parameter of λ. Defaults to 1.0.
+        cutmix_minmax (sequence of 2 floats, optional): the box's side as a fraction of the image side, drawn
+            uniformly in ``[min, max]`` (timm's ``cutmix_minmax``) instead of from λ. Defaults to None.
+        correct_lam (bool): λ from the box's area after clipping to the image (timm's default). Defaults to True.
+        patch_size (int | tuple, optional): the backbone's patch size; ``None``: the data preprocessor's.
+        mode (str): ``'batch'``, ``'pair'`` or ``'elem'``. Defaults to ``'batch'``.
+        activation_targets (str, optional): TokenMix's activation-map targets (see :class:`TAMixup`).
+        box_rounding (str): ``'timm'`` or ``'public'`` (the public code's box: ``cut // 2`` on both sides of the
+            centre). Defaults to ``'timm'``.
+    """
 
     mix_kind = 'cutmix'
 
@@ -134,18 +155,39 @@ class TACutMix(MixBatchAugment):
 
 @BATCH_AUGMENTS.register_module()
 class TAMixToken(MixBatchAugment):
-    """MixToken's box on the token grid (Token Labeling, Sec. 3.3); ``box_rounding='public'`` (a sampler
-    argument) rounds it as the public code."""
+    """MixToken's box on the token grid (Token Labeling, Sec. 3.3), here as an image-level batch augment (the
+    token labeling classifier mixes the patch tokens themselves, :class:`TokenLabelingClassifier`).
+
+    Args:
+        alpha (float): Beta(α, α) parameter of λ. Defaults to 1.0.
+        patch_size (int | tuple, optional): the backbone's patch size; ``None``: the data preprocessor's.
+        mode (str): ``'batch'``, ``'pair'`` or ``'elem'``. Defaults to ``'batch'``.
+        activation_targets (str, optional): TokenMix's activation-map targets (see :class:`TAMixup`).
+        **sampler_kwargs: further :class:`~shared_core.samplers.MixSampler` arguments, e.g.
+            ``box_rounding='public'`` (the public code's box).
+    """
 
     mix_kind = 'token_box'
 
 
 @BATCH_AUGMENTS.register_module()
 class TATokenMix(MixBatchAugment):
-    """TokenMix masks (tokenmix.md Sec. 3.2): ``mask='block'`` (several separated parts, at least
-    ``min_tokens`` each) or ``'random'`` (single tokens); ``lam`` fixes λ (TokenMix: 0.5) instead of
-    drawing it from Beta(α, α); ``rule='public'`` draws masks as the public code (``int((1 - λ) N) +
-    min_tokens`` tokens targeted, parts from 1 token; :data:`~shared_core.token_masks.TOKENMIX_RULES`)."""
+    """TokenMix masks (TokenMix, Sec. 3.2): the partner's tokens in several separated parts or single tokens.
+
+    Args:
+        alpha (float): Beta(α, α) parameter of λ when ``lam`` is None. Defaults to 1.0.
+        mask (str): ``'block'`` (several separated parts, at least ``min_tokens`` each) or ``'random'`` (single
+            tokens). Defaults to ``'block'``.
+        lam (float, optional): a fixed λ in [0, 1] (TokenMix: 0.5) instead of a draw. Defaults to None.
+        min_tokens (int, optional): the smallest part of a block mask; None: the sampler's default.
+        patch_size (int | tuple, optional): the backbone's patch size; ``None``: the data preprocessor's.
+        mode (str): ``'batch'``, ``'pair'`` or ``'elem'``. Defaults to ``'batch'``.
+        activation_targets (str, optional): ``'true_class'`` (TokenMix Eq. 2) or ``'distribution'``: targets from
+            a teacher's activation maps instead of the area target (see :class:`TAMixup`). Defaults to None.
+        rule (str): ``'paper'`` or ``'public'`` (masks drawn as the public code: ``int((1 - λ) N) + min_tokens``
+            tokens targeted, parts from 1 token; :data:`~shared_core.token_masks.TOKENMIX_RULES`). Defaults to
+            ``'paper'``.
+    """
 
     def __init__(
         self,

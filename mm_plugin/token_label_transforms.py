@@ -231,17 +231,50 @@ class _RecordsAffine:
 
 @TRANSFORMS.register_module()
 class TokenLabelRotate(_RecordsAffine, Rotate):
-    """mmpretrain's ``Rotate`` that records its affine for token labels (see :class:`TokenLabelRandAugment`)."""
+    """mmpretrain's ``Rotate`` that records its affine for token labels (see :class:`TokenLabelRandAugment`).
+
+    Args:
+        angle (float, optional): the rotation in degrees; None: from ``magnitude_level``.
+        center (tuple, optional): the centre of rotation; None: the image centre.
+        scale (float): isotropic scale. Defaults to 1.0.
+        pad_val (int | sequence): fill of the uncovered pixels. Defaults to 128.
+        prob (float): probability of applying it. Defaults to 0.5.
+        random_negative_prob (float): probability of negating the angle. Defaults to 0.5.
+        interpolation (str): as mmpretrain's ``Rotate``. Defaults to ``'nearest'``.
+        **kwargs: mmpretrain's ``BaseAugTransform`` arguments (``magnitude_level``, ``magnitude_range``,
+            ``magnitude_std``, ``total_level``).
+    """
 
 
 @TRANSFORMS.register_module()
 class TokenLabelShear(_RecordsAffine, Shear):
-    """mmpretrain's ``Shear`` that records its affine for token labels (see :class:`TokenLabelRandAugment`)."""
+    """mmpretrain's ``Shear`` that records its affine for token labels (see :class:`TokenLabelRandAugment`).
+
+    Args:
+        magnitude (float, optional): the shear factor (mmpretrain's ``Shear``); None: from ``magnitude_level``.
+        pad_val (int | sequence): fill of the uncovered pixels. Defaults to 128.
+        prob (float): probability of applying it. Defaults to 0.5.
+        random_negative_prob (float): probability of negating the magnitude. Defaults to 0.5.
+        interpolation (str): as mmpretrain's ``Shear``.
+        **kwargs: mmpretrain's ``BaseAugTransform`` arguments (``magnitude_level``, ``magnitude_range``,
+            ``magnitude_std``, ``total_level``); ``direction``: ``'horizontal'`` or ``'vertical'``.
+    """
 
 
 @TRANSFORMS.register_module()
 class TokenLabelTranslate(_RecordsAffine, Translate):
-    """mmpretrain's ``Translate`` that records its affine for token labels (see :class:`TokenLabelRandAugment`)."""
+    """mmpretrain's ``Translate`` that records its affine for token labels (see :class:`TokenLabelRandAugment`).
+
+    Args:
+        magnitude (float, optional): the shift as a fraction of the image side (mmpretrain's ``Translate``);
+            None: from ``magnitude_level``.
+        pad_val (int | sequence): fill of the uncovered pixels. Defaults to 128.
+        prob (float): probability of applying it. Defaults to 0.5.
+        random_negative_prob (float): probability of negating the magnitude. Defaults to 0.5.
+        interpolation (str): as mmpretrain's ``Translate``.
+        **kwargs: mmpretrain's ``BaseAugTransform`` arguments (``magnitude_level``, ``magnitude_range``,
+            ``magnitude_std``, ``total_level``); ``direction``: ``'horizontal'`` or ``'vertical'``.
+    """
 
 
 _RECORDING = {'Rotate': 'TokenLabelRotate', 'Shear': 'TokenLabelShear', 'Translate': 'TokenLabelTranslate'}
@@ -446,7 +479,12 @@ def check_dataset_maps(dataset) -> int:
 class TokenLabelStoreCheck(Hook):
     """``custom_hooks = [dict(type='TokenLabelStoreCheck')]``: before training, every image of the training set
     must have a map in the store its :class:`LoadTokenLabelMap` reads (:func:`check_dataset_maps`), instead of
-    a failure when the sample is first drawn mid-epoch."""
+    a failure when the sample is first drawn mid-epoch.
+
+    Args:
+        (none): it reads the store and the split from the training dataset's ``LoadTokenLabelMap``; its
+            priority is ``'VERY_HIGH'`` (it runs before the other ``before_train`` hooks).
+    """
 
     priority = 'VERY_HIGH'
 
