@@ -43,12 +43,39 @@ def pyplot():
     return plt
 
 
-def save_figure(rows: Sequence[Sequence[Panel]], path, title: Optional[str] = None, panel_inches: float = 2.3) -> Path:
-    """A grid of titled panels (rows of ``(title, image)``; a missing panel is ``None``) as one PNG."""
+#: a colour bar under a figure: ``('share', label)`` for the OWN -> PARTNER partner-share scale of
+#: :func:`shared_core.viz.share_colours`, ``('grey', label, (lo, hi))`` for grey levels (``(lo, hi)`` the values
+#: of black and white; ``None``: each sample's own minimum and maximum)
+Scale = Tuple
+
+
+def save_figure(
+    rows: Sequence[Sequence[Panel]],
+    path,
+    title: Optional[str] = None,
+    panel_inches: float = 2.3,
+    scales: Sequence[Scale] = (),
+    legend: Sequence[Tuple[str, Sequence[int]]] = (),
+) -> Path:
+    """A grid of titled panels (rows of ``(title, image)``; a missing panel is ``None``) as one PNG, laid out by
+    matplotlib's constrained layout (titles never over the row above); under it a colour bar per ``scales`` entry
+    and a legend of ``legend``'s ``(name, rgb)`` colours (e.g. the class colours)."""
+    from shared_core.viz import OWN, PARTNER
+
     plt = pyplot()
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import LinearSegmentedColormap, Normalize
+    from matplotlib.patches import Patch
 
     nrows, ncols = len(rows), max(len(r) for r in rows)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(ncols * panel_inches, nrows * panel_inches + 0.4), squeeze=False)
+    extra = 0.45 * len(scales) + (0.3 * (1 + (len(legend) - 1) // 5) if legend else 0.0)
+    fig, axes = plt.subplots(
+        nrows,
+        ncols,
+        figsize=(ncols * panel_inches, nrows * (panel_inches + 0.25) + 0.5 + extra),
+        squeeze=False,
+        layout='constrained',
+    )
     for i in range(nrows):
         for j in range(ncols):
             ax = axes[i][j]
@@ -63,10 +90,35 @@ def save_figure(rows: Sequence[Sequence[Panel]], path, title: Optional[str] = No
             for spine in ax.spines.values():  # a thin frame: white panel areas stay apart from the page
                 spine.set_linewidth(0.5)
                 spine.set_color('0.6')
-            ax.set_title(name, fontsize=7)
+            ax.set_title(name, fontsize=7, wrap=True)
+    for scale in scales:
+        kind, label = scale[0], scale[1]
+        if kind == 'share':
+            cmap = LinearSegmentedColormap.from_list('share', [np.asarray(OWN) / 255, np.asarray(PARTNER) / 255])
+            lo, hi, ticks = 0.0, 1.0, None
+        elif kind == 'grey':
+            cmap, bounds = 'gray', scale[2] if len(scale) > 2 else None
+            lo, hi = (0.0, 1.0) if bounds is None else bounds
+            ticks = ['min', 'max'] if bounds is None else None
+        else:
+            raise ValueError(f"scales: expected ('share', label) or ('grey', label, range), got {scale!r}")
+        bar = fig.colorbar(
+            ScalarMappable(Normalize(lo, hi), cmap),
+            ax=axes,
+            orientation='horizontal',
+            fraction=0.9 / (nrows * panel_inches + 1),
+            aspect=60,
+            pad=0.01,
+        )
+        bar.set_label(label, fontsize=7)
+        bar.ax.tick_params(labelsize=6)
+        if ticks:
+            bar.set_ticks([lo, hi], labels=ticks)
+    if legend:
+        handles = [Patch(color=np.asarray(rgb) / 255, label=name) for name, rgb in legend]
+        fig.legend(handles=handles, loc='outside lower center', ncol=min(5, len(handles)), fontsize=7, frameon=False)
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -228,7 +228,12 @@ def mix(argv) -> Path:
     drawn = sorted(set(branches) - {mix_kind})
     if drawn:  # the MixUp/CutMix switch (or λ = 1) drew another branch for some samples: say so, not only the kind
         shown += f' (this draw: {", ".join(f"{b} for {branches.count(b)} of {count}" for b in drawn)})'
-    save_figure(rows, out / 'mix.png', title=f'{shown} (what tokenaug-train mixes; red: from the partner)')
+    scales = [('share', 'partner share of each token (blue: the own image, red: the partner)')]
+    if maps is not None:
+        scales.append(('grey', "teacher's probability of the image's own class", (0.0, 1.0)))
+    save_figure(
+        rows, out / 'mix.png', title=f'{shown} (what tokenaug-train mixes; red: from the partner)', scales=scales
+    )
     meta = dict(
         command='mix',
         mixing=shown,
@@ -340,7 +345,9 @@ def tl_align(argv) -> Path:
             )
         )
     title = f"TL-Align on {args.model} ({mix_kind}; red: the partner's label)"
-    save_figure(rows, out / 'tl_align.png', title=title)
+    save_figure(
+        rows, out / 'tl_align.png', title=title, scales=[('share', "the partner's share of each token's label")]
+    )
     meta = dict(
         command='tl-align',
         model=args.model,
@@ -399,20 +406,27 @@ def token_labels(argv) -> Path:
     names = _names(base, store.num_classes)
     colours = class_colours(store.num_classes)
     out = Path(args.viz_dir)
-    rows, meta_images = [], []
+    rows, meta_images, shown = [], [], set()
     for n, idx in enumerate(indices):
         _seed(args.viz_seed * 1000 + n)
         samples = [dataset[idx] for _ in range(args.draws)]
         x, target = collate(samples)
         probs = target.token_targets(grid, 0.0).dense().reshape(len(samples), *grid, -1)
+        shown.update(probs.argmax(-1).unique().tolist())
         pics = label_image(probs, size, stride)
         imgs = x.permute(0, 2, 3, 1).numpy()
         if imgs.shape[-1] == 1:
             imgs = imgs.repeat(3, -1)
+        # the stored map on the targets' encoding (the probability-weighted mean of the class colours): its
+        # top-k probabilities, renormalised to sum to 1, 8 px per map cell
         values, idxs = store.row(store.index_of(base.filename(idx)))
-        conf, top = torch.as_tensor(values[0]).float(), torch.as_tensor(idxs[0])
-        stored = colours[top.numpy()].astype(float) * conf.numpy()[..., None] + 255 * (1 - conf.numpy()[..., None])
-        stored = stored.round().astype('uint8').repeat(8, 0).repeat(8, 1)
+        values, idxs = torch.as_tensor(values).float(), torch.as_tensor(idxs).long()  # (k, h, w)
+        dist = torch.zeros(*values.shape[1:], store.num_classes).scatter_(
+            -1, idxs.permute(1, 2, 0), values.permute(1, 2, 0)
+        )
+        dist = dist / dist.sum(-1, keepdim=True).clamp_min(1e-12)
+        stored = label_image(dist[None], (8 * dist.shape[0], 8 * dist.shape[1]), (8, 8))[0]
+        shown.update(dist.argmax(-1).unique().tolist())
         save_png(stored, out / f'image{n}_map.png')
         label = int(target.as_tensor()[0])
         row = [(f'{base.filename(idx, basename=True)}: {names[label]} (stored map)', stored)]
@@ -437,7 +451,10 @@ def token_labels(argv) -> Path:
             )
         rows.append(row)
         meta_images.append(dict(index=idx, file=base.filename(idx), label=label, map=f'image{n}_map.png', draws=draws))
-    save_figure(rows, out / 'token_labels.png', title='token labels after the training transforms (class colours)')
+    title = 'token labels: the stored map, then each draw after the training transforms and its targets'
+    names = list(names) + [str(c) for c in range(len(names), store.num_classes)]
+    legend = [(names[c], colours[c]) for c in sorted(shown)[:30]]  # the classes some token shows as its top-1
+    save_figure(rows, out / 'token_labels.png', title=title, legend=legend)
     meta = dict(
         command='token-labels',
         store=str(args.token_label_dir),
@@ -580,7 +597,11 @@ def tokenmixup(argv) -> Path:
     title = f'HTM at block {layer} (tau {tm.tau}, rho {args.tokenmixup_rho})'
     if scorenet_note:
         title += '; ScoreNet untrained: which samples count as easy is arbitrary'
-    save_figure(rows, out / 'tokenmixup.png', title=title)
+    scales = [
+        ('grey', 'saliency (each sample: its own min -> max)', None),
+        ('share', 'swapped: from the partner (red)'),
+    ]
+    save_figure(rows, out / 'tokenmixup.png', title=title, scales=scales)
     meta = dict(
         command='tokenmixup',
         model=args.model,
@@ -635,7 +656,12 @@ def tokenmix(argv) -> Path:
         columns.append([(f'{kind} λ={v:.3f}', pics[j]) for j, v in enumerate(lam)])
         meta[kind] = dict(lam=lam, token_share=share.tolist(), files=files, **{k: v for k, v in kw.items()})
     rows = [list(r) for r in zip(*columns)]
-    save_figure(rows, out / 'tokenmix.png', title=f'token masks at λ = {a.lam} (red: from the partner)')
+    save_figure(
+        rows,
+        out / 'tokenmix.png',
+        title=f'token masks at λ = {a.lam} (red: from the partner)',
+        scales=[('share', 'partner share of each token (blue: the own image, red: the partner)')],
+    )
     meta = dict(command='tokenmix', img_size=list(img), patch_size=list(patch), lam=a.lam, samplers=meta)
     return write_index(out, 'tokenaug-viz tokenmix', [('masks per sampler', 'tokenmix.png')], meta)
 
