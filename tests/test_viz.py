@@ -136,6 +136,9 @@ def test_tl_align_pictures_read_back_and_start_from_the_mix(tiny_world, tmp_path
             read = share_from_colour(_png(out / sample['files'][key])[rc[:, 0], rc[:, 1]]).reshape(7, 7)
             assert np.abs(read - np.asarray(sample[key])).max() < 1 / 300
         assert 0.0 <= sample['aligned_lam'] <= 1.0 and {'block0', 'block1'} <= set(sample['files'])
+    # --per-block: the states in a figure of their own, at most BLOCKS_PER_ROW a row (not one strip per sample)
+    assert (out / 'index.html').read_text().count('<img') == 2
+    assert _png(out / 'tl_align_blocks.png').shape[1] <= _png(out / 'tl_align.png').shape[1]
     with pytest.raises(ValueError, match='no tracer for .*EfficientNet'):
         viz_cli.tl_align(
             [*common[:-3], '--model', 'efficientnet_b0', '--model-kwargs', '--viz-dir', str(tmp_path / 'r')]

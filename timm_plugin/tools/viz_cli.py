@@ -258,6 +258,10 @@ def _branch(m, i: int, mix_kind: str) -> str:
     return mix_kind
 
 
+#: label states per row of ``tl_align_blocks.png`` (``--per-block``)
+BLOCKS_PER_ROW = 6
+
+
 def _tl_align_args(parser: argparse.ArgumentParser) -> None:
     _viz_args(parser)
     parser.add_argument(
@@ -313,7 +317,7 @@ def tl_align(argv) -> Path:
     initial, final = picture(initial_state), picture(states[-1])
     blocks = [picture(h) for h in states] if args.per_block else []
     out = Path(args.viz_dir)
-    rows, meta_samples = [], []
+    rows, block_rows, meta_samples = [], [], []
     for i in range(count):
         p = int(m.partner[i])
         area, al = float(m.lam[i]), 1.0 - float(aligned[i])
@@ -327,10 +331,12 @@ def tl_align(argv) -> Path:
             (f'initial labels, λ={area:.2f}', initial[i]),
             (f'aligned labels, λ={al:.2f}', final[i]),
         ]
+        panels = []
         for b, pic in enumerate(blocks):
             files[f'block{b}'] = f'sample{i}_block{b}.png'
             save_png(pic[i], out / files[f'block{b}'])
-            row.append((f'after block {b}', pic[i]))
+            panels.append((f'{i}: after block {b}', pic[i]))
+        block_rows += [panels[k : k + BLOCKS_PER_ROW] for k in range(0, len(panels), BLOCKS_PER_ROW)]
         rows.append(row)
         meta_samples.append(
             dict(
@@ -345,9 +351,14 @@ def tl_align(argv) -> Path:
             )
         )
     title = f"TL-Align on {args.model} ({mix_kind}; red: the partner's label)"
-    save_figure(
-        rows, out / 'tl_align.png', title=title, scales=[('share', "the partner's share of each token's label")]
-    )
+    scales = [('share', "the partner's share of each token's label")]
+    save_figure(rows, out / 'tl_align.png', title=title, scales=scales)
+    pages = [('TL-Align', 'tl_align.png')]
+    if block_rows:  # a figure of its own, BLOCKS_PER_ROW states a row: readable at any depth
+        save_figure(
+            block_rows, out / 'tl_align_blocks.png', title=f'{title}: the label state after each block', scales=scales
+        )
+        pages.append(('the label state after each block', 'tl_align_blocks.png'))
     meta = dict(
         command='tl-align',
         model=args.model,
@@ -358,7 +369,7 @@ def tl_align(argv) -> Path:
         block_grids=[list(h.shape[1:]) for h in states],
         samples=meta_samples,
     )
-    return write_index(out, f'tokenaug-viz tl-align: {args.model}', [('TL-Align', 'tl_align.png')], meta)
+    return write_index(out, f'tokenaug-viz tl-align: {args.model}', pages, meta)
 
 
 def _token_label_args(parser: argparse.ArgumentParser) -> None:
