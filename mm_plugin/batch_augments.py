@@ -41,7 +41,7 @@ class MixBatchAugment:
         patch_size: the backbone's patch size (token-aware kinds need the image divisible by it).
             ``None``: the data preprocessor's ``patch_size`` (16 under the stock preprocessor).
         mode: ``'batch'`` (one λ per batch, as mmpretrain's Mixup/CutMix), ``'pair'`` or ``'elem'``.
-        activation_targets: TokenMix's targets from a teacher's activation maps (tokenmix.md Eq. 2;
+        activation_targets: TokenMix's targets from a teacher's activation maps (the TokenMix paper, Eq. 2;
             ``'true_class'`` or our ``'distribution'``, see :mod:`shared_core.tokenmix`) instead of the area
             target; needs :class:`TokenAugDataPreprocessor` and the token-label pipeline
             (``LoadTokenLabelMap`` ... ``PackTokenLabelInputs``) carrying each image's map, crop and flip.

@@ -6,7 +6,7 @@
   mmseg / mmdet backbones (LV-ViT: :class:`mm_plugin.lvvit.LVViT`, same key names), used by
   ``tokenaug-convert`` (:mod:`mm_plugin.convert_cli`).
 
-Layout facts handled here (DESIGN.md): mmseg's ViT uses ``nn.MultiheadAttention``
+Layout facts handled here: mmseg's ViT uses ``nn.MultiheadAttention``
 (``attn.attn.in_proj_*`` = timm's ``qkv``); timm's Swin puts ``PatchMerging`` at the *start* of a stage,
 OpenMMLab at the *end* of the previous one, and OpenMMLab merges with ``nn.Unfold`` (channel-major,
 kernel offsets row-major) where timm concatenates the four offsets ``(0,0), (1,0), (0,1), (1,1)``.

@@ -1,6 +1,6 @@
 """LV-ViT as an MMSegmentation backbone (``type='LVViT'``, registered in mmseg's ``MODELS`` by ``import mm_plugin``).
 
-Token Labeling (``../shared/papers/token-labeling.md``, Sec. 4.4, Table 7) transfers LV-ViT to ADE20K with
+The Token Labeling paper (Sec. 4.4, Table 7) transfers LV-ViT to ADE20K with
 FCN and UperNet heads. The backbone is the timm model of :mod:`timm_plugin.lvvit` without its heads: the
 same modules (:class:`~timm_plugin.lvvit.ConvPatchEmbed`, :class:`~timm_plugin.lvvit.LVBlock`) under the
 same key names (``patch_embed.conv1 ... proj``, ``cls_token``, ``pos_embed``, ``blocks.{i}``, ``norm``),

@@ -1,4 +1,4 @@
-"""Token labeling's data path for MMPretrain (``token-labeling.md`` Sec. 3.2): pipeline transforms that
+"""Token labeling's data path for MMPretrain (the Token Labeling paper, Sec. 3.2): pipeline transforms that
 carry each image's label-map row, crop and flip, and :func:`token_label_batch`, which stacks them on the
 training device. The head and classifier are :mod:`mm_plugin.token_labeling`.
 

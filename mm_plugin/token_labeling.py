@@ -1,4 +1,4 @@
-"""Token labeling + MixToken for MMPretrain (``token-labeling.md`` Sec. 3.2-3.3): head and classifier.
+"""Token labeling + MixToken for MMPretrain (the Token Labeling paper, Sec. 3.2-3.3): head and classifier.
 
 The objective (Eq. 1-4): besides the class token's cross entropy, every output patch token ``X^i`` is
 trained against the annotator's label ``y^i`` of its location (a dense score map, stored offline by

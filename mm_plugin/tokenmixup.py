@@ -1,5 +1,5 @@
 """TokenMixup for MMPretrain: ``TokenMixupClassifier``, an ``ImageClassifier`` trained with Horizontal (HTM) and
-Vertical (VTM) TokenMixup (``tokenmixup.md``).
+Vertical (VTM) TokenMixup (the TokenMixup paper).
 
 Config: ``model = dict(type='TokenMixupClassifier', tokenmixup=dict(htm_layers=[3], vtm_layers=[4], ...), ...)``.
 In ``loss`` the classifier runs the backbone under the hooks of :class:`shared_core.tokenmixup.TokenMixupHooks`

@@ -1,4 +1,4 @@
-"""Token labeling's targets from stored dense score maps (``token-labeling.md`` Sec. 3.2, Eq. 2-7).
+"""Token labeling's targets from stored dense score maps (the Token Labeling paper, Sec. 3.2, Eq. 2-7).
 
 An offline annotator scored every location of every *whole* training image (see
 :mod:`shared_core.map_store`): per map cell the top-k class probabilities ``values`` and their class
@@ -33,7 +33,7 @@ Conventions, all in one place:
   affines this is RoIAlign exactly (:func:`normalised_affine` converts a pixel matrix of PIL or OpenCV).
 - *The public order* (flip and RandAugment on the whole image, then the crop): :func:`crop_after_ops` writes it
   in the form above (the whole image as the box, the ops then the crop as the chain).
-- *ReLabel* (``token-labeling.md`` Table 2): one label per crop, the mean of the map's distribution
+- *ReLabel* (the Token Labeling paper, Table 2): one label per crop, the mean of the map's distribution
   over the crop (:func:`crop_targets`, ``roi_align`` to a 1x1 grid).
 
 :func:`token_targets` is the one-image reference entry point; :func:`token_targets_batch` does a

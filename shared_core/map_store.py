@@ -1,6 +1,6 @@
 """On-disk store of dense label maps (Token Labeling's annotator score maps), one format for everything.
 
-Token Labeling (token-labeling.md, Sec. 3.2 and 4.1) supervises every output token with the score map
+Token Labeling (the Token Labeling paper, Sec. 3.2 and 4.1) supervises every output token with the score map
 of an offline *machine annotator*: the annotator sees the whole image (576 px for NFNet-F6), its
 classifier is applied at every location of its last feature map (18 x 18 there), and only the top-5
 classes per location are kept, in half precision. This module stores those maps for a whole dataset:

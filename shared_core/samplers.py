@@ -3,7 +3,7 @@ every mixing kind, drawing a :class:`~shared_core.mix.Mix` without applying it.
 
 Papers: MixUp (https://arxiv.org/abs/1710.09412); CutMix (https://arxiv.org/abs/1905.04899), with box
 sampling, λ correction and min/max boxes as timm's ``timm/data/mixup.py``; MixToken (Token Labeling,
-``token-labeling.md`` Sec. 3.3): a box on the token grid; TokenMix (``tokenmix.md`` Sec. 3.2): token masks.
+the Token Labeling paper, Sec. 3.3): a box on the token grid; TokenMix (the TokenMix paper, Sec. 3.2): token masks.
 """
 
 from __future__ import annotations

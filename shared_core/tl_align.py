@@ -1,4 +1,4 @@
-"""TL-Align's label path, framework-free (``tl-align.md`` Sec. 3.3 and Table 9 of Appendix A).
+"""TL-Align's label path, framework-free (the TL-Align paper, Sec. 3.3 and Table 9 of Appendix A).
 
 A *label state* is a tensor ``(B, T, K)`` beside the ``T`` tokens of a model:
 

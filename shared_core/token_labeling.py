@@ -1,4 +1,4 @@
-"""Token labeling's objective and MixToken, framework-free (``token-labeling.md`` Sec. 3.2-3.3).
+"""Token labeling's objective and MixToken, framework-free (the Token Labeling paper, Sec. 3.2-3.3).
 
 - MixToken (Eq. 5): the patch tokens of two images are swapped inside a box on the token grid, right
   after patch embedding (:func:`swap_tokens` with a ``'token_box'`` :class:`Mix`).

@@ -1,5 +1,5 @@
 """Token masks on the patch grid: MixToken's box (Token Labeling Sec. 3.3), TokenMix's random and block
-masks (``tokenmix.md`` Sec. 3.2: blocks of tokens placed one after another, they may touch or overlap,
+masks (the TokenMix paper, Sec. 3.2: blocks of tokens placed one after another, they may touch or overlap,
 until exactly ``round((1 - λ) · N)`` tokens come from the partner). True = token from the partner.
 
 All randomness comes from an explicit ``torch.Generator`` (``None``: torch's default generator).
@@ -54,7 +54,7 @@ def random_token_mask(
     return (rank < num_masked[:, None]).view(n, gh, gw)
 
 
-# TokenMix block masks (tokenmix.md Sec. 3.2) --------------------------------------------------
+# TokenMix block masks (the TokenMix paper, Sec. 3.2) --------------------------------------------------
 
 #: TokenMix mask rules: ``'paper'`` (exactly ``round((1 - λ) N)`` tokens, parts of at least ``min_tokens``:
 #: :func:`tokenmix_masks`) or ``'public'`` (the authors' code: ``int((1 - λ) N) + min_tokens`` tokens
@@ -154,10 +154,10 @@ def tokenmix_masks(
     min_tokens: Optional[int] = None,
     aspect: Tuple[float, float] = (0.3, 1 / 0.3),
 ) -> torch.Tensor:
-    """TokenMix's *block* masks (tokenmix.md Sec. 3.2) for a batch: ``(n, gh, gw)`` bool, mask ``i``
+    """TokenMix's *block* masks (the TokenMix paper, Sec. 3.2) for a batch: ``(n, gh, gw)`` bool, mask ``i``
     with exactly ``num_masked[i]`` True (True = token from the partner).
 
-    A mask is built from parts placed one after another, as in BEiT's block masking (tokenmix.md
+    A mask is built from parts placed one after another, as in BEiT's block masking (the TokenMix paper
     ref. [1]) but with an exact count: with ``m = min(min_tokens, N)`` tokens and ``R`` still to mask,
     a part draws its size ``s ~ U[m, max(m, R)]`` and its aspect ratio ``h / w`` log-uniform in
     ``aspect``; its rectangle is ``h x w`` with ``h · w >= s`` (:func:`_tokenmix_part_sides`) at a

@@ -1,4 +1,4 @@
-"""TokenMix's targets from a teacher's activation maps (``tokenmix.md`` Sec. 3.2, Eq. 2; Table 7).
+"""TokenMix's targets from a teacher's activation maps (the TokenMix paper, Sec. 3.2, Eq. 2; Table 7).
 
 The teacher's maps are the label-map store of :mod:`shared_core.map_store` (``tokenaug-maps generate``
 with any timm teacher): per image, the teacher's class probabilities at every location of the whole

@@ -1,4 +1,4 @@
-"""TokenMixup (``tokenmixup.md``): attention-guided token mixing inside the network, framework-free.
+"""TokenMixup (the TokenMixup paper): attention-guided token mixing inside the network, framework-free.
 
 Horizontal TokenMixup (HTM, Sec. 3.2-3.4) acts on the input of one block ``L``:
 

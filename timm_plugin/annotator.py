@@ -1,4 +1,4 @@
-"""The machine annotator of Token Labeling (``token-labeling.md`` Sec. 3.2, 4.1): any timm classifier applied
+"""The machine annotator of Token Labeling (the Token Labeling paper, Sec. 3.2, 4.1): any timm classifier applied
 at every location of its pre-pool features, giving a dense score map per image (``tokenaug-maps generate``,
 :mod:`timm_plugin.tools.maps_cli`, writes them into a :mod:`shared_core.map_store` store).
 

@@ -1,5 +1,5 @@
 """Compact Convolutional Transformers (CCT; Hassani et al., "Escaping the Big Data Paradigm with Compact
-Transformers") as timm models: TokenMixup's CIFAR model (``tokenmixup.md`` Table 1: CCT-7/3x1, 3.78M parameters).
+Transformers") as timm models: TokenMixup's CIFAR model (the TokenMixup paper, Table 1: CCT-7/3x1, 3.78M parameters).
 timm has no CCT; ``import timm_plugin`` registers ``cct_7_3x1_32`` (100 classes, the CIFAR-100 model) and
 ``cct_7_3x1_32_sine`` (10 classes, the CIFAR-10 model). Both have a *learnable* positional embedding, as the public
 code trained them: its ``_cct()`` takes ``positional_embedding`` and never passes it on, so the public ``_sine``

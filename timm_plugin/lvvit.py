@@ -1,8 +1,8 @@
 """LV-ViT as timm models (``lvvit_t``, ``lvvit_s``, ``lvvit_m``, ``lvvit_l``), built from timm's ViT parts.
 
 Paper: Jiang et al., *All Tokens Matter: Token Labeling for Training Better Vision Transformers*
-(NeurIPS 2021, arXiv:2104.10858), ``../shared/papers/token-labeling.md`` and its supplement
-``token-labeling-supplement.md``; code https://github.com/zihangJiang/TokenLabeling (``tlt/models/lvvit.py``).
+(NeurIPS 2021, arXiv:2104.10858) and its supplement; code https://github.com/zihangJiang/TokenLabeling
+(``tlt/models/lvvit.py``).
 
 What differs from timm's ``VisionTransformer`` (everything else is timm's: attention, MLP, pos-embed,
 pretrained loading, ``forward_intermediates``, ``set_input_size``, dynamic image sizes):

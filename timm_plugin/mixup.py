@@ -342,7 +342,7 @@ def create_mixer(
         tokenmix_rule: ``'paper'`` (exact counts) or ``'public'`` (the public code's mask sampler).
         carry_mix: return a :class:`MixTarget` (default: for the token kinds, and under a ``method``).
         method: the method that will re-weight the target (``'tl_align'``, ``'transmix'``, :data:`TARGET_METHODS`):
-            the mixer carries the mix (tl-align.md Table 7: ``'cutmix'`` with ``mixup_alpha > 0`` is the
+            the mixer carries the mix (the TL-Align paper, Table 7: ``'cutmix'`` with ``mixup_alpha > 0`` is the
             MixUp/CutMix switch; ``'mixup'``, ``'tokenmix_random'``, ``'tokenmix_block'``).
         collate: return a :class:`FastCollateTokenMixup` (for timm's prefetcher loader).
         activation_targets: TokenMix's targets from a teacher's activation maps (``'true_class'``, the

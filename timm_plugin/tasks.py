@@ -62,7 +62,7 @@ class MethodTask(ClassificationTask):
 
 
 class TLAlignTask(MethodTask):
-    """TL-Align (``tl-align.md``) as a timm ``TrainingTask``: :meth:`timm_plugin.TLAlign.align` run through the
+    """TL-Align (the TL-Align paper) as a timm ``TrainingTask``: :meth:`timm_plugin.TLAlign.align` run through the
     trainable module.
 
     Args:
@@ -112,7 +112,7 @@ class TokenLabelingEval(nn.Module):
 
 
 class TokenLabelingTask(ClassificationTask):
-    """Token labeling + MixToken (``token-labeling.md``) as a timm ``TrainingTask``.
+    """Token labeling + MixToken (the Token Labeling paper) as a timm ``TrainingTask``.
 
     The target is the :class:`~timm_plugin.token_label_data.TokenLabelTarget` of ``TokenLabelCollate`` (label
     indices carrying each image's map rows, crop and flip). The step is :meth:`TokenLabeling.outputs` run
@@ -199,7 +199,7 @@ class TokenLabelingTask(ClassificationTask):
 
 
 class TokenMixupTask(MethodTask):
-    """TokenMixup (``tokenmixup.md``) as a timm ``TrainingTask``: :meth:`timm_plugin.TokenMixup.mix_forward` run
+    """TokenMixup (the TokenMixup paper) as a timm ``TrainingTask``: :meth:`timm_plugin.TokenMixup.mix_forward` run
     through the trainable module; ``loss = criterion(logits, relabelled target) + target.aux_loss`` (the ScoreNet
     loss). The ScoreNets are ``model.tokenmixup_scorenet``, so the optimizer built from the trainable module, EMA
     and checkpoints hold them. Eval is the plain model.

@@ -99,7 +99,7 @@ __all__ = ['TLAlign', 'TransMix', 'SUPPORTED_MODELS', 'timm_tracer']
 
 
 #: the parts of a timm ViT ``Block`` the label rules assume (attention mixes tokens, everything else is per token:
-#: tl-align.md Table 9) and the exact types that are per token; anything else (a wrapped MLP, a token-mixing
+#: the TL-Align paper, Table 9) and the exact types that are per token; anything else (a wrapped MLP, a token-mixing
 #: norm) would need its own rule
 _NORMS = (nn.LayerNorm, LayerNorm, RmsNorm, nn.Identity)
 VIT_BLOCK_PARTS = {
@@ -482,7 +482,7 @@ def _hook_first_drop_path(blk: nn.Module, cap: LabelCapture, handles: list) -> N
 
 
 class CaitTracer:
-    """Label rules for timm's ``Cait`` (``tl-align.md`` Eq. 9/11 and Table 9).
+    """Label rules for timm's ``Cait`` (the TL-Align paper, Eq. 9/11 and Table 9).
 
     Label state ``(B, 1 + N, K)``: the class token's label is carried as prefix token 0 from the start
     (the area label, as for a ViT), although CaiT concatenates its class token only before the class
@@ -603,7 +603,7 @@ def _pool_like(labels: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
 
 
 class PvtV2Tracer(_StagedBlocks):
-    """Label rules for timm's ``PyramidVisionTransformerV2`` (``tl-align.md`` Eq. 9/11 and Table 9).
+    """Label rules for timm's ``PyramidVisionTransformerV2`` (the TL-Align paper, Eq. 9/11 and Table 9).
 
     - Initial labels: one per token of the first (overlapping, 7x7 stride-4) patch embedding, from the
       partner share of its 4x4 stride cell: give the mixer ``patch_size=4`` (the stride), so the token

@@ -1,4 +1,4 @@
-"""Token labeling's data path on timm (``token-labeling.md`` Sec. 3.2): samples that carry their label-map rows.
+"""Token labeling's data path on timm (the Token Labeling paper, Sec. 3.2): samples that carry their label-map rows.
 
 :class:`TokenLabelDataset` wraps a timm ``ImageDataset`` and a :class:`~shared_core.map_store.LabelMapStore`
 (written by ``tokenaug-maps generate``). timm's ``create_loader`` sets its ``transform`` as for any

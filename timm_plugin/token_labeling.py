@@ -1,4 +1,4 @@
-"""Token labeling + MixToken on timm (``token-labeling.md``): the model side and the loss.
+"""Token labeling + MixToken on timm (the Token Labeling paper): the model side and the loss.
 
 The data side (label-map rows that follow each crop and flip) is :mod:`timm_plugin.token_label_data`; the
 maths (targets, MixToken, un-mixing, the inference rule, the loss) is :mod:`shared_core.token_labeling`.
@@ -212,7 +212,7 @@ def aux_logits(model: nn.Module, feats: torch.Tensor, num_prefix_tokens: int) ->
 
 
 class TokenLabelingLoss(nn.Module):
-    """Class-token CE + ``dense_weight`` · mean token CE (``token-labeling.md`` Eq. 3-4).
+    """Class-token CE + ``dense_weight`` · mean token CE (the Token Labeling paper, Eq. 3-4).
 
     Args:
         num_classes: C.

@@ -1,4 +1,4 @@
-"""TokenMixup (``tokenmixup.md``) on timm ViTs: Horizontal (HTM) and Vertical (VTM) TokenMixup as hooks.
+"""TokenMixup (the TokenMixup paper) on timm ViTs: Horizontal (HTM) and Vertical (VTM) TokenMixup as hooks.
 
 ``tm = TokenMixup(model, htm_layers=(3,), vtm_layers=(4,), ...)``; in training ``logits, target = tm(x, target)``
 gives the model's logits in input row order and the relabelled soft target, a :class:`TokenMixupTarget` that

@@ -538,7 +538,7 @@ def run(argv=None) -> dict:
     if token_labeling:
         if args.mixup > 0:
             raise ValueError(
-                '--mixup: MixUp is not combined with token labeling / MixToken (token-labeling.md '
+                '--mixup: MixUp is not combined with token labeling / MixToken (the Token Labeling paper '
                 'Table 3 and supplement Table 1 drop it); set --mixup 0'
             )
         if args.relabel and not args.token_label_dir:

@@ -1,4 +1,4 @@
-# TokenMixup (HTM) with CCT-7/3x1 on CIFAR-100 through mmpretrain's TIMMBackbone (tokenmixup.md Table 1:
+# TokenMixup (HTM) with CCT-7/3x1 on CIFAR-100 through mmpretrain's TIMMBackbone (the TokenMixup paper, Table 1:
 # 82.87 -> 83.56). Hyperparameters of the public code (mlvlab/TokenMixup on GitHub,
 # experiments/cct/configs/pretrained/cct_cifar100_HTM.yaml): HTM at block 2, tau 0.2, rho 0.005, ScoreNet weight
 # 0.001 (attention pooling: CCT has no class token), MixUp 0.8 / CutMix 1.0, label smoothing 0.1, AdamW 6e-4,

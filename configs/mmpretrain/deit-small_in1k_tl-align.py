@@ -1,5 +1,5 @@
 # ImageNet-1k DeiT-Small (mmpretrain's recipe: MixUp 0.8 / CutMix 1.0) trained on TL-Align's aligned targets
-# (tl-align.md Table 1: 79.8 -> 80.6). data_root as in mmpretrain's ImageNet configs (data/imagenet).
+# (the TL-Align paper, Table 1: 79.8 -> 80.6). data_root as in mmpretrain's ImageNet configs (data/imagenet).
 _base_ = ['mmpretrain::deit/deit-small_4xb256_in1k.py']
 
 custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)

@@ -1,4 +1,4 @@
-# ImageNet-1k DeiT-Small trained by token labeling + MixToken (token-labeling.md Sec. 3.2-3.3, Table 4:
+# ImageNet-1k DeiT-Small trained by token labeling + MixToken (the Token Labeling paper, Sec. 3.2-3.3, Table 4:
 # DeiT-S 79.9 -> 81.0). The paper's recipe on mmpretrain's DeiT-Small config: AdamW, lr 1e-3 * batch / 640
 # (1.6e-3 at 4 x 256), weight decay 0.05, 300 epochs cosine after a 5-epoch warmup, drop path 0.1,
 # RandAugment m9 / std 0.5 with all its policies (the token labels follow rotate / shear / translate),

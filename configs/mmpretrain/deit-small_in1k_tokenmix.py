@@ -1,4 +1,4 @@
-# ImageNet-1k DeiT-Small with TokenMix as in the paper (tokenmix.md Sec. 4.2, Tables 7-11): block masks at
+# ImageNet-1k DeiT-Small with TokenMix as in the paper (the TokenMix paper, Sec. 4.2, Tables 7-11): block masks at
 # lambda = 0.5 switched with MixUp (0.8) with probability 0.5, targets from a teacher's activation maps (Eq. 2,
 # the true-class channel), BCE loss (Table 11), AdamW lr 1e-3 at batch 1024, cosine to 1e-6, 5 warmup epochs.
 # The maps follow every crop and flip: the train pipeline records them (token-label transforms), and

@@ -1,7 +1,7 @@
 # ImageNet-1k DeiT-Small (mmpretrain's recipe: MixUp 0.8 / CutMix 1.0) with TokenMixup: HTM at block 3 and VTM at
 # block 4 with kappa 3, at the public ViT-B/16 hyperparameters (mlvlab/TokenMixup on GitHub,
 # experiments/run/train_vit_imagenet_HVTM.sh: rho 0.01, tau 0.1, ScoreNet on the class token with stop-gradient,
-# ScoreNet weight 1.0). The paper reports TokenMixup on ViT-B/16 fine-tuning (tokenmixup.md Table 2); DeiT-S from
+# ScoreNet weight 1.0). The paper reports TokenMixup on ViT-B/16 fine-tuning (its Table 2); DeiT-S from
 # scratch with these values is our configuration. data_root as in mmpretrain's ImageNet configs (data/imagenet).
 _base_ = ['mmpretrain::deit/deit-small_4xb256_in1k.py']
 

@@ -1,5 +1,5 @@
 # ImageNet-1k DeiT-Small (mmpretrain's recipe: MixUp 0.8 / CutMix 1.0) trained on TransMix's targets, the baseline
-# TL-Align compares with (tl-align.md Table 1: TransMix 80.7). mode='paper' is the attention share alone; 'average'
+# TL-Align compares with (TL-Align paper Table 1: 80.7). mode='paper' is the attention share alone; 'average'
 # is the public TransMix code (the mean of the attention and area shares). data_root as mmpretrain's ImageNet configs.
 _base_ = ['mmpretrain::deit/deit-small_4xb256_in1k.py']
 

@@ -1,4 +1,4 @@
-# TokenMix-style multi-block token masks (switching with MixUp by probability 0.5, as in tokenmix.md).
+# TokenMix-style multi-block token masks (switching with MixUp by probability 0.5, as in the TokenMix paper).
 _base_ = ['./_base_/world_deit-tiny.py']
 
 model = dict(

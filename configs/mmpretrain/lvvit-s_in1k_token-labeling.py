@@ -1,4 +1,4 @@
-# ImageNet-1k LV-ViT-S (token-labeling.md Table 1: 26M, 83.3) trained by token labeling + MixToken, with the
+# ImageNet-1k LV-ViT-S (the Token Labeling paper, Table 1: 26M, 83.3) trained by token labeling + MixToken, with the
 # timm model `lvvit_s` (timm_plugin.lvvit) through mmpretrain's TIMMBackbone: the DeiT-Small recipe of
 # deit-small_in1k_token-labeling.py (the paper trains both alike: AdamW lr 1e-3 * batch / 640, wd 0.05,
 # 300 epochs, 5 warmup, drop path 0.1, colour-only RandAugment, random erasing 0.25, MixToken, beta = 0.5).

@@ -1,4 +1,4 @@
-# ImageNet-1k MLP-Mixer-S/16 trained by token labeling + MixToken (token-labeling.md Table 5: 75.6 -> 76.1), with
+# ImageNet-1k MLP-Mixer-S/16 trained by token labeling + MixToken (Token Labeling Table 5: 75.6 -> 76.1), with
 # the timm model `mixer_s16_224` through mmpretrain's TIMMBackbone. Table 5 has no recipe of its own: this is the
 # supplement's Table 1 token-labeling column, as deit-small_in1k_token-labeling.py.
 # TIMMBackbone returns the Mixer's 14x14 tokens after its final norm (timm's pooling and classifier reset); MixToken

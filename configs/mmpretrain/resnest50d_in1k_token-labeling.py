@@ -1,4 +1,4 @@
-# ImageNet-1k ResNeSt-50 trained by token labeling + MixToken (token-labeling.md Table 5: 80.9 -> 81.5), with the
+# ImageNet-1k ResNeSt-50 trained by token labeling + MixToken (Token Labeling Table 5: 80.9 -> 81.5), with the
 # timm model `resnest50d` through mmpretrain's TIMMBackbone. Table 5 has no recipe of its own: this is the
 # supplement's Table 1 token-labeling column, as deit-small_in1k_token-labeling.py (AdamW lr 1e-3 * batch / 640,
 # wd 0.05, 300 epochs, 5 warmup, drop path 0.1, RandAugment 9/0.5, random erasing 0.25, beta = 0.5).

@@ -1,5 +1,5 @@
 # ImageNet-1k Swin-T (mmpretrain's recipe: MixUp 0.8 / CutMix 1.0) trained on TL-Align's aligned targets
-# (tl-align.md Table 1: 81.2 -> 81.4). Swin's token grid has patch size 4.
+# (the TL-Align paper, Table 1: 81.2 -> 81.4). Swin's token grid has patch size 4.
 _base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py']
 
 custom_imports = dict(imports=['mm_plugin', 'mm_plugin.enable_safe_load'], allow_failed_imports=False)

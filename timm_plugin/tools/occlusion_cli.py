@@ -1,6 +1,6 @@
 """``tokenaug-occlusion``: top-1 / top-5 accuracy vs the fraction of dropped patches (TokenMix, Fig. 5).
 
-TokenMix (tokenmix.md, Sec. 5.3 "TokenMix enhances the occlusion robustness of vision transformers",
+TokenMix (the TokenMix paper, Sec. 5.3 "TokenMix enhances the occlusion robustness of vision transformers",
 Fig. 4 and Fig. 5) evaluates a converged DeiT-S on ImageNet val while "we gradually drop 10% more
 patches and set the pixels inside to zero": top-1 vs drop ratio 0 %, 10 %, ..., 90 %. This is the
 random PatchDrop protocol of Naseer et al. 2021, "Intriguing Properties of Vision Transformers" (random
