@@ -107,3 +107,14 @@ def test_every_registered_class_documents_its_arguments():
                 if 'Args:' not in (ast.get_docstring(node) or ''):
                     missing.append(f'{path.name}:{node.name}')
     assert not missing, missing
+
+
+def test_the_long_description_has_no_relative_links():
+    """A package index shows the long description without the repository's files: no image or link that points
+    at a path in the tree."""
+    import re
+
+    readme = re.search(r'^readme = "([^"]+)"', (REPO / 'pyproject.toml').read_text(), re.M).group(1)
+    text = (REPO / readme).read_text()
+    targets = re.findall(r'\]\(([^)]+)\)', text)
+    assert all(t.startswith(('https://', 'http://')) for t in targets), targets
