@@ -237,3 +237,23 @@ def test_torchcompile_trains_plain_and_with_in_model_methods(tiny_world, tmp_pat
     base += ['--epochs', '1', '--torchcompile', 'aot_eager', '--cutmix', '1.0']
     assert 0 <= run([*base, '--experiment', 'compiled'])['top1'] <= 100
     assert 0 <= run([*base, '--experiment', 'tl_align', '--mixup-type', 'tl_align'])['top1'] <= 100
+
+
+def test_each_yaml_says_which_of_its_keys_timms_train_py_would_ignore():
+    """timm's own ``train.py -c`` sets every YAML key as a default and ignores the ones its parser does not know:
+    a tokenaug YAML would train without its method, silently. Each of ours says so in its first line, naming
+    exactly those keys (against the flag table of timm's script)."""
+    import re
+
+    import yaml
+
+    timm_dests = {f['dest'] for f in TABLE['flags']}
+    configs = sorted((Path(__file__).parents[1] / 'configs' / 'timm').glob('*.yaml'))
+    assert configs
+    for path in configs:
+        text = path.read_text()
+        first = text.splitlines()[0]
+        ours = sorted(k for k in yaml.safe_load(text) if k not in timm_dests)
+        assert first.startswith(f'# tokenaug-train config (tokenaug-train -c {path.name})'), path.name
+        named = re.search(r'would ignore its keys (.*) without a word', first).group(1)
+        assert named == (', '.join(ours) or '(none)'), (path.name, named, ours)
