@@ -22,6 +22,7 @@ import argparse
 import ast
 import filecmp
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -132,6 +133,48 @@ def copy_config(name: str, dest: str | Path, force: bool = False) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, target)
     return targets[0][1]
+
+
+#: the OpenMMLab packages whose wheels ship their tools (``<package>/.mim/tools/<tool>.py``), as mim runs them
+TOOL_PACKAGES = ('mmpretrain', 'mmseg', 'mmdet')
+
+
+def upstream_tool(package: str, tool: str) -> Path:
+    """``<package>/.mim/tools/<tool>.py`` of the installed package (found without importing it)."""
+    import importlib.util
+
+    if package not in TOOL_PACKAGES:
+        raise ValueError(f'package: expected one of {TOOL_PACKAGES}, got {package!r}')
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigNotFoundError(f'package: {package} is not installed (pip install "tokenaug[mm]")')
+    path = Path(list(spec.submodule_search_locations)[0]) / '.mim' / 'tools' / f'{tool}.py'
+    if not path.is_file():
+        raise ConfigNotFoundError(f'tool: {package} has no {tool}.py at {path}')
+    return path
+
+
+def mim_main(argv=None) -> int:
+    """``tokenaug-mim {train,test} PACKAGE CONFIG [ARGS...]``: what ``mim train/test PACKAGE CONFIG`` does, run the
+    upstream tool that the package's wheel ships, with ``CONFIG`` a file or one of our installed configs
+    (``mmpretrain/deit-tiny_world_tl-align.py``). openmim itself does not install beside these pins without
+    downgrades (README)."""
+    p = argparse.ArgumentParser(
+        prog='tokenaug-mim',
+        description="run an OpenMMLab package's own tools/train.py or test.py (as mim train / mim test)",
+    )
+    p.add_argument('tool', choices=('train', 'test'))
+    p.add_argument('package', choices=TOOL_PACKAGES)
+    p.add_argument('config', help='a config file, or an installed tokenaug config name (tokenaug-config list)')
+    p.add_argument('args', nargs=argparse.REMAINDER, help="the tool's own arguments (--work-dir, --cfg-options, ...)")
+    a = p.parse_args(argv)
+    try:
+        tool = upstream_tool(a.package, a.tool)
+        config = a.config if Path(a.config).is_file() else str(config_path(a.config))
+    except (ValueError, OSError) as e:
+        print(f'tokenaug-mim: error: {e}', file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(tool), config, *a.args])
 
 
 def main(argv=None) -> int:

@@ -165,6 +165,17 @@ def test_mm_extra_and_an_mmpretrain_config(user):
         """,
     )
     assert 'TLAlignClassifier TokenAugDataPreprocessor 1' in out, out
+    # mmpretrain's own tools/train.py from the pip install, as `mim train mmpretrain CONFIG` runs it
+    world = ['--out', 'mimworld', '--train-per-class', '1', '--val-per-class', '1']
+    _run([str(bin_ / 'tokenaug-data'), *world], work, env)
+    opts = ['train_dataloader.batch_size=4', 'train_dataloader.num_workers=0', 'val_dataloader.num_workers=0']
+    _run(
+        [str(bin_ / 'tokenaug-mim'), 'train', 'mmpretrain', 'my_cls.py', '--work-dir', 'mim_run', '--cfg-options']
+        + opts,
+        work,
+        dict(env, TOKENAUG_WORLD=str(work / 'mimworld')),
+    )
+    assert (work / 'mim_run' / 'epoch_1.pth').is_file()  # one epoch trained and saved by mmpretrain's train.py
 
 
 def test_the_wheel_holds_the_configs_and_typing_marker(user):
