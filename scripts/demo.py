@@ -308,7 +308,7 @@ def metric(log: Path, name: str) -> float:
     raise SystemExit(f'demo: no {name} in {log}')
 
 
-def transfer(world, out, method, seg_iters, det_iters, det_epochs):
+def transfer(world, out, method, seg_iters, det_epochs, det_pretrain_epochs):
     """CutMix or TL-Align pretraining carried to segmentation and detection; returns (mIoU, box AP, mask AP)."""
     env = dict(
         os.environ, TOKENAUG_WORLD=str(world), PYTHONPATH=f'{REPO}{os.pathsep}{os.environ.get("PYTHONPATH", "")}'
@@ -349,7 +349,8 @@ def transfer(world, out, method, seg_iters, det_iters, det_epochs):
     )
     miou = metric(out / f'mmseg_{method}_test.log', 'mIoU')
     # detection: a small Swin pretrained with the same method, then Cascade Mask R-CNN
-    timm_run(world, out, f'swin-mini_{method}', det_epochs, '--mixup-type', method, config='world_swin-mini.yaml')
+    swin = f'swin-mini_{method}'
+    timm_run(world, out, swin, det_pretrain_epochs, '--mixup-type', method, config='world_swin-mini.yaml')
     det_ckpt = out / 'backbones' / f'swin-mini_{method}_mmdet.pth'
     convert(
         out / 'timm' / f'swin-mini_{method}' / 'last.pth.tar',
@@ -372,15 +373,15 @@ def transfer(world, out, method, seg_iters, det_iters, det_epochs):
             '--work-dir',
             work,
             '--cfg-options',
-            f'train_dataloader.dataset.indices={2 * det_iters}',
-            'train_cfg.max_epochs=1',
-            'train_cfg.val_interval=2',
+            f'train_cfg.max_epochs={det_epochs}',
+            f'train_cfg.val_interval={det_epochs + 1}',
         ],
         env=env,
         log=out / f'mmdet_{method}.log',
     )
     run(
-        [sys.executable, upstream('mmdet', 'test.py'), cfg, work / 'epoch_1.pth', '--work-dir', work / 'test'],
+        [sys.executable, upstream('mmdet', 'test.py'), cfg, work / f'epoch_{det_epochs}.pth', '--work-dir']
+        + [work / 'test'],
         env=env,
         log=out / f'mmdet_{method}_test.log',
     )
@@ -420,7 +421,8 @@ def main():
     p.add_argument('--epochs', type=int, default=int(os.environ.get('DEMO_EPOCHS', 6)))
     p.add_argument('--out', type=Path, default=REPO / 'demo_out')
     p.add_argument('--seg-iters', type=int, default=int(os.environ.get('DEMO_SEG_ITERS', 80)))
-    p.add_argument('--det-iters', type=int, default=int(os.environ.get('DEMO_DET_ITERS', 20)))
+    # 1 epoch = 200 iterations of batch 2 over the 400 train scenes (about 3.5 min on 2 cores): box AP ~0.1; 2: ~0.34
+    p.add_argument('--det-epochs', type=int, default=int(os.environ.get('DEMO_DET_EPOCHS', 1)))
     p.add_argument('--det-pretrain-epochs', type=int, default=int(os.environ.get('DEMO_DET_PRETRAIN_EPOCHS', 3)))
     args = p.parse_args()
     out = args.out.resolve()
@@ -490,6 +492,9 @@ def main():
 
     table = [
         f'Synthetic world: 10 classes, 112 px, 400 train / 100 val images; {args.epochs} epochs, 2 CPU cores.',
+        'Val top-1 / top-5 in % on the 100 val images, wall seconds of the run. Each row is one short run: the '
+        'differences between rows are within the run-to-run noise here (about 5 points); bench/STUDY.md compares '
+        'the methods over seeds on a 5000-image test split.',
         '',
         '| ecosystem | mixing | val top-1 | val top-5 | wall s |',
         '|---|---|---|---|---|',
@@ -515,19 +520,22 @@ def main():
     ]
     table += [f'| {label} | ' + ' | '.join(f'{t:.0f}' for _, t in pts) + ' |' for label, pts in occ.items()]
     print(
-        f'== 5/5 transfer: UperNet {args.seg_iters} iterations (mmseg), Cascade Mask R-CNN {args.det_iters} '
-        f'iterations after a {args.det_pretrain_epochs}-epoch small-Swin pretraining (mmdet)',
+        f'== 5/5 transfer: UperNet {args.seg_iters} iterations (mmseg), Cascade Mask R-CNN {args.det_epochs} '
+        f'epoch(s) of 200 iterations after a {args.det_pretrain_epochs}-epoch small-Swin pretraining (mmdet)',
         flush=True,
     )
     transfer_rows = []
     for method, label in [('cutmix', kinds[0][1]), ('tl_align', kinds[2][1])]:
         print(f'  -- pretrained with {label}', flush=True)
         transfer_rows.append(
-            (label, *transfer(world, out, method, args.seg_iters, args.det_iters, args.det_pretrain_epochs))
+            (label, *transfer(world, out, method, args.seg_iters, args.det_epochs, args.det_pretrain_epochs))
         )
     table += [
         '',
-        f'Transfer (upstream test scripts; UperNet {args.seg_iters} it., Cascade Mask R-CNN {args.det_iters} it.):',
+        f'Transfer (upstream test scripts; UperNet {args.seg_iters} it., Cascade Mask R-CNN {args.det_epochs} '
+        f'epoch(s) of 200 it. on a small Swin): mIoU in %, box and mask AP in [0, 1] (COCO mAP@[.5:.95]) on the '
+        '100 val scenes. One short run per row: the differences between rows are within the run-to-run noise; '
+        'bench/STUDY.md compares the methods over seeds.',
         '',
         '| pretraining | ADE20K-world mIoU | COCO-world box AP | COCO-world mask AP |',
         '|---|---|---|---|',
