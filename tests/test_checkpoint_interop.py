@@ -166,7 +166,7 @@ def test_an_mmpretrain_checkpoint_converts_to_timm_with_equal_logits(mmpretrain_
     from shared_core.checkpoint_io import load_checkpoint_file
     from timm_plugin.annotator import create_annotator
 
-    register_all_modules()
+    register_all_modules(init_default_scope=False)  # no process-wide default scope: later tests build mmseg models
     mm_plugin.allow_mmengine_checkpoints()
     cfg = Config.fromfile(str(REPO / 'configs' / 'mmpretrain' / 'deit-tiny_world_cutmix.py'))
     mm_model = MODELS.build(cfg.model)
@@ -204,7 +204,7 @@ def test_an_mmpretrain_lvvit_with_its_aux_head_converts_to_timm_with_equal_logit
     from mm_plugin.convert_cli import convert_checkpoint
     from timm_plugin.annotator import create_annotator
 
-    register_all_modules()
+    register_all_modules(init_default_scope=False)  # no process-wide default scope: later tests build mmseg models
     torch.manual_seed(0)
     cfg = Config.fromfile(str(REPO / 'configs' / 'mmpretrain' / 'lvvit-s_in1k_token-labeling.py'))
     mm_model = MODELS.build(cfg.model).eval()
