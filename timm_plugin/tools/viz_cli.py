@@ -386,6 +386,7 @@ def token_labels(argv) -> Path:
     :func:`shared_core.viz.class_colours`): the orientation check by eye. Returns the index page."""
     from timm.data import resolve_data_config
 
+    from shared_core.label_maps import dense_maps
     from shared_core.map_store import LabelMapStore
     from shared_core.viz import class_colours, label_image
     from timm_plugin.token_grid import token_stride
@@ -428,14 +429,10 @@ def token_labels(argv) -> Path:
         imgs = x.permute(0, 2, 3, 1).numpy()
         if imgs.shape[-1] == 1:
             imgs = imgs.repeat(3, -1)
-        # the stored map on the targets' encoding (the probability-weighted mean of the class colours): its
-        # top-k probabilities, renormalised to sum to 1, 8 px per map cell
+        # the stored map on the targets' encoding (the probability-weighted mean of the class colours) of its full
+        # distribution (shared_core.label_maps.dense_maps: top-k, the rest spread), 8 px per map cell
         values, idxs = store.row(store.index_of(base.filename(idx)))
-        values, idxs = torch.as_tensor(values).float(), torch.as_tensor(idxs).long()  # (k, h, w)
-        dist = torch.zeros(*values.shape[1:], store.num_classes).scatter_(
-            -1, idxs.permute(1, 2, 0), values.permute(1, 2, 0)
-        )
-        dist = dist / dist.sum(-1, keepdim=True).clamp_min(1e-12)
+        dist = dense_maps(values[None], idxs[None], store.num_classes)[0].permute(1, 2, 0)  # (h, w, C)
         stored = label_image(dist[None], (8 * dist.shape[0], 8 * dist.shape[1]), (8, 8))[0]
         shown.update(dist.argmax(-1).unique().tolist())
         save_png(stored, out / f'image{n}_map.png')
