@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from common import OpCounter, interleaved_times, pair_ratios
 from timm.loss import SoftTargetCrossEntropy
 
-import shared_core.tl_align as tl_align_core
+import shared_core.label_attention as label_attention
 from shared_core.token_labeling import token_labeling_loss
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign, TransMix
@@ -63,13 +63,13 @@ def baseline(name: str) -> str:
 def wide_call(step):
     """``step()`` with TL-Align's shared attention on the plain wide ``scaled_dot_product_attention`` call, as on
     an accelerator or in a compiled graph (on the CPU in eager, the labels ride PyTorch's CPU kernel with the
-    backward at the head dim, ``shared_core.tl_align._CPUSharedAttention``)."""
-    flag = tl_align_core._CPU_FLASH
-    tl_align_core._CPU_FLASH = False
+    backward at the head dim, ``shared_core.label_attention._CPUSharedAttention``)."""
+    flag = label_attention._CPU_FLASH
+    label_attention._CPU_FLASH = False
     try:
         return step()
     finally:
-        tl_align_core._CPU_FLASH = flag
+        label_attention._CPU_FLASH = flag
 
 
 def step_counts(model_name: str, x, y, xm, target, num_classes: int, **kwargs) -> Dict[str, OpCounter]:

@@ -34,6 +34,7 @@ from mmpretrain.models.necks import GlobalAveragePooling
 from mmpretrain.models.utils.attention import MultiheadAttention, ShiftWindowMSA, WindowMSA
 from mmpretrain.registry import MODELS
 
+from shared_core.label_attention import fused_label_attn
 from shared_core.tl_align import (
     TRANSMIX_MODES,
     LabelCapture,
@@ -42,7 +43,6 @@ from shared_core.tl_align import (
     check_drop_path,
     check_layers,
     compact_labels,
-    fused_label_attn,
     kept_samples,
     self_attention_labels,
     swin_labels,
@@ -52,6 +52,7 @@ from shared_core.tl_align import (
     window_labels,
 )
 
+from .attention import attention_scale, split_qk
 from .data_preprocessor import mix_from_samples
 
 __all__ = ['TLAlignClassifier', 'TransMixClassifier', 'MM_SUPPORTED_BACKBONES', 'mm_tracer']
@@ -120,21 +121,8 @@ class MMViTTracer:
         return len(self.backbone.layers)
 
 
-def split_qk(attn: MultiheadAttention, qkv: torch.Tensor):
-    """``(q, k)``, each ``(B, H, T, d)``, from a ``MultiheadAttention``'s ``qkv`` output."""
-    B, N, _ = qkv.shape
-    q, k, _ = qkv.reshape(B, N, 3, attn.num_heads, attn.head_dims).permute(2, 0, 3, 1, 4).unbind(0)
-    return q, k
-
-
 def _set_qk(cap: LabelCapture, qkv: torch.Tensor, attn: MultiheadAttention) -> None:
     cap.q, cap.k = split_qk(attn, qkv)
-
-
-def attention_scale(attn: MultiheadAttention) -> Optional[float]:
-    """mmpretrain's ``qk_scale`` binds ``scale`` into its SDPA partial; default ``head_dims ** -0.5``."""
-    fn = attn.scaled_dot_product_attention
-    return getattr(fn, 'keywords', {}).get('scale', attn.head_dims**-0.5)
 
 
 class MMSwinTracer:
@@ -246,25 +234,24 @@ def mm_tracer(backbone: nn.Module, neck: Optional[nn.Module] = None):
     )
 
 
-@MODELS.register_module()
-class TLAlignClassifier(ImageClassifier):
-    """``ImageClassifier`` trained on TL-Align's aligned targets (see the module docstring).
+class AlignedTargetClassifier(ImageClassifier):
+    """The part TL-Align's and TransMix's classifiers share: an ``ImageClassifier`` whose mixed training targets are
+    re-weighted by the partner share its subclass computes from the backbone's captured attention (``_share``).
+    Not registered: use :class:`TLAlignClassifier` or :class:`TransMixClassifier`.
 
     Args:
-        tl_align: ``dict(layers=None, residual=True, fused=None, drop_path='kept')``: align only at these
-            block indices (Table 8), keep the residual in the label path (``False``: Table 8's "normalization
-            disabled"), the label attention fused or not (default
-            :func:`shared_core.tl_align.use_fused_label_attn`), labels of samples whose attention branch
-            stochastic depth dropped kept (``'public'``: updated anyway, as the public code).
         Other args: as ``ImageClassifier``.
     """
 
-    config_key, config_keys = 'tl_align', ('layers', 'residual', 'fused', 'drop_path')
+    config_key, config_keys = '', ()
 
-    def __init__(self, *args, tl_align: Optional[dict] = None, **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._check_backbone()
         self.tracer = mm_tracer(self.backbone, self.neck)
-        self._configure(dict(tl_align or {}))
+
+    def _check_backbone(self) -> None:
+        """A method's own refusal of a backbone, before the tracer's (which lists what TL-Align supports)."""
 
     def _configure(self, cfg: dict) -> None:
         unknown = sorted(set(cfg) - set(self.config_keys))
@@ -276,10 +263,8 @@ class TLAlignClassifier(ImageClassifier):
         self.align_drop_path = check_drop_path(cfg.get('drop_path', 'kept'), f'{self.config_key}.drop_path')
 
     def _share(self, feats, captures, mix) -> torch.Tensor:
-        labels0 = compact_labels(mix, self.tracer.num_prefix_tokens)
-        return trace_labels(
-            self.tracer, captures, feats, labels0, self.align_layers, self.align_residual, self.align_drop_path
-        )[:, 0]
+        """The ``(B,)`` partner share of what the classifier reads."""
+        raise NotImplementedError
 
     def extract_feat_aligned(self, inputs: torch.Tensor, data_samples: List):
         """Features and, if the batch carries a mix, the re-weighted ``(B, C)`` targets (else ``None``)."""
@@ -303,7 +288,33 @@ class TLAlignClassifier(ImageClassifier):
 
 
 @MODELS.register_module()
-class TransMixClassifier(TLAlignClassifier):
+class TLAlignClassifier(AlignedTargetClassifier):
+    """``ImageClassifier`` trained on TL-Align's aligned targets (see the module docstring).
+
+    Args:
+        tl_align: ``dict(layers=None, residual=True, fused=None, drop_path='kept')``: align only at these
+            block indices (Table 8), keep the residual in the label path (``False``: Table 8's "normalization
+            disabled"), the label attention fused or not (default
+            :func:`shared_core.label_attention.use_fused_label_attn`), labels of samples whose attention branch
+            stochastic depth dropped kept (``'public'``: updated anyway, as the public code).
+        Other args: as ``ImageClassifier``.
+    """
+
+    config_key, config_keys = 'tl_align', ('layers', 'residual', 'fused', 'drop_path')
+
+    def __init__(self, *args, tl_align: Optional[dict] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._configure(dict(tl_align or {}))
+
+    def _share(self, feats, captures, mix) -> torch.Tensor:
+        labels0 = compact_labels(mix, self.tracer.num_prefix_tokens)
+        return trace_labels(
+            self.tracer, captures, feats, labels0, self.align_layers, self.align_residual, self.align_drop_path
+        )[:, 0]
+
+
+@MODELS.register_module()
+class TransMixClassifier(AlignedTargetClassifier):
     """``ImageClassifier`` trained on TransMix's targets (Chen et al., the baseline TL-Align compares with):
     the partner share is the last block's head-mean class-token attention over the pasted patches
     (:func:`shared_core.tl_align.transmix_share`; without a class token, our extension: the pooled label
@@ -318,18 +329,19 @@ class TransMixClassifier(TLAlignClassifier):
     config_key, config_keys = 'transmix', ('mode', 'fused')
 
     def __init__(self, *args, transmix: Optional[dict] = None, **kwargs):
-        ImageClassifier.__init__(self, *args, **kwargs)
-        if type(self.backbone) is TIMMBackbone:
-            raise ValueError(
-                f'backbone: TransMix reads the attention of a ViT / Swin; the timm '
-                f'{type(self.backbone.timm_model).__name__} of this TIMMBackbone has none (use TLAlignClassifier)'
-            )
-        self.tracer = mm_tracer(self.backbone, self.neck)
+        super().__init__(*args, **kwargs)
         cfg = dict(transmix or {})
         self.transmix_mode = cfg.pop('mode', 'paper')
         if self.transmix_mode not in TRANSMIX_MODES:
             raise ValueError(f'transmix.mode: expected one of {TRANSMIX_MODES}, got {self.transmix_mode!r}')
         self._configure(cfg)
+
+    def _check_backbone(self) -> None:
+        if type(self.backbone) is TIMMBackbone:
+            raise ValueError(
+                f'backbone: TransMix reads the attention of a ViT / Swin; the timm '
+                f'{type(self.backbone.timm_model).__name__} of this TIMMBackbone has none (use TLAlignClassifier)'
+            )
 
     def _share(self, feats, captures, mix) -> torch.Tensor:
         return transmix_share(self.tracer, captures, feats, mix, self.transmix_mode)

@@ -36,7 +36,7 @@ from shared_core.label_maps import smooth
 from shared_core.mix import one_hot
 from shared_core.tokenmixup import DIFFICULTY_SCALE, TokenMixupHooks, mix_soft_target, scorenets
 
-from .tl_align import attention_scale, split_qk
+from .attention import attention_scale, split_qk
 
 __all__ = ['TokenMixupClassifier', 'MMTokenMixupAdapter', 'mm_tokenmixup_adapter']
 

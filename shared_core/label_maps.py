@@ -139,16 +139,6 @@ def check_boxes(boxes: torch.Tensor) -> None:
         raise ValueError('boxes: expected crops inside the image, corners in [0, 1]')
 
 
-def _rois(boxes: torch.Tensor, map_size: Tuple[int, int]) -> torch.Tensor:
-    """``roi_align`` boxes ``(B, 5)``: batch index, then ``(x1, y1, x2, y2)`` in map cells."""
-    check_boxes(boxes)
-    h, w = map_size
-    b = boxes.float()
-    scale = b.new_tensor([w, h, w, h])
-    idx = torch.arange(b.shape[0], device=b.device, dtype=b.dtype)[:, None]
-    return torch.cat([idx, b * scale], 1)
-
-
 def axis_weights(lo: torch.Tensor, hi: torch.Tensor, cells: int, out: int) -> torch.Tensor:
     """RoIAlign's interpolation weights along one axis, ``(B, out, cells)``: ``roi_align`` (aligned,
     adaptive sampling) of a one-hot basis of ``cells`` rows over the spans ``[lo, hi]`` (normalised).

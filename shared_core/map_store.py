@@ -721,11 +721,6 @@ class LabelMapStore:
     def __len__(self) -> int:
         return self._meta['num_images']
 
-    def bytes_per_image(self) -> int:
-        """Row payload (values + indices) in bytes: k * h * w * (2 + itemsize(indices))."""
-        k, h, w = _row_shape(self._meta)
-        return k * h * w * (VALUES_DTYPE.itemsize + np.dtype(self._meta['indices_dtype']).itemsize)
-
     # -- lookup
     def index_of(self, rel_path: str | os.PathLike) -> int:
         """Row of an image (path relative to the split root; normalised): a binary search of the memory-mapped

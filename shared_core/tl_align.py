@@ -24,15 +24,16 @@ The rules (each a function here, used by every architecture's tracer):
 
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import replace
-from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from .checks import check_layers
+from .label_attention import (
+    use_fused_label_attn,
+)
 from .mix import Mix, partner_target
 
 __all__ = [
@@ -42,8 +43,6 @@ __all__ = [
     'compact_labels',
     'dense_labels',
     'attention_labels',
-    'shared_attention',
-    'LabelColumns',
     'residual_labels',
     'merge_labels',
     'merge_2x2_labels',
@@ -65,56 +64,7 @@ __all__ = [
     'TRANSMIX_MODES',
     'transmix_share',
     'nearest_token_share',
-    'use_fused_label_attn',
-    'set_fused_label_attn',
-    'fused_label_attn',
 ]
-
-
-# ----------------------------------------------------------------------------------------------
-# The one switch: the label attention as a fused SDPA call or a transient softmax
-# ----------------------------------------------------------------------------------------------
-
-#: environment override: ``TOKENAUG_FUSED_LABEL_ATTN=1`` (always fused) / ``0`` (never); unset: by device and path
-FUSED_ENV = 'TOKENAUG_FUSED_LABEL_ATTN'
-_FUSED: Optional[bool] = None if os.environ.get(FUSED_ENV, '') == '' else os.environ[FUSED_ENV] not in ('0', 'false')
-#: the innermost :func:`fused_label_attn` scope's choice: a plain global (read inside a compiled forward, dynamo
-#: guards on it; torch 2.11's dynamo breaks the graph at a ``ContextVar.get`` in every block)
-_FUSED_SCOPE: Optional[bool] = None
-
-
-def set_fused_label_attn(enable: Optional[bool]) -> None:
-    """Process-wide choice (as timm's ``set_fused_attn``): ``True``/``False``, or ``None`` for the default."""
-    global _FUSED
-    _FUSED = enable
-
-
-@contextlib.contextmanager
-def fused_label_attn(enable: Optional[bool]):
-    """The choice inside a ``with`` block (what a wrapper's ``fused=`` argument sets); ``None`` leaves it."""
-    global _FUSED_SCOPE
-    outer = _FUSED_SCOPE
-    if enable is not None:
-        _FUSED_SCOPE = enable
-    try:
-        yield
-    finally:
-        _FUSED_SCOPE = outer
-
-
-def use_fused_label_attn(device: torch.device, shared: bool = False) -> bool:
-    """Whether the label attention runs as a fused ``scaled_dot_product_attention`` call: the innermost
-    :func:`fused_label_attn` scope, else :func:`set_fused_label_attn` / ``$TOKENAUG_FUSED_LABEL_ATTN``, else by
-    device and path. ``shared``: the labels ride as extra value columns in the token path's own call
-    (:class:`LabelColumns`): fused on every device (on the CPU too, PyTorch's fused CPU kernel with a few more
-    columns costs less than materialising the attention once, ``bench/RESULTS.md``). A separate label-only call
-    (the recomputing path): fused on accelerators, a transient softmax on the CPU (the fused CPU kernel is slower
-    for the 1-wide values of the compact state)."""
-    if _FUSED_SCOPE is not None:
-        return _FUSED_SCOPE
-    if _FUSED is not None:
-        return _FUSED
-    return shared or torch.device(device).type != 'cpu'
 
 
 def compact_labels(mix: Mix, num_prefix_tokens: int = 1) -> torch.Tensor:
@@ -184,184 +134,6 @@ def attention_labels(
                 logits.masked_fill(~attn_mask, float('-inf')) if attn_mask.dtype == torch.bool else logits + attn_mask
             )
         return logits.softmax(-1).mean(1) @ labels.float()
-
-
-def shared_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    labels: torch.Tensor,
-    scale: float,
-    attn_mask: Optional[torch.Tensor] = None,
-    fused: Optional[bool] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The token path's attention and Eq. 9's label branch from one attention: ``(out, branch)`` with ``out``
-    what ``scaled_dot_product_attention(q, k, v, attn_mask, scale=scale)`` gives the token path (with its
-    gradients) and ``branch`` ``(B, T, K)`` fp32, without gradients: ``mean_h softmax(q kᵀ · scale + mask) ·
-    labels`` (``labels`` ``(B, T, K)``, no gradients).
-
-    ``fused`` (default :func:`use_fused_label_attn` with ``shared``: fused on every device): one fused call with
-    the labels as extra value columns
-    (:class:`LabelColumns`, for one call; a model's forward keeps one across its blocks). Unfused: the attention
-    materialised once (its logits in fp32) for both paths. No attention dropout here (callers keep the
-    recomputing path then).
-    """
-    if fused is None:
-        fused = use_fused_label_attn(q.device, shared=True)
-    if fused:
-        columns = LabelColumns(labels, q.shape[1], q.shape[-1], v.dtype)
-        out, heads = columns.attend(torch.stack([q, k, v]), scale, attn_mask)
-        return out, heads.div_(q.shape[1])
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        logits = (q.float() * scale) @ k.float().transpose(-2, -1)
-        if attn_mask is not None:
-            logits = (
-                logits.masked_fill(~attn_mask, float('-inf'))
-                if attn_mask.dtype == torch.bool
-                else logits + attn_mask.float()
-            )
-        attn = logits.softmax(-1)
-        with torch.no_grad():
-            branch = attn.mean(1) @ labels.float()
-    return attn.to(v.dtype) @ v, branch
-
-
-_ATEN = torch.ops.aten
-#: PyTorch's fused CPU attention and its backward (what ``scaled_dot_product_attention`` runs on the CPU)
-_CPU_FLASH = all(
-    hasattr(_ATEN, n)
-    for n in ('_scaled_dot_product_flash_attention_for_cpu', '_scaled_dot_product_flash_attention_for_cpu_backward')
-)
-
-
-class _CPUSharedAttention(torch.autograd.Function):
-    """The CPU's fused attention over ``[q | 0]``, ``[k | 0]``, ``[v | labels]`` whose backward is the plain
-    attention's: the zero columns leave the logits, the softmax and its log-sum-exp as they are, and the label
-    columns carry no gradient, so the backward runs PyTorch's own CPU attention backward on ``q, k, v`` at their
-    head dim with the forward's log-sum-exp (the gradients are the plain ``scaled_dot_product_attention``'s,
-    bit for bit on this machine) instead of at the wider one."""
-
-    @staticmethod
-    def forward(ctx, qkv: torch.Tensor, ext: torch.Tensor, scale: float, width: int):
-        q, k, v = torch.cat([qkv, ext], -1).unbind(0)
-        out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
-        d = qkv.shape[-1]  # one op takes the token columns, the label columns and the padding (maybe 0) apart
-        tokens, labels, _ = out.split_with_sizes([d, width, out.shape[-1] - d - width], -1)
-        ctx.mark_non_differentiable(labels)
-        ctx.set_materialize_grads(False)  # no zeros for the label columns' (absent) gradient
-        ctx.save_for_backward(*qkv.unbind(0), tokens, lse)
-        ctx.scale = scale
-        return tokens, labels
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor, _):
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, 0.0, False, scale=ctx.scale
-        )
-        return torch.stack(grads), None, None, None
-
-
-def _cpu_shared_attention(qkv: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> bool:
-    """Whether :class:`_CPUSharedAttention` applies: eager (a compiled graph gets the plain call, which inductor
-    optimises itself), on the CPU, no mask, a dtype the CPU kernel takes."""
-    return (
-        _CPU_FLASH
-        and attn_mask is None
-        and qkv.device.type == 'cpu'
-        and qkv.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and not torch.compiler.is_compiling()
-    )
-
-
-class LabelColumns:
-    """TL-Align's label state as extra value columns of the token path's own fused attention, for one forward
-    (issue 12): a buffer ``(3, B, 1, T, W)`` holds zeros for ``q`` and ``k`` and the label columns for ``v``, so one
-    concatenation with a block's stacked ``qkv`` ``(3, B, H, T, d)`` gives ``[q | 0]``, ``[k | 0]`` and ``[v |
-    labels]`` (kernels want equal head dims; ``d + W`` a multiple of 8), and the state is updated in place after
-    each block (Eq. 11).
-
-    The columns hold ``Z = c · Y``, the state scaled by a power of two ``c`` per sample (exact in floating point):
-    Eq. 11's ``Y ← (Y + Σ_h A_h Y / H) / 2`` is then one in-place ``Z ← Z + Σ_h A_h Z / H`` with ``c`` doubled (a
-    sample whose branch stochastic depth dropped keeps ``Z`` and ``c``), and :attr:`state` is ``Z / c``.
-
-    fp32: ``Z`` is the buffer's value columns themselves. A lower precision (``dtype``, the dtype ``qkv`` has
-    under autocast): ``Z`` stays fp32 and travels as two columns per label, ``hi`` (rounded) and ``lo`` (its
-    rounding error), whose sum keeps fp32-like precision; the heads are summed in fp32. The label columns carry
-    no gradient (the buffer does not require one), so the gradients of ``qkv`` are the plain attention's.
-    """
-
-    def __init__(self, labels: torch.Tensor, num_heads: int, head_dim: int, dtype: torch.dtype):
-        labels = labels.float()
-        if labels.requires_grad:
-            labels = labels.detach()
-        B, T, K = labels.shape
-        self.num_heads, self.head_dim, self.split = num_heads, head_dim, dtype != torch.float32
-        self.width = 2 * K if self.split else K
-        self.buf = labels.new_zeros(3, B, 1, T, self.width + (-(head_dim + self.width) % 8), dtype=dtype)
-        self.ext = self.buf.expand(3, B, num_heads, T, self.buf.shape[-1])
-        self.scale: Union[float, torch.Tensor] = 1.0  # c: a float while every sample doubles, else (B, 1, 1)
-        cols = self.buf[2, :, 0]
-        if self.split:
-            self.z = labels.clone()
-            self._hi, self._lo = cols[..., :K], cols[..., K : 2 * K]
-            self._write()
-        else:
-            self.z = cols[..., :K]
-            self.z.copy_(labels)
-
-    @property
-    def state(self) -> torch.Tensor:
-        """The label state ``Y = Z / c`` ``(B, T, K)`` fp32."""
-        return self.z / self.scale
-
-    def _write(self) -> None:
-        self._hi.copy_(self.z)
-        # in fp32, rounded once as it is written; compiled: a copy (dynamo breaks the graph at an ``out=`` view,
-        # and inductor fuses the two), eager: one op
-        if torch.compiler.is_compiling():
-            self._lo.copy_(self.z - self._hi)
-        else:
-            torch.sub(self.z, self._hi, out=self._lo)
-
-    def attend(
-        self, qkv: torch.Tensor, scale: float, attn_mask: Optional[torch.Tensor] = None
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(out, heads)``: the token path's ``scaled_dot_product_attention(q, k, v, attn_mask, scale=scale)``
-        ``(B, H, T, d)`` for ``q, k, v = qkv.unbind(0)``, and ``Σ_h softmax(q kᵀ · scale + mask) · Z`` ``(B, T, K)``
-        fp32 without gradient (for :meth:`update`)."""
-        d = self.head_dim
-        if _cpu_shared_attention(qkv, attn_mask):  # the backward at the head dim (the plain one)
-            out, lab = _CPUSharedAttention.apply(qkv, self.ext, scale, self.width)
-        else:
-            q, k, v = torch.cat([qkv, self.ext], -1).unbind(0)
-            wide = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
-            # two slices, not one split: the token slice's backward is one op (a split's: two zeros and a cat)
-            out, lab = wide[..., :d], wide[..., d : d + self.width]
-        with torch.no_grad():
-            if self.split:  # the heads and the hi + lo pair summed in fp32
-                heads = lab.unflatten(-1, (2, self.width // 2)).sum((1, 3), dtype=torch.float32)
-            else:
-                heads = lab.sum(1)
-        return out, heads
-
-    def update(self, heads: torch.Tensor, keep: Optional[torch.Tensor] = None, residual: bool = True) -> None:
-        """Eq. 11 with the head mean, ``Y ← Norm(Y + Σ_h A_h Y / H)`` (``residual=False``: ``Y ← Σ_h A_h Y / H``),
-        for the samples whose branch ran (``keep`` (B,) bool; the others keep their labels exactly)."""
-        H = self.num_heads
-        with torch.no_grad():
-            if not residual:  # Z ← Σ_h A_h Z / H, c unchanged
-                new = heads.div_(H)
-                self.z.copy_(torch.where(keep.view(-1, 1, 1), new, self.z) if keep is not None else new)
-            elif keep is None:
-                self.z.add_(heads, alpha=1.0 / H)
-                self.scale = self.scale * 2.0
-            else:
-                kept = keep.view(-1, 1, 1).float()
-                self.z.addcmul_(heads, kept, value=1.0 / H)
-                self.scale = self.scale * (kept + 1.0)
-            if self.split:
-                self._write()
 
 
 def residual_labels(

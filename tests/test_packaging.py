@@ -14,8 +14,8 @@ from shared_core.configs import (
     config_root,
     copy_config,
     list_configs,
-    main,
 )
+from shared_core.tools.configs_cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from timm.loss import SoftTargetCrossEntropy
 from timm.models.deit import VisionTransformerDistilled
 
-from shared_core.mixing import one_hot
-from shared_core.tl_align import (
+from shared_core.label_attention import (
     FUSED_ENV,
     fused_label_attn,
     set_fused_label_attn,
     shared_attention,
     use_fused_label_attn,
 )
+from shared_core.mixing import one_hot
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import SharedAttentionViT, TLAlign
 
@@ -119,7 +119,7 @@ def test_gradients_of_a_step_are_the_plain_steps(fused, amp, wide, monkeypatch):
     step's kernel and is left out there). ``wide``: the plain wide ``scaled_dot_product_attention`` call that
     accelerators and compiled graphs run (its backward at the wider head dim), here in eager on the CPU."""
     if wide:
-        monkeypatch.setattr('shared_core.tl_align._CPU_FLASH', False)
+        monkeypatch.setattr('shared_core.label_attention._CPU_FLASH', False)
     model = tiny_vit(depth=3).train()
     (xm, target), _ = _batch(4)
     soft = torch.softmax(torch.randn(xm.shape[0], C, generator=torch.Generator().manual_seed(9)), -1)
@@ -195,7 +195,7 @@ def test_the_one_switch_defaults_by_device_and_path_and_its_overrides():
             assert not use_fused_label_attn('cuda', shared=True)
     finally:
         set_fused_label_attn(None)
-    code = 'from shared_core.tl_align import use_fused_label_attn as u; print(u("cpu", shared=True), u("cuda"))'
+    code = 'from shared_core.label_attention import use_fused_label_attn as u; print(u("cpu", shared=True), u("cuda"))'
     for value, expected in (('0', 'False False'), ('1', 'True True')):
         env = {**os.environ, FUSED_ENV: value}
         out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, check=True)

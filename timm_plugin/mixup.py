@@ -42,11 +42,9 @@ from shared_core.mix import (
 from shared_core.samplers import MIX_KINDS, MODES, MixSampler
 from shared_core.tokenmix import ACTIVATION_TARGETS, activation_target
 
-from .carrier import CarrierTensor, MixTarget
+from .carrier import MixTarget
 
 __all__ = [
-    'CarrierTensor',
-    'MixTarget',
     'TokenAwareMixup',
     'FastCollateTokenMixup',
     'create_mixer',

@@ -111,7 +111,7 @@ class TokenLabelingEval(nn.Module):
         return self.method.predict(x, getattr(model, 'module', model))  # ModelEmaV3 keeps its copy in .module
 
 
-class TokenLabelingTask(ClassificationTask):
+class TokenLabelingTask(MethodTask):
     """Token labeling + MixToken (the Token Labeling paper) as a timm ``TrainingTask``.
 
     The target is the :class:`~timm_plugin.token_label_data.TokenLabelTarget` of ``TokenLabelCollate`` (label
@@ -129,6 +129,8 @@ class TokenLabelingTask(ClassificationTask):
         generator: RNG of MixToken's box.
         box_rounding: ``'timm'`` or ``'public'`` (the public code's ``cut // 2`` box).
     """
+
+    method_cls = TokenLabeling
 
     def __init__(
         self,
@@ -151,17 +153,20 @@ class TokenLabelingTask(ClassificationTask):
         dtype: Optional[torch.dtype] = None,
         verbose: bool = True,
     ):
-        bare = unwrap_model(model)
         if criterion is None:
             criterion = TokenLabelingLoss(
-                num_classes or bare.num_classes,
+                num_classes or unwrap_model(model).num_classes,
                 dense_weight=dense_weight,
                 cls_target=cls_target,
                 cls_target_mix=cls_target_mix,
                 smoothing=smoothing,
             )
-        method = TokenLabeling(
-            bare,
+        super().__init__(
+            model,
+            criterion,
+            device=device,
+            dtype=dtype,
+            verbose=verbose,
             mix_token=mix_token,
             beta=beta,
             prob=prob,
@@ -171,8 +176,6 @@ class TokenLabelingTask(ClassificationTask):
             generator=generator,
             box_rounding=box_rounding,
         )
-        super().__init__(model, criterion, device=device, dtype=dtype, verbose=verbose)
-        self.__dict__['method'] = method  # holds the bare model: not a submodule of the task
 
     @property
     def sampler(self):

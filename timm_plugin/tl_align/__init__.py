@@ -1,0 +1,264 @@
+"""TL-Align for timm models: a wrapper that traces token labels beside the token path.
+
+``TLAlign(model)`` wraps a supported timm model. In training, ``logits, target = wrapped(x, mix_target)``
+with ``mix_target`` the :class:`timm_plugin.MixTarget` from a token-aware mixer: the logits are the model's
+(exactly on the recomputing path; on timm ViTs' shared attention up to another kernel's float rounding), and
+``target`` is the aligned ``(B, C)`` soft target (TL-Align paper Eq. 12). In eval mode (or without a target)
+it is the plain model call: same logits, no extra work.
+
+How the labels are traced: forward hooks on each attention's ``q_norm`` / ``k_norm`` (identity modules
+unless qk-norm is on) keep the detached ``q``, ``k`` the token path fed to its fused attention (autograd
+holds them anyway), and a hook on ``drop_path1`` notes which samples' attention branch stochastic
+depth dropped. After the forward, the label state (compact ``(B, T, 1)`` partner shares, or dense
+``(B, T, C)`` for :meth:`TLAlign.trace`) goes through the blocks with the rules of
+:mod:`shared_core.tl_align`; the attention is recomputed for the labels by a fused
+``scaled_dot_product_attention`` call with the labels as values (on accelerators; on the CPU a
+transient softmax is faster), and the token path is untouched: still the model's fused attention.
+
+On timm ``VisionTransformer`` / DeiT the default is :class:`SharedAttentionViT`: the labels travel through
+the token path's own attention call as extra value columns (one fused attention per block for both, on every
+device; ``fused=False`` materialises the attention once for both; ``TLAlign(model, shared=False)`` keeps the
+recomputing path described above).
+
+Supported: timm ``VisionTransformer`` (ViT / DeiT, class token or ``global_pool='avg'``, register
+tokens), ``VisionTransformerDistilled`` (DeiT distilled), ``SwinTransformer`` (shifted windows,
+patch merging, average pooling), ``Cait`` (talking-heads self-attention over the patches, then class
+attention) and ``PyramidVisionTransformerV2`` (overlapping patch embeddings, spatial-reduction
+attention, average pooling), ``MlpMixer`` (MLP-Mixer, ResMLP, gMLP), ``ConvNeXt`` and ``ResNet`` (TL-Align
+Appendix A's rules beyond ViTs); see :class:`CaitTracer`, :class:`PvtV2Tracer`, :class:`MlpMixerTracer`,
+:class:`ConvNeXtTracer` and :class:`ResNetTracer` for their rules.
+Others raise an error listing these.
+
+This package: the wrappers and the model -> tracer table here; the tracers by model family in :mod:`.vit` (ViT,
+DeiT, CaiT, CCT), :mod:`.hierarchical` (Swin, PVT v2), :mod:`.mlp_mixer` and :mod:`.cnn` (ConvNeXt, ResNet), the
+parts they share in :mod:`._blocks`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+from timm.models.cait import Cait
+from timm.models.convnext import ConvNeXt
+from timm.models.deit import VisionTransformerDistilled
+from timm.models.mlp_mixer import MlpMixer
+from timm.models.pvt_v2 import PyramidVisionTransformerV2
+from timm.models.resnet import ResNet
+from timm.models.swin_transformer import SwinTransformer
+from timm.models.vision_transformer import VisionTransformer
+
+from shared_core.compiling import guard_module_hooks
+from shared_core.label_attention import fused_label_attn
+from shared_core.mix import Mix
+from shared_core.tl_align import (
+    TRANSMIX_MODES,
+    aligned_target,
+    capture_forward,
+    check_drop_path,
+    check_layers,
+    compact_labels,
+    dense_labels,
+    trace_labels,
+    tracer_for,
+    transmix_share,
+)
+
+from ..carrier import MixTarget
+from ..cct import CCT
+from .cnn import ConvNeXtTracer, ResNetTracer
+from .hierarchical import PvtV2Tracer, SwinTracer
+from .mlp_mixer import MlpMixerTracer
+from .vit import CaitTracer, CCTTracer, DistilledViTTracer, SharedAttentionViT, ViTTracer
+
+__all__ = [
+    'TLAlign',
+    'TransMix',
+    'SUPPORTED_MODELS',
+    'timm_tracer',
+    'ViTTracer',
+    'SharedAttentionViT',
+    'DistilledViTTracer',
+    'CaitTracer',
+    'CCTTracer',
+    'SwinTracer',
+    'PvtV2Tracer',
+    'MlpMixerTracer',
+    'ConvNeXtTracer',
+    'ResNetTracer',
+]
+
+
+# most specific class first
+SUPPORTED_MODELS = {
+    CCT: CCTTracer,
+    VisionTransformerDistilled: DistilledViTTracer,
+    VisionTransformer: ViTTracer,
+    SwinTransformer: SwinTracer,
+    Cait: CaitTracer,
+    PyramidVisionTransformerV2: PvtV2Tracer,
+    MlpMixer: MlpMixerTracer,
+    ConvNeXt: ConvNeXtTracer,
+    ResNet: ResNetTracer,
+}
+
+
+#: the timm CNNs whose unpooled feature map another framework may pool (``TIMMBackbone`` + a global average neck)
+POOLED_OUTSIDE = {ConvNeXt: ConvNeXtTracer, ResNet: ResNetTracer}
+
+
+def timm_tracer(model: nn.Module, pooled_outside: bool = False, name: str = 'model'):
+    """The TL-Align tracer of a supported timm model (:data:`SUPPORTED_MODELS`). ``pooled_outside``: the model's own
+    head pooling is off (mmpretrain's ``TIMMBackbone`` resets it) and its final map is average-pooled outside it
+    (a ``GlobalAveragePooling`` neck): the timm CNNs of :data:`POOLED_OUTSIDE`, read out by the mean label."""
+    if not pooled_outside:
+        return tracer_for(model, SUPPORTED_MODELS, name)
+    for cls, tracer in POOLED_OUTSIDE.items():
+        if isinstance(model, cls):
+            return tracer(model, pooled_outside=True)
+    return tracer_for(model, POOLED_OUTSIDE, name)  # no tracer: the error that lists the supported classes
+
+
+class TLAlign(nn.Module):
+    """Token-label alignment around a timm model (see the module docstring); the label path is
+    :func:`shared_core.tl_align.trace_labels` with this model's tracer. :class:`timm_plugin.TLAlignTask` is
+    the same as a timm ``TrainingTask``.
+
+    Args:
+        model: a supported timm model.
+        layers: align only at these block indices (Table 8 ablation); ``None``: every block.
+        residual: ``False`` drops the residual from the label path (Table 8, "normalization disabled").
+        fused: the label attention as a fused SDPA call (``True``) or a transient softmax (``False``) for this
+            wrapper; default :func:`shared_core.label_attention.use_fused_label_attn` (``$TOKENAUG_FUSED_LABEL_ATTN``,
+            else the shared path fused on every device, the recomputing path fused on accelerators). With
+            ``shared=False`` the token path is the model's own either way.
+        drop_path: ``'kept'`` (a sample whose attention branch stochastic depth dropped keeps its labels) or
+            ``'public'`` (the public code: they update anyway).
+        shared: timm ViTs: one attention per block for tokens and labels (:class:`SharedAttentionViT`);
+            ``False`` keeps the model's own attention and recomputes it for the labels (the reference path).
+    """
+
+    method = 'tl_align'
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: Optional[Iterable[int]] = None,
+        residual: bool = True,
+        fused: Optional[bool] = None,
+        drop_path: str = 'kept',
+        shared: bool = True,
+    ):
+        super().__init__()
+        self.tracer = timm_tracer(model)
+        guard_module_hooks()  # per-call hooks under torch.compile
+        self.shared = shared
+        self.model = model
+        self.layers = check_layers(layers, self.tracer.depth)
+        self.residual = residual
+        self.fused = fused
+        self.drop_path = check_drop_path(drop_path)
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return self.tracer.num_prefix_tokens
+
+    @property
+    def depth(self) -> int:
+        return self.tracer.depth
+
+    def _check_mix(self, target) -> Mix:
+        return check_mix_target(target, self.method, type(self).__name__)
+
+    def _run(self, x: torch.Tensor, labels: torch.Tensor, forward=None):
+        labels = labels.to(x.device)
+        tracer = self.tracer
+        if self.shared and SharedAttentionViT.applies(tracer, labels, self.layers):
+            tracer = SharedAttentionViT(tracer, labels, self.layers, self.residual, self.drop_path)
+        with fused_label_attn(self.fused):
+            output, captures = capture_forward(tracer, forward or (lambda: self.model(x)))
+            return output, trace_labels(tracer, captures, output, labels, self.layers, self.residual, self.drop_path)
+
+    def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None):
+        """``model(x)`` without a target; with one, :meth:`align`'s ``(output, aligned target)`` in train and eval
+        mode alike (in eval mode stochastic depth and dropout are off, so every block counts)."""
+        if target is None:
+            return self.model(x)
+        return self.align(x, target)
+
+    def _check_batch(self, x: torch.Tensor, mix: Mix) -> None:
+        if not torch.is_tensor(x) or x.dim() != 4:
+            raise ValueError(f'x: expected a (B, C, H, W) image batch, got {getattr(x, "shape", type(x).__name__)}')
+        if x.shape[0] != mix.batch_size:
+            raise ValueError(
+                f'x: a batch of {x.shape[0]} images for a target (mix) of {mix.batch_size}; '
+                'pass the images the mixer returned with its target'
+            )
+
+    def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):
+        """``(output, aligned (B, C) target)``; ``forward`` (default ``self.model(x)``) runs the token path."""
+        mix = self._check_mix(target)
+        self._check_batch(x, mix)
+        classes = getattr(self.model, 'num_classes', None)
+        if isinstance(classes, int) and classes > 0 and target.num_classes != classes:
+            raise ValueError(
+                f'target: the mixer made {target.num_classes}-class targets for a model with {classes} classes '
+                "(create_mixer(num_classes=...) must be the model's)"
+            )
+        output, share = self._run(x, compact_labels(mix, self.num_prefix_tokens), forward)
+        return output, aligned_target(share[:, 0], target.labels, mix, target.num_classes, target.smoothing)
+
+    def trace(self, x: torch.Tensor, token_labels: torch.Tensor, cls_label: Optional[torch.Tensor] = None):
+        """Reference entry point: dense per-patch labels ``(B, N_patches, C)`` (rows sum to 1, row-major
+        over the patch grid of ``x``) through the model; returns ``(output, label)`` with ``label`` the
+        aligned ``(B, C)`` label of what the classifier reads. ``cls_label`` (default: the mean of
+        ``token_labels``) starts every prefix token."""
+        return self._run(x, dense_labels(token_labels, cls_label, self.num_prefix_tokens))
+
+
+def check_mix_target(target, method: str, who: str) -> Mix:
+    """The :class:`Mix` a :class:`MixTarget` carries; a clear error for a plain target."""
+    if not isinstance(target, MixTarget):
+        raise ValueError(
+            f'target: {who} needs the MixTarget of a mixer with carry_mix '
+            f'(create_mixer(..., carry_mix=True) / --mixup-type {method}), got a plain tensor'
+        )
+    return target.mix
+
+
+class TransMix(TLAlign):
+    """TransMix (Chen et al., "TransMix: Attend to Mix for Vision Transformers"), the baseline TL-Align
+    compares with: the partner share of the target is read from the last block's attention over the
+    mixed region instead of the area (:func:`shared_core.tl_align.transmix_share`).
+
+    ``mode='paper'``: the attention share alone, each patch weighted by its fractional share of a pixel box;
+    ``'average'``: the public TransMix code, the mean of the attention share over its nearest-neighbour patch
+    mask (top-left pixel inside the box) and the area share. Default ``'paper'``: the papers are this project's
+    specification.
+    DeiT distilled: the class token's attention. Models without a class token (``global_pool='avg'`` ViTs,
+    Swin, PVT v2; our extension): the pooled compact label after the last block's attention alone.
+    """
+
+    method = 'transmix'
+    MODES = TRANSMIX_MODES
+
+    def __init__(self, model: nn.Module, mode: str = 'paper', fused: Optional[bool] = None):
+        super().__init__(model, fused=fused)
+        if mode not in self.MODES:
+            raise ValueError(f'mode must be one of {self.MODES}, got {mode!r}')
+        if isinstance(self.tracer, (CaitTracer, MlpMixerTracer, ConvNeXtTracer, ResNetTracer)):
+            raise ValueError(
+                'model: TransMix is defined on the class token of a self-attention ViT (DeiT '
+                f'family; our extension: class-free ViT, Swin, PVT v2); {type(model).__name__} has no rule here '
+                '(CaiT: class attention; MLP-Mixer, ConvNeXt, ResNet: no attention to read; use tl_align)'
+            )
+        self.mode = mode
+
+    def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):
+        mix = self._check_mix(target)
+        self._check_batch(x, mix)
+        output, captures = capture_forward(self.tracer, forward or (lambda: self.model(x)))
+        with fused_label_attn(self.fused):
+            share = transmix_share(self.tracer, captures, output, mix.to(x.device), self.mode)
+        return output, aligned_target(share, target.labels, mix, target.num_classes, target.smoothing)
