@@ -9,9 +9,9 @@
 3. token labeling and TokenMix: a small annotator (ViT-Tiny with average pooling, so its head reads every
    patch token) trained on the world, its dense maps written by ``tokenaug-maps generate``, then ViT-Tiny
    trained with token labeling + MixToken (``--mixup-type mixtoken --token-label-dir ...``), an MLP-Mixer-S/16
-   with CutMix and with token labeling + MixToken on the same maps (Token Labeling Table 5), and ViT-Tiny with TokenMix
-   block masks whose targets come from the same maps (``--activation-map-dir ...``); ``tokenaug-occlusion``
-   then compares the CutMix and TokenMix models with patches dropped (TokenMix Fig. 5);
+   with CutMix and with token labeling + MixToken on the same maps (Token Labeling Table 5), and
+   ViT-Tiny with TokenMix block masks whose targets come from the same maps (``--activation-map-dir ...``);
+   ``tokenaug-occlusion`` then compares the CutMix and TokenMix models with patches dropped (TokenMix Fig. 5);
 4. transfer, for CutMix and TL-Align pretraining: ``tokenaug-convert`` -> UperNet (the ViT) with mmseg's
    ``tools/train.py`` / ``test.py`` -> mIoU; a small Swin pretrained the same way -> Cascade Mask R-CNN
    with mmdet's ``tools/train.py`` / ``test.py`` -> box / mask AP.
@@ -19,7 +19,7 @@
 Prints the tables and writes them to ``demo_out/results.md``. Short schedules: the numbers show that
 every stage runs end to end, not which method is better.
 
-    .venv/bin/python scripts/demo.py [--epochs 6] [--out demo_out]
+    .venv/bin/python scripts/demo.py [--epochs 4] [--out demo_out]
 """
 
 from __future__ import annotations
@@ -418,7 +418,8 @@ def mmpretrain_run(world, out, config, epochs):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--epochs', type=int, default=int(os.environ.get('DEMO_EPOCHS', 6)))
+    # 4 epochs: the schedule of the world configs (configs/timm/world_*.yaml, configs/mmpretrain/_base_/world_*)
+    p.add_argument('--epochs', type=int, default=int(os.environ.get('DEMO_EPOCHS', 4)))
     p.add_argument('--out', type=Path, default=REPO / 'demo_out')
     p.add_argument('--seg-iters', type=int, default=int(os.environ.get('DEMO_SEG_ITERS', 80)))
     # 1 epoch = 200 iterations of batch 2 over the 400 train scenes (about 3.5 min on 2 cores): box AP ~0.1; 2: ~0.34
@@ -429,7 +430,13 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     world = out / 'world'
     t0 = time.time()
-    print('== 1/5 synthetic world (tokenaug-data)', flush=True)
+    starts = []  # (stage, start time): the wall time of each stage goes to results.md
+
+    def stage(title: str) -> None:
+        starts.append((title.split(':')[0].split(' (')[0], time.time()))
+        print(f'== {len(starts)}/6 {title}', flush=True)
+
+    stage('synthetic world (tokenaug-data)')
     subprocess.run([BIN / 'tokenaug-data', '--out', world, '--seed', '0'], check=True)
 
     rows, curves = [], {}
@@ -447,7 +454,7 @@ def main():
             ['--tokenmixup-htm-layers', '3', '--tokenmixup-vtm-layers', '2', '--tokenmixup-kappa', '3'],
         ),
     ]
-    print(f'== 2/5 timm: ViT-Tiny/16 and ConvNeXt-Atto at 112 px, {args.epochs} epochs (tokenaug-train)', flush=True)
+    stage(f'timm: ViT-Tiny/16 and ConvNeXt-Atto at 112 px, {args.epochs} epochs (tokenaug-train)')
     for kind, label in kinds:
         print(f'  -- {label}', flush=True)
         rows.append(
@@ -471,7 +478,7 @@ def main():
         rows.append(
             ('timm (tokenaug-train)', label, *timm_run(world, out, experiment, args.epochs, *tm_flags, curves=curves))
         )
-    print(f'== 3/5 mmpretrain: DeiT-Tiny at 112 px, {args.epochs} epochs (mmpretrain tools/train.py)', flush=True)
+    stage(f'mmpretrain: DeiT-Tiny at 112 px, {args.epochs} epochs (mmpretrain tools/train.py)')
     for config, label in [
         ('deit-tiny_world_cutmix', kinds[0][1]),
         ('deit-tiny_world_tokenmix-block', kinds[1][1]),
@@ -480,10 +487,9 @@ def main():
         print(f'  -- {label}', flush=True)
         rows.append(('mmpretrain (tools/train.py)', label, *mmpretrain_run(world, out, config, args.epochs)))
 
-    print(
-        f'== 4/5 token labeling and TokenMix: annotator, tokenaug-maps generate, MixToken + token labeling '
-        f'(ViT-Tiny, Mixer-S/16), TokenMix with activation-map targets ({args.epochs} epochs each), tokenaug-occlusion',
-        flush=True,
+    stage(
+        f'token labeling and TokenMix: annotator, tokenaug-maps generate, MixToken + token labeling '
+        f'(ViT-Tiny, Mixer-S/16), TokenMix with activation-map targets ({args.epochs} epochs each), tokenaug-occlusion'
     )
     rows += token_labeling(world, out, args.epochs, curves)
     kinds += [(e, label) for e, label, _ in tokenmixup]
@@ -519,10 +525,9 @@ def main():
         '|---' * (len(ratios) + 1) + '|',
     ]
     table += [f'| {label} | ' + ' | '.join(f'{t:.0f}' for _, t in pts) + ' |' for label, pts in occ.items()]
-    print(
-        f'== 5/5 transfer: UperNet {args.seg_iters} iterations (mmseg), Cascade Mask R-CNN {args.det_epochs} '
-        f'epoch(s) of 200 iterations after a {args.det_pretrain_epochs}-epoch small-Swin pretraining (mmdet)',
-        flush=True,
+    stage(
+        f'transfer: UperNet {args.seg_iters} iterations (mmseg), Cascade Mask R-CNN {args.det_epochs} '
+        f'epoch(s) of 200 iterations after a {args.det_pretrain_epochs}-epoch small-Swin pretraining (mmdet)'
     )
     transfer_rows = []
     for method, label in [('cutmix', kinds[0][1]), ('tl_align', kinds[2][1])]:
@@ -541,10 +546,15 @@ def main():
         '|---|---|---|---|',
     ]
     table += [f'| {label} | {miou:.2f} | {box:.3f} | {mask:.3f} |' for label, miou, box, mask in transfer_rows]
-    print('  -- pictures (tokenaug-viz; after the transfer step, which trains the Swin they include)', flush=True)
+    stage('pictures (tokenaug-viz; after the transfer step, which trains the Swin they include)')
     pages = pictures(world, out)
     table += ['', 'Pictures (tokenaug-viz; open the index pages):', '']
     table += [f'- {name}: {page.relative_to(out)}' for name, page in pages]
+    ends = [t for _, t in starts[1:]] + [time.time()]
+    table += ['', f'Wall time of this run ({os.cpu_count()} CPUs; `make install` before it is not counted):', '']
+    table += ['| stage | minutes |', '|---|---|']
+    table += [f'| {name} | {(end - t) / 60:.1f} |' for (name, t), end in zip(starts, ends)]
+    table += [f'| total | {(ends[-1] - t0) / 60:.1f} |']
     text = '\n'.join(table)
     (out / 'results.md').write_text(text + '\n')
     print('\n' + text)
