@@ -1,16 +1,19 @@
-"""tokenaug as a pip user gets it: the wheel built from this tree, installed into a fresh virtual environment the
-way the README says (torch, then ``tokenaug``, then ``tokenaug-mmcv-wheel --install`` from the cached mmcv
-wheel, then the OpenMMLab packages), every command run from a folder outside the repo.
+"""tokenaug as a pip user gets it: the README's install block and first-run block run as written (extracted from
+README.md, not retyped), in a temporary folder outside the repo that holds the checkout as ``./tokenaug``; mmcv
+comes from the cache ``make install`` filled.
 
-Checked there: the console scripts; the configs inherited from the user's own config (``tokenaug-config
-copy``/``path``) and ``tokenaug-train -c tokenaug::...``; mmseg / mmdet configs building with mmpretrain not
-installed; then ``tokenaug[mm]`` (with mmpretrain) and an mmpretrain config. About 3 minutes (the installs)."""
+Checked there: the installed package and its metadata (``pip show``); the console scripts; the configs inherited
+from the user's own config (``tokenaug-config copy``/``path``); mmseg / mmdet configs building with mmpretrain
+unimportable; an mmpretrain config; the first-run block (``tokenaug-data``, ``tokenaug-train -c tokenaug::...``,
+``tokenaug-mim train mmpretrain ...``). About 4 minutes (the installs)."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -18,43 +21,49 @@ from shared_core.tools.mmcv_wheel import default_cache, find_cached_wheel
 
 from .conftest import REPO
 
-CONSTRAINTS = str(REPO / 'constraints.txt')
 pytestmark = pytest.mark.slow
+MARK = '<!-- tests/test_wheel.py runs this block as written -->'
 
 
-def _run(cmd, cwd, env, timeout=900):
+def readme_blocks() -> list[str]:
+    """The README's bash blocks marked as run by this test, in order: [install, first run]."""
+    text = (REPO / 'README.md').read_text()
+    blocks = re.findall(re.escape(MARK) + r'\n```bash\n(.*?)\n```', text, flags=re.S)
+    assert len(blocks) == 2 and text.count(MARK) == 2, 'README: expected the install and the first-run block'
+    return blocks
+
+
+def _run(cmd, cwd, env, timeout=1200):
     res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0, f'{cmd}\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}'
+    assert res.returncode == 0, f'{cmd}\n{res.stdout[-3000:]}\n{res.stderr[-4000:]}'
     return res.stdout
+
+
+def _bash(script, cwd, env):
+    """``script`` in bash with the README's environment activated first (when it exists), stopping at a failure."""
+    activate = '. venv/bin/activate\n' if (Path(cwd) / 'venv').is_dir() else ''
+    return _run(['bash', '-c', 'set -eo pipefail\n' + activate + script], cwd, env)
 
 
 @pytest.fixture(scope='module')
 def user(tmp_path_factory):
-    """(venv bin folder, a working folder outside the repo, env) with tokenaug installed from its wheel,
-    mmcv from the cache, mmengine / mmseg / mmdet, and no mmpretrain."""
+    """(venv bin folder, the user's folder outside the repo, env) after the README's install block."""
     if find_cached_wheel(default_cache()) is None:  # make install puts it there: a test run always has it
         pytest.fail(f'no cached mmcv 2.1.0 wheel in {default_cache()} (make install builds it)')
     root = tmp_path_factory.mktemp('pip_user')
-    work = root / 'work'
-    work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV')}
-    env['PYTHONNOUSERSITE'] = '1'
-    _run(
-        [sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation', '-w', str(root), str(REPO)],
-        root,
-        env,
-    )
-    (wheel,) = root.glob('tokenaug-*.whl')
-    _run([sys.executable, '-m', 'venv', str(root / 'venv')], root, env)
+    (root / 'tokenaug').symlink_to(REPO, target_is_directory=True)  # "the folder that holds your checkout"
+    shim = root / 'shim'  # `python` on PATH is the interpreter the tests run on (a venv's base, not the venv)
+    shim.mkdir()
+    (shim / 'python').symlink_to(getattr(sys, '_base_executable', sys.executable))
+    drop = ('PYTHONPATH', 'VIRTUAL_ENV', 'PIP_CONSTRAINT', 'PIP_REQUIRE_VIRTUALENV')
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(PYTHONNOUSERSITE='1', PATH=f'{shim}{os.pathsep}{env.get("PATH", "")}')
+    _bash(readme_blocks()[0], root, env)
     bin_ = root / 'venv' / 'bin'
-    env['PATH'] = f'{bin_}{os.pathsep}{env.get("PATH", "")}'
-    pip = [str(bin_ / 'python'), '-m', 'pip', 'install', '-q', '-c', CONSTRAINTS]
-    _run([*pip, 'torch==2.14.1', 'torchvision==0.29.1', 'setuptools<81'], work, env)  # mmcv's setup.py needs both
-    _run([*pip, str(wheel)], work, env)  # no extras: brings tokenaug-mmcv-wheel
-    printed = _run([str(bin_ / 'tokenaug-mmcv-wheel'), '--install', '--cache', str(default_cache())], work, env)
-    assert printed.strip().endswith('.whl')
-    _run([*pip, 'mmengine==0.10.7', 'mmsegmentation==1.2.2', 'mmdet==3.3.0', 'ftfy', 'regex'], work, env)
-    yield bin_, work, env, wheel
+    env['PATH'] = f'{bin_}{os.pathsep}{env["PATH"]}'
+    env['PIP_CONSTRAINT'] = str(REPO / 'constraints.txt')  # as the block exported it
+    (wheel,) = (root / 'dist').glob('tokenaug-*.whl')
+    yield bin_, root, env, wheel
     shutil.rmtree(root / 'venv', ignore_errors=True)  # 6 GB (torch): not kept for a later look
 
 
@@ -64,17 +73,32 @@ def _py(user, code):
 
 
 def test_installed_from_the_wheel_not_the_checkout(user):
+    bin_, _, _, _ = user
     out = _py(
         user,
         """
-        import importlib.util, shared_core, timm_plugin, mm_plugin
+        import sys, shared_core, timm_plugin, mm_plugin, torch, mmcv, mmpretrain, matplotlib
         print(shared_core.__file__, shared_core.__version__)
-        print('mmpretrain', importlib.util.find_spec('mmpretrain'))
+        print(sys.prefix, torch.__version__, mmcv.__version__, mmpretrain.__version__)
         """,
     )
-    first = out.splitlines()[0]
+    first, second = out.splitlines()[:2]
     assert 'site-packages' in first and str(REPO) not in first
-    assert 'mmpretrain None' in out
+    assert second.startswith(str(bin_.parent)) and ' 2.1.0 1.2.0' in second  # the README's venv; mmcv, mmpretrain
+
+
+def test_pip_show_metadata(user):
+    """What a package index and ``pip show`` display: summary, author, licence, the extras, the reference code."""
+    bin_, work, env, _ = user
+    shown = _run([str(bin_ / 'python'), '-m', 'pip', 'show', '--verbose', 'tokenaug'], work, env)
+    fields = dict(line.split(': ', 1) for line in shown.splitlines() if ': ' in line and not line.startswith(' '))
+    assert fields['Name'] == 'tokenaug' and fields['Author'] == 'The tokenaug developers'
+    assert fields['Summary'].startswith('Token-aware mixing and targets for vision transformers')
+    assert 'Apache-2.0' in shown and 'Intended Audience :: Science/Research' in shown
+    assert {'torch', 'timm', 'torchvision'} <= {r.strip() for r in fields['Requires'].split(',')}
+    assert 'TL-Align reference code, https://github.com/Euphoria16/TL-Align' in shown
+    meta = _py(user, "from importlib.metadata import metadata; print(metadata('tokenaug').get_all('Provides-Extra'))")
+    assert all(extra in meta for extra in ('mm', 'viz', 'test'))
 
 
 @pytest.mark.parametrize(
@@ -86,6 +110,7 @@ def test_installed_from_the_wheel_not_the_checkout(user):
         'tokenaug-maps',
         'tokenaug-occlusion',
         'tokenaug-config',
+        'tokenaug-mim',
         'tokenaug-mmcv-wheel',
         'tokenaug-viz',
     ],
@@ -96,7 +121,8 @@ def test_console_scripts(user, script):
 
 
 def test_seg_and_det_configs_inherited_without_mmpretrain(user):
-    """The user's own configs inherit ours: copied (relative ``_base_``) and by the installed path."""
+    """The user's own configs inherit ours: copied (relative ``_base_``) and by the installed path; mmseg and
+    mmdet need no mmpretrain (a transfer-only user): it is made unimportable in the process that builds them."""
     bin_, work, env, _ = user
     cfg = str(bin_ / 'tokenaug-config')
     _run([cfg, 'copy', 'mmseg/upernet_vit-tiny_world.py', 'configs'], work, env)
@@ -111,6 +137,8 @@ def test_seg_and_det_configs_inherited_without_mmpretrain(user):
     out = _py(
         user,
         """
+        import sys
+        sys.modules['mmpretrain'] = None  # `import mmpretrain` raises ImportError, as when it is not installed
         from mmengine.config import Config
         from mmseg.registry import MODELS as SEG
         from mmseg.utils import register_all_modules as seg_modules
@@ -122,32 +150,16 @@ def test_seg_and_det_configs_inherited_without_mmpretrain(user):
             print(name, type(SEG.build(cfg.model)).__name__, cfg.model.get('auxiliary_head'))
         det_modules()
         print('my_det.py', type(DET.build(Config.fromfile('my_det.py').model)).__name__)
-        import sys
-        print('mmpretrain loaded:', any(k.startswith('mmpretrain') for k in sys.modules))
+        print('mmpretrain loaded:', any(k.startswith('mmpretrain') and sys.modules[k] for k in sys.modules))
         """,
     )
     assert 'my_seg.py PretrainedEncoderDecoder None' in out and 'my_fcn.py PretrainedEncoderDecoder' in out
     assert 'my_det.py CascadeRCNN' in out and 'mmpretrain loaded: False' in out
 
 
-def test_tokenaug_train_with_an_installed_timm_config(user):
+def test_an_inherited_mmpretrain_config_builds(user):
+    """An mmpretrain config of ours inherited from the user's config builds (model and preprocessor)."""
     bin_, work, env, _ = user
-    _run([str(bin_ / 'tokenaug-data'), '--out', 'world', '--train-per-class', '1', '--val-per-class', '1'], work, env)
-    _run(
-        [str(bin_ / 'tokenaug-train'), '-c', 'tokenaug::timm/world_vit-tiny.yaml', '--data-dir', 'world/imagenet']
-        + ['--epochs', '1', '-b', '4', '--workers', '0', '--model-kwargs', 'img_size=112', 'depth=1']
-        + ['--mixup-type', 'tl_align', '--output', 'out', '--experiment', 'run'],
-        work,
-        env,
-    )
-    assert (work / 'out' / 'run' / 'last.pth.tar').is_file()
-
-
-def test_mm_extra_and_an_mmpretrain_config(user):
-    """``pip install tokenaug[mm]`` resolves with the mmcv the script installed; an mmpretrain config of ours
-    inherited from the user's config builds (last: it installs mmpretrain into the environment)."""
-    bin_, work, env, wheel = user
-    _run([str(bin_ / 'python'), '-m', 'pip', 'install', '-q', '-c', CONSTRAINTS, f'{wheel}[mm]'], work, env)
     _run([str(bin_ / 'tokenaug-config'), 'copy', 'mmpretrain/deit-tiny_world_tl-align.py', 'configs'], work, env)
     (work / 'my_cls.py').write_text(
         "_base_ = ['./configs/mmpretrain/deit-tiny_world_tl-align.py']\ntrain_cfg = dict(max_epochs=1)\n"
@@ -165,17 +177,16 @@ def test_mm_extra_and_an_mmpretrain_config(user):
         """,
     )
     assert 'TLAlignClassifier TokenAugDataPreprocessor 1' in out, out
-    # mmpretrain's own tools/train.py from the pip install, as `mim train mmpretrain CONFIG` runs it
-    world = ['--out', 'mimworld', '--train-per-class', '1', '--val-per-class', '1']
-    _run([str(bin_ / 'tokenaug-data'), *world], work, env)
-    opts = ['train_dataloader.batch_size=4', 'train_dataloader.num_workers=0', 'val_dataloader.num_workers=0']
-    _run(
-        [str(bin_ / 'tokenaug-mim'), 'train', 'mmpretrain', 'my_cls.py', '--work-dir', 'mim_run', '--cfg-options']
-        + opts,
-        work,
-        dict(env, TOKENAUG_WORLD=str(work / 'mimworld')),
-    )
-    assert (work / 'mim_run' / 'epoch_1.pth').is_file()  # one epoch trained and saved by mmpretrain's train.py
+
+
+def test_the_readme_first_run(user):
+    """The README's first-run block as written: the world in data/world (the configs' default), an epoch of
+    ``tokenaug-train -c tokenaug::timm/...`` and one of mmpretrain's own tools/train.py through ``tokenaug-mim``."""
+    _, work, env, _ = user
+    _bash(readme_blocks()[1], work, env)
+    assert (work / 'data' / 'world' / 'imagenet' / 'train').is_dir()
+    assert len(list((work / 'runs').glob('*/last.pth.tar'))) == 1  # timm's saver, one experiment folder
+    assert (work / 'work_dirs' / 'tl_align' / 'epoch_1.pth').is_file()  # saved by mmpretrain's train.py
 
 
 def test_the_wheel_holds_the_configs_and_typing_marker(user):
