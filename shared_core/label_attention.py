@@ -162,8 +162,8 @@ def _cpu_shared_attention(qkv: torch.Tensor, attn_mask: Optional[torch.Tensor]) 
 
 
 class LabelColumns:
-    """TL-Align's label state as extra value columns of the token path's own fused attention, for one forward
-    (issue 12): a buffer ``(3, B, 1, T, W)`` holds zeros for ``q`` and ``k`` and the label columns for ``v``, so one
+    """TL-Align's label state as extra value columns of the token path's own fused attention, for one forward:
+    a buffer ``(3, B, 1, T, W)`` holds zeros for ``q`` and ``k`` and the label columns for ``v``, so one
     concatenation with a block's stacked ``qkv`` ``(3, B, H, T, d)`` gives ``[q | 0]``, ``[k | 0]`` and ``[v |
     labels]`` (kernels want equal head dims; ``d + W`` a multiple of 8), and the state is updated in place after
     each block (Eq. 11).

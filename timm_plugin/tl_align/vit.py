@@ -94,7 +94,7 @@ SHARED_MAX_WIDTH = 8
 
 
 class SharedAttentionViT:
-    """:class:`ViTTracer`'s rules with the label path run inside the token path's attention (issue 12): each
+    """:class:`ViTTracer`'s rules with the label path run inside the token path's attention: each
     aligned block's ``Attention.forward`` is, for this forward only, timm's own forward with its attention call
     replaced by :func:`shared_core.label_attention.shared_attention` (one attention for tokens and labels: ``V' =
     [V | labels]`` fused, or the attention materialised once), and a hook after the block applies Eq. 11 to the
