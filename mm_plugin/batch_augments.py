@@ -93,7 +93,8 @@ class MixBatchAugment:
             )
         mix = self.sample_mix(batch_inputs.shape[0], tuple(batch_inputs.shape[-2:]))
         self.last_mix = mix
-        return mix_images(batch_inputs, mix), mix_rows(batch_score.float(), mix.partner, 1.0 - own_lam(mix), mix.flip)
+        share = 1.0 - own_lam(mix)
+        return mix_images(batch_inputs, mix), mix_rows(batch_score.float(), mix.partner, share, mix.reversed_pairs)
 
 
 @BATCH_AUGMENTS.register_module()

@@ -28,7 +28,7 @@ __all__ = [
     'mix_rows',
     'own_lam',
     'mix_images',
-    'mix_images_flip',
+    'mix_images_reversed',
     'mix_tokens',
     'mix_target',
     'multi_label_target',
@@ -80,7 +80,7 @@ class Mix:
         img_size: ``(H, W)`` of the images.
         patch_size: ``(ph, pw)`` of the token grid.
         kind: the sampler kind that produced it (``'mixup'``, ``'cutmix'``, ...; ``'none'``).
-        flip: host-side facts the samplers know (default: unknown): the partners are the reversed batch
+        reversed_pairs: host-side facts the samplers know (default: unknown): the partners are the reversed batch
             (``partner[i] = B - 1 - i``), so the images and targets mix against ``x.flip(0)`` (timm's fast
             path: no gather of partners, no per-token share on the device).
         blend: every sample is a blend or unmixed (``token_share[i] ≡ 1 - lam[i]``, no boxes).
@@ -95,7 +95,7 @@ class Mix:
     kind: str = 'none'
     boxes: Optional[torch.Tensor] = None
     box_valid: Optional[torch.Tensor] = None
-    flip: bool = False
+    reversed_pairs: bool = False
     blend: bool = False
     batch_lam: Optional[float] = None
 
@@ -240,13 +240,13 @@ def mix_images(x: torch.Tensor, mix: Mix) -> torch.Tensor:
             f'for this mix, got {tuple(x.shape)}'
         )
     dev = x.device
-    if mix.flip and x.dtype.is_floating_point:  # timm's fast paths: the partners are x.flip(0)
+    if mix.reversed_pairs and x.dtype.is_floating_point:  # timm's fast paths: the partners are x.flip(0)
         if mix.blend:  # MixUp (or unmixed) rows: one lerp, λ a scalar in batch mode
             if mix.batch_lam is not None:
-                return mix_images_flip(x, mix.batch_lam)
+                return mix_images_reversed(x, mix.batch_lam)
             return x.flip(0).lerp_(x, mix.lam.to(dev, x.dtype, non_blocking=True).view(-1, 1, 1, 1))
         if mix.batch_lam is not None and mix.boxes is not None:  # batch mode CutMix: one box for all
-            return mix_images_flip(x, mix.batch_lam, tuple(mix.boxes[0].tolist()))
+            return mix_images_reversed(x, mix.batch_lam, tuple(mix.boxes[0].tolist()))
     partner = mix.partner.to(dev, non_blocking=True)
     share = mix.token_share.to(dev, non_blocking=True)
     # the row plan reads the mix where it lives (the samplers build it on the CPU: no device sync)
@@ -270,7 +270,7 @@ def mix_images(x: torch.Tensor, mix: Mix) -> torch.Tensor:
     return out
 
 
-def mix_images_flip(x: torch.Tensor, lam: float, box: Optional[Tuple[int, int, int, int]] = None) -> torch.Tensor:
+def mix_images_reversed(x: torch.Tensor, lam: float, box: Optional[Tuple[int, int, int, int]] = None) -> torch.Tensor:
     """Batch-mode MixUp / CutMix against the reversed batch, timm's fast path (float images): the blend ``λ · x +
     (1 - λ) · x.flip(0)`` as one ``lerp``, or CutMix's pixel ``box`` ``(y0, y1, x0, x1)`` copied from ``x.flip(0)``
     into a copy of ``x`` (λ is then the box's complement, not used here). ``x`` is not modified."""
@@ -322,18 +322,19 @@ def _mix_token_rows(x: torch.Tensor, partner: torch.Tensor, share: torch.Tensor,
     return xp
 
 
-def mix_rows(t: torch.Tensor, partner: torch.Tensor, share, flip: bool = False) -> torch.Tensor:
+def mix_rows(t: torch.Tensor, partner: torch.Tensor, share, reversed_pairs: bool = False) -> torch.Tensor:
     """The pairwise combination every mix uses: ``t · (1 - s) + t[partner] · s`` over the first dim of
     ``t`` (rows = samples). ``share`` is the *partner's* weight: a float, or a tensor that broadcasts against
     ``t`` (``(B,)``, ``(B, 1)``, ``(B, N, 1)``, ...; trailing singleton dims are added), moved to ``t``'s device
-    and dtype. ``flip``: the partners are the reversed batch (the samplers' pairing, :attr:`Mix.flip`): one
-    ``lerp(t, t.flip(0), s)``, as timm mixes, without gathering the partners (exact at ``s`` = 0 and 1).
+    and dtype. ``reversed_pairs``: the partners are the reversed batch (the samplers' pairing,
+    :attr:`Mix.reversed_pairs`): one ``lerp(t, t.flip(0), s)``, as timm mixes, without gathering the partners
+    (exact at ``s`` = 0 and 1).
     ``t`` is not modified."""
     if not isinstance(share, float):
         share = torch.as_tensor(share).to(t.device, t.dtype, non_blocking=True)
         if share.dim() < t.dim():
             share = share.reshape(*share.shape, *([1] * (t.dim() - share.dim())))
-    if flip:
+    if reversed_pairs:
         return torch.lerp(t, t.flip(0), share)
     return torch.addcmul(t * (1.0 - share), t[partner.to(t.device)], share)
 
@@ -341,7 +342,7 @@ def mix_rows(t: torch.Tensor, partner: torch.Tensor, share, flip: bool = False) 
 def own_lam(mix: Mix):
     """Each sample's own share λ: a float in batch mode (the samplers' one λ, on the host: no tensor op), else
     ``mix.lam`` ``(B,)``. The partner weight of :func:`mix_rows` is ``1 - own_lam(mix)``."""
-    return mix.batch_lam if mix.flip and mix.batch_lam is not None else mix.lam
+    return mix.batch_lam if mix.reversed_pairs and mix.batch_lam is not None else mix.lam
 
 
 def mix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
@@ -351,7 +352,7 @@ def mix_tokens(tokens: torch.Tensor, mix: Mix) -> torch.Tensor:
         raise ValueError(
             f'tokens: expected (B={mix.batch_size}, N={mix.num_tokens}, D) patch tokens, got {tuple(tokens.shape)}'
         )
-    return mix_rows(tokens, mix.partner, mix.token_share_flat(), mix.flip)
+    return mix_rows(tokens, mix.partner, mix.token_share_flat(), mix.reversed_pairs)
 
 
 def one_hot(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0, name: str = 'target') -> torch.Tensor:
@@ -373,19 +374,24 @@ def pair_target(
     lam,
     num_classes: int,
     smoothing: float = 0.0,
-    flip: bool = False,
+    reversed_pairs: bool = False,
 ) -> torch.Tensor:
     """``λ · y + (1 - λ) · y[partner]`` with label smoothing: ``(B, C)`` float32, rows sum to 1.
-    ``lam`` is the weight of each sample's own label (a scalar or ``(B,)``). ``flip``: the partners are the
-    reversed batch (the samplers' pairing, :attr:`Mix.flip`): one ``lerp`` against ``y.flip(0)``, as timm's
+    ``lam`` is the weight of each sample's own label (a scalar or ``(B,)``). ``reversed_pairs``: the partners are the
+    reversed batch (the samplers' pairing, :attr:`Mix.reversed_pairs`): one ``lerp`` against ``y.flip(0)``, as timm's
     ``mixup_target``, instead of gathering the partners."""
     if not isinstance(lam, float):
         lam = torch.as_tensor(lam, dtype=torch.float32)
-    return partner_target(labels, partner, 1.0 - lam, num_classes, smoothing, flip)
+    return partner_target(labels, partner, 1.0 - lam, num_classes, smoothing, reversed_pairs)
 
 
 def partner_target(
-    labels: torch.Tensor, partner: torch.Tensor, share, num_classes: int, smoothing: float = 0.0, flip: bool = False
+    labels: torch.Tensor,
+    partner: torch.Tensor,
+    share,
+    num_classes: int,
+    smoothing: float = 0.0,
+    reversed_pairs: bool = False,
 ) -> torch.Tensor:
     """:func:`pair_target` given each sample's *partner* share ``s = 1 - λ`` (a float or ``(B,)``):
     ``(1 - s) · y + s · y[partner]``, smoothed, ``(B, C)`` float32 (what TL-Align's readout gives, with no
@@ -396,13 +402,13 @@ def partner_target(
     y = one_hot(labels, num_classes, smoothing)  # checks the range where the labels are on the CPU
     if not isinstance(share, float):
         share = torch.as_tensor(share, dtype=torch.float32).to(y.device).reshape(-1)
-    return mix_rows(y, partner, share, flip)
+    return mix_rows(y, partner, share, reversed_pairs)
 
 
 def mix_target(labels: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
     """The area target ``λ · y + (1 - λ) · y[partner]`` with label smoothing: ``(B, C)`` float32,
     every row sums to 1 (with the samplers' flipped partners one ``lerp``, a scalar λ in batch mode)."""
-    return pair_target(labels, mix.partner, own_lam(mix), num_classes, smoothing, flip=mix.flip)
+    return pair_target(labels, mix.partner, own_lam(mix), num_classes, smoothing, reversed_pairs=mix.reversed_pairs)
 
 
 def multi_label_target(target: torch.Tensor, mix: Mix, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
@@ -414,4 +420,4 @@ def multi_label_target(target: torch.Tensor, mix: Mix, num_classes: int, smoothi
             f'got {tuple(target.shape) if torch.is_tensor(target) else type(target).__name__}'
         )
     y = target.float() * (1.0 - smoothing) + 0.5 * smoothing
-    return mix_rows(y, mix.partner, 1.0 - own_lam(mix), mix.flip)
+    return mix_rows(y, mix.partner, 1.0 - own_lam(mix), mix.reversed_pairs)

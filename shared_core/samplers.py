@@ -250,7 +250,7 @@ class MixSampler:
             kind=self.mix_kind if self.mixup_enabled else 'none',
             boxes=None if boxes is None else torch.from_numpy(boxes[idx]),
             box_valid=None if valid is None else torch.from_numpy(valid[idx]),
-            flip=True,
+            reversed_pairs=True,
             blend=not cut.size,
             batch_lam=float(lam[0]) if self.mode == 'batch' else None,
         )
@@ -285,7 +285,7 @@ class MixSampler:
         """``mode='batch'`` MixUp / CutMix without a :class:`Mix` (timm's path, for a plain area target): ``(λ,
         box)``, the batch's own share λ and CutMix's pixel box ``(y0, y1, x0, x1)`` (``None`` for a blend), the
         same draws as :meth:`sample` (a seed gives the same λ and box). Every sample's partner is the reversed
-        batch: :func:`~shared_core.mix.mix_images_flip` and :func:`~shared_core.mix.pair_target` apply it."""
+        batch: :func:`~shared_core.mix.mix_images_reversed` and :func:`~shared_core.mix.pair_target` apply it."""
         if self.mode != 'batch' or self.mix_kind not in ('mixup', 'cutmix') or self.cutmix_minmax is not None:
             raise ValueError(
                 f"plain_batch: mode='batch' MixUp / CutMix without cutmix_minmax only; got mode={self.mode!r}, "
@@ -321,7 +321,7 @@ class MixSampler:
             kind=self.mix_kind if self.mixup_enabled else 'none',
             boxes=None if box is None else torch.tensor([box]).expand(batch_size, 4).clone(),
             box_valid=None if box is None else torch.ones(batch_size, dtype=torch.bool),
-            flip=True,
+            reversed_pairs=True,
             blend=not use_cut,
             batch_lam=lam,
         )

@@ -322,7 +322,8 @@ def aligned_target(
     share = share.float()
     if share.requires_grad:
         share = share.detach()
-    return partner_target(labels.to(share.device), mix.partner, share, num_classes, smoothing, flip=mix.flip)
+    labels = labels.to(share.device)
+    return partner_target(labels, mix.partner, share, num_classes, smoothing, reversed_pairs=mix.reversed_pairs)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def check_pairwise_swap(mix: Mix) -> None:
     batch-mode token mask of the samplers (flipped partners, one 0/1 mask for all) is a pairwise swap by
     construction."""
     if (
-        mix.flip
+        mix.reversed_pairs
         and mix.batch_lam is not None
         and mix.kind in ('token_box', 'tokenmix_block', 'tokenmix_random', 'none')
     ):
@@ -101,7 +101,7 @@ def token_swap(mix: Mix, device) -> TokenSwap:
         check_pairwise_swap(mix)
     device = torch.device(device)
     return TokenSwap(
-        mix.token_share_flat().to(device).bool().unsqueeze(-1), None if mix.flip else mix.partner.to(device)
+        mix.token_share_flat().to(device).bool().unsqueeze(-1), None if mix.reversed_pairs else mix.partner.to(device)
     )
 
 
@@ -146,14 +146,14 @@ def _swap(t: torch.Tensor, swapped: torch.Tensor, partner: Optional[torch.Tensor
 
 def mix_dense_targets(targets: torch.Tensor, mix: Mix) -> torch.Tensor:
     """Eq. 6: ``Ŷ = Y_i ⊙ (1 - s) + Y_partner ⊙ s`` for dense targets ``(B, N, C)`` (any mix)."""
-    return mix_rows(targets, mix.partner, mix.token_share_flat(), mix.flip)
+    return mix_rows(targets, mix.partner, mix.token_share_flat(), mix.reversed_pairs)
 
 
 def mix_class_target(target: torch.Tensor, mix: Optional[Mix]) -> torch.Tensor:
     """Eq. 7: ``M̄ · y + (1 - M̄) · y[partner]`` with ``M̄ = mix.lam`` (own share); rows still sum to 1."""
     if mix is None:
         return target
-    return mix_rows(target, mix.partner, 1.0 - own_lam(mix), mix.flip)
+    return mix_rows(target, mix.partner, 1.0 - own_lam(mix), mix.reversed_pairs)
 
 
 def class_target(

@@ -82,8 +82,9 @@ def activation_target(
     mix = mix.to(values.device)
     if mode == 'true_class':
         maps = class_maps(values, indices, num_classes, labels, boxes, flips, mix.grid_size, affines, extent)
-        return pair_target(labels, mix.partner, activation_lam(maps, mix), num_classes, smoothing, flip=mix.flip)
+        lam = activation_lam(maps, mix)
+        return pair_target(labels, mix.partner, lam, num_classes, smoothing, reversed_pairs=mix.reversed_pairs)
     p = token_targets_batch(values, indices, num_classes, boxes, flips, mix.grid_size, 0.0, affines, extent)
     p = p.flatten(2).transpose(1, 2)  # (B, N, C)
-    shown = mix_rows(p, mix.partner, mix.token_share_flat(), mix.flip)
+    shown = mix_rows(p, mix.partner, mix.token_share_flat(), mix.reversed_pairs)
     return smooth(shown.mean(1), smoothing)

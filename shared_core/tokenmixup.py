@@ -172,7 +172,7 @@ def mix_soft_target(target: torch.Tensor, mix: Mix) -> torch.Tensor:
     already mixed); rows keep summing to 1."""
     if target.dim() != 2 or target.shape[0] != mix.batch_size:
         raise ValueError(f'target: expected (B={mix.batch_size}, C) soft targets, got {tuple(target.shape)}')
-    return mix_rows(target.float(), mix.partner, 1.0 - own_lam(mix), mix.flip)
+    return mix_rows(target.float(), mix.partner, 1.0 - own_lam(mix), mix.reversed_pairs)
 
 
 def vtm_select(S: torch.Tensor, kappa: int) -> torch.Tensor:

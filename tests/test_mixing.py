@@ -650,7 +650,7 @@ def test_batch_mode_host_sampler_draws_what_the_vector_sampler_draws(
     kw.update(patch_size=(4, 8), box_rounding=rounding)
     fast = MixSampler(kind, mode='batch', **kw).sample(B, (H, W), torch.Generator().manual_seed(seed), allow_odd=True)
     ref = MixSampler(kind, mode='pair', **kw).sample(2, (H, W), torch.Generator().manual_seed(seed))
-    assert fast.flip and fast.batch_lam is not None and fast.blend == ref.blend
+    assert fast.reversed_pairs and fast.batch_lam is not None and fast.blend == ref.blend
     if fast.blend:  # the flag's promise: a constant share 1 - λ
         assert torch.allclose(fast.token_share, 1 - fast.lam[:, None, None].expand_as(fast.token_share), atol=1e-6)
     assert torch.equal(fast.partner, torch.arange(B - 1, -1, -1))
@@ -674,7 +674,7 @@ def test_flipped_partner_targets_equal_the_gathered_ones(kind, mode):
         labels = torch.randint(0, 10, (6,), generator=g)
         fast = mix_target(labels, mix, 10, 0.1)
         ref = pair_target(labels, mix.partner, mix.lam, 10, 0.1)
-        assert mix.flip and torch.allclose(fast, ref, atol=1e-6, rtol=0)
+        assert mix.reversed_pairs and torch.allclose(fast, ref, atol=1e-6, rtol=0)
         assert torch.allclose(fast.sum(1), torch.ones(6))
 
 

@@ -34,7 +34,7 @@ from shared_core.mix import (
     Mix,
     check_pairwise_batch,
     mix_images,
-    mix_images_flip,
+    mix_images_reversed,
     mix_target,
     multi_label_target,
     pair_target,
@@ -229,8 +229,8 @@ class TokenAwareMixup:
         if self._plain_batch(x):  # λ and the box drawn on the host, mixed against x.flip(0), as timm does
             self.sample_checks(x, target, name)
             lam, box = self.sampler.plain_batch(x.shape[0], tuple(x.shape[-2:]), self.generator)
-            soft = pair_target(target, None, lam, self.num_classes, self.label_smoothing, flip=True)
-            return mix_images_flip(x, lam, box), soft
+            soft = pair_target(target, None, lam, self.num_classes, self.label_smoothing, reversed_pairs=True)
+            return mix_images_reversed(x, lam, box), soft
         mix = self.sample(x, target, name)
         target = self.make_target(target, mix)
         return mix_images(x, mix), target
