@@ -157,6 +157,16 @@ IMG_SIZE = 112
 NUM_CLASSES = 10
 
 
+def default_area() -> tuple[float, float]:
+    """tokenaug-data's default share of the image covered by a scene's main object (--min-area, --max-area)."""
+    import inspect
+
+    from shared_core.tools.world import generate_world
+
+    params = inspect.signature(generate_world).parameters
+    return params['min_area'].default, params['max_area'].default
+
+
 def t_quantile(df: int) -> float:
     """Student's t 0.975 quantile with ``df`` degrees of freedom (a two-sided 95 % interval)."""
     from scipy.stats import t
@@ -180,6 +190,27 @@ def paired(method: list[float], baseline: list[float]) -> dict:
     mean, sd = mean_sd(diffs)
     half = t_quantile(len(diffs) - 1) * sd / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
     return dict(diffs=diffs, mean=mean, sd=sd, half=half, excludes_zero=bool(abs(mean) > half))
+
+
+def interval(d: dict, digits: int = 2) -> str:
+    """A :func:`paired` difference's 95 % interval as ``[lo, hi]``; ``n/a (1 seed)`` where one seed gives none."""
+    if len(d['diffs']) < 2:
+        return 'n/a (1 seed)'
+    return f'[{d["mean"] - d["half"]:+.{digits}f}, {d["mean"] + d["half"]:+.{digits}f}]'
+
+
+def excludes_zero(d: dict) -> str:
+    """The table's cell: does a :func:`paired` difference's interval exclude 0 (``n/a`` for one seed)?"""
+    return 'n/a' if len(d['diffs']) < 2 else 'yes' if d['excludes_zero'] else 'no'
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and its finished children so far: a step's cost whatever else
+    shares the machine (its wall time is not)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def mm_env(world: Path) -> dict:
@@ -228,6 +259,7 @@ class Study:
         self.model_kwargs = [f'img_size={IMG_SIZE}'] + [f'{k}={v}' for k, v in vit.items()]
         self.steps_done = self.steps_skipped = 0
         self.secs = 0.0  # the recorded time of every step of this study, skipped ones included
+        self.cpu_secs = 0.0  # and their CPU time (steps recorded before it was kept count 0)
 
     def step(self, name: str, step: Step, execute) -> dict:
         """``execute()`` -> result dict, unless ``step`` is already done; prints one line either way."""
@@ -235,15 +267,17 @@ class Study:
         if rec is not None:
             self.steps_skipped += 1
             self.secs += rec['secs']
+            self.cpu_secs += rec.get('cpu_secs', 0.0)
             print(f'  {name}: done before, skipped', flush=True)
             return rec
         shutil.rmtree(step.dir, ignore_errors=True)
         step.dir.mkdir(parents=True)
-        t = time.time()
+        t, cpu = time.time(), cpu_seconds()
         result = execute()
-        rec = step.finish(secs=round(time.time() - t, 1), **result)
+        rec = step.finish(secs=round(time.time() - t, 1), cpu_secs=round(cpu_seconds() - cpu, 1), **result)
         self.steps_done += 1
         self.secs += rec['secs']
+        self.cpu_secs += rec['cpu_secs']
         print(
             f'  {name}: {", ".join(f"{k} {v}" for k, v in result.items())} ({rec["secs"]:.0f} s)',
             flush=True,
@@ -257,10 +291,14 @@ class Study:
         out = self.test_world if test else self.world
         val = self.p['test_per_class' if test else 'val_per_class']
         cmd = [BIN / 'tokenaug-data', '--out', out, '--seed', '0', '--num-classes', NUM_CLASSES]
-        cmd += ['--image-size', IMG_SIZE, '--formats', 'imagenet']
+        # the world's own split also in the ADE20K layout where a preset reads its object masks (the size study)
+        formats = 'imagenet' if test else self.p.get('world_formats', 'imagenet')
+        cmd += ['--image-size', IMG_SIZE, '--formats', formats]
         cmd += ['--train-per-class', self.p['train_per_class'], '--val-per-class', val]
         if 'max_extra_objects' in self.p:  # else tokenaug-data's default (one extra, smaller object per scene)
             cmd += ['--max-extra-objects', self.p['max_extra_objects']]
+        if 'area' in self.p:  # the main object's share of the image; else tokenaug-data's default, 8-35 %
+            cmd += ['--min-area', self.p['area'][0], '--max-area', self.p['area'][1]]
         step = Step(out, cmd)
 
         def execute():
@@ -465,6 +503,12 @@ class Study:
         return curves
 
 
+def area_range(preset: dict) -> str:
+    """The main object's share of the image in a preset's world, as ``8-35 %``."""
+    lo, hi = preset.get('area') or default_area()
+    return f'{lo * 100:g}-{hi * 100:g} %'
+
+
 def table(
     results: dict, tests: dict, curves: dict, seeds: list[int], preset_name: str, preset: dict, wall: float
 ) -> str:
@@ -477,13 +521,13 @@ def table(
     vit = preset['vit']
     n_val, n_test = preset['val_per_class'] * NUM_CLASSES, preset['test_per_class'] * NUM_CLASSES
     lines = [
-        f'Preset `{preset_name}`: world of {NUM_CLASSES} classes at {IMG_SIZE} px, {preset["train_per_class"]} train / '
-        f'{preset["val_per_class"]} val images per class (objects 8-35 % of the image); ViT depth {vit["depth"]}, '
-        f'width {vit["embed_dim"]}, {vit["num_heads"]} heads, patch 16 (7x7 tokens); {preset["epochs"]} epochs, '
-        f'batch {preset["batch_size"]}; seeds {", ".join(map(str, seeds))}. Test top-1: the final checkpoint on '
-        f'{n_test} test images (the world regenerated with {preset["test_per_class"]} val images per class; no '
-        f"selection on either split). Val top-1: the training's own final evaluation of {n_val} images. Study wall "
-        f'time {wall / 60:.0f} min.',
+        f'Preset `{preset_name}`: world of {NUM_CLASSES} classes at {IMG_SIZE} px, '
+        f'{preset["train_per_class"]} train / {preset["val_per_class"]} val images per class '
+        f'(main object {area_range(preset)} of the image); ViT depth {vit["depth"]}, width {vit["embed_dim"]}, '
+        f'{vit["num_heads"]} heads, patch 16 (7x7 tokens); {preset["epochs"]} epochs, batch {preset["batch_size"]}; '
+        f'seeds {", ".join(map(str, seeds))}. Test top-1: the final checkpoint on {n_test} test images (the world '
+        f'regenerated with {preset["test_per_class"]} val images per class; no selection on either split). Val '
+        f"top-1: the training's own final evaluation of {n_val} images. Study wall time {wall / 60:.0f} min.",
         '',
         '| run | test top-1 mean ± sd | per seed | val top-1 mean ± sd | wall s / run |',
         '|---|---|---|---|---|',
@@ -507,10 +551,7 @@ def table(
     for m, b in COMPARISONS:
         if m in top1 and b in top1:
             d = paired(top1[m], top1[b])
-            lines.append(
-                f'| {labels[m]} | {labels[b]} | {d["mean"]:+.2f} | [{d["mean"] - d["half"]:+.2f}, '
-                f'{d["mean"] + d["half"]:+.2f}] | {"yes" if d["excludes_zero"] else "no"} |'
-            )
+            lines.append(f'| {labels[m]} | {labels[b]} | {d["mean"]:+.2f} | {interval(d)} | {excludes_zero(d)} |')
     occ = [n for n in OCCLUSION_RUNS if all((n, s) in curves for s in seeds)]
     if occ:
         lines += [
@@ -528,7 +569,7 @@ def table(
             cells = []
             for i in range(len(OCCLUSION_RATIOS)):
                 d = paired([curves[n, s]['top1'][i] for s in seeds], [curves[occ[0], s]['top1'][i] for s in seeds])
-                cells.append(f'{d["mean"]:+.1f} [{d["mean"] - d["half"]:+.1f}, {d["mean"] + d["half"]:+.1f}]')
+                cells.append(f'{d["mean"]:+.1f} {interval(d, 1)}')
             lines.append(f'| {labels[n]} - {labels[occ[0]]} | ' + ' | '.join(cells) + ' |')
     return '\n'.join(lines)
 

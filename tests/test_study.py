@@ -175,3 +175,62 @@ def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path, monkeypatch,
         per_class(['--out', str(out), '--runs', *pair, '--seeds', '3'])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and 'no run folder' in err and 'plain seed 2' in err
+
+
+def _size_study():
+    spec = importlib.util.spec_from_file_location('tokenaug_study_size', REPO / 'bench' / 'study_size.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_object_share_of_a_cutmix_box_by_hand():
+    """B's weight by what the mix shows of each object: the fractions of A's object outside the box and of B's
+    inside it, normalised; ``None`` where neither shows."""
+    import numpy as np
+
+    size = _size_study()
+    a, b = np.zeros((10, 10), bool), np.zeros((10, 10), bool)
+    a[0:2, 0:5] = True  # 10 px, in the top rows
+    b[6:8, 6:8] = True  # 4 px, in the lower right
+    box = (5, 10, 5, 10)  # rows 5..9, cols 5..9: a quarter of the image, all of B's object, none of A's
+    assert size.object_share(a, b, box) == pytest.approx(1 / (1 + 1))
+    assert size.object_share(a, b, (0, 10, 0, 3)) == 0.0  # 4 of A's 10 px outside the box, none of B's in it
+    assert size.object_share(a, b, (0, 2, 0, 5)) is None  # A's object covered, B's not in the box
+    b[6:8, 8:10] = True  # 8 px, half of them in a box over the columns 5..7
+    assert size.object_share(a, b, (0, 10, 5, 8)) == pytest.approx(0.5 / (0.5 + 1.0))
+
+
+@pytest.mark.slow
+def test_size_study_runs_its_grid_on_two_worlds_and_resumes(tmp_path, monkeypatch):
+    """bench/study_size.py on the tiny preset: two object sizes, CutMix and TL-Align on one seed, a second seed of
+    both at the size whose area labels are most wrong; the table, the plot and the record; a rerun runs nothing."""
+    size = _size_study()
+    monkeypatch.chdir(REPO)
+    out = tmp_path / 'size'
+    argv = ['--preset', 'tiny', '--out', str(out), '--sizes', 'small', 'large', '--runs', 'cutmix', 'tl_align']
+    record = size.main([*argv, '--seeds', '1', '--tl-align-seeds', '2'])
+    # the worlds differ in their main object's coverage only: the same scenes' classes, the knob turned
+    for s, (lo, hi) in (('small', (0.03, 0.10)), ('large', (0.30, 0.70))):
+        meta = json.loads((out / s / 'world' / 'world.json').read_text())
+        assert (meta['config']['min_area'], meta['config']['max_area']) == (lo, hi)
+        assert lo <= record['knob'][s]['coverage'] <= hi
+    assert record['knob']['small']['share_off'] > record['knob']['large']['share_off'] + 0.2
+    # TL-Align's extra seed at the small size only; the per-size differences over the common seed
+    assert record['tl_align']['size'] == 'small' and record['tl_align']['seeds'] == [0, 1]
+    assert set(record['runs']) == {f'{s} {n} seed 0' for s in ('small', 'large') for n in ('cutmix', 'tl_align')} | {
+        'small cutmix seed 1',
+        'small tl_align seed 1',
+    }
+    assert [len(record['top1'][s]['cutmix']) for s in ('small', 'large')] == [2, 1]
+    d = record['tl_align']['diff']
+    test = [record['test'][f'small {n} seed {i}']['top1'] for n in ('tl_align', 'cutmix') for i in (0, 1)]
+    assert d['diffs'] == pytest.approx([test[0] - test[2], test[1] - test[3]])
+    table = (out / 'study_size.md').read_text()
+    assert '| small | 3-10 % |' in table and '| large | 30-70 % |' in table
+    assert 'n/a (1 seed)' in table and 'nan' not in table
+    assert f'over 2 seeds: **{d["mean"]:+.2f} [{d["mean"] - d["half"]:+.2f}, {d["mean"] + d["half"]:+.2f}]**' in table
+    assert (out / 'study_size.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    assert json.loads((out / 'study_size.json').read_text())['knob'] == record['knob']
+    again = size.main([*argv, '--seeds', '1', '--tl-align-seeds', '2'])
+    assert again['steps_run'] == 0 and again['test'] == record['test']
