@@ -23,14 +23,12 @@ import argparse
 import platform
 import statistics
 
-import timm
 import torch
 from common import device_sync, interleaved_times, optimizer_step, pair_ratios, profile_table
-from timm.loss import SoftTargetCrossEntropy
 
-from timm_plugin import create_mixer
+from timm_plugin.recipe import build_training
 from timm_plugin.tl_align import TLAlign, TransMix
-from timm_plugin.token_grid import label_grid_stride
+from timm_plugin.train_args import parse_args
 
 
 def main():
@@ -47,13 +45,14 @@ def main():
     args = p.parse_args()
     dev = torch.device(args.device)
     torch.manual_seed(0)
-    model = timm.create_model(args.model, num_classes=1000).to(dev).train()
+    # the model, the mixer and the loss as tokenaug-train builds them from these flags (timm_plugin.recipe): CutMix
+    # boxes on the grid TL-Align's label state starts on (ViTs: the patch grid; ConvNeXt, ResNet: 4 px)
+    flags = ['--model', args.model, '--num-classes', '1000', '--method', 'tl_align', '--mixup', '0', '--cutmix', '1']
+    recipe = build_training(parse_args(flags))
+    model = recipe.model.to(dev).train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-    loss_fn = SoftTargetCrossEntropy()
-    stride = label_grid_stride(model)  # the grid the label state starts on (ConvNeXt, ResNet: 4)
-    mixer = create_mixer(
-        'cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=1000, patch_size=stride, carry_mix=True
-    )
+    loss_fn = recipe.train_loss
+    mixer = recipe.mixer(carry_mix=True)
     x = torch.randn(args.batch, 3, 224, 224, device=dev)
     y = torch.randint(0, 1000, (args.batch,), device=dev)
     xm, target = mixer(x, y)

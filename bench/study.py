@@ -104,8 +104,8 @@ RUNS = {
         ['--mixup-type', 'cutmix', '--mixup-prob', '0'],
     ),
     'cutmix': ('MixUp/CutMix (DeiT)', 'world_vit-tiny.yaml', ['--mixup-type', 'cutmix']),
-    'tl_align': ('TL-Align (MixUp/CutMix)', 'world_vit-tiny.yaml', ['--mixup-type', 'tl_align']),
-    'transmix': ('TransMix (MixUp/CutMix)', 'world_vit-tiny.yaml', ['--mixup-type', 'transmix']),
+    'tl_align': ('TL-Align (MixUp/CutMix)', 'world_vit-tiny.yaml', ['--method', 'tl_align']),
+    'transmix': ('TransMix (MixUp/CutMix)', 'world_vit-tiny.yaml', ['--method', 'transmix']),
     'tokenmix_block': (
         'TokenMix blocks (MixUp/TokenMix, area targets)',
         'world_vit-tiny.yaml',

@@ -26,11 +26,11 @@ from timm.data import create_transform
 
 from shared_core.checkpoint_io import load_checkpoint_file
 from timm_plugin.occlusion import data_config
+from timm_plugin.recipe import build_model
 from timm_plugin.tasks import TokenLabelingEval
 from timm_plugin.token_labeling import TokenLabeling, attach_aux_head
 from timm_plugin.tokenmixup import attach_scorenets
 from timm_plugin.tools.common import split_dataset
-from timm_plugin.train import build_model
 
 _SPLITS: dict = {}  # (root, split, transform repr) -> (images, targets)
 

@@ -110,7 +110,7 @@ def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path, monkeypatch,
         evaluate_run(run, *worlds, own + 50)
     # the timm runs are tokenaug-train's own run folders, with their seed and the study's epochs
     args = (out / 'runs' / 'tl_align' / 'seed0' / 'args.yaml').read_text()
-    assert 'seed: 0\n' in args and 'epochs: 1\n' in args and 'mixup_type: tl_align' in args
+    assert 'seed: 0\n' in args and 'epochs: 1\n' in args and 'method: tl_align' in args and 'mixup_type: cutmix' in args
     # the annotator's maps feed token labeling and TokenMix's activation-map targets
     maps = str(out / 'maps' / 'train')
     assert maps in (out / 'runs' / 'mixtoken' / 'seed0' / 'args.yaml').read_text()

@@ -146,7 +146,7 @@ def test_refusals():
 @pytest.mark.slow
 @pytest.mark.parametrize('model', ['mixer_s16_224', 'resmlp_12_224', 'gmlp_ti16_224'])
 def test_tokenaug_train_tl_align_on_the_mlp_family(tiny_world, tmp_path, model):
-    """``tokenaug-train --mixup-type tl_align`` on a small MLP-Mixer / ResMLP / gMLP over the world (the mixer draws
+    """``tokenaug-train --method tl_align`` on a small MLP-Mixer / ResMLP / gMLP over the world (the mixer draws
     on the stem's 16-pixel grid, the model's 7x7 tokens), with stochastic depth."""
     from timm_plugin.train import run
 
@@ -155,7 +155,7 @@ def test_tokenaug_train_tl_align_on_the_mlp_family(tiny_world, tmp_path, model):
     metrics = run(
         ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml'), '--data-dir', str(tiny_world / 'imagenet')]
         + ['--model', model, '--model-kwargs', 'img_size=112']  # timm's entry points fix depth and width
-        + ['--epochs', '1', '-b', '8', '--workers', '0', '--mixup-type', 'tl_align', '--drop-path', '0.1']
+        + ['--epochs', '1', '-b', '8', '--workers', '0', '--method', 'tl_align', '--drop-path', '0.1']
         + ['--output', str(tmp_path), '--experiment', 'run']
     )
     assert set(metrics) == {'loss', 'top1', 'top5'} and 0 <= metrics['top1'] <= 100
@@ -221,7 +221,7 @@ def test_convnext_refusals():
 @pytest.mark.slow
 @pytest.mark.parametrize('model', ['convnext_atto', 'convnext_tiny'])
 def test_tokenaug_train_tl_align_on_convnext(tiny_world, tmp_path, model):
-    """``tokenaug-train --mixup-type tl_align`` on ConvNeXt-Atto and ConvNeXt-T over the world: the mixer draws on
+    """``tokenaug-train --method tl_align`` on ConvNeXt-Atto and ConvNeXt-T over the world: the mixer draws on
     the stem's 4-pixel grid (28x28 tokens at 112 px; on another grid the label path would refuse the token count)."""
     from timm_plugin.train import run
 
@@ -230,7 +230,7 @@ def test_tokenaug_train_tl_align_on_convnext(tiny_world, tmp_path, model):
     metrics = run(
         ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml'), '--data-dir', str(tiny_world / 'imagenet')]
         + ['--model', model, '--model-kwargs', '--drop-path', '0.1']  # no img_size for a CNN
-        + ['--epochs', '1', '-b', '8', '--workers', '0', '--mixup-type', 'tl_align']
+        + ['--epochs', '1', '-b', '8', '--workers', '0', '--method', 'tl_align']
         + ['--output', str(tmp_path), '--experiment', 'run']
     )
     assert set(metrics) == {'loss', 'top1', 'top5'} and 0 <= metrics['top1'] <= 100

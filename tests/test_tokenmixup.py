@@ -395,7 +395,7 @@ def test_tokenaug_train_runs_the_world_tokenmixup_config(tiny_world, tmp_path):
     missing, unexpected = model.load_state_dict(ckpt['state_dict'], strict=False)
     assert not missing and all(k.startswith('tokenmixup_scorenet.') for k in unexpected)
     with pytest.raises(ValueError, match='TokenMixup relabels each sample from several sources'):
-        run(argv[:-2] + ['--experiment', 'refused', '--mixup-type', 'tl_align'])
+        run(argv[:-2] + ['--experiment', 'refused', '--method', 'tl_align'])
 
 
 def test_bf16_autocast_gives_the_fp32_decisions():

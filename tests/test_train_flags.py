@@ -131,7 +131,7 @@ def test_pretrained_path_reinitialises_the_head_as_timm(tmp_path):
     classifier is always new (also when the class count matches)."""
     import timm
 
-    from timm_plugin.train import build_model
+    from timm_plugin.recipe import build_model
 
     src = timm.create_model('vit_tiny_patch16_224', num_classes=10, img_size=32, patch_size=8, depth=1)
     torch.nn.init.constant_(src.head.weight, 0.25)
@@ -174,7 +174,7 @@ def test_timm_1031_stop_save_epochs_val_interval_and_resume_auto(tiny_world, tmp
     from timm_plugin.train import run
 
     base = ['-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--output', str(tmp_path), *FAST]
-    base += ['--mixup-type', 'tl_align', '--epochs', '4', '--warmup-epochs', '0']
+    base += ['--method', 'tl_align', '--epochs', '4', '--warmup-epochs', '0']
     stop = tmp_path / 'stop'
     run([*base, '--experiment', 'stop', '--stop-epoch', '2', '--save-epochs', '1', '2', '--val-interval', '2'])
     # the milestone after 1 epoch forces an evaluation that the interval would skip; the stop is evaluated
@@ -236,7 +236,7 @@ def test_torchcompile_trains_plain_and_with_in_model_methods(tiny_world, tmp_pat
     base = ['-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--output', str(tmp_path), *FAST]
     base += ['--epochs', '1', '--torchcompile', 'aot_eager', '--cutmix', '1.0']
     assert 0 <= run([*base, '--experiment', 'compiled'])['top1'] <= 100
-    assert 0 <= run([*base, '--experiment', 'tl_align', '--mixup-type', 'tl_align'])['top1'] <= 100
+    assert 0 <= run([*base, '--experiment', 'tl_align', '--method', 'tl_align'])['top1'] <= 100
 
 
 def test_each_yaml_says_which_of_its_keys_timms_train_py_would_ignore():
@@ -257,3 +257,59 @@ def test_each_yaml_says_which_of_its_keys_timms_train_py_would_ignore():
         assert first.startswith(f'# tokenaug-train config (tokenaug-train -c {path.name})'), path.name
         named = re.search(r'would ignore its keys (.*) without a word', first).group(1)
         assert named == (', '.join(ours) or '(none)'), (path.name, named, ours)
+
+
+def test_method_flag_and_the_deprecated_spellings_it_replaces(tmp_path):
+    """``--method`` names the target method, ``--mixup-type`` the mixing kind under it; the old spellings
+    (``--mixup-type tl_align``, ``--method-mix KIND``, also from a YAML config) still parse, with a warning that
+    names the new one; contradictions are refused, named."""
+    new = parse_args(['--method', 'tl_align', '--mixup-type', 'tokenmix_random'])
+    assert (new.method, new.mixup_type, new.method_mix) == ('tl_align', 'tokenmix_random', None)
+    assert parse_args(['--method', 'transmix']).mixup_type == 'cutmix'  # the default kind under a method
+    assert parse_args(['--mixup-type', 'cutmix']).method is None
+    with pytest.warns(FutureWarning, match='use --method tl_align --mixup-type tokenmix_random'):
+        old = parse_args(['--mixup-type', 'tl_align', '--method-mix', 'tokenmix_random'])
+    assert (old.method, old.mixup_type, old.method_mix) == ('tl_align', 'tokenmix_random', None)
+    with pytest.warns(FutureWarning, match='use --method transmix '):
+        assert parse_args(['--mixup-type', 'transmix']).mixup_type == 'cutmix'
+    with pytest.warns(FutureWarning, match='--method-mix is deprecated: use --mixup-type token_box'):
+        assert parse_args(['--method', 'tl_align', '--method-mix', 'token_box']).mixup_type == 'token_box'
+    cfg = tmp_path / 'old.yaml'
+    cfg.write_text('mixup_type: transmix\nmethod_mix: mixup\n')
+    with pytest.warns(FutureWarning, match='--mixup-type transmix is deprecated'):
+        from_yaml = parse_args(['-c', str(cfg)])
+    assert (from_yaml.method, from_yaml.mixup_type) == ('transmix', 'mixup')
+    with pytest.raises(ValueError, match='--method transmix names one too'):
+        parse_args(['--mixup-type', 'tl_align', '--method', 'transmix'])
+    with pytest.raises(ValueError, match='two mixing kinds under --method tl_align'):
+        parse_args(['--method', 'tl_align', '--mixup-type', 'mixup', '--method-mix', 'cutmix'])
+    with pytest.raises(ValueError, match='--method-mix cutmix: it names the mixing kind under a --method'):
+        parse_args(['--method-mix', 'cutmix'])
+
+
+def test_recipe_builds_what_the_flags_name():
+    """``build_training``: the method and kind, the mixer's arguments once (the trainer's and tokenaug-viz's mixer),
+    and timm's loss factory's criterion for each target kind."""
+    from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+
+    from timm_plugin.recipe import build_training
+
+    base = ['--model', 'vit_tiny_patch16_224', '--model-kwargs', 'img_size=32', 'depth=1', '--num-classes', '4']
+    r = build_training(parse_args([*base, '--method', 'tl_align', '--cutmix', '1', '--smoothing', '0.1']))
+    assert (r.method, r.mix_kind, r.in_model) == ('tl_align', 'cutmix', 'tl_align')
+    assert r.mixing['method'] == 'tl_align' and r.mixing['patch_size'] == (16, 16) and r.mixing['num_classes'] == 4
+    assert isinstance(r.train_loss, SoftTargetCrossEntropy) and type(r.task('cpu')).__name__ == 'TLAlignTask'
+    x, y = torch.randn(4, 3, 32, 32), torch.arange(4)
+    _, target = r.mixer()(x, y)
+    assert target.shape == (4, 4) and torch.allclose(target.sum(1), torch.ones(4))
+    plain = build_training(parse_args([*base, '--smoothing', '0.1']))
+    assert plain.mixing is None and plain.mix_kind is None and plain.in_model is None
+    assert isinstance(plain.train_loss, LabelSmoothingCrossEntropy) and plain.train_loss.smoothing == 0.1
+    assert type(plain.task('cpu')).__name__ == 'ClassificationTask'
+    bce = build_training(parse_args([*base, '--mixup', '0.8', '--bce-loss', '--bce-target-thresh', '0.2']))
+    assert isinstance(bce.train_loss, BinaryCrossEntropy) and bce.train_loss.target_threshold == 0.2
+    assert bce.mix_kind == 'mixup' and bce.method is None
+    with pytest.raises(ValueError, match='--method tl_align needs --mixup and/or --cutmix'):
+        build_training(parse_args([*base, '--method', 'tl_align', '--cutmix', '0']))
+    with pytest.raises(ValueError, match='nothing mixes'):
+        plain.mixer()

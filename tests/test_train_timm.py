@@ -20,6 +20,7 @@ CONFIG = str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml')
 @pytest.mark.slow
 @pytest.mark.parametrize('mixup_type', ['tokenmix_block', 'cutmix', 'tl_align', 'transmix'])
 def test_one_epoch_and_checkpoint_loads_in_timm(tiny_world, tmp_path, mixup_type):
+    method = mixup_type in ('tl_align', 'transmix')  # a target method over the config's MixUp/CutMix
     metrics = run(
         [
             '-c',
@@ -30,7 +31,7 @@ def test_one_epoch_and_checkpoint_loads_in_timm(tiny_world, tmp_path, mixup_type
             '1',
             '-b',
             '8',
-            '--mixup-type',
+            '--method' if method else '--mixup-type',
             mixup_type,
             '--workers',
             '0',
@@ -45,7 +46,8 @@ def test_one_epoch_and_checkpoint_loads_in_timm(tiny_world, tmp_path, mixup_type
     results = json.loads((out / 'results.json').read_text())
     assert results['final']['top1'] == metrics['top1']
     args = yaml.safe_load((out / 'args.yaml').read_text())
-    assert args['mixup_type'] == mixup_type and args['num_classes'] == 10
+    assert (args['method'], args['mixup_type']) == ((mixup_type, 'cutmix') if method else (None, mixup_type))
+    assert results['method'] == args['method'] and args['num_classes'] == 10
     ckpt = torch.load(out / 'last.pth.tar', map_location='cpu', weights_only=True)
     model = timm.create_model(
         'vit_tiny_patch16_224',
@@ -157,7 +159,7 @@ def test_args_yaml_is_a_valid_config(tiny_world, tmp_path):
 
 @pytest.mark.slow
 def test_tl_align_over_token_masks_with_ablation_flags(tiny_world, tmp_path):
-    """--mixup-type tl_align over another Table 7 kind, aligned at chosen layers, residual off (Table 8)."""
+    """--method tl_align over another Table 7 kind, aligned at chosen layers, residual off (Table 8)."""
     metrics = run(
         [
             '-c',
@@ -170,9 +172,9 @@ def test_tl_align_over_token_masks_with_ablation_flags(tiny_world, tmp_path):
             '8',
             '--workers',
             '0',
-            '--mixup-type',
+            '--method',
             'tl_align',
-            '--method-mix',
+            '--mixup-type',
             'tokenmix_random',
             '--tl-align-layers',
             '2',
@@ -382,7 +384,7 @@ def test_mixtoken_on_a_plain_vit_adds_an_aux_head_that_timm_loads_non_strict(tin
     'flags, match',
     [
         (['--token-label-dir', 'x', '--cutmix', '1'], '--cutmix'),
-        (['--mixup-type', 'tl_align', '--token-label-dir', 'x'], '--mixup-type tl_align'),
+        (['--method', 'tl_align', '--token-label-dir', 'x'], '--method tl_align'),
         (['--mixup-type', 'mixtoken', '--bce-loss'], '--bce-loss'),
         (['--mixup-type', 'mixtoken', '--mixup', '0.8'], '--mixup: MixUp'),
         (['--relabel'], '--relabel needs --token-label-dir'),

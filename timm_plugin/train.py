@@ -37,11 +37,10 @@ from timm import utils
 from timm.data import create_dataset, create_loader, resolve_data_config
 from timm.data.dataset_factory import _EVAL_SYNONYM, _TRAIN_SYNONYM
 from timm.layers import convert_sync_batchnorm, set_fast_norm
-from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.models import create_model, is_model, resume_checkpoint, safe_model_name
+from timm.models import resume_checkpoint, safe_model_name
 from timm.optim import create_optimizer_v2, optimizer_kwargs
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
-from timm.task import ClassificationTask
+from timm.task import ClassificationEvaluator, evaluation_sample_limit
 from timm.utils import NativeScaler
 from timm.utils.model import get_state_dict
 
@@ -61,14 +60,11 @@ from .image_data import (
     check_repeated_folders,
     readable,
 )
-from .mixup import MIX_KINDS, TARGET_METHODS, create_mixer
-from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
+from .recipe import build_training
 from .timm_fixes import fix_posterize
-from .token_grid import label_grid_stride, patch_embedding, token_stride
 from .token_label_data import TokenLabelCollate, TokenLabelDataset
-from .token_labeling import TokenLabelingLoss, attach_aux_head, labeling_stride
-from .tokenmixup import attach_scorenets
-from .train_args import TOKEN_LABELING_TYPES, check_numbers, check_supported, parse_args
+from .token_labeling import labeling_stride
+from .train_args import check_numbers, check_supported, parse_args
 
 _logger = logging.getLogger('tokenaug.train')
 
@@ -135,25 +131,6 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int(seed) + 100_003 * int(epoch)
 
 
-def mixing_patch_size(model: nn.Module, method=None, default=16):
-    """The token grid step a mixer draws on: :func:`~timm_plugin.token_grid.token_stride` for models with a patch
-    embedding; for TL-Align on a ResNet, the grid its label state starts on (4 px,
-    :func:`~timm_plugin.token_grid.label_grid_stride`); ``default`` for other CNNs (16 px, DeiT's grid: TokenMix's
-    masks in image space; MixUp/CutMix need no grid)."""
-    if patch_embedding(model) is not None:
-        return token_stride(model)
-    if method == 'tl_align':
-        return label_grid_stride(model)
-    return default
-
-
-def method_and_mix_kind(args):
-    """``--mixup-type`` names either a mixing kind or a method: ``(method or None, mix_kind or None)``."""
-    if args.mixup_type in TARGET_METHODS:
-        return args.mixup_type, args.method_mix
-    return None, args.mixup_type
-
-
 def train_augmentation(args, data_config: dict) -> dict:
     """The training transform's arguments from the command line, as timm's ``create_loader`` and
     ``create_transform`` both take them (``tokenaug-viz`` builds the same transform)."""
@@ -179,120 +156,6 @@ def train_augmentation(args, data_config: dict) -> dict:
         mean=data_config['mean'],
         std=data_config['std'],
     )
-
-
-def resolve_tokenmix(args) -> None:
-    """``--mixup-type tokenmix``: the paper's TokenMix, ``tokenmix_{--tokenmix-mask}`` with λ fixed at 0.5
-    unless ``--tokenmix-lam``."""
-    if args.mixup_type == 'tokenmix':
-        args.mixup_type = f'tokenmix_{args.tokenmix_mask}'
-        if args.tokenmix_lam is None:
-            args.tokenmix_lam = 0.5
-
-
-def check_activation_maps(args, token_labeling: bool) -> None:
-    """``--activation-map-dir`` (TokenMix's targets) re-weights the two labels of a mixing kind: not a method's
-    targets, nor token labeling's."""
-    if args.activation_map_dir and (token_labeling or args.mixup_type in TARGET_METHODS):
-        raise ValueError(
-            f'--activation-map-dir: TokenMix targets apply to the mixing kinds {MIX_KINDS}, not to '
-            f'{"token labeling" if token_labeling else args.mixup_type}'
-        )
-
-
-def resolve_mixing(args, token_labeling: bool) -> bool:
-    """Whether a mixer runs (MixUp/CutMix/token kinds; token labeling mixes in its task), with
-    ``args.mixup_type`` resolved as timm does (``cutmix`` if ``--cutmix > 0``, else ``mixup``)."""
-    active = not token_labeling and (
-        args.mixup > 0
-        or args.cutmix > 0.0
-        or args.cutmix_minmax is not None
-        or (args.mixup_type is not None and args.tokenmix_lam is not None)
-    )
-    if args.mixup_type is not None and not active and not token_labeling:
-        raise ValueError(f'--mixup-type {args.mixup_type} needs --mixup and/or --cutmix > 0 (or --tokenmix-lam)')
-    if active:
-        args.mixup_type = args.mixup_type or ('cutmix' if (args.cutmix > 0 or args.cutmix_minmax) else 'mixup')
-    return active
-
-
-def mixer_kwargs(args, model: nn.Module) -> dict:
-    """``create_mixer``'s keyword arguments from the command line (the kind aside: :func:`method_and_mix_kind`)."""
-    method, _ = method_and_mix_kind(args)
-    return dict(
-        method=method,
-        mixup_alpha=args.mixup,
-        cutmix_alpha=args.cutmix,
-        cutmix_minmax=args.cutmix_minmax,
-        prob=args.mixup_prob,
-        switch_prob=args.mixup_switch_prob,
-        mode=args.mixup_mode,
-        label_smoothing=args.smoothing,
-        num_classes=args.num_classes,
-        patch_size=mixing_patch_size(model, method),
-        tokenmix_lam=args.tokenmix_lam,
-        box_rounding=args.box_rounding,
-        tokenmix_rule=args.tokenmix_rule,
-    )
-
-
-def uses_tokenmixup(args) -> bool:
-    return bool(args.tokenmixup_htm_layers or args.tokenmixup_vtm_layers)
-
-
-def in_model_method(args, token_labeling: bool):
-    """The name of the method that runs inside the model (hooks, label paths, an aux head), or None."""
-    method, _ = method_and_mix_kind(args)
-    if method:
-        return method
-    if uses_tokenmixup(args):
-        return 'TokenMixup'
-    return 'token labeling' if token_labeling else None
-
-
-def build_model(args) -> nn.Module:
-    """The model as timm's ``train.py`` creates it (``--pretrained-path`` with the head re-initialised,
-    ``--drop-block``, ``--bn-*``, ``--head-init-*``, ``--model-kwargs``)."""
-    # as timm's train.py: --pretrained-path loads a file as the pretrained weights with the head adapted
-    # (num_classes=-1: the classifier is always re-initialised); --pretrained-cfg-overlay adds to it
-    factory_kwargs = {}
-    overlay = dict(args.pretrained_cfg_overlay or {})
-    if args.pretrained_path:
-        overlay.update(file=args.pretrained_path, num_classes=-1)
-    if overlay:
-        factory_kwargs['pretrained_cfg_overlay'] = overlay
-    in_chans = args.in_chans or (args.input_size[0] if args.input_size else 3)
-    # as timm's train.py: --img-size/--input-size set the data size only; a model built for another size
-    # gets it through --model-kwargs (e.g. img_size=112 for a ViT)
-    model_kwargs = dict(args.model_kwargs)
-    if not is_model(args.model) and not args.model.startswith('hf-hub:'):
-        raise ValueError(f'--model: {args.model!r} is not a timm model name')
-    drop_path = args.drop_path
-    if args.drop_connect is not None:  # timm's deprecated name of --drop-path (its train.py ignores it now)
-        _logger.warning('--drop-connect is deprecated (timm): use --drop-path; taken as --drop-path here')
-        drop_path = args.drop_connect if drop_path is None else drop_path
-    model = create_model(
-        args.model,
-        pretrained=args.pretrained or bool(args.pretrained_path),
-        in_chans=in_chans,
-        num_classes=args.num_classes,
-        drop_rate=args.drop,
-        drop_path_rate=drop_path,
-        drop_block_rate=args.drop_block,
-        global_pool=args.gp,
-        bn_momentum=args.bn_momentum,
-        bn_eps=args.bn_eps,
-        checkpoint_path=args.initial_checkpoint or None,
-        **factory_kwargs,
-        **model_kwargs,
-    )
-    if args.head_init_scale is not None:
-        with torch.no_grad():
-            model.get_classifier().weight.mul_(args.head_init_scale)
-            model.get_classifier().bias.mul_(args.head_init_scale)
-    if args.head_init_bias is not None:
-        nn.init.constant_(model.get_classifier().bias, args.head_init_bias)
-    return model
 
 
 def has_wandb() -> bool:
@@ -415,53 +278,6 @@ def resolve_resume(args) -> str:
     return last if os.path.exists(last) else ''
 
 
-def build_task(args, model: nn.Module, criterion: nn.Module, token_labeling: bool, dense: bool, device):
-    """The ``timm.task`` training task of the method the arguments name (``ClassificationTask`` without one)."""
-    method, _ = method_and_mix_kind(args)
-    if method == 'tl_align':
-        return TLAlignTask(
-            model,
-            criterion,
-            layers=args.tl_align_layers,
-            residual=not args.tl_align_no_residual,
-            drop_path=args.tl_align_drop_path,
-            device=device,
-        )
-    if method == 'transmix':
-        return TransMixTask(model, criterion, mode=args.transmix_mode, device=device)
-    if uses_tokenmixup(args):
-        return TokenMixupTask(
-            model,
-            criterion,
-            device=device,
-            htm_layers=args.tokenmixup_htm_layers,
-            vtm_layers=args.tokenmixup_vtm_layers,
-            rho=args.tokenmixup_rho,
-            tau=args.tokenmixup_tau,
-            kappa=args.tokenmixup_kappa,
-            saliency=args.tokenmixup_saliency,
-            scorenet=args.tokenmixup_scorenet,
-            scorenet_weight=args.tokenmixup_scorenet_weight,
-            scorenet_stopgrad=args.tokenmixup_scorenet_stopgrad,
-            vtm_stopgrad=args.tokenmixup_vtm_stopgrad,
-            vtm_memory=args.tokenmixup_vtm_memory,
-            smoothing=args.smoothing,  # for class-index targets (no mixer); a mixer's soft targets are taken as is
-        )
-    if token_labeling:
-        return TokenLabelingTask(
-            model,
-            criterion,
-            mix_token=args.mixup_type == 'mixtoken',
-            beta=args.cutmix or 1.0,
-            prob=args.mixup_prob,
-            mode=args.mixup_mode,
-            head_rule=args.head_rule,
-            box_rounding=args.box_rounding,
-            device=device,
-        )
-    return ClassificationTask(model, criterion, device=device)
-
-
 #: errors of what the user asked for (their messages name the argument): printed without a traceback
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, UnreadableImageError, MissingLabelMapError)
 
@@ -529,65 +345,12 @@ def run(argv=None) -> dict:
             load_checkpoint_file(path, flag, mmap=True)
     if args.pretrained_path and os.path.splitext(args.pretrained_path)[1] != '.safetensors':
         load_checkpoint_file(args.pretrained_path, '--pretrained-path', mmap=True)
-    model = build_model(args)
-    if args.num_classes is None:
-        args.num_classes = model.num_classes
-    resolve_tokenmix(args)
-    token_labeling = args.mixup_type in TOKEN_LABELING_TYPES or bool(args.token_label_dir) or args.relabel
-    dense = bool(args.token_label_dir) and not args.relabel and args.dense_weight > 0
-    if token_labeling:
-        if args.mixup > 0:
-            raise ValueError(
-                '--mixup: MixUp is not combined with token labeling / MixToken (the Token Labeling paper '
-                'Table 3 and supplement Table 1 drop it); set --mixup 0'
-            )
-        if args.relabel and not args.token_label_dir:
-            raise ValueError('--relabel needs --token-label-dir (the pooled labels come from the label maps)')
-        if args.cls_target != 'gt' and not args.token_label_dir:
-            raise ValueError(f'--cls-target {args.cls_target} needs --token-label-dir')
-        if args.mixup_type not in (None,) + TOKEN_LABELING_TYPES:
-            raise ValueError(
-                f'--mixup-type {args.mixup_type}: token labeling mixes with MixToken only '
-                f'(--mixup-type mixtoken, or none for token labeling without mixing)'
-            )
-        if args.mixup_type is None and (args.cutmix > 0 or args.cutmix_minmax):
-            raise ValueError(
-                '--cutmix: with --token-label-dir the cut is MixToken; add --mixup-type mixtoken '
-                '(its box is drawn from Beta(--cutmix)), or set --cutmix 0 for no mixing'
-            )
-        if args.cutmix_minmax or args.bce_loss:
-            raise ValueError(
-                f'{"--cutmix-minmax" if args.cutmix_minmax else "--bce-loss"}: not used by token '
-                'labeling (MixToken draws its box from Beta(--cutmix); the loss is Eq. 3 cross entropy)'
-            )
-        if dense:  # before the optimizer, EMA and resume: the aux head is part of the trained model
-            attach_aux_head(model, args.num_classes)
-        elif getattr(model, 'aux_head', None) is not None:  # LV-ViT without dense targets: its aux head idles
-            model.aux_head.requires_grad_(False)  # (DDP would wait for its gradients)
-            if hasattr(model, 'head_rule'):
-                model.head_rule = 'cls'  # and must not vote at inference
-    if uses_tokenmixup(args):
-        if args.mixup_type in TARGET_METHODS or token_labeling:
-            raise ValueError(
-                f"--tokenmixup-*: TokenMixup relabels each sample from several sources (its mixer's and its HTM "
-                f"partner's); {'token labeling' if token_labeling else args.mixup_type} needs the two-source label "
-                f'state of its own mixing, so the two cannot be combined'
-            )
-        if args.tokenmixup_htm_layers:  # before the optimizer, EMA and resume: the ScoreNets are part of the model
-            attach_scorenets(model, args.tokenmixup_htm_layers, args.tokenmixup_scorenet)
-    check_activation_maps(args, token_labeling)
+    recipe = build_training(args)  # the model, the method, the mixing and the loss (timm_plugin.recipe)
+    model, token_labeling, dense = recipe.model, recipe.token_labeling, recipe.dense
     if utils.is_primary(args):
         _logger.info(
             f'Model {safe_model_name(args.model)} created, param count: {sum(m.numel() for m in model.parameters())}'
         )
-    in_model = in_model_method(args, token_labeling)
-    if in_model:  # their hooks and label paths are written for an fp32 (or autocast) model run block by block
-        for flag, value in (
-            ('--grad-checkpointing', args.grad_checkpointing),
-            ('--model-dtype', model_dtype not in (None, torch.float32)),
-        ):
-            if value:
-                raise ValueError(f'{flag}: not provided with {in_model} yet (it runs inside the model); drop it')
     if args.grad_checkpointing:
         model.set_grad_checkpointing(enable=True)
     data_config = resolve_data_config(vars(args), model=model, verbose=utils.is_primary(args))
@@ -687,27 +450,14 @@ def run(argv=None) -> dict:
         collate_fn = TokenLabelCollate(args.num_classes, check=False, token_stride=stride, smoothing=args.smoothing)
         if stride is not None:
             _logger.info(f'Token labeling: the loader builds the token targets ({stride[0]}x{stride[1]} px tokens)')
-    # mixing: the kind, and where it runs (fast-collate with the prefetcher, else in the loop);
-    # MixToken runs in the task (TokenLabelingTask)
-    mixup_active = resolve_mixing(args, token_labeling)
-    if mixup_active:
-        method, mix_kind = method_and_mix_kind(args)
-        mixer_args = mixer_kwargs(args, model)
-        if args.activation_map_dir:  # mixed on the device, where the maps' targets are built
-            mixer = create_mixer(mix_kind, activation_targets=args.activation_target, **mixer_args)
-        elif args.prefetcher:
-            collate_fn = create_mixer(mix_kind, collate=True, **mixer_args)
+    # mixing: where the recipe's mixer runs (fast-collate with the prefetcher, else in the loop; on the device
+    # with activation-map targets, which are built there); MixToken runs in the task (TokenLabelingTask)
+    if recipe.mixing is not None:
+        if args.prefetcher and not args.activation_map_dir:
+            collate_fn = recipe.mixer(collate=True)
         else:
-            mixer = create_mixer(mix_kind, **mixer_args)
-        shown = f'{method} over {mix_kind}' if method else mix_kind
-        if args.activation_map_dir:
-            shown += f' with {args.activation_target} activation-map targets'
-        grid = mixer_args['patch_size']
-        grid = f'{grid}x{grid}' if isinstance(grid, int) else 'x'.join(map(str, grid))
-        _logger.info(
-            f'Mixing: {shown} on a {grid}-px token grid (mixup_alpha={args.mixup}, cutmix_alpha={args.cutmix}, '
-            f'prob={args.mixup_prob}, switch_prob={args.mixup_switch_prob}, mode={args.mixup_mode})'
-        )
+            mixer = recipe.mixer()
+        _logger.info(recipe.describe())
 
     loader_train = create_loader(
         dataset_train,
@@ -747,46 +497,11 @@ def run(argv=None) -> dict:
         use_prefetcher=args.prefetcher,
     )
 
-    if token_labeling:
-        train_loss_fn = TokenLabelingLoss(
-            args.num_classes,
-            dense_weight=args.dense_weight if dense else 0.0,
-            cls_target='annotator' if args.relabel else args.cls_target,
-            cls_target_mix=args.cls_target_mix,
-            smoothing=args.smoothing,
-        )
-    elif mixup_active or uses_tokenmixup(args):  # soft targets (TokenMixup relabels them)
-        train_loss_fn = (
-            BinaryCrossEntropy(
-                target_threshold=args.bce_target_thresh, sum_classes=args.bce_sum, pos_weight=args.bce_pos_weight
-            )
-            if args.bce_loss
-            else SoftTargetCrossEntropy()
-        )
-    elif args.smoothing:
-        train_loss_fn = (
-            BinaryCrossEntropy(
-                smoothing=args.smoothing,
-                target_threshold=args.bce_target_thresh,
-                sum_classes=args.bce_sum,
-                pos_weight=args.bce_pos_weight,
-            )
-            if args.bce_loss
-            else LabelSmoothingCrossEntropy(smoothing=args.smoothing)
-        )
-    else:
-        train_loss_fn = (
-            BinaryCrossEntropy(
-                target_threshold=args.bce_target_thresh, sum_classes=args.bce_sum, pos_weight=args.bce_pos_weight
-            )
-            if args.bce_loss
-            else nn.CrossEntropyLoss()
-        )
-    train_loss_fn = train_loss_fn.to(device=device)
+    train_loss_fn = recipe.train_loss.to(device=device)
     validate_loss_fn = nn.CrossEntropyLoss().to(device=device)
 
     # the method is the training task; EMA, optimizer, resume and checkpoints hold the bare model
-    task = build_task(args, model, train_loss_fn, token_labeling, dense, device)
+    task = recipe.task(device, criterion=train_loss_fn)
     if args.model_ema:
         task.setup_ema(
             decay=args.model_ema_decay,
@@ -950,6 +665,7 @@ def run(argv=None) -> dict:
             json.dump(
                 {
                     'model': args.model,
+                    'method': args.method,
                     'mixup_type': args.mixup_type,
                     'best_metric': best_metric,
                     'best_epoch': best_epoch,
@@ -1066,12 +782,14 @@ def train_one_epoch(
 
 
 def validate(model, loader, loss_fn, args, device, amp_autocast=suppress, log_suffix='', model_dtype=None):
-    """timm's evaluation (``--tta N``: the outputs of each N consecutive samples averaged, as timm)."""
-    losses_m, top1_m, top5_m = utils.AverageMeter(), utils.AverageMeter(), utils.AverageMeter()
+    """timm's evaluation, counted by timm's ``ClassificationEvaluator`` (exact counts over every rank, the
+    distributed sampler's padding left out); ``--tta N``: the outputs of each N consecutive samples averaged, as
+    timm."""
+    limit = evaluation_sample_limit(loader)  # the real samples of this rank (tta: groups of N)
+    evaluator = ClassificationEvaluator(device, max_samples=limit and limit // max(1, args.tta), criterion=loss_fn)
     model.eval()
-    topk = (1, min(5, args.num_classes))
     with torch.inference_mode():
-        for batch_idx, (x, target) in enumerate(loader):
+        for x, target in loader:
             if not args.prefetcher:
                 x, target = x.to(device=device, dtype=model_dtype), target.to(device)
             if args.channels_last:
@@ -1080,24 +798,17 @@ def validate(model, loader, loss_fn, args, device, amp_autocast=suppress, log_su
                 output = model(x)
                 if isinstance(output, (tuple, list)):
                     output = output[0]
-                if args.tta > 1:
-                    output = output.unfold(0, args.tta, args.tta).mean(dim=2)
-                    target = target[0 : target.size(0) : args.tta]
-                loss = loss_fn(output, target)
-            acc1, acc5 = utils.accuracy(output, target, topk=topk)
-            if args.distributed:
-                loss = utils.reduce_tensor(loss.data, args.world_size)
-                acc1 = utils.reduce_tensor(acc1, args.world_size)
-                acc5 = utils.reduce_tensor(acc5, args.world_size)
-            losses_m.update(loss.item(), x.size(0))
-            top1_m.update(acc1.item(), output.size(0))
-            top5_m.update(acc5.item(), output.size(0))
+            if args.tta > 1:
+                output = output.unfold(0, args.tta, args.tta).mean(dim=2)
+                target = target[0 : target.size(0) : args.tta]
+            evaluator.update(output, target)
+    metrics = evaluator.compute(distributed=args.distributed)
     if utils.is_primary(args):
         _logger.info(
-            f'Test{log_suffix}: Loss: {losses_m.avg:>6.3f}  Acc@1: {top1_m.avg:>7.3f}  '
-            f'Acc@{topk[1]}: {top5_m.avg:>7.3f}'
+            f'Test{log_suffix}: Loss: {metrics["loss"]:>6.3f}  Acc@1: {metrics["top1"]:>7.3f}  '
+            f'Acc@{min(5, args.num_classes)}: {metrics["top5"]:>7.3f}'
         )
-    return OrderedDict([('loss', losses_m.avg), ('top1', top1_m.avg), ('top5', top5_m.avg)])
+    return metrics
 
 
 if __name__ == '__main__':

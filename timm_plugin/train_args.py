@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
+import warnings
 
 import torch
 import yaml
@@ -939,19 +940,26 @@ def add_tokenaug_args(parser: argparse.ArgumentParser) -> None:
     """The methods' flags (TL-Align, TransMix, TokenMix, token labeling, TokenMixup), on top of timm's."""
     g = parser.add_argument_group('tokenaug: token-aware mixing and targets')
     g.add_argument(
+        '--method',
+        default=None,
+        choices=TARGET_METHODS,
+        help='the target method over the mixing kind: tl_align (TL-Align) or transmix (TransMix); the kind under '
+        'it is --mixup-type (default cutmix: with --mixup > 0, the MixUp/CutMix switch; TL-Align paper Table 7)',
+    )
+    g.add_argument(
         '--mixup-type',
         default=None,
-        choices=MIX_KINDS + TARGET_METHODS + TOKEN_LABELING_TYPES + ('tokenmix',),
-        help='tokenaug mixing kind or method (default: timm behaviour, cutmix if --cutmix > 0 else mixup); '
+        choices=MIX_KINDS + TOKEN_LABELING_TYPES + ('tokenmix',) + TARGET_METHODS,
+        help='tokenaug mixing kind (default: timm behaviour, cutmix if --cutmix > 0 else mixup); '
         'mixtoken: MixToken after patch embedding (Token Labeling paper Eq. 5), box ~ Beta(--cutmix or 1); '
-        'tokenmix: tokenmix_{--tokenmix-mask} with λ = 0.5 unless --tokenmix-lam (TokenMix paper Sec. 3.2)',
+        'tokenmix: tokenmix_{--tokenmix-mask} with λ = 0.5 unless --tokenmix-lam (TokenMix paper Sec. 3.2); '
+        'tl_align / transmix: deprecated spellings of --method',
     )
     g.add_argument(
         '--method-mix',
-        default='cutmix',
+        default=None,
         choices=MIX_KINDS,
-        help='the mixing kind under --mixup-type tl_align/transmix (TL-Align paper Table 7; '
-        'cutmix with --mixup > 0 = the MixUp/CutMix switch)',
+        help='deprecated: the mixing kind under --method is --mixup-type',
     )
     g.add_argument(
         '--tl-align-layers',
@@ -1207,7 +1215,50 @@ def parse_args(argv=None, add=None, prog: str | None = None) -> argparse.Namespa
         load_config(args_config.config, parser)
     args = parser.parse_args(remaining)
     args.config = args_config.config
+    resolve_method(args)
     return args
+
+
+def check_one_kind(args: argparse.Namespace) -> None:
+    """Refuse two different mixing kinds under a method: ``--method-mix`` and ``--mixup-type``."""
+    if args.method_mix is not None and args.mixup_type not in (None, args.method_mix):
+        raise ValueError(
+            f'--method-mix {args.method_mix} and --mixup-type {args.mixup_type}: two mixing kinds under '
+            f'--method {args.method}; pass --mixup-type only'
+        )
+
+
+def resolve_method(args: argparse.Namespace) -> None:
+    """``--method`` and the mixing kind under it, from the current or the deprecated spelling (a warning names
+    the new one): ``--mixup-type tl_align [--method-mix KIND]`` is ``--method tl_align --mixup-type KIND``. With a
+    method and no kind, the kind is ``cutmix`` (the MixUp/CutMix switch with ``--mixup > 0``)."""
+    if args.mixup_type in TARGET_METHODS:
+        if args.method not in (None, args.mixup_type):
+            raise ValueError(
+                f'--mixup-type {args.mixup_type}: a method, and --method {args.method} names one too; '
+                'pass --method only, with the mixing kind as --mixup-type'
+            )
+        kind = f' --mixup-type {args.method_mix}' if args.method_mix else ''
+        warnings.warn(
+            f'--mixup-type {args.mixup_type} is deprecated: use --method {args.mixup_type}{kind} (--mixup-type names '
+            'the mixing kind under the method)',
+            FutureWarning,
+            stacklevel=2,
+        )
+        args.method, args.mixup_type = args.mixup_type, None
+    elif args.method_mix is not None:
+        if args.method is None:
+            raise ValueError(f'--method-mix {args.method_mix}: it names the mixing kind under a --method; none given')
+        check_one_kind(args)
+        warnings.warn(
+            f'--method-mix is deprecated: use --mixup-type {args.method_mix} (the mixing kind under --method)',
+            FutureWarning,
+            stacklevel=2,
+        )
+    if args.method is not None:
+        check_one_kind(args)
+        args.mixup_type = args.mixup_type or args.method_mix or 'cutmix'
+        args.method_mix = None
 
 
 def check_numbers(args: argparse.Namespace) -> None:

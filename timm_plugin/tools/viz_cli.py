@@ -102,30 +102,17 @@ def _mixed_batch(args, count: int):
     target, method, mix_kind, mixer kwargs)`` for ``count`` samples of the training split."""
     from timm.data import resolve_data_config
 
-    from timm_plugin.mixup import create_mixer
-    from timm_plugin.train import (
-        build_model,
-        check_activation_maps,
-        method_and_mix_kind,
-        mixer_kwargs,
-        resolve_mixing,
-        resolve_tokenmix,
-    )
+    from timm_plugin.recipe import build_training
     from timm_plugin.train_args import TOKEN_LABELING_TYPES, check_supported
 
     check_supported(args)
     if args.mixup_type in TOKEN_LABELING_TYPES or args.token_label_dir or args.relabel:
         raise ValueError('--mixup-type mixtoken / --token-label-dir: token labeling mixes inside the model')
-    check_activation_maps(args, token_labeling=False)
-    resolve_tokenmix(args)
     _seed(args.viz_seed)
-    model = build_model(args)
-    if args.num_classes is None:
-        args.num_classes = model.num_classes
-    if not resolve_mixing(args, token_labeling=False):
+    recipe = build_training(args)  # what tokenaug-train builds from the same flags
+    if recipe.mixing is None:
         raise ValueError('nothing mixes: set --mixup and/or --cutmix > 0 (as for tokenaug-train)')
-    method, mix_kind = method_and_mix_kind(args)
-    kwargs = mixer_kwargs(args, model)
+    model, method, mix_kind, kwargs = recipe.model, recipe.method, recipe.mix_kind, recipe.mixing
     data_config = resolve_data_config(vars(args), model=model)
     dataset, transform = _training_split(args, data_config)
     if args.activation_map_dir:  # as tokenaug-train: the samples carry their teacher map rows, crops and flips
@@ -141,7 +128,6 @@ def _mixed_batch(args, count: int):
             dataset,
             TokenLabelDataset(dataset, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order),
         )
-        kwargs = dict(kwargs, activation_targets=args.activation_target)
     dataset.transform = transform
     if len(dataset) < count:
         raise ValueError(f'--count: {count} samples asked, the training split has {len(dataset)}')
@@ -153,7 +139,7 @@ def _mixed_batch(args, count: int):
     else:
         x = torch.stack([s[0] for s in samples])
         y = torch.as_tensor([int(s[1]) for s in samples])
-    mixer = create_mixer(mix_kind, carry_mix=True, generator=torch.Generator().manual_seed(args.viz_seed), **kwargs)
+    mixer = recipe.mixer(carry_mix=True, generator=torch.Generator().manual_seed(args.viz_seed))
     xm, target = mixer(x, y)
     return model, data_config, dataset, indices, x, y, xm, target, method, mix_kind, kwargs
 
@@ -389,9 +375,9 @@ def token_labels(argv) -> Path:
     from shared_core.label_maps import dense_maps
     from shared_core.map_store import LabelMapStore
     from shared_core.viz import class_colours, label_image
+    from timm_plugin.recipe import build_model
     from timm_plugin.token_grid import token_stride
     from timm_plugin.token_label_data import TokenLabelCollate, TokenLabelDataset
-    from timm_plugin.train import build_model
     from timm_plugin.train_args import check_supported, parse_args
 
     args = parse_args(argv, add=_token_label_args, prog='tokenaug-viz token-labels')
@@ -507,8 +493,8 @@ def tokenmixup(argv) -> Path:
     from timm.data import resolve_data_config
 
     from shared_core.checkpoint_io import load_checkpoint_file
+    from timm_plugin.recipe import build_model
     from timm_plugin.tokenmixup import TokenMixup
-    from timm_plugin.train import build_model
     from timm_plugin.train_args import check_supported, parse_args
 
     args = parse_args(argv, add=_viz_args, prog='tokenaug-viz tokenmixup')

@@ -1,0 +1,358 @@
+"""The training recipe: what ``tokenaug-train`` builds from its arguments, in one place.
+
+:func:`build_training` turns parsed arguments (:func:`timm_plugin.train_args.parse_args`) into a :class:`Recipe`:
+the model (with the aux head or the ScoreNets its method trains), which method runs and over which mixing kind,
+the mixing configuration (``create_mixer``'s arguments, built once, as timm's ``train.py`` builds its
+``mixup_args``), and the training loss (timm's ``create_classification_loss``, or token labeling's). The trainer,
+``tokenaug-viz`` and the benches all start from it, so a flag means the same thing in each; what is left to them is
+the data, the device and the loop (:meth:`Recipe.mixer`, :meth:`Recipe.task`).
+
+Every check of what the flags combine lives here, with the flag named in its message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from timm.models import create_model, is_model
+from timm.task import ClassificationTask, create_classification_loss
+
+from .mixup import MIX_KINDS, create_mixer
+from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
+from .token_grid import label_grid_stride, patch_embedding, token_stride
+from .token_labeling import TokenLabelingLoss, attach_aux_head
+from .tokenmixup import attach_scorenets
+from .train_args import TOKEN_LABELING_TYPES
+
+__all__ = ['Recipe', 'build_model', 'build_training', 'mixing_patch_size']
+
+_logger = logging.getLogger('tokenaug.train')
+
+
+@dataclass
+class Recipe:
+    """What the arguments ask to train (see the module docstring); ``args`` is resolved in place (the mixing kind
+    as timm resolves it, ``num_classes`` from the model).
+
+    Attributes:
+        args: the arguments.
+        model: the model, with the aux head of dense token labeling or the ScoreNets of HTM attached.
+        method: the target method over the mix, ``'tl_align'`` or ``'transmix'`` (``--method``), or ``None``.
+        mix_kind: the mixing kind a mixer draws (``--mixup-type``), or ``None`` when no mixer runs.
+        token_labeling: token labeling (MixToken mixes in its task, not in a mixer).
+        dense: token labeling with its dense term (label maps and ``--dense-weight > 0``).
+        mixing: ``create_mixer``'s keyword arguments, or ``None`` when no mixer runs.
+        train_loss: the training criterion.
+    """
+
+    args: argparse.Namespace
+    model: nn.Module
+    method: Optional[str]
+    mix_kind: Optional[str]
+    token_labeling: bool
+    dense: bool
+    mixing: Optional[dict]
+    train_loss: nn.Module
+
+    @property
+    def in_model(self) -> Optional[str]:
+        """The name of the method that runs inside the model (hooks, label paths, an aux head), or ``None``."""
+        if self.method:
+            return self.method
+        if uses_tokenmixup(self.args):
+            return 'TokenMixup'
+        return 'token labeling' if self.token_labeling else None
+
+    def mixer(self, **extra):
+        """The mixer of :attr:`mixing` (``extra``: ``collate=True``, ``carry_mix``, ``generator``, ...)."""
+        if self.mixing is None:
+            raise ValueError('nothing mixes: set --mixup and/or --cutmix > 0')
+        return create_mixer(self.mix_kind, **self.mixing, **extra)
+
+    def task(self, device, criterion: Optional[nn.Module] = None):
+        """The ``timm.task`` training task of the method (``ClassificationTask`` without one), on ``device``, with
+        :attr:`train_loss` (or ``criterion``) as its loss."""
+        args, model = self.args, self.model
+        criterion = self.train_loss if criterion is None else criterion
+        if self.method == 'tl_align':
+            return TLAlignTask(
+                model,
+                criterion,
+                layers=args.tl_align_layers,
+                residual=not args.tl_align_no_residual,
+                drop_path=args.tl_align_drop_path,
+                device=device,
+            )
+        if self.method == 'transmix':
+            return TransMixTask(model, criterion, mode=args.transmix_mode, device=device)
+        if uses_tokenmixup(args):
+            return TokenMixupTask(
+                model,
+                criterion,
+                device=device,
+                htm_layers=args.tokenmixup_htm_layers,
+                vtm_layers=args.tokenmixup_vtm_layers,
+                rho=args.tokenmixup_rho,
+                tau=args.tokenmixup_tau,
+                kappa=args.tokenmixup_kappa,
+                saliency=args.tokenmixup_saliency,
+                scorenet=args.tokenmixup_scorenet,
+                scorenet_weight=args.tokenmixup_scorenet_weight,
+                scorenet_stopgrad=args.tokenmixup_scorenet_stopgrad,
+                vtm_stopgrad=args.tokenmixup_vtm_stopgrad,
+                vtm_memory=args.tokenmixup_vtm_memory,
+                smoothing=args.smoothing,  # for class-index targets (no mixer); a mixer's soft targets are as is
+            )
+        if self.token_labeling:
+            return TokenLabelingTask(
+                model,
+                criterion,
+                mix_token=args.mixup_type == 'mixtoken',
+                beta=args.cutmix or 1.0,
+                prob=args.mixup_prob,
+                mode=args.mixup_mode,
+                head_rule=args.head_rule,
+                box_rounding=args.box_rounding,
+                device=device,
+            )
+        return ClassificationTask(model, criterion, device=device)
+
+    def describe(self) -> str:
+        """The log line of the mixing: kind, method, targets and grid."""
+        args = self.args
+        shown = f'{self.method} over {self.mix_kind}' if self.method else self.mix_kind
+        if args.activation_map_dir:
+            shown += f' with {args.activation_target} activation-map targets'
+        grid = self.mixing['patch_size']
+        grid = f'{grid}x{grid}' if isinstance(grid, int) else 'x'.join(map(str, grid))
+        return (
+            f'Mixing: {shown} on a {grid}-px token grid (mixup_alpha={args.mixup}, cutmix_alpha={args.cutmix}, '
+            f'prob={args.mixup_prob}, switch_prob={args.mixup_switch_prob}, mode={args.mixup_mode})'
+        )
+
+
+def build_training(args: argparse.Namespace) -> Recipe:
+    """The :class:`Recipe` of parsed arguments: builds the model (:func:`build_model`), resolves the mixing and
+    refuses, naming the flag, what the methods cannot combine."""
+    model = build_model(args)
+    if args.num_classes is None:
+        args.num_classes = model.num_classes
+    resolve_tokenmix(args)
+    token_labeling = args.mixup_type in TOKEN_LABELING_TYPES or bool(args.token_label_dir) or args.relabel
+    dense = bool(args.token_label_dir) and not args.relabel and args.dense_weight > 0
+    if token_labeling:
+        check_token_labeling(args)
+        if dense:  # before the optimizer, EMA and resume: the aux head is part of the trained model
+            attach_aux_head(model, args.num_classes)
+        elif getattr(model, 'aux_head', None) is not None:  # LV-ViT without dense targets: its aux head idles
+            model.aux_head.requires_grad_(False)  # (DDP would wait for its gradients)
+            if hasattr(model, 'head_rule'):
+                model.head_rule = 'cls'  # and must not vote at inference
+    if uses_tokenmixup(args):
+        if args.method or token_labeling:
+            raise ValueError(
+                f"--tokenmixup-*: TokenMixup relabels each sample from several sources (its mixer's and its HTM "
+                f"partner's); {'token labeling' if token_labeling else args.method} needs the two-source label "
+                f'state of its own mixing, so the two cannot be combined'
+            )
+        if args.tokenmixup_htm_layers:  # before the optimizer, EMA and resume: the ScoreNets are part of the model
+            attach_scorenets(model, args.tokenmixup_htm_layers, args.tokenmixup_scorenet)
+    check_activation_maps(args, token_labeling)
+    mixing = None
+    if resolve_mixing(args, token_labeling):
+        mixing = mixer_kwargs(args, model)
+        if args.activation_map_dir:  # mixed on the device, where the maps' targets are built
+            mixing['activation_targets'] = args.activation_target
+    recipe = Recipe(
+        args=args,
+        model=model,
+        method=args.method,
+        mix_kind=args.mixup_type if mixing is not None else None,
+        token_labeling=token_labeling,
+        dense=dense,
+        mixing=mixing,
+        train_loss=nn.Identity(),  # replaced below
+    )
+    recipe.train_loss = training_loss(args, recipe)
+    in_model = recipe.in_model
+    if in_model:  # their hooks and label paths are written for an fp32 (or autocast) model run block by block
+        for flag, value in (
+            ('--grad-checkpointing', args.grad_checkpointing),
+            ('--model-dtype', args.model_dtype not in (None, 'float32')),
+        ):
+            if value:
+                raise ValueError(f'{flag}: not provided with {in_model} yet (it runs inside the model); drop it')
+    return recipe
+
+
+def training_loss(args: argparse.Namespace, recipe: Recipe) -> nn.Module:
+    """Token labeling's loss (Eq. 3-4), else timm's ``create_classification_loss``: soft-target cross entropy (or
+    BCE) where a mixer or TokenMixup makes the targets, label smoothing on class indices otherwise."""
+    if recipe.token_labeling:
+        return TokenLabelingLoss(
+            args.num_classes,
+            dense_weight=args.dense_weight if recipe.dense else 0.0,
+            cls_target='annotator' if args.relabel else args.cls_target,
+            cls_target_mix=args.cls_target_mix,
+            smoothing=args.smoothing,
+        )
+    bce = {}
+    if args.bce_loss:
+        bce = dict(bce_target_thresh=args.bce_target_thresh, bce_sum=args.bce_sum, pos_weight=args.bce_pos_weight)
+    return create_classification_loss(
+        'bce' if args.bce_loss else 'ce',
+        smoothing=args.smoothing,
+        soft_targets=recipe.mixing is not None or uses_tokenmixup(args),  # soft targets (TokenMixup relabels them)
+        **bce,
+    )
+
+
+def check_token_labeling(args: argparse.Namespace) -> None:
+    """Refuse what token labeling does not combine with, naming the flag."""
+    if args.mixup > 0:
+        raise ValueError(
+            '--mixup: MixUp is not combined with token labeling / MixToken (the Token Labeling paper '
+            'Table 3 and supplement Table 1 drop it); set --mixup 0'
+        )
+    if args.relabel and not args.token_label_dir:
+        raise ValueError('--relabel needs --token-label-dir (the pooled labels come from the label maps)')
+    if args.cls_target != 'gt' and not args.token_label_dir:
+        raise ValueError(f'--cls-target {args.cls_target} needs --token-label-dir')
+    if args.method:
+        raise ValueError(f'--method {args.method}: token labeling mixes with MixToken only (--mixup-type mixtoken)')
+    if args.mixup_type not in (None,) + TOKEN_LABELING_TYPES:
+        raise ValueError(
+            f'--mixup-type {args.mixup_type}: token labeling mixes with MixToken only '
+            f'(--mixup-type mixtoken, or none for token labeling without mixing)'
+        )
+    if args.mixup_type is None and (args.cutmix > 0 or args.cutmix_minmax):
+        raise ValueError(
+            '--cutmix: with --token-label-dir the cut is MixToken; add --mixup-type mixtoken '
+            '(its box is drawn from Beta(--cutmix)), or set --cutmix 0 for no mixing'
+        )
+    if args.cutmix_minmax or args.bce_loss:
+        raise ValueError(
+            f'{"--cutmix-minmax" if args.cutmix_minmax else "--bce-loss"}: not used by token '
+            'labeling (MixToken draws its box from Beta(--cutmix); the loss is Eq. 3 cross entropy)'
+        )
+
+
+def mixing_patch_size(model: nn.Module, method=None, default=16):
+    """The token grid step a mixer draws on: :func:`~timm_plugin.token_grid.token_stride` for models with a patch
+    embedding; for TL-Align on a ResNet, the grid its label state starts on (4 px,
+    :func:`~timm_plugin.token_grid.label_grid_stride`); ``default`` for other CNNs (16 px, DeiT's grid: TokenMix's
+    masks in image space; MixUp/CutMix need no grid)."""
+    if patch_embedding(model) is not None:
+        return token_stride(model)
+    if method == 'tl_align':
+        return label_grid_stride(model)
+    return default
+
+
+def resolve_tokenmix(args) -> None:
+    """``--mixup-type tokenmix``: the paper's TokenMix, ``tokenmix_{--tokenmix-mask}`` with λ fixed at 0.5
+    unless ``--tokenmix-lam``."""
+    if args.mixup_type == 'tokenmix':
+        args.mixup_type = f'tokenmix_{args.tokenmix_mask}'
+        if args.tokenmix_lam is None:
+            args.tokenmix_lam = 0.5
+
+
+def check_activation_maps(args, token_labeling: bool) -> None:
+    """``--activation-map-dir`` (TokenMix's targets) re-weights the two labels of a mixing kind: not a method's
+    targets, nor token labeling's."""
+    if args.activation_map_dir and (token_labeling or args.method):
+        raise ValueError(
+            f'--activation-map-dir: TokenMix targets apply to the mixing kinds {MIX_KINDS}, not to '
+            f'{"token labeling" if token_labeling else f"--method {args.method}"}'
+        )
+
+
+def resolve_mixing(args, token_labeling: bool) -> bool:
+    """Whether a mixer runs (MixUp/CutMix/token kinds; token labeling mixes in its task), with
+    ``args.mixup_type`` resolved as timm does (``cutmix`` if ``--cutmix > 0``, else ``mixup``)."""
+    active = not token_labeling and (
+        args.mixup > 0
+        or args.cutmix > 0.0
+        or args.cutmix_minmax is not None
+        or (args.mixup_type is not None and args.tokenmix_lam is not None)
+    )
+    if not active and not token_labeling and (args.method or args.mixup_type is not None):
+        flag = f'--method {args.method}' if args.method else f'--mixup-type {args.mixup_type}'
+        raise ValueError(f'{flag} needs --mixup and/or --cutmix > 0 (or --tokenmix-lam)')
+    if active:
+        args.mixup_type = args.mixup_type or ('cutmix' if (args.cutmix > 0 or args.cutmix_minmax) else 'mixup')
+    return active
+
+
+def mixer_kwargs(args, model: nn.Module) -> dict:
+    """``create_mixer``'s keyword arguments from the command line (the kind aside)."""
+    return dict(
+        method=args.method,
+        mixup_alpha=args.mixup,
+        cutmix_alpha=args.cutmix,
+        cutmix_minmax=args.cutmix_minmax,
+        prob=args.mixup_prob,
+        switch_prob=args.mixup_switch_prob,
+        mode=args.mixup_mode,
+        label_smoothing=args.smoothing,
+        num_classes=args.num_classes,
+        patch_size=mixing_patch_size(model, args.method),
+        tokenmix_lam=args.tokenmix_lam,
+        box_rounding=args.box_rounding,
+        tokenmix_rule=args.tokenmix_rule,
+    )
+
+
+def uses_tokenmixup(args) -> bool:
+    return bool(args.tokenmixup_htm_layers or args.tokenmixup_vtm_layers)
+
+
+def build_model(args) -> nn.Module:
+    """The model as timm's ``train.py`` creates it (``--pretrained-path`` with the head re-initialised,
+    ``--drop-block``, ``--bn-*``, ``--head-init-*``, ``--model-kwargs``)."""
+    # as timm's train.py: --pretrained-path loads a file as the pretrained weights with the head adapted
+    # (num_classes=-1: the classifier is always re-initialised); --pretrained-cfg-overlay adds to it
+    factory_kwargs = {}
+    overlay = dict(args.pretrained_cfg_overlay or {})
+    if args.pretrained_path:
+        overlay.update(file=args.pretrained_path, num_classes=-1)
+    if overlay:
+        factory_kwargs['pretrained_cfg_overlay'] = overlay
+    in_chans = args.in_chans or (args.input_size[0] if args.input_size else 3)
+    # as timm's train.py: --img-size/--input-size set the data size only; a model built for another size
+    # gets it through --model-kwargs (e.g. img_size=112 for a ViT)
+    model_kwargs = dict(args.model_kwargs)
+    if not is_model(args.model) and not args.model.startswith('hf-hub:'):
+        raise ValueError(f'--model: {args.model!r} is not a timm model name')
+    drop_path = args.drop_path
+    if args.drop_connect is not None:  # timm's deprecated name of --drop-path (its train.py ignores it now)
+        _logger.warning('--drop-connect is deprecated (timm): use --drop-path; taken as --drop-path here')
+        drop_path = args.drop_connect if drop_path is None else drop_path
+    model = create_model(
+        args.model,
+        pretrained=args.pretrained or bool(args.pretrained_path),
+        in_chans=in_chans,
+        num_classes=args.num_classes,
+        drop_rate=args.drop,
+        drop_path_rate=drop_path,
+        drop_block_rate=args.drop_block,
+        global_pool=args.gp,
+        bn_momentum=args.bn_momentum,
+        bn_eps=args.bn_eps,
+        checkpoint_path=args.initial_checkpoint or None,
+        **factory_kwargs,
+        **model_kwargs,
+    )
+    if args.head_init_scale is not None:
+        with torch.no_grad():
+            model.get_classifier().weight.mul_(args.head_init_scale)
+            model.get_classifier().bias.mul_(args.head_init_scale)
+    if args.head_init_bias is not None:
+        nn.init.constant_(model.get_classifier().bias, args.head_init_bias)
+    return model
