@@ -102,19 +102,7 @@ class TokenAugDataPreprocessor(ClsDataPreprocessor):
         if aug is not None and aug.activation_targets:  # TokenMix: targets from the teacher's maps (Eq. 2)
             labels = torch.cat([s.gt_label for s in samples]).to(inputs.device)
             maps = token_label_batch(samples, self.num_classes, inputs.device)
-            scores = activation_target(
-                labels,
-                mix,
-                maps.values,
-                maps.indices,
-                maps.boxes,
-                maps.flips,
-                self.num_classes,
-                0.0,
-                aug.activation_targets,
-                maps.affines,
-                maps.extent,
-            )
+            scores = activation_target(labels, mix, maps, 0.0, aug.activation_targets)
             for sample, score in zip(samples, scores):
                 sample.set_gt_score(score)
         for i, sample in enumerate(samples):

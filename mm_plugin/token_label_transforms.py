@@ -34,12 +34,11 @@ device (:func:`shared_core.label_maps.token_targets_sparse`, one batched call)::
 from __future__ import annotations
 
 import os
-from typing import List, NamedTuple, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import cv2
 import mmcv
 import numpy as np
-import torch
 from mmcv.transforms import BaseTransform
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
@@ -49,12 +48,11 @@ from mmpretrain.registry import TRANSFORMS
 from mmpretrain.structures import DataSample
 
 from shared_core.label_maps import (
-    check_boxes,
+    CropMaps,
     check_map_row,
     crop_after_ops,
     crop_box,
     normalised_affine,
-    stack_affines,
 )
 from shared_core.map_store import LabelMapStore, MissingLabelMapError
 
@@ -69,7 +67,6 @@ __all__ = [
     'TokenLabelShear',
     'TokenLabelTranslate',
     'PackTokenLabelInputs',
-    'TokenLabelBatch',
     'token_label_batch',
     'TokenLabelStoreCheck',
     'check_dataset_maps',
@@ -384,20 +381,7 @@ class PackTokenLabelInputs(PackInputs):
 # ----------------------------------------------------------------------------------------------
 
 
-class TokenLabelBatch(NamedTuple):
-    """The map rows of a batch on one device: ``values (B, k, h, w)`` float16, ``indices (B, k, h, w)``
-    int64, ``boxes (B, 4)`` normalised crops, ``flips (B,)`` bool, ``affines (B, L, 2, 3)`` the geometric
-    ops after them (``None``: none) and ``extent``, their sample extent computed on the CPU."""
-
-    values: torch.Tensor
-    indices: torch.Tensor
-    boxes: torch.Tensor
-    flips: torch.Tensor
-    affines: Optional[torch.Tensor] = None
-    extent: Optional[tuple] = None
-
-
-def token_label_batch(data_samples: Sequence[DataSample], num_classes: int, device=None) -> TokenLabelBatch:
+def token_label_batch(data_samples: Sequence[DataSample], num_classes: int, device=None) -> CropMaps:
     """Stack the samples' packed map rows, crops and flips (see :class:`PackTokenLabelInputs`); refuse
     samples without them, vertical flips and class indices outside ``[0, num_classes)``."""
     missing = [
@@ -417,21 +401,23 @@ def token_label_batch(data_samples: Sequence[DataSample], num_classes: int, devi
             s.metainfo.get('flip_direction'),
             repr(s.metainfo.get('img_path', f'sample {i}')),
         )
-    values = torch.from_numpy(np.stack([np.asarray(s.token_label_values) for s in data_samples]))
-    indices = torch.from_numpy(np.stack([np.asarray(s.token_label_indices) for s in data_samples]).astype(np.int64))
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= num_classes):
+    indices = [np.asarray(s.token_label_indices) for s in data_samples]
+    every = np.concatenate([i.ravel() for i in indices])
+    lo, hi = (int(every.min()), int(every.max())) if every.size else (0, 0)
+    if lo < 0 or hi >= num_classes:
         raise ValueError(
-            f'token_label_indices: the maps hold class indices in [{int(indices.min())}, '
-            f'{int(indices.max())}], the head has num_classes={num_classes}; was the store made '
-            'for this dataset?'
+            f'token_label_indices: the maps hold class indices in [{lo}, {hi}], the head has '
+            f'num_classes={num_classes}; was the store made for this dataset?'
         )
-    boxes = torch.tensor(np.array([np.asarray(s.crop_box, np.float32) for s in data_samples]).reshape(-1, 4))
-    check_boxes(boxes)  # on the CPU (no device sync)
-    flips = torch.tensor([bool(s.metainfo.get('flip', False)) for s in data_samples])
-    chains = [np.asarray(s.get(AFFINE_KEY)) if AFFINE_KEY in s else None for s in data_samples]
-    affines, extent = stack_affines(chains, boxes, tuple(values.shape[-2:]))
-    moved = (t.to(device, non_blocking=True) for t in (values, indices, boxes, flips))
-    return TokenLabelBatch(*moved, None if affines is None else affines.to(device, non_blocking=True), extent)
+    maps = CropMaps.stack(
+        [s.token_label_values for s in data_samples],
+        indices,
+        [s.crop_box for s in data_samples],
+        [s.metainfo.get('flip', False) for s in data_samples],
+        [np.asarray(s.get(AFFINE_KEY)) if AFFINE_KEY in s else None for s in data_samples],
+        num_classes,
+    )
+    return maps.to(device, non_blocking=True) if device is not None else maps
 
 
 # ----------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ are on.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -51,6 +52,7 @@ import torch
 from torchvision.ops import roi_align
 
 __all__ = [
+    'CropMaps',
     'affine_extent',
     'check_affines',
     'check_boxes',
@@ -438,17 +440,98 @@ class SparseTokenTargets(NamedTuple):
         return SparseTokenTargets(*(t.pin_memory() for t in self[:3]), self.num_classes)
 
 
-def token_targets_sparse(
-    values: torch.Tensor,
-    indices: torch.Tensor,
-    num_classes: int,
-    boxes: torch.Tensor,
-    flips: torch.Tensor,
-    grid: Tuple[int, int],
-    smoothing: float = 0.0,
-    affines=None,
-    extent: Optional[Sequence[float]] = None,
-) -> SparseTokenTargets:
+@dataclass(frozen=True)
+class CropMaps:
+    """A batch of label-map rows and the crops they are read through: the one input of every target function of
+    the maps (:func:`token_targets_sparse`, :func:`token_targets_batch`, :func:`class_maps`, :func:`crop_targets`,
+    :func:`shared_core.tokenmix.activation_target`, :func:`shared_core.token_labeling.token_labeling_targets`).
+    Both adapters build it: timm's ``TokenLabelCollate`` (``TokenLabelTarget.maps``), mm's ``token_label_batch``.
+
+    Attributes:
+        values: ``(B, k, h, w)`` the top-k probabilities of each map cell (fp16 as stored, or fp32).
+        indices: ``(B, k, h, w)`` their classes (int64).
+        num_classes: the number of classes ``C``.
+        boxes: ``(B, 4)`` each image's crop, normalised ``(x0, y0, x1, y1)`` of the whole image.
+        flips: ``(B,)`` bool, a horizontal flip after the crop.
+        affines: ``(B, L, 2, 3)`` the geometric ops after the crop and flip (module docstring), or ``None``.
+        extent: their largest sample extent ``(ey, ex)`` as host floats (:func:`affine_extent`; else computed
+            from ``affines`` when needed: a device sync on an accelerator).
+        tokens: the sparse token targets built ahead (in a DataLoader's workers), for the grid ``token_grid`` at
+            label smoothing ``token_smoothing``, or ``None`` (then built when asked for).
+    """
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    num_classes: int
+    boxes: torch.Tensor
+    flips: torch.Tensor
+    affines: Optional[torch.Tensor] = None
+    extent: Optional[Tuple[float, float]] = None
+    tokens: Optional[SparseTokenTargets] = None
+    token_grid: Optional[Tuple[int, int]] = None
+    token_smoothing: Optional[float] = None
+
+    def __post_init__(self):
+        values, indices = _as_tensor(self.values), _as_tensor(self.indices)
+        if values.dim() != 4 or values.shape != indices.shape:
+            raise ValueError(
+                f'values/indices: expected (B, k, h, w) of one shape, got {tuple(values.shape)} and '
+                f'{tuple(indices.shape)}'
+            )
+        B = values.shape[0]
+        boxes, flips = _as_tensor(self.boxes), _as_tensor(self.flips)
+        if tuple(boxes.shape) != (B, 4):
+            raise ValueError(
+                f'boxes: expected one crop (x0, y0, x1, y1) per map row, ({B}, 4), got {tuple(boxes.shape)}'
+            )
+        if tuple(flips.shape) != (B,):
+            raise ValueError(f'flips: expected one flag per map row, ({B},), got {tuple(flips.shape)}')
+        for name, t in (('values', values), ('indices', indices), ('boxes', boxes), ('flips', flips)):
+            object.__setattr__(self, name, t)
+
+    @property
+    def batch_size(self) -> int:
+        return self.values.shape[0]
+
+    @classmethod
+    def stack(cls, values, indices, boxes, flips, chains, num_classes: int) -> 'CropMaps':
+        """A batch from its images' rows on the CPU: ``values``/``indices`` ``(k, h, w)`` each, ``boxes`` one crop
+        each, ``flips`` one flag each, ``chains`` each image's ``(L, 2, 3)`` affines or ``None``. The boxes are
+        checked (:func:`check_boxes`), the chains padded (:func:`stack_affines`)."""
+        v = torch.from_numpy(np.stack([np.asarray(r) for r in values]))
+        i = torch.from_numpy(np.stack([np.asarray(r) for r in indices]).astype(np.int64))
+        b = torch.tensor(np.array([np.asarray(x, np.float32) for x in boxes]).reshape(-1, 4))
+        check_boxes(b)
+        f = torch.tensor([bool(x) for x in flips], dtype=torch.bool)
+        affines, extent = stack_affines(list(chains), b, tuple(v.shape[-2:]))
+        return cls(v, i, int(num_classes), b, f, affines, extent)
+
+    def to(self, *args, **kwargs) -> 'CropMaps':
+        """The same maps moved (``Tensor.to``'s arguments; the host-side ``extent`` stays)."""
+        moved = {k: getattr(self, k).to(*args, **kwargs) for k in ('values', 'indices', 'boxes', 'flips')}
+        if self.affines is not None:
+            moved['affines'] = self.affines.to(*args, **kwargs)
+        if self.tokens is not None:
+            moved['tokens'] = self.tokens.to(*args, **kwargs)
+        return replace(self, **moved)
+
+    def pin_memory(self) -> 'CropMaps':
+        pinned = {k: getattr(self, k).pin_memory() for k in ('values', 'indices', 'boxes', 'flips')}
+        if self.affines is not None:
+            pinned['affines'] = self.affines.pin_memory()
+        if self.tokens is not None:
+            pinned['tokens'] = self.tokens.pin_memory()
+        return replace(self, **pinned)
+
+    def with_tokens(self, grid: Tuple[int, int], smoothing: float = 0.0) -> 'CropMaps':
+        """These maps carrying their sparse token targets for ``grid`` at ``smoothing``, built now (in a loader)."""
+        grid = tuple(grid)
+        return replace(
+            self, tokens=token_targets_sparse(self, grid, smoothing), token_grid=grid, token_smoothing=float(smoothing)
+        )
+
+
+def token_targets_sparse(maps: CropMaps, grid: Tuple[int, int], smoothing: float = 0.0) -> SparseTokenTargets:
     """:func:`token_targets_batch` as :class:`SparseTokenTargets` (what the training loss reads).
 
     Equal to ``roi_align`` of the full distributions (:func:`dense_maps`), without building them: a cell's
@@ -456,23 +539,15 @@ def token_targets_sparse(
     entries ``v - f``, so a token's target is its interpolated ``f`` for every class plus its few
     supporting cells' top-k entries at their classes (RoIAlign is separable: :func:`axis_weights`).
 
-    ``affines (B, L, 2, 3)``: each image's geometric ops after the crop and flip (module docstring);
-    ``None`` or ``L == 0`` is the crop path. Then each token reads the bilinear corners of its samples
-    (still sparse) and its share of fill samples goes to the uniform ``base``. ``extent``: the batch's
-    largest :func:`affine_extent` ``(ey, ex)`` as host floats (else it is computed: a device sync on an
-    accelerator).
+    With the maps' ``affines`` (each image's geometric ops after the crop and flip, module docstring; ``L == 0``
+    is the crop path) each token reads the bilinear corners of its samples (still sparse) and its share of fill
+    samples goes to the uniform ``base``.
     """
-    values, indices = _as_tensor(values), _as_tensor(indices)
-    if values.dim() != 4 or values.shape != indices.shape:
-        raise ValueError(
-            f'values/indices: expected (B, k, h, w) of one shape, got {tuple(values.shape)} and {tuple(indices.shape)}'
-        )
+    values, indices, num_classes, boxes, flips = maps.values, maps.indices, maps.num_classes, maps.boxes, maps.flips
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f'smoothing must be in [0, 1), got {smoothing}')
     B, k, h, w = values.shape
-    if _as_tensor(boxes).shape[0] != B:
-        raise ValueError(f'boxes: expected one crop per map row ({B}), got {_as_tensor(boxes).shape[0]}')
-    affines = None if affines is None else check_affines(affines, B)
+    affines, extent = None if maps.affines is None else check_affines(maps.affines, B), maps.extent
     with torch.autocast(values.device.type, enabled=False):  # targets in fp32 under a training autocast
         f, u = _cells(values, num_classes)  # u: the top-k entries above the constant
         if affines is not None:
@@ -504,52 +579,26 @@ def token_targets_sparse(
         return SparseTokenTargets(base, cls.view(B, N, k * R), src.view(B, N, k * R), num_classes)
 
 
-def token_targets_batch(
-    values: torch.Tensor,
-    indices: torch.Tensor,
-    num_classes: int,
-    boxes: torch.Tensor,
-    flips: torch.Tensor,
-    grid: Tuple[int, int],
-    smoothing: float = 0.0,
-    affines=None,
-    extent: Optional[Sequence[float]] = None,
-) -> torch.Tensor:
-    """Per-token targets ``(B, C, gh, gw)`` for a batch: the map rows ``(B, k, h, w)`` under each crop
-    ``boxes (B, 4)`` (normalised ``(x0, y0, x1, y1)``), resampled to ``grid`` by RoIAlign, flipped where
-    ``flips (B,)`` is set, through the ``affines`` where given, label-smoothed. Every token's target sums
-    to 1. Built from :func:`token_targets_sparse`; channels-last (a ``(B, gh, gw, C)`` tensor seen as
+def token_targets_batch(maps: CropMaps, grid: Tuple[int, int], smoothing: float = 0.0) -> torch.Tensor:
+    """Per-token targets ``(B, C, gh, gw)`` for a batch: the map rows under each crop, resampled to ``grid`` by
+    RoIAlign, flipped where the crop is, through the affines where given, label-smoothed. Every token's target
+    sums to 1. Built from :func:`token_targets_sparse`; channels-last (a ``(B, gh, gw, C)`` tensor seen as
     ``(B, C, gh, gw)``)."""
-    t = token_targets_sparse(values, indices, num_classes, boxes, flips, grid, smoothing, affines, extent)
+    t = token_targets_sparse(maps, grid, smoothing)
     gh, gw = (grid, grid) if isinstance(grid, int) else tuple(grid)
-    return t.dense().view(-1, gh, gw, num_classes).permute(0, 3, 1, 2)
+    return t.dense().view(-1, gh, gw, maps.num_classes).permute(0, 3, 1, 2)
 
 
-def class_maps(
-    values: torch.Tensor,
-    indices: torch.Tensor,
-    num_classes: int,
-    classes: torch.Tensor,
-    boxes: torch.Tensor,
-    flips: torch.Tensor,
-    grid: Tuple[int, int],
-    affines=None,
-    extent: Optional[Sequence[float]] = None,
-) -> torch.Tensor:
+def class_maps(maps: CropMaps, classes: torch.Tensor, grid: Tuple[int, int]) -> torch.Tensor:
     """One channel of the token targets per image, ``(B, gh, gw)``: the probability of class
     ``classes[b]`` at each token of image ``b`` (e.g. its true class: TokenMix's activation map), equal to
-    ``token_targets_batch(...)[b, classes[b]]`` without building the other classes (``affines`` and
-    ``extent`` as there)."""
-    values, indices = _as_tensor(values), _as_tensor(indices)
-    if values.dim() != 4 or values.shape != indices.shape:
-        raise ValueError(
-            f'values/indices: expected (B, k, h, w) of one shape, got {tuple(values.shape)} and {tuple(indices.shape)}'
-        )
+    ``token_targets_batch(maps, grid)[b, classes[b]]`` without building the other classes."""
+    values, indices, num_classes, boxes, flips = maps.values, maps.indices, maps.num_classes, maps.boxes, maps.flips
     B, k, h, w = values.shape
     classes = _as_tensor(classes).to(values.device).long().view(-1)
     if classes.numel() != B:
         raise ValueError(f'classes: expected one class per map row ({B}), got {classes.numel()}')
-    affines = None if affines is None else check_affines(affines, B)
+    affines, extent = None if maps.affines is None else check_affines(maps.affines, B), maps.extent
     with torch.autocast(values.device.type, enabled=False):
         f, u = _cells(values, num_classes)
         d = f + (u * (indices.long() == classes.view(B, 1, 1, 1))).sum(1)  # (B, h, w)
@@ -589,26 +638,14 @@ def token_targets(
             raise ValueError(f'affine: expected a 2x3 matrix or a chain (L, 2, 3), got {tuple(a.shape)}')
         affine = a.reshape(1, -1, 2, 3)
     flip_t = torch.tensor([bool(flip)])
-    t = token_targets_batch(v[None], i[None], num_classes, box_t, flip_t, grid, smoothing, affine)
+    t = token_targets_batch(CropMaps(v[None], i[None], num_classes, box_t, flip_t, affine), grid, smoothing)
     return t[0].contiguous()
 
 
-def crop_targets(
-    values: torch.Tensor,
-    indices: torch.Tensor,
-    num_classes: int,
-    boxes: torch.Tensor,
-    smoothing: float = 0.0,
-    flips=None,
-    affines=None,
-    extent: Optional[Sequence[float]] = None,
-) -> torch.Tensor:
+def crop_targets(maps: CropMaps, smoothing: float = 0.0) -> torch.Tensor:
     """ReLabel: one label ``(B, C)`` per crop, the mean of the map's distribution over the crop (a flip
-    does not change it; with ``affines``, over what the augmented crop shows, fill uniform)."""
-    if flips is None:
-        flips = torch.zeros(len(boxes), dtype=torch.bool)
-    t = token_targets_batch(values, indices, num_classes, boxes, flips, (1, 1), smoothing, affines, extent)
-    return t[:, :, 0, 0]
+    does not change it; with the maps' affines, over what the augmented crop shows, fill uniform)."""
+    return token_targets_batch(maps, (1, 1), smoothing)[:, :, 0, 0]
 
 
 def crop_box(top: int, left: int, height: int, width: int, img_height: int, img_width: int) -> Tuple[float, ...]:

@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from .label_maps import SparseTokenTargets, crop_targets, token_targets_sparse
+from .label_maps import CropMaps, SparseTokenTargets, crop_targets, token_targets_sparse
 from .mix import Mix, check_labels, mix_rows, one_hot, own_lam
 from .samplers import MixSampler
 
@@ -174,17 +174,12 @@ def class_target(
     return annotator * mix_weight + gt * (1.0 - mix_weight)
 
 
-def _geometry(maps):
-    """The batch's geometric ops after the crops, ``(affines, extent)`` (``None`` where it has none)."""
-    return getattr(maps, 'affines', None), getattr(maps, 'extent', None)
-
-
 def token_labeling_targets(
     labels: torch.Tensor,
     num_classes: int,
     smoothing: float = 0.0,
     mix: Optional[Mix] = None,
-    maps=None,
+    maps: Optional[CropMaps] = None,
     grid: Optional[Tuple[int, int]] = None,
     cls_target: str = 'gt',
     cls_target_mix: float = 0.5,
@@ -196,10 +191,9 @@ def token_labeling_targets(
     One-hot (smoothed) ground truth → the annotator's label pooled over each crop where ``cls_target``
     asks for it (ReLabel) → :func:`class_target` → Eq. 7's mix by the MixToken ``mix`` → with ``dense``,
     the sparse per-token targets of the crops on the token ``grid`` (Eq. 2;
-    :class:`~shared_core.label_maps.SparseTokenTargets`, ``.dense()`` is ``(B, N, C)``). ``maps``: anything
-    with the batch's map rows ``.values``/``.indices`` ``(B, k, h, w)``, crops ``.boxes`` ``(B, 4)`` and
-    ``.flips`` ``(B,)`` on the training device, and optionally the geometric ops after them ``.affines``
-    with their ``.extent`` (needed for ``dense`` or a non-``'gt'`` class target).
+    :class:`~shared_core.label_maps.SparseTokenTargets`, ``.dense()`` is ``(B, N, C)``). ``maps``: the batch's
+    :class:`~shared_core.label_maps.CropMaps` on the training device (needed for ``dense`` or a non-``'gt'`` class
+    target).
     Every row sums to 1."""
     check_labels(labels, num_classes, name, values=False)  # the range: one_hot's scatter below, on the CPU
     if maps is None and (dense or cls_target != 'gt'):
@@ -207,11 +201,11 @@ def token_labeling_targets(
             'maps: token labeling needs the label maps of the batch (dense token targets or an '
             f'annotator class target, cls_target={cls_target!r}); none were given'
         )
+    if maps is not None and maps.num_classes != num_classes:
+        raise ValueError(f'maps: the label maps are for {maps.num_classes} classes, the targets for {num_classes}')
     annotator = None
     if cls_target != 'gt':  # ReLabel: the map's mean over the crop
-        annotator = crop_targets(
-            maps.values, maps.indices, num_classes, maps.boxes, smoothing, maps.flips, *_geometry(maps)
-        )
+        annotator = crop_targets(maps, smoothing)
     gt = one_hot(labels, num_classes, smoothing, name)
     y_cls = mix_class_target(class_target(gt, annotator, cls_target, cls_target_mix), mix)  # Eq. 7
     tokens = None
@@ -222,15 +216,13 @@ def token_labeling_targets(
     return y_cls, tokens
 
 
-def _token_targets(maps, num_classes: int, grid: Tuple[int, int], smoothing: float) -> SparseTokenTargets:
-    """The batch's sparse token targets: the ones ``maps`` carries where the loader built them (``.tokens``, for
+def _token_targets(maps: CropMaps, num_classes: int, grid: Tuple[int, int], smoothing: float) -> SparseTokenTargets:
+    """The batch's sparse token targets: the ones ``maps`` carries where a loader built them (``.tokens``, for
     ``.token_grid`` at ``.token_smoothing``: they do not depend on MixToken's mix, which un-mixes the logits
     instead), checked to be for this grid, smoothing and number of classes; else built here."""
-    built = getattr(maps, 'tokens', None)
+    built = maps.tokens
     if built is None:
-        return token_targets_sparse(
-            maps.values, maps.indices, num_classes, maps.boxes, maps.flips, grid, smoothing, *_geometry(maps)
-        )
+        return token_targets_sparse(maps, grid, smoothing)
     made_for = (tuple(maps.token_grid), float(maps.token_smoothing), built.num_classes)
     if made_for != (grid, smoothing, num_classes):
         raise ValueError(

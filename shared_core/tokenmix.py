@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .label_maps import class_maps, smooth, token_targets_batch
+from .label_maps import CropMaps, class_maps, smooth, token_targets_batch
 from .mix import Mix, check_labels, mix_rows, pair_target
 
 __all__ = ['ACTIVATION_TARGETS', 'activation_lam', 'activation_target']
@@ -61,30 +61,23 @@ def activation_lam(maps: torch.Tensor, mix: Mix, eps: float = 1e-12) -> torch.Te
 def activation_target(
     labels: torch.Tensor,
     mix: Mix,
-    values: torch.Tensor,
-    indices: torch.Tensor,
-    boxes: torch.Tensor,
-    flips: torch.Tensor,
-    num_classes: int,
+    maps: CropMaps,
     smoothing: float = 0.0,
     mode: str = 'true_class',
-    affines=None,
-    extent=None,
 ) -> torch.Tensor:
-    """The ``(B, C)`` target of a mixed batch from the teacher's map rows ``(B, k, h, w)`` under each
-    image's crop ``boxes`` / ``flips`` and geometric ops ``affines`` (``extent`` their host-side sample
-    extent; see :func:`shared_core.label_maps.token_targets_sparse`); rows sum to 1 (label smoothing
-    included). See the module docstring."""
+    """The ``(B, C)`` target of a mixed batch from the teacher's map rows under each image's crop and geometric
+    ops (``maps``, :class:`~shared_core.label_maps.CropMaps`); rows sum to 1 (label smoothing included). See the
+    module docstring."""
     if mode not in ACTIVATION_TARGETS:
         raise ValueError(f'mode: expected one of {ACTIVATION_TARGETS}, got {mode!r}')
-    labels = labels.to(values.device)
+    num_classes, device = maps.num_classes, maps.values.device
+    labels = labels.to(device)
     check_labels(labels, num_classes)
-    mix = mix.to(values.device)
+    mix = mix.to(device)
     if mode == 'true_class':
-        maps = class_maps(values, indices, num_classes, labels, boxes, flips, mix.grid_size, affines, extent)
-        lam = activation_lam(maps, mix)
+        lam = activation_lam(class_maps(maps, labels, mix.grid_size), mix)
         return pair_target(labels, mix.partner, lam, num_classes, smoothing, reversed_pairs=mix.reversed_pairs)
-    p = token_targets_batch(values, indices, num_classes, boxes, flips, mix.grid_size, 0.0, affines, extent)
+    p = token_targets_batch(maps, mix.grid_size)
     p = p.flatten(2).transpose(1, 2)  # (B, N, C)
     shown = mix_rows(p, mix.partner, mix.token_share_flat(), mix.reversed_pairs)
     return smooth(shown.mean(1), smoothing)

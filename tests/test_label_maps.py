@@ -8,7 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared_core.label_maps import check_map_row, crop_box, crop_targets, dense_maps, token_targets, token_targets_batch
+from shared_core.label_maps import (
+    CropMaps,
+    check_map_row,
+    crop_box,
+    crop_targets,
+    dense_maps,
+    token_targets,
+    token_targets_batch,
+)
 
 
 def reference_dense(values, indices, C):
@@ -174,12 +182,14 @@ def test_batch_equals_one_image_at_a_time_and_relabel_is_the_crop_mean():
     idx[:, 2] = (idx[:, 0] + 2) % C
     boxes = torch.tensor([[0, 0, 1, 1], [0.2, 0.1, 0.7, 0.9], [0.5, 0.5, 1, 1]], dtype=torch.float32)
     flips = torch.tensor([True, False, True])
-    batch = token_targets_batch(val, idx, C, boxes, flips, (3, 2))
+    batch = token_targets_batch(CropMaps(val, idx, C, boxes, flips), (3, 2))
     for b in range(B):
         one = token_targets(val[b], idx[b], C, boxes[b], bool(flips[b]), (3, 2))
         torch.testing.assert_close(batch[b], one)
     # the whole image pooled = the mean of the cells' distributions
-    full = crop_targets(val, idx, C, torch.tensor([[0.0, 0.0, 1.0, 1.0]] * B))
+    full = crop_targets(
+        CropMaps(val, idx, C, torch.tensor([[0.0, 0.0, 1.0, 1.0]] * B), torch.zeros(B, dtype=torch.bool))
+    )
     torch.testing.assert_close(full, dense_maps(val, idx, C).mean((2, 3)), atol=1e-6, rtol=0)
 
 

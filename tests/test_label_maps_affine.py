@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from shared_core.label_maps import (
+    CropMaps,
     affine_extent,
     class_maps,
     crop_targets,
@@ -203,19 +204,20 @@ def test_batch_paths_agree_and_class_maps_and_relabel_follow_the_affines():
     affines, extent = stack_affines(chains, boxes, (7, 5))
     assert affines.shape == (B, 2, 2, 3) and len(extent) == 2
     torch.testing.assert_close(affine_extent(boxes, affines, (7, 5)).amax(0), torch.tensor(extent))
-    dense = token_targets_batch(vals, idxs, C, boxes, flips, grid, 0.1, affines, extent)
+    maps = CropMaps(vals, idxs, C, boxes, flips, affines, extent)
+    dense = token_targets_batch(maps, grid, 0.1)
     for b in range(B):
         one = token_targets(rows[b][0], rows[b][1], C, boxes[b], bool(flips[b]), grid, 0.1, affine=affines[b])
         torch.testing.assert_close(dense[b], one, atol=1e-6, rtol=0)
     # without the host extent (computed from the tensors) the same
-    sp = token_targets_sparse(vals, idxs, C, boxes, flips, grid, 0.1, affines)
+    sp = token_targets_sparse(CropMaps(vals, idxs, C, boxes, flips, affines), grid, 0.1)
     torch.testing.assert_close(sp.dense().view(B, *grid, C).permute(0, 3, 1, 2), dense)
     cls = torch.tensor([0, 3, 8, 2, 5])
-    maps = class_maps(vals, idxs, C, cls, boxes, flips, grid, affines, extent)
-    plain_smooth = token_targets_batch(vals, idxs, C, boxes, flips, grid, 0.0, affines, extent)
-    torch.testing.assert_close(maps, plain_smooth[torch.arange(B), cls], atol=1e-6, rtol=0)
-    relabel = crop_targets(vals, idxs, C, boxes, 0.0, flips, affines, extent)
-    one_token = token_targets_batch(vals, idxs, C, boxes, flips, (1, 1), 0.0, affines, extent)[:, :, 0, 0]
+    one_class = class_maps(maps, cls, grid)
+    plain_smooth = token_targets_batch(maps, grid, 0.0)
+    torch.testing.assert_close(one_class, plain_smooth[torch.arange(B), cls], atol=1e-6, rtol=0)
+    relabel = crop_targets(maps, 0.0)
+    one_token = token_targets_batch(maps, (1, 1), 0.0)[:, :, 0, 0]
     torch.testing.assert_close(relabel, one_token)
     assert stack_affines([None, []], boxes[:2], (7, 5)) == (None, None)
 
@@ -227,15 +229,15 @@ def test_bad_affines_are_refused():
     with pytest.raises(ValueError, match='affines: expected finite'):
         token_targets(val, idx, C, (0, 0, 1, 1), False, (2, 2), affine=np.full((2, 3), np.nan))
     with pytest.raises(ValueError, match=r'affines: expected one chain .*B=2'):
-        token_targets_batch(
+        maps = CropMaps(
             torch.from_numpy(val)[None].repeat(2, 1, 1, 1),
             torch.from_numpy(idx.astype(np.int64))[None].repeat(2, 1, 1, 1),
             C,
             torch.tensor([[0, 0, 1, 1.0]] * 2),
             torch.zeros(2, dtype=torch.bool),
-            (2, 2),
             affines=torch.zeros(3, 1, 2, 3),
         )
+        token_targets_batch(maps, (2, 2))
     with pytest.raises(ValueError, match='direction'):
         normalised_affine(np.eye(3)[:2], 4, 4, direction='forward')
     with pytest.raises(ValueError, match='name: expected one of'):

@@ -596,6 +596,7 @@ def test_preprocessor_gives_tokenmix_activation_targets():
     from mmpretrain.registry import MODELS as PRE_MODELS
 
     from mm_plugin import mix_from_samples
+    from shared_core.label_maps import CropMaps
     from shared_core.mixing import mix_target
     from shared_core.tokenmix import activation_target
 
@@ -619,7 +620,9 @@ def test_preprocessor_gives_tokenmix_activation_targets():
     )
     mix = mix_from_samples(out['data_samples'])
     got = torch.stack([s.gt_score for s in out['data_samples']])
-    want = activation_target(labels, mix, torch.from_numpy(values), torch.from_numpy(indices), boxes, flips, C)
+    want = activation_target(
+        labels, mix, CropMaps(torch.from_numpy(values), torch.from_numpy(indices), C, boxes, flips)
+    )
     torch.testing.assert_close(got, want)
     assert not torch.allclose(got, mix_target(labels, mix, C))  # not the area target
     with pytest.raises(ValueError, match='activation_targets'):

@@ -100,11 +100,11 @@ def test_the_collate_builds_the_token_targets_in_the_workers(quadrant_data, pref
         for name in ('base', 'cls', 'weight'):
             assert torch.equal(getattr(target.tokens, name), getattr(built, name)), name
         labels = target.as_tensor()
-        y_cls, tokens = token_labeling_targets(labels, 4, 0.1, None, copy.deepcopy(target), (3, 4))
+        y_cls, tokens = token_labeling_targets(labels, 4, 0.1, None, copy.deepcopy(target).maps, (3, 4))
         assert tokens.base.data_ptr() != built.base.data_ptr() and torch.equal(tokens.dense(), built.dense())
         for grid, smoothing in (((4, 4), 0.1), ((3, 4), 0.0)):
             with pytest.raises(ValueError, match='built in the loader for a 3x4 token grid, smoothing 0.1'):
-                token_labeling_targets(labels, 4, smoothing, None, target, grid)
+                token_labeling_targets(labels, 4, smoothing, None, target.maps, grid)
         batches += 1
     assert batches == len(ld) > 0
 

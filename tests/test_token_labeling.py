@@ -241,7 +241,7 @@ def test_sparse_soft_cross_entropy_equals_the_dense_one_with_gradients(smoothing
         boxes=torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.2, 0.1, 0.7, 0.9], [0.5, 0.0, 1.0, 0.5]]),
         flips=torch.tensor([False, True, True]),
     )
-    sparse = token_targets_sparse(tgt.values, tgt.indices, C, tgt.boxes, tgt.flips, (3, 4), smoothing)
+    sparse = token_targets_sparse(tgt.maps, (3, 4), smoothing)
     dense = sparse.dense()
     torch.testing.assert_close(dense.sum(-1), torch.ones(B, 12))
     for dtype in (torch.float32, torch.bfloat16):
@@ -484,7 +484,7 @@ def test_targets_constants_are_made_once_per_device_and_never_kept_fake():
     target = maps_target(torch.tensor([0, 1]), C, 2, k=2, boxes=torch.tensor([[0.1, 0.2, 0.8, 0.9]] * 2))
 
     def targets():
-        return lm.token_targets_sparse(target.values, target.indices, C, target.boxes, target.flips, (3, 3), 0.1)
+        return lm.token_targets_sparse(target.maps, (3, 3), 0.1)
 
     lm._CONSTANTS.clear()
     with FakeTensorMode():

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared_core.label_maps import class_maps, token_targets_batch
+from shared_core.label_maps import CropMaps, class_maps, token_targets_batch
 from shared_core.mixing import Mix, MixSampler, pair_target
 from shared_core.tokenmix import activation_lam, activation_target
 from timm_plugin import create_mixer
@@ -46,11 +46,12 @@ def test_hand_computed_target_for_a_small_map_and_mask():
     w_own0, w_part0 = A0[:3].sum(), A1[3]  # image 0 keeps 3 tokens, gets image 1's 4th
     w_own1, w_part1 = A1[:3].sum(), A0[3]
     lam = torch.tensor([w_own0 / (w_own0 + w_part0), w_own1 / (w_own1 + w_part1)], dtype=torch.float32)
-    maps = class_maps(val, idx, 3, torch.tensor([0, 1]), boxes, flips, (2, 2))
+    crops = CropMaps(val, idx, 3, boxes, flips)
+    maps = class_maps(crops, torch.tensor([0, 1]), (2, 2))
     np.testing.assert_allclose(maps[0].flatten().numpy(), [0.8, 0.2, 0.2, 0.2], atol=1e-3)
     np.testing.assert_allclose(maps[1].flatten().numpy(), [0.05, 0.05, 0.05, 0.9], atol=1e-3)
     torch.testing.assert_close(activation_lam(maps, mix), lam, atol=1e-3, rtol=0)
-    t = activation_target(torch.tensor([0, 1]), mix, val, idx, boxes, flips, 3, smoothing=0.0)
+    t = activation_target(torch.tensor([0, 1]), mix, crops, smoothing=0.0)
     expect = np.array([[lam[0], 1 - lam[0], 0.0], [1 - lam[1], lam[1], 0.0]])
     np.testing.assert_allclose(t.numpy(), expect, atol=1e-3)
     # the area target says 0.75 / 0.25 for both; the maps say each image shows 6/7 of its own activation and
@@ -85,7 +86,7 @@ def test_targets_are_probabilities_with_and_without_smoothing(seed, kind, smooth
     boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.1, 0.2, 0.6, 0.9]] * 3)
     flips = torch.tensor([True, False] * 3)
     labels = torch.randint(0, C, (B,), generator=g)
-    t = activation_target(labels, mix, val, idx, boxes, flips, C, smoothing, mode)
+    t = activation_target(labels, mix, CropMaps(val, idx, C, boxes, flips), smoothing, mode)
     assert (t >= 0).all()
     torch.testing.assert_close(t.sum(1), torch.ones(B))
     if kind == 'mixup' and mode == 'true_class':  # a blend: every token has the same share -> the area target
@@ -97,8 +98,9 @@ def test_class_maps_is_the_class_channel_of_the_token_targets():
     boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.2, 0.1, 0.7, 0.6], [0.5, 0.5, 1.0, 1.0], [0.0, 0.3, 0.4, 1.0]])
     flips = torch.tensor([False, True, True, False])
     cls = torch.tensor([0, 3, 5, 2])
-    full = token_targets_batch(val, idx, 6, boxes, flips, (3, 5))
-    torch.testing.assert_close(class_maps(val, idx, 6, cls, boxes, flips, (3, 5)), full[torch.arange(4), cls])
+    maps = CropMaps(val, idx, 6, boxes, flips)
+    full = token_targets_batch(maps, (3, 5))
+    torch.testing.assert_close(class_maps(maps, cls, (3, 5)), full[torch.arange(4), cls])
 
 
 def test_both_weights_vanishing_falls_back_to_the_area():
@@ -137,7 +139,7 @@ def test_the_mixer_uses_the_maps_and_refuses_plain_labels():
     )
     x, t = mixer(torch.randn(B, 3, 64, 64), target)
     mix = t.mix
-    maps = class_maps(val, idx, C, y, target.boxes, target.flips, mix.grid_size)
+    maps = class_maps(target.maps, y, mix.grid_size)
     torch.testing.assert_close(t.as_tensor(), pair_target(y, mix.partner, activation_lam(maps, mix), C, 0.1))
     with pytest.raises(ValueError, match='teacher maps'):
         mixer(torch.randn(B, 3, 64, 64), y)

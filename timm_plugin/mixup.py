@@ -181,25 +181,14 @@ class TokenAwareMixup:
         teacher maps the target carries (:func:`shared_core.tokenmix.activation_target`); a
         :class:`MixTarget` carrying the mix on the target's device for the token-aware kinds."""
         if self.activation_targets is not None:
-            if not all(hasattr(target, a) for a in ('values', 'indices', 'boxes', 'flips')):
+            maps = getattr(target, 'maps', None)
+            if maps is None:
                 raise ValueError(
                     'target: activation-map targets need the teacher maps with each label (a '
                     'TokenLabelTarget from timm_plugin.token_labeling.TokenLabelCollate)'
                 )
             labels = target.as_tensor()
-            soft = activation_target(
-                labels,
-                mix,
-                target.values,
-                target.indices,
-                target.boxes,
-                target.flips,
-                self.num_classes,
-                self.label_smoothing,
-                self.activation_targets,
-                getattr(target, 'affines', None),
-                getattr(target, 'extent', None),
-            )
+            soft = activation_target(labels, mix, maps, self.label_smoothing, self.activation_targets)
             target = labels
         elif self.multi_label:
             soft = multi_label_target(target, mix, self.num_classes, self.label_smoothing)

@@ -28,6 +28,7 @@ device in one batched call, kept sparse (:func:`shared_core.label_maps.token_tar
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -39,14 +40,13 @@ from torchvision import transforms as T
 from torchvision.transforms import functional as TF
 
 from shared_core.label_maps import (
+    CropMaps,
     SparseTokenTargets,
-    check_boxes,
     check_map_row,
     crop_after_ops,
     crop_box,
     crop_targets,
     normalised_affine,
-    stack_affines,
     token_targets_sparse,
 )
 from shared_core.map_store import MissingLabelMapError
@@ -80,26 +80,12 @@ AA_ORDERS = ('timm', 'public')
 
 
 class TokenLabelTarget(CarrierTensor):
-    """The class indices ``(B,)`` of a batch carrying its map rows ``.values (B, k, h, w)`` (fp16
-    probabilities), ``.indices (B, k, h, w)`` (int64 classes), the crops ``.boxes (B, 4)`` (normalised
-    ``x0, y0, x1, y1``), ``.flips (B,)``, ``.num_classes``, and the geometric ops after them:
-    ``.affines (B, L, 2, 3)`` (identity-padded chains; ``None`` when no image had one) with ``.extent``,
-    their largest sample extent ``(ey, ex)`` computed on the CPU (see :func:`~shared_core.label_maps.affine_extent`).
-    Where the collate built the sparse token targets (``TokenLabelCollate(token_stride=...)``), ``.tokens`` holds
-    them, for the grid ``.token_grid`` at label smoothing ``.token_smoothing`` (else all three ``None``)."""
+    """The class indices ``(B,)`` of a batch carrying its label maps as ``.maps``, a
+    :class:`~shared_core.label_maps.CropMaps` (the map rows, the crops, the flips, the geometric ops after them and,
+    where the collate built them, the sparse token targets); its fields read through as ``.values``, ``.boxes``,
+    ... See :class:`~timm_plugin.carrier.CarrierTensor`."""
 
-    _carried = (
-        'values',
-        'indices',
-        'boxes',
-        'flips',
-        'num_classes',
-        'affines',
-        'extent',
-        'tokens',
-        'token_grid',
-        'token_smoothing',
-    )
+    _carried = ('maps',)
 
     @staticmethod
     def wrap(
@@ -111,53 +97,39 @@ class TokenLabelTarget(CarrierTensor):
         num_classes: int,
         affines: Optional[torch.Tensor] = None,
         extent: Optional[Tuple[float, float]] = None,
-        tokens: Optional[SparseTokenTargets] = None,
-        token_grid: Optional[Tuple[int, int]] = None,
-        token_smoothing: Optional[float] = None,
     ) -> 'TokenLabelTarget':
-        return TokenLabelTarget._wrap(
-            labels,
-            dict(
-                values=values,
-                indices=indices,
-                boxes=boxes,
-                flips=flips,
-                num_classes=num_classes,
-                affines=affines,
-                extent=extent,
-                tokens=tokens,
-                token_grid=token_grid,
-                token_smoothing=token_smoothing,
-            ),
-        )
+        """``labels`` carrying the maps these fields make (:class:`~shared_core.label_maps.CropMaps`)."""
+        return TokenLabelTarget.of(labels, CropMaps(values, indices, num_classes, boxes, flips, affines, extent))
+
+    @staticmethod
+    def of(labels: torch.Tensor, maps: CropMaps) -> 'TokenLabelTarget':
+        """``labels`` carrying ``maps``."""
+        if maps.batch_size != labels.shape[0]:
+            raise ValueError(f'maps: {maps.batch_size} map rows for {labels.shape[0]} labels')
+        return TokenLabelTarget._wrap(labels, dict(maps=maps))
 
     def token_targets(self, grid: Tuple[int, int], smoothing: float = 0.0) -> SparseTokenTargets:
         """Per-token targets (row-major token order; ``.dense()`` is ``(B, gh * gw, C)``, rows summing to 1),
         built from the map rows (not the ones the collate may carry)."""
-        return token_targets_sparse(
-            self.values,
-            self.indices,
-            self.num_classes,
-            self.boxes,
-            self.flips,
-            grid,
-            smoothing,
-            self.affines,
-            self.extent,
-        )
+        return token_targets_sparse(self.maps, grid, smoothing)
 
     def with_token_targets(self, grid: Tuple[int, int], smoothing: float = 0.0) -> 'TokenLabelTarget':
         """This target carrying its sparse token targets for ``grid`` at ``smoothing`` (:meth:`token_targets`), as
         ``TokenLabelCollate(token_stride=...)`` hands a batch over; the loss then reads them instead of building
         them."""
-        built = dict(tokens=self.token_targets(grid, smoothing), token_grid=tuple(grid), token_smoothing=smoothing)
-        return TokenLabelTarget._wrap(self.as_tensor(), self.carried() | built)
+        return TokenLabelTarget.of(self.as_tensor(), self.maps.with_tokens(grid, smoothing))
 
     def crop_targets(self, smoothing: float = 0.0) -> torch.Tensor:
         """``(B, C)`` the annotator's pooled label over each crop (ReLabel)."""
-        return crop_targets(
-            self.values, self.indices, self.num_classes, self.boxes, smoothing, self.flips, self.affines, self.extent
-        )
+        return crop_targets(self.maps, smoothing)
+
+
+def _read_through(name: str) -> property:
+    return property(lambda self: getattr(self.maps, name), doc=f'``.maps.{name}``')
+
+
+for _field in dataclasses.fields(CropMaps):  # (properties: a Tensor's own .values / .indices must not answer)
+    setattr(TokenLabelTarget, _field.name, _read_through(_field.name))
 
 
 def pil_op_affine(name: str, size: Tuple[int, int], args: tuple) -> np.ndarray:
@@ -423,13 +395,16 @@ class TokenLabelCollate:
         if self.check:
             for b in batch:
                 check_map_row(b[1][1], b[1][2], self.num_classes)
-        values = torch.from_numpy(np.stack([b[1][1] for b in batch]))
-        indices = torch.from_numpy(np.stack([b[1][2] for b in batch]).astype(np.int64))
-        boxes = torch.tensor([b[1][3] for b in batch], dtype=torch.float32)
-        check_boxes(boxes)
-        flips = torch.tensor([b[1][4] for b in batch], dtype=torch.bool)
-        affines, extent = stack_affines([b[1][5] if len(b[1]) > 5 else None for b in batch], boxes, values.shape[-2:])
-        target = TokenLabelTarget.wrap(labels, values, indices, boxes, flips, self.num_classes, affines, extent)
+        rows = [b[1] for b in batch]
+        maps = CropMaps.stack(
+            [r[1] for r in rows],
+            [r[2] for r in rows],
+            [r[3] for r in rows],
+            [r[4] for r in rows],
+            [r[5] if len(r) > 5 else None for r in rows],
+            self.num_classes,
+        )
+        target = TokenLabelTarget.of(labels, maps)
         if self.token_stride is None:
             return x, target
         size = tuple(x.shape[-2:])

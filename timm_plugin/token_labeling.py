@@ -243,7 +243,7 @@ class TokenLabelingLoss(nn.Module):
         """``(class target (B, C), per-token targets or None)``, both summing to 1 per row (the token targets
         as :class:`SparseTokenTargets`; ``.dense()`` gives ``(B, N, C)``)."""
         labels = target.as_tensor() if isinstance(target, CarrierTensor) else target
-        maps = target if isinstance(target, TokenLabelTarget) else None
+        maps = target.maps if isinstance(target, TokenLabelTarget) else None
         if maps is None and (self.dense_weight or self.cls_target != 'gt'):
             raise ValueError(
                 'target: token labeling needs the label maps (a TokenLabelTarget from '

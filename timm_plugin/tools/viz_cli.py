@@ -179,9 +179,7 @@ def mix(argv) -> Path:
         from shared_core.label_maps import class_maps
         from shared_core.tokenmix import activation_lam
 
-        maps = class_maps(
-            y.values, y.indices, args.num_classes, labels, y.boxes, y.flips, m.grid_size, y.affines, y.extent
-        )
+        maps = class_maps(y.maps, labels, m.grid_size)
         act_lam = activation_lam(maps, m)
         map_pics = grey_image(maps, m.img_size, m.patch_size, value_range=(0.0, 1.0))
     for i in range(count):
