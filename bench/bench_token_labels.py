@@ -22,6 +22,7 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -146,12 +147,12 @@ def main():
             else int((target.affines != torch.eye(3)[:2].to(dev)).any(-1).any(-1).any(-1).sum())
         )
         t_build = {}
+        geometry = {'crop only': replace(target.maps, affines=None, extent=None), 'with affines': target.maps}
         for name, fn in (('sparse', token_targets_sparse), ('dense', token_targets_batch)):
             for geo in ('crop only', 'with affines'):
-                affines = (target.affines, target.extent) if geo == 'with affines' else (None, None)
 
-                def build(fn=fn, affines=affines):
-                    fn(target.values, target.indices, 1000, target.boxes, target.flips, (14, 14), 0.1, *affines)
+                def build(fn=fn, maps=geometry[geo]):
+                    fn(maps, (14, 14), 0.1)
                     sync()
 
                 build()
@@ -159,18 +160,7 @@ def main():
         for _ in range(args.rounds):  # interleaved
             for (name, geo), acc in t_build.items():
                 fn = token_targets_sparse if name == 'sparse' else token_targets_batch
-                affines = (target.affines, target.extent) if geo == 'with affines' else (None, None)
-                acc.append(
-                    timed(
-                        lambda fn=fn, affines=affines: (
-                            fn(
-                                target.values, target.indices, 1000, target.boxes, target.flips, (14, 14), 0.1, *affines
-                            ),
-                            sync(),
-                        ),
-                        3,
-                    )
-                )
+                acc.append(timed(lambda fn=fn, maps=geometry[geo]: (fn(maps, (14, 14), 0.1), sync()), 3))
         t_build = {key: statistics.median(v) for key, v in t_build.items()}
 
     step = training_step(args, target) if args.step_model else None

@@ -55,7 +55,7 @@ __all__ = [
     'CropMaps',
     'affine_extent',
     'check_affines',
-    'check_boxes',
+    'check_crops',
     'normalised_affine',
     'dense_maps',
     'token_targets',
@@ -126,19 +126,19 @@ def smooth(target: torch.Tensor, smoothing: float, dim: int = 1) -> torch.Tensor
     return target * (1.0 - smoothing) + smoothing / target.shape[dim]
 
 
-def check_boxes(boxes: torch.Tensor) -> None:
+def check_crops(crops: torch.Tensor) -> None:
     """Refuse crops that are not ``(B, 4)`` normalised ``(x0, y0, x1, y1)`` inside the image with
     ``x0 < x1``, ``y0 < y1``. Values are checked on the CPU only (the collates check them there): on an
     accelerator a check would stall every training step on a device sync."""
-    if boxes.dim() != 2 or boxes.shape[1] != 4:
-        raise ValueError(f'boxes: expected (B, 4) crops (x0, y0, x1, y1), got {tuple(boxes.shape)}')
-    if boxes.device.type != 'cpu':
+    if crops.dim() != 2 or crops.shape[1] != 4:
+        raise ValueError(f'crops: expected (B, 4) crops (x0, y0, x1, y1), got {tuple(crops.shape)}')
+    if crops.device.type != 'cpu':
         return
-    b = boxes.float()
+    b = crops.float()
     if not ((b[:, 0] < b[:, 2]) & (b[:, 1] < b[:, 3])).all():
-        raise ValueError('boxes: expected x0 < x1 and y0 < y1 (normalised crop corners)')
+        raise ValueError('crops: expected x0 < x1 and y0 < y1 (normalised crop corners)')
     if not ((b >= -1e-6) & (b <= 1.0 + 1e-6)).all():
-        raise ValueError('boxes: expected crops inside the image, corners in [0, 1]')
+        raise ValueError('crops: expected crops inside the image, corners in [0, 1]')
 
 
 def axis_weights(lo: torch.Tensor, hi: torch.Tensor, cells: int, out: int) -> torch.Tensor:
@@ -224,23 +224,23 @@ def _resample(wy: torch.Tensor, maps: torch.Tensor, wx: torch.Tensor) -> torch.T
     return torch.bmm(torch.bmm(wy, maps), wx.transpose(1, 2))
 
 
-def _batch_geometry(boxes, flips, device):
+def _batch_geometry(crops, flips, device):
     """Crops ``(B, 4)`` float32 (checked) and flips ``(B,)`` bool on ``device``."""
-    boxes = _as_tensor(boxes).to(device, torch.float32)
-    check_boxes(boxes)
-    return boxes, _as_tensor(flips).to(device, torch.bool).view(-1)
+    crops = _as_tensor(crops).to(device, torch.float32)
+    check_crops(crops)
+    return crops, _as_tensor(flips).to(device, torch.bool).view(-1)
 
 
-def _axes(boxes, flips, map_size: Tuple[int, int], grid, device):
+def _axes(crops, flips, map_size: Tuple[int, int], grid, device):
     """RoIAlign's separable weights of a batch of crops: ``wy (B, gh, h)``, ``wx (B, gw, w)`` (flipped
     rows where the image was flipped after the crop), and the grid."""
     h, w = map_size
-    boxes, flips = _batch_geometry(boxes, flips, device)
+    crops, flips = _batch_geometry(crops, flips, device)
     gh, gw = (grid, grid) if isinstance(grid, int) else tuple(grid)
-    B = boxes.shape[0]
-    # both axes' boxes in one addmm on the crops (x0, y0, x1, y1): rows 2b and 2b + 1 the x and the y box of crop b
-    offset, matrix = _span_rois(boxes.device, (w, h), ((0, 2), (1, 3)))
-    rois = torch.addmm(offset, boxes, matrix).view(2 * B, 5)
+    B = crops.shape[0]
+    # both axes' RoIAlign boxes in one addmm on the crops (x0, y0, x1, y1): rows 2b, 2b + 1 the x, y box of crop b
+    offset, matrix = _span_rois(crops.device, (w, h), ((0, 2), (1, 3)))
+    rois = torch.addmm(offset, crops, matrix).view(2 * B, 5)
     if (h, gh) == (w, gw):  # a square map and grid: both axes in one RoIAlign call
         both = _span_weights(rois, h, gh)
         wx, wy = both[0::2], both[1::2]
@@ -298,7 +298,7 @@ def check_affines(affines, batch: int) -> Optional[torch.Tensor]:
     return a
 
 
-def stack_affines(chains: Sequence, boxes, map_size: Tuple[int, int]):
+def stack_affines(chains: Sequence, crops, map_size: Tuple[int, int]):
     """A batch's per-image affine chains (each ``(L_i, 2, 3)``, or ``None`` / empty for no op) as
     ``(affines (B, L, 2, 3), extent)``: the chains padded with identities at their end to the longest, and
     the batch's largest :func:`affine_extent` as host floats (the data path calls this on the CPU).
@@ -312,7 +312,7 @@ def stack_affines(chains: Sequence, boxes, map_size: Tuple[int, int]):
     for i, c in enumerate(chains):
         out[i, : len(c)] = c
     affines = check_affines(torch.from_numpy(out), len(chains))
-    extent = affine_extent(_as_tensor(boxes).cpu(), affines, map_size).amax(0).tolist()
+    extent = affine_extent(_as_tensor(crops).cpu(), affines, map_size).amax(0).tolist()
     return affines, tuple(extent)
 
 
@@ -324,35 +324,35 @@ def _chain_linear(affines: torch.Tensor) -> torch.Tensor:
     return J
 
 
-def affine_extent(boxes, affines, map_size: Tuple[int, int]) -> torch.Tensor:
+def affine_extent(crops, affines, map_size: Tuple[int, int]) -> torch.Tensor:
     """Per image ``(B, 2)``: how many map cells a unit step down (``v``) and to the right (``u``) of the
     augmented crop spans, ``(ey, ex)``; a token's samples per axis are ``ceil(e / grid)`` (RoIAlign's
     adaptive count along the mapped axis). The data path computes its batch maximum on the CPU and hands it
     to the targets, so that they take no device sync (``extent=``)."""
-    boxes = _as_tensor(boxes).float()
-    a = check_affines(affines, boxes.shape[0])
+    crops = _as_tensor(crops).float()
+    a = check_affines(affines, crops.shape[0])
     h, w = map_size
     # (B, 2) x, y: the crop's span in map cells as RoIAlign computes it (aligned: each end times the cells, less
     # half a cell, then the difference, in float32), so that an identity chain takes the crop path's sample
     # counts exactly where a span sits on a multiple of the grid ((hi - lo) · cells may round to the other side)
     size = torch.stack(
-        [(boxes[:, 2] * w - 0.5) - (boxes[:, 0] * w - 0.5), (boxes[:, 3] * h - 0.5) - (boxes[:, 1] * h - 0.5)], 1
+        [(crops[:, 2] * w - 0.5) - (crops[:, 0] * w - 0.5), (crops[:, 3] * h - 0.5) - (crops[:, 1] * h - 0.5)], 1
     )
     if a is None:
         return size.flip(1)
-    E = size[:, :, None] * _chain_linear(a.to(boxes.device))  # rows: map x, y; columns: output u, v
+    E = size[:, :, None] * _chain_linear(a.to(crops.device))  # rows: map x, y; columns: output u, v
     return torch.stack([E[:, :, 1].norm(dim=1), E[:, :, 0].norm(dim=1)], 1)
 
 
-def _affine_samples(boxes, flips, affines, map_size, grid, extent=None):
+def _affine_samples(crops, flips, affines, map_size, grid, extent=None):
     """The crop-and-affine path's sampling: per token the map cells it reads and their weights
     ``(B, N, P)`` (bilinear corners of every sample, divided by the image's sample count) and ``fill
     (B, N)``, the share of its samples that fell outside an image (uniform). See the module docstring."""
     h, w = map_size
     gh, gw = (grid, grid) if isinstance(grid, int) else tuple(grid)
-    B = boxes.shape[0]
-    dev = boxes.device
-    ext = affine_extent(boxes, affines, map_size)  # (B, 2): ey, ex
+    B = crops.shape[0]
+    dev = crops.device
+    ext = affine_extent(crops, affines, map_size)  # (B, 2): ey, ex
     if extent is None:  # the padded sample counts must be host ints: a device sync where no extent is given
         extent = ext.amax(0).tolist()
     Sy, Sx = max(1, math.ceil(float(extent[0]) / gh)), max(1, math.ceil(float(extent[1]) / gw))
@@ -391,7 +391,7 @@ def _affine_samples(boxes, flips, affines, map_size, grid, extent=None):
         qu, qv = at(comp[:, :2])
         inside &= (qu >= 0) & (qu <= 1) & (qv >= 0) & (qv <= 1)
     # un-flip and place in the crop, in map cells with RoIAlign's aligned coordinates (cell centres at j + 0.5)
-    x0, y0, x1, y1 = boxes.double().unbind(1)
+    x0, y0, x1, y1 = crops.double().unbind(1)
     sign = torch.where(flips, -1.0, 1.0).double()
     place = torch.zeros(B, 3, 3, dtype=torch.float64, device=dev)
     place[:, 0, 0], place[:, 0, 2] = sign * (x1 - x0) * w, torch.where(flips, x1, x0) * w - 0.5
@@ -451,7 +451,7 @@ class CropMaps:
         values: ``(B, k, h, w)`` the top-k probabilities of each map cell (fp16 as stored, or fp32).
         indices: ``(B, k, h, w)`` their classes (int64).
         num_classes: the number of classes ``C``.
-        boxes: ``(B, 4)`` each image's crop, normalised ``(x0, y0, x1, y1)`` of the whole image.
+        crops: ``(B, 4)`` each image's crop, normalised ``(x0, y0, x1, y1)`` of the whole image.
         flips: ``(B,)`` bool, a horizontal flip after the crop.
         affines: ``(B, L, 2, 3)`` the geometric ops after the crop and flip (module docstring), or ``None``.
         extent: their largest sample extent ``(ey, ex)`` as host floats (:func:`affine_extent`; else computed
@@ -463,7 +463,7 @@ class CropMaps:
     values: torch.Tensor
     indices: torch.Tensor
     num_classes: int
-    boxes: torch.Tensor
+    crops: torch.Tensor
     flips: torch.Tensor
     affines: Optional[torch.Tensor] = None
     extent: Optional[Tuple[float, float]] = None
@@ -479,14 +479,14 @@ class CropMaps:
                 f'{tuple(indices.shape)}'
             )
         B = values.shape[0]
-        boxes, flips = _as_tensor(self.boxes), _as_tensor(self.flips)
-        if tuple(boxes.shape) != (B, 4):
+        crops, flips = _as_tensor(self.crops), _as_tensor(self.flips)
+        if tuple(crops.shape) != (B, 4):
             raise ValueError(
-                f'boxes: expected one crop (x0, y0, x1, y1) per map row, ({B}, 4), got {tuple(boxes.shape)}'
+                f'crops: expected one crop (x0, y0, x1, y1) per map row, ({B}, 4), got {tuple(crops.shape)}'
             )
         if tuple(flips.shape) != (B,):
             raise ValueError(f'flips: expected one flag per map row, ({B},), got {tuple(flips.shape)}')
-        for name, t in (('values', values), ('indices', indices), ('boxes', boxes), ('flips', flips)):
+        for name, t in (('values', values), ('indices', indices), ('crops', crops), ('flips', flips)):
             object.__setattr__(self, name, t)
 
     @property
@@ -494,21 +494,21 @@ class CropMaps:
         return self.values.shape[0]
 
     @classmethod
-    def stack(cls, values, indices, boxes, flips, chains, num_classes: int) -> 'CropMaps':
-        """A batch from its images' rows on the CPU: ``values``/``indices`` ``(k, h, w)`` each, ``boxes`` one crop
-        each, ``flips`` one flag each, ``chains`` each image's ``(L, 2, 3)`` affines or ``None``. The boxes are
-        checked (:func:`check_boxes`), the chains padded (:func:`stack_affines`)."""
+    def stack(cls, values, indices, crops, flips, chains, num_classes: int) -> 'CropMaps':
+        """A batch from its images' rows on the CPU: ``values``/``indices`` ``(k, h, w)`` each, ``crops`` one crop
+        each, ``flips`` one flag each, ``chains`` each image's ``(L, 2, 3)`` affines or ``None``. The crops are
+        checked (:func:`check_crops`), the chains padded (:func:`stack_affines`)."""
         v = torch.from_numpy(np.stack([np.asarray(r) for r in values]))
         i = torch.from_numpy(np.stack([np.asarray(r) for r in indices]).astype(np.int64))
-        b = torch.tensor(np.array([np.asarray(x, np.float32) for x in boxes]).reshape(-1, 4))
-        check_boxes(b)
+        b = torch.tensor(np.array([np.asarray(x, np.float32) for x in crops]).reshape(-1, 4))
+        check_crops(b)
         f = torch.tensor([bool(x) for x in flips], dtype=torch.bool)
         affines, extent = stack_affines(list(chains), b, tuple(v.shape[-2:]))
         return cls(v, i, int(num_classes), b, f, affines, extent)
 
     def to(self, *args, **kwargs) -> 'CropMaps':
         """The same maps moved (``Tensor.to``'s arguments; the host-side ``extent`` stays)."""
-        moved = {k: getattr(self, k).to(*args, **kwargs) for k in ('values', 'indices', 'boxes', 'flips')}
+        moved = {k: getattr(self, k).to(*args, **kwargs) for k in ('values', 'indices', 'crops', 'flips')}
         if self.affines is not None:
             moved['affines'] = self.affines.to(*args, **kwargs)
         if self.tokens is not None:
@@ -516,7 +516,7 @@ class CropMaps:
         return replace(self, **moved)
 
     def pin_memory(self) -> 'CropMaps':
-        pinned = {k: getattr(self, k).pin_memory() for k in ('values', 'indices', 'boxes', 'flips')}
+        pinned = {k: getattr(self, k).pin_memory() for k in ('values', 'indices', 'crops', 'flips')}
         if self.affines is not None:
             pinned['affines'] = self.affines.pin_memory()
         if self.tokens is not None:
@@ -543,7 +543,7 @@ def token_targets_sparse(maps: CropMaps, grid: Tuple[int, int], smoothing: float
     is the crop path) each token reads the bilinear corners of its samples (still sparse) and its share of fill
     samples goes to the uniform ``base``.
     """
-    values, indices, num_classes, boxes, flips = maps.values, maps.indices, maps.num_classes, maps.boxes, maps.flips
+    values, indices, num_classes, crops, flips = maps.values, maps.indices, maps.num_classes, maps.crops, maps.flips
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f'smoothing must be in [0, 1), got {smoothing}')
     B, k, h, w = values.shape
@@ -553,7 +553,7 @@ def token_targets_sparse(maps: CropMaps, grid: Tuple[int, int], smoothing: float
         if affines is not None:
             u = u.flatten(2)
             cell, weight, fill, _ = _affine_samples(
-                *_batch_geometry(boxes, flips, values.device), affines.to(values.device), (h, w), grid, extent
+                *_batch_geometry(crops, flips, values.device), affines.to(values.device), (h, w), grid, extent
             )
             N, P = cell.shape[1:]
             base = (torch.gather(f.flatten(1), 1, cell.flatten(1)).view(B, N, P) * weight).sum(-1)
@@ -562,7 +562,7 @@ def token_targets_sparse(maps: CropMaps, grid: Tuple[int, int], smoothing: float
             src = torch.gather(u[:, None].expand(B, N, k, h * w), 3, cell) * (weight[:, :, None] * (1.0 - smoothing))
             cls = torch.gather(indices.long().flatten(2)[:, None].expand(B, N, k, h * w), 3, cell)
             return SparseTokenTargets(base, cls.reshape(B, N, k * P), src.reshape(B, N, k * P), num_classes)
-        wy, wx, (gh, gw) = _axes(boxes, flips, (h, w), grid, values.device)
+        wy, wx, (gh, gw) = _axes(crops, flips, (h, w), grid, values.device)
         N = gh * gw
         # label smoothing folded in: (1 - ε) · (constant + top-k entries) + ε / C
         base = _resample(wy, f, wx).view(B, N) * (1.0 - smoothing) + smoothing / num_classes
@@ -593,7 +593,7 @@ def class_maps(maps: CropMaps, classes: torch.Tensor, grid: Tuple[int, int]) -> 
     """One channel of the token targets per image, ``(B, gh, gw)``: the probability of class
     ``classes[b]`` at each token of image ``b`` (e.g. its true class: TokenMix's activation map), equal to
     ``token_targets_batch(maps, grid)[b, classes[b]]`` without building the other classes."""
-    values, indices, num_classes, boxes, flips = maps.values, maps.indices, maps.num_classes, maps.boxes, maps.flips
+    values, indices, num_classes, crops, flips = maps.values, maps.indices, maps.num_classes, maps.crops, maps.flips
     B, k, h, w = values.shape
     classes = _as_tensor(classes).to(values.device).long().view(-1)
     if classes.numel() != B:
@@ -604,11 +604,11 @@ def class_maps(maps: CropMaps, classes: torch.Tensor, grid: Tuple[int, int]) -> 
         d = f + (u * (indices.long() == classes.view(B, 1, 1, 1))).sum(1)  # (B, h, w)
         if affines is not None:
             cell, weight, fill, (gh, gw) = _affine_samples(
-                *_batch_geometry(boxes, flips, values.device), affines.to(values.device), (h, w), grid, extent
+                *_batch_geometry(crops, flips, values.device), affines.to(values.device), (h, w), grid, extent
             )
             p = (torch.gather(d.flatten(1), 1, cell.flatten(1)).view_as(weight) * weight).sum(-1)
             return (p + fill / num_classes).view(B, gh, gw)
-        wy, wx, _ = _axes(boxes, flips, (h, w), grid, values.device)
+        wy, wx, _ = _axes(crops, flips, (h, w), grid, values.device)
         return _resample(wy, d, wx)
 
 

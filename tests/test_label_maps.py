@@ -180,11 +180,11 @@ def test_batch_equals_one_image_at_a_time_and_relabel_is_the_crop_mean():
     idx = torch.from_numpy(rng.integers(0, C, (B, k, 4, 4)))
     idx[:, 1] = (idx[:, 0] + 1) % C
     idx[:, 2] = (idx[:, 0] + 2) % C
-    boxes = torch.tensor([[0, 0, 1, 1], [0.2, 0.1, 0.7, 0.9], [0.5, 0.5, 1, 1]], dtype=torch.float32)
+    crops = torch.tensor([[0, 0, 1, 1], [0.2, 0.1, 0.7, 0.9], [0.5, 0.5, 1, 1]], dtype=torch.float32)
     flips = torch.tensor([True, False, True])
-    batch = token_targets_batch(CropMaps(val, idx, C, boxes, flips), (3, 2))
+    batch = token_targets_batch(CropMaps(val, idx, C, crops, flips), (3, 2))
     for b in range(B):
-        one = token_targets(val[b], idx[b], C, boxes[b], bool(flips[b]), (3, 2))
+        one = token_targets(val[b], idx[b], C, crops[b], bool(flips[b]), (3, 2))
         torch.testing.assert_close(batch[b], one)
     # the whole image pooled = the mean of the cells' distributions
     full = crop_targets(

@@ -190,7 +190,7 @@ def test_batch_paths_agree_and_class_maps_and_relabel_follow_the_affines():
     C = 9
     vals = torch.from_numpy(np.stack([r[0] for r in rows]))
     idxs = torch.from_numpy(np.stack([r[1] for r in rows]))
-    boxes = torch.tensor(
+    crops = torch.tensor(
         [[0.1, 0.0, 0.9, 0.7], [0.0, 0.2, 0.5, 1.0], [0.3, 0.3, 0.6, 0.9], [0, 0, 1, 1], [0.2, 0.1, 1, 0.5]]
     )
     flips = torch.tensor([True, False, True, False, True])
@@ -201,16 +201,16 @@ def test_batch_paths_agree_and_class_maps_and_relabel_follow_the_affines():
         np.stack([pil_op_affine('ShearX', (40, 30), (0.3,)), pil_op_affine('TranslateYRel', (40, 30), (-0.2,))]),
         pil_op_affine('ShearY', (40, 30), (-0.25,))[None],
     ]
-    affines, extent = stack_affines(chains, boxes, (7, 5))
+    affines, extent = stack_affines(chains, crops, (7, 5))
     assert affines.shape == (B, 2, 2, 3) and len(extent) == 2
-    torch.testing.assert_close(affine_extent(boxes, affines, (7, 5)).amax(0), torch.tensor(extent))
-    maps = CropMaps(vals, idxs, C, boxes, flips, affines, extent)
+    torch.testing.assert_close(affine_extent(crops, affines, (7, 5)).amax(0), torch.tensor(extent))
+    maps = CropMaps(vals, idxs, C, crops, flips, affines, extent)
     dense = token_targets_batch(maps, grid, 0.1)
     for b in range(B):
-        one = token_targets(rows[b][0], rows[b][1], C, boxes[b], bool(flips[b]), grid, 0.1, affine=affines[b])
+        one = token_targets(rows[b][0], rows[b][1], C, crops[b], bool(flips[b]), grid, 0.1, affine=affines[b])
         torch.testing.assert_close(dense[b], one, atol=1e-6, rtol=0)
     # without the host extent (computed from the tensors) the same
-    sp = token_targets_sparse(CropMaps(vals, idxs, C, boxes, flips, affines), grid, 0.1)
+    sp = token_targets_sparse(CropMaps(vals, idxs, C, crops, flips, affines), grid, 0.1)
     torch.testing.assert_close(sp.dense().view(B, *grid, C).permute(0, 3, 1, 2), dense)
     cls = torch.tensor([0, 3, 8, 2, 5])
     one_class = class_maps(maps, cls, grid)
@@ -219,7 +219,7 @@ def test_batch_paths_agree_and_class_maps_and_relabel_follow_the_affines():
     relabel = crop_targets(maps, 0.0)
     one_token = token_targets_batch(maps, (1, 1), 0.0)[:, :, 0, 0]
     torch.testing.assert_close(relabel, one_token)
-    assert stack_affines([None, []], boxes[:2], (7, 5)) == (None, None)
+    assert stack_affines([None, []], crops[:2], (7, 5)) == (None, None)
 
 
 def test_bad_affines_are_refused():

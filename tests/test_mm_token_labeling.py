@@ -79,14 +79,14 @@ def random_world_maps(world, out):
     return write_store(out, paths, values, indices, num_classes=10, annotator='random', input_size=(112, 112))
 
 
-def packed_samples(labels, values, indices, boxes, flips):
+def packed_samples(labels, values, indices, crops, flips):
     """Data samples as PackTokenLabelInputs leaves them."""
     out = []
     for i, y in enumerate(labels.tolist()):
         s = DataSample().set_gt_label(y)
         s.set_field(values[i], 'token_label_values')
         s.set_field(indices[i], 'token_label_indices')
-        s.set_field(tuple(boxes[i].tolist()), 'crop_box')
+        s.set_field(tuple(crops[i].tolist()), 'crop_box')
         s.set_metainfo(
             dict(img_path=f'img{i}.png', flip=bool(flips[i]), flip_direction='horizontal' if flips[i] else None)
         )
@@ -96,10 +96,10 @@ def packed_samples(labels, values, indices, boxes, flips):
 
 def batch(B=4, seed=0):
     values, indices = random_rows(B, seed=seed)
-    boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.5, 0.0, 1.0, 0.5], [0.0, 0.25, 0.75, 1.0], [0.1, 0.2, 0.6, 0.9]])[:B]
+    crops = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.5, 0.0, 1.0, 0.5], [0.0, 0.25, 0.75, 1.0], [0.1, 0.2, 0.6, 0.9]])[:B]
     flips = torch.tensor([False, True, False, True])[:B]
     labels = torch.arange(B) % C
-    return labels, values, indices, boxes, flips
+    return labels, values, indices, crops, flips
 
 
 MM_VIT = dict(
@@ -145,13 +145,13 @@ def test_token_targets_follow_crops_and_flips_through_the_mm_pipeline(quadrant_d
     head = TokenLabelingHead(num_classes=4, in_channels=8, label_smoothing=0.0)
     np.random.seed(0)
     checked = flipped = 0
-    boxes = set()
+    crops = set()
     for _ in range(8):
         items = [ds[i] for i in range(len(ds))]
         x = torch.stack([it['inputs'] for it in items])
         samples = [it['data_samples'] for it in items]
         flipped += sum(bool(s.flip) for s in samples)
-        boxes |= {tuple(s.crop_box) for s in samples}
+        crops |= {tuple(s.crop_box) for s in samples}
         y_cls, dense = head.targets(samples, None, (4, 4))
         dense = dense.dense()  # (B, 16, 4)
         torch.testing.assert_close(dense.sum(-1), torch.ones(len(x), 16))
@@ -161,7 +161,7 @@ def test_token_targets_follow_crops_and_flips_through_the_mm_pipeline(quadrant_d
         assert pure.any()
         assert torch.equal(dense.argmax(-1)[pure], tok[..., 0][pure])
         checked += int(pure.sum())
-    assert checked > 300 and 0 < flipped < 48 and len(boxes) > 40
+    assert checked > 300 and 0 < flipped < 48 and len(crops) > 40
 
 
 GEOMETRIC_POLICIES = {
@@ -282,23 +282,23 @@ def test_loss_equals_timm_token_labeling_loss(cls_target, backbone):
         cls_target_mix=0.3,
         label_smoothing=0.1,
     ).train()
-    labels, values, indices, boxes, flips = batch()
+    labels, values, indices, crops, flips = batch()
     x = torch.randn(4, 3, 64, 64)
     model.generator = torch.Generator().manual_seed(1)
     feats, mix, grid = model.extract_feat_mixed(x)
     assert mix is not None and grid == (4, 4) and 0 < mix.token_share.sum() < mix.token_share.numel()
-    samples = packed_samples(labels, values, indices, boxes, flips)
+    samples = packed_samples(labels, values, indices, crops, flips)
     losses = model.head.loss(feats, samples, mix=mix, grid=grid)
     assert set(losses) == {'loss_cls', 'loss_token'}
     cls, aux = model.head.logits(feats, mix)
-    target = TokenLabelTarget.wrap(labels, torch.from_numpy(values), torch.from_numpy(indices), boxes, flips, C)
+    target = TokenLabelTarget.wrap(labels, torch.from_numpy(values), torch.from_numpy(indices), crops, flips, C)
     ref = TokenLabelingLoss(C, dense_weight=0.5, cls_target=cls_target, cls_target_mix=0.3, smoothing=0.1)(
         TokenLabelingOutput(cls, aux, mix, grid), target
     )
     torch.testing.assert_close(losses['loss_cls'] + losses['loss_token'], ref)
     # the classifier's loss() is the same computation (same MixToken draw)
     model.generator = torch.Generator().manual_seed(1)
-    again = model.loss(x, packed_samples(labels, values, indices, boxes, flips))
+    again = model.loss(x, packed_samples(labels, values, indices, crops, flips))
     torch.testing.assert_close(sum(again.values()), ref)
     sum(again.values()).backward()
     assert model.head.aux_head.weight.grad is not None
@@ -342,9 +342,9 @@ def test_timm_cnn_and_mixer_backbones_match_the_timm_wrapper(family):
     cls, aux = model.head.logits(feats, mix)
     torch.testing.assert_close(cls, out.cls, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(aux, out.aux, atol=1e-5, rtol=1e-4)
-    labels, values, indices, boxes, flips = batch()
-    losses = model.head.loss(feats, packed_samples(labels, values, indices, boxes, flips), mix=mix, grid=grid)
-    target = TokenLabelTarget.wrap(labels, torch.from_numpy(values), torch.from_numpy(indices), boxes, flips, C)
+    labels, values, indices, crops, flips = batch()
+    losses = model.head.loss(feats, packed_samples(labels, values, indices, crops, flips), mix=mix, grid=grid)
+    target = TokenLabelTarget.wrap(labels, torch.from_numpy(values), torch.from_numpy(indices), crops, flips, C)
     ref = TokenLabelingLoss(C, dense_weight=0.5, smoothing=0.1)(out, target)
     torch.testing.assert_close(losses['loss_cls'] + losses['loss_token'], ref, atol=1e-5, rtol=1e-4)
     model.eval()
@@ -355,14 +355,14 @@ def test_timm_cnn_and_mixer_backbones_match_the_timm_wrapper(family):
 def test_relabel_is_the_annotators_pooled_class_target_without_dense_term():
     model = tl_model(relabel=True).train()
     assert model.head.aux_head is None and model.head.head_rule == 'cls'
-    labels, values, indices, boxes, flips = batch(seed=3)
+    labels, values, indices, crops, flips = batch(seed=3)
     x = torch.randn(4, 3, 64, 64)
     model.generator = torch.Generator().manual_seed(2)
     feats, mix, grid = model.extract_feat_mixed(x)
-    losses = model.head.loss(feats, packed_samples(labels, values, indices, boxes, flips), mix=mix, grid=grid)
+    losses = model.head.loss(feats, packed_samples(labels, values, indices, crops, flips), mix=mix, grid=grid)
     assert set(losses) == {'loss_cls'}
     cls, _ = model.head.logits(feats)
-    target = TokenLabelTarget.wrap(labels, torch.from_numpy(values), torch.from_numpy(indices), boxes, flips, C)
+    target = TokenLabelTarget.wrap(labels, torch.from_numpy(values), torch.from_numpy(indices), crops, flips, C)
     ref = TokenLabelingLoss(C, dense_weight=0.0, cls_target='annotator', smoothing=0.1)(
         TokenLabelingOutput(cls, None, mix, grid), target
     )
@@ -550,21 +550,21 @@ def test_model_errors_name_the_argument():
         with pytest.raises(ValueError, match=name):
             TokenLabelingHead(num_classes=C, in_channels=8, **kw)
     model = tl_model().train()
-    labels, values, indices, boxes, flips = batch()
+    labels, values, indices, crops, flips = batch()
     with pytest.raises(ValueError, match='inputs: pairwise mixing .* got batch size 3'):
-        model.loss(torch.randn(3, 3, 64, 64), packed_samples(labels, values, indices, boxes, flips)[:3])
+        model.loss(torch.randn(3, 3, 64, 64), packed_samples(labels, values, indices, crops, flips)[:3])
     with pytest.raises(ValueError, match='inputs: image size 72x64 is not divisible'):
-        model.loss(torch.randn(4, 3, 72, 64), packed_samples(labels, values, indices, boxes, flips))
+        model.loss(torch.randn(4, 3, 72, 64), packed_samples(labels, values, indices, crops, flips))
     plain = [DataSample(metainfo=dict(img_path=f'p{i}.jpg')).set_gt_label(0) for i in range(4)]
     with pytest.raises(ValueError, match="data_samples: no token-label map .*'p0.jpg'"):
         model.loss(torch.randn(4, 3, 64, 64), plain)
-    vertical = packed_samples(labels, values, indices, boxes, flips)
+    vertical = packed_samples(labels, values, indices, crops, flips)
     vertical[1].set_metainfo(dict(flip=True, flip_direction='vertical'))
     with pytest.raises(ValueError, match="flip_direction: .*img1.png.*'vertical'"):
         model.loss(torch.randn(4, 3, 64, 64), vertical)
     v7, i7 = random_rows(4, num_classes=7, seed=1)
     with pytest.raises(ValueError, match='token_label_indices: .* num_classes=5'):
-        model.loss(torch.randn(4, 3, 64, 64), packed_samples(labels, v7, np.maximum(i7, 5), boxes, flips))
+        model.loss(torch.randn(4, 3, 64, 64), packed_samples(labels, v7, np.maximum(i7, 5), crops, flips))
 
 
 # ----------------------------------------------------------------------------- (d) upstream tools/train.py
@@ -600,8 +600,8 @@ def test_preprocessor_gives_tokenmix_activation_targets():
     from shared_core.mixing import mix_target
     from shared_core.tokenmix import activation_target
 
-    labels, values, indices, boxes, flips = batch()
-    samples = packed_samples(labels, values, indices, boxes, flips)
+    labels, values, indices, crops, flips = batch()
+    samples = packed_samples(labels, values, indices, crops, flips)
     with DefaultScope.overwrite_default_scope('mmpretrain'):
         pre = PRE_MODELS.build(
             dict(
@@ -621,7 +621,7 @@ def test_preprocessor_gives_tokenmix_activation_targets():
     mix = mix_from_samples(out['data_samples'])
     got = torch.stack([s.gt_score for s in out['data_samples']])
     want = activation_target(
-        labels, mix, CropMaps(torch.from_numpy(values), torch.from_numpy(indices), C, boxes, flips)
+        labels, mix, CropMaps(torch.from_numpy(values), torch.from_numpy(indices), C, crops, flips)
     )
     torch.testing.assert_close(got, want)
     assert not torch.allclose(got, mix_target(labels, mix, C))  # not the area target

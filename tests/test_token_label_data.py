@@ -238,7 +238,7 @@ def test_dropped_ops_would_misalign_the_labels(quadrant_data):
     force_op(ld.dataset, 'TranslateXRel')
     x, target = next(iter(ld))
     crop_only = TokenLabelTarget.wrap(
-        target.as_tensor(), target.values, target.indices, target.boxes, target.flips, target.num_classes
+        target.as_tensor(), target.values, target.indices, target.crops, target.flips, target.num_classes
     )
     with pytest.raises(AssertionError):
         check_pure_tokens(x, crop_only, (4, 4))

@@ -133,15 +133,15 @@ def test_loss_against_a_hand_computation():
     assert abs(float(got) - hand) < 1e-5
 
 
-def maps_target(labels, C, B, k=2, h=4, w=4, seed=0, boxes=None, flips=None):
+def maps_target(labels, C, B, k=2, h=4, w=4, seed=0, crops=None, flips=None):
     rng = np.random.default_rng(seed)
     p = rng.dirichlet(np.ones(C), size=(B, h, w))
     order = np.argsort(-p, -1)[..., :k]
     val = torch.from_numpy(np.take_along_axis(p, order, -1).astype(np.float16)).permute(0, 3, 1, 2).contiguous()
     idx = torch.from_numpy(order).permute(0, 3, 1, 2).contiguous()
-    boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0]] * B) if boxes is None else boxes
+    crops = torch.tensor([[0.0, 0.0, 1.0, 1.0]] * B) if crops is None else crops
     flips = torch.zeros(B, dtype=torch.bool) if flips is None else flips
-    return TokenLabelTarget.wrap(labels, val, idx, boxes, flips, C)
+    return TokenLabelTarget.wrap(labels, val, idx, crops, flips, C)
 
 
 def test_loss_module_uses_the_maps_targets_and_the_class_target_choice():
@@ -238,7 +238,7 @@ def test_sparse_soft_cross_entropy_equals_the_dense_one_with_gradients(smoothing
         C,
         B,
         k=3,
-        boxes=torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.2, 0.1, 0.7, 0.9], [0.5, 0.0, 1.0, 0.5]]),
+        crops=torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.2, 0.1, 0.7, 0.9], [0.5, 0.0, 1.0, 0.5]]),
         flips=torch.tensor([False, True, True]),
     )
     sparse = token_targets_sparse(tgt.maps, (3, 4), smoothing)
@@ -297,7 +297,7 @@ def test_token_labeling_step_adds_at_most_125_aten_ops():
     C = 10
     m = tiny_vit(num_classes=C).train()
     x, y = torch.randn(4, 3, 64, 64), torch.tensor([1, 2, 3, 4])
-    target = maps_target(y, C, 4, k=3, boxes=torch.tensor([[0.1, 0.0, 0.9, 1.0]]).repeat(4, 1))
+    target = maps_target(y, C, 4, k=3, crops=torch.tensor([[0.1, 0.0, 0.9, 1.0]]).repeat(4, 1))
     loss_fn = TokenLabelingLoss(C)
     wrapper = TokenLabeling(m, generator=torch.Generator().manual_seed(0))
 
@@ -481,7 +481,7 @@ def test_targets_constants_are_made_once_per_device_and_never_kept_fake():
     import shared_core.label_maps as lm
 
     C = 5
-    target = maps_target(torch.tensor([0, 1]), C, 2, k=2, boxes=torch.tensor([[0.1, 0.2, 0.8, 0.9]] * 2))
+    target = maps_target(torch.tensor([0, 1]), C, 2, k=2, crops=torch.tensor([[0.1, 0.2, 0.8, 0.9]] * 2))
 
     def targets():
         return lm.token_targets_sparse(target.maps, (3, 3), 0.1)

@@ -22,12 +22,12 @@ def two_by_two_maps():
     val[0, 0] = [[0.8, 0.2], [0.2, 0.2]]  # class 0 everywhere as top-1
     idx[1, 0] = [[2, 2], [2, 1]]
     val[1, 0] = [[0.9, 0.9], [0.9, 0.9]]  # class 2 in three cells, class 1 bottom-right
-    boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0]] * 2)
-    return torch.from_numpy(val), torch.from_numpy(idx), boxes, torch.zeros(2, dtype=torch.bool)
+    crops = torch.tensor([[0.0, 0.0, 1.0, 1.0]] * 2)
+    return torch.from_numpy(val), torch.from_numpy(idx), crops, torch.zeros(2, dtype=torch.bool)
 
 
 def test_hand_computed_target_for_a_small_map_and_mask():
-    val, idx, boxes, flips = two_by_two_maps()
+    val, idx, crops, flips = two_by_two_maps()
     # image 0 receives image 1's bottom-right token (the only place image 1's class is): mask share 1 there
     share = torch.tensor([[[0.0, 0.0], [0.0, 1.0]], [[0.0, 0.0], [0.0, 1.0]]])
     mix = Mix(
@@ -46,7 +46,7 @@ def test_hand_computed_target_for_a_small_map_and_mask():
     w_own0, w_part0 = A0[:3].sum(), A1[3]  # image 0 keeps 3 tokens, gets image 1's 4th
     w_own1, w_part1 = A1[:3].sum(), A0[3]
     lam = torch.tensor([w_own0 / (w_own0 + w_part0), w_own1 / (w_own1 + w_part1)], dtype=torch.float32)
-    crops = CropMaps(val, idx, 3, boxes, flips)
+    crops = CropMaps(val, idx, 3, crops, flips)
     maps = class_maps(crops, torch.tensor([0, 1]), (2, 2))
     np.testing.assert_allclose(maps[0].flatten().numpy(), [0.8, 0.2, 0.2, 0.2], atol=1e-3)
     np.testing.assert_allclose(maps[1].flatten().numpy(), [0.05, 0.05, 0.05, 0.9], atol=1e-3)
@@ -83,10 +83,10 @@ def test_targets_are_probabilities_with_and_without_smoothing(seed, kind, smooth
     kw = dict(mixup_alpha=1.0) if kind == 'mixup' else dict(mixup_alpha=0.0, cutmix_alpha=1.0)
     mix = MixSampler(kind, mode='elem', patch_size=16, **kw).sample(B, (64, 64), generator=g)
     val, idx = random_rows(B, C, seed=seed)
-    boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.1, 0.2, 0.6, 0.9]] * 3)
+    crops = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.1, 0.2, 0.6, 0.9]] * 3)
     flips = torch.tensor([True, False] * 3)
     labels = torch.randint(0, C, (B,), generator=g)
-    t = activation_target(labels, mix, CropMaps(val, idx, C, boxes, flips), smoothing, mode)
+    t = activation_target(labels, mix, CropMaps(val, idx, C, crops, flips), smoothing, mode)
     assert (t >= 0).all()
     torch.testing.assert_close(t.sum(1), torch.ones(B))
     if kind == 'mixup' and mode == 'true_class':  # a blend: every token has the same share -> the area target
@@ -95,10 +95,10 @@ def test_targets_are_probabilities_with_and_without_smoothing(seed, kind, smooth
 
 def test_class_maps_is_the_class_channel_of_the_token_targets():
     val, idx = random_rows(4, seed=3)
-    boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.2, 0.1, 0.7, 0.6], [0.5, 0.5, 1.0, 1.0], [0.0, 0.3, 0.4, 1.0]])
+    crops = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.2, 0.1, 0.7, 0.6], [0.5, 0.5, 1.0, 1.0], [0.0, 0.3, 0.4, 1.0]])
     flips = torch.tensor([False, True, True, False])
     cls = torch.tensor([0, 3, 5, 2])
-    maps = CropMaps(val, idx, 6, boxes, flips)
+    maps = CropMaps(val, idx, 6, crops, flips)
     full = token_targets_batch(maps, (3, 5))
     torch.testing.assert_close(class_maps(maps, cls, (3, 5)), full[torch.arange(4), cls])
 

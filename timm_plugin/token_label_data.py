@@ -82,7 +82,7 @@ AA_ORDERS = ('timm', 'public')
 class TokenLabelTarget(CarrierTensor):
     """The class indices ``(B,)`` of a batch carrying its label maps as ``.maps``, a
     :class:`~shared_core.label_maps.CropMaps` (the map rows, the crops, the flips, the geometric ops after them and,
-    where the collate built them, the sparse token targets); its fields read through as ``.values``, ``.boxes``,
+    where the collate built them, the sparse token targets); its fields read through as ``.values``, ``.crops``,
     ... See :class:`~timm_plugin.carrier.CarrierTensor`."""
 
     _carried = ('maps',)
@@ -92,14 +92,14 @@ class TokenLabelTarget(CarrierTensor):
         labels: torch.Tensor,
         values: torch.Tensor,
         indices: torch.Tensor,
-        boxes: torch.Tensor,
+        crops: torch.Tensor,
         flips: torch.Tensor,
         num_classes: int,
         affines: Optional[torch.Tensor] = None,
         extent: Optional[Tuple[float, float]] = None,
     ) -> 'TokenLabelTarget':
         """``labels`` carrying the maps these fields make (:class:`~shared_core.label_maps.CropMaps`)."""
-        return TokenLabelTarget.of(labels, CropMaps(values, indices, num_classes, boxes, flips, affines, extent))
+        return TokenLabelTarget.of(labels, CropMaps(values, indices, num_classes, crops, flips, affines, extent))
 
     @staticmethod
     def of(labels: torch.Tensor, maps: CropMaps) -> 'TokenLabelTarget':

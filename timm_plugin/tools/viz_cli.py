@@ -434,7 +434,7 @@ def token_labels(argv) -> Path:
             draws.append(
                 dict(
                     files=files,
-                    box=target.boxes[d].tolist(),
+                    crop=target.crops[d].tolist(),
                     flip=flip,
                     affines=target.affines[d].tolist() if target.affines is not None else [],
                     top1=probs[d].argmax(-1).tolist(),
