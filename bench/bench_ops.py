@@ -29,8 +29,9 @@ import shared_core.label_attention as label_attention
 from shared_core.token_labeling import token_labeling_loss
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign, TransMix
+from timm_plugin.token_grid import token_labeling_stride
 from timm_plugin.token_label_data import TokenLabelTarget
-from timm_plugin.token_labeling import TokenLabeling, TokenLabelingLoss, attach_aux_head, labeling_stride
+from timm_plugin.token_labeling import TokenLabeling, TokenLabelingLoss, attach_aux_head
 from timm_plugin.tokenmixup import TokenMixup
 
 
@@ -89,7 +90,7 @@ def make_steps(model_name: str, x, y, xm, target, num_classes: int, **kwargs):
     tl_model.load_state_dict(model.state_dict(), strict=False)
     tl_target, tl_loss = token_label_target(y, num_classes), TokenLabelingLoss(num_classes)
     # the same rows with their token targets built once, as TokenLabelCollate(token_stride=...) does in a worker
-    sh, sw = labeling_stride(tl_model)
+    sh, sw = token_labeling_stride(tl_model)
     grid = (x.shape[-2] // sh, x.shape[-1] // sw)
     tl_built = tl_target.with_token_targets(grid, tl_loss.smoothing)
     steps = {

@@ -74,7 +74,7 @@ __all__ = [
     'TokenLabelingHead',
     'TokenLabelingClassifier',
     'backbone_tokens',
-    'token_stride',
+    'patch_embed_stride',
 ]
 
 # ----------------------------------------------------------------------------------------------
@@ -272,11 +272,10 @@ def backbone_tokens(backbone: nn.Module) -> Tuple[Optional[nn.Module], int, Tupl
                 f'backbone: token labeling reads the last layer (out_indices containing '
                 f'{backbone.num_layers - 1}), got {backbone.out_indices}'
             )
-        return backbone.patch_embed, int(backbone.num_extra_tokens), token_stride(backbone.patch_embed)
+        return backbone.patch_embed, int(backbone.num_extra_tokens), patch_embed_stride(backbone.patch_embed)
     if isinstance(backbone, TIMMBackbone):
         # imported here: `import mm_plugin` does not load timm_plugin
-        from timm_plugin.token_grid import cnn_classes, cnn_stride, patch_embedding
-        from timm_plugin.token_grid import token_stride as timm_token_stride
+        from timm_plugin.token_grid import cnn_classes, cnn_stride, patch_embedding, token_stride
 
         model = backbone.timm_model
         if isinstance(model, cnn_classes()):
@@ -290,7 +289,7 @@ def backbone_tokens(backbone: nn.Module) -> Tuple[Optional[nn.Module], int, Tupl
         prefix = int(getattr(model, 'num_prefix_tokens', 0))
         if hasattr(model, 'patch_embed') and (not getattr(model, 'has_class_token', False) or prefix < 1):
             raise ValueError(f'backbone: token labeling needs a class token; {type(model).__name__} has none')
-        return embed, prefix, timm_token_stride(model)
+        return embed, prefix, token_stride(model)
     raise ValueError(
         f"backbone: token labeling supports mmpretrain.models.VisionTransformer (out_type='raw') and "
         f'TIMMBackbone around a timm ViT, MLP-Mixer / ResMLP / gMLP, ResNet / ResNeSt or ConvNeXt; got '
@@ -298,8 +297,9 @@ def backbone_tokens(backbone: nn.Module) -> Tuple[Optional[nn.Module], int, Tupl
     )
 
 
-def token_stride(patch_embed: nn.Module) -> Tuple[int, int]:
-    """Pixels per token along (h, w): LV-ViT's ``token_stride``, timm's ``patch_size``, mm's conv stride."""
+def patch_embed_stride(patch_embed: nn.Module) -> Tuple[int, int]:
+    """Pixels per token along (h, w) of an mmpretrain backbone's patch embedding: LV-ViT's ``token_stride``, timm's
+    ``patch_size``, mm's conv stride."""
     s = getattr(patch_embed, 'token_stride', None) or getattr(patch_embed, 'patch_size', None)
     if s is None and hasattr(patch_embed, 'projection'):  # mmcv PatchEmbed (its corner padding adds nothing
         s = patch_embed.projection.stride  # to an image of whole tokens)

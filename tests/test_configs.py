@@ -27,9 +27,9 @@ def test_mmpretrain_config_builds_our_preprocessor(path):
     pre = model.data_preprocessor
     assert isinstance(pre, TokenAugDataPreprocessor) and pre.batch_augments is not None
     if type(model.backbone).__name__ == 'TIMMBackbone':  # a timm CNN: the grid its label state starts on
-        from timm_plugin.token_grid import label_grid_stride
+        from timm_plugin.token_grid import tl_align_stride
 
-        assert pre.patch_size == label_grid_stride(model.backbone.timm_model)
+        assert pre.patch_size == tl_align_stride(model.backbone.timm_model)
     else:
         assert pre.patch_size == tuple(model.backbone.patch_embed.projection.stride)  # the backbone's token grid
     assert all(a.sampler.patch_size == pre.patch_size for a in pre.batch_augments.augments if a is not None)

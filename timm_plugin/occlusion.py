@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, Dataset
 from shared_core.token_masks import batch_masks, num_dropped, occlusion_mask, patch_ranks
 
 from .image_data import read_sample
-from .token_grid import patch_embedding, token_stride
+from .token_grid import DEFAULT_STRIDE, patch_embedding, token_stride
 
 __all__ = [
     'DEFAULT_RATIOS',
@@ -75,27 +75,21 @@ __all__ = [
 DEFAULT_RATIOS = tuple(i / 10 for i in range(10))
 MODES = ('zero', 'drop')
 FILLS = ('zero', 'black')
-CNN_PATCH = 16  # DeiT's grid, used for models without a patch embedding
 CSV_FIELDS = ('ratio', 'dropped_patches', 'num_patches', 'top1', 'top5', 'top1_std', 'top5_std', 'images')
 
 
 # -------------------------------------------------------------------------------------- patch grid
-def _stride(model: nn.Module) -> tuple[int, int] | None:
-    """:func:`timm_plugin.token_grid.token_stride`, or None for a model without ``patch_embed`` (CNNs)."""
-    return token_stride(model) if patch_embedding(model) is not None else None
-
-
 def patch_grid(
     model: nn.Module, input_hw: Sequence[int], patch_size: int | None = None, mode: str = 'zero'
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """``((grid_h, grid_w), (patch_h, patch_w))`` of the occlusion grid for an ``input_hw`` input."""
-    stride = _stride(model)
+    stride = token_stride(model) if patch_embedding(model) is not None else None  # CNNs: none
     if mode == 'drop' and patch_size is not None and stride is not None and (patch_size, patch_size) != stride:
         raise ValueError(
             f"--patch-size {patch_size}: --mode drop removes tokens, so the grid is the model's "
             f'token stride {stride}; leave --patch-size out or use --mode zero'
         )
-    patch = (patch_size, patch_size) if patch_size is not None else stride or (CNN_PATCH, CNN_PATCH)
+    patch = (patch_size, patch_size) if patch_size is not None else stride or DEFAULT_STRIDE
     h, w = int(input_hw[0]), int(input_hw[1])
     if h % patch[0] or w % patch[1]:
         raise ValueError(

@@ -24,12 +24,12 @@ from timm.task import ClassificationTask, create_classification_loss
 
 from .mixup import MIX_KINDS, create_mixer
 from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
-from .token_grid import label_grid_stride, patch_embedding, token_stride
+from .token_grid import mixing_stride
 from .token_labeling import TokenLabelingLoss, attach_aux_head
 from .tokenmixup import attach_scorenets
 from .train_args import TOKEN_LABELING_TYPES
 
-__all__ = ['Recipe', 'build_model', 'build_training', 'mixing_patch_size']
+__all__ = ['Recipe', 'build_model', 'build_training']
 
 _logger = logging.getLogger('tokenaug.train')
 
@@ -242,18 +242,6 @@ def check_token_labeling(args: argparse.Namespace) -> None:
         )
 
 
-def mixing_patch_size(model: nn.Module, method=None, default=16):
-    """The token grid step a mixer draws on: :func:`~timm_plugin.token_grid.token_stride` for models with a patch
-    embedding; for TL-Align on a ResNet, the grid its label state starts on (4 px,
-    :func:`~timm_plugin.token_grid.label_grid_stride`); ``default`` for other CNNs (16 px, DeiT's grid: TokenMix's
-    masks in image space; MixUp/CutMix need no grid)."""
-    if patch_embedding(model) is not None:
-        return token_stride(model)
-    if method == 'tl_align':
-        return label_grid_stride(model)
-    return default
-
-
 def resolve_tokenmix(args) -> None:
     """``--mixup-type tokenmix``: the paper's TokenMix, ``tokenmix_{--tokenmix-mask}`` with λ fixed at 0.5
     unless ``--tokenmix-lam``."""
@@ -302,7 +290,7 @@ def mixer_kwargs(args, model: nn.Module) -> dict:
         mode=args.mixup_mode,
         label_smoothing=args.smoothing,
         num_classes=args.num_classes,
-        patch_size=mixing_patch_size(model, args.method),
+        patch_size=mixing_stride(model, args.method),
         tokenmix_lam=args.tokenmix_lam,
         box_rounding=args.box_rounding,
         tokenmix_rule=args.tokenmix_rule,

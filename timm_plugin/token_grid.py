@@ -1,5 +1,13 @@
-"""The one lookup of a timm model's token grid step, used by every timm adapter (mixers, TL-Align's mix grid,
-token labeling, occlusion)."""
+"""The one lookup of a timm model's grid steps, used by every timm adapter. Each is ``<what>_stride(model) -> (sh,
+sw)``, pixels per grid cell:
+
+- :func:`token_stride`: the patch embedding's token grid (ViTs, MLP-Mixers, ConvNeXt's patchify stem);
+- :func:`cnn_stride`: a CNN's final feature map;
+- :func:`mixing_stride`: the grid a mixer draws on (tokens; :data:`DEFAULT_STRIDE` for models without them);
+- :func:`tl_align_stride`: the grid TL-Align's label state starts on (tokens; a ResNet's first stage);
+- :func:`token_labeling_stride`: the grid of token labeling's dense targets and MixToken (tokens; a CNN's final
+  feature map).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +15,21 @@ from typing import Tuple
 
 import torch.nn as nn
 
-__all__ = ['token_stride', 'patch_embedding', 'label_grid_stride', 'cnn_classes', 'cnn_features', 'cnn_stride']
+__all__ = [
+    'DEFAULT_STRIDE',
+    'cnn_classes',
+    'cnn_features',
+    'cnn_stride',
+    'mixing_stride',
+    'patch_embedding',
+    'tl_align_stride',
+    'token_labeling_stride',
+    'token_stride',
+]
+
+#: the grid of models without a patch embedding where one is drawn on anyway (TokenMix's masks in image space,
+#: occlusion's patches): DeiT's 16 px
+DEFAULT_STRIDE = (16, 16)
 
 
 def patch_embedding(model: nn.Module):
@@ -90,7 +112,7 @@ def cnn_stride(model: nn.Module) -> Tuple[int, int]:
     return r, r
 
 
-def label_grid_stride(model: nn.Module) -> Tuple[int, int]:
+def tl_align_stride(model: nn.Module) -> Tuple[int, int]:
     """Pixels per token of the grid TL-Align's label state starts on: :func:`token_stride` for models with a patch
     embedding; for a timm ResNet, the grid its first stage runs on (``layer1``'s ``feature_info`` reduction: 4)."""
     if patch_embedding(model) is not None:
@@ -99,3 +121,21 @@ def label_grid_stride(model: nn.Module) -> Tuple[int, int]:
         r = next(int(f['reduction']) for f in model.feature_info if f['module'] == 'layer1')
         return r, r
     raise ValueError(f'model: {type(model).__name__} has no patch embedding or first stage, so no label grid')
+
+
+def token_labeling_stride(model: nn.Module) -> Tuple[int, int]:
+    """The grid token labeling works on: a CNN's final feature map (:func:`cnn_stride`), else the tokens
+    (:func:`token_stride`); MixToken's box and the dense targets are drawn on it, and
+    ``TokenLabelCollate(token_stride=)`` takes it to build the dense targets in the loader."""
+    return cnn_stride(model) if cnn_features(model) is not None else token_stride(model)
+
+
+def mixing_stride(model: nn.Module, method=None) -> Tuple[int, int]:
+    """The grid a mixer draws on: :func:`token_stride` for models with a patch embedding; for TL-Align on a ResNet,
+    the grid its label state starts on (:func:`tl_align_stride`); else :data:`DEFAULT_STRIDE` (MixUp/CutMix need no
+    grid; TokenMix's masks are then drawn in image space)."""
+    if patch_embedding(model) is not None:
+        return token_stride(model)
+    if method == 'tl_align':
+        return tl_align_stride(model)
+    return DEFAULT_STRIDE

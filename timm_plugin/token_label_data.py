@@ -372,7 +372,7 @@ class TokenLabelCollate:
     TokenLabelTarget)``: uint8 images stay uint8 (timm's fast-collate prefetcher normalises them on the
     device); the affine chains are padded with identities to the batch's longest.
 
-    ``token_stride`` (the model's, ``(sh, sw)`` or one int; :func:`~timm_plugin.token_labeling.labeling_stride`):
+    ``token_stride`` (the model's, ``(sh, sw)`` or one int; :func:`~timm_plugin.token_grid.token_labeling_stride`):
     the sparse token targets are built here too, on the batch's token grid at label smoothing ``smoothing`` (the
     loss's), so the DataLoader's workers build them instead of the training step (they do not depend on MixToken's
     mix: the aux logits are un-mixed instead). The loss checks that they are for its grid and smoothing."""

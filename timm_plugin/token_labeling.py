@@ -42,26 +42,18 @@ from shared_core.token_labeling import (
 )
 
 from .carrier import CarrierTensor
-from .token_grid import cnn_classes, cnn_features, cnn_stride, patch_embedding, token_stride
+from .token_grid import cnn_classes, cnn_features, patch_embedding, token_labeling_stride, token_stride
 from .token_label_data import TokenLabelTarget
 
 __all__ = [
     'HEAD_RULES',
     'attach_aux_head',
     'aux_logits',
-    'labeling_stride',
     'token_stride',
     'TokenLabeling',
     'TokenLabelingOutput',
     'TokenLabelingLoss',
 ]
-
-
-def labeling_stride(model: nn.Module) -> Tuple[int, int]:
-    """The pixel stride ``(sh, sw)`` of the token grid token labeling works on: the patch embedding's, or a CNN's
-    final feature map's (MixToken's box and the dense targets at its stride). ``TokenLabelCollate(token_stride=)``
-    takes it to build the dense targets in the loader."""
-    return cnn_stride(model) if cnn_features(model) is not None else token_stride(model)
 
 
 def attach_aux_head(model: nn.Module, num_classes: Optional[int] = None) -> nn.Module:
@@ -139,7 +131,7 @@ class TokenLabeling(nn.Module):
         self.num_prefix_tokens = (
             0 if self.cnn is not None else int(getattr(model, 'num_prefix_tokens', int(hasattr(model, 'patch_embed'))))
         )
-        self.token_stride = labeling_stride(model)
+        self.token_stride = token_labeling_stride(model)
         self.sampler = mixtoken_sampler(beta, prob if mix_token else 0.0, mode, self.token_stride, box_rounding)
 
     def grid(self, x: torch.Tensor) -> Tuple[int, int]:

@@ -62,8 +62,8 @@ from .image_data import (
 )
 from .recipe import build_training
 from .timm_fixes import fix_posterize
+from .token_grid import token_labeling_stride
 from .token_label_data import TokenLabelCollate, TokenLabelDataset
-from .token_labeling import labeling_stride
 from .train_args import check_numbers, check_supported, parse_args
 
 _logger = logging.getLogger('tokenaug.train')
@@ -445,7 +445,7 @@ def run(argv=None) -> dict:
             raise ValueError(f'{maps_flag}: the maps have {store.num_classes} classes, the model {args.num_classes}')
         dataset_train = TokenLabelDataset(dataset_train, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order)
         # the dense term's token targets built by the loader's workers, not the training step
-        stride = labeling_stride(model) if token_labeling and dense and args.token_targets == 'loader' else None
+        stride = token_labeling_stride(model) if token_labeling and dense and args.token_targets == 'loader' else None
         # (check=False: the dataset checks each row, named)
         collate_fn = TokenLabelCollate(args.num_classes, check=False, token_stride=stride, smoothing=args.smoothing)
         if stride is not None:

@@ -30,7 +30,6 @@ from torch.utils.data import DataLoader
 
 from ..annotator import create_annotator
 from ..occlusion import (
-    CNN_PATCH,
     CSV_FIELDS,
     DEFAULT_RATIOS,
     FILLS,
@@ -43,6 +42,7 @@ from ..occlusion import (
     fill_values,
     patch_grid,
 )
+from ..token_grid import DEFAULT_STRIDE
 from .common import add_data_model_args, parse_model_kwargs, resolve_device, split_dataset
 
 __all__ = ['write_results', 'format_table', 'parse_args', 'run', 'main']
@@ -150,7 +150,8 @@ def _parser() -> argparse.ArgumentParser:
         '--patch-size',
         type=int,
         default=None,
-        help=f"occlusion patch in px (default: the model's token stride; {CNN_PATCH} for models without patch_embed)",
+        help=f"occlusion patch in px (default: the model's token stride; {DEFAULT_STRIDE[0]} for models without "
+        'patch_embed)',
     )
     p.add_argument('--img-size', type=int, default=None, help="eval input size (default: the model's)")
     p.add_argument('--crop-pct', type=float, default=None, help="eval centre-crop fraction (default: the model's)")
