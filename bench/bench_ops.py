@@ -230,7 +230,7 @@ def host_times(model_name: str, rounds: int, batch: int = 4, num_classes: int = 
 
 
 def token_labeling_breakdown(model, x, y, target, loss_fn) -> None:
-    """Where token labeling + MixToken's extra ops go (issue 12, item 2): each phase of its step against the same
+    """Where token labeling + MixToken's extra ops go: each phase of its step against the same
     phase of the plain cross-entropy step on the aux-head model."""
     from shared_core.token_labeling import draw_mixtoken
 

@@ -1,21 +1,9 @@
 """Token labeling + MixToken for MMPretrain (the Token Labeling paper, Sec. 3.2-3.3): head and classifier.
 
-The objective (Eq. 1-4): besides the class token's cross entropy, every output patch token ``X^i`` is
-trained against the annotator's label ``y^i`` of its location (a dense score map, stored offline by
-``tokenaug-maps generate`` in a :class:`~shared_core.map_store.LabelMapStore`)::
-
-    L_total = H(X^cls, y^cls) + β · (1/N) Σ_i H(X^i, y^i)              (Eq. 3-4, β = 0.5)
-
-MixToken (Eq. 5-7) swaps the patch tokens of sample pairs inside a box on the token grid, right after
-patch embedding::
-
-    T̂ = T_1 ⊙ M + T_2 ⊙ (1 - M)                                       (Eq. 5)
-    Ŷ = Y_1 ⊙ M + Y_2 ⊙ (1 - M)                                       (Eq. 6)
-    ŷ^cls = M̄ · y_1^cls + (1 - M̄) · y_2^cls                            (Eq. 7)
-
-Eq. 6 is applied by *un-mixing* the dense outputs instead (:func:`shared_core.token_labeling.unmix_tokens`:
-for the pairwise swaps of MixToken the same loss, see there), Eq. 7 by
-:func:`shared_core.token_labeling.mix_class_target`.
+The objective (Eq. 1-4: the class token's cross entropy plus β times the mean of every patch token's against
+the annotator's label of its location) and MixToken (Eq. 5-7) are written out once, in
+:mod:`shared_core.token_labeling`; this module adapts them to mmpretrain's heads, classifiers and data samples.
+The maps come from ``tokenaug-maps generate`` (a :class:`~shared_core.map_store.LabelMapStore`).
 
 The data side (transforms that carry each image's map row, crop and flip) is
 :mod:`mm_plugin.token_label_transforms`.

@@ -298,7 +298,7 @@ def _hash64(data: bytes) -> int:
 class PathIndex:
     """Row of an image path, from memory-mapped arrays: the hash of each path sorted with its row, the paths'
     byte offsets, and ``paths.txt`` itself, so that every process and DataLoader worker shares the page cache
-    instead of holding a dict of every path (197 MiB per process at ImageNet's 1.28 M rows). A lookup is a
+    instead of holding a dict of every path in each (``bench/bench_store_memory.py``). A lookup is a
     binary search on the hashes and a comparison of the path's bytes (a hash collision costs one more
     comparison). Built once from ``paths.txt`` (duplicates refused) and written beside it; where the store's
     folder cannot be written, the arrays are kept in memory (about 24 bytes a row)."""

@@ -324,10 +324,9 @@ def soft_cross_entropy(logits: torch.Tensor, target: Union[torch.Tensor, SparseT
 class _SparseSoftCrossEntropy(torch.autograd.Function):
     """:func:`soft_cross_entropy` on sparse token targets, the mean over the ``B · N`` rows, with its gradient
     written out: ``∂/∂z = (mass · softmax(z) - base - Σ_j w_j · onehot(c_j)) / rows``, ``mass = C · base + Σ_j w_j``
-    (the target's sum). 11 ops forward and 9 backward where autograd's chain of the forward's expression takes
-    14 and 20: fewer kernels on an accelerator (on the host, the Python of the backward costs about what the ops it
-    saves did, ``bench/RESULTS.md``). The backward recomputes ``softmax`` from the logits as given (bf16 stays bf16
-    until then) instead of keeping an fp32 copy of the ``(B, N, C)`` logits."""
+    (the target's sum). Fewer ops than autograd's chain of the forward's expression (counted by
+    ``bench/bench_ops.py``, in ``bench/RESULTS.md``). The backward recomputes ``softmax`` from the logits as given
+    (bf16 stays bf16 until then) instead of keeping an fp32 copy of the ``(B, N, C)`` logits."""
 
     @staticmethod
     def forward(ctx, logits, base, cls, weight, num_classes: int):

@@ -178,12 +178,12 @@ def tokenmix_masks(
     blob. The drawn ratio is log-uniform; a rectangle's ``h / w`` follows it up to integer rounding,
     except where a side is clamped by the grid (large parts on small or narrow grids).
 
-    A mask still unfinished after :data:`TOKENMIX_MAX_ROUNDS` rounds (none in 10^5 masks at 14x14;
-    a few per 1000 near-full masks at 32x32) gets one finishing part: its ``R`` free cells nearest a
-    uniformly drawn free cell, in the compact order of a part with a drawn size and ratio.
+    A mask still unfinished after :data:`TOKENMIX_MAX_ROUNDS` rounds (rare; the count stays exact either way) gets
+    one finishing part: its ``R`` free cells nearest a uniformly drawn free cell, in the compact order of a part
+    with a drawn size and ratio.
 
-    Vectorised over the batch with numpy; the Python loop runs over part rounds only (about 12 at
-    λ = 0.5 on 14x14, every mask of the batch at once). ``min_tokens`` defaults to 14 on a 14x14 grid,
+    Vectorised over the batch with numpy; the Python loop runs over part rounds only (every mask of the batch at
+    once). ``min_tokens`` defaults to 14 on a 14x14 grid,
     scaled by the grid area otherwise (at least 1); only the token grid matters, not the patch size.
     All randomness comes from ``generator``: the same generator state gives the same masks.
     """

@@ -1054,8 +1054,8 @@ def add_tokenaug_args(parser: argparse.ArgumentParser) -> None:
         '--token-targets',
         default='loader',
         choices=('loader', 'step'),
-        help="where the dense term's token targets are built: by the DataLoader's workers (about 13 MiB more per "
-        'batch of 128 at 224 px to copy to the device, asynchronously with the prefetcher) or in the training step',
+        help="where the dense term's token targets are built: by the DataLoader's workers (more to copy to the "
+        'device, asynchronously with the prefetcher; bench/RESULTS.md) or in the training step',
     )
     g.add_argument(
         '--head-rule',
