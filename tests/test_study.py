@@ -14,11 +14,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _study():
-    spec = importlib.util.spec_from_file_location('tokenaug_study', REPO / 'bench' / 'study.py')
+def _bench(name: str):
+    """``bench/<name>.py`` as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f'tokenaug_{name}', REPO / 'bench' / f'{name}.py')
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _study():
+    return _bench('study')
 
 
 def test_paired_difference_and_its_interval_by_hand():
@@ -178,10 +183,7 @@ def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path, monkeypatch,
 
 
 def _size_study():
-    spec = importlib.util.spec_from_file_location('tokenaug_study_size', REPO / 'bench' / 'study_size.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _bench('study_size')
 
 
 def test_object_share_of_a_cutmix_box_by_hand():
