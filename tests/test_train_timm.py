@@ -501,7 +501,16 @@ def test_resnet_tokenmix_blocks_and_tl_align(tiny_world, tmp_path, caplog, mixup
     caplog.set_level('INFO')
     metrics = run(
         ['-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--model', model, '--model-kwargs']
-        + ['--epochs', '1', '-b', '8', '--workers', '0', '--mixup-type', mixup_type]
+        + [
+            '--epochs',
+            '1',
+            '-b',
+            '8',
+            '--workers',
+            '0',
+            '--method' if mixup_type == 'tl_align' else '--mixup-type',
+            mixup_type,
+        ]
         + ['--output', str(tmp_path), '--experiment', 'run']
     )
     assert set(metrics) == {'loss', 'top1', 'top5'} and 0 <= metrics['top1'] <= 100

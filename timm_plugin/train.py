@@ -28,6 +28,7 @@ import time
 from collections import OrderedDict
 from contextlib import suppress
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -278,6 +279,128 @@ def resolve_resume(args) -> str:
     return last if os.path.exists(last) else ''
 
 
+class TrainingData(NamedTuple):
+    """The loaders of a run, and where its mixer runs: ``collate_fn`` (the loader's: the maps' collate, or the
+    fast-collate mixer with the prefetcher) or ``mixer`` (in the loop)."""
+
+    dataset_train: object
+    loader_train: object
+    loader_eval: object
+    collate_fn: object
+    mixer: object
+
+
+def build_data(args, recipe, data_config: dict, device, model_dtype) -> TrainingData:
+    """The training and eval datasets and loaders as timm's ``train.py`` creates them, with the label maps a method
+    reads and the recipe's mixer placed (the checks name the flag)."""
+    # as timm's train.py: images converted to the model's channels (grayscale and CMYK JPEGs occur in ImageNet)
+    input_img_mode = args.input_img_mode or ('RGB' if data_config['input_size'][0] == 3 else 'L')
+    dataset_train = create_dataset(
+        args.dataset,
+        root=args.data_dir,
+        split=args.train_split,
+        is_training=True,
+        class_map=args.class_map,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        repeats=args.epoch_repeats,
+        input_img_mode=input_img_mode,
+        download=args.dataset_download,
+        num_samples=args.train_num_samples,
+        trust_remote_code=args.dataset_trust_remote_code,
+        input_key=args.input_key,
+        target_key=args.target_key,
+    )
+    dataset_eval = create_dataset(
+        args.dataset,
+        root=args.data_dir,
+        split=args.val_split,
+        is_training=False,
+        class_map=args.class_map,
+        batch_size=args.batch_size,
+        input_img_mode=input_img_mode,
+        download=args.dataset_download,
+        num_samples=args.val_num_samples,
+        trust_remote_code=args.dataset_trust_remote_code,
+        input_key=args.input_key,
+        target_key=args.target_key,
+    )
+    check_repeated_folders(dataset_train, '--data-dir')
+    check_repeated_folders(dataset_eval, '--data-dir')
+    check_class_lists(dataset_train, dataset_eval, args.num_classes)
+    # unreadable (and truncated) images are skipped with the file named, not fatal mid-epoch
+    dataset_train, dataset_eval = (CheckedImageDataset(d) if readable(d) else d for d in (dataset_train, dataset_eval))
+
+    collate_fn = mixer = None
+    maps_dir, maps_flag = (
+        (args.token_label_dir, '--token-label-dir')
+        if args.token_label_dir
+        else (args.activation_map_dir, '--activation-map-dir')
+    )
+    if maps_dir:  # the samples carry their map rows, crops and flips
+        from shared_core.map_store import LabelMapStore
+
+        store = LabelMapStore.open(maps_dir)
+        if store.num_classes != args.num_classes:
+            raise ValueError(f'{maps_flag}: the maps have {store.num_classes} classes, the model {args.num_classes}')
+        dataset_train = TokenLabelDataset(dataset_train, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order)
+        # the dense term's token targets built by the loader's workers, not the training step
+        loader_built = recipe.token_labeling and recipe.dense and args.token_targets == 'loader'
+        stride = token_labeling_stride(recipe.model) if loader_built else None
+        # (check=False: the dataset checks each row, named)
+        collate_fn = TokenLabelCollate(args.num_classes, check=False, token_stride=stride, smoothing=args.smoothing)
+        if stride is not None:
+            _logger.info(f'Token labeling: the loader builds the token targets ({stride[0]}x{stride[1]} px tokens)')
+    # mixing: where the recipe's mixer runs (fast-collate with the prefetcher, else in the loop; on the device
+    # with activation-map targets, which are built there); MixToken runs in the task (TokenLabelingTask)
+    if recipe.mixing is not None:
+        if args.prefetcher and not args.activation_map_dir:
+            collate_fn = recipe.mixer(collate=True)
+        else:
+            mixer = recipe.mixer()
+        _logger.info(recipe.describe())
+
+    loader_train = create_loader(
+        dataset_train,
+        input_size=data_config['input_size'],
+        batch_size=args.batch_size,
+        is_training=True,
+        re_split=args.resplit,
+        num_aug_repeats=args.aug_repeats,
+        **train_augmentation(args, data_config),
+        num_workers=args.workers,
+        distributed=args.distributed,
+        collate_fn=collate_fn,
+        pin_memory=args.pin_mem,
+        img_dtype=model_dtype or torch.float32,
+        device=device,
+        use_prefetcher=args.prefetcher,
+        use_multi_epochs_loader=args.use_multi_epochs_loader,
+        worker_seeding=args.worker_seeding,  # timm drops the last (possibly odd) training batch
+        # workers start afresh each epoch from that epoch's seed (see epoch_seed): a resumed run repeats an
+        # uninterrupted one exactly (and --mixup-off-epoch reaches the collate function they copy)
+        persistent_workers=False,
+    )
+    loader_eval = create_loader(
+        dataset_eval,
+        input_size=data_config['input_size'],
+        batch_size=args.validation_batch_size or args.batch_size,
+        is_training=False,
+        interpolation=data_config['interpolation'],
+        mean=data_config['mean'],
+        std=data_config['std'],
+        num_workers=args.workers,
+        distributed=args.distributed,
+        crop_pct=data_config['crop_pct'],
+        pin_memory=args.pin_mem,
+        img_dtype=model_dtype or torch.float32,
+        device=device,
+        use_prefetcher=args.prefetcher,
+    )
+
+    return TrainingData(dataset_train, loader_train, loader_eval, collate_fn, mixer)
+
+
 #: errors of what the user asked for (their messages name the argument): printed without a traceback
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, UnreadableImageError, MissingLabelMapError)
 
@@ -346,7 +469,7 @@ def run(argv=None) -> dict:
     if args.pretrained_path and os.path.splitext(args.pretrained_path)[1] != '.safetensors':
         load_checkpoint_file(args.pretrained_path, '--pretrained-path', mmap=True)
     recipe = build_training(args)  # the model, the method, the mixing and the loss (timm_plugin.recipe)
-    model, token_labeling, dense = recipe.model, recipe.token_labeling, recipe.dense
+    model = recipe.model
     if utils.is_primary(args):
         _logger.info(
             f'Model {safe_model_name(args.model)} created, param count: {sum(m.numel() for m in model.parameters())}'
@@ -393,109 +516,9 @@ def run(argv=None) -> dict:
                 f"--resume: {resume_path} holds an optimizer state that does not fit this run's optimizer ({e}); "
                 'pass --no-resume-opt to take the weights and epoch only'
             ) from None
-    # as timm's train.py: images converted to the model's channels (grayscale and CMYK JPEGs occur in ImageNet)
-    input_img_mode = args.input_img_mode or ('RGB' if data_config['input_size'][0] == 3 else 'L')
-    dataset_train = create_dataset(
-        args.dataset,
-        root=args.data_dir,
-        split=args.train_split,
-        is_training=True,
-        class_map=args.class_map,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        repeats=args.epoch_repeats,
-        input_img_mode=input_img_mode,
-        download=args.dataset_download,
-        num_samples=args.train_num_samples,
-        trust_remote_code=args.dataset_trust_remote_code,
-        input_key=args.input_key,
-        target_key=args.target_key,
-    )
-    dataset_eval = create_dataset(
-        args.dataset,
-        root=args.data_dir,
-        split=args.val_split,
-        is_training=False,
-        class_map=args.class_map,
-        batch_size=args.batch_size,
-        input_img_mode=input_img_mode,
-        download=args.dataset_download,
-        num_samples=args.val_num_samples,
-        trust_remote_code=args.dataset_trust_remote_code,
-        input_key=args.input_key,
-        target_key=args.target_key,
-    )
-    check_repeated_folders(dataset_train, '--data-dir')
-    check_repeated_folders(dataset_eval, '--data-dir')
-    check_class_lists(dataset_train, dataset_eval, args.num_classes)
-    # unreadable (and truncated) images are skipped with the file named, not fatal mid-epoch
-    dataset_train, dataset_eval = (CheckedImageDataset(d) if readable(d) else d for d in (dataset_train, dataset_eval))
-
-    collate_fn = mixer = None
-    maps_dir, maps_flag = (
-        (args.token_label_dir, '--token-label-dir')
-        if args.token_label_dir
-        else (args.activation_map_dir, '--activation-map-dir')
-    )
-    if maps_dir:  # the samples carry their map rows, crops and flips
-        from shared_core.map_store import LabelMapStore
-
-        store = LabelMapStore.open(maps_dir)
-        if store.num_classes != args.num_classes:
-            raise ValueError(f'{maps_flag}: the maps have {store.num_classes} classes, the model {args.num_classes}')
-        dataset_train = TokenLabelDataset(dataset_train, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order)
-        # the dense term's token targets built by the loader's workers, not the training step
-        stride = token_labeling_stride(model) if token_labeling and dense and args.token_targets == 'loader' else None
-        # (check=False: the dataset checks each row, named)
-        collate_fn = TokenLabelCollate(args.num_classes, check=False, token_stride=stride, smoothing=args.smoothing)
-        if stride is not None:
-            _logger.info(f'Token labeling: the loader builds the token targets ({stride[0]}x{stride[1]} px tokens)')
-    # mixing: where the recipe's mixer runs (fast-collate with the prefetcher, else in the loop; on the device
-    # with activation-map targets, which are built there); MixToken runs in the task (TokenLabelingTask)
-    if recipe.mixing is not None:
-        if args.prefetcher and not args.activation_map_dir:
-            collate_fn = recipe.mixer(collate=True)
-        else:
-            mixer = recipe.mixer()
-        _logger.info(recipe.describe())
-
-    loader_train = create_loader(
-        dataset_train,
-        input_size=data_config['input_size'],
-        batch_size=args.batch_size,
-        is_training=True,
-        re_split=args.resplit,
-        num_aug_repeats=args.aug_repeats,
-        **train_augmentation(args, data_config),
-        num_workers=args.workers,
-        distributed=args.distributed,
-        collate_fn=collate_fn,
-        pin_memory=args.pin_mem,
-        img_dtype=model_dtype or torch.float32,
-        device=device,
-        use_prefetcher=args.prefetcher,
-        use_multi_epochs_loader=args.use_multi_epochs_loader,
-        worker_seeding=args.worker_seeding,  # timm drops the last (possibly odd) training batch
-        # workers start afresh each epoch from that epoch's seed (see epoch_seed): a resumed run repeats an
-        # uninterrupted one exactly (and --mixup-off-epoch reaches the collate function they copy)
-        persistent_workers=False,
-    )
-    loader_eval = create_loader(
-        dataset_eval,
-        input_size=data_config['input_size'],
-        batch_size=args.validation_batch_size or args.batch_size,
-        is_training=False,
-        interpolation=data_config['interpolation'],
-        mean=data_config['mean'],
-        std=data_config['std'],
-        num_workers=args.workers,
-        distributed=args.distributed,
-        crop_pct=data_config['crop_pct'],
-        pin_memory=args.pin_mem,
-        img_dtype=model_dtype or torch.float32,
-        device=device,
-        use_prefetcher=args.prefetcher,
-    )
+    data = build_data(args, recipe, data_config, device, model_dtype)
+    dataset_train, loader_train, loader_eval = data.dataset_train, data.loader_train, data.loader_eval
+    collate_fn, mixer = data.collate_fn, data.mixer
 
     train_loss_fn = recipe.train_loss.to(device=device)
     validate_loss_fn = nn.CrossEntropyLoss().to(device=device)

@@ -1055,7 +1055,7 @@ def add_tokenaug_args(parser: argparse.ArgumentParser) -> None:
         default='loader',
         choices=('loader', 'step'),
         help="where the dense term's token targets are built: by the DataLoader's workers (more to copy to the "
-        'device, asynchronously with the prefetcher; bench/RESULTS.md) or in the training step',
+        'device, asynchronously with the prefetcher) or in the training step',
     )
     g.add_argument(
         '--head-rule',
