@@ -3,7 +3,8 @@
 :func:`build_training` turns parsed arguments (:func:`timm_plugin.train_args.parse_args`) into a :class:`Recipe`:
 the model (with the aux head or the ScoreNets its method trains), which method runs and over which mixing kind,
 the mixing configuration (``create_mixer``'s arguments, built once, as timm's ``train.py`` builds its
-``mixup_args``), and the training loss (timm's ``create_classification_loss``, or token labeling's). The trainer,
+``mixup_args``), the training loss (timm's ``create_classification_loss``, or token labeling's) and the
+evaluator (timm's ``ClassificationEvaluator``). The trainer,
 ``tokenaug-viz`` and the benches all start from it, so a flag means the same thing in each; what is left to them is
 the data, the device and the loop (:meth:`Recipe.mixer`, :meth:`Recipe.task`).
 
@@ -20,7 +21,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 from timm.models import create_model, is_model
-from timm.task import ClassificationTask, create_classification_loss
+from timm.task import ClassificationEvaluator, ClassificationTask, create_classification_loss, evaluation_sample_limit
 
 from .mixup import MIX_KINDS, create_mixer
 from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
@@ -121,6 +122,12 @@ class Recipe:
                 device=device,
             )
         return ClassificationTask(model, criterion, device=device)
+
+    def evaluator(self, loader, device) -> ClassificationEvaluator:
+        """timm's ``ClassificationEvaluator`` for ``loader`` (cross entropy, top-1/5; the distributed sampler's
+        padding left out, counted in groups of ``--tta``)."""
+        limit = evaluation_sample_limit(loader)  # the real samples of this rank
+        return ClassificationEvaluator(device, max_samples=limit and limit // max(1, self.args.tta))
 
     def describe(self) -> str:
         """The log line of the mixing: kind, method, targets and grid."""

@@ -31,7 +31,6 @@ from functools import partial
 from typing import NamedTuple
 
 import torch
-import torch.nn as nn
 import torchvision
 import yaml
 from timm import utils
@@ -41,7 +40,6 @@ from timm.layers import convert_sync_batchnorm, set_fast_norm
 from timm.models import resume_checkpoint, safe_model_name
 from timm.optim import create_optimizer_v2, optimizer_kwargs
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
-from timm.task import ClassificationEvaluator, evaluation_sample_limit
 from timm.utils import NativeScaler
 from timm.utils.model import get_state_dict
 
@@ -521,7 +519,7 @@ def run(argv=None) -> dict:
     collate_fn, mixer = data.collate_fn, data.mixer
 
     train_loss_fn = recipe.train_loss.to(device=device)
-    validate_loss_fn = nn.CrossEntropyLoss().to(device=device)
+    evaluator = recipe.evaluator(loader_eval, device)  # timm's ClassificationEvaluator
 
     # the method is the training task; EMA, optimizer, resume and checkpoints hold the bare model
     task = recipe.task(device, criterion=train_loss_fn)
@@ -642,7 +640,7 @@ def run(argv=None) -> dict:
         eval_metrics = validate(
             task.get_eval_model(),
             loader_eval,
-            validate_loss_fn,
+            evaluator,
             args,
             device=device,
             amp_autocast=amp_autocast,
@@ -654,7 +652,7 @@ def run(argv=None) -> dict:
             eval_metrics = validate(
                 task.get_eval_model(ema=True),
                 loader_eval,
-                validate_loss_fn,
+                evaluator,
                 args,
                 device=device,
                 amp_autocast=amp_autocast,
@@ -804,12 +802,11 @@ def train_one_epoch(
     return OrderedDict([('loss', loss)] + [(k, m.avg) for k, m in logged.items()])
 
 
-def validate(model, loader, loss_fn, args, device, amp_autocast=suppress, log_suffix='', model_dtype=None):
-    """timm's evaluation, counted by timm's ``ClassificationEvaluator`` (exact counts over every rank, the
-    distributed sampler's padding left out); ``--tta N``: the outputs of each N consecutive samples averaged, as
-    timm."""
-    limit = evaluation_sample_limit(loader)  # the real samples of this rank (tta: groups of N)
-    evaluator = ClassificationEvaluator(device, max_samples=limit and limit // max(1, args.tta), criterion=loss_fn)
+def validate(model, loader, evaluator, args, device, amp_autocast=suppress, log_suffix='', model_dtype=None):
+    """timm's evaluation, counted by ``evaluator`` (:meth:`~timm_plugin.recipe.Recipe.evaluator`, timm's
+    ``ClassificationEvaluator``: exact counts over every rank, the distributed sampler's padding left out);
+    ``--tta N``: the outputs of each N consecutive samples averaged, as timm."""
+    evaluator.reset()
     model.eval()
     with torch.inference_mode():
         for x, target in loader:
