@@ -2,7 +2,7 @@
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: install lint test test-quick demo bench study study-size clean
+.PHONY: install lint test test-quick docs demo bench study study-size clean
 
 install:
 	@bash scripts/install.sh $(VENV)
@@ -17,6 +17,11 @@ test: lint
 
 test-quick: lint
 	$(PYTHON) -m pytest -m "not slow"
+
+# the documentation site (docs/, Sphinx): warnings are errors, every reference must resolve; open
+# docs/_build/html/index.html
+docs: install
+	$(VENV)/bin/sphinx-build -W -n --keep-going -b html docs docs/_build/html
 
 demo: install
 	$(PYTHON) scripts/demo.py

@@ -34,7 +34,7 @@ __all__ = ['MixBatchAugment', 'TAMixup', 'TACutMix', 'TAMixToken', 'TATokenMix']
 
 
 class MixBatchAugment:
-    """Base: one mixing kind of :class:`shared_core.mixing.MixSampler` (its cut branch only).
+    """Base: one mixing kind of :class:`shared_core.samplers.MixSampler` (its cut branch only).
 
     Args:
         alpha: Beta(α, α) parameter of λ.
@@ -121,7 +121,7 @@ class TACutMix(MixBatchAugment):
 
     Args:
         alpha (float): Beta(α, α) parameter of λ. Defaults to 1.0.
-        cutmix_minmax (sequence of 2 floats, optional): the box's side as a fraction of the image side, drawn
+        cutmix_minmax (tuple, optional): ``(min, max)``, the box's side as a fraction of the image side, drawn
             uniformly in ``[min, max]`` (timm's ``cutmix_minmax``) instead of from λ. Defaults to None.
         correct_lam (bool): λ from the box's area after clipping to the image (timm's default). Defaults to True.
         patch_size (int | tuple, optional): the backbone's patch size; ``None``: the data preprocessor's.

@@ -1,5 +1,7 @@
 """``tokenaug-convert``: a pretrained classification checkpoint -> the backbone checkpoint mmseg / mmdet load.
 
+Usage::
+
     tokenaug-convert --src CKPT --dst OUT --to {mmseg,mmdet} --model TIMM_MODEL_NAME [--from {timm,mmpretrain}]
                      [--model-kwargs img_size=112 ...] [--use-ema] [--final-norm] [--force]
     tokenaug-convert --src MMPRETRAIN_CKPT --dst OUT --to timm --from mmpretrain --model TIMM_MODEL_NAME

@@ -44,8 +44,9 @@ class TokenAugDataPreprocessor(ClsDataPreprocessor):
         generator: a ``torch.Generator`` for the augments' λ, boxes and masks (default: torch's global RNG;
             the choice among augments is mmpretrain's ``RandomBatchAugment``, on numpy's RNG, which MMEngine's
             ``randomness`` seeds).
-        Other args: as :class:`mmpretrain.models.ClsDataPreprocessor`; ``num_classes`` is required
-        when ``batch_augments`` is set.
+
+    The other arguments: as :class:`mmpretrain.models.ClsDataPreprocessor`; ``num_classes`` is required
+    when ``batch_augments`` is set.
     """
 
     def __init__(self, *args, patch_size=16, generator: Optional[torch.Generator] = None, **kwargs):

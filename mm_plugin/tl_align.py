@@ -239,8 +239,7 @@ class AlignedTargetClassifier(ImageClassifier):
     re-weighted by the partner share its subclass computes from the backbone's captured attention (``_share``).
     Not registered: use :class:`TLAlignClassifier` or :class:`TransMixClassifier`.
 
-    Args:
-        Other args: as ``ImageClassifier``.
+    The other arguments: as ``ImageClassifier``.
     """
 
     config_key, config_keys = '', ()
@@ -297,7 +296,8 @@ class TLAlignClassifier(AlignedTargetClassifier):
             disabled"), the label attention fused or not (default
             :func:`shared_core.label_attention.use_fused_label_attn`), labels of samples whose attention branch
             stochastic depth dropped kept (``'public'``: updated anyway, as the public code).
-        Other args: as ``ImageClassifier``.
+
+    The other arguments: as ``ImageClassifier``.
     """
 
     config_key, config_keys = 'tl_align', ('layers', 'residual', 'fused', 'drop_path')
@@ -323,7 +323,8 @@ class TransMixClassifier(AlignedTargetClassifier):
     Args:
         transmix: ``dict(mode='paper', fused=None)``; ``mode='average'`` is the public code's mean of the
             attention share (over its nearest-neighbour patch mask) and the area share.
-        Other args: as ``ImageClassifier``.
+
+    The other arguments: as ``ImageClassifier``.
     """
 
     config_key, config_keys = 'transmix', ('mode', 'fused')

@@ -285,7 +285,9 @@ class TokenLabelRandAugment(RandAugment):
 
     Args:
         geometric: ``'follow'`` (default) or ``'drop'`` (:data:`GEOMETRIC`).
-        Other args: as ``RandAugment`` (``policies`` a preset name such as ``'timm_increasing'`` or a list).
+
+    The other arguments: as ``RandAugment`` (``policies`` a preset name such as ``'timm_increasing'`` or a list).
+
     It must come after ``RandomFlip`` (the recorded ops act on the flipped image), after the crop (timm's order) or
     before it (the public order).
     """

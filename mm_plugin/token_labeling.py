@@ -306,8 +306,9 @@ class TokenLabelingClassifier(ImageClassifier):
         mix_prob: probability of mixing a batch.
         mix_mode: ``'batch'`` (one box per batch, the public code) or ``'pair'`` (one per pair i, B-1-i).
         mix_box_rounding: ``'timm'`` (today's timm) or ``'public'`` (the public code's ``cut // 2`` box).
-        Other args: as ``ImageClassifier``; ``head`` must be a :class:`TokenLabelingHead`, ``neck`` None,
-        and ``train_cfg`` without image batch augments.
+
+    The other arguments: as ``ImageClassifier``; ``head`` must be a :class:`TokenLabelingHead`, ``neck`` None,
+    and ``train_cfg`` without image batch augments.
     """
 
     def __init__(

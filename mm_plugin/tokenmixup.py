@@ -131,7 +131,8 @@ class TokenMixupClassifier(ImageClassifier):
         tokenmixup: ``dict(htm_layers=[], vtm_layers=[], rho=0.005, tau=0.2, kappa=3, saliency='auto',
             scorenet='auto', scorenet_weight=1e-3, scorenet_stopgrad=False, vtm_stopgrad=False,
             difficulty_scale=0.1, vtm_memory='mixed')``, as :class:`timm_plugin.TokenMixup`.
-        Other args: as ``ImageClassifier``.
+
+    The other arguments: as ``ImageClassifier``.
     """
 
     KEYS = (

@@ -43,6 +43,7 @@ __all__ = [
     'IntPair',
 ]
 
+#: one int for both axes, or ``(h, w)``
 IntPair = Union[int, Sequence[int]]
 
 

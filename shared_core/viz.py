@@ -31,6 +31,7 @@ __all__ = [
 
 #: share 0 (the sample's own token) and share 1 (the partner's), as in TL-Align's Fig. 6 two-colour scale
 OWN = (40, 90, 220)
+#: the partner's colour (share 1); OWN is the sample's own (share 0)
 PARTNER = (230, 60, 40)
 
 

@@ -41,6 +41,7 @@ MAX_SKIPS = 50
 #: :class:`CheckedImageDataset` stops when more than this share of the last :data:`SKIP_WINDOW` images it tried to
 #: read (in one process: a DataLoader worker reads whole batches) could not be read: the data is broken, not one file
 MAX_SKIP_SHARE = 0.5
+#: the window of reads over which MAX_SKIP_SHARE is counted
 SKIP_WINDOW = 64
 
 

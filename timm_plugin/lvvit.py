@@ -167,9 +167,10 @@ class LVBlock(Block):
 
 
 class LVViT(VisionTransformer):
-    """LV-ViT: timm's ``VisionTransformer`` with :class:`ConvPatchEmbed`, :class:`LVBlock` and an aux head.
+    """LV-ViT: timm's ``VisionTransformer`` with :class:`ConvPatchEmbed`, :class:`LVBlock` and an aux head. Its
+    arguments are ``VisionTransformer``'s, which all pass through, and these:
 
-    Args (beyond ``VisionTransformer``'s, which all pass through):
+    Args:
         skip_lam: residual scale of every block (``X + F(X) / skip_lam``); each size sets the public code's value.
         stem_chans: channels of the three stem convolutions (64; 128 for LV-ViT-L).
         head_rule: ``'cls+aux'`` (default, the public code's inference): ``head(cls token) + 0.5 *

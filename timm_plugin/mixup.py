@@ -4,13 +4,15 @@
 draws), ``method`` (what will re-weight the target: ``'tl_align'``, ``'transmix'``) and ``patch_size``, and
 returns a callable used exactly like timm's Mixup: ``x, target = mixer(x, y)``.
 
-| mix_kind          | cut branch (``cutmix_alpha > 0``)   | target returned                          |
-|-------------------|-------------------------------------|------------------------------------------|
-| ``mixup``         | none (MixUp only)                   | ``(B, C)`` float tensor                  |
-| ``cutmix``        | pixel box, timm's λ correction      | ``(B, C)`` float tensor                  |
-| ``token_box``     | box on the token grid (MixToken)    | :class:`MixTarget` (carries the mix)     |
-| ``tokenmix_block``| TokenMix multi-block token mask     | :class:`MixTarget`                       |
-| ``tokenmix_random``| TokenMix random token mask         | :class:`MixTarget`                       |
+The kinds::
+
+    | mix_kind          | cut branch (``cutmix_alpha > 0``)   | target returned                          |
+    |-------------------|-------------------------------------|------------------------------------------|
+    | ``mixup``         | none (MixUp only)                   | ``(B, C)`` float tensor                  |
+    | ``cutmix``        | pixel box, timm's λ correction      | ``(B, C)`` float tensor                  |
+    | ``token_box``     | box on the token grid (MixToken)    | :class:`MixTarget` (carries the mix)     |
+    | ``tokenmix_block``| TokenMix multi-block token mask     | :class:`MixTarget`                       |
+    | ``tokenmix_random``| TokenMix random token mask         | :class:`MixTarget`                       |
 
 With ``mixup_alpha > 0`` as well, every cut kind switches with a MixUp blend by ``switch_prob``,
 as timm does for CutMix. A :class:`MixTarget` *is* the ``(B, C)`` soft target (a ``torch.Tensor``
@@ -312,15 +314,15 @@ def create_mixer(
     multi_label: bool = False,
 ):
     """A mixer with timm ``Mixup``'s arguments and defaults (see the module docstring for the kinds):
-    ``create_mixer(**mixup_args)`` is ``timm.data.Mixup(**mixup_args)``.
+    ``create_mixer(**mixup_args)`` is ``timm.data.Mixup(**mixup_args)``. ``mixup_alpha``, ``cutmix_alpha``,
+    ``cutmix_minmax``, ``prob``, ``switch_prob``, ``mode``, ``correct_lam``, ``label_smoothing`` and ``num_classes``
+    are as in ``timm.data.Mixup``.
 
     Args:
         mix_kind: what the sampler draws, one of :data:`MIX_KINDS`; ``None`` infers it as timm does
             (``'cutmix'`` when ``cutmix_alpha > 0`` or ``cutmix_minmax``, else ``'mixup'``).
         multi_label: dense ``(B, C)`` targets, smoothed towards 0.5 and mixed by λ (timm's ``multi_label``);
             not with a ``method`` or ``activation_targets``, which re-weight class labels.
-        mixup_alpha, cutmix_alpha, cutmix_minmax, prob, switch_prob, mode, correct_lam,
-        label_smoothing, num_classes: as in ``timm.data.Mixup``.
         patch_size: the model's patch size (int or (h, w)); token kinds need images divisible by it.
         tokenmix_lam: fix λ of the TokenMix kinds (TokenMix uses 0.5) instead of Beta(cutmix_alpha).
         tokenmix_min_tokens: smallest block of ``tokenmix_block`` (default 14 on a 14x14 grid, scaled); with

@@ -5,8 +5,8 @@ The protocol (what "dropping a patch" means here)
 -------------------------------------------------
 * **Patch grid.** The model's token grid: ``patch_embed.token_stride`` if present, else
   ``patch_embed.img_size / patch_embed.grid_size`` (hybrid ViTs included), else ``patch_embed.proj.stride``,
-  else ``patch_embed.patch_size`` (:func:`token_stride`). Models without a patch embedding (CNNs) use
-  16 x 16 px, DeiT's grid, so CNN and ViT curves blank out the same pixels. ``--patch-size`` overrides
+  else ``patch_embed.patch_size`` (:func:`timm_plugin.token_grid.token_stride`). Models without a patch embedding
+  (CNNs) use 16 x 16 px, DeiT's grid, so CNN and ViT curves blank out the same pixels. ``--patch-size`` overrides
   (zero mode only; drop mode must use the token grid). The input size must be a multiple of it.
 * **Which patches.** Image ``index`` (its position in the dataset: ``timm.data.create_dataset`` sorts
   classes and files) gets, per repeat ``r``, a random order of its N patches from a ``torch.Generator``

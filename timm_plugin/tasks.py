@@ -85,8 +85,9 @@ class TLAlignTask(MethodTask):
 
 
 class TransMixTask(TLAlignTask):
-    """TransMix (the baseline TL-Align compares with) as a timm ``TrainingTask``: :meth:`timm_plugin.TransMix.align`
-    (the partner share from the last block's class-token attention, ``mode='paper'`` or ``'average'``)."""
+    """TransMix (the baseline TL-Align compares with) as a timm ``TrainingTask``: :class:`timm_plugin.TransMix`'s
+    ``align`` (:meth:`timm_plugin.TLAlign.align`'s signature; the partner share from the last block's class-token
+    attention, ``mode='paper'`` or ``'average'``)."""
 
     method_cls = TransMix
 

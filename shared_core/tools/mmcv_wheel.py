@@ -47,6 +47,7 @@ from pathlib import Path
 
 MMCV_VERSION = '2.1.0'
 CXX17, CXX20 = '-std=c++17', '-std=c++20'
+#: the compiler flags of the mmcv build where ``$CFLAGS`` is not set
 DEFAULT_CFLAGS = '-O3 -DNDEBUG -fwrapv -g0'
 PROG = 'tokenaug-mmcv-wheel'
 

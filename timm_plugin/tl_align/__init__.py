@@ -90,7 +90,7 @@ __all__ = [
 ]
 
 
-# most specific class first
+#: the timm model classes TL-Align traces, each with its tracer (most specific class first)
 SUPPORTED_MODELS = {
     CCT: CCTTracer,
     VisionTransformerDistilled: DistilledViTTracer,

@@ -659,6 +659,7 @@ def _check_run_args(args: argparse.Namespace, counts: Sequence[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``tokenaug-maps``: every command but ``info``; the exit status."""
     args = parse_args(argv)
     try:
         if args.command == 'generate':
