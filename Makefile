@@ -40,7 +40,7 @@ study: install
 	$(PYTHON) bench/study.py --out study_out
 
 # the size study (bench/STUDY.md): CutMix, TL-Align, TransMix and TokenMix on worlds of small, medium and large
-# objects, 5 seeds, and TL-Align vs CutMix over 24 seeds where area labels are most wrong; about 3 h on 2 cores,
+# objects, 5 seeds, and TL-Align vs CutMix over 16 seeds where area labels are most wrong; about 3 h on 2 cores,
 # resumable (rerun to continue)
 study-size: install
 	$(PYTHON) bench/study_size.py --out study_size_out
