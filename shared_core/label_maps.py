@@ -506,22 +506,17 @@ class CropMaps:
         affines, extent = stack_affines(list(chains), b, tuple(v.shape[-2:]))
         return cls(v, i, int(num_classes), b, f, affines, extent)
 
+    def _map_tensors(self, fn) -> 'CropMaps':
+        """The same maps with ``fn`` applied to every tensor field (the host-side ``extent`` stays)."""
+        names = ('values', 'indices', 'crops', 'flips', 'affines', 'tokens')
+        return replace(self, **{k: fn(getattr(self, k)) for k in names if getattr(self, k) is not None})
+
     def to(self, *args, **kwargs) -> 'CropMaps':
-        """The same maps moved (``Tensor.to``'s arguments; the host-side ``extent`` stays)."""
-        moved = {k: getattr(self, k).to(*args, **kwargs) for k in ('values', 'indices', 'crops', 'flips')}
-        if self.affines is not None:
-            moved['affines'] = self.affines.to(*args, **kwargs)
-        if self.tokens is not None:
-            moved['tokens'] = self.tokens.to(*args, **kwargs)
-        return replace(self, **moved)
+        """The same maps moved (``Tensor.to``'s arguments; a loader's batch goes to the device this way)."""
+        return self._map_tensors(lambda t: t.to(*args, **kwargs))
 
     def pin_memory(self) -> 'CropMaps':
-        pinned = {k: getattr(self, k).pin_memory() for k in ('values', 'indices', 'crops', 'flips')}
-        if self.affines is not None:
-            pinned['affines'] = self.affines.pin_memory()
-        if self.tokens is not None:
-            pinned['tokens'] = self.tokens.pin_memory()
-        return replace(self, **pinned)
+        return self._map_tensors(lambda t: t.pin_memory())
 
     def with_tokens(self, grid: Tuple[int, int], smoothing: float = 0.0) -> 'CropMaps':
         """These maps carrying their sparse token targets for ``grid`` at ``smoothing``, built now (in a loader)."""

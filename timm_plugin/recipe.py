@@ -183,9 +183,8 @@ def build_training(args: argparse.Namespace) -> Recipe:
         token_labeling=token_labeling,
         dense=dense,
         mixing=mixing,
-        train_loss=nn.Identity(),  # replaced below
+        train_loss=training_loss(args, token_labeling, dense, soft_targets=mixing is not None or uses_tokenmixup(args)),
     )
-    recipe.train_loss = training_loss(args, recipe)
     in_model = recipe.in_model
     if in_model:  # their hooks and label paths are written for an fp32 (or autocast) model run block by block
         for flag, value in (
@@ -197,13 +196,14 @@ def build_training(args: argparse.Namespace) -> Recipe:
     return recipe
 
 
-def training_loss(args: argparse.Namespace, recipe: Recipe) -> nn.Module:
+def training_loss(args: argparse.Namespace, token_labeling: bool, dense: bool, soft_targets: bool) -> nn.Module:
     """Token labeling's loss (Eq. 3-4), else timm's ``create_classification_loss``: soft-target cross entropy (or
-    BCE) where a mixer or TokenMixup makes the targets, label smoothing on class indices otherwise."""
-    if recipe.token_labeling:
+    BCE) where a mixer or TokenMixup makes the targets (``soft_targets``), label smoothing on class indices
+    otherwise."""
+    if token_labeling:
         return TokenLabelingLoss(
             args.num_classes,
-            dense_weight=args.dense_weight if recipe.dense else 0.0,
+            dense_weight=args.dense_weight if dense else 0.0,
             cls_target='annotator' if args.relabel else args.cls_target,
             cls_target_mix=args.cls_target_mix,
             smoothing=args.smoothing,
@@ -214,7 +214,7 @@ def training_loss(args: argparse.Namespace, recipe: Recipe) -> nn.Module:
     return create_classification_loss(
         'bce' if args.bce_loss else 'ce',
         smoothing=args.smoothing,
-        soft_targets=recipe.mixing is not None or uses_tokenmixup(args),  # soft targets (TokenMixup relabels them)
+        soft_targets=soft_targets,
         **bce,
     )
 
