@@ -25,7 +25,7 @@ extensions = [
     'sphinx.ext.viewcode',
 ]
 source_suffix = {'.rst': 'restructuredtext', '.md': 'markdown'}
-exclude_patterns = ['_build', 'PYPI.md', 'demo', 'timm_train']
+exclude_patterns = ['_build', '_fragments', 'PYPI.md', 'demo', 'timm_train']
 myst_enable_extensions = ['colon_fence']
 myst_heading_anchors = 3
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The README's pictures (``docs/img/*.png``) from a finished ``make demo``: ``tokenaug-viz`` on the demo's runs
-(two samples each, :func:`demo.pictures`), each figure shrunk to 900 px wide and stored with a 64-colour palette
-so the repository keeps them small.
+"""The documentation's pictures (``docs/img/*.png``, shown on the method pages) from a finished ``make demo``:
+``tokenaug-viz`` on the demo's runs (two samples each, :func:`demo.pictures`), each figure shrunk to 900 px wide
+and stored with a 64-colour palette so the repository keeps them small.
 
     .venv/bin/python scripts/readme_pictures.py [--demo-out demo_out]
 """

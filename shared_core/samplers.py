@@ -66,7 +66,7 @@ class MixSampler:
     ``correct_lam`` (or with ``cutmix_minmax``), as timm does. For token masks λ ~ Beta(cutmix_alpha)
     unless ``tokenmix_lam`` fixes it (TokenMix's λ = 0.5: the partner gets half of the tokens).
 
-    Switches to the authors' public samplers (README, departures): ``box_rounding='public'`` rounds boxes
+    Switches to the authors' public samplers (docs: departures): ``box_rounding='public'`` rounds boxes
     (CutMix's pixel box, MixToken's token box) as their pinned timm did (``cut // 2`` on both sides);
     ``tokenmix_rule='public'`` draws TokenMix masks by their rule (``int((1 - λ) N) + tokenmix_min_tokens``
     tokens targeted, parts from 1 token, :func:`~shared_core.token_masks.tokenmix_masks_public`).

@@ -1,4 +1,4 @@
-"""The authors' checkpoints load here (README, "The authors' checkpoints"): for each family, a port of the public
+"""The authors' checkpoints load here (docs/checkpoints.md): for each family, a port of the public
 model definition with random weights, saved in the format its training script writes, is read by our checkpoint
 reader and loaded strictly into our timm model, and the logits agree in float64; the families that transfer are
 converted onto mmseg. The ports follow the public code read at these commits (their quirks are the point):

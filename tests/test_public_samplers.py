@@ -1,4 +1,4 @@
-"""The switches that reproduce the authors' public samplers (README, departures): boxes rounded as their
+"""The switches that reproduce the authors' public samplers (docs/departures.md): boxes rounded as their
 pinned timm (``cut // 2`` on both sides) for CutMix, MixToken and TL-Align's token box, and TokenMix masks
 by their rule (``int((1 - λ) N) + 14`` tokens targeted, parts from 1 token), each against an explicit
 re-implementation of the public code."""

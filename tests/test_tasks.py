@@ -1,5 +1,5 @@
 """The methods as timm training tasks (timm.task.TrainingTask), in a minimal timm-style loop: what a user of
-timm's own train.py gets by changing its task line (README, "With timm's own train.py")."""
+timm's own train.py gets by changing its task line (docs/guides/timm.md, "With timm's own train.py")."""
 
 import pytest
 import timm
@@ -215,7 +215,7 @@ def test_prepare_distributed_wraps_the_trainable_module_and_keeps_keys(tmp_path)
 
 @pytest.mark.parametrize('prefetcher', [False, True])
 def test_readme_diff_for_timm_train_py(prefetcher):
-    """The README's two changed lines of timm's train.py, with train.py's own argument dicts and calls: the mixer
+    """The timm guide's two changed lines of timm's train.py, with train.py's own argument dicts and calls: the mixer
     from timm's mixup_args (collate or in-loop), the task built with train.py's keywords, then its step."""
     mixup_args = dict(
         mixup_alpha=0.8,

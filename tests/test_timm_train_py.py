@@ -1,4 +1,4 @@
-"""timm's own ``train.py`` with the README's diffs (``docs/timm_train/*.diff``), run as a timm user runs it: the
+"""timm's own ``train.py`` with the timm guide's diffs (``docs/timm_train/*.diff``), run as a timm user runs it: the
 diff applied with ``git apply`` to timm's script (``tests/data/timm_train.py``, timm 1.0.29.dev0's, unchanged),
 then one epoch on the synthetic world against the installed timm. TL-Align: the mixer that carries the mix and
 ``TLAlignTask``; token labeling: the label-map data path, the aux head and ``TokenLabelingTask``."""

@@ -14,7 +14,7 @@ import yaml
 from timm_plugin.train_args import REFUSED, build_parser, check_supported, parse_args
 
 TABLE = json.loads((Path(__file__).parent / 'data' / 'timm_train_flags.json').read_text())
-#: the defaults we change on purpose, and why (README, "tokenaug-train and timm's train.py")
+#: the defaults we change on purpose, and why (docs/guides/timm.md, "Where we depart from timm's train.py")
 DEFAULT_EXCEPTIONS = {'device': "'cuda' where CUDA is available, else 'cpu' (timm's 'cuda' fails there)"}
 
 

@@ -1,5 +1,5 @@
-"""tokenaug as a pip user gets it: the README's install block and first-run block run as written (extracted from
-README.md, not retyped), in a temporary folder outside the repo that holds the checkout as ``./tokenaug``; mmcv
+"""tokenaug as a pip user gets it: the install page's install block and first-run block run as written (extracted from
+docs/install.md, not retyped), in a temporary folder outside the repo that holds the checkout as ``./tokenaug``; mmcv
 comes from the cache ``make install`` filled.
 
 Checked there: the installed package and its metadata (``pip show``); the console scripts; the configs inherited
@@ -8,7 +8,6 @@ unimportable; an mmpretrain config; the first-run block (``tokenaug-data``, ``to
 ``tokenaug-mim train mmpretrain ...``). About 4 minutes (the installs)."""
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -20,17 +19,16 @@ import pytest
 from shared_core.tools.mmcv_wheel import default_cache, find_cached_wheel
 
 from .conftest import REPO
+from .snippets import run_by
 
 pytestmark = pytest.mark.slow
-MARK = '<!-- tests/test_wheel.py runs this block as written -->'
 
 
-def readme_blocks() -> list[str]:
-    """The README's bash blocks marked as run by this test, in order: [install, first run]."""
-    text = (REPO / 'README.md').read_text()
-    blocks = re.findall(re.escape(MARK) + r'\n```bash\n(.*?)\n```', text, flags=re.S)
-    assert len(blocks) == 2 and text.count(MARK) == 2, 'README: expected the install and the first-run block'
-    return blocks
+def install_blocks() -> list[str]:
+    """The documentation's shell snippets marked as run by this test, in order: [install, first run]."""
+    blocks = run_by('tests/test_wheel.py')
+    assert [(b.page, b.lang) for b in blocks] == [('docs/install.md', 'bash')] * 2, blocks
+    return [b.code for b in blocks]
 
 
 def _run(cmd, cwd, env, timeout=1200):
@@ -40,14 +38,15 @@ def _run(cmd, cwd, env, timeout=1200):
 
 
 def _bash(script, cwd, env):
-    """``script`` in bash with the README's environment activated first (when it exists), stopping at a failure."""
+    """``script`` in bash with the install page's environment activated first (when it exists), stopping at a
+    failure."""
     activate = '. venv/bin/activate\n' if (Path(cwd) / 'venv').is_dir() else ''
     return _run(['bash', '-c', 'set -eo pipefail\n' + activate + script], cwd, env)
 
 
 @pytest.fixture(scope='module')
 def user(tmp_path_factory):
-    """(venv bin folder, the user's folder outside the repo, env) after the README's install block."""
+    """(venv bin folder, the user's folder outside the repo, env) after the install page's install block."""
     if find_cached_wheel(default_cache()) is None:  # make install puts it there: a test run always has it
         pytest.fail(f'no cached mmcv 2.1.0 wheel in {default_cache()} (make install builds it)')
     root = tmp_path_factory.mktemp('pip_user')
@@ -58,7 +57,7 @@ def user(tmp_path_factory):
     drop = ('PYTHONPATH', 'VIRTUAL_ENV', 'PIP_CONSTRAINT', 'PIP_REQUIRE_VIRTUALENV')
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(PYTHONNOUSERSITE='1', PATH=f'{shim}{os.pathsep}{env.get("PATH", "")}')
-    _bash(readme_blocks()[0], root, env)
+    _bash(install_blocks()[0], root, env)
     bin_ = root / 'venv' / 'bin'
     env['PATH'] = f'{bin_}{os.pathsep}{env["PATH"]}'
     env['PIP_CONSTRAINT'] = str(REPO / 'constraints.txt')  # as the block exported it
@@ -84,7 +83,7 @@ def test_installed_from_the_wheel_not_the_checkout(user):
     )
     first, second = out.splitlines()[:2]
     assert 'site-packages' in first and str(REPO) not in first
-    assert second.startswith(str(bin_.parent)) and ' 2.1.0 1.2.0' in second  # the README's venv; mmcv, mmpretrain
+    assert second.startswith(str(bin_.parent)) and ' 2.1.0 1.2.0' in second  # the install page's venv; mmcv, mmpretrain
 
 
 def test_pip_show_metadata(user):
@@ -188,10 +187,10 @@ def test_an_inherited_mmpretrain_config_builds(user):
 
 
 def test_the_readme_first_run(user):
-    """The README's first-run block as written: the world in data/world (the configs' default), an epoch of
+    """The install page's first-run block as written: the world in data/world (the configs' default), an epoch of
     ``tokenaug-train -c tokenaug::timm/...`` and one of mmpretrain's own tools/train.py through ``tokenaug-mim``."""
     _, work, env, _ = user
-    _bash(readme_blocks()[1], work, env)
+    _bash(install_blocks()[1], work, env)
     assert (work / 'data' / 'world' / 'imagenet' / 'train').is_dir()
     assert len(list((work / 'runs').glob('*/last.pth.tar'))) == 1  # timm's saver, one experiment folder
     assert (work / 'work_dirs' / 'tl_align' / 'epoch_1.pth').is_file()  # saved by mmpretrain's train.py

@@ -1,6 +1,6 @@
 """tokenaug's methods as timm training tasks (``timm.task.TrainingTask``): ``result = task(input, target)``
 returns ``{'loss', 'output', ...}`` as timm's ``ClassificationTask`` does, so timm's own ``train.py`` enables a
-method by changing its task line (README, "With timm's own train.py").
+method by changing its task line (docs: the timm guide, "With timm's own train.py").
 
 - :class:`TLAlignTask`, :class:`TransMixTask`: the target of a token-aware mixer (a
   :class:`~timm_plugin.carrier.MixTarget`, ``create_mixer(mix_kind, method=...)``) is re-weighted by the

@@ -17,7 +17,7 @@ def mim_main(argv=None) -> int:
     """``tokenaug-mim {train,test} PACKAGE CONFIG [ARGS...]``: what ``mim train/test PACKAGE CONFIG`` does, run the
     upstream tool that the package's wheel ships, with ``CONFIG`` a file or one of our installed configs
     (``mmpretrain/deit-tiny_world_tl-align.py``). openmim itself does not install beside these pins without
-    downgrades (README)."""
+    downgrades (docs: the MMPretrain guide)."""
     p = argparse.ArgumentParser(
         prog='tokenaug-mim',
         description="run an OpenMMLab package's own tools/train.py or test.py (as mim train / mim test)",
