@@ -186,7 +186,7 @@ def test_an_inherited_mmpretrain_config_builds(user):
     assert 'TLAlignClassifier TokenAugDataPreprocessor 1' in out, out
 
 
-def test_the_readme_first_run(user):
+def test_the_install_pages_first_run(user):
     """The install page's first-run block as written: the world in data/world (the configs' default), an epoch of
     ``tokenaug-train -c tokenaug::timm/...`` and one of mmpretrain's own tools/train.py through ``tokenaug-mim``."""
     _, work, env, _ = user
