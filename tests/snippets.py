@@ -27,6 +27,9 @@ _FENCE = re.compile(r'^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$')
 _MARK = re.compile(r'^\s*<!--\s*(?P<mark>.*?)\s*-->\s*$')
 
 
+_KINDS = re.compile(r'^(?:(?P<run>run)(?::\s*(?P<what>config\s+|tests/)?(?P<arg>.+))?|not run:\s*(?P<why>.*))$')
+
+
 @dataclass(frozen=True)
 class Snippet:
     page: str  #: the page, relative to the repository
@@ -38,6 +41,21 @@ class Snippet:
     @property
     def where(self) -> str:
         return f'{self.page}:{self.line}'
+
+    @property
+    def kind(self) -> tuple[str | None, str | None]:
+        """``('run', None)``, ``('config', PATH)``, ``('test', 'tests/test_x.py')``, ``('not run', REASON)``, or
+        ``(None, None)`` for a missing or unknown mark."""
+        m = _KINDS.match(self.mark or '')
+        if not m:
+            return None, None
+        if m['why'] is not None:
+            return 'not run', m['why']
+        if m['arg'] is None:
+            return 'run', None
+        if m['what'] == 'tests/':
+            return 'test', 'tests/' + m['arg']
+        return ('config', m['arg']) if m['what'] else (None, None)
 
 
 def pages() -> list[Path]:
@@ -63,8 +81,8 @@ def snippets(path: Path) -> list[Snippet]:
             end += 1
         lang = info.split()[0].lower() if info else ''
         if lang in RUNNABLE:
-            before = [ln for ln in lines[:i] if ln.strip()]
-            mark = _MARK.match(before[-1]) if before else None
+            prev = next((ln for ln in reversed(lines[:i]) if ln.strip()), '')
+            mark = _MARK.match(prev)
             body = [ln[len(indent) :] if ln.startswith(indent) else ln.lstrip() for ln in lines[i + 1 : end]]
             found.append(
                 Snippet(
@@ -85,4 +103,4 @@ def all_snippets() -> list[Snippet]:
 
 def run_by(test_file: str) -> list[Snippet]:
     """The snippets marked as run by ``test_file`` (``tests/test_x.py``), in page order."""
-    return [s for s in all_snippets() if s.mark == f'run: {test_file}']
+    return [s for s in all_snippets() if s.kind == ('test', test_file)]

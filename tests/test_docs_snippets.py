@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -17,13 +16,14 @@ import pytest
 
 from shared_core.tools.world import generate_world
 
+from .helpers import run_tool
 from .snippets import REPO, all_snippets
 
 VENV_BIN = Path(sys.executable).parent
 SNIPPETS = all_snippets()
 BY_PAGE = defaultdict(list)
 for _s in SNIPPETS:
-    if _s.mark == 'run' or (_s.mark or '').startswith('run: config '):
+    if _s.kind[0] in ('run', 'config'):
         BY_PAGE[_s.page].append(_s)
 
 
@@ -32,18 +32,14 @@ def test_every_snippet_is_marked():
     assert len(SNIPPETS) > 20
     bad = []
     for s in SNIPPETS:
-        mark = s.mark or ''
-        if mark == 'run' or mark.startswith('run: config '):
-            if mark.startswith('run: config ') and s.lang != 'python':
-                bad.append(f'{s.where}: a config snippet is Python')
-        elif mark.startswith('run: tests/'):
-            test = REPO / mark.removeprefix('run: ')
-            if not test.is_file() or f"run_by('{mark.removeprefix('run: ')}')" not in test.read_text():
-                bad.append(f'{s.where}: {test.name} does not read its snippets (run_by)')
-        elif mark.startswith('not run: '):
-            if len(mark.removeprefix('not run: ')) < 20:
-                bad.append(f'{s.where}: say why it is not run')
-        else:
+        kind, arg = s.kind
+        if kind == 'config' and s.lang != 'python':
+            bad.append(f'{s.where}: a config snippet is Python')
+        elif kind == 'test' and f"run_by('{arg}')" not in ((REPO / arg).read_text() if (REPO / arg).is_file() else ''):
+            bad.append(f'{s.where}: {arg} does not read its snippets (run_by)')
+        elif kind == 'not run' and len(arg) < 20:
+            bad.append(f'{s.where}: say why it is not run')
+        elif kind is None:
             bad.append(f'{s.where}: no mark (<!-- run -->, <!-- run: tests/... -->, <!-- not run: why -->)')
     assert not bad, '\n'.join(bad)
 
@@ -57,15 +53,10 @@ def small_world(tmp_path_factory):
 
 
 def _run_bash(snippet, cwd, env):
-    res = subprocess.run(
-        ['bash', '-c', 'set -eo pipefail\n' + snippet.code],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert res.returncode == 0, f'{snippet.where}\n{snippet.code}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}'
+    try:
+        run_tool(['bash', '-c', 'set -eo pipefail\n' + snippet.code], env, timeout=900, cwd=cwd)
+    except AssertionError as exc:
+        raise AssertionError(f'{snippet.where}\n{snippet.code}\n{exc}') from None
 
 
 def _run_python(snippet, namespace):
@@ -78,11 +69,10 @@ def _run_python(snippet, namespace):
 def _load_config(snippet, cwd, env):
     from mmengine.config import Config
 
-    rel = snippet.mark.removeprefix('run: config ')
+    rel = snippet.kind[1]
     path = cwd / rel
     if rel.startswith('configs/') and not path.exists():  # one of ours: its bases come along
-        copy = ['tokenaug-config', 'copy', rel.removeprefix('configs/'), 'configs/']
-        subprocess.run(copy, cwd=cwd, env=env, check=True)
+        run_tool(['tokenaug-config', 'copy', rel.removeprefix('configs/'), 'configs/'], env, cwd=cwd)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(snippet.code)
     cfg = Config.fromfile(str(path))
@@ -101,7 +91,7 @@ def test_page_snippets_run(page, small_world, tmp_path, monkeypatch):
     monkeypatch.chdir(work)
     namespace = {'__name__': '__main__'}
     for snippet in BY_PAGE[page]:
-        if snippet.mark.startswith('run: config '):
+        if snippet.kind[0] == 'config':
             _load_config(snippet, work, env)
         elif snippet.lang == 'bash':
             _run_bash(snippet, work, env)
