@@ -225,17 +225,26 @@ def plot(record: dict, path: Path) -> Path:
     x = [record['knob'][s]['coverage'] * 100 for s in sizes]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), layout='constrained')
     methods = [n for n in SIZE_RUNS if n != BASELINE and any(n in record['diffs'][s] for s in sizes)]
+    colors = {}
     for i, n in enumerate(methods):
         pts = [(xi, record['diffs'][s][n]) for xi, s in zip(x, sizes) if n in record['diffs'][s]]
         xs = [p[0] + (i - (len(methods) - 1) / 2) * 0.8 for p in pts]  # side by side at each size
         means = [p[1]['mean'] for p in pts]
         halves = [p[1]['half'] if len(p[1]['diffs']) > 1 else 0.0 for p in pts]
-        left.errorbar(xs, means, yerr=halves, marker='o', capsize=4, label=labels[n])
+        colors[n] = left.errorbar(xs, means, yerr=halves, marker='o', capsize=4, label=labels[n])[0].get_color()
+    tl = record.get('tl_align')
+    if tl and len(tl['seeds']) > len(record['seeds']):  # TL-Align's extra seeds, to the left of its size's points
+        d = tl['diff']
+        at = x[sizes.index(tl['size'])] - (len(methods) + 1) / 2 * 0.8
+        left.errorbar(
+            [at], [d['mean']], yerr=[d['half']], marker='s', mfc='white', color=colors.get('tl_align'), capsize=4,
+            label=f'{labels["tl_align"]}, {len(tl["seeds"])} seeds',
+        )  # fmt: skip
     left.axhline(0, color='grey', lw=0.8)
     left.set_xlabel('mean main-object coverage of the image (%): ' + ', '.join(sizes))
     left.set_ylabel(f'test top-1 − {labels[BASELINE]} (points)')
     left.set_title('Paired difference to CutMix, 95 % interval')
-    left.legend(fontsize=8)
+    left.legend(fontsize=8, loc='lower right')
     right.bar([str(s) for s in sizes], [record['knob'][s]['share_off'] * 100 for s in sizes], color='tab:grey')
     right.set_ylabel(f'CutMix pairs with area label off by > {KNOB_OFF} (%)')
     right.set_title('The knob: how wrong the area label is')
