@@ -36,7 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / 'bench')]
-from study import PRESETS, RUNS, Step, Study, area_range, excludes_zero, interval, mean_sd, paired
+from study import PRESETS, RUNS, Step, Study, area_range, interval, mean_sd, paired
 
 #: the main object's share of the image per world (tokenaug-data --min-area/--max-area). The large range's upper
 #: end is reached by the round shapes only: a star, a triangle, an arrow or an L-shape fits at most about 45 % of
@@ -198,19 +198,18 @@ def render(record: dict, preset_name: str, preset: dict, tl_size: str | None, wa
     if tl:
         d = tl['diff']
         verdict = (
-            'the interval excludes 0'
+            'n/a (1 seed)'
+            if len(d['diffs']) < 2
+            else 'resolved: the interval excludes 0'
             if d['excludes_zero']
-            else f'the interval is narrower than ±0.3 (±{d["half"]:.2f})'
+            else f'bounded: the interval includes 0 and is ±{d["half"]:.2f} wide, narrower than ±0.3'
             if d['half'] < 0.3
-            else f'neither: the interval includes 0 and is ±{d["half"]:.2f} wide'
-            if len(d['diffs']) > 1
-            else 'n/a (1 seed)'
+            else f'neither resolved nor bounded: the interval includes 0 and is ±{d["half"]:.2f} wide'
         )
         lines += [
             '',
             f'TL-Align − CutMix at the size where area labels are most wrong ({tl_size}), over {len(d["diffs"])} '
-            f'seeds: **{d["mean"]:+.2f} {interval(d)}**, sd of the paired differences {d["sd"]:.2f}; '
-            f'{verdict} (interval excludes 0: {excludes_zero(d)}).',
+            f'seeds: **{d["mean"]:+.2f} {interval(d)}**, sd of the paired differences {d["sd"]:.2f}; {verdict}.',
         ]
     return '\n'.join(lines)
 

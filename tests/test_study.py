@@ -203,6 +203,35 @@ def test_object_share_of_a_cutmix_box_by_hand():
     assert size.object_share(a, b, (0, 10, 5, 8)) == pytest.approx(0.5 / (0.5 + 1.0))
 
 
+@pytest.mark.parametrize(
+    'tl_align, cutmix, verdict',
+    [
+        ([71.0, 72.0, 73.0, 74.0], [70.0, 70.8, 72.1, 72.9], 'resolved: the interval excludes 0'),
+        # differences +0.2 / -0.1 / +0.1 / -0.2 over 8 seeds: mean 0, sd 0.17, half-width 2.36 * 0.17 / √8 = 0.14
+        ([70.2, 69.9, 70.1, 69.8] * 2, [70.0] * 8, 'bounded: the interval includes 0 and is ±0.14 wide, narrower'),
+        ([71.0, 69.0, 70.5], [70.0, 70.0, 70.0], 'neither resolved nor bounded: the interval includes 0 and is ±'),
+        ([71.0], [70.0], 'n/a (1 seed)'),
+    ],
+)
+def test_size_study_says_whether_tl_align_is_resolved_or_bounded(tl_align, cutmix, verdict):
+    """The TL-Align line of study_size.md, by the issue's rule: resolved where the 95 % interval excludes 0,
+    bounded where it includes 0 and is narrower than ±0.3, neither otherwise; no interval for one seed."""
+    size, study = _size_study(), _bench('study')
+    knob = dict(coverage=0.06, share_off=0.5, mean_error=0.2, invisible=0)
+    seeds = list(range(len(tl_align)))
+    diff = study.paired(tl_align, cutmix)
+    record = dict(
+        knob={'small': knob},
+        top1={'small': {'cutmix': cutmix, 'tl_align': tl_align}},
+        diffs={'small': {'tl_align': study.paired(tl_align[:1], cutmix[:1])}},
+        tl_align=dict(size='small', seeds=seeds, diff=diff),
+    )
+    text = size.render(record, 'tiny', study.PRESETS['tiny'], 'small', 60.0, 120.0)
+    line = text.splitlines()[-1]
+    assert line.startswith(f'TL-Align − CutMix at the size where area labels are most wrong (small), over {len(seeds)}')
+    assert verdict in line
+
+
 @pytest.mark.slow
 def test_size_study_runs_its_grid_on_two_worlds_and_resumes(tmp_path, monkeypatch):
     """bench/study_size.py on the tiny preset: two object sizes, CutMix and TL-Align on one seed, a second seed of
