@@ -222,7 +222,7 @@ def plot(record: dict, path: Path) -> Path:
     labels = {k: v[0] for k, v in RUNS.items()}
     sizes = list(record['knob'])
     x = [record['knob'][s]['coverage'] * 100 for s in sizes]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), layout='constrained')
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.8), layout='constrained')
     methods = [n for n in SIZE_RUNS if n != BASELINE and any(n in record['diffs'][s] for s in sizes)]
     colors = {}
     for i, n in enumerate(methods):
@@ -243,7 +243,7 @@ def plot(record: dict, path: Path) -> Path:
     left.set_xlabel('mean main-object coverage of the image (%): ' + ', '.join(sizes))
     left.set_ylabel(f'test top-1 − {labels[BASELINE]} (points)')
     left.set_title('Paired difference to CutMix, 95 % interval')
-    left.legend(fontsize=8, loc='lower right')
+    left.legend(fontsize=8, loc='upper center', bbox_to_anchor=(0.5, -0.16), ncol=2)  # below: the bars fill the axes
     right.bar([str(s) for s in sizes], [record['knob'][s]['share_off'] * 100 for s in sizes], color='tab:grey')
     right.set_ylabel(f'CutMix pairs with area label off by > {KNOB_OFF} (%)')
     right.set_title('The knob: how wrong the area label is')
