@@ -225,16 +225,20 @@ def plot(record: dict, path: Path) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.8), layout='constrained')
     methods = [n for n in SIZE_RUNS if n != BASELINE and any(n in record['diffs'][s] for s in sizes)]
     colors = {}
+
+    def shift(i: int) -> float:  # the i-th method's offset at a size, side by side around it
+        return (i - (len(methods) - 1) / 2) * 0.8
+
     for i, n in enumerate(methods):
         pts = [(xi, record['diffs'][s][n]) for xi, s in zip(x, sizes) if n in record['diffs'][s]]
-        xs = [p[0] + (i - (len(methods) - 1) / 2) * 0.8 for p in pts]  # side by side at each size
+        xs = [p[0] + shift(i) for p in pts]
         means = [p[1]['mean'] for p in pts]
         halves = [p[1]['half'] if len(p[1]['diffs']) > 1 else 0.0 for p in pts]
         colors[n] = left.errorbar(xs, means, yerr=halves, marker='o', capsize=4, label=labels[n])[0].get_color()
     tl = record.get('tl_align')
     if tl and len(tl['seeds']) > len(record['seeds']):  # TL-Align's extra seeds, to the left of its size's points
         d = tl['diff']
-        at = x[sizes.index(tl['size'])] - (len(methods) + 1) / 2 * 0.8
+        at = x[sizes.index(tl['size'])] + shift(-1)
         left.errorbar(
             [at], [d['mean']], yerr=[d['half']], marker='s', mfc='white', color=colors.get('tl_align'), capsize=4,
             label=f'{labels["tl_align"]}, {len(tl["seeds"])} seeds',
