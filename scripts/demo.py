@@ -38,12 +38,6 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def mixing_flags(kind: str) -> list:
-    """``tokenaug-train``'s flags for a mixing kind (``--mixup-type``) or a target method over the config's
-    MixUp/CutMix (``--method tl_align``)."""
-    return ['--method', kind] if kind in ('tl_align', 'transmix') else ['--mixup-type', kind]
-
-
 def run(cmd, env=None, log=None, echo=True):
     """Run a command, keep its whole output in ``log``, echo only the evaluation lines (none without ``echo``)."""
     t = time.time()
@@ -350,7 +344,7 @@ def transfer(world, out, method, seg_iters, det_epochs, det_pretrain_epochs):
     miou = metric(out / f'mmseg_{method}_test.log', 'mIoU')
     # detection: a small Swin pretrained with the same method, then Cascade Mask R-CNN
     swin = f'swin-mini_{method}'
-    timm_run(world, out, swin, det_pretrain_epochs, *mixing_flags(method), config='world_swin-mini.yaml')
+    timm_run(world, out, swin, det_pretrain_epochs, '--mixup-type', method, config='world_swin-mini.yaml')
     det_ckpt = out / 'backbones' / f'swin-mini_{method}_mmdet.pth'
     convert(
         out / 'timm' / f'swin-mini_{method}' / 'last.pth.tar',
@@ -461,7 +455,7 @@ def main():
             (
                 'timm (tokenaug-train)',
                 label,
-                *timm_run(world, out, kind, args.epochs, *mixing_flags(kind), curves=curves),
+                *timm_run(world, out, kind, args.epochs, '--mixup-type', kind, curves=curves),
             )
         )
     # TL-Align Appendix A's generalised rules on a CNN: ConvNeXt-Atto (the mix on its 4-px stem grid)
@@ -470,7 +464,7 @@ def main():
         ('tl_align', 'ConvNeXt-Atto: MixUp/CutMix + TL-Align'),
     ]:
         print(f'  -- {label}', flush=True)
-        flags = ['--model', 'convnext_atto', '--model-kwargs', *mixing_flags(kind)]
+        flags = ['--model', 'convnext_atto', '--model-kwargs', '--mixup-type', kind]
         rows.append(('timm (tokenaug-train)', label, *timm_run(world, out, f'convnext_{kind}', args.epochs, *flags)))
     for experiment, label, flags in tokenmixup:
         print(f'  -- {label}', flush=True)

@@ -259,32 +259,79 @@ def test_each_yaml_says_which_of_its_keys_timms_train_py_would_ignore():
         assert named == (', '.join(ours) or '(none)'), (path.name, named, ours)
 
 
-def test_method_flag_and_the_deprecated_spellings_it_replaces(tmp_path):
-    """``--method`` names the target method, ``--mixup-type`` the mixing kind under it; the old spellings
-    (``--mixup-type tl_align``, ``--method-mix KIND``, also from a YAML config) still parse, with a warning that
-    names the new one; contradictions are refused, named."""
-    new = parse_args(['--method', 'tl_align', '--mixup-type', 'tokenmix_random'])
-    assert (new.method, new.mixup_type, new.method_mix) == ('tl_align', 'tokenmix_random', None)
-    assert parse_args(['--method', 'transmix']).mixup_type == 'cutmix'  # the default kind under a method
-    assert parse_args(['--mixup-type', 'cutmix']).method is None
-    with pytest.warns(FutureWarning, match='use --method tl_align --mixup-type tokenmix_random'):
-        old = parse_args(['--mixup-type', 'tl_align', '--method-mix', 'tokenmix_random'])
-    assert (old.method, old.mixup_type, old.method_mix) == ('tl_align', 'tokenmix_random', None)
-    with pytest.warns(FutureWarning, match='use --method transmix '):
-        assert parse_args(['--mixup-type', 'transmix']).mixup_type == 'cutmix'
-    with pytest.warns(FutureWarning, match='--method-mix is deprecated: use --mixup-type token_box'):
-        assert parse_args(['--method', 'tl_align', '--method-mix', 'token_box']).mixup_type == 'token_box'
-    cfg = tmp_path / 'old.yaml'
-    cfg.write_text('mixup_type: transmix\nmethod_mix: mixup\n')
-    with pytest.warns(FutureWarning, match='--mixup-type transmix is deprecated'):
-        from_yaml = parse_args(['-c', str(cfg)])
-    assert (from_yaml.method, from_yaml.mixup_type) == ('transmix', 'mixup')
-    with pytest.raises(ValueError, match='--method transmix names one too'):
+def _spellings():
+    """Every spelling of a method over a kind, with the canonical one it must equal: ``--mixup-type METHOD``
+    (the promised spelling, the method over ``cutmix``), ``--method METHOD [--mixup-type KIND]``, the former
+    ``--method-mix KIND`` (warns), on the command line and from YAML."""
+    from shared_core.samplers import MIX_KINDS
+
+    for method in ('tl_align', 'transmix'):
+        canonical = ['--method', method, '--mixup-type', 'cutmix']
+        yield ['--mixup-type', method], {'mixup_type': method}, canonical, False
+        yield ['--method', method], {'method': method}, canonical, False
+        yield ['--method', method, '--mixup-type', method], {'method': method, 'mixup_type': method}, canonical, False
+        for kind in MIX_KINDS:
+            canonical = ['--method', method, '--mixup-type', kind]
+            yield canonical, {'method': method, 'mixup_type': kind}, canonical, False
+            former = {'mixup_type': method, 'method_mix': kind}
+            yield ['--mixup-type', method, '--method-mix', kind], former, canonical, True
+            yield ['--method', method, '--method-mix', kind], {'method': method, 'method_mix': kind}, canonical, True
+    for kind in ('mixup', 'cutmix', 'token_box', 'tokenmix', 'mixtoken'):
+        yield ['--mixup-type', kind], {'mixup_type': kind}, ['--mixup-type', kind], False
+
+
+@pytest.mark.parametrize(
+    'argv, yaml_cfg, canonical, warns', [pytest.param(*case, id=' '.join(case[0])) for case in _spellings()]
+)
+def test_every_spelling_parses_to_its_canonical_arguments(tmp_path, argv, yaml_cfg, canonical, warns):
+    """``--mixup-type tl_align`` / ``transmix`` (the promised spelling) parse with no warning at all, from the
+    command line and from YAML, into the method over ``cutmix``; every spelling parses to exactly the arguments
+    of its canonical ``--method METHOD --mixup-type KIND`` (the whole namespace, not only the two fields); the
+    former ``--method-mix`` still parses and warns with its replacement."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        want = vars(parse_args(canonical))
+    cfg = tmp_path / 'run.yaml'
+    cfg.write_text(yaml.safe_dump(yaml_cfg))
+    for args in (argv, ['-c', str(cfg)]):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            got = vars(parse_args(args))
+        got['config'] = ''
+        assert got == want, args
+        if warns:
+            assert [str(w.message) for w in caught] == [
+                f'--method-mix is deprecated: use --method {want["method"]} --mixup-type {want["mixup_type"]} '
+                '(--mixup-type names the mixing kind under --method)'
+            ]
+        else:
+            assert not caught, [str(w.message) for w in caught]
+
+
+def test_contradictory_spellings_are_refused_by_name():
+    with pytest.raises(ValueError, match='--mixup-type tl_align: a method, and --method transmix names one too'):
         parse_args(['--mixup-type', 'tl_align', '--method', 'transmix'])
     with pytest.raises(ValueError, match='two mixing kinds under --method tl_align'):
         parse_args(['--method', 'tl_align', '--mixup-type', 'mixup', '--method-mix', 'cutmix'])
     with pytest.raises(ValueError, match='--method-mix cutmix: it names the mixing kind under a --method'):
         parse_args(['--method-mix', 'cutmix'])
+
+
+def test_help_lists_the_methods_among_the_mixing_kinds(capsys):
+    """``tokenaug-train --help``: ``tl_align`` and ``transmix`` among ``--mixup-type``'s choices, each choice with
+    one line on what it does; the former ``--method-mix`` is not shown."""
+    with pytest.raises(SystemExit):
+        parse_args(['--help'])
+    text = capsys.readouterr().out
+    block = text[text.index('  --mixup-type {') :].split('\n  --')[0]
+    assert block.splitlines()[0].endswith('tokenmix,tl_align,transmix}')
+    lines = [line.strip() for line in block.splitlines()]
+    for kind in ('mixup', 'cutmix', 'token_box', 'tokenmix', 'mixtoken', 'tl_align', 'transmix'):
+        assert sum(line.startswith(f'{kind}: ') for line in lines) == 1, kind
+    assert 'tl_align: TL-Align over cutmix' in block and 'transmix: TransMix over cutmix' in block
+    assert '--method-mix' not in text
 
 
 def test_recipe_builds_what_the_flags_name():

@@ -90,6 +90,15 @@ REFUSED = {
     'kd_token_distill_type': _KD,
 }
 
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, keeping the line breaks of a help text (one line per choice)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        split = super()._split_lines
+        return [line for part in text.splitlines() for line in split(part, width)]
+
+
 config_parser = argparse.ArgumentParser(description='Training Config', add_help=False)
 config_parser.add_argument(
     '-c',
@@ -103,7 +112,9 @@ config_parser.add_argument(
 
 def build_parser() -> argparse.ArgumentParser:
     """timm ``train.py``'s parser (every flag, default and help) and the tokenaug flags."""
-    parser = argparse.ArgumentParser(description='tokenaug-train: timm training with token-aware mixing and targets')
+    parser = argparse.ArgumentParser(
+        description='tokenaug-train: timm training with token-aware mixing and targets', formatter_class=HelpFormatter
+    )
 
     # Dataset parameters
     group = parser.add_argument_group('Dataset parameters')
@@ -943,24 +954,24 @@ def add_tokenaug_args(parser: argparse.ArgumentParser) -> None:
         '--method',
         default=None,
         choices=TARGET_METHODS,
-        help='the target method over the mixing kind: tl_align (TL-Align) or transmix (TransMix); the kind under '
-        'it is --mixup-type (default cutmix: with --mixup > 0, the MixUp/CutMix switch; TL-Align paper Table 7)',
+        help='the target method over another mixing kind: --method tl_align --mixup-type KIND (--mixup-type tl_align '
+        'alone is the method over cutmix)',
     )
     g.add_argument(
         '--mixup-type',
         default=None,
         choices=MIX_KINDS + TOKEN_LABELING_TYPES + ('tokenmix',) + TARGET_METHODS,
-        help='tokenaug mixing kind (default: timm behaviour, cutmix if --cutmix > 0 else mixup); '
-        'mixtoken: MixToken after patch embedding (Token Labeling paper Eq. 5), box ~ Beta(--cutmix or 1); '
-        'tokenmix: tokenmix_{--tokenmix-mask} with λ = 0.5 unless --tokenmix-lam (TokenMix paper Sec. 3.2); '
-        'tl_align / transmix: deprecated spellings of --method',
+        help='how the batch is mixed (default: cutmix if --cutmix > 0 else mixup, as timm):\n'
+        'mixup: MixUp only\n'
+        "cutmix: timm's MixUp/CutMix switch\n"
+        'token_box: a CutMix box on the token grid\n'
+        'tokenmix_block, tokenmix_random: TokenMix token masks\n'
+        'tokenmix: TokenMix (--tokenmix-mask kind, λ 0.5)\n'
+        'mixtoken: MixToken, with --token-label-dir\n'
+        'tl_align: TL-Align over cutmix (λ traced by attention)\n'
+        'transmix: TransMix over cutmix (λ by class attention)',
     )
-    g.add_argument(
-        '--method-mix',
-        default=None,
-        choices=MIX_KINDS,
-        help='deprecated: the mixing kind under --method is --mixup-type',
-    )
+    g.add_argument('--method-mix', default=None, choices=MIX_KINDS, help=argparse.SUPPRESS)  # see resolve_method
     g.add_argument(
         '--tl-align-layers',
         type=int,
@@ -1229,29 +1240,25 @@ def check_one_kind(args: argparse.Namespace) -> None:
 
 
 def resolve_method(args: argparse.Namespace) -> None:
-    """``--method`` and the mixing kind under it, from the current or the deprecated spelling (a warning names
-    the new one): ``--mixup-type tl_align [--method-mix KIND]`` is ``--method tl_align --mixup-type KIND``. With a
-    method and no kind, the kind is ``cutmix`` (the MixUp/CutMix switch with ``--mixup > 0``)."""
+    """``--method`` and the mixing kind under it. ``--mixup-type tl_align`` (or ``transmix``) is the method over
+    the default kind, as ``--method tl_align``; ``--method METHOD --mixup-type KIND`` puts it over another kind.
+    With a method and no kind, the kind is ``cutmix`` (the MixUp/CutMix switch with ``--mixup > 0``).
+    ``--method-mix KIND``, the former way to name the kind under ``--mixup-type METHOD``, still parses and warns
+    (``FutureWarning``) with the spelling that replaces it."""
     if args.mixup_type in TARGET_METHODS:
         if args.method not in (None, args.mixup_type):
             raise ValueError(
                 f'--mixup-type {args.mixup_type}: a method, and --method {args.method} names one too; '
-                'pass --method only, with the mixing kind as --mixup-type'
+                f'pass --method {args.method} --mixup-type KIND to put a method over another mixing kind'
             )
-        kind = f' --mixup-type {args.method_mix}' if args.method_mix else ''
-        warnings.warn(
-            f'--mixup-type {args.mixup_type} is deprecated: use --method {args.mixup_type}{kind} (--mixup-type names '
-            'the mixing kind under the method)',
-            FutureWarning,
-            stacklevel=2,
-        )
         args.method, args.mixup_type = args.mixup_type, None
-    elif args.method_mix is not None:
+    if args.method_mix is not None:
         if args.method is None:
             raise ValueError(f'--method-mix {args.method_mix}: it names the mixing kind under a --method; none given')
         check_one_kind(args)
         warnings.warn(
-            f'--method-mix is deprecated: use --mixup-type {args.method_mix} (the mixing kind under --method)',
+            f'--method-mix is deprecated: use --method {args.method} --mixup-type {args.method_mix} '
+            '(--mixup-type names the mixing kind under --method)',
             FutureWarning,
             stacklevel=2,
         )
