@@ -276,6 +276,35 @@ def test_create_mixer_takes_timms_mixup_arguments_and_matches_its_targets(args):
             torch.testing.assert_close(out, lam * x + (1 - lam) * x.flip(0))
 
 
+@pytest.mark.parametrize('args', TIMM_ARG_SETS)
+def test_timms_positional_order_is_taken_too(args):
+    """``Mixup(0.8, 1.0)`` works, so ``create_mixer(0.8, 1.0)`` does (and the classes, and after a kind): each
+    argument set given positionally in timm's order builds the mixer its keywords build, attribute for attribute."""
+    import inspect
+
+    from timm.data.mixup import Mixup
+
+    from timm_plugin.mixup import TIMM_POSITIONAL, FastCollateTokenMixup, TokenAwareMixup
+
+    assert TIMM_POSITIONAL == tuple(inspect.signature(Mixup).parameters)  # timm's order, read from timm
+    full = {name: p.default for name, p in inspect.signature(Mixup).parameters.items()} | args
+    positional = [full[name] for name in TIMM_POSITIONAL]
+    attrs = ('mixup_alpha', 'cutmix_alpha', 'cutmix_minmax', 'mix_prob', 'switch_prob', 'mode', 'correct_lam',
+             'label_smoothing', 'num_classes', 'multi_label', 'mix_kind')  # fmt: skip
+    want = create_mixer(**args)
+    for got in (create_mixer(*positional), TokenAwareMixup(*positional), create_mixer(want.mix_kind, *positional)):
+        assert [getattr(got, a) for a in attrs] == [getattr(want, a) for a in attrs]
+    timm_mixer = Mixup(*positional)
+    assert [getattr(want, a) for a in attrs[:-2]] == [getattr(timm_mixer, a) for a in attrs[:-2]]
+    if not args.get('multi_label'):
+        collate = FastCollateTokenMixup(*positional)
+        assert (collate.mixup_alpha, collate.num_classes) == (full['mixup_alpha'], full['num_classes'])
+    with pytest.raises(TypeError, match="create_mixer: got multiple values for argument 'mixup_alpha'"):
+        create_mixer(0.8, mixup_alpha=0.5)
+    with pytest.raises(TypeError, match='at most 10 positional arguments after the mixing kind'):
+        create_mixer(*positional, 0)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),

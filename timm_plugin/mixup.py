@@ -25,6 +25,7 @@ subclass, so ``SoftTargetCrossEntropy`` and friends take it unchanged) and carri
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import numpy as np
@@ -58,6 +59,51 @@ __all__ = [
 #: carry the mix
 TARGET_METHODS = ('tl_align', 'transmix')
 PLAIN_TARGET_KINDS = ('mixup', 'cutmix')
+
+
+#: timm ``Mixup``'s constructor parameters in their positional order
+TIMM_POSITIONAL = (
+    'mixup_alpha',
+    'cutmix_alpha',
+    'cutmix_minmax',
+    'prob',
+    'switch_prob',
+    'mode',
+    'correct_lam',
+    'label_smoothing',
+    'num_classes',
+    'multi_label',
+)
+
+
+def timm_positional(lead: int):
+    """Let a mixer constructor take timm ``Mixup``'s positional arguments as well as its keywords: after the
+    ``lead`` leading arguments (``self`` of a method) and an optional mixing kind (a string or ``None``), positional
+    values fill :data:`TIMM_POSITIONAL` in order, so ``create_mixer(0.8, 1.0)`` is ``Mixup(0.8, 1.0)`` and
+    ``create_mixer('token_box', 0.8, 1.0)`` the same over token boxes. A value given both ways, or more values
+    than timm takes, is a ``TypeError``, as Python's own."""
+
+    def wrap(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            head, rest = args[:lead], list(args[lead:])
+            kind = (
+                rest.pop(0) if rest and (rest[0] is None or isinstance(rest[0], str)) else kwargs.pop('mix_kind', None)
+            )
+            if len(rest) > len(TIMM_POSITIONAL):
+                raise TypeError(
+                    f'{func.__qualname__}: at most {len(TIMM_POSITIONAL)} positional arguments after the mixing kind '
+                    f"(timm Mixup's {', '.join(TIMM_POSITIONAL)}), got {len(rest)}"
+                )
+            for name, value in zip(TIMM_POSITIONAL, rest):
+                if name in kwargs:
+                    raise TypeError(f'{func.__qualname__}: got multiple values for argument {name!r}')
+                kwargs[name] = value
+            return func(*head, kind, **kwargs)
+
+        return wrapper
+
+    return wrap
 
 
 #: timm ``Mixup`` attributes a training loop may read or schedule
@@ -102,6 +148,7 @@ class TokenAwareMixup:
     schedules them (or switches mixing off) works as with timm.
     """
 
+    @timm_positional(lead=1)
     def __init__(
         self,
         mix_kind: Optional[str] = None,
@@ -235,6 +282,7 @@ class FastCollateTokenMixup(FastCollateMixup):
     element and returns the first half of the batch (plain-target kinds only: the partners of a half
     batch are not in it, so no mix can be carried)."""
 
+    @timm_positional(lead=1)
     def __init__(self, mix_kind: Optional[str] = None, *, mode: str = 'batch', **kwargs):
         self.half = 'half' in mode
         self.mixer = TokenAwareMixup(mix_kind, mode='elem' if self.half else mode, **kwargs)
@@ -289,6 +337,7 @@ def infer_mix_kind(mix_kind: Optional[str], cutmix_alpha: float, cutmix_minmax=N
     return 'cutmix' if cut else 'mixup'
 
 
+@timm_positional(lead=0)
 def create_mixer(
     mix_kind: Optional[str] = None,
     *,
@@ -314,9 +363,10 @@ def create_mixer(
     multi_label: bool = False,
 ):
     """A mixer with timm ``Mixup``'s arguments and defaults (see the module docstring for the kinds):
-    ``create_mixer(**mixup_args)`` is ``timm.data.Mixup(**mixup_args)``. ``mixup_alpha``, ``cutmix_alpha``,
-    ``cutmix_minmax``, ``prob``, ``switch_prob``, ``mode``, ``correct_lam``, ``label_smoothing`` and ``num_classes``
-    are as in ``timm.data.Mixup``.
+    ``create_mixer(**mixup_args)`` is ``timm.data.Mixup(**mixup_args)``, and timm's positional order works too:
+    ``create_mixer(0.8, 1.0)`` is ``Mixup(0.8, 1.0)``, ``create_mixer('token_box', 0.8, 1.0)`` the same over token
+    boxes. ``mixup_alpha``, ``cutmix_alpha``, ``cutmix_minmax``, ``prob``, ``switch_prob``, ``mode``,
+    ``correct_lam``, ``label_smoothing`` and ``num_classes`` are as in ``timm.data.Mixup``.
 
     Args:
         mix_kind: what the sampler draws, one of :data:`MIX_KINDS`; ``None`` infers it as timm does
