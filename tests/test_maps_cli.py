@@ -448,9 +448,13 @@ def test_an_unreadable_image_is_named_not_replaced_by_the_next(tmp_path, data_di
     victim = sorted((bad / 'train').rglob('*.jpg'))[5]
     raw = victim.read_bytes()
     victim.write_bytes(raw[: len(raw) // 3])
-    assert maps.main(_argv(bad, checkpoint, tmp_path / 'maps')) == 2
-    err = capsys.readouterr().err
+    errors = []
+    for workers in ('0', '2'):  # with DataLoader workers: the same one line, not the workers' wrapped traceback
+        assert maps.main(_argv(bad, checkpoint, tmp_path / f'maps{workers}') + ['-j', workers]) == 2
+        errors.append(capsys.readouterr().err.strip())
+    err = errors[1]
     assert f'{victim.parent.name}/{victim.name}' in err and 'cannot be read' in err, err
+    assert errors[0] == err and len(err.splitlines()) == 1, errors
 
 
 def test_maps_info_prints_a_store_without_importing_torch(tmp_path, run_env):

@@ -146,6 +146,34 @@ def test_a_missing_or_malformed_file_names_the_image_and_nothing_partial_is_read
     assert len(LabelMapStore.open(tmp_path / 'store')) == len(files)
 
 
+def test_errors_in_import_workers_are_the_one_line_of_one_process_and_a_shape_names_both_files(
+    tiny_world, tmp_path, capsys
+):
+    """With DataLoader workers (``-j 2``), a bad label file gives the one-line error of ``-j 0``, not DataLoader's
+    wrapped traceback. One file of another grid among the rest, the first image's included: the error names the
+    two files and their shapes."""
+    data = tiny_world / 'imagenet'
+    public_label_files(data, tmp_path / 'labels')
+    files = sorted((tmp_path / 'labels').rglob('*.pt'))
+    torch.save(torch.zeros(3, 5, 7, 7), files[5])  # malformed: not (2, k, h, w)
+    errors = []
+    for workers in ('0', '2'):
+        assert run_import(data, tmp_path / 'labels', tmp_path / f'store{workers}', '-b', '4', '-j', workers) == 2
+        errors.append(capsys.readouterr().err.strip())
+    assert errors[0] == errors[1] and len(errors[1].splitlines()) == 1, errors
+    assert errors[1].startswith('tokenaug-maps import: error: --src: the label file of image')
+    assert 'Caught' not in errors[1] and 'Traceback' not in errors[1]
+
+    public_label_files(data, tmp_path / 'labels')
+    first = files[0]  # the odd one is the first image's file: 5x5 among 7x7
+    torch.save(torch.stack([torch.zeros(5, 5, 5), torch.arange(5).view(5, 1, 1).expand(5, 5, 5)]).half(), first)
+    assert run_import(data, tmp_path / 'labels', tmp_path / 'store_shape', '-b', '4', '-j', '2') == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and 'label files of two shapes (k, h, w)' in err, err
+    rel = lambda f: f'{f.parent.name}/{f.name}'  # noqa: E731
+    assert f"{rel(files[1])} holds (5, 7, 7), {rel(first)} (the first image's) (5, 5, 5)" in err
+
+
 def test_resume_and_shards_give_the_same_store(imported, tmp_path):
     data, labels, store, _ = imported
     for i in range(2):

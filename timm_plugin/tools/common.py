@@ -1,17 +1,18 @@
 """What the CLI tools share: the dataset-split and model flags, ``--model-kwargs`` parsing, the split's
-dataset and the device."""
+dataset, the device, and a loader whose workers' errors reach the user as one line."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import yaml
 from timm.data import create_dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
-__all__ = ['add_data_model_args', 'parse_model_kwargs', 'split_dataset', 'resolve_device']
+__all__ = ['add_data_model_args', 'parse_model_kwargs', 'split_dataset', 'resolve_device', 'batches_raising_plainly']
 
 
 def add_data_model_args(parser: argparse.ArgumentParser, split: str, role: str | None = None) -> None:
@@ -74,3 +75,40 @@ def resolve_device(name: Optional[str], local_rank: Optional[int] = None) -> tor
         torch.cuda.set_device(device)
         return device
     return torch.device(name)
+
+
+class _Raised:
+    """An item's error, handed from a DataLoader worker to the main process as a value."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class _Catching(Dataset):
+    def __init__(self, dataset: Dataset, errors: tuple[type[BaseException], ...]):
+        self.dataset, self.errors = dataset, errors
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        try:
+            return self.dataset[i]
+        except self.errors as e:
+            return _Raised(e)
+
+
+def _collate_or_raised(items: list):
+    return next((item for item in items if isinstance(item, _Raised)), None) or default_collate(items)
+
+
+def batches_raising_plainly(
+    dataset: Dataset, errors: tuple[type[BaseException], ...], **loader_kwargs
+) -> Iterator[Any]:
+    """The batches of ``DataLoader(dataset, **loader_kwargs)``; an error of a type in ``errors`` raised by an item
+    is raised here as itself, one line as without workers, where DataLoader would wrap it in "Caught X in DataLoader
+    worker process N ... Original Traceback" (the worker hands it over as a value)."""
+    for batch in DataLoader(_Catching(dataset, errors), collate_fn=_collate_or_raised, **loader_kwargs):
+        if isinstance(batch, _Raised):
+            raise batch.error
+        yield batch

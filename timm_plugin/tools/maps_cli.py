@@ -55,7 +55,7 @@ import numpy as np
 import timm
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from shared_core.label_maps import rows_from_topk_logits
 from shared_core.map_store import (
@@ -82,7 +82,7 @@ from ..annotator import (
     sha256_file,
 )
 from ..image_data import UnreadableImageError, read_sample
-from .common import add_data_model_args, parse_model_kwargs, resolve_device, split_dataset
+from .common import add_data_model_args, batches_raising_plainly, parse_model_kwargs, resolve_device, split_dataset
 
 __all__ = [
     'shard_rows',
@@ -312,9 +312,9 @@ def _fill(
     todo = writer.missing()
     if todo.size == 0:
         return 0
-    subset = _Rows(dataset, todo + start)
-    loader = DataLoader(
-        subset,
+    loader = batches_raising_plainly(
+        _Rows(dataset, todo + start),
+        (UnreadableImageError,),
         batch_sampler=_batches(todo, args.batch_size),
         num_workers=args.workers,
         pin_memory=device.type == 'cuda',
@@ -477,9 +477,10 @@ class _PublicFiles(Dataset):
         row = int(self.rows[i])
         values, indices = _read_public_file(self.src, self.paths[row], self.num_classes)
         if values.shape != self.shape:
+            first, this = (public_label_file(self.paths[r]) for r in (0, row))
             raise LabelMapError(
-                f'--src: the label file of image {self.paths[row]!r} holds (k, h, w) = {values.shape}, the others '
-                f'{self.shape}'
+                f'--src: label files of two shapes (k, h, w): {this} holds {values.shape}, {first} (the first '
+                f"image's) {self.shape}; one store holds maps of one shape"
             )
         return values, indices, row
 
@@ -539,7 +540,9 @@ def _import_shard(args: argparse.Namespace, src: Path, dist: _Dist, on_batch: On
         with writer:
             todo = writer.missing()
             files = _PublicFiles(src, paths, todo + start, args.num_classes, (k, h, w))
-            loader = DataLoader(files, batch_sampler=_batches(todo, args.batch_size), num_workers=args.workers)
+            loader = batches_raising_plainly(
+                files, (LabelMapError,), batch_sampler=_batches(todo, args.batch_size), num_workers=args.workers
+            )
             show = not args.no_progress and dist.index == 0
             with tqdm(total=int(todo.size), unit='img', desc=f'import {store.name}', disable=not show) as bar:
                 for values, indices, rows in loader:
