@@ -7,13 +7,14 @@ from __future__ import annotations
 import html
 import json
 import os
+import textwrap
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 from PIL import Image
 
-__all__ = ['save_png', 'save_figure', 'write_index']
+__all__ = ['save_png', 'draw_figure', 'save_figure', 'write_index']
 
 Panel = Tuple[str, np.ndarray]  # (title, (H, W, 3) uint8)
 
@@ -49,17 +50,30 @@ def pyplot():
 Scale = Tuple
 
 
-def save_figure(
+def _fit_titles(fig, axes) -> None:
+    """Break each panel title over as many lines as it needs to stay within its panel's width, so the titles of
+    neighbouring panels never run into each other (matplotlib's ``wrap=True`` wraps at the figure's edge only)."""
+    fig.draw_without_rendering()
+    renderer = fig.canvas.get_renderer()
+    for ax in axes:
+        title, text = ax.title, ax.title.get_text()
+        width, chars = ax.get_window_extent(renderer).width, len(text)
+        while chars > 6 and title.get_window_extent(renderer).width > width:
+            chars = int(chars * 0.9)
+            title.set_text(textwrap.fill(text, chars, break_long_words=False, break_on_hyphens=False))
+
+
+def draw_figure(
     rows: Sequence[Sequence[Panel]],
-    path,
     title: Optional[str] = None,
     panel_inches: float = 2.3,
     scales: Sequence[Scale] = (),
     legend: Sequence[Tuple[str, Sequence[int]]] = (),
-) -> Path:
-    """A grid of titled panels (rows of ``(title, image)``; a missing panel is ``None``) as one PNG, laid out by
-    matplotlib's constrained layout (titles never over the row above); under it a colour bar per ``scales`` entry
-    and a legend of ``legend``'s ``(name, rgb)`` colours (e.g. the class colours)."""
+):
+    """A grid of titled panels (rows of ``(title, image)``; a missing panel is ``None``) as a matplotlib figure,
+    laid out by constrained layout (titles never over the row above, each within its panel's width: a long one
+    takes more lines); under it a colour bar per ``scales`` entry and a legend of ``legend``'s ``(name, rgb)``
+    colours (e.g. the class colours). :func:`save_figure` writes it as a PNG."""
     from shared_core.viz import OWN, PARTNER
 
     plt = pyplot()
@@ -76,6 +90,7 @@ def save_figure(
         squeeze=False,
         layout='constrained',
     )
+    titled = []
     for i in range(nrows):
         for j in range(ncols):
             ax = axes[i][j]
@@ -90,7 +105,8 @@ def save_figure(
             for spine in ax.spines.values():  # a thin frame: white panel areas stay apart from the page
                 spine.set_linewidth(0.5)
                 spine.set_color('0.6')
-            ax.set_title(name, fontsize=7, wrap=True)
+            ax.set_title(name, fontsize=7)
+            titled.append(ax)
     for scale in scales:
         kind, label = scale[0], scale[1]
         if kind == 'share':
@@ -119,6 +135,15 @@ def save_figure(
         fig.legend(handles=handles, loc='outside lower center', ncol=min(5, len(handles)), fontsize=7, frameon=False)
     if title:
         fig.suptitle(title, fontsize=9)
+    _fit_titles(fig, titled)
+    return fig
+
+
+def save_figure(rows: Sequence[Sequence[Panel]], path, title: Optional[str] = None, **kwargs) -> Path:
+    """:func:`draw_figure` of ``rows`` (``title``, and its ``panel_inches``, ``scales``, ``legend``) as a PNG at
+    ``path``."""
+    plt = pyplot()
+    fig = draw_figure(rows, title, **kwargs)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -88,7 +88,29 @@ def test_mix_pictures_name_the_branch_the_switch_drew(tiny_world, tmp_path):
         blend = sample['lam'] < 1 and np.allclose(share, 1 - sample['lam'])
         assert (branch == 'mixup') == blend and branch in ('mixup', 'tokenmix_block', 'unmixed')
     assert 'mixup' in branches and 'tokenmix_block' in branches  # this seed draws both
-    assert f'this draw: mixup for {branches.count("mixup")} of 8' in meta['mixing']
+    n = branches.count('mixup')
+    assert meta['mixing'].endswith(f'(this draw: mixup for {n}, tokenmix_block for {8 - n} of 8)'), meta['mixing']
+
+
+def test_panel_titles_stay_within_their_panels():
+    """A title longer than its panel takes more lines instead of running into its neighbour's (the activation-map
+    figure's λ' was hidden so): every title's box lies within its panel's width, none overlaps another."""
+    from shared_core.plotting import draw_figure, pyplot
+
+    img = np.zeros((32, 32, 3), np.uint8)
+    long = "tokenmix_block, area λ=0.71, λ'=0.72 and more words to be sure"
+    rows = [[(long, img), ('target: 04_grid_hexagon 0.65, 09_grid_lshape 0.27', img), ('short', img)]] * 2
+    fig = draw_figure(rows, title='a title')
+    fig.draw_without_rendering()
+    renderer = fig.canvas.get_renderer()
+    boxes = []
+    for ax in fig.axes[:6]:
+        panel, title = ax.get_window_extent(renderer), ax.title.get_window_extent(renderer)
+        assert panel.x0 - 1 <= title.x0 and title.x1 <= panel.x1 + 1, ax.title.get_text()
+        boxes.append(title)
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    assert "λ'=0.72" in fig.axes[0].title.get_text().replace('\n', ' ')  # broken at spaces, nothing lost
+    pyplot().close(fig)
 
 
 def test_tokenmix_masks_have_the_requested_size(tmp_path):
@@ -139,6 +161,18 @@ def test_tl_align_pictures_read_back_and_start_from_the_mix(tiny_world, tmp_path
     # --per-block: the states in a figure of their own, at most BLOCKS_PER_ROW a row (not one strip per sample)
     assert (out / 'index.html').read_text().count('<img') == 2
     assert _png(out / 'tl_align_blocks.png').shape[1] <= _png(out / 'tl_align.png').shape[1]
+    # by default the cut branch, even under DeiT's switch (the config's MixUp 0.8 / CutMix 1.0), named
+    switch = ['-c', CONFIG, '--data-dir', str(tiny_world / 'imagenet'), '--count', '8', '--initial-checkpoint']
+    switch += [str(ckpt), '--model-kwargs', 'img_size=112', 'depth=2']
+    for branch, drawn in (('cut', 'cutmix for 8 of 8'), ('mixup', 'mixup for 8 of 8')):
+        chosen = [] if branch == 'cut' else ['--branch', branch]  # cut: the default
+        assert viz_cli.main(['tl-align', *switch, *chosen, '--viz-dir', str(tmp_path / branch)]) == 0
+        meta = json.loads((tmp_path / branch / 'meta.json').read_text())
+        assert meta['branch'] == branch and meta['drawn'] == drawn
+        assert {s['branch'] for s in meta['samples']} == {drawn.split()[0]}
+        if branch == 'cut':  # boxes: some token is cut, so its share is neither 0 nor the same everywhere
+            assert any(len(set(np.round(np.ravel(s['initial']), 6))) > 1 for s in meta['samples'])
+    assert viz_cli.main(['tl-align', *switch, '--cutmix', '0', '--viz-dir', str(tmp_path / 'r')]) == 2
     with pytest.raises(ValueError, match='no tracer for .*EfficientNet'):
         viz_cli.tl_align(
             [*common[:-3], '--model', 'efficientnet_b0', '--model-kwargs', '--viz-dir', str(tmp_path / 'r')]

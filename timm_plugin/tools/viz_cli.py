@@ -15,7 +15,7 @@ numbers behind them (``meta.json``).
 - ``tl-align``: TL-Align's Fig. 6 for a timm ViT / DeiT or Swin and a checkpoint: the two inputs, the mixed
   image, the initial label embedding (each token's partner share) and the aligned one after the last block
   (``--per-block``: after each; Swin's on each stage's grid), with the area λ and the aligned λ of what the
-  classifier reads;
+  classifier reads; the cut branch of the MixUp/CutMix switch by default, where the two λ differ (``--branch``);
 - ``token-labels``: each image's stored label map (top-1 class, its confidence as saturation) and, for several
   draws of the training augmentation (crop, flip, RandAugment with ``--geometric-aa``), the augmented image
   beside its per-token targets in class colours: whether the labels follow the image, checked by eye;
@@ -209,9 +209,8 @@ def mix(argv) -> Path:
     shown = f'{method} over {mix_kind}' if method else mix_kind
     if args.activation_map_dir:
         shown += f' with {args.activation_target} activation-map targets'
-    drawn = sorted(set(branches) - {mix_kind})
-    if drawn:  # the MixUp/CutMix switch (or λ = 1) drew another branch for some samples: say so, not only the kind
-        shown += f' (this draw: {", ".join(f"{b} for {branches.count(b)} of {count}" for b in drawn)})'
+    if set(branches) != {mix_kind}:  # the switch (or λ = 1) drew another branch for some samples: say so
+        shown += f' (this draw: {_drawn(branches)})'
     scales = [('share', 'partner share of each token (blue: the own image, red: the partner)')]
     if maps is not None:
         scales.append(('grey', "teacher's probability of the image's own class", (0.0, 1.0)))
@@ -246,11 +245,44 @@ def _branch(m, i: int, mix_kind: str) -> str:
 BLOCKS_PER_ROW = 6
 
 
+#: ``tokenaug-viz tl-align --branch``: which branch of the MixUp/CutMix switch the picture draws
+BRANCHES = ('cut', 'mixup', 'switch')
+
+
 def _tl_align_args(parser: argparse.ArgumentParser) -> None:
     _viz_args(parser)
     parser.add_argument(
         '--per-block', action='store_true', default=False, help='also the label state after every block'
     )
+    parser.add_argument(
+        '--branch',
+        default='cut',
+        choices=BRANCHES,
+        help="the switch's branch to draw: 'cut' (default: the kind's boxes or masks, where TL-Align's λ departs "
+        "from the area λ), 'mixup' (a blend: both λ are equal) or 'switch' (either, drawn as in training)",
+    )
+
+
+def _pin_branch(args: argparse.Namespace) -> None:
+    """Make the mixer draw ``args.branch`` of the MixUp/CutMix switch (``'switch'``: as configured)."""
+    cut = args.cutmix > 0 or args.cutmix_minmax is not None
+    if args.branch == 'cut':
+        if not cut or args.mixup_type == 'mixup':
+            raise ValueError(
+                f'--branch cut: --mixup-type {args.mixup_type} with --cutmix {args.cutmix} has no cut branch; '
+                'set --cutmix > 0 (and a kind with boxes or masks) or pass --branch mixup'
+            )
+        args.mixup_switch_prob = 1.0
+    elif args.branch == 'mixup':
+        if args.mixup <= 0:
+            raise ValueError(f'--branch mixup: --mixup {args.mixup} draws no blend; set --mixup > 0')
+        args.mixup_switch_prob = 0.0
+
+
+def _drawn(branches: list[str]) -> str:
+    """``'cutmix for 8 of 8'``, ``'mixup for 3, cutmix for 5 of 8'``: the branches a draw took."""
+    counts = ', '.join(f'{b} for {branches.count(b)}' for b in sorted(set(branches)))
+    return f'{counts} of {len(branches)}'
 
 
 def tl_align(argv) -> Path:
@@ -263,6 +295,7 @@ def tl_align(argv) -> Path:
 
     args = parse_args(argv, add=_tl_align_args, prog='tokenaug-viz tl-align')
     count = _check_count(args.count)
+    _pin_branch(args)
     model, data_config, dataset, indices, x, y, xm, target, method, mix_kind, kwargs = _mixed_batch(args, count)
     model.eval()
     m = target.mix
@@ -299,6 +332,7 @@ def tl_align(argv) -> Path:
     own, mixed = images_uint8(x, mean, std), images_uint8(xm, mean, std)
     names = _names(dataset, args.num_classes)
     initial, final = picture(initial_state), picture(states[-1])
+    branches = [_branch(m, i, mix_kind) for i in range(count)]
     blocks = [picture(h) for h in states] if args.per_block else []
     out = Path(args.viz_dir)
     rows, block_rows, meta_samples = [], [], []
@@ -312,7 +346,7 @@ def tl_align(argv) -> Path:
             (f'{i}: {names[int(y[i])]}', own[i]),
             (f'partner: {names[int(y[p])]}', own[p]),
             ('mixed', mixed[i]),
-            (f'initial labels, λ={area:.2f}', initial[i]),
+            (f'{branches[i]}: initial labels, λ={area:.2f}', initial[i]),
             (f'aligned labels, λ={al:.2f}', final[i]),
         ]
         panels = []
@@ -327,6 +361,7 @@ def tl_align(argv) -> Path:
                 index=indices[i],
                 label=int(y[i]),
                 partner=p,
+                branch=branches[i],
                 area_lam=area,
                 aligned_lam=al,
                 initial=initial_state[i].tolist(),
@@ -334,7 +369,7 @@ def tl_align(argv) -> Path:
                 files=files,
             )
         )
-    title = f"TL-Align on {args.model} ({mix_kind}; red: the partner's label)"
+    title = f"TL-Align on {args.model} ({_drawn(branches)}; red: the partner's label)"
     scales = [('share', "the partner's share of each token's label")]
     save_figure(rows, out / 'tl_align.png', title=title, scales=scales)
     pages = [('TL-Align', 'tl_align.png')]
@@ -348,6 +383,8 @@ def tl_align(argv) -> Path:
         model=args.model,
         checkpoint=args.initial_checkpoint,
         mix_kind=mix_kind,
+        branch=args.branch,
+        drawn=_drawn(branches),
         patch_size=list(m.patch_size),
         img_size=list(m.img_size),
         block_grids=[list(h.shape[1:]) for h in states],
