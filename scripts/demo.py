@@ -191,12 +191,12 @@ def pictures(world, out, count=4, viz=None) -> list:
         ('mix', ['mix', '-c', cfg / 'world_vit-tiny.yaml', *data, '--mixup-type', 'tokenmix_block', '--mixup', '0']),
         (
             'tl_align',
-            ['tl-align', '-c', cfg / 'world_vit-tiny.yaml', *data, '--mixup', '0', '--mixup-mode', 'elem']
+            ['tl-align', '-c', cfg / 'world_vit-tiny.yaml', *data, '--mixup-mode', 'elem']
             + ['--initial-checkpoint', out / 'timm/tl_align/model_best.pth.tar'],
         ),
         (
             'tl_align_swin',
-            ['tl-align', '-c', cfg / 'world_swin-mini.yaml', *data, '--mixup', '0', '--mixup-mode', 'elem']
+            ['tl-align', '-c', cfg / 'world_swin-mini.yaml', *data, '--mixup-mode', 'elem']
             + ['--initial-checkpoint', out / 'timm/swin-mini_tl_align/model_best.pth.tar'],
         ),
         (
