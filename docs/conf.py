@@ -98,4 +98,7 @@ def setup(app):
 
 
 html_theme = 'furo'
+# diffs wrap their long lines (the other code blocks fit the column: tests/test_docs.py)
+html_static_path = ['_static']
+html_css_files = ['tokenaug.css']
 html_title = f'tokenaug {release}'

@@ -1,4 +1,4 @@
-"""The methods on a ``torch.compile``d model (issue 12, item 4): the training step through the compiled module
+"""The methods on a ``torch.compile``d model: the training step through the compiled module
 (as timm's ``task.compile`` runs it, the method's hooks on the bare model) gives the eager step's logits, targets,
 loss and gradients, batch after batch (a label state baked into the graph would show as stale targets), and
 compiles once, not once per step.

@@ -14,6 +14,33 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ('shared_core', 'timm_plugin', 'mm_plugin')
+#: monospace columns a code block shows in furo's content column without cutting a line (about 93 at 1400 and at
+#: 1920 px wide; the rest is a margin for other fonts)
+CODE_COLUMNS = 88
+
+
+def wide_code_lines(html_root: Path) -> list[str]:
+    """``page: line`` for every line of a code block on the site's pages that is wider than :data:`CODE_COLUMNS`
+    (the API reference's source listings and diffs excepted: diffs of timm's ``train.py`` keep timm's lines and
+    wrap by the site's stylesheet, ``docs/_static/tokenaug.css``)."""
+    import html
+    import re
+
+    found = []
+    for page in sorted(html_root.rglob('*.html')):
+        rel = page.relative_to(html_root).as_posix()
+        if rel.startswith(('_modules/', 'api/', '_sources/')):
+            continue
+        text = page.read_text()
+        for block in re.finditer(
+            r'<div class="highlight-(?P<lang>[\w-]+) [^"]*"><div class="highlight"><pre>(.*?)</pre>', text, re.S
+        ):
+            if block['lang'] == 'diff':
+                continue
+            for line in html.unescape(re.sub(r'<[^>]+>', '', block[2])).splitlines():
+                if len(line) > CODE_COLUMNS:
+                    found.append(f'{rel}: {line}')
+    return found
 
 
 def public_modules() -> list[str]:
@@ -50,6 +77,24 @@ def test_docs_build_with_warnings_as_errors_and_document_every_public_module(tmp
     assert 'id="timm_plugin.recipe.build_training"' in recipe
     maps = (out / 'api' / 'generated' / 'shared_core.label_maps.html').read_text()
     assert 'id="shared_core.label_maps.CropMaps"' in maps
+    # no code line is cut at the content column's edge; diffs wrap by the stylesheet the pages load
+    wide = wide_code_lines(out)
+    assert not wide, f'{len(wide)} code lines wider than {CODE_COLUMNS} columns:\n' + '\n'.join(wide[:40])
+    assert 'div.highlight-diff pre' in (out / '_static' / 'tokenaug.css').read_text()
+    assert '_static/tokenaug.css' in (out / 'guides' / 'timm.html').read_text()
+
+
+def test_a_code_line_too_wide_for_the_column_is_found(tmp_path):
+    """The width check of the built site: a code line one column too wide is reported with its page; a diff's is
+    not (diffs wrap), nor one that fits."""
+    fits, wide = 'x' * CODE_COLUMNS, 'y' * (CODE_COLUMNS + 1)
+
+    def block(lang, line):
+        return f'<div class="highlight-{lang} notranslate"><div class="highlight"><pre><span></span>{line}\n</pre>'
+
+    (tmp_path / 'guides').mkdir()
+    (tmp_path / 'guides' / 'page.html').write_text(block('bash', fits) + block('python', wide) + block('diff', wide))
+    assert wide_code_lines(tmp_path) == [f'guides/page.html: {wide}']
 
 
 def test_a_broken_link_or_reference_fails_the_build(tmp_path):

@@ -1,4 +1,4 @@
-"""Fault injection (issue 14, ``../shared/reviews/reliability.md``): each case reproduces a way a user could
+"""Fault injection: each case reproduces a way a user could
 lose data or get silently wrong results, and checks the fix."""
 
 import copy

@@ -40,10 +40,24 @@ def run(script, tmp_path, *args):
     return done.stdout + done.stderr
 
 
+def test_the_timm_guide_states_each_diffs_size_and_shows_both():
+    """The guide's "+A / −R lines" of each diff are the files' own counts, and the page includes both files."""
+    import re
+
+    guide = (REPO / 'docs' / 'guides' / 'timm.md').read_text()
+    for name, method in (('TL-Align', 'tl_align'), ('Token Labeling', 'token_labeling')):
+        lines = (REPO / 'docs' / 'timm_train' / f'{method}.diff').read_text().splitlines()
+        added = sum(line.startswith('+') and not line.startswith('+++') for line in lines)
+        removed = sum(line.startswith('-') and not line.startswith('---') for line in lines)
+        stated = re.search(rf'^- {name}: \+(\d+) / −(\d+) lines', guide, re.M)
+        assert stated and (int(stated[1]), int(stated[2])) == (added, removed), (name, added, removed)
+        assert f'{{literalinclude}} ../timm_train/{method}.diff' in guide
+    page = (REPO / 'docs' / 'methods' / 'token_labeling.md').read_text()
+    assert '{literalinclude} ../timm_train/token_labeling.diff' in page
+
+
 @pytest.mark.slow
 def test_tl_align_diff_on_timms_train_py(tiny_world, tmp_path):
-    diff = (REPO / 'docs' / 'timm_train' / 'tl_align.diff').read_text()
-    assert sum(line[:1] in '+-' and line[:3] not in ('+++', '---') for line in diff.splitlines()) == 7
     log = run(
         patched('tl_align', tmp_path),
         tmp_path,

@@ -1,4 +1,4 @@
-"""TL-Align's shared attention on timm ViTs (one attention per block for tokens and labels, issue 12): the same
+"""TL-Align's shared attention on timm ViTs (one attention per block for tokens and labels): the same
 targets as the explicit reference, the plain model's logits and gradients, under fp32 and bf16 autocast.
 (``tests/test_tl_align.py``'s dense references run through the shared path too: its widths are <= 8.)"""
 
@@ -219,7 +219,7 @@ def test_the_default_on_the_cpu_is_the_fused_shared_call():
 
 @pytest.mark.parametrize('amp', [False, True])
 def test_one_more_block_adds_at_most_six_aten_ops_to_the_step(amp):
-    """Issue 12's launch-overhead proxy, per block: what one more block adds to a TL-Align training step (forward,
+    """The launch-overhead proxy, per block: what one more block adds to a TL-Align training step (forward,
     loss, backward; every aten op PyTorch dispatches, views included) beyond what it adds to the plain step. The
     shared call's share is 6 (the concatenation with the label columns, the wide q/k/v, the split of the output,
     the token columns' copy, the head sum and the in-place Eq. 11 update); under bf16 autocast 3 more (the hi/lo

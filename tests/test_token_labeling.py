@@ -279,7 +279,7 @@ def test_sparse_soft_cross_entropy_gradcheck_and_constant_targets():
 
 
 def test_token_labeling_step_adds_at_most_125_aten_ops():
-    """Issue 12's launch-overhead proxy for token labeling + MixToken: every aten op a training step dispatches
+    """The launch-overhead proxy for token labeling + MixToken: every aten op a training step dispatches
     (MixToken's box, forward, class and sparse token targets, loss, backward; views included) beyond the plain
     cross-entropy step of the same aux-head model, in the steady state (after one step: the targets' constants are
     made once). Measured 120 (torch 2.14.1; 177 before the written-out loss and token-swap backwards, the targets'

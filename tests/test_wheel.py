@@ -25,10 +25,11 @@ pytestmark = pytest.mark.slow
 
 
 def install_blocks() -> list[str]:
-    """The documentation's shell snippets marked as run by this test, in order: [install, first run]."""
+    """The documentation's shell snippets marked as run by this test, in order: [install, first run, openmim]."""
     blocks = run_by('tests/test_wheel.py')
-    assert [(b.page, b.lang) for b in blocks] == [('docs/install.md', 'bash')] * 2, blocks
-    return [b.code for b in blocks]
+    pages = [('docs/guides/mmpretrain.md', 'bash'), ('docs/install.md', 'bash'), ('docs/install.md', 'bash')]
+    assert [(b.page, b.lang) for b in blocks] == pages, blocks
+    return [b.code for b in blocks[1:]] + [blocks[0].code]
 
 
 def _run(cmd, cwd, env, timeout=1200):
@@ -194,6 +195,25 @@ def test_the_install_pages_first_run(user):
     assert (work / 'data' / 'world' / 'imagenet' / 'train').is_dir()
     assert len(list((work / 'runs').glob('*/last.pth.tar'))) == 1  # timm's saver, one experiment folder
     assert (work / 'work_dirs' / 'tl_align' / 'epoch_1.pth').is_file()  # saved by mmpretrain's train.py
+
+
+def test_openmim_installs_under_the_pins_and_mim_train_runs_our_config(user):
+    """The MMPretrain guide's openmim block as written, in the install page's environment (its PIP_CONSTRAINT
+    exported): the install only adds packages (no installed version changes), ``pip check`` is clean, and
+    ``mim train mmpretrain`` trains our config for an epoch."""
+    bin_, work, env, _ = user
+
+    def freeze() -> dict:
+        out = _run([str(bin_ / 'python'), '-m', 'pip', 'freeze', '--all'], work, env)
+        return dict(line.split('==', 1) for line in out.splitlines() if '==' in line)
+
+    before = freeze()
+    _bash(install_blocks()[2], work, env)
+    after = freeze()
+    assert {k: v for k, v in before.items() if after.get(k) != v} == {}  # nothing up- or downgraded, nothing removed
+    assert 'openmim' in after and 'openmim' not in before
+    assert 'No broken requirements' in _run([str(bin_ / 'python'), '-m', 'pip', 'check'], work, env)
+    assert (work / 'work_dirs' / 'mim' / 'epoch_1.pth').is_file()  # saved by mmpretrain's train.py, run by mim
 
 
 def test_the_wheel_holds_the_configs_and_typing_marker(user):

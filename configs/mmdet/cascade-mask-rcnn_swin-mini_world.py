@@ -8,7 +8,7 @@ backbone_checkpoint = '{{$TOKENAUG_BACKBONE:demo_out/backbones/swin-mini_mmdet.p
 custom_hooks = [dict(type='BackboneCheckpointCheck')]
 # Neck and heads sized to this backbone: 64 channels in the FPN, the RPN and the RoI heads (the recipe's 256 / 1024
 # are Swin-T's on COCO). One iteration of batch 2 then takes 1.0 s on 2 CPU cores instead of 8.7 s, so the demo
-# trains enough iterations to detect. Measured on the demo's world from a 3-epoch MixUp/CutMix mini Swin (issue 39):
+# trains enough iterations to detect. Measured on the demo's world from a 3-epoch MixUp/CutMix mini Swin:
 # 200 iterations (1 epoch of the 400 scenes) at lr 4e-4: box AP 0.105, mask AP 0.153; 400: 0.337 / 0.432; the
 # recipe's widths, 100 iterations at 2e-4: 0.063 / 0.106 in 8x the time.
 width = 64
