@@ -28,7 +28,7 @@ from common import device_sync, interleaved_times, optimizer_step, pair_ratios, 
 
 from timm_plugin.recipe import build_training
 from timm_plugin.tl_align import TLAlign, TransMix
-from timm_plugin.train_args import parse_args
+from tokenaug.train_args import parse_args
 
 
 def main():

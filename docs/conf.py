@@ -60,7 +60,7 @@ nitpick_ignore_regex = [
 templates_path = ['_templates']
 
 
-PACKAGES = ('shared_core', 'timm_plugin', 'mm_plugin')
+PACKAGES = ('tokenaug', 'shared_core', 'timm_plugin', 'mm_plugin')
 
 
 def _resolve_short_names(app, env, node, contnode):

@@ -31,7 +31,6 @@ arrived. Anything else is an error naming the keys; a wrong checkpoint never "lo
 
 from __future__ import annotations
 
-import argparse
 import ast
 import re
 import sys
@@ -41,6 +40,7 @@ import torch
 
 from shared_core.checkpoint_io import check_input_file, check_output_file, load_checkpoint_file, save_checkpoint_file
 from shared_core.state_dict_maps import tokenmixup_vit_to_timm
+from tokenaug.tool_args import convert_parser
 
 from .convert import mmpretrain_to_timm, to_dense_backbone
 from .mmengine_safe_load import allow_mmengine_checkpoints
@@ -324,41 +324,6 @@ def convert_checkpoint(
     )
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog='tokenaug-convert', description=__doc__.splitlines()[0])
-    p.add_argument('--src', required=True, help='classification checkpoint (tokenaug-train, timm or mmpretrain)')
-    p.add_argument('--dst', required=True, help='output checkpoint for init_cfg=dict(type="Pretrained", ...)')
-    p.add_argument(
-        '--to',
-        required=True,
-        choices=('mmseg', 'mmdet', 'timm'),
-        help='mmseg / mmdet: a backbone checkpoint; timm: an mmpretrain classifier as the timm model --model',
-    )
-    p.add_argument(
-        '--model', required=True, help='timm model name of the source architecture (ViT/DeiT, Swin, lvvit_t/s/m/l)'
-    )
-    p.add_argument(
-        '--from',
-        dest='source',
-        default='timm',
-        choices=('timm', 'mmpretrain', 'tokenmixup'),
-        help="the source's layout; tokenmixup: mlvlab/TokenMixup's ViT-B/16 release (--to timm)",
-    )
-    p.add_argument(
-        '--model-kwargs',
-        nargs='*',
-        default=[],
-        metavar='K=V',
-        help='timm create_model kwargs of the source (e.g. img_size=112)',
-    )
-    p.add_argument('--use-ema', action='store_true', help='take state_dict_ema of a tokenaug-train checkpoint')
-    p.add_argument(
-        '--final-norm', action='store_true', help='ViT, LV-ViT: keep the final norm (target final_norm=True)'
-    )
-    p.add_argument('--force', action='store_true', help='overwrite an existing --dst (never the --src file)')
-    return p
-
-
 def _kwargs(items: List[str]) -> dict:
     out = {}
     for item in items:
@@ -373,7 +338,7 @@ def _kwargs(items: List[str]) -> dict:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = convert_parser().parse_args(argv)
     try:
         report = convert_checkpoint(
             args.src,

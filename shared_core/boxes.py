@@ -13,6 +13,7 @@ import torch
 from scipy.special import betaincinv
 
 from .mix import grid_size
+from .options import BOX_ROUNDINGS
 
 __all__ = [
     'BOX_ROUNDINGS',
@@ -27,11 +28,6 @@ __all__ = [
     'box_token_share',
     'box_token_share_one',
 ]
-
-#: how a box's far side is rounded: ``'timm'`` (today's timm, ``cut - cut // 2`` after the centre) or
-#: ``'public'`` (the timm the authors' code pinned, ``cut // 2`` on both sides: a box one cell smaller
-#: for odd cuts)
-BOX_ROUNDINGS = ('timm', 'public')
 
 
 def check_box_rounding(rounding: str, name: str = 'box_rounding') -> str:

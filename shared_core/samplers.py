@@ -28,6 +28,7 @@ from .boxes import (
 )
 from .checks import check_int, check_real
 from .mix import IntPair, Mix, check_image_size, check_pairwise_batch, grid_size, to_2tuple
+from .options import CUT_KINDS, MIX_KINDS
 from .token_masks import (
     TOKENMIX_RULES,
     grid_box_mask,
@@ -39,10 +40,6 @@ from .token_masks import (
 
 __all__ = ['MIX_KINDS', 'CUT_KINDS', 'MODES', 'MixSampler']
 
-#: kinds whose "cut" branch replaces a region (pixel box, token box, token masks)
-CUT_KINDS = ('cutmix', 'token_box', 'tokenmix_block', 'tokenmix_random')
-#: every mixing kind a :class:`MixSampler` can draw
-MIX_KINDS = ('mixup',) + CUT_KINDS
 MODES = ('batch', 'pair', 'elem')
 
 

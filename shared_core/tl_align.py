@@ -35,6 +35,7 @@ from .label_attention import (
     use_fused_label_attn,
 )
 from .mix import Mix, partner_target
+from .options import DROP_PATH_LABELS, TRANSMIX_MODES
 
 __all__ = [
     'abs_row_norm',
@@ -410,11 +411,6 @@ def capture_forward(tracer: LabelTracer, forward: Callable[[], Any]) -> Tuple[An
     return output, captures
 
 
-#: what the label path does where stochastic depth dropped a sample's attention branch: ``'kept'`` (ours: the
-#: branch did not run, the labels stay) or ``'public'`` (the public code: the labels update regardless)
-DROP_PATH_LABELS = ('kept', 'public')
-
-
 def check_drop_path(drop_path: str, name: str = 'drop_path') -> str:
     if drop_path not in DROP_PATH_LABELS:
         raise ValueError(f'{name}: expected one of {DROP_PATH_LABELS}, got {drop_path!r}')
@@ -444,10 +440,6 @@ def trace_labels(
     with torch.no_grad(), torch.autocast(device_type=labels.device.type, enabled=False):
         state = tracer.propagate(captures, labels.float(), layers, residual)
         return tracer.readout(state, output)
-
-
-#: TransMix's rules: ``'paper'`` (the attention share alone) and ``'average'`` (its mean with the area share)
-TRANSMIX_MODES = ('paper', 'average')
 
 
 def nearest_token_share(mix: Mix) -> torch.Tensor:

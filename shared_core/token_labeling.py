@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from .label_maps import CropMaps, SparseTokenTargets, crop_targets, token_targets_sparse
 from .mix import Mix, check_labels, mix_rows, one_hot, own_lam
+from .options import HEAD_RULES
 from .samplers import MixSampler
 
 __all__ = [
@@ -52,8 +53,6 @@ __all__ = [
 
 #: where the class token's target comes from
 CLS_TARGETS = ('gt', 'annotator', 'mix')
-#: inference rules of a model with an aux head: ``cls + AUX_WEIGHT · max_tokens(aux)`` (the public code) or ``cls``
-HEAD_RULES = ('cls+aux', 'cls')
 #: weight of the aux term in the ``'cls+aux'`` rule (public code: ``x_cls + 0.5 * x_aux.max(1)[0]``)
 AUX_WEIGHT = 0.5
 #: MixToken's un-mixing needs pairwise swaps: one box per batch (the public code) or per pair (i, B-1-i)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .boxes import rand, rand_box
+from .options import TOKENMIX_RULES
 
 __all__ = [
     'TOKENMIX_RULES',
@@ -55,11 +56,6 @@ def random_token_mask(
 
 
 # TokenMix block masks (the TokenMix paper, Sec. 3.2) --------------------------------------------------
-
-#: TokenMix mask rules: ``'paper'`` (exactly ``round((1 - λ) N)`` tokens, parts of at least ``min_tokens``:
-#: :func:`tokenmix_masks`) or ``'public'`` (the authors' code: ``int((1 - λ) N) + min_tokens`` tokens
-#: targeted, parts from 1 token: :func:`tokenmix_masks_public`)
-TOKENMIX_RULES = ('paper', 'public')
 
 #: part rounds before a still unfinished mask gets one finishing part (see :func:`tokenmix_masks`)
 TOKENMIX_MAX_ROUNDS = 64

@@ -32,11 +32,9 @@ import torch
 
 from .label_maps import CropMaps, class_maps, smooth, token_targets_batch
 from .mix import Mix, check_labels, mix_rows, pair_target
+from .options import ACTIVATION_TARGETS
 
 __all__ = ['ACTIVATION_TARGETS', 'activation_lam', 'activation_target']
-
-#: how a teacher's maps become the target of a mixed image
-ACTIVATION_TARGETS = ('true_class', 'distribution')
 
 
 def activation_lam(maps: torch.Tensor, mix: Mix, eps: float = 1e-12) -> torch.Tensor:

@@ -37,6 +37,7 @@ from scipy.optimize import linear_sum_assignment
 
 from .checks import check_layers, check_real
 from .mix import Mix, mix_rows, mix_tokens, own_lam
+from .options import VTM_MEMORY
 
 __all__ = [
     'SALIENCY_MODES',
@@ -61,9 +62,6 @@ __all__ = [
 SALIENCY_MODES = ('cls', 'mean')
 #: the public code's scale of the difficulty (``0.1 · CE ≤ τ``)
 DIFFICULTY_SCALE = 0.1
-#: how VTM picks the memory tokens of an HTM block: by the block's attention on its mixed input (ours), or by
-#: HTM's pre-mix saliency, gathered from the mixed input (the public code)
-VTM_MEMORY = ('mixed', 'public')
 
 
 def token_saliency(attn: torch.Tensor, num_prefix_tokens: int, mode: str) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """The documentation site (``make docs``, Sphinx): it builds with warnings as errors and every reference resolved
 (``-W -n``: a broken link, a reference to a name that does not exist or a malformed docstring fails it), and its
-API reference has a page for every public module of the three packages."""
+API reference has a page for every public module of the four packages."""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ('shared_core', 'timm_plugin', 'mm_plugin')
+PACKAGES = ('tokenaug', 'shared_core', 'timm_plugin', 'mm_plugin')
 #: monospace columns a code block shows in furo's content column without cutting a line (about 93 at 1400 and at
 #: 1920 px wide; the rest is a margin for other fonts)
 CODE_COLUMNS = 88
@@ -44,7 +45,7 @@ def wide_code_lines(html_root: Path) -> list[str]:
 
 
 def public_modules() -> list[str]:
-    """Every module of the three packages whose path has no private (``_``) part."""
+    """Every module of the four packages whose path has no private (``_``) part."""
     names = []
     for pkg in PACKAGES:
         names.append(pkg)
@@ -103,6 +104,7 @@ def test_a_broken_link_or_reference_fails_the_build(tmp_path):
     src = tmp_path / 'src'
     src.mkdir()
     (src / 'conf.py').write_text((REPO / 'docs' / 'conf.py').read_text())
+    shutil.copytree(REPO / 'docs' / '_static', src / '_static')  # the stylesheet conf.py names
     (src / 'other.md').write_text('# Other\n\n## A heading\n\ntext\n')
     good = '# Index\n\n```{toctree}\nother\n```\n\n[ok](other.md#a-heading), {py:func}`shared_core.mix.mix_target`\n'
     sphinx = Path(sys.executable).parent / 'sphinx-build'

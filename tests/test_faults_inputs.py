@@ -255,7 +255,7 @@ def test_a_timm_checkpoint_saver_file_loads_and_a_pickle_payload_does_not(tmp_pa
 def test_a_near_miss_yaml_key_is_an_error_and_other_unknown_keys_a_warning(tmp_path, caplog, capsys):
     import yaml
 
-    from timm_plugin.train_args import parse_args
+    from tokenaug.train_args import parse_args
 
     typo = tmp_path / 'typo.yaml'
     typo.write_text(yaml.safe_dump(dict(mixup_typ='tl_align', lr=0.1)))

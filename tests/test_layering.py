@@ -1,5 +1,6 @@
-"""Guards of the layering: shared_core imports no framework, mm_plugin does not load timm_plugin, and importing
-a plugin only registers (it patches nothing in timm, MMEngine or torch)."""
+"""Guards of the layering: shared_core imports no framework nor adapter (not even inside a function), the command
+line package loads none on import, mm_plugin does not load timm_plugin, and importing a plugin only registers (it
+patches nothing in timm, MMEngine or torch)."""
 
 import pkgutil
 import subprocess
@@ -32,6 +33,32 @@ def test_every_shared_core_module_imports_no_framework():
     code = (
         f'import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n'
         f'print(sorted(m for m in sys.modules if m.split(".")[0] in {FRAMEWORKS!r}))'
+    )
+    assert _run(code) == '[]'
+
+
+def test_no_shared_core_module_imports_an_adapter_or_a_framework_even_lazily():
+    """The source of every shared_core module, read: no ``import`` / ``from ... import`` of a framework, an adapter
+    or the command line anywhere in it, at module level or inside a function (an import inside a function is
+    invisible to the test above until it runs)."""
+    import ast
+
+    banned = FRAMEWORKS + ('tokenaug',)
+    found = []
+    for path in sorted((REPO / 'shared_core').rglob('*.py')):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or '']
+            found += [f'{path.relative_to(REPO)}:{node.lineno} {n}' for n in names if n.split('.')[0] in banned]
+    assert not found, found
+
+
+def test_the_command_line_package_imports_no_framework():
+    """``tokenaug`` (the console commands and parsers) loads neither a framework nor an adapter on import."""
+    code = (
+        'import sys, tokenaug.commands, tokenaug.tool_args, tokenaug.train_args\n'
+        f'print(sorted(m for m in sys.modules if m.split(".")[0] in {FRAMEWORKS + ("torch",)!r}))'
     )
     assert _run(code) == '[]'
 

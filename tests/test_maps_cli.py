@@ -468,7 +468,7 @@ def test_maps_info_prints_a_store_without_importing_torch(tmp_path, run_env):
     values = np.full((6, 1, 2, 2), 0.5, np.float16)
     write_store(tmp_path / 's', paths, values, np.zeros((6, 1, 2, 2), np.int64), 4, 'test', (8, 8))
     code = (
-        'import sys; from shared_core.tools.maps_info import main; rc = main(["info", sys.argv[1], "--json"]); '
+        'import sys; from tokenaug.commands import maps; rc = maps(["info", sys.argv[1], "--json"]); '
         'assert "torch" not in sys.modules and "timm" not in sys.modules; sys.exit(rc)'
     )
     res = subprocess.run([sys.executable, '-c', code, str(tmp_path / 's')], capture_output=True, text=True, env=run_env)

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_the_package_list_holds_every_package_and_the_configs():
     meta = tomllib.loads((REPO / 'pyproject.toml').read_text())['tool']['setuptools']
-    found = find_packages(str(REPO), include=['shared_core*', 'timm_plugin*', 'mm_plugin*'])
+    found = find_packages(str(REPO), include=['tokenaug*', 'shared_core*', 'timm_plugin*', 'mm_plugin*'])
     assert sorted(meta['packages']) == sorted(found + ['tokenaug_configs'])
     assert meta['package-dir'] == {'tokenaug_configs': 'configs'}
 
@@ -88,7 +88,7 @@ def test_cli(tmp_path, capsys):
 
 
 def test_tokenaug_train_reads_an_installed_timm_config():
-    from timm_plugin.train_args import parse_args
+    from tokenaug.train_args import parse_args
 
     args = parse_args(['-c', 'tokenaug::timm/world_vit-tiny.yaml', '--data-dir', '/x'])
     assert args.config == str(config_path('timm/world_vit-tiny.yaml'))

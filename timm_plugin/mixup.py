@@ -42,6 +42,7 @@ from shared_core.mix import (
     multi_label_target,
     pair_target,
 )
+from shared_core.options import TARGET_METHODS
 from shared_core.samplers import MIX_KINDS, MODES, MixSampler
 from shared_core.tokenmix import ACTIVATION_TARGETS, activation_target
 
@@ -55,9 +56,6 @@ __all__ = [
     'TARGET_METHODS',
 ]
 
-#: methods that re-weight the target of a mixing kind (``create_mixer(mix_kind, method=...)``); their mixers
-#: carry the mix
-TARGET_METHODS = ('tl_align', 'transmix')
 PLAIN_TARGET_KINDS = ('mixup', 'cutmix')
 
 

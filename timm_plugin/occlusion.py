@@ -45,6 +45,7 @@ from timm.data import resolve_data_config
 from timm.models.vision_transformer import VisionTransformer
 from torch.utils.data import DataLoader, Dataset
 
+from shared_core.options import OCCLUSION_FILLS, OCCLUSION_MODES, OCCLUSION_RATIOS
 from shared_core.token_masks import batch_masks, num_dropped, occlusion_mask, patch_ranks
 
 from .image_data import read_sample
@@ -72,9 +73,7 @@ __all__ = [
     'rows_from_counts',
 ]
 
-DEFAULT_RATIOS = tuple(i / 10 for i in range(10))
-MODES = ('zero', 'drop')
-FILLS = ('zero', 'black')
+DEFAULT_RATIOS, MODES, FILLS = OCCLUSION_RATIOS, OCCLUSION_MODES, OCCLUSION_FILLS
 CSV_FIELDS = ('ratio', 'dropped_patches', 'num_patches', 'top1', 'top5', 'top1_std', 'top5_std', 'images')
 
 

@@ -1,6 +1,6 @@
 """The training recipe: what ``tokenaug-train`` builds from its arguments, in one place.
 
-:func:`build_training` turns parsed arguments (:func:`timm_plugin.train_args.parse_args`) into a :class:`Recipe`:
+:func:`build_training` turns parsed arguments (:func:`tokenaug.train_args.parse_args`) into a :class:`Recipe`:
 the model (with the aux head or the ScoreNets its method trains), which method runs and over which mixing kind,
 the mixing configuration (``create_mixer``'s arguments, built once, as timm's ``train.py`` builds its
 ``mixup_args``), the training loss (timm's ``create_classification_loss``, or token labeling's) and the
@@ -23,12 +23,13 @@ import torch.nn as nn
 from timm.models import create_model, is_model
 from timm.task import ClassificationEvaluator, ClassificationTask, create_classification_loss, evaluation_sample_limit
 
+from shared_core.options import TOKEN_LABELING_TYPES
+
 from .mixup import MIX_KINDS, create_mixer
 from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
 from .token_grid import mixing_stride
 from .token_labeling import TokenLabelingLoss, attach_aux_head
 from .tokenmixup import attach_scorenets
-from .train_args import TOKEN_LABELING_TYPES
 
 __all__ = ['Recipe', 'build_model', 'build_training']
 

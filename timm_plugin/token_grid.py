@@ -15,6 +15,8 @@ from typing import Tuple
 
 import torch.nn as nn
 
+from shared_core.options import DEFAULT_STRIDE
+
 __all__ = [
     'DEFAULT_STRIDE',
     'cnn_classes',
@@ -26,10 +28,6 @@ __all__ = [
     'token_labeling_stride',
     'token_stride',
 ]
-
-#: the grid of models without a patch embedding where one is drawn on anyway (TokenMix's masks in image space,
-#: occlusion's patches): DeiT's 16 px
-DEFAULT_STRIDE = (16, 16)
 
 
 def patch_embedding(model: nn.Module):

@@ -51,6 +51,7 @@ from shared_core.label_maps import (
 )
 from shared_core.map_store import MissingLabelMapError
 from shared_core.mix import check_labels
+from shared_core.options import AA_ORDERS, GEOMETRIC_AA
 
 from .carrier import CarrierTensor
 from .image_data import read_image, readable
@@ -72,11 +73,6 @@ __all__ = [
 #: timm augmentation ops that move pixels (their affines are recorded, or with ``geometric_aa='drop'`` they
 #: are removed)
 GEOMETRIC_RAND_OPS = ('Rotate', 'ShearX', 'ShearY', 'TranslateX', 'TranslateY', 'TranslateXRel', 'TranslateYRel')
-#: what the data path does with them: the targets follow them (the public code), or they are dropped (ours)
-GEOMETRIC_AA = ('follow', 'drop')
-#: where RandAugment runs: on the crop after the flip (timm's transform), or on the whole flipped image before the
-#: crop (the public Token Labeling code)
-AA_ORDERS = ('timm', 'public')
 
 
 class TokenLabelTarget(CarrierTensor):

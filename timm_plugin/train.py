@@ -51,6 +51,7 @@ from shared_core.checkpoint_io import (
 )
 from shared_core.map_store import MissingLabelMapError
 from shared_core.mix import check_labels
+from tokenaug.train_args import check_numbers, check_supported, parse_args
 
 from .image_data import (
     CheckedImageDataset,
@@ -63,7 +64,6 @@ from .recipe import build_training
 from .timm_fixes import fix_posterize
 from .token_grid import token_labeling_stride
 from .token_label_data import TokenLabelCollate, TokenLabelDataset
-from .train_args import check_numbers, check_supported, parse_args
 
 _logger = logging.getLogger('tokenaug.train')
 

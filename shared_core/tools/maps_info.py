@@ -1,22 +1,19 @@
 """``tokenaug-maps info``: the status of a label-map store, with numpy and json only (no torch, no timm), so that
-printing a store's JSON costs a few MB, not the 870 MB of the annotation tools. The ``tokenaug-maps`` command
-starts here: ``info`` runs in this module; ``generate`` and ``merge`` import :mod:`timm_plugin.tools.maps_cli`."""
+printing a store's JSON costs a few MB, not the 870 MB of the annotation tools (the command:
+:func:`tokenaug.commands.maps`)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import sys
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
 from shared_core.map_store import LabelMapError, store_status
 
-__all__ = ['SHARD_DIR_RE', 'shard_dirs', 'info', 'format_status', 'print_info', 'main']
+__all__ = ['SHARD_DIR_RE', 'shard_dirs', 'info', 'format_status', 'print_info']
 
 SHARD_DIR_RE = re.compile(r'^shard-(\d+)-of-(\d+)$')
 
@@ -71,28 +68,3 @@ def print_info(path, as_json: bool = False) -> None:
             print(f'== {name}\n{format_status(st)}\n')
     else:
         print(format_status(status))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``tokenaug-maps``: ``info`` here; every other command through :func:`timm_plugin.tools.maps_cli.main`."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] != ['info']:
-        from timm_plugin.tools.maps_cli import main as full
-
-        return full(argv)
-    parser = argparse.ArgumentParser(
-        prog='tokenaug-maps info', description='print meta, completeness and size of a store'
-    )
-    parser.add_argument('path')
-    parser.add_argument('--json', action='store_true', help='machine-readable output')
-    args = parser.parse_args(argv[1:])
-    try:
-        print_info(args.path, args.json)
-    except (LabelMapError, ValueError, FileNotFoundError) as e:
-        print(f'tokenaug-maps info: error: {e}', file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == '__main__':
-    sys.exit(main())

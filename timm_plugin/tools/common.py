@@ -1,9 +1,8 @@
-"""What the CLI tools share: the dataset-split and model flags, ``--model-kwargs`` parsing, the split's
-dataset, the device, and a loader whose workers' errors reach the user as one line."""
+"""What the CLI tools share: ``--model-kwargs`` parsing, the split's dataset, the device, and a loader whose
+workers' errors reach the user as one line (their flags: :mod:`tokenaug.tool_args`)."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -12,31 +11,7 @@ import yaml
 from timm.data import create_dataset
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-__all__ = ['add_data_model_args', 'parse_model_kwargs', 'split_dataset', 'resolve_device', 'batches_raising_plainly']
-
-
-def add_data_model_args(parser: argparse.ArgumentParser, split: str, role: str | None = None) -> None:
-    """The flags of a dataset split (``--data-dir``, ``--split``, default ``split``) and of a model for
-    :func:`timm_plugin.annotator.create_annotator` (``--model``, ``--checkpoint``, ``--use-ema``,
-    ``--model-kwargs``, ``--num-classes``), as ``tokenaug-maps generate`` and ``tokenaug-occlusion`` take them;
-    ``role`` names the model in the help."""
-    parser.add_argument('--data-dir', required=True, help='dataset root holding SPLIT/<class>/<image>')
-    parser.add_argument('--split', default=split, help="split folder under --data-dir ('' = --data-dir itself)")
-    parser.add_argument('--model', required=True, help='timm model name' + (f' of the {role}' if role else ''))
-    parser.add_argument(
-        '--checkpoint',
-        default=None,
-        help='local checkpoint (state_dict / state_dict_ema / raw, '
-        'loaded with weights_only=True); random weights without it',
-    )
-    parser.add_argument('--use-ema', action='store_true', help='take state_dict_ema from the checkpoint when present')
-    parser.add_argument('--model-kwargs', nargs='*', default=[], metavar='K=V', help='extra timm.create_model kwargs')
-    parser.add_argument(
-        '--num-classes',
-        type=int,
-        default=None,
-        help=f'{role + " " if role else ""}classes (default: from the checkpoint)',
-    )
+__all__ = ['parse_model_kwargs', 'split_dataset', 'resolve_device', 'batches_raising_plainly']
 
 
 def parse_model_kwargs(items: Sequence[str] | None) -> dict[str, Any]:

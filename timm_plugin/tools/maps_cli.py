@@ -70,7 +70,9 @@ from shared_core.map_store import (
     remove_store,
     store_status,
 )
+from shared_core.options import IMPORT_SOURCES
 from shared_core.tools.maps_info import info, print_info, shard_dirs
+from tokenaug.tool_args import maps_parser
 
 from ..annotator import (
     annotate,
@@ -82,7 +84,7 @@ from ..annotator import (
     sha256_file,
 )
 from ..image_data import UnreadableImageError, read_sample
-from .common import add_data_model_args, batches_raising_plainly, parse_model_kwargs, resolve_device, split_dataset
+from .common import batches_raising_plainly, parse_model_kwargs, resolve_device, split_dataset
 
 __all__ = [
     'shard_rows',
@@ -433,8 +435,6 @@ def _generate_shard(args: argparse.Namespace, dist: _Dist, device: torch.device,
 
 
 # ------------------------------------------------------------------------------------ import
-#: stores ``tokenaug-maps import --from`` reads
-IMPORT_SOURCES = ('tokenlabeling',)
 
 
 def public_label_file(rel_path: str) -> str:
@@ -585,57 +585,8 @@ def merge(out: str | os.PathLike, keep_shards: bool = False) -> Path:
     return out
 
 
-def _add_run_args(p: argparse.ArgumentParser, batch_size: int, batch_help: str) -> None:
-    """The flags ``generate`` and ``import`` share: batches, loader workers, resume and shards."""
-    p.add_argument('-b', '--batch-size', type=int, default=batch_size, help=f'{batch_help} (default {batch_size})')
-    p.add_argument('-j', '--workers', type=int, default=2, help='DataLoader workers')
-    p.add_argument('--resume', action='store_true', help='continue an interrupted run with the same arguments')
-    p.add_argument('--shard-index', type=int, default=None, help="this process's shard (without torchrun)")
-    p.add_argument('--num-shards', type=int, default=None, help='number of shards (without torchrun)')
-    p.add_argument('--keep-shards', action='store_true', help='under torchrun: keep the shard stores after merging')
-    p.add_argument('--dist-timeout', type=float, default=24 * 60, help='torch.distributed timeout, minutes')
-    p.add_argument('--no-progress', action='store_true', help='no progress bar')
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog='tokenaug-maps', description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = parser.add_subparsers(dest='command', required=True)
-    g = sub.add_parser('generate', help='annotate a dataset split into a label-map store')
-    add_data_model_args(g, split='train', role='annotator')
-    g.add_argument('--out', required=True, help='output store directory')
-    g.add_argument(
-        '--input-size',
-        type=int,
-        nargs='+',
-        default=[576],
-        metavar='S',
-        help='annotator input: S (square) or H W; the whole image is resized to it (default 576)',
-    )
-    g.add_argument('--topk', type=int, default=5, help='classes kept per location (default 5)')
-    g.add_argument('--device', default=None, help='cpu | cuda | cuda:N (default: cuda when available)')
-    g.add_argument('--amp', action='store_true', help='autocast (float16 on CUDA, bfloat16 on CPU)')
-    _add_run_args(g, batch_size=32, batch_help='images annotated at once')
-    im = sub.add_parser('import', help='import the maps released with Token Labeling into a store')
-    im.add_argument('--from', dest='source', required=True, choices=IMPORT_SOURCES, help='the format of --src')
-    im.add_argument('--src', required=True, help='the label root: <class folder>/<image stem>.pt')
-    im.add_argument('--data-dir', required=True, help='dataset root (ImageFolder layout: DIR/SPLIT/<class>/<image>)')
-    im.add_argument('--split', default='train', help='split folder under --data-dir (default train)')
-    im.add_argument('--num-classes', type=int, required=True, help='classes of the annotator (ImageNet: 1000)')
-    im.add_argument('--out', required=True, help='output store directory')
-    _add_run_args(im, batch_size=256, batch_help='rows written at once')
-    m = sub.add_parser('merge', help='merge OUT/shards/shard-I-of-S into the store at OUT')
-    m.add_argument('out')
-    m.add_argument('--keep-shards', action='store_true', help='keep the shard stores after merging')
-    i = sub.add_parser('info', help='print meta, completeness and size of a store')
-    i.add_argument('path')
-    i.add_argument('--json', action='store_true', help='machine-readable output')
-    return parser
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    args = _parser().parse_args(argv)
+    args = maps_parser().parse_args(argv)
     if args.command == 'generate':
         _check_generate_args(args)
     if args.command == 'import':
@@ -651,7 +602,7 @@ def _check_generate_args(args: argparse.Namespace) -> None:
 
 
 def _check_run_args(args: argparse.Namespace, counts: Sequence[str]) -> None:
-    """The counts ``counts`` at least 1, and the flags of :func:`_add_run_args` in range."""
+    """The counts ``counts`` at least 1, and the run flags ``generate`` and ``import`` share in range."""
     for name in counts:
         if getattr(args, name) < 1:
             raise SystemExit(f'tokenaug-maps: --{name.replace("_", "-")} must be >= 1, got {getattr(args, name)}')

@@ -28,12 +28,11 @@ from typing import Sequence
 from timm.data import create_transform
 from torch.utils.data import DataLoader
 
+from tokenaug.tool_args import occlusion_parser
+
 from ..annotator import create_annotator
 from ..occlusion import (
     CSV_FIELDS,
-    DEFAULT_RATIOS,
-    FILLS,
-    MODES,
     Indexed,
     check_drop_model,
     check_ratios,
@@ -42,8 +41,7 @@ from ..occlusion import (
     fill_values,
     patch_grid,
 )
-from ..token_grid import DEFAULT_STRIDE
-from .common import add_data_model_args, parse_model_kwargs, resolve_device, split_dataset
+from .common import parse_model_kwargs, resolve_device, split_dataset
 
 __all__ = ['write_results', 'format_table', 'parse_args', 'run', 'main']
 
@@ -119,55 +117,8 @@ def write_results(
 
 
 # -------------------------------------------------------------------------------------------- CLI
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog='tokenaug-occlusion',
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_data_model_args(p, split='val')
-    p.add_argument(
-        '--ratios',
-        type=float,
-        nargs='+',
-        default=list(DEFAULT_RATIOS),
-        metavar='R',
-        help='fractions of patches to drop, each in [0, 1) (default 0 0.1 ... 0.9)',
-    )
-    p.add_argument(
-        '--mode',
-        default='zero',
-        choices=MODES,
-        help='zero: blank the pixels (any model); drop: remove the tokens (timm ViTs)',
-    )
-    p.add_argument(
-        '--fill',
-        default='zero',
-        choices=FILLS,
-        help='zero mode: 0 in normalised space (= mean colour, default) or black (raw pixel 0)',
-    )
-    p.add_argument(
-        '--patch-size',
-        type=int,
-        default=None,
-        help=f"occlusion patch in px (default: the model's token stride; {DEFAULT_STRIDE[0]} for models without "
-        'patch_embed)',
-    )
-    p.add_argument('--img-size', type=int, default=None, help="eval input size (default: the model's)")
-    p.add_argument('--crop-pct', type=float, default=None, help="eval centre-crop fraction (default: the model's)")
-    p.add_argument('--seed', type=int, default=0, help='mask seed (the same for every checkpoint)')
-    p.add_argument('--repeats', type=int, default=1, help='independent mask draws to average')
-    p.add_argument('-b', '--batch-size', type=int, default=64)
-    p.add_argument('-j', '--workers', type=int, default=2, help='DataLoader workers')
-    p.add_argument('--device', default=None, help='cpu | cuda | cuda:N (default: cuda when available)')
-    p.add_argument('--amp', action='store_true', help='autocast (float16 on CUDA, bfloat16 on CPU)')
-    p.add_argument('--out', default='occlusion', help='output directory (default ./occlusion)')
-    p.add_argument('--no-progress', action='store_true', help='no progress bar')
-    return p
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = _parser()
+    parser = occlusion_parser()
     args = parser.parse_args(argv)
     try:
         args.ratios = check_ratios(args.ratios)

@@ -1,11 +1,6 @@
 """``tokenaug-viz``: pictures of what the methods do, as PNGs with an HTML index (``index.html``) and the
-numbers behind them (``meta.json``).
-
-    tokenaug-viz mix -c CONFIG --data-dir DIR [any tokenaug-train flag] [--viz-dir OUT --count 8 --viz-seed 0]
-    tokenaug-viz tl-align -c CONFIG --data-dir DIR --model NAME --initial-checkpoint FILE [--per-block] [...]
-    tokenaug-viz token-labels -c CONFIG --data-dir DIR --token-label-dir MAPS [--count 4 --draws 4] [...]
-    tokenaug-viz tokenmix [--img-size 224 --patch-size 16 --lam 0.5 --cutmix 1.0 --count 4 --viz-dir OUT]
-    tokenaug-viz tokenmixup -c CONFIG --data-dir DIR --tokenmixup-htm-layers L [--initial-checkpoint FILE] [...]
+numbers behind them (``meta.json``). The commands and their flags: ``tokenaug-viz --help``
+(:data:`tokenaug.tool_args.VIZ_USAGE`, parsed by :func:`tokenaug.tool_args.parse_viz`).
 
 - ``mix``: training samples as ``tokenaug-train`` builds them (its parser, model, data config, training
   transform and mixer, from the same flags), each with its partner, the mixed image and the partner share of
@@ -44,15 +39,7 @@ import torch
 from shared_core.plotting import save_figure, save_png, write_index
 from shared_core.samplers import MixSampler
 from shared_core.viz import grey_image, images_uint8, overlay, share_image, token_plane
-
-COMMANDS = ('mix', 'tl-align', 'token-labels', 'tokenmix', 'tokenmixup')
-
-
-def _viz_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group('tokenaug-viz')
-    g.add_argument('--viz-dir', default='viz/mix', help='folder for the PNGs, index.html and meta.json')
-    g.add_argument('--count', type=int, default=8, help='samples to draw (even: mixing pairs samples)')
-    g.add_argument('--viz-seed', type=int, default=0, help='seed of the sample choice, augmentation and mixing')
+from tokenaug.tool_args import VIZ_COMMANDS, VIZ_USAGE, parse_viz
 
 
 def _seed(seed: int) -> None:
@@ -102,8 +89,9 @@ def _mixed_batch(args, count: int):
     target, method, mix_kind, mixer kwargs)`` for ``count`` samples of the training split."""
     from timm.data import resolve_data_config
 
+    from shared_core.options import TOKEN_LABELING_TYPES
     from timm_plugin.recipe import build_training
-    from timm_plugin.train_args import TOKEN_LABELING_TYPES, check_supported
+    from tokenaug.train_args import check_supported
 
     check_supported(args)
     if args.mixup_type in TOKEN_LABELING_TYPES or args.token_label_dir or args.relabel:
@@ -157,9 +145,7 @@ def _top(soft, names, k=2):
 
 def mix(argv) -> Path:
     """``tokenaug-viz mix``: see the module docstring. Returns the index page."""
-    from timm_plugin.train_args import parse_args
-
-    args = parse_args(argv, add=_viz_args, prog='tokenaug-viz mix')
+    args = parse_viz('mix', argv)
     count = _check_count(args.count)
     model, data_config, dataset, indices, x, y, xm, target, method, mix_kind, kwargs = _mixed_batch(args, count)
     m = target.mix
@@ -245,24 +231,6 @@ def _branch(m, i: int, mix_kind: str) -> str:
 BLOCKS_PER_ROW = 6
 
 
-#: ``tokenaug-viz tl-align --branch``: which branch of the MixUp/CutMix switch the picture draws
-BRANCHES = ('cut', 'mixup', 'switch')
-
-
-def _tl_align_args(parser: argparse.ArgumentParser) -> None:
-    _viz_args(parser)
-    parser.add_argument(
-        '--per-block', action='store_true', default=False, help='also the label state after every block'
-    )
-    parser.add_argument(
-        '--branch',
-        default='cut',
-        choices=BRANCHES,
-        help="the switch's branch to draw: 'cut' (default: the kind's boxes or masks, where TL-Align's λ departs "
-        "from the area λ), 'mixup' (a blend: both λ are equal) or 'switch' (either, drawn as in training)",
-    )
-
-
 def _pin_branch(args: argparse.Namespace) -> None:
     """Make the mixer draw ``args.branch`` of the MixUp/CutMix switch (``'switch'``: as configured)."""
     cut = args.cutmix > 0 or args.cutmix_minmax is not None
@@ -291,9 +259,7 @@ def tl_align(argv) -> Path:
     aligned one after the last block (or after each block), the area λ against the aligned λ."""
     from shared_core.tl_align import capture_forward, compact_labels
     from timm_plugin.tl_align import SharedAttentionViT, SwinTracer, TLAlign
-    from timm_plugin.train_args import parse_args
-
-    args = parse_args(argv, add=_tl_align_args, prog='tokenaug-viz tl-align')
+    args = parse_viz('tl-align', argv)
     count = _check_count(args.count)
     _pin_branch(args)
     model, data_config, dataset, indices, x, y, xm, target, method, mix_kind, kwargs = _mixed_batch(args, count)
@@ -393,14 +359,6 @@ def tl_align(argv) -> Path:
     return write_index(out, f'tokenaug-viz tl-align: {args.model}', pages, meta)
 
 
-def _token_label_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group('tokenaug-viz')
-    g.add_argument('--viz-dir', default='viz/token-labels', help='folder for the PNGs, index.html and meta.json')
-    g.add_argument('--count', type=int, default=4, help='images to draw')
-    g.add_argument('--draws', type=int, default=4, help='augmented draws per image (crop, flip, RandAugment)')
-    g.add_argument('--viz-seed', type=int, default=0, help='seed of the image choice and the augmentation')
-
-
 def token_labels(argv) -> Path:
     """``tokenaug-viz token-labels``: each image's stored map (top-1 class, confidence) and, for several draws of
     the training augmentation, the augmented image beside its per-token targets (class colours of
@@ -413,9 +371,9 @@ def token_labels(argv) -> Path:
     from timm_plugin.recipe import build_model
     from timm_plugin.token_grid import token_stride
     from timm_plugin.token_label_data import TokenLabelCollate, TokenLabelDataset
-    from timm_plugin.train_args import check_supported, parse_args
+    from tokenaug.train_args import check_supported
 
-    args = parse_args(argv, add=_token_label_args, prog='tokenaug-viz token-labels')
+    args = parse_viz('token-labels', argv)
     check_supported(args)
     if args.count < 1 or args.draws < 1:
         raise ValueError(f'--count / --draws: expected >= 1, got {args.count} / {args.draws}')
@@ -530,9 +488,9 @@ def tokenmixup(argv) -> Path:
     from shared_core.checkpoint_io import load_checkpoint_file
     from timm_plugin.recipe import build_model
     from timm_plugin.tokenmixup import TokenMixup
-    from timm_plugin.train_args import check_supported, parse_args
+    from tokenaug.train_args import check_supported
 
-    args = parse_args(argv, add=_viz_args, prog='tokenaug-viz tokenmixup')
+    args = parse_viz('tokenmixup', argv)
     check_supported(args)
     count = _check_count(args.count)
     if not args.tokenmixup_htm_layers:
@@ -648,16 +606,7 @@ def tokenmixup(argv) -> Path:
 
 def tokenmix(argv) -> Path:
     """``tokenaug-viz tokenmix``: the masks of each sampler at a λ. Returns the index page."""
-    p = argparse.ArgumentParser(prog='tokenaug-viz tokenmix', description='masks of each sampler at a λ')
-    p.add_argument('--img-size', type=int, nargs=2, default=[224, 224], metavar=('H', 'W'))
-    p.add_argument('--patch-size', type=int, nargs=2, default=[16, 16], metavar=('PH', 'PW'))
-    p.add_argument('--lam', type=float, default=0.5, help="own share λ (TokenMix's λ = 0.5)")
-    p.add_argument('--cutmix', type=float, default=1.0, help='Beta(α, α) of the box kinds (their λ is drawn)')
-    p.add_argument('--tokenmix-rule', default='paper', choices=('paper', 'public'))
-    p.add_argument('--count', type=int, default=4, help='masks per sampler (even)')
-    p.add_argument('--viz-seed', type=int, default=0)
-    p.add_argument('--viz-dir', default='viz/tokenmix')
-    a = p.parse_args(argv)
+    a = parse_viz('tokenmix', argv)
     count = _check_count(a.count)
     if not 0.0 <= a.lam <= 1.0:
         raise ValueError(f'--lam: expected a share in [0, 1], got {a.lam}')
@@ -697,13 +646,13 @@ def tokenmix(argv) -> Path:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = 'usage:\n' + __doc__.strip().split('\n\n')[1] + '\n(each command takes -h)'
+    usage = VIZ_USAGE
     if argv[:1] in (['-h'], ['--help']):
         print(usage)
         return 0
-    if not argv or argv[0] not in COMMANDS:
+    if not argv or argv[0] not in VIZ_COMMANDS:
         print(usage, file=sys.stderr)
-        print(f'tokenaug-viz: error: the first argument is one of {COMMANDS}', file=sys.stderr)
+        print(f'tokenaug-viz: error: the first argument is one of {VIZ_COMMANDS}', file=sys.stderr)
         return 2
     try:
         commands = {

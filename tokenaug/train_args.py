@@ -14,6 +14,10 @@ their defaults (so a timm ``args.yaml`` runs) and refused, naming the flag, when
 A ``-c/--config`` YAML file is read as timm 1.0.31 reads it: an unknown key is warned about and ignored,
 a value is converted and checked as the command line would (``'3e-4'`` becomes a float, a bad choice or a
 scalar for a list stops with the key named).
+
+Building the parser and parsing import neither torch nor timm (``--help`` answers at once): the choices come
+from :mod:`shared_core.options`, timm's ``ParseKwargs`` is imported when a ``key=value`` flag is given, and
+the default ``--device`` is resolved after parsing.
 """
 
 from __future__ import annotations
@@ -23,27 +27,26 @@ import difflib
 import logging
 import warnings
 
-import torch
 import yaml
-from timm import utils
 
-from shared_core.boxes import BOX_ROUNDINGS
 from shared_core.checks import check_int, check_real
 from shared_core.configs import resolve_config_arg
-from shared_core.tl_align import DROP_PATH_LABELS, TRANSMIX_MODES
-from shared_core.token_labeling import HEAD_RULES
-from shared_core.token_masks import TOKENMIX_RULES
-from shared_core.tokenmixup import VTM_MEMORY, check_tau
-
-from .mixup import MIX_KINDS, TARGET_METHODS
-from .token_label_data import AA_ORDERS, GEOMETRIC_AA
+from shared_core.options import (
+    AA_ORDERS,
+    BOX_ROUNDINGS,
+    DROP_PATH_LABELS,
+    GEOMETRIC_AA,
+    HEAD_RULES,
+    MIX_KINDS,
+    TARGET_METHODS,
+    TOKEN_LABELING_TYPES,
+    TOKENMIX_RULES,
+    TRANSMIX_MODES,
+    VTM_MEMORY,
+)
 
 _logger = logging.getLogger('tokenaug.train')
 
-#: methods that act in the model and the loss (token labeling); their data carries label maps
-TOKEN_LABELING_TYPES = ('mixtoken',)
-
-DEFAULT_DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
 LOCAL_RANK_HELP = 'set by torch.distributed.launch (torchrun sets LOCAL_RANK instead); not for hand use'
 MODEL_KWARGS_HELP = 'extra keyword arguments of timm.create_model, as key=value (values read as Python literals)'
 OPT_KWARGS_HELP = 'extra keyword arguments of the optimizer, as key=value (values read as Python literals)'
@@ -89,6 +92,23 @@ REFUSED = {
     'kd_teacher_feature_dim': _KD,
     'kd_token_distill_type': _KD,
 }
+
+
+def default_device() -> str:
+    """``--device``'s default: ``cuda`` where CUDA is available, else ``cpu`` (timm's ``cuda`` fails there)."""
+    import torch
+
+    return 'cuda' if torch.cuda.is_available() else 'cpu'
+
+
+class ParseKwargs(argparse.Action):
+    """timm's ``utils.ParseKwargs`` (``key=value`` items, values read as Python literals), imported from timm when
+    such a flag is given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from timm.utils import ParseKwargs as TimmParseKwargs
+
+        TimmParseKwargs.__call__(self, parser, namespace, values, option_string)
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -280,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
         help='Enable gradient checkpointing through model blocks/stages',
     )
     group.add_argument('--fast-norm', default=False, action='store_true', help='enable experimental fast-norm')
-    group.add_argument('--model-kwargs', nargs='*', default={}, action=utils.ParseKwargs, help=MODEL_KWARGS_HELP)
+    group.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, help=MODEL_KWARGS_HELP)
     group.add_argument('--head-init-scale', default=None, type=float, help='Head initialization scale')
     group.add_argument('--head-init-bias', default=None, type=float, help='Head initialization bias value')
     group.add_argument('--torchcompile-mode', type=str, default=None, help='torch.compile mode (default: None).')
@@ -301,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Device & distributed
     group = parser.add_argument_group('Device parameters')
-    group.add_argument('--device', default=DEFAULT_DEVICE, type=str, help='Device (accelerator) to use.')
+    # default: default_device(), resolved by parse_args (timm's 'cuda' fails on a machine without CUDA)
+    group.add_argument('--device', default=None, type=str, help='Device (accelerator) to use.')
     group.add_argument('--amp', action='store_true', default=False, help='use AMP for mixed precision training')
     group.add_argument('--amp-dtype', default='float16', type=str, help='lower precision AMP dtype (default: float16)')
     group.add_argument(
@@ -354,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help='layer-wise lr decay no optimization scale (default: None)',
     )
-    group.add_argument('--opt-kwargs', nargs='*', default={}, action=utils.ParseKwargs, help=OPT_KWARGS_HELP)
+    group.add_argument('--opt-kwargs', nargs='*', default={}, action=ParseKwargs, help=OPT_KWARGS_HELP)
 
     # Learning rate schedule parameters
     group = parser.add_argument_group('Learning rate schedule parameters')
@@ -934,7 +955,7 @@ def add_timm_1031_args(parser: argparse.ArgumentParser) -> None:
         '--pretrained-cfg-overlay',
         nargs='*',
         default={},
-        action=utils.ParseKwargs,
+        action=ParseKwargs,
         help="overrides of the model's pretrained config, as key=value (merged under --pretrained-path's file)",
     )
     g.add_argument(
@@ -1161,7 +1182,7 @@ def _convert(parser, path, key, action, value):
         if not isinstance(value, bool):
             _bad(parser, path, key, f'expected true or false, got {value!r}')
         return value
-    if isinstance(action, utils.ParseKwargs):
+    if isinstance(action, ParseKwargs):
         if not isinstance(value, dict):
             _bad(parser, path, key, f'expected a mapping, got {value!r}')
         return value
@@ -1226,6 +1247,8 @@ def parse_args(argv=None, add=None, prog: str | None = None) -> argparse.Namespa
         load_config(args_config.config, parser)
     args = parser.parse_args(remaining)
     args.config = args_config.config
+    if args.device is None:
+        args.device = default_device()
     resolve_method(args)
     return args
 
@@ -1281,6 +1304,8 @@ def check_numbers(args: argparse.Namespace) -> None:
     check_real(args.tokenmixup_rho, '--tokenmixup-rho', lo=0.0)
     check_real(args.tokenmixup_scorenet_weight, '--tokenmixup-scorenet-weight', lo=0.0)
     check_int(args.tokenmixup_kappa, '--tokenmixup-kappa', lo=1)
+    from shared_core.tokenmixup import check_tau
+
     try:
         check_tau(args.tokenmixup_tau)
     except ValueError as e:

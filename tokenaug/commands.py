@@ -1,0 +1,95 @@
+"""The console commands. Each answers ``-h`` / ``--help`` from its parser in this package, with neither torch,
+timm nor OpenMMLab imported (a fraction of a second where importing them takes seconds), and otherwise runs the
+module that does the work:
+
+========================= ==========================================================================
+command                   runs
+========================= ==========================================================================
+``tokenaug-train``        :func:`timm_plugin.train.main`
+``tokenaug-maps``         ``info``: :mod:`shared_core.tools.maps_info` (numpy and json only); the other
+                          commands: :func:`timm_plugin.tools.maps_cli.main`
+``tokenaug-occlusion``    :func:`timm_plugin.tools.occlusion_cli.main`
+``tokenaug-viz``          :func:`timm_plugin.tools.viz_cli.main`
+``tokenaug-convert``      :func:`mm_plugin.convert_cli.main`
+========================= ==========================================================================
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import import_module
+from typing import Callable, Sequence
+
+from .tool_args import VIZ_COMMANDS, VIZ_USAGE, convert_parser, maps_parser, occlusion_parser, parse_viz
+from .train_args import parse_args
+
+__all__ = ['train', 'maps', 'occlusion', 'viz', 'convert']
+
+#: the flags that ask for help
+HELP_FLAGS = ('-h', '--help')
+
+
+def _argv(argv: Sequence[str] | None) -> list[str]:
+    return list(sys.argv[1:] if argv is None else argv)
+
+
+def _run(module: str, argv: list[str]) -> int:
+    """``module.main(argv)`` (imported now), as an exit status."""
+    return import_module(module).main(argv) or 0
+
+
+def _command(module: str, show_help: Callable[[list[str]], object], doc: str):
+    def command(argv: Sequence[str] | None = None) -> int:
+        argv = _argv(argv)
+        if any(flag in argv for flag in HELP_FLAGS):
+            show_help(argv)  # argparse prints the help and exits; a '-h' that is an option's value falls through
+        return _run(module, argv)
+
+    command.__doc__ = doc
+    return command
+
+
+train = _command(
+    'timm_plugin.train', parse_args, '``tokenaug-train``: timm training with token-aware mixing and targets.'
+)
+occlusion = _command(
+    'timm_plugin.tools.occlusion_cli',
+    lambda argv: occlusion_parser().parse_args(argv),
+    '``tokenaug-occlusion``: accuracy against the fraction of dropped patches.',
+)
+convert = _command(
+    'mm_plugin.convert_cli',
+    lambda argv: convert_parser().parse_args(argv),
+    '``tokenaug-convert``: a classification checkpoint to the backbone checkpoint mmseg / mmdet / timm load.',
+)
+
+
+def maps(argv: Sequence[str] | None = None) -> int:
+    """``tokenaug-maps``: ``info`` reads a store with numpy and json only; ``generate``, ``import`` and ``merge``
+    run the annotation tools."""
+    argv = _argv(argv)
+    if argv[:1] != ['info'] and not any(flag in argv for flag in HELP_FLAGS):
+        return _run('timm_plugin.tools.maps_cli', argv)
+    args = maps_parser().parse_args(argv)  # help: printed here, and exits
+    if args.command != 'info':
+        return _run('timm_plugin.tools.maps_cli', argv)
+    from shared_core.map_store import LabelMapError
+    from shared_core.tools.maps_info import print_info
+
+    try:
+        print_info(args.path, args.json)
+    except (LabelMapError, ValueError, FileNotFoundError) as e:
+        print(f'tokenaug-maps info: error: {e}', file=sys.stderr)
+        return 2
+    return 0
+
+
+def viz(argv: Sequence[str] | None = None) -> int:
+    """``tokenaug-viz COMMAND ...``: pictures of what the methods do."""
+    argv = _argv(argv)
+    if argv[:1] and argv[0] in HELP_FLAGS:
+        print(VIZ_USAGE)
+        return 0
+    if argv[:1] and argv[0] in VIZ_COMMANDS and any(flag in argv[1:] for flag in HELP_FLAGS):
+        parse_viz(argv[0], argv[1:])
+    return _run('timm_plugin.tools.viz_cli', argv)
