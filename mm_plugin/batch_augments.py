@@ -186,7 +186,7 @@ class TATokenMix(MixBatchAugment):
         activation_targets (str, optional): ``'true_class'`` (TokenMix Eq. 2) or ``'distribution'``: targets from
             a teacher's activation maps instead of the area target (see :class:`TAMixup`). Defaults to None.
         rule (str): ``'paper'`` or ``'public'`` (masks drawn as the public code: ``int((1 - λ) N) + min_tokens``
-            tokens targeted, parts from 1 token; :data:`~shared_core.token_masks.TOKENMIX_RULES`). Defaults to
+            tokens targeted, parts from 1 token; :data:`~shared_core.options.TOKENMIX_RULES`). Defaults to
             ``'paper'``.
     """
 

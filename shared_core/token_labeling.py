@@ -257,7 +257,7 @@ def mixtoken_sampler(
 ) -> MixSampler:
     """MixToken's sampler (Eq. 5): a box on the token grid, ``λ ~ Beta(beta, beta)``, mixing a batch with
     probability ``prob``, one box per ``mode`` unit (``'batch'`` or ``'pair'``: un-mixing needs pairwise
-    swaps); ``box_rounding='public'`` rounds the box as the public code (:data:`~shared_core.boxes.BOX_ROUNDINGS`)."""
+    swaps); ``box_rounding='public'`` rounds the box as the public code (:data:`~shared_core.options.BOX_ROUNDINGS`)."""
     if mode not in MIXTOKEN_MODES:
         raise ValueError(f'mode: MixToken un-mixes pairwise swaps, expected one of {MIXTOKEN_MODES}, got {mode!r}')
     if not beta > 0:

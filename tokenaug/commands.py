@@ -3,14 +3,14 @@ timm nor OpenMMLab imported (a fraction of a second where importing them takes s
 module that does the work:
 
 ========================= ==========================================================================
-command                   runs
+command                   runs the ``main`` of
 ========================= ==========================================================================
-``tokenaug-train``        :func:`timm_plugin.train.main`
+``tokenaug-train``        :mod:`timm_plugin.train`
 ``tokenaug-maps``         ``info``: :mod:`shared_core.tools.maps_info` (numpy and json only); the other
-                          commands: :func:`timm_plugin.tools.maps_cli.main`
-``tokenaug-occlusion``    :func:`timm_plugin.tools.occlusion_cli.main`
-``tokenaug-viz``          :func:`timm_plugin.tools.viz_cli.main`
-``tokenaug-convert``      :func:`mm_plugin.convert_cli.main`
+                          commands: :mod:`timm_plugin.tools.maps_cli`
+``tokenaug-occlusion``    :mod:`timm_plugin.tools.occlusion_cli`
+``tokenaug-viz``          :mod:`timm_plugin.tools.viz_cli`
+``tokenaug-convert``      :mod:`mm_plugin.convert_cli`
 ========================= ==========================================================================
 """
 
