@@ -1,6 +1,6 @@
 #!/bin/bash
-# The GPU figures of bench/RESULTS.md, in one run on a device machine (timm 1.0.31 carried as a wheel in
-# .whl/, as the device image's timm may differ; mm packages are not needed by these benchmarks):
+# The GPU figures of bench/RESULTS.md, in one run on a machine with a CUDA GPU (a timm 1.0.31 wheel in .whl/ is
+# installed first, as that machine's timm may differ; mm packages are not needed by these benchmarks):
 #   bash bench/device_bench.sh      (writes its tables to $OUT, or to ./bench_out without $OUT)
 # Every method's training step against its baseline (interleaved, medians, bf16 autocast), eager first, then
 # through torch.compile (inductor); each line has its own time limit so that one slow compile cannot take the
