@@ -32,7 +32,11 @@ myst_heading_anchors = 3
 autosummary_generate = True
 autosummary_imported_members = False
 # each object documented once, in the module that defines it (a package's facade and __all__ re-exports are not)
-autodoc_default_options = {'members': True, 'show-inheritance': True, 'ignore-module-all': True}
+autodoc_default_options = {
+    'members': True,
+    'show-inheritance': True,
+    'ignore-module-all': True,
+}
 autodoc_inherit_docstrings = False  # torch's nn.Module docstrings are torch's, not ours
 autodoc_typehints = 'description'
 autodoc_member_order = 'bysource'
@@ -54,7 +58,10 @@ nitpick_ignore_regex = [
         r'(Tensor|Module|Path|Dataset|optional|callable|sequence|Sequence|Optional|Callable|Any|Iterable|'
         r'Iterator|VisionTransformer|SwinTransformer|Cait|MlpMixer|ConvNeXt|ResNet|PyramidVisionTransformerV2|DataSample)',
     ),
-    (r'py:.*', r'(.*\.)?_\w+(\..*)?'),  # private names (a base class, a helper): not part of the API
+    (
+        r'py:.*',
+        r'(.*\.)?_\w+(\..*)?',
+    ),  # private names (a base class, a helper): not part of the API
 ]
 
 templates_path = ['_templates']
@@ -71,17 +78,29 @@ def _resolve_short_names(app, env, node, contnode):
     target = node['reftarget'].lstrip('~.')
     domain = env.get_domain('py')
     head, _, rest = target.partition('.')
-    if head in PACKAGES and rest:  # a package's facade name (timm_plugin.TLAlign): the object it re-exports
-        found = {n for n in domain.objects if n.startswith(head + '.') and n.endswith('.' + rest)}
+    if (
+        head in PACKAGES and rest
+    ):  # a package's facade name (timm_plugin.TLAlign): the object it re-exports
+        found = {
+            n
+            for n in domain.objects
+            if n.startswith(head + '.') and n.endswith('.' + rest)
+        }
     else:
-        found = {n for n in domain.objects if n.split('.')[0] in PACKAGES and (n == target or n.endswith('.' + target))}
+        found = {
+            n
+            for n in domain.objects
+            if n.split('.')[0] in PACKAGES and (n == target or n.endswith('.' + target))
+        }
     if len(found) != 1:
         return None
     name = found.pop()
     obj = domain.objects[name]
     from sphinx.util.nodes import make_refnode
 
-    return make_refnode(app.builder, node['refdoc'], obj.docname, obj.node_id, contnode, name)
+    return make_refnode(
+        app.builder, node['refdoc'], obj.docname, obj.node_id, contnode, name
+    )
 
 
 def _attribute_as_written(self):

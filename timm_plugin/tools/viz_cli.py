@@ -259,6 +259,7 @@ def tl_align(argv) -> Path:
     aligned one after the last block (or after each block), the area λ against the aligned λ."""
     from shared_core.tl_align import capture_forward, compact_labels
     from timm_plugin.tl_align import SharedAttentionViT, SwinTracer, TLAlign
+
     args = parse_viz('tl-align', argv)
     count = _check_count(args.count)
     _pin_branch(args)
