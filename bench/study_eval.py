@@ -4,8 +4,9 @@
 error (about 1.9 points at 75 %) is as large as the effects the study looks for. Its table reads instead the top-1
 of each final checkpoint on the *test world* (the same generator, seed and classes with 500 val images per class:
 its first val images are the world's own). This module rebuilds each run's model as ``tokenaug-train`` built it
-(``args.yaml``: :func:`timm_plugin.train.build_model`; the aux head of token labeling and the ScoreNets of
-TokenMixup's HTM from the checkpoint's keys, as the training attached them), loads the checkpoint strictly, and
+(``args.yaml``: :func:`timm_plugin.recipe.build_model`; the aux head of token labeling and the ScoreNets of
+TokenMixup's HTM from the checkpoint's keys, :func:`timm_plugin.recipe.attach_modules_in`), loads the checkpoint
+strictly, and
 predicts as the training's validation does (token labeling: ``cls + 0.5 · max_tokens(aux)`` by ``--head-rule``;
 HTM: the plain forward, the ScoreNets only act in training). Each split is decoded and transformed once, with
 timm's eval transform of the model's data config (as ``tokenaug-train``'s validation and ``tokenaug-occlusion``),
@@ -26,10 +27,9 @@ from timm.data import create_transform
 
 from shared_core.checkpoint_io import load_checkpoint_file
 from timm_plugin.occlusion import data_config
-from timm_plugin.recipe import build_model
+from timm_plugin.recipe import attach_modules_in, build_model
 from timm_plugin.tasks import TokenLabelingEval
-from timm_plugin.token_labeling import TokenLabeling, attach_aux_head
-from timm_plugin.tokenmixup import attach_scorenets
+from timm_plugin.token_labeling import TokenLabeling
 from timm_plugin.tools.common import split_dataset
 
 _SPLITS: dict = {}  # (root, split, transform repr) -> (images, targets)
@@ -56,11 +56,8 @@ def run_model(run_dir: Path, device: torch.device | str = 'cpu') -> torch.nn.Mod
     args.pretrained, args.pretrained_path, args.initial_checkpoint = False, None, ''
     model = build_model(args)
     state = load_checkpoint_file(run_dir / 'last.pth.tar')['state_dict']  # weights only; a bad file named
-    aux = any(k.startswith('aux_head.') for k in state)
-    if aux:
-        attach_aux_head(model)
-    if any(k.startswith('tokenmixup_scorenet.') for k in state):
-        attach_scorenets(model, args.tokenmixup_htm_layers, args.tokenmixup_scorenet)
+    aux = any(k.startswith('aux_head.') for k in state)  # token labeling (LV-ViT's own aux head too)
+    attach_modules_in(model, state)
     model.load_state_dict(state)  # strict: every key of the checkpoint, and only those
     model.to(device).eval()
     if not aux:

@@ -4,14 +4,17 @@ Usage::
 
     tokenaug-convert --src CKPT --dst OUT --to {mmseg,mmdet} --model TIMM_MODEL_NAME [--from {timm,mmpretrain}]
                      [--model-kwargs img_size=112 ...] [--use-ema] [--final-norm] [--force]
-    tokenaug-convert --src MMPRETRAIN_CKPT --dst OUT --to timm --from mmpretrain --model TIMM_MODEL_NAME
+    tokenaug-convert --src MMPRETRAIN_CKPT --dst OUT --to timm --from mmpretrain --model TIMM_MODEL_NAME [--plain]
 
 ``--to timm``: an mmpretrain classifier (ViT/DeiT with mmpretrain's ``VisionTransformer``, LV-ViT through
 ``TIMMBackbone``; its classifier, token labeling's aux head and TokenMixup's ScoreNets kept) as the timm model's
 checkpoint ``{'state_dict': ...}``, loaded strictly into ``--model`` before it is written: what the timm entry
 points (``tokenaug-train --initial-checkpoint``, ``tokenaug-maps generate --checkpoint``, ``tokenaug-occlusion``,
-``tokenaug-viz``) read. ``--from tokenmixup --to timm``: the ViT-B/16 checkpoints of mlvlab/TokenMixup (a bare
-state dict in jeonsworld/ViT-pytorch's names; its HTM ScoreNet kept as ``tokenmixup_scorenet.L``), likewise.
+``tokenaug-viz``) read; they attach the aux head and the ScoreNets before loading. ``--from tokenmixup --to timm``:
+the ViT-B/16 checkpoints of mlvlab/TokenMixup (a bare state dict in jeonsworld/ViT-pytorch's names; its HTM
+ScoreNet kept as ``tokenmixup_scorenet.L``), likewise. ``--plain`` leaves the aux head and the ScoreNets out: the
+timm model's own weights, which timm's own loaders (``pretrained_cfg_overlay=dict(file=...)``, timm's
+``train.py``) take strictly.
 
 ``CKPT`` is a ``tokenaug-train`` checkpoint or a plain timm state dict (``--from timm``), or an
 mmpretrain/MMEngine checkpoint (``--from mmpretrain``). ``--model`` names the timm architecture the
@@ -192,11 +195,15 @@ def _load_source(path: str, use_ema: bool) -> Dict[str, torch.Tensor]:
     return {re.sub(r'^module\.', '', k): v for k, v in sd.items()}
 
 
-def _to_timm(src: str, dst: str, model: str, source: str, model_kwargs: dict, use_ema: bool) -> dict:
+def _to_timm(
+    src: str, dst: str, model: str, source: str, model_kwargs: dict, use_ema: bool, plain: bool = False
+) -> dict:
     """An mmpretrain classifier checkpoint as the timm model ``model``'s (classifier, aux head and ScoreNets kept),
     loaded strictly into that model before it is written, and read back through the checkpoint reader: what
     ``tokenaug-train --initial-checkpoint``, ``tokenaug-maps generate --checkpoint``, ``tokenaug-occlusion`` and
-    ``tokenaug-viz`` take."""
+    ``tokenaug-viz`` take. ``plain``: the timm model's own weights only (the aux head and ScoreNets dropped, and
+    listed in the report), which timm's own loaders take strictly (``pretrained_cfg_overlay=dict(file=...)``,
+    timm's ``train.py``)."""
     import timm
 
     from timm_plugin.token_labeling import attach_aux_head
@@ -218,6 +225,11 @@ def _to_timm(src: str, dst: str, model: str, source: str, model_kwargs: dict, us
         sd = mmpretrain_to_timm(_load_source(src, use_ema), arch)
     if 'head.weight' not in sd:
         raise ValueError(f'src: {src} has no classifier (head) to size a timm {model}')
+    dropped = []
+    if plain:
+        dropped = sorted({'.'.join(k.split('.')[: 2 if k.startswith('tokenmixup_scorenet.') else 1]) for k in sd
+                          if k.startswith(('aux_head.', 'tokenmixup_scorenet.'))})  # fmt: skip
+        sd = {k: v for k, v in sd.items() if not k.startswith(('aux_head.', 'tokenmixup_scorenet.'))}
     net = timm.create_model(model, pretrained=False, num_classes=int(sd['head.weight'].shape[0]), **model_kwargs)
     if any(k.startswith('aux_head.') for k in sd):
         attach_aux_head(net)
@@ -234,13 +246,13 @@ def _to_timm(src: str, dst: str, model: str, source: str, model_kwargs: dict, us
         if set(got) != set(sd) or any(not torch.equal(got[k], v) for k, v in sd.items()):
             raise ValueError(f'dst: {dst} does not read back as written')
 
-    meta = dict(src=str(src), to='timm', model=model, source=source, arch=arch)
+    meta = dict(src=str(src), to='timm', model=model, source=source, arch=arch, dropped=dropped)
     save_checkpoint_file({'state_dict': sd, 'meta': {'tokenaug_convert': meta}}, dst, check=verify)
     return dict(
         arch=arch,
         hyper_parameters=model_kwargs,
         converted=len(sd),
-        dropped=[],
+        dropped=dropped,
         not_in_source=[],
         derived_from_target=[],
         dst=str(dst),
@@ -258,14 +270,18 @@ def convert_checkpoint(
     use_ema: bool = False,
     final_norm: bool = False,
     force: bool = False,
+    plain: bool = False,
 ) -> dict:
-    """Convert, verify, write; returns the report (also printed by the CLI). ``dst`` must not be ``src`` and
+    """Convert, verify, write; returns the report (also printed by the CLI). ``plain`` (``--to timm`` only): the
+    timm model's own weights, without the aux head and ScoreNets. ``dst`` must not be ``src`` and
     must not exist unless ``force``; it is written to a temporary file, verified from there, then renamed
     into place (a failure leaves no partial file and any old ``dst`` as it was)."""
     check_input_file(src, 'src')
     check_output_file(dst, src, force)
     if to == 'timm':
-        return _to_timm(src, dst, model, source, dict(model_kwargs or {}), use_ema)
+        return _to_timm(src, dst, model, source, dict(model_kwargs or {}), use_ema, plain)
+    if plain:
+        raise ValueError(f'plain: --plain selects what a --to timm checkpoint keeps; --to {to} keeps the backbone only')
     arch, hp = _timm_arch(model, dict(model_kwargs or {}))
     sd, dropped = to_dense_backbone(_load_source(src, use_ema), arch, source)
     final_norm_prefix = {'vit': 'ln1.', 'lvvit': 'norm.'}.get(arch)
@@ -350,6 +366,7 @@ def main(argv=None) -> int:
             args.use_ema,
             args.final_norm,
             args.force,
+            args.plain,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f'tokenaug-convert: error: {e}', file=sys.stderr)

@@ -161,6 +161,40 @@ def test_a_public_tokenmixup_checkpoint_brings_its_scorenet(tmp_path):
         assert torch.allclose(nets['2'](src), expect, atol=1e-10)
 
 
+def test_a_released_htm_checkpoint_evaluates_through_timms_pretrained_route(tmp_path, caplog):
+    """An HTM/HVTM release carries its ScoreNet: ``create_model(pretrained=True, pretrained_cfg_overlay=dict(file=
+    ...))`` into a plain model (evaluation) drops the training-only ScoreNet with one log line naming it, loads
+    everything else strictly and gives the public model's logits; with ``attach_scorenets`` first it loads too."""
+    import logging
+
+    public = public_checkpoint(tmp_path / 'p.pth', 100)
+    state = torch.load(tmp_path / 'p.pth', weights_only=True)
+    g = torch.Generator().manual_seed(2)
+    state['state_dict']['classifier.blocks.2.small_h_attention_pool.weight'] = torch.randn(1, 256, generator=g)
+    state['state_dict']['classifier.blocks.2.small_h_attention_pool.bias'] = torch.randn(1, generator=g)
+    state['state_dict']['classifier.blocks.2.small_h_fc.weight'] = torch.randn(100, 256, generator=g)
+    state['state_dict']['classifier.blocks.2.small_h_fc.bias'] = torch.randn(100, generator=g)
+    torch.save(state, tmp_path / 'htm.pth')
+    overlay = dict(file=str(tmp_path / 'htm.pth'), num_classes=100)
+    with caplog.at_level(logging.INFO, logger='timm_plugin.cct'):
+        model = timm.create_model('cct_7_3x1_32', pretrained=True, num_classes=100, pretrained_cfg_overlay=overlay)
+    dropped = [r.getMessage() for r in caplog.records if 'ScoreNet' in r.getMessage()]
+    assert len(dropped) == 1 and 'tokenmixup_scorenet.2' in dropped[0], dropped
+    assert not hasattr(model, 'tokenmixup_scorenet')
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with torch.no_grad():
+        assert (model.double().eval()(x) - public(x)).abs().max() < 1e-10
+    from timm_plugin.tokenmixup import attach_scorenets
+
+    model = timm.create_model('cct_7_3x1_32', num_classes=100)
+    attach_scorenets(model, [2])
+    filtered = checkpoint_filter_fn(torch.load(tmp_path / 'htm.pth', weights_only=True), model)
+    model.load_state_dict(filtered, strict=True)  # the ScoreNet kept where the model has it
+    assert torch.equal(
+        model.tokenmixup_scorenet['2'].fc.bias, state['state_dict']['classifier.blocks.2.small_h_fc.bias']
+    )
+
+
 def test_sine_is_the_public_learnable_model_and_the_fixed_sinusoid_on_request():
     """``cct_7_3x1_32_sine`` is what the public code builds under that name (a learnable embedding: 3,783,269
     parameters with 100 classes, as counted against the public model; the paper's CIFAR-10 model);

@@ -416,6 +416,25 @@ def test_tokenmixup_vit_converts_to_timm_with_equal_logits_and_its_scorenet(tmp_
         assert torch.allclose(nets['1'](tokens), block.scorenet(tokens[:, 0]), atol=1e-12)
     with pytest.raises(ValueError, match=r"1 TokenMixup ViT keys have no mapping: \['transformer.extra.weight'\]"):
         tokenmixup_vit_to_timm({**public.state_dict(), 'transformer.extra.weight': torch.zeros(1)})
+    # tokenaug-train --initial-checkpoint with the HTM flag: the ScoreNet attached first, the file loads strictly
+    from timm_plugin.recipe import build_training
+    from tokenaug.train_args import parse_args
+
+    args = ['--model', 'vit_base_patch16_224', '--num-classes', '10', '--model-kwargs', *kw]
+    args += ['--initial-checkpoint', str(dst), '--tokenmixup-htm-layers', '1', '--data-dir', str(tmp_path)]
+    trained = build_training(parse_args(args)).model
+    assert torch.equal(trained.tokenmixup_scorenet['1'].fc.weight, state['tokenmixup_scorenet.1.fc.weight'].float())
+    # --plain: the timm model's own weights, which timm's pretrained route loads strictly (evaluation)
+    plain = tmp_path / 'vit_htm_plain.pth'
+    assert main([*argv[:3], str(plain), *argv[4:], '--plain', '--model-kwargs', *kw]) == 0
+    assert not any(k.startswith('tokenmixup_scorenet.') for k in load_checkpoint_file(plain, 'x')['state_dict'])
+    overlay = dict(file=str(plain), num_classes=10)
+    via_timm = timm.create_model(
+        'vit_base_patch16_224', pretrained=True, img_size=64, depth=3, embed_dim=48, num_heads=3, num_classes=10,
+        pretrained_cfg_overlay=overlay,
+    )  # fmt: skip
+    with torch.no_grad():
+        assert (via_timm.double().eval()(x) - ref).abs().max() < 1e-10
 
 
 def test_tokenmixup_cct_with_a_vtm_block_loads_with_equal_logits(tmp_path):

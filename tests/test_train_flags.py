@@ -334,6 +334,59 @@ def test_help_lists_the_methods_among_the_mixing_kinds(capsys):
     assert '--method-mix' not in text
 
 
+def test_initial_checkpoint_loads_the_methods_modules_it_holds(tmp_path, caplog):
+    """``--initial-checkpoint`` of a TokenMixup or token-labeling run (ScoreNets, aux head): the method's modules are
+    attached before the file loads, so the matching flags load them strictly; a plain file starts them afresh (one
+    log line); a file with modules the flags do not attach is refused, naming the flag that would. The annotator
+    (``tokenaug-maps generate --checkpoint``, ``tokenaug-occlusion``) loads such a file too."""
+    import logging
+
+    import timm
+
+    from timm_plugin.annotator import create_annotator
+    from timm_plugin.recipe import attach_method_modules, build_model, build_training
+    from timm_plugin.token_labeling import attach_aux_head
+    from timm_plugin.tokenmixup import attach_scorenets
+
+    kw = dict(img_size=32, patch_size=8, depth=2, num_classes=5)
+    src = timm.create_model('vit_tiny_patch16_224', **kw)
+    attach_scorenets(src, [1])
+    attach_aux_head(src)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.normal_(0, 0.3)
+    full = {k: v.clone() for k, v in src.state_dict().items()}
+    files = {}
+    for name, keep in (('htm', 'tokenmixup_scorenet.'), ('dense', 'aux_head.'), ('plain', None)):
+        files[name] = tmp_path / f'{name}.pth'
+        state = {k: v for k, v in full.items() if not k.startswith(('aux_head.', 'tokenmixup_scorenet.')) or
+                 (keep and k.startswith(keep))}  # fmt: skip
+        torch.save({'state_dict': state, 'epoch': 3}, files[name])
+    base = ['--model', 'vit_tiny_patch16_224', '--num-classes', '5', '--model-kwargs']
+    base += ['img_size=32', 'patch_size=8', 'depth=2', '--data-dir', str(tmp_path)]
+
+    model = build_training(
+        parse_args([*base, '--initial-checkpoint', str(files['htm']), '--tokenmixup-htm-layers', '1'])
+    ).model
+    assert all(torch.equal(model.state_dict()[k], full[k]) for k in torch.load(files['htm'])['state_dict'])
+    args = parse_args([*base, '--initial-checkpoint', str(files['dense'])])
+    args.token_label_dir = str(tmp_path)  # dense targets: the aux head (the store is read later, by the loader)
+    model = build_model(args, lambda m: attach_method_modules(m, args))
+    assert torch.equal(model.aux_head.weight, full['aux_head.weight'])
+    with caplog.at_level(logging.INFO, logger='tokenaug.train'):
+        argv = [*base, '--initial-checkpoint', str(files['plain']), '--tokenmixup-htm-layers', '1']
+        model = build_training(parse_args(argv)).model
+    assert torch.equal(model.blocks[0].attn.qkv.weight, full['blocks.0.attn.qkv.weight'])
+    assert any('initialised afresh: tokenmixup_scorenet.1' in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match=r"holds TokenMixup's ScoreNets: pass --tokenmixup-htm-layers 1 to load"):
+        build_training(parse_args([*base, '--initial-checkpoint', str(files['htm'])]))
+    with pytest.raises(ValueError, match=r"holds token labeling's aux head: pass --token-label-dir MAPS"):
+        build_training(parse_args([*base, '--initial-checkpoint', str(files['dense'])]))
+    for name in ('htm', 'dense'):
+        annotator = create_annotator('vit_tiny_patch16_224', checkpoint=str(files[name]), model_kwargs=kw)
+        assert torch.equal(annotator.head.weight, full['head.weight'])
+
+
 def test_recipe_builds_what_the_flags_name():
     """``build_training``: the method and kind, the mixer's arguments once (the trainer's and tokenaug-viz's mixer),
     and timm's loss factory's criterion for each target kind."""

@@ -197,7 +197,8 @@ def create_annotator(
     use_ema: bool = False,
 ) -> nn.Module:
     """A timm model in eval mode; weights from a local checkpoint (``state_dict`` / ``state_dict_ema`` / raw,
-    loaded with ``weights_only=True``) or random when ``checkpoint`` is None."""
+    loaded with ``weights_only=True``, strictly: the aux head or ScoreNets of a token-labeling or TokenMixup run are
+    attached first, :func:`~timm_plugin.recipe.attach_modules_in`) or random when ``checkpoint`` is None."""
     _register_plugin_models(model_name)
     kwargs = dict(model_kwargs or {})
     if 'num_classes' in kwargs and num_classes is not None:
@@ -214,6 +215,9 @@ def create_annotator(
         kwargs['num_classes'] = num_classes
     model = timm.create_model(model_name, pretrained=False, **kwargs)
     if state_dict is not None:
+        from .recipe import attach_modules_in
+
+        attach_modules_in(model, state_dict)  # a token-labeling or TokenMixup run's file: its modules idle here
         try:
             model.load_state_dict(state_dict, strict=True)
         except RuntimeError as e:

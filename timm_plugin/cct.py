@@ -18,6 +18,7 @@ models learn theirs too (the paper's CIFAR-10 rows and the released checkpoints 
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from functools import partial
@@ -32,6 +33,8 @@ from timm.models.vision_transformer import Block
 from shared_core.state_dict_maps import fuse_qkv
 
 __all__ = ['CCT', 'CCTBlock', 'ConvTokenizer', 'checkpoint_filter_fn']
+
+_logger = logging.getLogger(__name__)
 
 #: the public CCT's LayerNorm (``torch.nn.LayerNorm``'s default eps), in the blocks and the final norm
 LAYER_NORM_EPS = 1e-5
@@ -220,8 +223,9 @@ def checkpoint_filter_fn(state_dict: dict, model: nn.Module) -> dict:
     mlvlab TokenMixup's) in our names, so that ``timm.create_model('cct_7_3x1_32', pretrained=True,
     pretrained_cfg_overlay=dict(file=PATH))`` (``tokenaug-train --pretrained-path PATH``) loads it; our own
     checkpoints pass unchanged. A fixed sinusoid (``positional='sine'``) has no ``pos_embed`` to load: a public
-    ``positional_emb`` is dropped for it. TokenMixup's ScoreNets become ``tokenmixup_scorenet.*``: load those with
-    ``strict=False`` into a plain model, or attach the ScoreNets first."""
+    ``positional_emb`` is dropped for it. TokenMixup's ScoreNets become ``tokenmixup_scorenet.*``: they load into a
+    model that has them (``attach_scorenets`` first); for a plain model (evaluation) they are dropped, with a log
+    line naming them."""
     state_dict = state_dict.get('state_dict', state_dict)
     out = {}
     for key, value in state_dict.items():
@@ -235,6 +239,14 @@ def checkpoint_filter_fn(state_dict: dict, model: nn.Module) -> dict:
     out = fuse_qkv(out)  # a VTM block's Attention_Vertical saves query / key / value (mlvlab TokenMixup)
     if 'pos_embed' in out and not isinstance(getattr(model, 'pos_embed', None), nn.Parameter):
         del out['pos_embed']  # the model's fixed sinusoid is a buffer, not saved
+    if getattr(model, 'tokenmixup_scorenet', None) is None:  # training-only: a plain model (evaluation) has none
+        dropped = sorted({'.'.join(k.split('.')[:2]) for k in out if k.startswith('tokenmixup_scorenet.')})
+        if dropped:
+            out = {k: v for k, v in out.items() if not k.startswith('tokenmixup_scorenet.')}
+            _logger.info(
+                f'CCT checkpoint: dropped the training-only TokenMixup ScoreNet(s) {", ".join(dropped)} '
+                '(attach_scorenets first to load them)'
+            )
     return out
 
 

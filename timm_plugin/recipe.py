@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
-from timm.models import create_model, is_model
+from timm.models import create_model, is_model, load_checkpoint, load_state_dict
 from timm.task import ClassificationEvaluator, ClassificationTask, create_classification_loss, evaluation_sample_limit
 
 from shared_core.options import TOKEN_LABELING_TYPES
@@ -29,9 +30,16 @@ from .mixup import MIX_KINDS, create_mixer
 from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
 from .token_grid import mixing_stride
 from .token_labeling import TokenLabelingLoss, attach_aux_head
-from .tokenmixup import attach_scorenets
+from .tokenmixup import _has_class_token, attach_scorenets
 
-__all__ = ['Recipe', 'build_model', 'build_training']
+__all__ = [
+    'Recipe',
+    'build_model',
+    'build_training',
+    'attach_method_modules',
+    'attach_modules_in',
+    'load_initial_checkpoint',
+]
 
 _logger = logging.getLogger('tokenaug.train')
 
@@ -145,31 +153,20 @@ class Recipe:
 
 
 def build_training(args: argparse.Namespace) -> Recipe:
-    """The :class:`Recipe` of parsed arguments: builds the model (:func:`build_model`), resolves the mixing and
-    refuses, naming the flag, what the methods cannot combine."""
-    model = build_model(args)
-    if args.num_classes is None:
-        args.num_classes = model.num_classes
+    """The :class:`Recipe` of parsed arguments: builds the model with its method's modules (:func:`build_model`),
+    resolves the mixing and refuses, naming the flag, what the methods cannot combine."""
     resolve_tokenmix(args)
-    token_labeling = args.mixup_type in TOKEN_LABELING_TYPES or bool(args.token_label_dir) or args.relabel
-    dense = bool(args.token_label_dir) and not args.relabel and args.dense_weight > 0
+    token_labeling, dense = uses_token_labeling(args), uses_dense_targets(args)
     if token_labeling:
         check_token_labeling(args)
-        if dense:  # before the optimizer, EMA and resume: the aux head is part of the trained model
-            attach_aux_head(model, args.num_classes)
-        elif getattr(model, 'aux_head', None) is not None:  # LV-ViT without dense targets: its aux head idles
-            model.aux_head.requires_grad_(False)  # (DDP would wait for its gradients)
-            if hasattr(model, 'head_rule'):
-                model.head_rule = 'cls'  # and must not vote at inference
-    if uses_tokenmixup(args):
-        if args.method or token_labeling:
-            raise ValueError(
-                f"--tokenmixup-*: TokenMixup relabels each sample from several sources (its mixer's and its HTM "
-                f"partner's); {'token labeling' if token_labeling else args.method} needs the two-source label "
-                f'state of its own mixing, so the two cannot be combined'
-            )
-        if args.tokenmixup_htm_layers:  # before the optimizer, EMA and resume: the ScoreNets are part of the model
-            attach_scorenets(model, args.tokenmixup_htm_layers, args.tokenmixup_scorenet)
+    if uses_tokenmixup(args) and (args.method or token_labeling):
+        raise ValueError(
+            f"--tokenmixup-*: TokenMixup relabels each sample from several sources (its mixer's and its HTM "
+            f"partner's); {'token labeling' if token_labeling else args.method} needs the two-source label "
+            f'state of its own mixing, so the two cannot be combined'
+        )
+
+    model = build_model(args, lambda model: attach_method_modules(model, args))
     check_activation_maps(args, token_labeling)
     mixing = None
     if resolve_mixing(args, token_labeling):
@@ -305,13 +302,110 @@ def mixer_kwargs(args, model: nn.Module) -> dict:
     )
 
 
+#: the modules tokenaug attaches to a timm model: their key prefix, what they are, the flag that attaches them
+PLUGIN_MODULES = {
+    'aux_head.': ("token labeling's aux head", '--token-label-dir MAPS (dense targets)'),
+    'tokenmixup_scorenet.': ("TokenMixup's ScoreNets", '--tokenmixup-htm-layers'),
+}
+
+
+def load_initial_checkpoint(model: nn.Module, path: str, attached: set = frozenset()) -> None:
+    """``--initial-checkpoint``: ``path`` into ``model`` as timm's ``create_model(checkpoint_path=...)`` loads it
+    (``state_dict_ema`` when the file has one, else ``state_dict`` or the bare dict), strictly, except that the keys
+    ``attached`` (of modules the method attached) may be missing: a plain checkpoint starts a method with fresh
+    modules (logged). A key of the file the model lacks is refused; one of a module the method would attach names
+    the flag that attaches it."""
+    if os.path.splitext(path)[-1].lower() in ('.npz', '.npy'):  # timm's foreign formats: the model's own loader
+        load_checkpoint(model, path)
+        return
+    result = model.load_state_dict(load_state_dict(path, use_ema=True, weights_only=True), strict=False)
+    missing = [k for k in result.missing_keys if k not in attached]
+    unexpected = list(result.unexpected_keys)
+    if missing or unexpected:
+        hint = ''.join(_plugin_hint(prefix, unexpected) for prefix in PLUGIN_MODULES)
+        raise ValueError(
+            f'--initial-checkpoint {path} does not fit {type(model).__name__} ({len(missing)} missing keys: '
+            f'{_few(missing)}; {len(unexpected)} unexpected: {_few(unexpected)}){hint}'
+        )
+    fresh = sorted({_module_of(k) for k in result.missing_keys})
+    if fresh:
+        _logger.info(f'--initial-checkpoint {path}: not in the file, initialised afresh: {", ".join(fresh)}')
+
+
+def _plugin_hint(prefix: str, unexpected: list) -> str:
+    """What to pass to load the keys of the attached module ``prefix`` among ``unexpected`` ('' for none)."""
+    keys = [k for k in unexpected if k.startswith(prefix)]
+    if not keys:
+        return ''
+    what, flag = PLUGIN_MODULES[prefix]
+    if prefix == 'tokenmixup_scorenet.':
+        flag += ' ' + ' '.join(sorted({k.split('.')[1] for k in keys}, key=int))
+    return f'; the file holds {what}: pass {flag} to load them'
+
+
+def _module_of(key: str) -> str:
+    """``aux_head.weight`` -> ``aux_head``, ``tokenmixup_scorenet.3.fc.weight`` -> ``tokenmixup_scorenet.3``."""
+    return '.'.join(key.split('.')[: 2 if key.startswith('tokenmixup_scorenet.') else 1])
+
+
+def _few(keys: list, n: int = 4) -> str:
+    return ', '.join(keys[:n]) + (f' and {len(keys) - n} more' if len(keys) > n else '') if keys else 'none'
+
+
+def uses_token_labeling(args) -> bool:
+    return args.mixup_type in TOKEN_LABELING_TYPES or bool(args.token_label_dir) or args.relabel
+
+
+def uses_dense_targets(args) -> bool:
+    """Token labeling with its dense term (the aux head's per-token targets from the label maps)."""
+    return bool(args.token_label_dir) and not args.relabel and args.dense_weight > 0
+
+
+def attach_method_modules(model: nn.Module, args) -> None:
+    """The modules the method of ``args`` adds to ``model`` (token labeling's aux head with dense targets, TokenMixup's
+    ScoreNets), attached before the initial checkpoint (which may hold them), the optimizer, EMA and resume: they
+    are part of the trained model. Resolves ``args.num_classes`` from the model when unset."""
+    if args.num_classes is None:
+        args.num_classes = model.num_classes
+    if uses_dense_targets(args):
+        attach_aux_head(model, args.num_classes)
+    elif uses_token_labeling(args) and getattr(model, 'aux_head', None) is not None:  # LV-ViT, no dense targets
+        model.aux_head.requires_grad_(False)  # its aux head idles (DDP would wait for its gradients)
+        if hasattr(model, 'head_rule'):
+            model.head_rule = 'cls'  # and must not vote at inference
+    if args.tokenmixup_htm_layers:
+        attach_scorenets(model, args.tokenmixup_htm_layers, args.tokenmixup_scorenet)
+
+
+def attach_modules_in(model: nn.Module, state_dict: dict) -> list[str]:
+    """Attach to ``model`` the modules of :data:`PLUGIN_MODULES` whose weights ``state_dict`` holds and ``model``
+    lacks, so that the file then loads strictly: token labeling's aux head (its classes from ``aux_head.weight``)
+    and the ScoreNets at the blocks its keys name (``attn_pool`` where they hold an attention pooling, else the
+    model's default kind: the kinds without one have the same weights). Returns the names attached. For a reader of
+    a finished run (an annotator, an evaluation), where the modules idle: a training run attaches what its flags
+    name (:func:`attach_method_modules`)."""
+    attached = []
+    if 'aux_head.weight' in state_dict and getattr(model, 'aux_head', None) is None:
+        attach_aux_head(model, int(state_dict['aux_head.weight'].shape[0]))
+        attached.append('aux_head')
+    blocks = sorted({int(k.split('.')[1]) for k in state_dict if k.startswith('tokenmixup_scorenet.')})
+    have = getattr(model, 'tokenmixup_scorenet', None) or {}
+    for idx in (b for b in blocks if str(b) not in have):
+        pool = 'attn_pool' if f'tokenmixup_scorenet.{idx}.attn.weight' in state_dict else 'auto'
+        attach_scorenets(model, [idx], 'avg' if pool == 'auto' and not _has_class_token(model) else pool)
+        attached.append(f'tokenmixup_scorenet.{idx}')
+    return attached
+
+
 def uses_tokenmixup(args) -> bool:
     return bool(args.tokenmixup_htm_layers or args.tokenmixup_vtm_layers)
 
 
-def build_model(args) -> nn.Module:
+def build_model(args, attach: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:
     """The model as timm's ``train.py`` creates it (``--pretrained-path`` with the head re-initialised,
-    ``--drop-block``, ``--bn-*``, ``--head-init-*``, ``--model-kwargs``)."""
+    ``--drop-block``, ``--bn-*``, ``--head-init-*``, ``--model-kwargs``). ``attach(model)`` adds the method's
+    modules (token labeling's aux head, TokenMixup's ScoreNets) before ``--initial-checkpoint`` is loaded, so a
+    checkpoint that holds them loads them (:func:`load_initial_checkpoint`); then ``--head-init-*``, as timm."""
     # as timm's train.py: --pretrained-path loads a file as the pretrained weights with the head adapted
     # (num_classes=-1: the classifier is always re-initialised); --pretrained-cfg-overlay adds to it
     factory_kwargs = {}
@@ -341,10 +435,14 @@ def build_model(args) -> nn.Module:
         global_pool=args.gp,
         bn_momentum=args.bn_momentum,
         bn_eps=args.bn_eps,
-        checkpoint_path=args.initial_checkpoint or None,
         **factory_kwargs,
         **model_kwargs,
     )
+    base = set(model.state_dict())
+    if attach is not None:
+        attach(model)
+    if args.initial_checkpoint:
+        load_initial_checkpoint(model, args.initial_checkpoint, attached=set(model.state_dict()) - base)
     if args.head_init_scale is not None:
         with torch.no_grad():
             model.get_classifier().weight.mul_(args.head_init_scale)

@@ -193,6 +193,12 @@ def convert_parser() -> argparse.ArgumentParser:
         '--final-norm', action='store_true', help='ViT, LV-ViT: keep the final norm (target final_norm=True)'
     )
     p.add_argument('--force', action='store_true', help='overwrite an existing --dst (never the --src file)')
+    p.add_argument(
+        '--plain',
+        action='store_true',
+        help="--to timm: the timm model's own weights only (no aux head, no ScoreNets), which timm's own loaders "
+        'take strictly',
+    )
     return p
 
 

@@ -369,7 +369,7 @@ def token_labels(argv) -> Path:
     from shared_core.label_maps import dense_maps
     from shared_core.map_store import LabelMapStore
     from shared_core.viz import class_colours, label_image
-    from timm_plugin.recipe import build_model
+    from timm_plugin.recipe import attach_method_modules, build_model
     from timm_plugin.token_grid import token_stride
     from timm_plugin.token_label_data import TokenLabelCollate, TokenLabelDataset
     from tokenaug.train_args import check_supported
@@ -384,7 +384,7 @@ def token_labels(argv) -> Path:
     if args.num_classes is None:
         args.num_classes = store.num_classes
     _seed(args.viz_seed)
-    model = build_model(args)
+    model = build_model(args, lambda model: attach_method_modules(model, args))  # a checkpoint's aux head too
     data_config = resolve_data_config(vars(args), model=model)
     size = tuple(data_config['input_size'][1:])
     stride = token_stride(model)
