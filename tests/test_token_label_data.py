@@ -229,6 +229,38 @@ def test_the_public_order_is_the_public_pipeline_and_has_its_fill_share(quadrant
     assert shares['public'] < shares['timm'], shares
 
 
+def test_the_public_order_jitters_the_whole_image_without_randaugment(quadrant_data):
+    """Without RandAugment the public code's secondary transform is ColorJitter, on the whole flipped image before
+    the crop: ``aa_order='public'`` is the port draw for draw, and differs from timm's order (jitter after the crop:
+    brightness and contrast are statistics of another region)."""
+    from timm.data import create_transform
+
+    base = create_dataset('', root=str(quadrant_data), split='train', is_training=True)
+    store = LabelMapStore.open(quadrant_data / 'maps')
+    images = {}
+    for order in ('public', 'timm'):
+        ds = TokenLabelDataset(
+            create_dataset('', root=str(quadrant_data), split='train', is_training=True), store, aa_order=order
+        )
+        ds.transform = create_transform(
+            (3, 48, 64), is_training=True, hflip=0.5, color_jitter=0.4, auto_augment=None, mean=(0.0, 0.0, 0.0),
+            std=(1.0, 1.0, 1.0),
+        )  # fmt: skip
+        assert isinstance(ds.transform.transforms[2], T.ColorJitter)
+        images[order] = []
+        for draw in range(4):
+            for i in range(len(ds)):
+                torch.manual_seed(draw)
+                random.seed(draw)
+                x, _ = ds[i]
+                images[order].append(x)
+                if order == 'public':
+                    torch.manual_seed(draw)
+                    random.seed(draw)
+                    assert torch.equal(x, public_order_port(base[i][0], ds.transform)), (draw, i)
+    assert any(not torch.equal(a, b) for a, b in zip(images['public'], images['timm']))
+
+
 def test_dropped_ops_would_misalign_the_labels(quadrant_data):
     """The image-only alternative: the same translated images checked against crop-only targets fail (the
     check above has teeth)."""

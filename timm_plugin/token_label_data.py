@@ -15,9 +15,10 @@ dataset; the dataset splits it into the geometry it must record and the rest:
   several chains) is refused, as are vertical flips and other crop modes;
 - everything after (colour jitter, RandAugment's other ops, to-tensor, normalise, random erasing) as built.
 
-``aa_order='public'`` runs the public code's order instead: the flip and RandAugment (or AutoAugment) on the whole
-image, then the crop, then the rest. The labels follow either way; the orders differ in how much of a crop the
-ops' fill covers (:func:`shared_core.label_maps.crop_after_ops` writes the public order's geometry).
+``aa_order='public'`` runs the public code's order instead: the flip and RandAugment (or AutoAugment; without them,
+ColorJitter) on the whole image, then the crop, then the rest. The labels follow either way; the orders differ in
+how much of a crop the ops' fill covers (:func:`shared_core.label_maps.crop_after_ops` writes the public order's
+geometry).
 
 Each sample is ``(image, (label, values, indices, box, flip, affines))``; :class:`TokenLabelCollate` stacks
 them into ``(images, TokenLabelTarget)``, which also works with timm's fast-collate prefetcher (uint8
@@ -286,7 +287,8 @@ class TokenLabelDataset(torch.utils.data.Dataset):
         geometric_aa: ``'follow'`` (default; the public code): the targets follow RandAugment's (and
             AutoAugment's) geometric ops; ``'drop'``: those ops are removed (ours, earlier).
         aa_order: ``'timm'`` (default): crop, flip, then RandAugment, as timm built the transform;
-            ``'public'``: flip and RandAugment on the whole image, then the crop (the public code's order).
+            ``'public'``: flip and RandAugment (or ColorJitter without it) on the whole image, then the crop (the
+            public code's order).
     """
 
     def __init__(self, dataset, store, geometric_aa: str = 'follow', aa_order: str = 'timm'):
@@ -316,7 +318,8 @@ class TokenLabelDataset(torch.utils.data.Dataset):
         crop.get_params = _RecordParams(type(crop).get_params)
         self._crop = crop
         rest = list(self._rest.transforms)
-        augment = [t for t in rest if isinstance(t, (RandAugment, AutoAugment))]
+        # the public code's secondary transforms: RandAugment / AutoAugment, or ColorJitter without them
+        augment = [t for t in rest if isinstance(t, (RandAugment, AutoAugment, T.ColorJitter))]
         self._augment = augment[0] if augment else None
         self._after = T.Compose([t for t in rest if t is not self._augment])
 

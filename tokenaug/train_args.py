@@ -1106,8 +1106,9 @@ def add_tokenaug_args(parser: argparse.ArgumentParser) -> None:
         '--aa-order',
         default='timm',
         choices=AA_ORDERS,
-        help="with label maps: 'timm' crops, flips, then runs RandAugment (timm's transform); 'public' flips and "
-        'runs RandAugment on the whole image, then crops (the public Token Labeling code: less fill in a crop)',
+        help="with label maps: 'timm' crops, flips, then runs RandAugment or ColorJitter (timm's transform); "
+        "'public' flips and runs RandAugment or ColorJitter on the whole image, then crops (the public Token "
+        'Labeling code: less fill in a crop)',
     )
     g = parser.add_argument_group(
         'TokenMixup parameters (TokenMixup paper; with any mixing kind but tl_align/transmix)'
