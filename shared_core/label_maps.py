@@ -56,6 +56,7 @@ __all__ = [
     'affine_extent',
     'check_affines',
     'check_crops',
+    'register_center_square',
     'normalised_affine',
     'dense_maps',
     'token_targets',
@@ -666,6 +667,30 @@ def crop_after_ops(box, flip: bool, affines) -> Tuple[Tuple[float, ...], np.ndar
         return ((1.0 - x1, y0, 1.0 - x0, y1) if flip else (x0, y0, x1, y1)), chain
     crop = np.array([[x1 - x0, 0.0, x0], [0.0, y1 - y0, y0]], np.float32)
     return (0.0, 0.0, 1.0, 1.0), np.concatenate([chain, crop[None]])
+
+
+def register_center_square(
+    box, flip: bool, affines, image_size: Sequence[int]
+) -> Tuple[Tuple[float, ...], bool, np.ndarray]:
+    """``(box, flip, chain)`` of a crop (this module's form: the box, the flip, then the ops ``affines``) of an image
+    of ``image_size = (W, H)`` pixels, for a map that covers the image's centre square instead of the whole image
+    (the maps released with Token Labeling: the shorter side resized, the centre square cropped,
+    :data:`shared_core.map_store.CENTER_SQUARE`): each token reads the map where the annotator saw its pixels, and
+    the parts of the image the annotator never saw count as uniform (the fill rule).
+
+    In this module's form: the whole map as the box, no flip, and the chain the registration (at output point
+    ``(u, v)`` of the whole image, the map at ``((u W - (W - s) / 2) / s, (v H - (H - s) / 2) / s)`` with ``s =
+    min(W, H)``), then the crop with its flip, then the ops."""
+    W, H = (float(v) for v in image_size)
+    s = min(W, H)
+    register = np.array([[W / s, 0.0, -(W - s) / (2 * s)], [0.0, H / s, -(H - s) / (2 * s)]], np.float32)
+    x0, y0, x1, y1 = (float(c) for c in box)
+    if flip:  # the crop's output point u read the crop's input at 1 - u
+        crop = np.array([[x0 - x1, 0.0, x1], [0.0, y1 - y0, y0]], np.float32)
+    else:
+        crop = np.array([[x1 - x0, 0.0, x0], [0.0, y1 - y0, y0]], np.float32)
+    chain = np.asarray(affines, np.float32).reshape(-1, 2, 3)
+    return (0.0, 0.0, 1.0, 1.0), False, np.concatenate([register[None], crop[None], chain])
 
 
 def rows_from_topk_logits(logits, indices, num_classes: int) -> Tuple[np.ndarray, np.ndarray]:

@@ -31,7 +31,11 @@ Semantics of a row: ``values[r, :, i, j]`` are the annotator's softmax probabili
 ``indices[r, :, i, j]`` at map cell ``(i, j)``, sorted in descending order. Cell ``(i, j)`` covers the
 normalised image region ``x in [j/w, (j+1)/w]``, ``y in [i/h, (i+1)/h]`` of the *whole* image
 (``region.covers = full_image``: the annotator saw the image resized to ``input_size`` without crop
-and without keeping the aspect ratio, ``region.resize = squash``). The top-k mass is at most 1; a
+and without keeping the aspect ratio, ``region.resize = squash``; ``tokenaug-maps generate``). The maps released
+with Token Labeling (``tokenaug-maps import``) cover the image's centre square instead (``covers = center_square``,
+``resize = shorter_side``: :data:`CENTER_SQUARE`); the training registers them on the whole image all the same,
+as the public code does, unless asked to register them where the annotator saw them
+(:func:`shared_core.label_maps.register_center_square`). The top-k mass is at most 1; a
 consumer that needs a full C-way distribution spreads the remaining mass ``1 - sum(top-k)`` uniformly
 over the other ``C - k`` classes (that is the consumer's job, not this module's).
 
@@ -86,6 +90,10 @@ STORE_FILES = (VALUES_FILE, INDICES_FILE, PATHS_FILE, DONE_FILE, META_FILE)
 VALUES_DTYPE = np.dtype(np.float16)
 MAX_UINT16_CLASSES = 65536  # class indices 0..65535 fit uint16
 REGION = {'covers': 'full_image', 'resize': 'squash'}
+#: what the maps released with Token Labeling cover: its ``generate_label.py`` ran timm 0.4.5's eval transform at
+#: ``--img-size 576 --crop-pct 1.0``, i.e. the shorter side resized to 576, then the centre square cropped
+CENTER_SQUARE = {'covers': 'center_square', 'resize': 'shorter_side'}
+REGIONS = (REGION, CENTER_SQUARE)
 # Meta keys allowed to differ between a store and a resumed run / between shards of one run.
 VOLATILE_META_KEYS = frozenset({'created', 'completed', 'complete', 'shard', 'num_images', 'run', 'merged_from'})
 _REQUIRED_META = {
@@ -413,8 +421,10 @@ def new_meta(
     annotator: str,
     input_size: Sequence[int],
     annotator_checkpoint: str | None = None,
+    region: Mapping[str, str] = REGION,
 ) -> dict:
-    """The format part of ``meta.json`` for a new store of ``n`` images (incomplete; see the module doc)."""
+    """The format part of ``meta.json`` for a new store of ``n`` images (incomplete; see the module doc);
+    ``region``: what of each image the annotator saw (:data:`REGIONS`)."""
     grid, input_size = [int(g) for g in grid], [int(s) for s in input_size]
     if len(grid) != 2 or min(grid) < 1:
         raise ValueError(f'grid must be (h, w) with positive ints, got {grid}')
@@ -422,6 +432,8 @@ def new_meta(
         raise ValueError(f'input_size must be (H, W) with positive ints, got {input_size}')
     if not 1 <= k <= num_classes:
         raise ValueError(f'k must be in [1, num_classes={num_classes}], got {k}')
+    if dict(region) not in REGIONS:
+        raise ValueError(f'region must be one of {REGIONS}, got {region!r}')
     return {
         'format': FORMAT,
         'version': VERSION,
@@ -437,7 +449,7 @@ def new_meta(
         'annotator': str(annotator),
         'annotator_checkpoint': None if annotator_checkpoint is None else str(annotator_checkpoint),
         'input_size': input_size,
-        'region': dict(REGION),
+        'region': dict(region),
         'complete': False,
         'created': _now(),
     }
@@ -467,6 +479,7 @@ class MapWriter:
         annotator: str,
         input_size: Sequence[int],
         annotator_checkpoint: str | None = None,
+        region: Mapping[str, str] = REGION,
         extra_meta: Mapping[str, Any] | None = None,
     ) -> 'MapWriter':
         """Preallocate a new, empty store at ``path`` (a directory; created, must not hold a store).
@@ -488,6 +501,7 @@ class MapWriter:
             annotator=annotator,
             input_size=input_size,
             annotator_checkpoint=annotator_checkpoint,
+            region=region,
         )
         clash = set(extra_meta or ()) & set(meta)
         if clash:
@@ -840,6 +854,7 @@ def merge_stores(
         annotator=meta0['annotator'],
         input_size=meta0['input_size'],
         annotator_checkpoint=meta0['annotator_checkpoint'],
+        region=meta0.get('region', REGION),
         extra_meta=extra,
     )
     with writer:

@@ -41,6 +41,9 @@ GEOMETRIC_AA = ('follow', 'drop')
 #: where RandAugment runs: on the crop after the flip (timm's transform), or on the whole flipped image before the
 #: crop (the public Token Labeling code)
 AA_ORDERS = ('timm', 'public')
+#: where a map is registered on its image: on the whole image, whatever the store records (the public code), or
+#: on the region the store records that the annotator saw (the released maps: the image's centre square)
+MAP_REGIONS = ('full_image', 'recorded')
 #: stores ``tokenaug-maps import --from`` reads
 IMPORT_SOURCES = ('tokenlabeling',)
 

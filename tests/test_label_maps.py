@@ -14,6 +14,7 @@ from shared_core.label_maps import (
     crop_box,
     crop_targets,
     dense_maps,
+    register_center_square,
     token_targets,
     token_targets_batch,
 )
@@ -232,3 +233,44 @@ def test_crops_outside_the_image_and_repeated_classes_are_refused():
     dup[1] = dup[0]
     with pytest.raises(ValueError, match='same class twice'):
         check_map_row(val, dup, C)
+
+
+def _column_map(k_classes=4, h=6, w=8):
+    """A one-hot (k=1) map whose class is the map column's quarter: class ``c`` covers map x in [c/4, (c+1)/4)."""
+    cls = torch.arange(w).div(w // k_classes, rounding_mode='floor').expand(h, w)
+    return torch.ones(1, h, w, dtype=torch.float16), cls[None].clone()
+
+
+@pytest.mark.parametrize('flip', [False, True])
+@pytest.mark.parametrize('size', [(64, 48), (48, 64), (40, 40)])
+def test_a_pixel_reads_the_map_where_the_annotator_saw_it_on_the_centre_square(size, flip):
+    """Maps of the centre square (the released Token Labeling maps): a token reads the map cell the annotator saw
+    its pixels in. A crop inside the centre square reads what a box moved into map coordinates reads (the map's own
+    crop path, RoIAlign); a crop of the strip the annotator never saw is uniform; for a square image the
+    registration changes nothing."""
+    W, H = size
+    s = min(W, H)
+    values, indices = _column_map()
+    C, grid = 4, (3, 4)
+
+    def to_map(x, y):  # the annotator's view: the shorter side resized, the centre square cropped
+        return (x * W - (W - s) / 2) / s, (y * H - (H - s) / 2) / s
+
+    lo_x, lo_y = (W - s) / (2 * W), (H - s) / (2 * H)
+    inside = (lo_x + 0.1 * s / W, lo_y + 0.05 * s / H, lo_x + 0.7 * s / W, lo_y + 0.9 * s / H)
+    box, fl, chain = register_center_square(inside, flip, np.zeros((0, 2, 3)), (W, H))
+    got = token_targets(values, indices, C, box, fl, grid, affine=chain)
+    mapped = (*to_map(inside[0], inside[1]), *to_map(inside[2], inside[3]))
+    want = token_targets(values, indices, C, mapped, flip, grid)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    if W > H:  # the left strip the annotator never saw: uniform
+        strip = (0.0, 0.2, 0.9 * lo_x, 0.8)
+        box, fl, chain = register_center_square(strip, flip, np.zeros((0, 2, 3)), (W, H))
+        got = token_targets(values, indices, C, box, fl, grid, affine=chain)
+        assert torch.allclose(got, torch.full_like(got, 1 / C), atol=1e-6)
+        # registered on the whole image (the public code), the same crop reads the map's first column instead
+        assert token_targets(values, indices, C, strip, flip, grid).argmax(0).eq(0).all()
+    if W == H:
+        box, fl, chain = register_center_square(inside, flip, np.zeros((0, 2, 3)), (W, H))
+        got = token_targets(values, indices, C, box, fl, grid, affine=chain)
+        assert torch.allclose(got, token_targets(values, indices, C, inside, flip, grid), atol=1e-5)

@@ -174,6 +174,29 @@ def test_errors_in_import_workers_are_the_one_line_of_one_process_and_a_shape_na
     assert f"{rel(files[1])} holds (5, 7, 7), {rel(first)} (the first image's) (5, 5, 5)" in err
 
 
+def test_the_store_records_the_centre_square_and_training_registers_it_on_request(imported):
+    """The released maps saw the centre square of each image: the imported store says so. Training registers them
+    on the whole image as the public code does (default); ``map_region='recorded'`` registers them on the centre
+    square (each sample's crop, flip and ops become a chain after the registration, ``register_center_square``)."""
+    from timm.data import create_dataset, create_transform
+
+    from shared_core.map_store import CENTER_SQUARE
+    from timm_plugin.token_label_data import TokenLabelDataset
+
+    data, _, store, _ = imported
+    assert store.meta['region'] == CENTER_SQUARE and 'centre square' in store.meta['source']['region']
+    samples = {}
+    for region in ('full_image', 'recorded'):
+        ds = TokenLabelDataset(create_dataset('', root=str(data), split='train'), store, map_region=region)
+        ds.transform = create_transform((3, 32, 32), is_training=True, hflip=0.5)
+        torch.manual_seed(0)
+        samples[region] = ds[0][1]
+    (_, _, _, box, flip, chain), (_, _, _, rbox, rflip, rchain) = samples['full_image'], samples['recorded']
+    assert len(chain) == 0 and (rbox, rflip, len(rchain)) == ((0.0, 0.0, 1.0, 1.0), False, 2)
+    with pytest.raises(ValueError, match='map_region: expected one of'):
+        TokenLabelDataset(create_dataset('', root=str(data), split='train'), store, map_region='centre')
+
+
 def test_resume_and_shards_give_the_same_store(imported, tmp_path):
     data, labels, store, _ = imported
     for i in range(2):

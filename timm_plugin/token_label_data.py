@@ -48,11 +48,12 @@ from shared_core.label_maps import (
     crop_box,
     crop_targets,
     normalised_affine,
+    register_center_square,
     token_targets_sparse,
 )
-from shared_core.map_store import MissingLabelMapError
+from shared_core.map_store import CENTER_SQUARE, MissingLabelMapError
 from shared_core.mix import check_labels
-from shared_core.options import AA_ORDERS, GEOMETRIC_AA
+from shared_core.options import AA_ORDERS, GEOMETRIC_AA, MAP_REGIONS
 
 from .carrier import CarrierTensor
 from .image_data import read_image, readable
@@ -289,14 +290,21 @@ class TokenLabelDataset(torch.utils.data.Dataset):
         aa_order: ``'timm'`` (default): crop, flip, then RandAugment, as timm built the transform;
             ``'public'``: flip and RandAugment (or ColorJitter without it) on the whole image, then the crop (the
             public code's order).
+        map_region: ``'full_image'`` (default; the public code): each map registered on the whole image;
+            ``'recorded'``: on the region the store records the annotator saw (the released maps cover the
+            centre square: :func:`~shared_core.label_maps.register_center_square`).
     """
 
-    def __init__(self, dataset, store, geometric_aa: str = 'follow', aa_order: str = 'timm'):
+    def __init__(self, dataset, store, geometric_aa: str = 'follow', aa_order: str = 'timm', map_region='full_image'):
         if geometric_aa not in GEOMETRIC_AA:
             raise ValueError(f'geometric_aa: expected one of {GEOMETRIC_AA}, got {geometric_aa!r}')
         if aa_order not in AA_ORDERS:
             raise ValueError(f'aa_order: expected one of {AA_ORDERS}, got {aa_order!r}')
+        if map_region not in MAP_REGIONS:
+            raise ValueError(f'map_region: expected one of {MAP_REGIONS}, got {map_region!r}')
         self.dataset, self.store, self.geometric_aa, self.aa_order = dataset, store, geometric_aa, aa_order
+        # registered on the centre square only where asked and where the store records it
+        self.center_square = map_region == 'recorded' and store.meta.get('region') == CENTER_SQUARE
         self.num_classes = int(store.num_classes)
         check_store_covers(store, dataset)
         self._transform = self._crop = self._rest = self._recorder = None
@@ -354,7 +362,7 @@ class TokenLabelDataset(torch.utils.data.Dataset):
             W, H = TF.get_image_size(img)
             img = self._crop(img)
             box, affines = crop_after_ops(crop_box(*self._crop.get_params.last, H, W), flip, self._recorded())
-            return self._after(img), (int(label), values, indices, box, flip, affines)
+            return self._after(img), self._target(label, values, indices, box, flip, affines, (W, H))
         W, H = TF.get_image_size(img)
         img = self._crop(img)
         box = crop_box(*self._crop.get_params.last, H, W)
@@ -362,8 +370,12 @@ class TokenLabelDataset(torch.utils.data.Dataset):
         if flip:
             img = TF.hflip(img)
         img = self._rest(img)
-        affines = self._recorded()
-        return img, (int(label), values, indices, box, flip, affines)
+        return img, self._target(label, values, indices, box, flip, self._recorded(), (W, H))
+
+    def _target(self, label, values, indices, box, flip, affines, size) -> tuple:
+        if self.center_square:
+            box, flip, affines = register_center_square(box, flip, affines, size)
+        return int(label), values, indices, box, flip, affines
 
 
 class TokenLabelCollate:

@@ -341,7 +341,9 @@ def build_data(args, recipe, data_config: dict, device, model_dtype) -> Training
         store = LabelMapStore.open(maps_dir)
         if store.num_classes != args.num_classes:
             raise ValueError(f'{maps_flag}: the maps have {store.num_classes} classes, the model {args.num_classes}')
-        dataset_train = TokenLabelDataset(dataset_train, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order)
+        dataset_train = TokenLabelDataset(
+            dataset_train, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order, map_region=args.map_region
+        )
         # the dense term's token targets built by the loader's workers, not the training step
         loader_built = recipe.token_labeling and recipe.dense and args.token_targets == 'loader'
         stride = token_labeling_stride(recipe.model) if loader_built else None

@@ -37,6 +37,7 @@ from shared_core.options import (
     DROP_PATH_LABELS,
     GEOMETRIC_AA,
     HEAD_RULES,
+    MAP_REGIONS,
     MIX_KINDS,
     TARGET_METHODS,
     TOKEN_LABELING_TYPES,
@@ -1109,6 +1110,13 @@ def add_tokenaug_args(parser: argparse.ArgumentParser) -> None:
         help="with label maps: 'timm' crops, flips, then runs RandAugment or ColorJitter (timm's transform); "
         "'public' flips and runs RandAugment or ColorJitter on the whole image, then crops (the public Token "
         'Labeling code: less fill in a crop)',
+    )
+    g.add_argument(
+        '--map-region',
+        default='full_image',
+        choices=MAP_REGIONS,
+        help="with label maps: 'full_image' registers each map on the whole image (the public code); 'recorded' "
+        'where the store records the annotator saw (the maps released with Token Labeling: the centre square)',
     )
     g = parser.add_argument_group(
         'TokenMixup parameters (TokenMixup paper; with any mixing kind but tl_align/transmix)'

@@ -59,6 +59,7 @@ from torch.utils.data import Dataset
 
 from shared_core.label_maps import rows_from_topk_logits
 from shared_core.map_store import (
+    CENTER_SQUARE,
     VOLATILE_META_KEYS,
     LabelMapError,
     MapWriter,
@@ -264,6 +265,7 @@ def _open_writer(store: Path, paths: list[str], fmt: dict, extra: dict, resume: 
             annotator=fmt['annotator'],
             input_size=fmt['input_size'],
             annotator_checkpoint=fmt['annotator_checkpoint'],
+            region=fmt['region'],
             extra_meta=extra,
         )
     status = store_status(store)
@@ -514,7 +516,13 @@ def _import_shard(args: argparse.Namespace, src: Path, dist: _Dist, on_batch: On
     start, stop = shard_rows(len(paths), dist.index, dist.count, args.batch_size)
     size = (32 * h, 32 * w)
     fmt = new_meta(
-        stop - start, num_classes=args.num_classes, k=k, grid=(h, w), annotator='tokenlabeling', input_size=size
+        stop - start,
+        num_classes=args.num_classes,
+        k=k,
+        grid=(h, w),
+        annotator='tokenlabeling',
+        input_size=size,
+        region=CENTER_SQUARE,
     )
     extra = {
         'split': args.split,
@@ -523,6 +531,8 @@ def _import_shard(args: argparse.Namespace, src: Path, dist: _Dist, on_batch: On
             'files': '<class folder>/<image stem>.pt: (2, k, h, w) float16, top-k raw logits and class indices',
             'stored': 'softmax over all classes of the dense map with logit 0 outside the top-k (public training)',
             'input_size': 'not recorded by the public files: the grid times 32, the annotator stride (NFNet-F6)',
+            'region': "generate_label.py's eval transform at 576, crop_pct 1.0: the shorter side resized to 576, "
+            'the centre square cropped; the public training registers the map on the whole image',
         },
         'run': {
             'src': str(src.resolve()),

@@ -114,7 +114,9 @@ def _mixed_batch(args, count: int):
             )
         base, dataset = (
             dataset,
-            TokenLabelDataset(dataset, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order),
+            TokenLabelDataset(
+                dataset, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order, map_region=args.map_region
+            ),
         )
     dataset.transform = transform
     if len(dataset) < count:
@@ -390,7 +392,9 @@ def token_labels(argv) -> Path:
     stride = token_stride(model)
     grid = (size[0] // stride[0], size[1] // stride[1])
     base, transform = _training_split(args, data_config, use_prefetcher=True)  # uint8, as the prefetcher's
-    dataset = TokenLabelDataset(base, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order)
+    dataset = TokenLabelDataset(
+        base, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order, map_region=args.map_region
+    )
     dataset.transform = transform
     count = min(args.count, len(dataset))
     indices = sorted(random.Random(args.viz_seed).sample(range(len(dataset)), count))
