@@ -38,6 +38,7 @@ from mmpretrain.structures import DataSample
 
 from shared_core.checks import check_real
 from shared_core.mix import Mix, check_image_size, check_pairwise_batch, mix_images, to_2tuple
+from shared_core.options import CLS_TARGET_POOLS
 from shared_core.token_labeling import (
     AUX_WEIGHT,
     CLS_TARGETS,
@@ -82,6 +83,8 @@ class TokenLabelingHead(BaseModule):
             annotator's label pooled over the crop; default under ``relabel``) or ``'mix'``
             (``cls_target_mix · annotator + (1 - cls_target_mix) · gt``).
         cls_target_mix: the weight of ``'mix'``.
+        cls_target_pool: how the annotator's class target pools the crop: ``'distributions'`` (their mean,
+            ReLabel) or ``'logits'`` (softmax of the mean logits, the public code).
         label_smoothing: ε of the class and the token targets (``(1 - ε) · p + ε / C``).
         relabel: ReLabel: class target = the annotator's pooled label, no dense term, no aux head.
         head_rule: inference, ``'cls+aux'`` (``cls + 0.5 · max_tokens(aux)``; default with a dense
@@ -103,8 +106,12 @@ class TokenLabelingHead(BaseModule):
         head_rule: Optional[str] = None,
         num_prefix_tokens: int = 1,
         init_cfg: Optional[dict] = dict(type='TruncNormal', layer='Linear', std=0.02, bias=0.0),
+        cls_target_pool: str = 'distributions',
     ):
         super().__init__(init_cfg=init_cfg)
+        if cls_target_pool not in CLS_TARGET_POOLS:
+            raise ValueError(f'cls_target_pool: expected one of {CLS_TARGET_POOLS}, got {cls_target_pool!r}')
+        self.cls_target_pool = cls_target_pool
         if not isinstance(num_classes, int) or num_classes <= 0:
             raise ValueError(f'num_classes: expected a positive int, got {num_classes!r}')
         if relabel and dense_weight:
@@ -199,6 +206,7 @@ class TokenLabelingHead(BaseModule):
             self.cls_target_mix,
             dense=bool(self.dense_weight),
             name='gt_label',
+            cls_target_pool=self.cls_target_pool,
         )
 
     def loss(

@@ -66,6 +66,7 @@ __all__ = [
     'axis_weights',
     'class_maps',
     'crop_targets',
+    'crop_logit_targets',
     'check_map_row',
     'crop_box',
     'crop_after_ops',
@@ -539,40 +540,52 @@ def token_targets_sparse(maps: CropMaps, grid: Tuple[int, int], smoothing: float
     is the crop path) each token reads the bilinear corners of its samples (still sparse) and its share of fill
     samples goes to the uniform ``base``.
     """
-    values, indices, num_classes, crops, flips = maps.values, maps.indices, maps.num_classes, maps.crops, maps.flips
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f'smoothing must be in [0, 1), got {smoothing}')
+    with torch.autocast(maps.values.device.type, enabled=False):  # targets in fp32 under a training autocast
+        f, u = _cells(maps.values, maps.num_classes)  # u: the top-k entries above the constant
+        # a fill sample is uniform; label smoothing folded in: (1 - ε) · (constant + top-k entries) + ε / C
+        return _resample_sparse(maps, grid, f, u, uniform_fill=True, scale=1.0 - smoothing, offset=smoothing)
+
+
+def _resample_sparse(
+    maps: CropMaps, grid, f: torch.Tensor, u: torch.Tensor, uniform_fill: bool, scale: float = 1.0, offset: float = 0.0
+) -> SparseTokenTargets:
+    """Per-cell vectors "``f`` for every class, plus ``u`` at the top-k classes" (``f (B, h, w)``, ``u (B, k, h,
+    w)``) under each crop, resampled to ``grid`` as RoIAlign resamples (through the affines where given; a sample
+    in an op's fill reads ``1 / C`` for every class with ``uniform_fill``, else 0), kept sparse, as ``scale · t +
+    offset / C``."""
+    values, indices, num_classes, crops, flips = maps.values, maps.indices, maps.num_classes, maps.crops, maps.flips
     B, k, h, w = values.shape
     affines, extent = None if maps.affines is None else check_affines(maps.affines, B), maps.extent
-    with torch.autocast(values.device.type, enabled=False):  # targets in fp32 under a training autocast
-        f, u = _cells(values, num_classes)  # u: the top-k entries above the constant
-        if affines is not None:
-            u = u.flatten(2)
-            cell, weight, fill, _ = _affine_samples(
-                *_batch_geometry(crops, flips, values.device), affines.to(values.device), (h, w), grid, extent
-            )
-            N, P = cell.shape[1:]
-            base = (torch.gather(f.flatten(1), 1, cell.flatten(1)).view(B, N, P) * weight).sum(-1)
-            base = (base + fill / num_classes) * (1.0 - smoothing) + smoothing / num_classes
-            cell = cell[:, :, None].expand(B, N, k, P)
-            src = torch.gather(u[:, None].expand(B, N, k, h * w), 3, cell) * (weight[:, :, None] * (1.0 - smoothing))
-            cls = torch.gather(indices.long().flatten(2)[:, None].expand(B, N, k, h * w), 3, cell)
-            return SparseTokenTargets(base, cls.reshape(B, N, k * P), src.reshape(B, N, k * P), num_classes)
-        wy, wx, (gh, gw) = _axes(crops, flips, (h, w), grid, values.device)
-        N = gh * gw
-        # label smoothing folded in: (1 - ε) · (constant + top-k entries) + ε / C
-        base = _resample(wy, f, wx).view(B, N) * (1.0 - smoothing) + smoothing / num_classes
-        sy, iy = _support(wy)  # (B, gh, Ry)
-        sx, ix = _support(wx)  # (B, gw, Rx)
-        Ry, Rx = sy.shape[-1], sx.shape[-1]
-        R = Ry * Rx
-        # each token's R = Ry · Rx supporting cells (row-major) and their weights, (B, N, 1, R)
-        weight = (sy.view(B, gh, 1, Ry, 1) * sx.view(B, 1, gw, 1, Rx)).view(B, N, 1, R)
-        cell = torch.add(ix.view(B, 1, gw, 1, Rx), iy.view(B, gh, 1, Ry, 1), alpha=w).view(B, N, 1, R)
-        cell = cell.expand(B, N, k, R)
-        src = torch.gather(u.view(B, 1, k, h * w).expand(B, N, k, h * w), 3, cell) * (weight * (1.0 - smoothing))
-        cls = torch.gather(indices.long().view(B, 1, k, h * w).expand(B, N, k, h * w), 3, cell)
-        return SparseTokenTargets(base, cls.view(B, N, k * R), src.view(B, N, k * R), num_classes)
+    if affines is not None:
+        u = u.flatten(2)
+        cell, weight, fill_share, _ = _affine_samples(
+            *_batch_geometry(crops, flips, values.device), affines.to(values.device), (h, w), grid, extent
+        )
+        N, P = cell.shape[1:]
+        base = (torch.gather(f.flatten(1), 1, cell.flatten(1)).view(B, N, P) * weight).sum(-1)
+        if uniform_fill:
+            base = base + fill_share / num_classes
+        base = base * scale + offset / num_classes
+        cell = cell[:, :, None].expand(B, N, k, P)
+        src = torch.gather(u[:, None].expand(B, N, k, h * w), 3, cell) * (weight[:, :, None] * scale)
+        cls = torch.gather(indices.long().flatten(2)[:, None].expand(B, N, k, h * w), 3, cell)
+        return SparseTokenTargets(base, cls.reshape(B, N, k * P), src.reshape(B, N, k * P), num_classes)
+    wy, wx, (gh, gw) = _axes(crops, flips, (h, w), grid, values.device)
+    N = gh * gw
+    base = _resample(wy, f, wx).view(B, N) * scale + offset / num_classes
+    sy, iy = _support(wy)  # (B, gh, Ry)
+    sx, ix = _support(wx)  # (B, gw, Rx)
+    Ry, Rx = sy.shape[-1], sx.shape[-1]
+    R = Ry * Rx
+    # each token's R = Ry · Rx supporting cells (row-major) and their weights, (B, N, 1, R)
+    weight = (sy.view(B, gh, 1, Ry, 1) * sx.view(B, 1, gw, 1, Rx)).view(B, N, 1, R)
+    cell = torch.add(ix.view(B, 1, gw, 1, Rx), iy.view(B, gh, 1, Ry, 1), alpha=w).view(B, N, 1, R)
+    cell = cell.expand(B, N, k, R)
+    src = torch.gather(u.view(B, 1, k, h * w).expand(B, N, k, h * w), 3, cell) * (weight * scale)
+    cls = torch.gather(indices.long().view(B, 1, k, h * w).expand(B, N, k, h * w), 3, cell)
+    return SparseTokenTargets(base, cls.view(B, N, k * R), src.view(B, N, k * R), num_classes)
 
 
 def token_targets_batch(maps: CropMaps, grid: Tuple[int, int], smoothing: float = 0.0) -> torch.Tensor:
@@ -642,6 +655,30 @@ def crop_targets(maps: CropMaps, smoothing: float = 0.0) -> torch.Tensor:
     """ReLabel: one label ``(B, C)`` per crop, the mean of the map's distribution over the crop (a flip
     does not change it; with the maps' affines, over what the augmented crop shows, fill uniform)."""
     return token_targets_batch(maps, (1, 1), smoothing)[:, :, 0, 0]
+
+
+def crop_logit_targets(maps: CropMaps, smoothing: float = 0.0) -> torch.Tensor:
+    """The public Token Labeling code's class target of each crop (its ``get_label`` at ``label_size=1``):
+    ``softmax`` of the crop's RoIAlign mean of the *logit* map, logit 0 outside each cell's top-k, label-smoothed
+    as :func:`crop_targets`; ``(B, C)``. :func:`crop_targets` averages the distributions instead (ReLabel).
+
+    A stored row is the softmax of such a logit map (``tokenaug-maps import``: :func:`rows_from_topk_logits`),
+    so the logits are recovered from it: ``l = log(p / r)`` at the top-k, ``r = (1 - Σ top-k) / (C - k)`` the
+    probability of every other class (logit 0), exactly but for fp16 storage, with the rest's mass floored at
+    fp16's resolution near 1 (``2⁻¹¹``) where rounding left none. A row of ``generate`` (a full softmax's top-k) is
+    read the same way: the logit map whose softmax the row is under the uniform rest. Samples in an op's fill read
+    logit 0, the public code's fill."""
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f'smoothing must be in [0, 1), got {smoothing}')
+    C = maps.num_classes
+    with torch.autocast(maps.values.device.type, enabled=False):
+        v = maps.values.float().clamp_min(1e-30)
+        k = v.shape[1]
+        rest = (1.0 - v.sum(1)).clamp_min(2.0**-11) / (C - k) if C > k else v.new_ones(v.shape[:1] + v.shape[2:])
+        logits = (v.log() - rest.log()[:, None]) if C > k else v.log()
+        t = _resample_sparse(maps, (1, 1), torch.zeros_like(rest), logits, uniform_fill=False)
+        pooled = t.base[:, 0, None].expand(-1, C).contiguous().scatter_add_(1, t.cls[:, 0], t.weight[:, 0])
+        return pooled.softmax(1) * (1.0 - smoothing) + smoothing / C
 
 
 def crop_box(top: int, left: int, height: int, width: int, img_height: int, img_width: int) -> Tuple[float, ...]:

@@ -41,6 +41,9 @@ GEOMETRIC_AA = ('follow', 'drop')
 #: where RandAugment runs: on the crop after the flip (timm's transform), or on the whole flipped image before the
 #: crop (the public Token Labeling code)
 AA_ORDERS = ('timm', 'public')
+#: how the annotator's class target pools the crop: the mean of the cells' distributions (ReLabel, ours) or the
+#: softmax of the mean of their logits (the public Token Labeling code's ``get_label``)
+CLS_TARGET_POOLS = ('distributions', 'logits')
 #: where a map is registered on its image: on the whole image, whatever the store records (the public code), or
 #: on the region the store records that the annotator saw (the released maps: the image's centre square)
 MAP_REGIONS = ('full_image', 'recorded')

@@ -23,9 +23,9 @@ from typing import NamedTuple, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from .label_maps import CropMaps, SparseTokenTargets, crop_targets, token_targets_sparse
+from .label_maps import CropMaps, SparseTokenTargets, crop_logit_targets, crop_targets, token_targets_sparse
 from .mix import Mix, check_labels, mix_rows, one_hot, own_lam
-from .options import HEAD_RULES
+from .options import CLS_TARGET_POOLS, HEAD_RULES
 from .samplers import MixSampler
 
 __all__ = [
@@ -184,6 +184,7 @@ def token_labeling_targets(
     cls_target_mix: float = 0.5,
     dense: bool = True,
     name: str = 'labels',
+    cls_target_pool: str = 'distributions',
 ):
     """Token labeling's targets for a batch: ``(class target (B, C), per-token targets or None)``.
 
@@ -192,7 +193,9 @@ def token_labeling_targets(
     the sparse per-token targets of the crops on the token ``grid`` (Eq. 2;
     :class:`~shared_core.label_maps.SparseTokenTargets`, ``.dense()`` is ``(B, N, C)``). ``maps``: the batch's
     :class:`~shared_core.label_maps.CropMaps` on the training device (needed for ``dense`` or a non-``'gt'`` class
-    target).
+    target). ``cls_target_pool``: how the annotator's class target pools the crop, the mean of the distributions
+    (:func:`~shared_core.label_maps.crop_targets`, ReLabel) or the softmax of the mean logits (the public code,
+    :func:`~shared_core.label_maps.crop_logit_targets`).
     Every row sums to 1."""
     check_labels(labels, num_classes, name, values=False)  # the range: one_hot's scatter below, on the CPU
     if maps is None and (dense or cls_target != 'gt'):
@@ -202,9 +205,12 @@ def token_labeling_targets(
         )
     if maps is not None and maps.num_classes != num_classes:
         raise ValueError(f'maps: the label maps are for {maps.num_classes} classes, the targets for {num_classes}')
+    if cls_target_pool not in CLS_TARGET_POOLS:
+        raise ValueError(f'cls_target_pool: expected one of {CLS_TARGET_POOLS}, got {cls_target_pool!r}')
     annotator = None
-    if cls_target != 'gt':  # ReLabel: the map's mean over the crop
-        annotator = crop_targets(maps, smoothing)
+    if cls_target != 'gt':  # ReLabel: the map's mean over the crop (of the distributions, or of the logits)
+        pool = crop_targets if cls_target_pool == 'distributions' else crop_logit_targets
+        annotator = pool(maps, smoothing)
     gt = one_hot(labels, num_classes, smoothing, name)
     y_cls = mix_class_target(class_target(gt, annotator, cls_target, cls_target_mix), mix)  # Eq. 7
     tokens = None

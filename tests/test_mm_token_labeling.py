@@ -544,6 +544,7 @@ def test_model_errors_name_the_argument():
         (dict(relabel=True, dense_weight=0.5), 'dense_weight'),
         (dict(head_rule='max'), 'head_rule'),
         (dict(cls_target='teacher'), 'cls_target'),
+        (dict(cls_target_pool='probabilities'), 'cls_target_pool'),
         (dict(relabel=True, cls_target='gt'), 'cls_target'),
         (dict(dense_weight=0.0, head_rule='cls+aux'), 'head_rule'),
     ):

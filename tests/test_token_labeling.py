@@ -8,7 +8,7 @@ import timm
 import torch
 import torch.nn.functional as F
 
-from shared_core.label_maps import dense_maps
+from shared_core.label_maps import crop_logit_targets, dense_maps
 from shared_core.mixing import Mix, MixSampler
 from shared_core.token_labeling import mix_dense_targets, token_labeling_loss, unmix_tokens
 from timm_plugin.token_label_data import TokenLabelTarget
@@ -168,6 +168,13 @@ def test_loss_module_uses_the_maps_targets_and_the_class_target_choice():
     pooled = dense_maps(tgt.values, tgt.indices, C).mean((2, 3))
     lam = out.mix.lam.view(-1, 1)
     torch.testing.assert_close(y_cls, lam * pooled + (1 - lam) * pooled[out.mix.partner], atol=1e-5, rtol=0)
+    # cls_target_pool='logits': the softmax of the mean logit map (the public code), mixed the same way
+    lossf = TokenLabelingLoss(C, dense_weight=0.5, cls_target='annotator', smoothing=0.0, cls_target_pool='logits')
+    y_cls, _ = lossf.targets(out, tgt)
+    pooled = crop_logit_targets(tgt.maps)
+    torch.testing.assert_close(y_cls, lam * pooled + (1 - lam) * pooled[out.mix.partner], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match='cls_target_pool: expected one of'):
+        TokenLabelingLoss(C, cls_target_pool='probabilities')
 
 
 def test_plain_labels_need_no_maps_only_without_dense_term():

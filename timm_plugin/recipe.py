@@ -205,6 +205,7 @@ def training_loss(args: argparse.Namespace, token_labeling: bool, dense: bool, s
             cls_target='annotator' if args.relabel else args.cls_target,
             cls_target_mix=args.cls_target_mix,
             smoothing=args.smoothing,
+            cls_target_pool=args.cls_target_pool,
         )
     bce = {}
     if args.bce_loss:

@@ -124,7 +124,7 @@ class TokenLabelingTask(MethodTask):
         model: a timm ViT with ``model.aux_head`` (LV-ViT, or :func:`~timm_plugin.token_labeling.attach_aux_head`)
             when ``dense_weight > 0``.
         criterion: a :class:`TokenLabelingLoss` (default: built from ``num_classes``, ``dense_weight``,
-            ``cls_target``, ``cls_target_mix``, ``smoothing``).
+            ``cls_target``, ``cls_target_mix``, ``smoothing``, ``cls_target_pool``).
         mix_token, beta, prob, mode: MixToken (Beta(beta, beta) box, mixing probability, ``'batch'``/``'pair'``).
         head_rule: validation output, ``'cls+aux'`` or ``'cls'``.
         generator: RNG of MixToken's box.
@@ -143,6 +143,7 @@ class TokenLabelingTask(MethodTask):
         cls_target: str = 'gt',
         cls_target_mix: float = 0.5,
         smoothing: float = 0.1,
+        cls_target_pool: str = 'distributions',
         mix_token: bool = True,
         beta: float = 1.0,
         prob: float = 1.0,
@@ -161,6 +162,7 @@ class TokenLabelingTask(MethodTask):
                 cls_target=cls_target,
                 cls_target_mix=cls_target_mix,
                 smoothing=smoothing,
+                cls_target_pool=cls_target_pool,
             )
         super().__init__(
             model,

@@ -27,6 +27,7 @@ from timm.layers import trunc_normal_
 from shared_core.checks import check_real
 from shared_core.compiling import guard_module_hooks
 from shared_core.mix import Mix, check_image_size, mix_images
+from shared_core.options import CLS_TARGET_POOLS
 from shared_core.token_labeling import (
     CLS_TARGETS,
     HEAD_RULES,
@@ -212,6 +213,8 @@ class TokenLabelingLoss(nn.Module):
         cls_target: ``'gt'`` (the paper), ``'annotator'`` (the annotator's pooled label over the crop, the
             public code's default) or ``'mix'`` (``cls_target_mix · annotator + (1 - cls_target_mix) · gt``).
         smoothing: label smoothing of the class and the token targets.
+        cls_target_pool: how the annotator's class target pools the crop: ``'distributions'`` (their mean,
+            ReLabel) or ``'logits'`` (softmax of the mean logits, the public code).
     """
 
     def __init__(
@@ -221,8 +224,12 @@ class TokenLabelingLoss(nn.Module):
         cls_target: str = 'gt',
         cls_target_mix: float = 0.5,
         smoothing: float = 0.1,
+        cls_target_pool: str = 'distributions',
     ):
         super().__init__()
+        if cls_target_pool not in CLS_TARGET_POOLS:
+            raise ValueError(f'cls_target_pool: expected one of {CLS_TARGET_POOLS}, got {cls_target_pool!r}')
+        self.cls_target_pool = cls_target_pool
         if cls_target not in CLS_TARGETS:
             raise ValueError(f'cls_target: expected one of {CLS_TARGETS}, got {cls_target!r}')
         if not 0.0 <= cls_target_mix <= 1.0:
@@ -252,6 +259,7 @@ class TokenLabelingLoss(nn.Module):
             self.cls_target_mix,
             dense=bool(self.dense_weight),
             name='target',
+            cls_target_pool=self.cls_target_pool,
         )
 
     def forward(self, output: TokenLabelingOutput, target: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from shared_core.configs import resolve_config_arg
 from shared_core.options import (
     AA_ORDERS,
     BOX_ROUNDINGS,
+    CLS_TARGET_POOLS,
     DROP_PATH_LABELS,
     GEOMETRIC_AA,
     HEAD_RULES,
@@ -1077,6 +1078,13 @@ def add_tokenaug_args(parser: argparse.ArgumentParser) -> None:
         "(public code's default) or --cls-target-mix · annotator + (1 - it) · ground truth",
     )
     g.add_argument('--cls-target-mix', type=float, default=0.5, help="the annotator's weight under --cls-target mix")
+    g.add_argument(
+        '--cls-target-pool',
+        default='distributions',
+        choices=CLS_TARGET_POOLS,
+        help="how the annotator's class target pools the crop: the mean of the map's distributions (ReLabel) or "
+        "'logits', the softmax of the mean of its logits (the public Token Labeling code)",
+    )
     g.add_argument(
         '--relabel',
         action='store_true',
