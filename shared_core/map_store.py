@@ -93,6 +93,7 @@ REGION = {'covers': 'full_image', 'resize': 'squash'}
 #: what the maps released with Token Labeling cover: its ``generate_label.py`` ran timm 0.4.5's eval transform at
 #: ``--img-size 576 --crop-pct 1.0``, i.e. the shorter side resized to 576, then the centre square cropped
 CENTER_SQUARE = {'covers': 'center_square', 'resize': 'shorter_side'}
+#: the regions a store may record (``meta.json``'s ``region``)
 REGIONS = (REGION, CENTER_SQUARE)
 # Meta keys allowed to differ between a store and a resumed run / between shards of one run.
 VOLATILE_META_KEYS = frozenset({'created', 'completed', 'complete', 'shard', 'num_images', 'run', 'merged_from'})
