@@ -488,6 +488,16 @@ class CropMaps:
             )
         if tuple(flips.shape) != (B,):
             raise ValueError(f'flips: expected one flag per map row, ({B},), got {tuple(flips.shape)}')
+        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 1:
+            raise ValueError(f'num_classes: expected a positive int, got {self.num_classes!r}')
+        if values.device.type == 'cpu' and values.numel():  # checked where it costs no device sync
+            if not torch.isfinite(values).all() or values.min() < 0:
+                raise ValueError('values: expected probabilities (finite, >= 0)')
+            if indices.min() < 0 or indices.max() >= self.num_classes:
+                raise ValueError(
+                    f'indices: class indices must be in [0, {self.num_classes}), got [{int(indices.min())}, '
+                    f'{int(indices.max())}]'
+                )
         for name, t in (('values', values), ('indices', indices), ('crops', crops), ('flips', flips)):
             object.__setattr__(self, name, t)
 

@@ -339,3 +339,62 @@ def test_a_mixer_for_another_class_count_is_named():
     x, target = mixer(torch.randn(4, 3, 32, 32), torch.arange(4))
     with pytest.raises(ValueError, match='target: the mixer made 100-class targets for a model with 10 classes'):
         TLAlign(tiny_vit()).train()(x, target)
+
+
+def test_python_api_edges_are_refused_by_name():
+    """Values that would silently do something else (or fail later, unnamed) are refused, naming the argument:
+    the loss's smoothing and class count, TL-Align's switches that are not booleans, a second aux head of another
+    class count, map rows with NaN or out-of-range classes."""
+    import timm
+
+    from shared_core.label_maps import CropMaps
+    from timm_plugin import TLAlign, TokenLabelingLoss, attach_aux_head
+
+    for smoothing in (float('nan'), -0.1, 1.5):
+        with pytest.raises(ValueError, match='smoothing'):
+            TokenLabelingLoss(10, smoothing=smoothing)
+    with pytest.raises(ValueError, match='num_classes'):
+        TokenLabelingLoss(0)
+    model = timm.create_model('vit_tiny_patch16_224', img_size=32, patch_size=8, depth=1, num_classes=10)
+    for kw, name in ((dict(residual='no'), 'residual'), (dict(shared=1), 'shared'), (dict(fused='yes'), 'fused')):
+        with pytest.raises(ValueError, match=f'{name}: expected'):
+            TLAlign(model, **kw)
+    attach_aux_head(model, 10)
+    assert attach_aux_head(model, 10).aux_head.out_features == 10  # the same again: kept
+    with pytest.raises(ValueError, match='already has an aux head for 10 classes, asked for 12'):
+        attach_aux_head(model, 12)
+    values, indices = torch.full((1, 1, 2, 2), 0.5), torch.zeros(1, 1, 2, 2, dtype=torch.long)
+    crops, flips = torch.tensor([[0.0, 0.0, 1.0, 1.0]]), torch.zeros(1, dtype=torch.bool)
+    CropMaps(values, indices, 10, crops, flips)  # a valid row
+    with pytest.raises(ValueError, match='values: expected probabilities'):
+        CropMaps(torch.full_like(values, float('nan')), indices, 10, crops, flips)
+    with pytest.raises(ValueError, match=r'indices: class indices must be in \[0, 10\), got \[10, 10\]'):
+        CropMaps(values, indices + 10, 10, crops, flips)
+
+
+def test_a_switch_that_would_do_nothing_is_refused_by_name(tmp_path):
+    """A method's switch set where it does nothing (the run would train something else under its name) is refused,
+    naming the switch and what it needs; with what it needs, it is taken."""
+    from timm_plugin import TLAlign
+    from timm_plugin.recipe import build_training
+    from tokenaug.train_args import parse_args
+
+    base = ['--model', 'vit_tiny_patch16_224', '--num-classes', '4', '--data-dir', str(tmp_path)]
+    base += ['--model-kwargs', 'img_size=32', 'patch_size=8', 'depth=2', '--mixup', '0.8', '--cutmix', '1.0']
+    for extra, named in (
+        (['--aa-order', 'public'], '--aa-order public: it does nothing here; it needs label maps'),
+        (['--geometric-aa', 'drop'], '--geometric-aa drop: it does nothing here; it needs label maps'),
+        (['--map-region', 'recorded'], '--map-region recorded: it does nothing here'),
+        (['--token-targets', 'step'], "--token-targets step: it does nothing here; it needs token labeling's dense"),
+        (['--cls-target-pool', 'logits'], '--cls-target-pool logits: it does nothing here'),
+        (['--tokenmixup-htm-layers', '1', '--tokenmixup-vtm-memory', 'public'], 'it needs VTM'),
+        (['--method', 'tl_align', '--tl-align-layers'], r'--tl-align-layers \(no block\): it does nothing here'),
+    ):
+        with pytest.raises(ValueError, match=named):
+            build_training(parse_args([*base, *extra]))
+    # with what they need, taken
+    argv = [*base, '--tokenmixup-htm-layers', '1', '--tokenmixup-vtm-layers', '1', '--tokenmixup-vtm-memory', 'public']
+    build_training(parse_args(argv))
+    build_training(parse_args([*base, '--method', 'tl_align', '--tl-align-layers', '0']))
+    with pytest.raises(ValueError, match='layers: no block: TL-Align would align nothing'):
+        TLAlign(build_training(parse_args(base)).model, layers=[])

@@ -166,6 +166,7 @@ def build_training(args: argparse.Namespace) -> Recipe:
             f'state of its own mixing, so the two cannot be combined'
         )
 
+    check_switches_apply(args, token_labeling, dense)
     model = build_model(args, lambda model: attach_method_modules(model, args))
     check_activation_maps(args, token_labeling)
     mixing = None
@@ -255,6 +256,36 @@ def resolve_tokenmix(args) -> None:
         args.mixup_type = f'tokenmix_{args.tokenmix_mask}'
         if args.tokenmix_lam is None:
             args.tokenmix_lam = 0.5
+
+
+def check_switches_apply(args, token_labeling: bool, dense: bool) -> None:
+    """Refuse, naming it, a method's switch set where it would do nothing (a run would train something else under
+    the switch's name): the label-map data path's switches without label maps, the dense term's without it, VTM's
+    without VTM, TL-Align's blocks given as none."""
+    maps = bool(args.token_label_dir or args.activation_map_dir)
+    unused = []
+    if not maps:  # the switches of the data path that carries label maps
+        unused += [
+            (f'--{flag} {value}', 'label maps (--token-label-dir or --activation-map-dir)')
+            for flag, value, default in (
+                ('aa-order', args.aa_order, 'timm'),
+                ('geometric-aa', args.geometric_aa, 'follow'),
+                ('map-region', args.map_region, 'full_image'),
+            )
+            if value != default
+        ]
+    if args.token_targets != 'loader' and not (token_labeling and dense):
+        unused.append((f'--token-targets {args.token_targets}', "token labeling's dense term (--token-label-dir)"))
+    annotator_target = args.relabel or args.cls_target != 'gt'
+    if args.cls_target_pool != 'distributions' and not (token_labeling and annotator_target):
+        unused.append((f'--cls-target-pool {args.cls_target_pool}', 'an annotator class target (--cls-target)'))
+    if args.tokenmixup_vtm_memory != 'mixed' and not args.tokenmixup_vtm_layers:
+        unused.append((f'--tokenmixup-vtm-memory {args.tokenmixup_vtm_memory}', 'VTM (--tokenmixup-vtm-layers)'))
+    if args.tl_align_layers is not None and not args.tl_align_layers:
+        unused.append(('--tl-align-layers (no block)', 'blocks to align: leave the flag out to align at all'))
+    if unused:
+        switch, needs = unused[0]
+        raise ValueError(f'{switch}: it does nothing here; it needs {needs}')
 
 
 def check_activation_maps(args, token_labeling: bool) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from timm.layers import trunc_normal_
 
-from shared_core.checks import check_real
+from shared_core.checks import check_int, check_real
 from shared_core.compiling import guard_module_hooks
 from shared_core.mix import Mix, check_image_size, mix_images
 from shared_core.options import CLS_TARGET_POOLS
@@ -60,7 +60,14 @@ __all__ = [
 def attach_aux_head(model: nn.Module, num_classes: Optional[int] = None) -> nn.Module:
     """Give a timm ViT an aux head (``model.aux_head``, linear on each patch token) if it has none;
     initialised as timm initialises ViT heads. Returns the model."""
-    if getattr(model, 'aux_head', None) is not None:
+    existing = getattr(model, 'aux_head', None)
+    if existing is not None:
+        want = num_classes or model.num_classes
+        if getattr(existing, 'out_features', want) != want:
+            raise ValueError(
+                f'num_classes: the model already has an aux head for {existing.out_features} classes, asked for '
+                f'{want}; replace model.aux_head yourself to change it'
+            )
         return model
     dim = getattr(model, 'num_features', None) or getattr(model, 'embed_dim', None)
     if dim is None:
@@ -235,6 +242,8 @@ class TokenLabelingLoss(nn.Module):
         if not 0.0 <= cls_target_mix <= 1.0:
             raise ValueError(f'cls_target_mix: expected a weight in [0, 1], got {cls_target_mix}')
         dense_weight = check_real(dense_weight, 'dense_weight', lo=0.0)  # NaN would poison the loss
+        smoothing = check_real(smoothing, 'smoothing', lo=0.0, hi=1.0, hi_open=True)
+        num_classes = check_int(num_classes, 'num_classes', lo=2)
         self.num_classes, self.dense_weight = int(num_classes), float(dense_weight)
         self.cls_target, self.cls_target_mix, self.smoothing = cls_target, float(cls_target_mix), float(smoothing)
 

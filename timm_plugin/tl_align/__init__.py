@@ -151,11 +151,18 @@ class TLAlign(nn.Module):
         shared: bool = True,
     ):
         super().__init__()
+        for name, value in (('residual', residual), ('shared', shared)):
+            if not isinstance(value, bool):
+                raise ValueError(f'{name}: expected True or False, got {value!r}')
+        if fused is not None and not isinstance(fused, bool):
+            raise ValueError(f'fused: expected True, False or None (the default), got {fused!r}')
         self.tracer = timm_tracer(model)
         guard_module_hooks()  # per-call hooks under torch.compile
         self.shared = shared
         self.model = model
         self.layers = check_layers(layers, self.tracer.depth)
+        if self.layers is not None and not self.layers:
+            raise ValueError('layers: no block: TL-Align would align nothing (None aligns at every block)')
         self.residual = residual
         self.fused = fused
         self.drop_path = check_drop_path(drop_path)
