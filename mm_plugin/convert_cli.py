@@ -35,13 +35,20 @@ arrived. Anything else is an error naming the keys; a wrong checkpoint never "lo
 from __future__ import annotations
 
 import ast
+import os
 import re
 import sys
 from typing import Dict, List, Tuple
 
 import torch
 
-from shared_core.checkpoint_io import check_input_file, check_output_file, load_checkpoint_file, save_checkpoint_file
+from shared_core.checkpoint_io import (
+    check_input_file,
+    check_output_file,
+    load_checkpoint_file,
+    remove_stale_temporaries,
+    save_checkpoint_file,
+)
 from shared_core.state_dict_maps import tokenmixup_vit_to_timm
 from tokenaug.tool_args import convert_parser
 
@@ -278,6 +285,8 @@ def convert_checkpoint(
     into place (a failure leaves no partial file and any old ``dst`` as it was)."""
     check_input_file(src, 'src')
     check_output_file(dst, src, force)
+    # what a killed conversion to the same dst left (the write is atomic: a temporary beside dst, then a rename)
+    remove_stale_temporaries(os.path.dirname(os.path.abspath(dst)), [os.path.basename(dst)])
     if to == 'timm':
         return _to_timm(src, dst, model, source, dict(model_kwargs or {}), use_ema, plain)
     if plain:

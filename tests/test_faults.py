@@ -66,6 +66,13 @@ def test_convert_refuses_its_own_source_and_existing_files(train_ckpt, tmp_path,
     assert set(torch.load(out, weights_only=True)) == {'state_dict', 'meta'}
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith('.tmp')] == []
     assert sha(train_ckpt) == before
+    # a conversion killed mid-write left its temporary beside out: the rerun removes it (and only its own)
+    (tmp_path / '.out.pth.vhnrgo2u.tmp').write_bytes(b'half a checkpoint')
+    (tmp_path / '.other.pth.abcdefgh.tmp').write_bytes(b'another writer')
+    convert_checkpoint(
+        train_ckpt, out, 'mmseg', 'deit_tiny_patch16_224', model_kwargs=dict(img_size=32, patch_size=8), force=True
+    )
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith('.tmp')) == ['.other.pth.abcdefgh.tmp']
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):

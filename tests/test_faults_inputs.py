@@ -105,7 +105,12 @@ def test_a_second_run_in_an_experiment_folder_is_refused_unless_resumed_or_overw
         return argparse.Namespace(**dict(dict(output=str(tmp_path), experiment='x', overwrite=False), **kw))
 
     check_output_folder(args(), str(out / 'last.pth.tar'))  # continuing that run
-    check_output_folder(args(overwrite=True), '')  # asked for
+    (out / 'checkpoint-1.pth.tar').write_bytes(b'old')
+    (out / 'milestone-2.pth.tar').write_bytes(b'old')
+    (out / 'notes.txt').write_text('mine')
+    check_output_folder(args(overwrite=True), '')  # asked for: the old run's files go, none left beside the new
+    assert sorted(p.name for p in out.iterdir()) == ['notes.txt']
+    (out / 'last.pth.tar').write_bytes(b'x')  # a run in x again
     check_output_folder(args(experiment='fresh'), '')  # no such folder yet
     (tmp_path / 'empty').mkdir()
     check_output_folder(args(experiment='empty'), '')  # a folder without run files

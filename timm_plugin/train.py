@@ -223,20 +223,33 @@ def drop_summary_rows(path: str, from_epoch: int) -> None:
     _logger.info(f'{path}: the rows of epochs {from_epoch} on are removed (the resumed run writes them again)')
 
 
+def _run_file(name: str) -> bool:
+    """A file a run writes into its folder: :data:`RUN_FILES`, the saver's ``checkpoint-N`` and ``milestone-N``."""
+    return name in RUN_FILES or (name.startswith(('checkpoint-', 'milestone-')) and name.endswith('.pth.tar'))
+
+
 def check_output_folder(args, resume_path: str) -> None:
     """Refuse to write a fresh run over the run already in ``--output/--experiment`` (its checkpoints, summary and
-    args would be replaced): continue it with ``--resume`` of a checkpoint in that folder, or pass ``--overwrite``.
-    A folder without run files (or a new timestamped one) is used as it is."""
-    if not args.experiment or args.overwrite:
+    args would be replaced): continue it with ``--resume`` of a checkpoint in that folder, or pass ``--overwrite``,
+    which removes the old run's files first (none of them is left beside the new run's). A folder without run files
+    (or a new timestamped one) is used as it is."""
+    if not args.experiment:
         return
     out = os.path.join(args.output or './output/train', args.experiment)
     if not os.path.isdir(out):
         return
-    found = sorted(f for f in os.listdir(out) if f in RUN_FILES or (f.startswith('checkpoint-') and f.endswith('.tar')))
+    found = sorted(f for f in os.listdir(out) if _run_file(f))
     if not found:
         return
     src = os.path.dirname(os.path.abspath(resume_path)) if resume_path else ''
     if src and os.path.isdir(src) and os.path.samefile(src, out):
+        return
+    if args.overwrite:
+        if int(os.environ.get('RANK', 0)) == 0:  # before the process group exists: one process removes them
+            for name in found:
+                with suppress(FileNotFoundError):
+                    os.remove(os.path.join(out, name))
+            _logger.info(f'--overwrite: removed the previous run in {out}: {", ".join(found)}')
         return
     raise FileExistsError(
         f'--experiment: {out} holds a run ({", ".join(found)}); continue it with --resume '
