@@ -80,6 +80,8 @@ GEOMETRIC = ('follow', 'drop')
 TOKEN_LABEL_KEYS = ('token_label_values', 'token_label_indices', 'crop_box')
 #: the optional field of the geometric ops' affine chain (``(L, 2, 3)``, see :mod:`shared_core.label_maps`)
 AFFINE_KEY = 'token_affines'
+#: the field of the store's class count (:class:`LoadTokenLabelMap`), checked against the head's
+CLASSES_KEY = 'token_label_classes'
 _BEFORE_FLIP = '_token_label_aa_before_flip'
 _FLIP_AT_CROP = '_token_label_flip_before_crop'
 
@@ -142,6 +144,7 @@ class LoadTokenLabelMap(BaseTransform):
             check_map_row(values, indices, self.store.num_classes, name=f'label map of {rel!r} in {self.store.root}')
         results['token_label_values'] = values
         results['token_label_indices'] = indices
+        results[CLASSES_KEY] = int(self.store.num_classes)
         return results
 
     def __repr__(self) -> str:
@@ -350,7 +353,7 @@ class PackTokenLabelInputs(PackInputs):
         missing = {'flip', 'flip_direction'} - set(meta_keys)
         if missing:
             raise ValueError(f'meta_keys: token labeling needs {sorted(missing)} in the data samples')
-        own = tuple(TOKEN_LABEL_KEYS) + (AFFINE_KEY,)
+        own = tuple(TOKEN_LABEL_KEYS) + (AFFINE_KEY, CLASSES_KEY)
         keys = own + tuple(k for k in algorithm_keys if k not in own)
         super().__init__(input_key=input_key, algorithm_keys=keys, meta_keys=meta_keys)
 
@@ -402,6 +405,13 @@ def token_label_batch(data_samples: Sequence[DataSample], num_classes: int, devi
             bool(s.metainfo.get('flip', False)),
             s.metainfo.get('flip_direction'),
             repr(s.metainfo.get('img_path', f'sample {i}')),
+        )
+    stores = sorted({int(s.get(CLASSES_KEY)) for s in data_samples if CLASSES_KEY in s})
+    if stores and stores != [num_classes]:
+        raise ValueError(
+            f'token_label_classes: the label maps are for {stores[0] if len(stores) == 1 else stores} classes, the '
+            f'head for num_classes={num_classes}; a store of this dataset is needed (TOKENAUG_MAPS / '
+            'LoadTokenLabelMap.store)'
         )
     indices = [np.asarray(s.token_label_indices) for s in data_samples]
     every = np.concatenate([i.ravel() for i in indices])

@@ -162,6 +162,11 @@ def test_token_targets_follow_crops_and_flips_through_the_mm_pipeline(quadrant_d
         assert torch.equal(dense.argmax(-1)[pure], tok[..., 0][pure])
         checked += int(pure.sum())
     assert checked > 300 and 0 < flipped < 48 and len(crops) > 40
+    # the samples carry the store's class count: a head of another count is refused, naming both (the indices
+    # alone would pass: a 4-class store's classes are all below 10)
+    assert {int(s.token_label_classes) for s in samples} == {4}
+    with pytest.raises(ValueError, match=r'the label maps are for 4 classes, the head for num_classes=10'):
+        TokenLabelingHead(num_classes=10, in_channels=8).targets(samples, None, (4, 4))
 
 
 GEOMETRIC_POLICIES = {
