@@ -403,3 +403,39 @@ def test_a_switch_that_would_do_nothing_is_refused_by_name(tmp_path):
     build_training(parse_args([*base, '--method', 'tl_align', '--tl-align-layers', '0']))
     with pytest.raises(ValueError, match='layers: no block: TL-Align would align nothing'):
         TLAlign(build_training(parse_args(base)).model, layers=[])
+
+
+def test_a_data_dir_of_class_folders_warns_that_train_and_val_are_the_same_images(tiny_world, tmp_path, caplog):
+    """``--data-dir .../imagenet/train`` (class folders, no split folders): timm reads it whole as both splits;
+    tokenaug-train trains as timm does but says that validation measures the training images."""
+    import logging
+
+    from timm_plugin.train import check_split_folder, run
+
+    train = tiny_world / 'imagenet' / 'train'
+    assert check_split_folder(str(train), 'train', '--train-split') and check_split_folder(str(train), 'val', 'x')
+    assert not check_split_folder(str(tiny_world / 'imagenet'), 'train', '--train-split')
+    with caplog.at_level(logging.WARNING, logger='tokenaug.train'):
+        run(train_cmd(train, tmp_path, 'same', '--epochs', '1'))
+    said = [r.getMessage() for r in caplog.records if 'has no split folders' in r.getMessage()]
+    assert len(said) == 1 and 'validation measures the images the model trains on' in said[0]
+
+
+def test_the_distributed_sampler_orders_by_the_runs_seed():
+    """timm's ``create_loader`` leaves its ``DistributedSampler`` at seed 0: the order ignored ``--seed``. After
+    :func:`seed_distributed_sampler` two seeds give two orders, one seed the same order, epoch by epoch."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    from timm_plugin.train import seed_distributed_sampler
+
+    def order(seed, epoch):
+        loader = DataLoader(list(range(40)), sampler=DistributedSampler(range(40), num_replicas=2, rank=0))
+        seed_distributed_sampler(loader, seed)
+        loader.sampler.set_epoch(epoch)
+        return list(loader.sampler)
+
+    assert order(0, 0) != order(1, 0) and order(1, 0) == order(1, 0) and order(1, 0) != order(1, 1)
+    timm_default = DistributedSampler(range(40), num_replicas=2, rank=0)  # seed 0, as create_loader builds it
+    timm_default.set_epoch(3)
+    assert order(0, 3) == list(timm_default)  # seed 0 is timm's order

@@ -261,15 +261,15 @@ def check_output_folder(args, resume_path: str) -> None:
 _SPLITS = (tuple(_TRAIN_SYNONYM), tuple(_EVAL_SYNONYM))
 
 
-def check_split_folder(data_dir: str, split: str, flag: str) -> None:
+def check_split_folder(data_dir: str, split: str, flag: str) -> bool:
     """An image-folder split must exist: where ``data_dir`` has split folders but neither ``split`` nor one of
     its synonyms, timm falls back to reading ``data_dir`` itself, every split's images as this one (a typo in
     ``--val-split`` would validate on training images). A ``data_dir`` without split folders (a folder of class
-    folders) is read as timm does."""
+    folders) is read as timm does; returns whether the split is ``data_dir`` itself so."""
     name = split.split('[')[0]
     synonyms = next((names for names in _SPLITS if name in names), (name,))
     if any(os.path.isdir(os.path.join(data_dir, s)) for s in (name,) + synonyms):
-        return
+        return False
     known = {n for names in _SPLITS for n in names} | {'test'}  # ('test' is a split folder too)
     present = sorted(d for d in os.listdir(data_dir) if d in known and os.path.isdir(os.path.join(data_dir, d)))
     if present:
@@ -277,6 +277,15 @@ def check_split_folder(data_dir: str, split: str, flag: str) -> None:
             f'{flag}: no folder {name!r} under {data_dir} (its split folders: {present}); timm would read the whole '
             'folder, every split, as this split'
         )
+    return True
+
+
+def seed_distributed_sampler(loader, seed: int) -> None:
+    """The training loader's ``DistributedSampler`` orders each epoch from ``(seed, epoch)``: timm's
+    ``create_loader`` leaves it at its default seed 0, so under DDP the data order ignored ``--seed``."""
+    sampler = getattr(loader, 'sampler', None)
+    if isinstance(sampler, torch.utils.data.distributed.DistributedSampler):
+        sampler.seed = int(seed)
 
 
 def resolve_resume(args) -> str:
@@ -394,6 +403,7 @@ def build_data(args, recipe, data_config: dict, device, model_dtype) -> Training
         # uninterrupted one exactly (and --mixup-off-epoch reaches the collate function they copy)
         persistent_workers=False,
     )
+    seed_distributed_sampler(loader_train, args.seed)
     loader_eval = create_loader(
         dataset_eval,
         input_size=data_config['input_size'],
@@ -448,8 +458,13 @@ def run(argv=None) -> dict:
     resume_path = resolve_resume(args)
     check_output_folder(args, resume_path)
     if not args.dataset or args.dataset.lower() in ('folder', 'imagefolder'):
-        check_split_folder(args.data_dir, args.train_split, '--train-split')
-        check_split_folder(args.data_dir, args.val_split, '--val-split')
+        whole = check_split_folder(args.data_dir, args.train_split, '--train-split')
+        if check_split_folder(args.data_dir, args.val_split, '--val-split') and whole and args.val_split:
+            _logger.warning(
+                f'--data-dir {args.data_dir} has no split folders (train, val, ...): it is read whole as both the '
+                'training and the validation split, so validation measures the images the model trains on '
+                "(timm's behaviour); point --data-dir at the folder that holds the split folders"
+            )
     args.prefetcher = not args.no_prefetcher
     args.grad_accum_steps = max(1, args.grad_accum_steps)
     device = utils.init_distributed_device(args)
