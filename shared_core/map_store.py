@@ -490,6 +490,8 @@ class MapWriter:
         (it may not override the format keys).
         """
         root = Path(path)
+        if root.exists() and not root.is_dir():
+            raise LabelMapError(f'{root} is a file: a label-map store is a folder; give another --out')
         if (root / META_FILE).exists():
             raise LabelMapError(f'{root} already holds a label-map store; remove it or resume it')
         paths = [normalize_path(p) for p in paths]

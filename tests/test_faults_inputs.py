@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -439,3 +440,54 @@ def test_the_distributed_sampler_orders_by_the_runs_seed():
     timm_default = DistributedSampler(range(40), num_replicas=2, rank=0)  # seed 0, as create_loader builds it
     timm_default.set_epoch(3)
     assert order(0, 3) == list(timm_default)  # seed 0 is timm's order
+
+
+def test_bare_tracebacks_are_one_line_errors(tiny_world, tmp_path, capsys):
+    """What a user can get wrong ends as ``tool: error: ...`` on one line, naming the argument: an empty data
+    folder (tokenaug-train, maps generate), an --out that is a file (maps generate), an unwritable world --out,
+    --model-kwargs the model cannot take, an unreadable image in tokenaug-occlusion with workers, a --resume of
+    another optimizer."""
+    import timm
+
+    from shared_core.tools import world
+    from timm_plugin import train
+    from timm_plugin.tools import maps_cli, occlusion_cli
+
+    def one_line(expect: str) -> None:  # the error is the last line (a run logs before it), with no traceback
+        err = capsys.readouterr().err.strip()
+        assert expect in err.splitlines()[-1] and 'Traceback' not in err and 'Caught' not in err, err
+
+    empty = tmp_path / 'empty'
+    (empty / 'train' / 'a').mkdir(parents=True)
+    (empty / 'val' / 'a').mkdir(parents=True)
+    with pytest.raises(SystemExit) as e:
+        train.main(train_cmd(empty, tmp_path, 'e', '--epochs', '1'))
+    assert e.value.code == 2
+    one_line('tokenaug-train: error: --data-dir / --train-split: Found 0 images')
+    gen = ['generate', '--model', 'resnet18', '--num-classes', '10', '--input-size', '32', '--no-progress', '-j', '0']
+    assert maps_cli.main([*gen, '--data-dir', str(empty), '--out', str(tmp_path / 'm')]) == 2
+    one_line('tokenaug-maps generate: error: --data-dir')
+    (tmp_path / 'afile').write_text('x')
+    data = tiny_world / 'imagenet'
+    assert maps_cli.main([*gen, '--data-dir', str(data), '--split', 'val', '--out', str(tmp_path / 'afile')]) == 2
+    one_line('afile is a file: a label-map store is a folder')
+    with pytest.raises(SystemExit) as e:
+        world.main(['--out', '/proc/tokenaug-world', '--train-per-class', '1', '--val-per-class', '1'])
+    assert e.value.code == 2
+    one_line('--out /proc/tokenaug-world: cannot write the world there')
+    with pytest.raises(SystemExit):
+        train.main(train_cmd(data, tmp_path, 'k', '--epochs', '1', '--model-kwargs', 'depth=two'))
+    one_line("--model-kwargs depth='two'")
+    bad = tmp_path / 'bad'
+    shutil.copytree(data, bad)
+    victim = sorted((bad / 'val').rglob('*.jpg'))[3]
+    victim.write_bytes(victim.read_bytes()[:50])
+    occ = ['--data-dir', str(bad), '--model', 'resnet18', '--num-classes', '10', '--ratios', '0', '0.5']
+    assert occlusion_cli.main([*occ, '--img-size', '32', '-j', '2', '--out', str(tmp_path / 'o'), '--no-progress']) == 2
+    one_line(f'{victim.parent.name}/{victim.name}')
+    ckpt = tmp_path / 'sgd.pth.tar'
+    model = timm.create_model('resnet18', num_classes=10)
+    torch.save(dict(state_dict=model.state_dict(), epoch=0, args=dict(opt='sgd')), ckpt)
+    with pytest.raises(ValueError, match=r'holds the state of --opt sgd, this run has --opt adamw; pass --opt sgd'):
+        train.check_resume_optimizer(str(ckpt), 'adamw')
+    train.check_resume_optimizer(str(ckpt), 'SGD')  # the same optimizer

@@ -12,9 +12,10 @@ and validation sets of ``tokenaug-train``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
-from typing import Tuple
+from typing import Iterator, Tuple
 
 import numpy as np
 import torch
@@ -32,9 +33,23 @@ __all__ = [
     'check_repeated_folders',
     'check_class_lists',
     'read_sample',
+    'no_images_named',
 ]
 
 _logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def no_images_named(flag: str) -> Iterator[None]:
+    """timm's ``RuntimeError: Found 0 images in subfolders of ROOT`` (an empty dataset folder) raised inside the
+    block becomes a ``FileNotFoundError`` naming ``flag``, which the tools print as their one-line error."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not str(e).startswith('Found 0 images'):
+            raise
+        raise FileNotFoundError(f'{flag}: {str(e).splitlines()[0]}') from None
+
 
 #: consecutive unreadable images skipped before giving up (timm's ``_ERROR_RETRY``)
 MAX_SKIPS = 50

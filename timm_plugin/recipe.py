@@ -456,20 +456,26 @@ def build_model(args, attach: Optional[Callable[[nn.Module], None]] = None) -> n
     if args.drop_connect is not None:  # timm's deprecated name of --drop-path (its train.py ignores it now)
         _logger.warning('--drop-connect is deprecated (timm): use --drop-path; taken as --drop-path here')
         drop_path = args.drop_connect if drop_path is None else drop_path
-    model = create_model(
-        args.model,
-        pretrained=args.pretrained or bool(args.pretrained_path),
-        in_chans=in_chans,
-        num_classes=args.num_classes,
-        drop_rate=args.drop,
-        drop_path_rate=drop_path,
-        drop_block_rate=args.drop_block,
-        global_pool=args.gp,
-        bn_momentum=args.bn_momentum,
-        bn_eps=args.bn_eps,
-        **factory_kwargs,
-        **model_kwargs,
-    )
+    try:
+        model = create_model(
+            args.model,
+            pretrained=args.pretrained or bool(args.pretrained_path),
+            in_chans=in_chans,
+            num_classes=args.num_classes,
+            drop_rate=args.drop,
+            drop_path_rate=drop_path,
+            drop_block_rate=args.drop_block,
+            global_pool=args.gp,
+            bn_momentum=args.bn_momentum,
+            bn_eps=args.bn_eps,
+            **factory_kwargs,
+            **model_kwargs,
+        )
+    except TypeError as e:  # a keyword the model does not take, or a value of the wrong type (depth=two)
+        if not model_kwargs:
+            raise
+        given = ' '.join(f'{k}={v!r}' for k, v in model_kwargs.items())
+        raise ValueError(f'--model-kwargs {given}: {args.model} cannot be built with them ({e})') from None
     base = set(model.state_dict())
     if attach is not None:
         attach(model)

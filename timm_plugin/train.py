@@ -58,6 +58,7 @@ from .image_data import (
     UnreadableImageError,
     check_class_lists,
     check_repeated_folders,
+    no_images_named,
     readable,
 )
 from .recipe import build_training
@@ -288,6 +289,19 @@ def seed_distributed_sampler(loader, seed: int) -> None:
         sampler.seed = int(seed)
 
 
+def check_resume_optimizer(path: str, opt: str) -> None:
+    """Refuse, before anything loads, a ``--resume`` checkpoint whose optimizer state is of another ``--opt`` than
+    this run's (its ``args`` say which): the state would load and fail at the first step (``KeyError: 'step'``
+    for an SGD state under AdamW)."""
+    args = load_checkpoint_file(path, '--resume', mmap=True).get('args')
+    saved = args.get('opt') if isinstance(args, dict) else getattr(args, 'opt', None)
+    if isinstance(saved, str) and saved.lower() != str(opt).lower():
+        raise ValueError(
+            f'--resume: {path} holds the state of --opt {saved}, this run has --opt {opt}; pass --opt {saved} to '
+            'continue that run, or --no-resume-opt to take the weights and epoch only'
+        )
+
+
 def resolve_resume(args) -> str:
     """The checkpoint ``--resume`` names: a path, nothing, or for ``auto`` (timm 1.0.31) the
     ``last.pth.tar`` of the ``--experiment`` folder when there is one (else a fresh run there)."""
@@ -315,36 +329,38 @@ def build_data(args, recipe, data_config: dict, device, model_dtype) -> Training
     reads and the recipe's mixer placed (the checks name the flag)."""
     # as timm's train.py: images converted to the model's channels (grayscale and CMYK JPEGs occur in ImageNet)
     input_img_mode = args.input_img_mode or ('RGB' if data_config['input_size'][0] == 3 else 'L')
-    dataset_train = create_dataset(
-        args.dataset,
-        root=args.data_dir,
-        split=args.train_split,
-        is_training=True,
-        class_map=args.class_map,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        repeats=args.epoch_repeats,
-        input_img_mode=input_img_mode,
-        download=args.dataset_download,
-        num_samples=args.train_num_samples,
-        trust_remote_code=args.dataset_trust_remote_code,
-        input_key=args.input_key,
-        target_key=args.target_key,
-    )
-    dataset_eval = create_dataset(
-        args.dataset,
-        root=args.data_dir,
-        split=args.val_split,
-        is_training=False,
-        class_map=args.class_map,
-        batch_size=args.batch_size,
-        input_img_mode=input_img_mode,
-        download=args.dataset_download,
-        num_samples=args.val_num_samples,
-        trust_remote_code=args.dataset_trust_remote_code,
-        input_key=args.input_key,
-        target_key=args.target_key,
-    )
+    with no_images_named('--data-dir / --train-split'):
+        dataset_train = create_dataset(
+            args.dataset,
+            root=args.data_dir,
+            split=args.train_split,
+            is_training=True,
+            class_map=args.class_map,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            repeats=args.epoch_repeats,
+            input_img_mode=input_img_mode,
+            download=args.dataset_download,
+            num_samples=args.train_num_samples,
+            trust_remote_code=args.dataset_trust_remote_code,
+            input_key=args.input_key,
+            target_key=args.target_key,
+        )
+    with no_images_named('--data-dir / --val-split'):
+        dataset_eval = create_dataset(
+            args.dataset,
+            root=args.data_dir,
+            split=args.val_split,
+            is_training=False,
+            class_map=args.class_map,
+            batch_size=args.batch_size,
+            input_img_mode=input_img_mode,
+            download=args.dataset_download,
+            num_samples=args.val_num_samples,
+            trust_remote_code=args.dataset_trust_remote_code,
+            input_key=args.input_key,
+            target_key=args.target_key,
+        )
     check_repeated_folders(dataset_train, '--data-dir')
     check_repeated_folders(dataset_eval, '--data-dir')
     check_class_lists(dataset_train, dataset_eval, args.num_classes)
@@ -529,6 +545,8 @@ def run(argv=None) -> dict:
 
     resume_epoch = None
     if resume_path:
+        if not args.no_resume_opt:
+            check_resume_optimizer(resume_path, args.opt)
         try:
             resume_epoch = resume_checkpoint(
                 model,

@@ -926,6 +926,8 @@ def main(argv=None) -> int:
         )
     except (ValueError, RuntimeError) as e:
         parser.error(str(e))
+    except OSError as e:  # an --out the user cannot write (permissions, a read-only or full disk, /proc)
+        parser.error(f'--out {args.out}: cannot write the world there: {e.strerror or e}')
     c = world['counts']
     summary = (
         f'{world["num_classes"]} classes, {c["train"]["images"]} train + '

@@ -11,6 +11,8 @@ import yaml
 from timm.data import create_dataset
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from ..image_data import no_images_named
+
 __all__ = ['parse_model_kwargs', 'split_dataset', 'resolve_device', 'batches_raising_plainly']
 
 
@@ -34,7 +36,9 @@ def split_dataset(data_dir: str, split: str, transform=None):
             f'--data-dir {data_dir} / --split {split!r}: {split_root} is not a directory '
             '(expected the ImageFolder layout DIR/SPLIT/<class>/<image>)'
         )
-    return create_dataset('', root=data_dir, split=split, search_split=bool(split), transform=transform), split_root
+    with no_images_named(f'--data-dir {data_dir} / --split {split!r}'):
+        dataset = create_dataset('', root=data_dir, split=split, search_split=bool(split), transform=transform)
+    return dataset, split_root
 
 
 def resolve_device(name: Optional[str], local_rank: Optional[int] = None) -> torch.device:
@@ -77,13 +81,22 @@ def _collate_or_raised(items: list):
     return next((item for item in items if isinstance(item, _Raised)), None) or default_collate(items)
 
 
-def batches_raising_plainly(
-    dataset: Dataset, errors: tuple[type[BaseException], ...], **loader_kwargs
-) -> Iterator[Any]:
-    """The batches of ``DataLoader(dataset, **loader_kwargs)``; an error of a type in ``errors`` raised by an item
-    is raised here as itself, one line as without workers, where DataLoader would wrap it in "Caught X in DataLoader
-    worker process N ... Original Traceback" (the worker hands it over as a value)."""
-    for batch in DataLoader(_Catching(dataset, errors), collate_fn=_collate_or_raised, **loader_kwargs):
-        if isinstance(batch, _Raised):
-            raise batch.error
-        yield batch
+class _RaisingPlainly:
+    def __init__(self, loader: DataLoader):
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            if isinstance(batch, _Raised):
+                raise batch.error
+            yield batch
+
+
+def batches_raising_plainly(dataset: Dataset, errors: tuple[type[BaseException], ...], **loader_kwargs):
+    """The batches of ``DataLoader(dataset, **loader_kwargs)`` (an iterable with its length); an error of a type in
+    ``errors`` raised by an item is raised as itself, one line as without workers, where DataLoader would wrap it in
+    "Caught X in DataLoader worker process N ... Original Traceback" (the worker hands it over as a value)."""
+    return _RaisingPlainly(DataLoader(_Catching(dataset, errors), collate_fn=_collate_or_raised, **loader_kwargs))

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Sequence
 
 from timm.data import create_transform
-from torch.utils.data import DataLoader
 
 from tokenaug.tool_args import occlusion_parser
 
 from ..annotator import create_annotator
+from ..image_data import UnreadableImageError
 from ..occlusion import (
     CSV_FIELDS,
     Indexed,
@@ -41,7 +41,7 @@ from ..occlusion import (
     fill_values,
     patch_grid,
 )
-from .common import parse_model_kwargs, resolve_device, split_dataset
+from .common import batches_raising_plainly, parse_model_kwargs, resolve_device, split_dataset
 
 __all__ = ['write_results', 'format_table', 'parse_args', 'run', 'main']
 
@@ -161,8 +161,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     if len(images) == 0:
         raise FileNotFoundError(f'--data-dir {args.data_dir} / --split {args.split!r}: no images under {root}')
     dataset = Indexed(images)
-    loader = DataLoader(
-        dataset, batch_size=args.batch_size, shuffle=False, num_workers=args.workers, pin_memory=device.type == 'cuda'
+    loader = batches_raising_plainly(
+        dataset,
+        (UnreadableImageError,),
+        batch_size=args.batch_size,
+        shuffle=False,
+        num_workers=args.workers,
+        pin_memory=device.type == 'cuda',
     )
     fill = fill_values(args.fill, config['mean'], config['std'])
     rows = evaluate(
@@ -200,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         run(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, UnreadableImageError) as e:
         print(f'tokenaug-occlusion: error: {e}', file=sys.stderr)
         return 2
     return 0
