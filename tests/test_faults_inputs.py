@@ -491,3 +491,32 @@ def test_bare_tracebacks_are_one_line_errors(tiny_world, tmp_path, capsys):
     with pytest.raises(ValueError, match=r'holds the state of --opt sgd, this run has --opt adamw; pass --opt sgd'):
         train.check_resume_optimizer(str(ckpt), 'adamw')
     train.check_resume_optimizer(str(ckpt), 'SGD')  # the same optimizer
+
+
+def test_32_bit_integer_and_float_tiffs_are_read_as_their_grey_levels(tmp_path):
+    """TIFFs of 32-bit integers and of floats (PIL modes 'I' and 'F', which a dataset with a TIFF reader hands over):
+    PIL's RGB conversion clips them to white or black; the checked reader decodes them as their grey levels
+    (16-bit data in an int32 as 16 bits, floats in [0, 1] scaled by 255)."""
+    from timm_plugin.image_data import _decode
+
+    cases = {
+        'int16range.tif': (np.full((8, 8), 30000, np.int32), 'I', 30000 / 256),
+        'int8range.tif': (np.full((8, 8), 113, np.int32), 'I', 113),
+        'unit.tif': (np.full((8, 8), 0.44, np.float32), 'F', 0.44 * 255),
+        'wide.tif': (np.full((8, 8), 300.0, np.float32), 'F', 255),
+    }
+    for name, (array, mode, grey) in cases.items():
+        Image.fromarray(array, mode).save(tmp_path / name)
+        assert Image.open(tmp_path / name).mode == mode
+        assert abs(np.asarray(_decode(str(tmp_path / name), 'RGB')).mean() - grey) < 1, name
+        clipped = np.asarray(Image.open(tmp_path / name).convert('RGB')).mean()  # what PIL alone gives
+        assert abs(clipped - grey) > 1 or name in ('int8range.tif', 'wide.tif'), (name, clipped)
+
+
+def test_occlusion_crop_pct_outside_0_1_is_refused_by_name(capsys):
+    from timm_plugin.tools import occlusion_cli
+
+    for value in ('0', 'nan', '1.5'):
+        with pytest.raises(SystemExit):
+            occlusion_cli.parse_args(['--data-dir', 'd', '--model', 'm', '--crop-pct', value])
+        assert '--crop-pct: got' in capsys.readouterr().err

@@ -71,12 +71,28 @@ DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 _SIXTEEN_BIT = ('I;16', 'I;16L', 'I;16B', 'I;16N')
 
 
+def _wide_to_8bit(a: np.ndarray, mode: str) -> np.ndarray:
+    """A 32-bit integer (``'I'``) or float (``'F'``) grayscale image as 8 bits: integers in [0, 255] as they are,
+    in [0, 65535] as 16-bit data (the top 8 bits); floats in [0, 1] scaled by 255, others clipped to [0, 255]."""
+    if mode == 'F':
+        a = np.nan_to_num(a.astype(np.float64))
+        if a.size and a.min() >= 0.0 and a.max() <= 1.0:
+            a = a * 255.0
+        return np.clip(np.rint(a), 0, 255).astype(np.uint8)
+    a = a.astype(np.int64)
+    if a.size and a.min() >= 0 and a.max() > 255 and a.max() <= 65535:
+        a = a >> 8
+    return np.clip(a, 0, 255).astype(np.uint8)
+
+
 def _decode(src, mode) -> Image.Image:
     img = Image.open(src)
     try:
         img.load()  # the whole decode here: a truncated file fails now, not later in a transform
         if img.mode in _SIXTEEN_BIT:
             img = Image.fromarray((np.asarray(img, dtype=np.uint16) >> 8).astype(np.uint8), 'L')
+        elif img.mode in ('I', 'F'):  # 32-bit integer or float grayscale (TIFF): PIL's conversion clips them
+            img = Image.fromarray(_wide_to_8bit(np.asarray(img), img.mode), 'L')
         return img.convert(mode) if mode else img
     finally:
         fp = getattr(src, 'close', None)

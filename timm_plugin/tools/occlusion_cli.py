@@ -138,6 +138,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 f'--{name.replace("_", "-")}: got {getattr(args, name)}, expected '
                 f'{">= 0" if name in ("seed", "workers") else ">= 1"}'
             )
+    if args.crop_pct is not None and not 0.0 < args.crop_pct <= 1.0:  # NaN too; 0 would be read as the default
+        parser.error(f'--crop-pct: got {args.crop_pct}, expected a fraction in (0, 1]')
     return args
 
 
