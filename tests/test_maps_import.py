@@ -252,6 +252,39 @@ def test_the_store_records_the_centre_square_and_training_registers_it_on_reques
         TokenLabelDataset(create_dataset('', root=str(data), split='train'), store, map_region='centre')
 
 
+def test_a_bad_label_file_is_read_by_the_checked_reader(tiny_world, tmp_path, capsys):
+    """Each bad label file gets the project's reader's one-line reason, never torch's advice to load with
+    ``weights_only=False`` (the unsafe route) nor a raw traceback: a pickle with a global, garbage, an empty file,
+    a numpy file, a text file, an empty (2, 5, 0, 0) tensor. Nothing in the pickle runs."""
+    import pickle
+
+    data = tiny_world / 'imagenet'
+    public_label_files(data, tmp_path / 'labels')
+    victim = sorted((tmp_path / 'labels').rglob('*.pt'))[0]
+    marker = tmp_path / 'ran'
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f'touch {marker}',))
+
+    bad = {
+        'a pickle with a global': lambda p: p.write_bytes(pickle.dumps(Payload())),
+        'garbage': lambda p: p.write_bytes(os.urandom(300)),
+        'empty': lambda p: p.write_bytes(b''),
+        'numpy': lambda p: np.save(open(p, 'wb'), np.zeros((2, 5, 7, 7))),
+        'text': lambda p: p.write_text('101\n'),
+        'an empty tensor': lambda p: torch.save(torch.zeros(2, 5, 0, 0, dtype=torch.float16), p),
+    }
+    for what, write in bad.items():
+        write(victim)
+        assert run_import(data, tmp_path / 'labels', tmp_path / f'store_{len(what)}', '-b', '4') == 2, what
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith('tokenaug-maps import: error: --src:'), (what, err)
+        assert 'weights_only' not in err and '\x1b[' not in err and 'Traceback' not in err, (what, err)
+        assert victim.stem in err, (what, err)
+    assert not marker.exists()
+
+
 def test_resume_and_shards_give_the_same_store(imported, tmp_path):
     data, labels, store, _ = imported
     for i in range(2):

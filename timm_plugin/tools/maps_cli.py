@@ -57,6 +57,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import Dataset
 
+from shared_core.checkpoint_io import CheckpointError, load_checkpoint_file
 from shared_core.label_maps import rows_from_topk_logits
 from shared_core.map_store import (
     CENTER_SQUARE,
@@ -452,14 +453,15 @@ def _read_public_file(src: Path, rel: str, num_classes: int) -> tuple[np.ndarray
     path = src / public_label_file(rel)
     if not path.is_file():
         raise LabelMapError(f'--src: no label file for image {rel!r} (expected {path})')
-    try:
-        t = torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e:  # noqa: BLE001 (any failure of the file: named)
-        first = (str(e).splitlines() or [''])[0]
-        raise LabelMapError(f'--src: the label file of image {rel!r} ({path}) cannot be read: {first}') from None
-    if not torch.is_tensor(t) or t.dim() != 4 or t.shape[0] != 2:
+    try:  # the project's checked reader: weights only, and a clear reason for an empty, garbage or pickled file
+        t = load_checkpoint_file(path, f'--src: the label file of image {rel!r}')
+    except CheckpointError as e:
+        raise LabelMapError(str(e)) from None
+    if not torch.is_tensor(t) or t.dim() != 4 or t.shape[0] != 2 or min(t.shape[1:]) < 1:
         got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
-        raise LabelMapError(f'--src: the label file of image {rel!r} ({path}) is {got}, expected (2, k, h, w)')
+        raise LabelMapError(
+            f'--src: the label file of image {rel!r} ({path}) is {got}, expected (2, k, h, w) with k, h, w >= 1'
+        )
     try:
         return rows_from_topk_logits(t[0], t[1], num_classes)
     except ValueError as e:
