@@ -285,6 +285,24 @@ def test_a_bad_label_file_is_read_by_the_checked_reader(tiny_world, tmp_path, ca
     assert not marker.exists()
 
 
+def test_a_resume_from_another_label_tree_is_refused(tiny_world, tmp_path, capsys):
+    """An interrupted import resumed with another ``--src`` would fill the rest of the store from a second source
+    (``meta.json`` naming the first): the store records the tree it imports and a resume from another is refused."""
+    data = tiny_world / 'imagenet'
+    for tree in ('one', 'two'):
+        public_label_files(data, tmp_path / tree)
+    files = sorted((tmp_path / 'one').rglob('*.pt'))
+    files[5].unlink()  # the first import stops there, its first rows written
+    assert run_import(data, tmp_path / 'one', tmp_path / 'store', '-b', '4') == 2
+    capsys.readouterr()
+    assert run_import(data, tmp_path / 'two', tmp_path / 'store', '-b', '4', '--resume') == 2
+    err = capsys.readouterr().err
+    assert 'was generated with different settings' in err and 'source_tree' in err and "/two'" in err, err
+    assert len(err) < 600, err  # the one setting that differs, not the whole meta
+    public_label_files(data, tmp_path / 'one')  # the missing file restored: the same tree resumes
+    assert run_import(data, tmp_path / 'one', tmp_path / 'store', '-b', '4', '--resume') == 0
+
+
 def test_resume_and_shards_give_the_same_store(imported, tmp_path):
     data, labels, store, _ = imported
     for i in range(2):

@@ -536,6 +536,8 @@ def _import_shard(args: argparse.Namespace, src: Path, dist: _Dist, on_batch: On
             'region': "generate_label.py's eval transform at 576, crop_pct 1.0: the shorter side resized to 576, "
             'the centre square cropped; the public training registers the map on the whole image',
         },
+        # the tree imported: a resume from another one would mix two sources (compared on --resume)
+        'source_tree': str(src.resolve()),
         'run': {
             'src': str(src.resolve()),
             'data_dir': str(Path(args.data_dir).resolve()),
