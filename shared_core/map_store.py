@@ -51,9 +51,11 @@ Plain numpy + json: this module imports neither torch, timm nor mm*.
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -131,6 +133,27 @@ _FORMAT_META_KEYS = frozenset(
         'created',
     }
 )
+
+
+def _gb(nbytes: int) -> str:
+    return f'{nbytes / 1e9:.2f} GB'
+
+
+def _unallocated(path: Path) -> int:
+    """Bytes of a sparse preallocated file not backed by disk blocks yet (what writing its rows will take)."""
+    st = path.stat()
+    return max(0, st.st_size - getattr(st, 'st_blocks', 0) * 512)
+
+
+def _check_space(root: Path, need: int, done: int, total: int) -> None:
+    """The store's arrays are memory-mapped, sparse files: a write into a full disk is a ``SIGBUS`` that kills the
+    process (no error to catch). Refuse up front where the rows still to write need more than the disk has."""
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise LabelMapError(
+            f'disk full: the store at {root} needs {_gb(need)} more, {_gb(free)} are free; {done} of {total} rows '
+            f'written. Free {_gb(need - free)} and rerun with --resume'
+        )
 
 
 class LabelMapError(ValueError):
@@ -512,12 +535,22 @@ class MapWriter:
         meta.update(extra_meta or {})
         root.mkdir(parents=True, exist_ok=True)
         n, shape = len(paths), _row_shape(meta)
-        for name, dtype, full in (
+        arrays = (
             (VALUES_FILE, VALUES_DTYPE, (n, *shape)),
             (INDICES_FILE, np.dtype(meta['indices_dtype']), (n, *shape)),
             (DONE_FILE, np.dtype(np.uint8), (n,)),
-        ):
-            arr = np.lib.format.open_memmap(root / name, mode='w+', dtype=dtype, shape=full)
+        )
+        _check_space(root, sum(int(np.prod(full)) * dtype.itemsize for _, dtype, full in arrays), 0, n)
+        for name, dtype, full in arrays:
+            try:
+                arr = np.lib.format.open_memmap(root / name, mode='w+', dtype=dtype, shape=full)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                    raise LabelMapError(
+                        f'disk full: {root / name} ({_gb(int(np.prod(full)) * dtype.itemsize)}) cannot be '
+                        f'allocated ({e.strerror}); 0 of {n} rows written. Free the space and rerun'
+                    ) from None
+                raise
             arr.flush()
             del arr
         _write_paths(root, paths)
@@ -533,7 +566,10 @@ class MapWriter:
             raise LabelMapError(f'label-map store {root} is already complete; nothing to resume')
         paths = _read_paths(root, meta['num_images'])
         _index_paths(paths, root)
-        return cls(root, meta, paths)
+        writer = cls(root, meta, paths)
+        unallocated = sum(_unallocated(root / name) for name in (VALUES_FILE, INDICES_FILE, DONE_FILE))
+        _check_space(root, unallocated, writer.num_done(), writer.num_images)
+        return writer
 
     # -- properties
     @property

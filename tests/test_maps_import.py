@@ -303,6 +303,39 @@ def test_a_resume_from_another_label_tree_is_refused(tiny_world, tmp_path, capsy
     assert run_import(data, tmp_path / 'one', tmp_path / 'store', '-b', '4', '--resume') == 0
 
 
+def test_a_full_disk_is_named_before_the_store_is_written(tiny_world, tmp_path, capsys, monkeypatch, run_env):
+    """The store's arrays are sparse memory maps: writing into a full disk kills the process (SIGBUS). The writer
+    checks the space its rows still need first (create and resume) and says how much to free; a file-size limit
+    (``ulimit -f``) is reported as a full disk too, one line, for ``import`` and ``generate`` alike."""
+    import shutil
+    import subprocess
+    import sys
+
+    from shared_core import map_store
+
+    data = tiny_world / 'imagenet'
+    public_label_files(data, tmp_path / 'labels')
+    real = shutil.disk_usage
+    monkeypatch.setattr(map_store.shutil, 'disk_usage', lambda p: real(p)._replace(free=1000))
+    assert run_import(data, tmp_path / 'labels', tmp_path / 'store', '-b', '4') == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and 'disk full: the store at' in err and '0 of' in err, err
+    assert 'rerun with --resume' in err
+    monkeypatch.setattr(map_store.shutil, 'disk_usage', real)
+    for command in (
+        ['import', '--from', 'tokenlabeling', '--src', str(tmp_path / 'labels'), '--num-classes', str(C)],
+        ['generate', '--model', 'resnet18', '--num-classes', str(C), '--input-size', '128'],
+    ):
+        out = tmp_path / f'limited_{command[0]}'
+        argv = [*command, '--data-dir', str(data), '--out', str(out), '-j', '0', '--no-progress']
+        code = f'import sys; from tokenaug.commands import maps; sys.exit(maps({argv!r}))'
+        res = subprocess.run(['bash', '-c', f'ulimit -f 2; exec {sys.executable} -c "$0"', code], env=run_env,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert res.returncode == 2, res.stderr[-2000:]
+        last = res.stderr.strip().splitlines()[-1]
+        assert 'disk full:' in last and 'cannot be allocated' in last and 'Traceback' not in res.stderr, last
+
+
 def test_resume_and_shards_give_the_same_store(imported, tmp_path):
     data, labels, store, _ = imported
     for i in range(2):
