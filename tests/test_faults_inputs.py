@@ -520,3 +520,72 @@ def test_occlusion_crop_pct_outside_0_1_is_refused_by_name(capsys):
         with pytest.raises(SystemExit):
             occlusion_cli.parse_args(['--data-dir', 'd', '--model', 'm', '--crop-pct', value])
         assert '--crop-pct: got' in capsys.readouterr().err
+
+
+def test_one_checkpoint_reader_for_every_format_and_entry_point(tmp_path):
+    """A table of checkpoint formats x timm entry points: timm's saver (``state_dict``, EMA), DeiT's and TokenMix's
+    ``main.py`` (``model``), a bare state dict load the same weights through ``--initial-checkpoint`` and the
+    annotator (``maps generate --checkpoint``, ``tokenaug-occlusion``; ``tokenaug-viz`` reads through the same
+    function); a pickled object, garbage, an empty and a truncated file are named, flag included, by the checked
+    reader at each."""
+    import pickle
+
+    from shared_core.checkpoint_io import CheckpointError
+    from timm_plugin.annotator import create_annotator
+    from timm_plugin.checkpoints import read_state_dict
+    from timm_plugin.recipe import build_model
+    from tokenaug.train_args import parse_args
+
+    kw = dict(img_size=32, patch_size=8, depth=1, num_classes=5)
+    model = timm.create_model('vit_tiny_patch16_224', **kw)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    formats = {
+        'timm saver': dict(state_dict=weights, epoch=3, args=argparse.Namespace(opt='adamw')),
+        'deit main.py': dict(model=weights, optimizer={}, lr_scheduler={}, epoch=3, args=argparse.Namespace()),
+        'tokenmix main.py': dict(model=weights, state_dict_ema=weights, epoch=3),
+        'bare state dict': weights,
+        'DDP prefixes': {f'module.{k}': v for k, v in weights.items()},
+    }
+    argv = ['--model', 'vit_tiny_patch16_224', '--num-classes', '5', '--data-dir', str(tmp_path), '--model-kwargs']
+    argv += ['img_size=32', 'patch_size=8', 'depth=1']
+    readers = {
+        '--initial-checkpoint': lambda f: build_model(parse_args([*argv, '--initial-checkpoint', f])).state_dict(),
+        '--checkpoint': lambda f: create_annotator('vit_tiny_patch16_224', checkpoint=f, model_kwargs=kw).state_dict(),
+        'read_state_dict': lambda f: read_state_dict(f, '--initial-checkpoint'),
+    }
+    for fmt, obj in formats.items():
+        path = tmp_path / f'{fmt.replace(" ", "_")}.pth'
+        torch.save(obj, path)
+        for flag, read in readers.items():
+            got = read(str(path))
+            assert all(torch.equal(got[k], v) for k, v in weights.items()), (fmt, flag)
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ('true',))
+
+    good = tmp_path / 'timm_saver.pth'
+    bad = {
+        'a pickled object': pickle.dumps({'state_dict': Payload()}),
+        'garbage': os.urandom(500),
+        'empty': b'',
+        'truncated': good.read_bytes()[: good.stat().st_size // 2],
+    }
+    for what, data in bad.items():
+        path = tmp_path / f'bad_{what.replace(" ", "_")}.pth'
+        path.write_bytes(data)
+        for flag, read in readers.items():
+            with pytest.raises(CheckpointError, match=flag.replace('-', r'\-') if flag.startswith('-') else ''):
+                read(str(path))
+
+
+def test_resume_of_a_main_py_checkpoint_points_to_initial_checkpoint(tiny_world, tmp_path):
+    """``--resume`` continues a timm run (state_dict, optimizer, epoch); a DeiT / TokenMix ``main.py`` file (its
+    weights under ``model``) is named as such, with the flag that takes its weights."""
+    from timm_plugin.train import run
+
+    model = timm.create_model('vit_tiny_patch16_224', img_size=112, depth=1, num_classes=10)
+    path = tmp_path / 'deit_main.pth'
+    torch.save(dict(model=model.state_dict(), optimizer={}, epoch=2, args=argparse.Namespace()), path)
+    with pytest.raises(ValueError, match='DeiT / TokenMix main.py checkpoint .*with --initial-checkpoint'):
+        run(train_cmd(tiny_world / 'imagenet', tmp_path, 'r', '--epochs', '1', '--resume', str(path)))

@@ -40,7 +40,7 @@ from timm.data import resolve_data_config
 from timm.data.transforms import str_to_interp_mode
 from torchvision import transforms as T
 
-from shared_core.checkpoint_io import load_checkpoint_file
+from .checkpoints import read_state_dict
 
 __all__ = [
     'head_kind',
@@ -207,8 +207,7 @@ def create_annotator(
     if checkpoint is not None:
         if not os.path.isfile(checkpoint):
             raise FileNotFoundError(f'--checkpoint {checkpoint}: no such file')
-        load_checkpoint_file(checkpoint, '--checkpoint', mmap=True)  # garbage, truncated, pickled objects: named
-        state_dict = timm.models.load_state_dict(checkpoint, use_ema=use_ema, weights_only=True)
+        state_dict = read_state_dict(checkpoint, '--checkpoint', use_ema=use_ema)  # a bad file: named
         if num_classes is None and 'num_classes' not in kwargs:
             num_classes = _classifier_size(model_name, state_dict, checkpoint)
     if num_classes is not None:

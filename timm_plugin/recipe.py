@@ -21,11 +21,12 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
-from timm.models import create_model, is_model, load_checkpoint, load_state_dict
+from timm.models import create_model, is_model, load_checkpoint
 from timm.task import ClassificationEvaluator, ClassificationTask, create_classification_loss, evaluation_sample_limit
 
 from shared_core.options import TOKEN_LABELING_TYPES
 
+from .checkpoints import read_state_dict
 from .mixup import MIX_KINDS, create_mixer
 from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
 from .token_grid import mixing_stride
@@ -350,7 +351,7 @@ def load_initial_checkpoint(model: nn.Module, path: str, attached: set = frozens
     if os.path.splitext(path)[-1].lower() in ('.npz', '.npy'):  # timm's foreign formats: the model's own loader
         load_checkpoint(model, path)
         return
-    result = model.load_state_dict(load_state_dict(path, use_ema=True, weights_only=True), strict=False)
+    result = model.load_state_dict(read_state_dict(path, '--initial-checkpoint', use_ema=True), strict=False)
     missing = [k for k in result.missing_keys if k not in attached]
     unexpected = list(result.unexpected_keys)
     if missing or unexpected:

@@ -555,7 +555,14 @@ def run(argv=None) -> dict:
                 loss_scaler=None if args.no_resume_opt else loss_scaler,
                 log_info=utils.is_primary(args),
             )
-        except RuntimeError as e:  # load_state_dict: another architecture or size
+        except RuntimeError as e:  # load_state_dict: another architecture or size, or not a timm run's file
+            ckpt = load_checkpoint_file(resume_path, '--resume', mmap=True)
+            if isinstance(ckpt, dict) and 'model' in ckpt and 'state_dict' not in ckpt:
+                raise ValueError(
+                    f"--resume: {resume_path} is a DeiT / TokenMix main.py checkpoint (its weights under 'model'), "
+                    "not a timm run's (state_dict, optimizer, epoch) that --resume continues; start from its weights "
+                    'with --initial-checkpoint'
+                ) from None
             raise ValueError(f'--resume: {resume_path} does not fit --model {args.model}: {e}') from None
         except ValueError as e:  # the optimizer's load_state_dict: other parameter groups
             raise ValueError(

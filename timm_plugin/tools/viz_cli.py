@@ -490,7 +490,7 @@ def tokenmixup(argv) -> Path:
     Returns the index page."""
     from timm.data import resolve_data_config
 
-    from shared_core.checkpoint_io import load_checkpoint_file
+    from timm_plugin.checkpoints import read_state_dict
     from timm_plugin.recipe import build_model
     from timm_plugin.tokenmixup import TokenMixup
     from tokenaug.train_args import check_supported
@@ -515,8 +515,7 @@ def tokenmixup(argv) -> Path:
     )
     scorenet_note = None
     if checkpoint:  # after the ScoreNets are attached: a checkpoint of a TokenMixup run holds them
-        state = load_checkpoint_file(checkpoint, '--initial-checkpoint')
-        state = state.get('state_dict', state) if isinstance(state, dict) else state
+        state = read_state_dict(checkpoint, '--initial-checkpoint')  # the reader of every entry point
         scorenet_note = _load_with_scorenets(model, state, checkpoint)
     data_config = resolve_data_config(vars(args), model=model)
     dataset, dataset.transform = _training_split(args, data_config)
