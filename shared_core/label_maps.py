@@ -493,11 +493,9 @@ class CropMaps:
         if values.device.type == 'cpu' and values.numel():  # checked where it costs no device sync
             if not torch.isfinite(values).all() or values.min() < 0:
                 raise ValueError('values: expected probabilities (finite, >= 0)')
-            if indices.min() < 0 or indices.max() >= self.num_classes:
-                raise ValueError(
-                    f'indices: class indices must be in [0, {self.num_classes}), got [{int(indices.min())}, '
-                    f'{int(indices.max())}]'
-                )
+            lo, hi = int(indices.long().min()), int(indices.long().max())  # (no min of uint16 tensors in torch)
+            if lo < 0 or hi >= self.num_classes:
+                raise ValueError(f'indices: class indices must be in [0, {self.num_classes}), got [{lo}, {hi}]')
         for name, t in (('values', values), ('indices', indices), ('crops', crops), ('flips', flips)):
             object.__setattr__(self, name, t)
 

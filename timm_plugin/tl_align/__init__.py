@@ -161,8 +161,6 @@ class TLAlign(nn.Module):
         self.shared = shared
         self.model = model
         self.layers = check_layers(layers, self.tracer.depth)
-        if self.layers is not None and not self.layers:
-            raise ValueError('layers: no block: TL-Align would align nothing (None aligns at every block)')
         self.residual = residual
         self.fused = fused
         self.drop_path = check_drop_path(drop_path)
