@@ -34,7 +34,7 @@ from mmpretrain.models.necks import GlobalAveragePooling
 from mmpretrain.models.utils.attention import MultiheadAttention, ShiftWindowMSA, WindowMSA
 from mmpretrain.registry import MODELS
 
-from shared_core.label_attention import fused_label_attn
+from shared_core.label_attention import check_choice, fused_label_attn
 from shared_core.tl_align import (
     TRANSMIX_MODES,
     LabelCapture,
@@ -258,7 +258,7 @@ class AlignedTargetClassifier(ImageClassifier):
             raise ValueError(f'{self.config_key}: unknown keys {unknown} (expected {", ".join(self.config_keys)})')
         self.align_layers = check_layers(cfg.get('layers'), self.tracer.depth, f'{self.config_key}.layers')
         self.align_residual = bool(cfg.get('residual', True))
-        self.align_fused = cfg.get('fused', None)
+        self.align_fused = check_choice(f'{self.config_key}.fused', cfg.get('fused', None))
         self.align_drop_path = check_drop_path(cfg.get('drop_path', 'kept'), f'{self.config_key}.drop_path')
 
     def _share(self, feats, captures, mix) -> torch.Tensor:

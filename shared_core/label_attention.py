@@ -11,6 +11,7 @@ label-only form); this module holds only how it runs.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from typing import Optional, Tuple, Union
 
@@ -22,6 +23,8 @@ __all__ = [
     'use_fused_label_attn',
     'set_fused_label_attn',
     'fused_label_attn',
+    'use_label_kernel',
+    'check_choice',
     'shared_attention',
     'LabelColumns',
 ]
@@ -31,24 +34,55 @@ __all__ = [
 # The one switch: the label attention as a fused SDPA call or a transient softmax
 # ----------------------------------------------------------------------------------------------
 
-#: environment override: ``TOKENAUG_FUSED_LABEL_ATTN=1`` (always fused) / ``0`` (never); unset: by device and path
+#: environment override: ``TOKENAUG_FUSED_LABEL_ATTN=1`` (always fused: an SDPA call), ``0`` (never), ``triton``
+#: (the shared path through the Triton kernel, :mod:`shared_core.label_kernel`, on any device: on the CPU under
+#: ``TRITON_INTERPRET=1``); unset: by device and path
 FUSED_ENV = 'TOKENAUG_FUSED_LABEL_ATTN'
-_FUSED: Optional[bool] = None if os.environ.get(FUSED_ENV, '') == '' else os.environ[FUSED_ENV] not in ('0', 'false')
+#: what a choice may be: ``True`` / ``False`` / ``'triton'`` (``None``: the default)
+Choice = Union[bool, str, None]
+
+
+def _env_choice() -> Choice:
+    value = os.environ.get(FUSED_ENV, '').strip().lower()
+    if value == '':
+        return None
+    if value == 'triton':
+        return 'triton'
+    if value in ('0', 'false'):
+        return False
+    if value in ('1', 'true'):
+        return True
+    raise ValueError(f'${FUSED_ENV}: expected 1, 0 or triton (or unset), got {os.environ[FUSED_ENV]!r}')
+
+
+def check_choice(name: str, enable: Choice) -> Choice:
+    """``enable`` if it is a choice (``True``, ``False``, ``'triton'`` or ``None``), else a ValueError naming
+    ``name``."""
+    if enable is None or isinstance(enable, bool) or enable == 'triton':
+        return enable
+    raise ValueError(f"{name}: expected True, False, 'triton' or None (the default), got {enable!r}")
+
+
+_FUSED: Choice = _env_choice()
+#: whether Triton is installed (CUDA wheels of torch ship it), known without importing it
+_TRITON = importlib.util.find_spec('triton') is not None
 #: the innermost :func:`fused_label_attn` scope's choice: a plain global (read inside a compiled forward, dynamo
 #: guards on it; torch 2.11's dynamo breaks the graph at a ``ContextVar.get`` in every block)
-_FUSED_SCOPE: Optional[bool] = None
+_FUSED_SCOPE: Choice = None
 
 
-def set_fused_label_attn(enable: Optional[bool]) -> None:
-    """Process-wide choice (as timm's ``set_fused_attn``): ``True``/``False``, or ``None`` for the default."""
+def set_fused_label_attn(enable: Choice) -> None:
+    """Process-wide choice (as timm's ``set_fused_attn``): ``True`` (an SDPA call), ``False`` (a transient
+    softmax), ``'triton'`` (the Triton kernel for the shared path), or ``None`` for the default."""
     global _FUSED
-    _FUSED = enable
+    _FUSED = check_choice('enable', enable)
 
 
 @contextlib.contextmanager
-def fused_label_attn(enable: Optional[bool]):
+def fused_label_attn(enable: Choice):
     """The choice inside a ``with`` block (what a wrapper's ``fused=`` argument sets); ``None`` leaves it."""
     global _FUSED_SCOPE
+    check_choice('enable', enable)
     outer = _FUSED_SCOPE
     if enable is not None:
         _FUSED_SCOPE = enable
@@ -66,11 +100,25 @@ def use_fused_label_attn(device: torch.device, shared: bool = False) -> bool:
     columns costs less than materialising the attention once, ``bench/RESULTS.md``). A separate label-only call
     (the recomputing path): fused on accelerators, a transient softmax on the CPU (the fused CPU kernel is slower
     for the 1-wide values of the compact state)."""
-    if _FUSED_SCOPE is not None:
-        return _FUSED_SCOPE
-    if _FUSED is not None:
-        return _FUSED
+    choice = _choice()
+    if choice is not None:
+        return bool(choice)
     return shared or torch.device(device).type != 'cpu'
+
+
+def _choice() -> Choice:
+    return _FUSED_SCOPE if _FUSED_SCOPE is not None else _FUSED
+
+
+def use_label_kernel(device: torch.device) -> bool:
+    """Whether the shared path runs through the Triton kernel (:mod:`shared_core.label_kernel`): forced by the
+    choice ``'triton'`` (any device: CPU tensors need ``TRITON_INTERPRET=1``), else by default on CUDA where
+    Triton imports (an explicit ``True`` keeps the SDPA call with label columns, ``False`` the materialised
+    attention)."""
+    choice = _choice()
+    if choice is not None:
+        return choice == 'triton'
+    return _TRITON and torch.device(device).type == 'cuda'
 
 
 def shared_attention(
@@ -176,18 +224,27 @@ class LabelColumns:
     under autocast): ``Z`` stays fp32 and travels as two columns per label, ``hi`` (rounded) and ``lo`` (its
     rounding error), whose sum keeps fp32-like precision; the heads are summed in fp32. The label columns carry
     no gradient (the buffer does not require one), so the gradients of ``qkv`` are the plain attention's.
+
+    ``kernel=True`` (:func:`use_label_kernel`): no columns; ``Z`` ``(B, T, K)`` fp32 is read as it is by the
+    Triton kernel of :mod:`shared_core.label_kernel`, which computes the attention at the plain head dim and
+    ``Σ_h A_h Z`` beside it (a block given a mask: the attention materialised once).
     """
 
-    def __init__(self, labels: torch.Tensor, num_heads: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, labels: torch.Tensor, num_heads: int, head_dim: int, dtype: torch.dtype, kernel: bool = False):
         labels = labels.float()
         if labels.requires_grad:
             labels = labels.detach()
         B, T, K = labels.shape
-        self.num_heads, self.head_dim, self.split = num_heads, head_dim, dtype != torch.float32
+        self.num_heads, self.head_dim, self.kernel = num_heads, head_dim, kernel
+        self.scale: Union[float, torch.Tensor] = 1.0  # c: a float while every sample doubles, else (B, 1, 1)
+        if kernel:  # Z read by the Triton kernel as it is, fp32: no columns to write
+            self.split, self.width = False, K
+            self.z = labels.clone(memory_format=torch.contiguous_format)
+            return
+        self.split = dtype != torch.float32
         self.width = 2 * K if self.split else K
         self.buf = labels.new_zeros(3, B, 1, T, self.width + (-(head_dim + self.width) % 8), dtype=dtype)
         self.ext = self.buf.expand(3, B, num_heads, T, self.buf.shape[-1])
-        self.scale: Union[float, torch.Tensor] = 1.0  # c: a float while every sample doubles, else (B, 1, 1)
         cols = self.buf[2, :, 0]
         if self.split:
             self.z = labels.clone()
@@ -218,6 +275,15 @@ class LabelColumns:
         ``(B, H, T, d)`` for ``q, k, v = qkv.unbind(0)``, and ``Σ_h softmax(q kᵀ · scale + mask) · Z`` ``(B, T, K)``
         fp32 without gradient (for :meth:`update`)."""
         d = self.head_dim
+        if self.kernel:
+            q, k, v = qkv.unbind(0)
+            if attn_mask is None:  # one Triton kernel: the labels at one multiply-add per probability
+                from .label_kernel import label_attention
+
+                out, _, heads = label_attention(q, k, v, self.z, scale)
+                return out, heads
+            out, branch = shared_attention(q, k, v, self.z, scale, attn_mask, fused=False)  # a mask: materialised
+            return out, branch.mul_(self.num_heads)
         if _cpu_shared_attention(qkv, attn_mask):  # the backward at the head dim (the plain one)
             out, lab = _CPUSharedAttention.apply(qkv, self.ext, scale, self.width)
         else:

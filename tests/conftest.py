@@ -5,10 +5,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from shared_core.tools.world import generate_world
+# Triton's interpreter runs the label-attention kernel (shared_core.label_kernel) on CPU tensors where no GPU is;
+# it must be chosen before Triton is imported (timm imports it through torch._dynamo)
+if not torch.cuda.is_available():
+    os.environ.setdefault('TRITON_INTERPRET', '1')
 
-from .helpers import REPO, write_quadrant_data
+from shared_core.tools.world import generate_world  # noqa: E402
+
+from .helpers import REPO, write_quadrant_data  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 

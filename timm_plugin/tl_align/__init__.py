@@ -36,7 +36,7 @@ parts they share in :mod:`._blocks`.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -50,7 +50,7 @@ from timm.models.swin_transformer import SwinTransformer
 from timm.models.vision_transformer import VisionTransformer
 
 from shared_core.compiling import guard_module_hooks
-from shared_core.label_attention import fused_label_attn
+from shared_core.label_attention import check_choice, fused_label_attn
 from shared_core.mix import Mix
 from shared_core.tl_align import (
     TRANSMIX_MODES,
@@ -129,10 +129,11 @@ class TLAlign(nn.Module):
         model: a supported timm model.
         layers: align only at these block indices (Table 8 ablation); ``None``: every block.
         residual: ``False`` drops the residual from the label path (Table 8, "normalization disabled").
-        fused: the label attention as a fused SDPA call (``True``) or a transient softmax (``False``) for this
-            wrapper; default :func:`shared_core.label_attention.use_fused_label_attn` (``$TOKENAUG_FUSED_LABEL_ATTN``,
-            else the shared path fused on every device, the recomputing path fused on accelerators). With
-            ``shared=False`` the token path is the model's own either way.
+        fused: the label attention as a fused SDPA call (``True``), a transient softmax (``False``) or, for the
+            shared path, the Triton kernel (``'triton'``, :mod:`shared_core.label_kernel`) for this wrapper;
+            default :func:`shared_core.label_attention.use_fused_label_attn` (``$TOKENAUG_FUSED_LABEL_ATTN``,
+            else the shared path fused on every device, through the Triton kernel on CUDA, the recomputing path
+            fused on accelerators). With ``shared=False`` the token path is the model's own either way.
         drop_path: ``'kept'`` (a sample whose attention branch stochastic depth dropped keeps its labels) or
             ``'public'`` (the public code: they update anyway).
         shared: timm ViTs: one attention per block for tokens and labels (:class:`SharedAttentionViT`);
@@ -146,7 +147,7 @@ class TLAlign(nn.Module):
         model: nn.Module,
         layers: Optional[Iterable[int]] = None,
         residual: bool = True,
-        fused: Optional[bool] = None,
+        fused: Union[bool, str, None] = None,
         drop_path: str = 'kept',
         shared: bool = True,
     ):
@@ -154,8 +155,7 @@ class TLAlign(nn.Module):
         for name, value in (('residual', residual), ('shared', shared)):
             if not isinstance(value, bool):
                 raise ValueError(f'{name}: expected True or False, got {value!r}')
-        if fused is not None and not isinstance(fused, bool):
-            raise ValueError(f'fused: expected True, False or None (the default), got {fused!r}')
+        check_choice('fused', fused)
         self.tracer = timm_tracer(model)
         guard_module_hooks()  # per-call hooks under torch.compile
         self.shared = shared

@@ -11,7 +11,7 @@ from timm.layers import Attention
 from timm.models.cait import Cait, ClassAttn, LayerScaleBlock, LayerScaleBlockClassAttn, TalkingHeadAttn
 from timm.models.vision_transformer import Block, VisionTransformer
 
-from shared_core.label_attention import LabelColumns, shared_attention, use_fused_label_attn
+from shared_core.label_attention import LabelColumns, shared_attention, use_fused_label_attn, use_label_kernel
 from shared_core.tl_align import (
     LabelCapture,
     attention_labels,
@@ -163,7 +163,8 @@ class SharedAttentionViT:
                     q, k, v = qkv.unbind(0)
                     qkv = torch.stack([attn.q_norm(q), attn.k_norm(k), v])
                 if self.columns is None:
-                    self.columns = LabelColumns(self.labels, attn.num_heads, attn.head_dim, qkv.dtype)
+                    kernel = use_label_kernel(x.device)  # the Triton kernel (CUDA), else an SDPA call
+                    self.columns = LabelColumns(self.labels, attn.num_heads, attn.head_dim, qkv.dtype, kernel)
                 out, cap.attn = self.columns.attend(qkv, attn.scale, attn_mask)
             else:  # the attention materialised once for both paths
                 q, k, v = qkv.unbind(0)
