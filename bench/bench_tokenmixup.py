@@ -8,20 +8,26 @@ and PuzzleMix use; the paper's Table 3: 16 ms vs 236 ms per batch of 128 on a GP
 
 ``--compile BACKEND``: every step runs through ``torch.compile(model, backend=BACKEND)`` (as ``tokenaug-train
 --torchcompile``: the method's hooks on the bare model; HTM's matching on the host breaks the graph there).
+
+``--plan-only``: just HTM's plan against the bare ``linear_sum_assignment`` of its gain, side by side
+(interleaved, torch on one thread, B = ``--batch`` rows all easy, N = 64 patch tokens of a peaked saliency):
+what the plan costs beyond the assignment itself (the gain, the copies, Eq. 9 and λ).
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 
 import timm
 import torch
-from common import device_sync, median_times, optimizer_step
+from common import device_sync, interleaved_times, median_times, optimizer_step, pair_ratios
+from scipy.optimize import linear_sum_assignment
 from timm.loss import SoftTargetCrossEntropy
 
 import timm_plugin  # noqa: F401  (registers cct_*)
-from shared_core.tokenmixup import htm_plan, qk_saliency
+from shared_core.tokenmixup import htm_gain, htm_plan, qk_saliency
 from timm_plugin import TokenMixup, create_mixer
 from timm_plugin.tokenmixup import block_qk
 
@@ -34,8 +40,11 @@ def main():
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     p.add_argument('--amp', action='store_true')
     p.add_argument('--compile', default=None, metavar='BACKEND', help='run every step through torch.compile')
+    p.add_argument('--plan-only', action='store_true', help="HTM's plan vs its bare assignment, one thread")
     args = p.parse_args()
     dev = torch.device(args.device)
+    if args.plan_only:
+        return plan_vs_assignment(args.batch, 64, max(args.repeats, 30), dev)
     torch.manual_seed(0)
     model = timm.create_model(args.model, num_classes=100).to(dev).train()
     size = model.pretrained_cfg['input_size'][-1]
@@ -107,6 +116,27 @@ def main():
     print(f'| attention (the block on its input, no grad) | {att * 1e3:.1f} | 1.0 |')
     print(f'| gradient (backward from the loss to the block input) | {grad * 1e3:.1f} | {grad / att:.1f} |')
     print(f'| optimal matching (linear_sum_assignment, all easy) | {match * 1e3:.1f} | {match / att:.1f} |')
+
+
+def plan_vs_assignment(B: int, N: int, repeats: int, dev: torch.device) -> None:
+    """``htm_plan`` against ``linear_sum_assignment`` of the same gain, interleaved, torch on one thread."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    S = torch.softmax(torch.randn(B, N, generator=g) * 3, -1).to(dev)
+    easy = torch.ones(B, dtype=torch.bool, device=dev)
+    gain = htm_gain(S, easy.nonzero().flatten(), 0.005).cpu().numpy()
+    sync = device_sync(dev)
+    fns = [lambda: htm_plan(S, easy, 0.005), lambda: linear_sum_assignment(gain, maximize=True)]
+    plan, bare = interleaved_times(fns, repeats, warmup=3, sync=sync)
+    name = torch.cuda.get_device_name(dev) if dev.type == 'cuda' else (platform.processor() or platform.machine())
+    print(f'# htm_plan, B={B} all easy, N={N}, device {dev} ({name}), torch {torch.__version__}, 1 thread, '
+          f'{repeats} interleaved rounds')  # fmt: skip
+    print('| call | median ms | / linear_sum_assignment |')
+    print('|---|---|---|')
+    print(
+        f'| htm_plan (gain, assignment, Eq. 9, λ) | {statistics.median(plan) * 1e3:.2f} | {pair_ratios(plan, bare)} |'
+    )
+    print(f'| linear_sum_assignment of its gain | {statistics.median(bare) * 1e3:.2f} | 1.000 |')
 
 
 if __name__ == '__main__':

@@ -47,6 +47,7 @@ __all__ = [
     'qk_saliency',
     'difficulty',
     'check_tau',
+    'htm_gain',
     'htm_plan',
     'htm_mix',
     'mix_soft_target',
@@ -112,10 +113,23 @@ def difficulty(logits: torch.Tensor, target: torch.Tensor, scale: float = DIFFIC
     return -(target.detach().float() * logp).sum(-1) * scale
 
 
+def htm_gain(S: torch.Tensor, rows: torch.Tensor, rho: float) -> torch.Tensor:
+    """Eq. 6's gain ``G[i, j] = Σ_n max(S_j[n] − S_i[n] − ρ, 0)`` ``(b', B)`` for the easy ``rows`` ``(b',)`` in
+    float64 on ``S``'s device. The clamp-sum is an L1 distance in disguise: ``max(a − c, 0) = (|a − c| + a − c) /
+    2`` with ``c = b + ρ``, so ``G = (cdist_1(S_i + ρ, S_j) + ΣS_j − ΣS_i − Nρ) / 2``: one ``torch.cdist(p=1)`` and
+    row sums instead of a ``(b', B, N)`` tensor."""
+    s = S.detach().double()
+    own = s[rows]
+    dist = torch.cdist(own + rho, s, p=1)
+    return (dist + s.sum(1)[None, :] - (own.sum(1) + rho * s.shape[1])[:, None]).mul_(0.5).clamp_min_(0.0)
+
+
 def htm_plan(S: torch.Tensor, easy: torch.Tensor, rho: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HTM's plan from saliency ``S (B, N)`` and the easy rows ``easy (B,)`` bool: ``(partner (B,) int64,
-    swap (B, N) bool, lam (B,) float32)`` on ``S``'s device (see the module docstring). The matching runs on the
-    CPU in float64. Rows stay in place; a row with nothing swapped has ``partner = i`` and ``lam = 1``."""
+    swap (B, N) bool, lam (B,) float32)`` on ``S``'s device (see the module docstring). The gain is built on
+    ``S``'s device in float64 (:func:`htm_gain`); one ``(b', B)`` matrix goes to the host for the assignment and
+    the matching ``(b',)`` comes back. Rows stay in place; a row with nothing swapped has ``partner = i`` and
+    ``lam = 1``."""
     if S.dim() != 2:
         raise ValueError(f'S: expected (B, N) saliency, got {tuple(S.shape)}')
     if easy.shape != S.shape[:1] or easy.dtype != torch.bool:
@@ -123,22 +137,25 @@ def htm_plan(S: torch.Tensor, easy: torch.Tensor, rho: float) -> Tuple[torch.Ten
     if not rho >= 0:
         raise ValueError(f'rho: expected a saliency margin >= 0, got {rho}')
     device = S.device
-    s = S.detach().double().cpu()
-    e = easy.cpu()
+    s = S.detach().double()
+    e = easy.to(device)
     B = s.shape[0]
-    sigma = torch.arange(B)
-    rows = e.nonzero().flatten()
+    identity = torch.arange(B, device=device)
+    rows = e.nonzero().flatten()  # (one sync: the number of easy rows)
+    sigma = identity
     if rows.numel():
-        gain = (s[None, :, :] - s[rows][:, None, :] - rho).clamp_min(0).sum(-1)  # (b', B): G[i, j] (Eq. 6)
-        r, c = linear_sum_assignment(gain.numpy(), maximize=True)
-        sigma[rows[torch.from_numpy(np.asarray(r))]] = torch.from_numpy(np.asarray(c, dtype=np.int64))
+        gain = htm_gain(s, rows, rho).cpu().numpy()
+        r, c = linear_sum_assignment(gain, maximize=True)
+        sigma = identity.clone()
+        r, c = torch.from_numpy(np.asarray(r, dtype=np.int64)), torch.from_numpy(np.asarray(c, dtype=np.int64))
+        sigma[rows[r.to(device)]] = c.to(device)
     swap = e[:, None] & (s[sigma] - s > rho)  # Eq. 9: each row with its own saliency
     mixed = swap.any(1)
-    partner = torch.where(mixed, sigma, torch.arange(B))
+    partner = torch.where(mixed, sigma, identity)
     kept = (s * ~swap).sum(1)
     given = (s[partner] * swap).sum(1)
-    lam = torch.where(mixed, kept / (kept + given).clamp_min(torch.finfo(torch.float64).tiny), torch.ones(B))
-    return partner.to(device), swap.to(device), lam.float().to(device)
+    lam = torch.where(mixed, kept / (kept + given).clamp_min(torch.finfo(torch.float64).tiny), 1.0)
+    return partner, swap, lam.float()
 
 
 def htm_mix(
