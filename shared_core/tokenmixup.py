@@ -48,6 +48,7 @@ __all__ = [
     'difficulty',
     'check_tau',
     'htm_gain',
+    'assignment',
     'htm_plan',
     'htm_mix',
     'mix_soft_target',
@@ -113,22 +114,40 @@ def difficulty(logits: torch.Tensor, target: torch.Tensor, scale: float = DIFFIC
     return -(target.detach().float() * logp).sum(-1) * scale
 
 
-def htm_gain(S: torch.Tensor, rows: torch.Tensor, rho: float) -> torch.Tensor:
-    """Eq. 6's gain ``G[i, j] = Σ_n max(S_j[n] − S_i[n] − ρ, 0)`` ``(b', B)`` for the easy ``rows`` ``(b',)`` in
-    float64 on ``S``'s device. The clamp-sum is an L1 distance in disguise: ``max(a − c, 0) = (|a − c| + a − c) /
-    2`` with ``c = b + ρ``, so ``G = (cdist_1(S_i + ρ, S_j) + ΣS_j − ΣS_i − Nρ) / 2``: one ``torch.cdist(p=1)`` and
-    row sums instead of a ``(b', B, N)`` tensor."""
+def htm_gain(S: torch.Tensor, rho: float) -> torch.Tensor:
+    """Eq. 6's gain ``G[i, j] = Σ_n max(S_j[n] − S_i[n] − ρ, 0)`` ``(B, B)`` in float64 on ``S``'s device. The
+    clamp-sum is an L1 distance in disguise: ``max(a − c, 0) = (|a − c| + a − c) / 2`` with ``c = b + ρ``, so ``G =
+    (cdist_1(S_i + ρ, S_j) + ΣS_j − ΣS_i − Nρ) / 2``: one ``torch.cdist(p=1)`` and row sums instead of a
+    ``(B, B, N)`` tensor."""
     s = S.detach().double()
-    own = s[rows]
-    dist = torch.cdist(own + rho, s, p=1)
-    return (dist + s.sum(1)[None, :] - (own.sum(1) + rho * s.shape[1])[:, None]).mul_(0.5).clamp_min_(0.0)
+    dist = torch.cdist(s + rho, s, p=1)
+    return (dist + s.sum(1)[None, :] - (s.sum(1) + rho * s.shape[1])[:, None]).mul_(0.5).clamp_min_(0.0)
+
+
+@torch.library.custom_op('tokenaug::assignment', mutates_args=())
+def assignment(gain: torch.Tensor) -> torch.Tensor:
+    """``σ`` ``(R,)`` int64: each row's column in an assignment of the ``R ≤ C`` rows of ``gain`` ``(R, C)`` to
+    distinct columns that maximises the total gain (``scipy.optimize.linear_sum_assignment`` on the host; the
+    matrix goes to the host, the ``(R,)`` answer comes back). A custom op (its shape is known without running it),
+    so a compiled model keeps the rest of its graph around it."""
+    r, c = linear_sum_assignment(gain.detach().cpu().numpy(), maximize=True)
+    sigma = np.empty(gain.shape[0], dtype=np.int64)
+    sigma[r] = c
+    return torch.from_numpy(sigma).to(gain.device)
+
+
+@assignment.register_fake
+def _(gain):
+    return gain.new_empty(gain.shape[0], dtype=torch.long)
 
 
 def htm_plan(S: torch.Tensor, easy: torch.Tensor, rho: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HTM's plan from saliency ``S (B, N)`` and the easy rows ``easy (B,)`` bool: ``(partner (B,) int64,
     swap (B, N) bool, lam (B,) float32)`` on ``S``'s device (see the module docstring). The gain is built on
-    ``S``'s device in float64 (:func:`htm_gain`); one ``(b', B)`` matrix goes to the host for the assignment and
-    the matching ``(b',)`` comes back. Rows stay in place; a row with nothing swapped has ``partner = i`` and
+    ``S``'s device in float64 (:func:`htm_gain`), with the rows of samples that are not easy set to 0: they then
+    take what columns the easy rows leave, at no gain, so the square assignment gives the easy rows an optimum of
+    the rectangular one, and every shape is known before the data (no host sync but the assignment's own, one
+    graph under ``torch.compile``). Rows stay in place; a row with nothing swapped has ``partner = i`` and
     ``lam = 1``."""
     if S.dim() != 2:
         raise ValueError(f'S: expected (B, N) saliency, got {tuple(S.shape)}')
@@ -136,19 +155,10 @@ def htm_plan(S: torch.Tensor, easy: torch.Tensor, rho: float) -> Tuple[torch.Ten
         raise ValueError(f'easy: expected a (B,) = ({S.shape[0]},) bool tensor, got {easy.dtype} {tuple(easy.shape)}')
     if not rho >= 0:
         raise ValueError(f'rho: expected a saliency margin >= 0, got {rho}')
-    device = S.device
     s = S.detach().double()
-    e = easy.to(device)
-    B = s.shape[0]
-    identity = torch.arange(B, device=device)
-    rows = e.nonzero().flatten()  # (one sync: the number of easy rows)
-    sigma = identity
-    if rows.numel():
-        gain = htm_gain(s, rows, rho).cpu().numpy()
-        r, c = linear_sum_assignment(gain, maximize=True)
-        sigma = identity.clone()
-        r, c = torch.from_numpy(np.asarray(r, dtype=np.int64)), torch.from_numpy(np.asarray(c, dtype=np.int64))
-        sigma[rows[r.to(device)]] = c.to(device)
+    e = easy.to(s.device)
+    identity = torch.arange(s.shape[0], device=s.device)
+    sigma = torch.where(e, assignment(htm_gain(s, rho) * e[:, None]), identity)
     swap = e[:, None] & (s[sigma] - s > rho)  # Eq. 9: each row with its own saliency
     mixed = swap.any(1)
     partner = torch.where(mixed, sigma, identity)
@@ -359,7 +369,11 @@ class TokenMixupHooks:
             for undo in state['undo']:
                 undo()
         aux = torch.stack(state['aux']).sum() if state['aux'] else torch.zeros((), device=state['y'].device)
-        return output, state['y'], aux, state['stats'], state['mixes']
+        stats = {
+            name: dict(easy=int(v['easy']), mixed=int(v['mixed']), swapped=float(v['swapped']))
+            for name, v in state['stats'].items()
+        }
+        return output, state['y'], aux, stats, state['mixes']
 
     def _htm_hook(self, idx: int, state: dict, memory: bool = False):
         P = self.adapter.num_prefix_tokens
@@ -383,14 +397,12 @@ class TokenMixupHooks:
             mix = htm_mix(partner, swap, lam, (1, S.shape[1]))
             state['mixes'].append(mix)
             mixed = swap.any(1)
-            any_mixed = bool(mixed.any())
+            # tensors here (read as numbers after the forward: no host sync inside a compiled model); a batch with
+            # nothing swapped mixes too, exactly as nothing (shares 0, λ 1)
+            swapped = swap.sum(1)
             state['stats'][f'htm{idx}'] = dict(
-                easy=int(easy.sum()),
-                mixed=int(mixed.sum()),
-                swapped=float(swap.sum(1)[mixed].float().mean()) if any_mixed else 0.0,
+                easy=easy.sum(), mixed=mixed.sum(), swapped=swapped.sum() / mixed.sum().clamp_min(1)
             )
-            if not any_mixed:
-                return None
             state['y'] = mix_soft_target(y, mix)
             tokens = mix_tokens(x[:, P:], mix)  # partner tokens from the pre-mix batch
             return (torch.cat([x[:, :P], tokens], 1),) + tuple(args[1:])
