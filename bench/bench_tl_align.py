@@ -26,6 +26,7 @@ import statistics
 import torch
 from common import device_sync, interleaved_times, optimizer_step, pair_ratios, profile_table
 
+from shared_core.label_attention import fused_label_attn, use_fused_label_attn, use_label_kernel
 from timm_plugin.recipe import build_training
 from timm_plugin.tl_align import TLAlign, TransMix
 from tokenaug.train_args import parse_args
@@ -42,6 +43,13 @@ def main():
     p.add_argument('--default-only', action='store_true', help="time only the plain step and the methods' defaults")
     p.add_argument('--profile', action='store_true', help='print host op time and kernel time per step')
     p.add_argument('--kernels', type=int, default=0, help='with --profile: the N kernels each method adds most')
+    p.add_argument(
+        '--fused',
+        choices=list(FUSED),
+        default='default',
+        help='the label attention of the TL-Align/TransMix columns: the default (the Triton kernel on CUDA where '
+        "Triton is installed, else SDPA with label columns), 'triton', 'sdpa' (label columns) or 'off'",
+    )
     args = p.parse_args()
     dev = torch.device(args.device)
     torch.manual_seed(0)
@@ -60,9 +68,10 @@ def main():
 
     run = torch.compile(model, backend=args.compile) if args.compile else model
     plain = optimizer_step(lambda: loss_fn(run(xm), target), opt, autocast)
-    wrappers = [TLAlign(model)]  # one fused attention per block for tokens and labels (the default)
+    fused = FUSED[args.fused]
+    wrappers = [TLAlign(model, fused=fused)]  # one attention per block for tokens and labels (the default)
     try:  # TransMix reads the class token's attention: ViTs (DeiT family, Swin, PVT v2) only
-        wrappers.append(TransMix(model))
+        wrappers.append(TransMix(model, fused=fused))
     except ValueError:
         wrappers.append(None)
     if not args.default_only:
@@ -88,6 +97,7 @@ def main():
         f'# {args.model}, batch {args.batch}x3x224x224, device {dev} ({name}), amp={args.amp}, '
         f'torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}'
         + (f', torch.compile backend {args.compile}' if args.compile else '')
+        + f', label attention: {label_path(fused, dev)}'
     )
     print(
         '| training step | plain (area target) ms | TL-Align ms | ratio of medians | per-round ratio median [q1, q3] '
@@ -103,6 +113,18 @@ def main():
     if args.profile:
         names = ['plain (area target)', 'TL-Align', 'TransMix', 'TL-Align fused=False', 'TL-Align recomputed']
         profile_table(steps, [n for n, w in zip(names, [plain] + wrappers) if w is not None], dev, kernels=args.kernels)
+
+
+#: --fused: the wrappers' ``fused`` argument
+FUSED = {'default': None, 'triton': 'triton', 'sdpa': True, 'off': False}
+
+
+def label_path(fused, dev: torch.device) -> str:
+    """Which label attention the ViT shared path runs with this choice on this device."""
+    with fused_label_attn(fused):
+        if use_label_kernel(dev):
+            return 'Triton kernel'
+        return 'SDPA with label columns' if use_fused_label_attn(dev, shared=True) else 'materialised'
 
 
 if __name__ == '__main__':

@@ -248,7 +248,7 @@ class TransMix(TLAlign):
     method = 'transmix'
     MODES = TRANSMIX_MODES
 
-    def __init__(self, model: nn.Module, mode: str = 'paper', fused: Optional[bool] = None):
+    def __init__(self, model: nn.Module, mode: str = 'paper', fused: Union[bool, str, None] = None):
         super().__init__(model, fused=fused)
         if mode not in self.MODES:
             raise ValueError(f'mode must be one of {self.MODES}, got {mode!r}')
