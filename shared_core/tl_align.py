@@ -342,12 +342,12 @@ class LabelCapture:
     """What one block's token path left for the label path (each tracer fills the fields it needs):
     ``q``/``k`` ``(B, H, T, d)`` (or the projections they are split from), ``keep`` the samples whose
     attention branch ran, ``attn`` materialised attention probabilities, ``mask`` an attention mask,
-    ``tokens`` the token grid or count the block saw."""
+    ``tokens`` the token grid or count the block saw, ``scale`` the attention's scale."""
 
-    __slots__ = ('q', 'k', 'keep', 'attn', 'mask', 'tokens')
+    __slots__ = ('q', 'k', 'keep', 'attn', 'mask', 'tokens', 'scale')
 
     def __init__(self):
-        self.q = self.k = self.keep = self.attn = self.mask = self.tokens = None
+        self.q = self.k = self.keep = self.attn = self.mask = self.tokens = self.scale = None
 
 
 class LabelTracer(Protocol):
@@ -359,7 +359,7 @@ class LabelTracer(Protocol):
     - ``num_tokens(captures)``: tokens of the label state for the captured forward (prefix + patches);
     - ``propagate(captures, labels, layers, residual)``: the label state through every block (no grad);
     - ``readout(labels, output)``: ``(B, K)`` the label of what the classifier reads;
-    - ``class_attention(captures)``: ``(q_cls (B, H, 1, d), k (B, H, T, d), scale)`` of the last block for
+    - ``class_attention(captures)``: ``(q_cls (B, H, 1, d), k (B, H, T, d), scale[, mask])`` of the last block for
       TransMix's class-token rule, or ``None`` where the classifier reads no class token.
     """
 
@@ -467,13 +467,13 @@ def transmix_share(
     qk = tracer.class_attention(captures)
     with torch.no_grad():
         if qk is not None:
-            q_cls, k, scale = qk
+            q_cls, k, scale, *bias = qk  # an optional 4th: the class row of an additive bias or mask
             with torch.autocast(device_type=q_cls.device.type, enabled=False):
                 P = tracer.num_prefix_tokens
                 s = mix.token_share_flat().float().to(q_cls.device)
                 v = torch.zeros(s.shape[0], P + s.shape[1], 2, device=s.device)
                 v[:, P:, 0], v[:, P:, 1] = s, 1.0
-                num_den = attention_labels(q_cls, k, v, scale=scale)[:, 0]
+                num_den = attention_labels(q_cls, k, v, bias[0] if bias else None, scale=scale)[:, 0]
                 share = num_den[:, 0] / num_den[:, 1]
         else:
             labels = compact_labels(mix, tracer.num_prefix_tokens)

@@ -40,9 +40,11 @@ from typing import Iterable, Optional, Union
 
 import torch
 import torch.nn as nn
+from timm.models.beit import Beit
 from timm.models.cait import Cait
 from timm.models.convnext import ConvNeXt
 from timm.models.deit import VisionTransformerDistilled
+from timm.models.eva import Eva
 from timm.models.mlp_mixer import MlpMixer
 from timm.models.pvt_v2 import PyramidVisionTransformerV2
 from timm.models.resnet import ResNet
@@ -70,6 +72,7 @@ from ..cct import CCT
 from .cnn import ConvNeXtTracer, ResNetTracer
 from .hierarchical import PvtV2Tracer, SwinTracer
 from .mlp_mixer import MlpMixerTracer
+from .sdpa import BeitTracer, EvaTracer
 from .vit import CaitTracer, CCTTracer, DistilledViTTracer, SharedAttentionViT, ViTTracer
 
 __all__ = [
@@ -85,6 +88,8 @@ __all__ = [
     'SwinTracer',
     'PvtV2Tracer',
     'MlpMixerTracer',
+    'EvaTracer',
+    'BeitTracer',
     'ConvNeXtTracer',
     'ResNetTracer',
 ]
@@ -99,6 +104,8 @@ SUPPORTED_MODELS = {
     Cait: CaitTracer,
     PyramidVisionTransformerV2: PvtV2Tracer,
     MlpMixer: MlpMixerTracer,
+    Eva: EvaTracer,
+    Beit: BeitTracer,
     ConvNeXt: ConvNeXtTracer,
     ResNet: ResNetTracer,
 }
