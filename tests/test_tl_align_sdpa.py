@@ -150,3 +150,20 @@ def test_transmix_reads_the_class_attention_with_its_bias(arch, kw):
     own, partner = one_hot(y, C).double(), one_hot(y[target.mix.partner], C).double()
     expected = (1 - share)[:, None] * own + share[:, None] * partner
     assert (aligned.double() - expected).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize(
+    'arch, block',
+    [
+        ('xcit_nano_12_p16_224', 'XCA'),
+        ('efficientvit_b0', 'LiteMLA'),
+        ('focalnet_tiny_srf', 'FocalModulation'),
+        ('levit_128s', 'AttentionSubsample'),
+        ('coat_lite_tiny', 'FactorAttnConvRelPosEnc'),
+        ('fastvit_t8', 'RepMixer'),
+    ],
+)
+def test_families_without_a_rule_are_refused_naming_the_block_and_why(arch, block):
+    model = timm.create_model(arch, num_classes=C)
+    with pytest.raises(ValueError, match=f"TL-Align has no rule for {type(model).__name__}'s {block}.*: "):
+        TLAlign(model)

@@ -115,10 +115,57 @@ SUPPORTED_MODELS = {
 POOLED_OUTSIDE = {ConvNeXt: ConvNeXtTracer, ResNet: ResNetTracer}
 
 
+#: timm families whose token mixer no TL-Align rule covers (the paper's Eq. 9 needs token-to-token attention
+#: weights; its Table 9 covers linear, convolutional and pooling mixers whose weights do not depend on the data):
+#: the block type and why
+NO_RULE = {
+    ('timm.models.xcit', 'Xcit'): (
+        'XCA (cross-covariance attention)',
+        'its attention is channel-to-channel (a d x d matrix per head); it forms no token-to-token weights to '
+        'apply to the labels',
+    ),
+    ('timm.models.efficientvit_mit', 'EfficientVit'): (
+        'LiteMLA (ReLU linear attention)',
+        'the token weights relu(q)·relu(k) / Σ are never formed (it computes relu(q) (relu(k)ᵀ v)); a rule would '
+        'have to materialise them, which the model avoids by design',
+    ),
+    ('timm.models.focalnet', 'FocalNet'): (
+        'FocalModulation',
+        'the query multiplies a context gathered by gated depthwise convolutions: a data-dependent elementwise '
+        'product, neither an attention (Eq. 9) nor a fixed linear mixer (Table 9)',
+    ),
+    ('timm.models.levit', 'Levit'): (
+        'AttentionSubsample with convolutional stem and attention biases',
+        'LeViT mixes hard-swish attention outputs with subsampled queries and BatchNorm-folded projections; no '
+        'tracer is written for it',
+    ),
+    ('timm.models.coat', 'CoaT'): (
+        'FactorAttnConvRelPosEnc (factorized attention)',
+        'it computes q (softmax(k)ᵀ v): softmax over tokens of the keys alone, not a row-stochastic token-to-token '
+        'attention, plus a convolutional relative position term multiplied by q',
+    ),
+    ('timm.models.fastvit', 'FastVit'): (
+        'RepMixer / RepConditionalPosEnc (reparameterised depthwise convolutions with BatchNorm)',
+        'its train-time branches (several convolutions and BatchNorms summed) have no tracer; attention stages '
+        'would follow Eq. 9, the convolutional ones Table 9 once written',
+    ),
+}
+
+
+def _no_rule(model: nn.Module, name: str) -> None:
+    """A :data:`NO_RULE` family: its own refusal, naming the block type and why."""
+    for cls in type(model).__mro__:
+        found = NO_RULE.get((cls.__module__, cls.__name__))
+        if found:
+            block, why = found
+            raise ValueError(f"{name}: TL-Align has no rule for {type(model).__name__}'s {block}: {why}")
+
+
 def timm_tracer(model: nn.Module, pooled_outside: bool = False, name: str = 'model'):
     """The TL-Align tracer of a supported timm model (:data:`SUPPORTED_MODELS`). ``pooled_outside``: the model's own
     head pooling is off (mmpretrain's ``TIMMBackbone`` resets it) and its final map is average-pooled outside it
     (a ``GlobalAveragePooling`` neck): the timm CNNs of :data:`POOLED_OUTSIDE`, read out by the mean label."""
+    _no_rule(model, name)
     if not pooled_outside:
         return tracer_for(model, SUPPORTED_MODELS, name)
     for cls, tracer in POOLED_OUTSIDE.items():
