@@ -167,3 +167,19 @@ def test_families_without_a_rule_are_refused_naming_the_block_and_why(arch, bloc
     model = timm.create_model(arch, num_classes=C)
     with pytest.raises(ValueError, match=f"TL-Align has no rule for {type(model).__name__}'s {block}.*: "):
         TLAlign(model)
+
+
+def test_the_zoo_page_is_what_timm_gives_now(run_env):
+    """docs/methods/tl_align_zoo.md is scripts/tl_align_zoo.py's output for the installed timm (it cannot drift)."""
+    import subprocess
+    import sys
+
+    from .helpers import REPO
+
+    out = subprocess.run(
+        [sys.executable, str(REPO / 'scripts' / 'tl_align_zoo.py'), '--check'],
+        env=run_env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -119,7 +119,7 @@ class CCT(nn.Module):
         else:
             self.register_buffer('pos_embed', sinusoidal_embedding(num_tokens, embed_dim), persistent=False)
         self.pos_drop = nn.Dropout(drop_rate)
-        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]
+        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth, device='cpu')]  # (a meta build too)
         self.blocks = nn.Sequential(
             *[
                 CCTBlock(

@@ -66,10 +66,12 @@ class SdpaCapture(TorchFunctionMode):
         handles.append(module.register_forward_hook(lambda m, a, o: setattr(self, 'current', None)))
 
     def start(self, handles: list) -> None:
+        """Enter the mode and add it to ``handles`` (its :meth:`remove` leaves it)."""
         self.__enter__()
         handles.append(self)
 
     def remove(self) -> None:
+        """Leave the mode (a hook handle's ``remove``)."""
         self.current = None
         self.__exit__(None, None, None)
 
