@@ -41,6 +41,7 @@ HELD_BY = {
     'ResNetTracer': 'test_tl_align_beyond_vit.py::test_cnn_dense_trace_matches_the_explicit_reference',
     'EvaTracer': 'test_tl_align_sdpa.py::test_the_tracer_is_the_brute_force',
     'BeitTracer': 'test_tl_align_sdpa.py::test_the_tracer_is_the_brute_force',
+    'MetaFormerTracer': 'test_tl_align_metaformer.py::test_the_tracer_is_the_explicit_reference',
 }
 
 

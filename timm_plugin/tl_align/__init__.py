@@ -45,6 +45,7 @@ from timm.models.cait import Cait
 from timm.models.convnext import ConvNeXt
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.eva import Eva
+from timm.models.metaformer import MetaFormer
 from timm.models.mlp_mixer import MlpMixer
 from timm.models.pvt_v2 import PyramidVisionTransformerV2
 from timm.models.resnet import ResNet
@@ -71,6 +72,7 @@ from ..carrier import MixTarget
 from ..cct import CCT
 from .cnn import ConvNeXtTracer, ResNetTracer
 from .hierarchical import PvtV2Tracer, SwinTracer
+from .metaformer import MetaFormerTracer
 from .mlp_mixer import MlpMixerTracer
 from .sdpa import BeitTracer, EvaTracer
 from .vit import CaitTracer, CCTTracer, DistilledViTTracer, SharedAttentionViT, ViTTracer
@@ -89,6 +91,7 @@ __all__ = [
     'PvtV2Tracer',
     'MlpMixerTracer',
     'EvaTracer',
+    'MetaFormerTracer',
     'BeitTracer',
     'ConvNeXtTracer',
     'ResNetTracer',
@@ -106,6 +109,7 @@ SUPPORTED_MODELS = {
     MlpMixer: MlpMixerTracer,
     Eva: EvaTracer,
     Beit: BeitTracer,
+    MetaFormer: MetaFormerTracer,
     ConvNeXt: ConvNeXtTracer,
     ResNet: ResNetTracer,
 }

@@ -1,0 +1,158 @@
+"""TL-Align tracer for timm's ``MetaFormer`` family: PoolFormer (v1, v2), ConvFormer and CAFormer (the TL-Align
+paper, Eq. 9/11 and Table 9 of its appendix), the labels on the stages' token grids."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+from timm.layers import GroupNorm1, LayerNorm, LayerNorm2d, Mlp
+from timm.models.metaformer import (
+    Attention,
+    Downsampling,
+    GroupNorm1NoBias,
+    LayerNorm2dNoBias,
+    LayerNormNoBias,
+    MetaFormer,
+    MetaFormerBlock,
+    MetaFormerStage,
+    Pooling,
+    Scale,
+    SepConv,
+    Stem,
+)
+
+from shared_core.tl_align import LabelCapture, attention_labels, conv_pool_labels, conv_stencil_labels, residual_labels
+
+from ._blocks import hook_drop_path
+from .cnn import _ConvLabelGrid
+from .sdpa import SdpaCapture
+
+__all__ = ['MetaFormerTracer']
+
+#: the norms MetaFormer blocks use: per token, or (GroupNorm with one group, as BatchNorm in a ResNet) with
+#: statistics shared by all tokens of a sample, which rescale every token alike and move no content between them
+_NORMS = (LayerNorm2d, LayerNorm2dNoBias, LayerNorm, LayerNormNoBias, nn.LayerNorm, GroupNorm1, GroupNorm1NoBias)
+
+
+class MetaFormerTracer(_ConvLabelGrid):
+    """Label rules for timm's ``MetaFormer`` (``poolformer_*``, ``poolformerv2_*``, ``convformer_*``,
+    ``caformer_*``):
+
+    - Initial labels: one per cell of the stem's output grid (stride 4): give the mixer ``patch_size=4``
+      (``tokenaug-train`` does). The stem's overlapping 7x7 windows reach into neighbouring cells; that is not
+      traced (as ResNet's and PVT v2's stems).
+    - Downsampling between stages (norm, 3x3 stride-2 conv): the conv as one fixed stencil
+      ``Norm(T(mean_{o,i} |K|))`` read at stride 2 (mixing and aggregation at once, as ResNet's strided 3x3).
+    - Token mixers (the block's only spatial mixing; Eq. 11 around each, ``Y ← Norm(Y + g(Y))``, for the samples
+      whose branch stochastic depth kept):
+      - ``Pooling`` (PoolFormer, ``pool(x) − x``): the average pool's equivalent matrix (in-grid cells, as the
+        pool counts them). The ``− x`` is the token's own content, point-wise; we take the pool alone as the
+        branch's label (the branch moves content from the window; subtracting the token's own does not move any),
+        so a PoolFormer block gives ``Norm(Y + pool(Y))``;
+      - ``SepConv`` (ConvFormer, CAFormer's first stages): the depthwise ``k x k`` conv as the stencil
+        ``Norm(T(mean_c |K_c|))``, as ConvNeXt's; its 1x1 convs and activations are per token;
+      - ``Attention`` (CAFormer's last stages): Eq. 9 with the attention of its ``scaled_dot_product_attention``
+        call over the stage's tokens (row-major).
+    - MLPs, norms (per token, or GroupNorm with one group: sample statistics shared by all tokens, as a ResNet's
+      BatchNorm), layer and residual scales: labels unchanged. The head's global average pool reads the mean label.
+
+    Refused: head pooling other than ``avg``, a stem or downsampling other than MetaFormer's own, any other token
+    mixer.
+    """
+
+    def __init__(self, model: MetaFormer, pooled_outside: bool = False):
+        pool = getattr(getattr(model.head, 'global_pool', None), 'pool_type', None)
+        if pool != 'avg' and not pooled_outside:
+            raise ValueError(f"model: MetaFormer with head pooling {pool!r} has no TL-Align rule; use 'avg'")
+        if type(model.stem) is not Stem:
+            raise ValueError(f"model: TL-Align traces MetaFormer's Stem; the stem is {type(model.stem).__name__}")
+        for i, stage in enumerate(model.stages):
+            if type(stage) is not MetaFormerStage:
+                raise ValueError(f'model: TL-Align traces MetaFormerStage stages; stage {i} is {type(stage).__name__}')
+            ds = stage.downsample
+            if not isinstance(ds, nn.Identity) and (type(ds) is not Downsampling or type(ds.conv) is not nn.Conv2d):
+                raise ValueError(f'model: MetaFormer stage {i} downsample {ds} has no TL-Align rule')
+            for j, b in enumerate(stage.blocks):
+                parts = {
+                    'block': (b, (MetaFormerBlock,)),
+                    'token_mixer': (b.token_mixer, (Pooling, SepConv, Attention, nn.Identity)),
+                    'norm1': (b.norm1, _NORMS),
+                    'norm2': (b.norm2, _NORMS),
+                    'mlp': (b.mlp, (Mlp,)),
+                    'layer_scale1': (b.layer_scale1, (Scale, nn.Identity)),
+                    'res_scale1': (b.res_scale1, (Scale, nn.Identity)),
+                }
+                for name, (obj, types) in parts.items():
+                    if type(obj) not in types:
+                        raise ValueError(
+                            f'model: MetaFormer stage {i} block {j}: {name} is a {type(obj).__name__}; TL-Align '
+                            f'traces {", ".join(t.__name__ for t in types)} there'
+                        )
+                mixer = b.token_mixer
+                if type(mixer) is SepConv:
+                    dw = mixer.dwconv
+                    if dw.groups != dw.in_channels or dw.stride != (1, 1) or dw.dilation != (1, 1):
+                        raise ValueError(f'model: MetaFormer stage {i} block {j}: {dw} is not a plain depthwise conv')
+                if type(mixer) is Attention and not mixer.fused_attn:
+                    raise ValueError(
+                        f'model: MetaFormer stage {i} block {j} computes its attention without '
+                        'scaled_dot_product_attention (fused_attn off); TL-Align reads the attention at that call'
+                    )
+        self.model = model
+
+    _stages = 'stages'
+    _grid_module = 'the stem'
+
+    def _grid_hook(self, cap: LabelCapture):
+        return self.model.stem.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'tokens', tuple(o.shape[-2:])))
+
+    def register(self, captures: List[LabelCapture]) -> list:
+        """``captures[0]`` keeps the stem's grid, then one per block: the samples its drop path kept and, for an
+        attention mixer, its attention call."""
+        stem = LabelCapture()
+        captures.append(stem)
+        handles = [self._grid_hook(stem)]
+        mode = SdpaCapture()
+        for blk in self._blocks():
+            cap = LabelCapture()
+            captures.append(cap)
+            hook_drop_path(blk, cap, handles)
+            if type(blk.token_mixer) is Attention:
+                mode.watch(blk.token_mixer, cap, handles)
+        mode.start(handles)
+        return handles
+
+    def _branch(self, mixer: nn.Module, Y: torch.Tensor, cap: LabelCapture) -> torch.Tensor:
+        """The token mixer's labels on the ``(B, K, H, W)`` label map."""
+        if type(mixer) is Pooling:
+            p = mixer.pool
+            return conv_pool_labels(Y, p.kernel_size, p.stride, p.padding)
+        if type(mixer) is SepConv:
+            dw = mixer.dwconv
+            return conv_stencil_labels(Y, self.stencil(dw), dw.padding)
+        if type(mixer) is Attention:
+            if cap.q is None:
+                raise ValueError('model: a MetaFormer attention block made no scaled_dot_product_attention call')
+            B, K, H, W = Y.shape
+            flat = Y.flatten(2).transpose(1, 2)
+            return attention_labels(cap.q, cap.k, flat, scale=cap.scale).transpose(1, 2).reshape(B, K, H, W)
+        return Y  # an identity mixer
+
+    def propagate(
+        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
+    ) -> torch.Tensor:
+        Y = self._label_map(captures, labels)
+        caps = iter(captures[1:])
+        idx = 0
+        for stage in self.model.stages:
+            if not isinstance(stage.downsample, nn.Identity):
+                conv = stage.downsample.conv
+                Y = conv_stencil_labels(Y, self.stencil(conv), conv.padding, conv.stride)
+            for blk in stage.blocks:
+                cap = next(caps)
+                if layers is None or idx in layers:
+                    Y = residual_labels(Y, self._branch(blk.token_mixer, Y, cap), cap.keep, residual)
+                idx += 1
+        return Y.flatten(2).transpose(1, 2)
