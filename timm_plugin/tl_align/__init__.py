@@ -45,6 +45,7 @@ from timm.models.cait import Cait
 from timm.models.convnext import ConvNeXt
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.eva import Eva
+from timm.models.hiera import Hiera
 from timm.models.metaformer import MetaFormer
 from timm.models.mlp_mixer import MlpMixer
 from timm.models.pvt_v2 import PyramidVisionTransformerV2
@@ -71,6 +72,7 @@ from shared_core.tl_align import (
 from ..carrier import MixTarget
 from ..cct import CCT
 from .cnn import ConvNeXtTracer, ResNetTracer
+from .hiera import HieraTracer
 from .hierarchical import PvtV2Tracer, SwinTracer
 from .metaformer import MetaFormerTracer
 from .mlp_mixer import MlpMixerTracer
@@ -92,6 +94,7 @@ __all__ = [
     'MlpMixerTracer',
     'EvaTracer',
     'MetaFormerTracer',
+    'HieraTracer',
     'BeitTracer',
     'ConvNeXtTracer',
     'ResNetTracer',
@@ -110,6 +113,7 @@ SUPPORTED_MODELS = {
     Eva: EvaTracer,
     Beit: BeitTracer,
     MetaFormer: MetaFormerTracer,
+    Hiera: HieraTracer,
     ConvNeXt: ConvNeXtTracer,
     ResNet: ResNetTracer,
 }
