@@ -113,7 +113,7 @@ def cnn_stride(model: nn.Module) -> Tuple[int, int]:
 def tl_align_stride(model: nn.Module) -> Tuple[int, int]:
     """Pixels per token of the grid TL-Align's label state starts on: :func:`token_stride` for models with a patch
     embedding; for a timm ResNet or MetaFormer, the grid its first stage runs on (``layer1``'s / ``stages.0``'s
-    ``feature_info`` reduction: 4)."""
+    ``feature_info`` reduction: 4); for Twins, its first patch embedding's stride (4)."""
     if patch_embedding(model) is not None:
         return token_stride(model)
     if isinstance(model, cnn_classes()[0]):
@@ -124,6 +124,11 @@ def tl_align_stride(model: nn.Module) -> Tuple[int, int]:
     if isinstance(model, MetaFormer):  # the stem's grid, which the first stage runs on (4)
         r = next(int(f['reduction']) for f in model.feature_info if f['module'] == 'stages.0')
         return r, r
+    from timm.models.twins import Twins
+
+    if isinstance(model, Twins):  # the first patch embedding's grid (4)
+        stride = model.patch_embeds[0].proj.stride
+        return int(stride[0]), int(stride[1])
     raise ValueError(f'model: {type(model).__name__} has no patch embedding or first stage, so no label grid')
 
 

@@ -51,6 +51,7 @@ from timm.models.mlp_mixer import MlpMixer
 from timm.models.pvt_v2 import PyramidVisionTransformerV2
 from timm.models.resnet import ResNet
 from timm.models.swin_transformer import SwinTransformer
+from timm.models.twins import Twins
 from timm.models.vision_transformer import VisionTransformer
 
 from shared_core.compiling import guard_module_hooks
@@ -77,6 +78,7 @@ from .hierarchical import PvtV2Tracer, SwinTracer
 from .metaformer import MetaFormerTracer
 from .mlp_mixer import MlpMixerTracer
 from .sdpa import BeitTracer, EvaTracer
+from .twins import TwinsTracer
 from .vit import CaitTracer, CCTTracer, DistilledViTTracer, SharedAttentionViT, ViTTracer
 
 __all__ = [
@@ -95,6 +97,7 @@ __all__ = [
     'EvaTracer',
     'MetaFormerTracer',
     'HieraTracer',
+    'TwinsTracer',
     'BeitTracer',
     'ConvNeXtTracer',
     'ResNetTracer',
@@ -114,6 +117,7 @@ SUPPORTED_MODELS = {
     Beit: BeitTracer,
     MetaFormer: MetaFormerTracer,
     Hiera: HieraTracer,
+    Twins: TwinsTracer,
     ConvNeXt: ConvNeXtTracer,
     ResNet: ResNetTracer,
 }
