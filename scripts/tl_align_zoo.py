@@ -44,6 +44,7 @@ HELD_BY = {
     'MetaFormerTracer': 'test_tl_align_metaformer.py::test_the_tracer_is_the_explicit_reference',
     'HieraTracer': 'test_tl_align_hiera.py::test_the_tracer_is_the_reference_in_image_coordinates',
     'TwinsTracer': 'test_tl_align_twins.py::test_the_tracer_is_the_reference_in_image_cells',
+    'MViTv2Tracer': 'test_tl_align_mvitv2.py::test_the_tracer_is_the_reference_in_image_cells',
 }
 
 

@@ -48,6 +48,7 @@ from timm.models.eva import Eva
 from timm.models.hiera import Hiera
 from timm.models.metaformer import MetaFormer
 from timm.models.mlp_mixer import MlpMixer
+from timm.models.mvitv2 import MultiScaleVit
 from timm.models.pvt_v2 import PyramidVisionTransformerV2
 from timm.models.resnet import ResNet
 from timm.models.swin_transformer import SwinTransformer
@@ -77,6 +78,7 @@ from .hiera import HieraTracer
 from .hierarchical import PvtV2Tracer, SwinTracer
 from .metaformer import MetaFormerTracer
 from .mlp_mixer import MlpMixerTracer
+from .mvitv2 import MViTv2Tracer
 from .sdpa import BeitTracer, EvaTracer
 from .twins import TwinsTracer
 from .vit import CaitTracer, CCTTracer, DistilledViTTracer, SharedAttentionViT, ViTTracer
@@ -98,6 +100,7 @@ __all__ = [
     'MetaFormerTracer',
     'HieraTracer',
     'TwinsTracer',
+    'MViTv2Tracer',
     'BeitTracer',
     'ConvNeXtTracer',
     'ResNetTracer',
@@ -118,6 +121,7 @@ SUPPORTED_MODELS = {
     MetaFormer: MetaFormerTracer,
     Hiera: HieraTracer,
     Twins: TwinsTracer,
+    MultiScaleVit: MViTv2Tracer,
     ConvNeXt: ConvNeXtTracer,
     ResNet: ResNetTracer,
 }
