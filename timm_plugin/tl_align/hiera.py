@@ -9,10 +9,10 @@ import torch
 from timm.layers import Mlp
 from timm.models.hiera import Hiera, HieraBlock, MaskUnitAttention
 
+from shared_core.capture import SdpaCapture
 from shared_core.tl_align import LabelCapture, attention_labels, residual_labels
 
 from ._blocks import NORMS, check_captured, hook_drop_path
-from .sdpa import SdpaCapture
 
 __all__ = ['HieraTracer']
 

@@ -23,11 +23,11 @@ from timm.models.metaformer import (
     Stem,
 )
 
+from shared_core.capture import SdpaCapture
 from shared_core.tl_align import LabelCapture, attention_labels, conv_pool_labels, conv_stencil_labels, residual_labels
 
 from ._blocks import hook_drop_path
 from .cnn import _ConvLabelGrid
-from .sdpa import SdpaCapture
 
 __all__ = ['MetaFormerTracer']
 

@@ -9,46 +9,13 @@ import torch
 import torch.nn as nn
 from timm.layers import Mlp
 from timm.models.mvitv2 import MultiScaleAttention, MultiScaleBlock, MultiScaleVit, MultiScaleVitStage
-from torch.overrides import TorchFunctionMode
 
+from shared_core.capture import SoftmaxCapture
 from shared_core.tl_align import LabelCapture, conv_pool_labels, conv_stencil_labels, residual_labels
 
 from ._blocks import NORMS, check_captured, hook_drop_path
 
 __all__ = ['MViTv2Tracer']
-
-_SOFTMAX = (torch.Tensor.softmax, torch.softmax, nn.functional.softmax)
-
-
-class SoftmaxCapture(TorchFunctionMode):
-    """Keeps the output of the one softmax the running attention module computes (its attention probabilities,
-    before dropout) in its capture's ``attn``."""
-
-    def __init__(self):
-        super().__init__()
-        self.current: Optional[LabelCapture] = None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.current is not None and func in _SOFTMAX:
-            if self.current.attn is not None:
-                raise ValueError('model: an MViTv2 attention computed two softmaxes; TL-Align reads one')
-            self.current.attn = out.detach()
-        return out
-
-    def watch(self, module: nn.Module, cap: LabelCapture, handles: list) -> None:
-        handles.append(module.register_forward_pre_hook(lambda m, a, c=cap: setattr(self, 'current', c)))
-        handles.append(module.register_forward_hook(lambda m, a, o: setattr(self, 'current', None)))
-
-    def start(self, handles: list) -> None:
-        """Enter the mode and add it to ``handles`` (its :meth:`remove` leaves it)."""
-        self.__enter__()
-        handles.append(self)
-
-    def remove(self) -> None:
-        """Leave the mode (a hook handle's ``remove``)."""
-        self.current = None
-        self.__exit__(None, None, None)
 
 
 def _stencil(conv: nn.Conv2d) -> torch.Tensor:

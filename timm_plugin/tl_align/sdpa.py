@@ -16,64 +16,18 @@ from typing import List, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from timm.layers import AttentionRope
 from timm.models.beit import Attention as BeitAttention
 from timm.models.beit import Beit
 from timm.models.beit import Block as BeitBlock
 from timm.models.eva import Eva, EvaAttention, EvaBlock, EvaBlockPostNorm
-from torch.overrides import TorchFunctionMode
 
+from shared_core.capture import SdpaCapture
 from shared_core.tl_align import LabelCapture, attention_labels, residual_labels
 
 from ._blocks import NORMS, VIT_BLOCK_PARTS, check_block_parts, check_captured, hook_drop_path
 
-__all__ = ['EvaTracer', 'BeitTracer', 'SdpaCapture']
-
-
-class SdpaCapture(TorchFunctionMode):
-    """Records the ``scaled_dot_product_attention`` call of the attention module that is running into its
-    :class:`LabelCapture` (``q``, ``k`` detached, ``mask`` the bias or mask, ``scale``); calls made
-    while no watched module runs pass untouched. Entered by :meth:`start`, left by :meth:`remove` (a handle)."""
-
-    def __init__(self):
-        super().__init__()
-        self.current: Optional[LabelCapture] = None
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and self.current is not None:
-            self._record(*args, **kwargs)
-        return func(*args, **kwargs)
-
-    def _record(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        cap = self.current
-        if cap.q is not None:
-            raise ValueError('model: an attention module called scaled_dot_product_attention twice; TL-Align reads one')
-        if is_causal:
-            raise ValueError('model: causal attention has no TL-Align rule')
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each key head serves a group of query heads
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        cap.q, cap.k = q.detach(), k.detach()
-        cap.mask = attn_mask.detach() if isinstance(attn_mask, torch.Tensor) else None
-        cap.scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        self.calls += 1
-
-    def watch(self, module: nn.Module, cap: LabelCapture, handles: list) -> None:
-        """Record the call made while ``module`` runs into ``cap``."""
-        handles.append(module.register_forward_pre_hook(lambda m, a, c=cap: setattr(self, 'current', c)))
-        handles.append(module.register_forward_hook(lambda m, a, o: setattr(self, 'current', None)))
-
-    def start(self, handles: list) -> None:
-        """Enter the mode and add it to ``handles`` (its :meth:`remove` leaves it)."""
-        self.__enter__()
-        handles.append(self)
-
-    def remove(self) -> None:
-        """Leave the mode (a hook handle's ``remove``)."""
-        self.current = None
-        self.__exit__(None, None, None)
+__all__ = ['EvaTracer', 'BeitTracer']
 
 
 class _SdpaBlocksTracer:

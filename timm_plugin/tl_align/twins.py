@@ -10,6 +10,7 @@ import torch.nn as nn
 from timm.layers import Mlp
 from timm.models.twins import Block, GlobalSubSampleAttn, LocallyGroupedAttn, PatchEmbed, PosConv, Twins
 
+from shared_core.capture import SdpaCapture
 from shared_core.tl_align import (
     LabelCapture,
     attention_labels,
@@ -19,7 +20,6 @@ from shared_core.tl_align import (
 )
 
 from ._blocks import NORMS, check_captured, hook_drop_path
-from .sdpa import SdpaCapture
 
 __all__ = ['TwinsTracer']
 
