@@ -15,9 +15,10 @@ last block's class-token attention over the pasted region, ``mode='paper'`` or t
 ``'average'``).
 
 Supported backbones: mmpretrain ``VisionTransformer`` (DeiT archs; ``out_type`` ``'cls_token'`` or
-``'avg_featmap'``) and ``SwinTransformer`` (the classification output: last stage, average pooled); for TL-Align,
-also ``TIMMBackbone`` around a timm ConvNeXt or ResNet with a ``GlobalAveragePooling`` neck (timm_plugin's
-generalised rules, TL-Align Appendix A; the data preprocessor's ``patch_size=4``, their first grid).
+``'avg_featmap'``), ``ViTEVA02`` and ``BEiTViT`` (their attention read at its softmax) and ``SwinTransformer`` (the
+classification output: last stage, average pooled); for TL-Align, also ``TIMMBackbone`` around a timm ConvNeXt or
+ResNet with a ``GlobalAveragePooling`` neck (timm_plugin's generalised rules, TL-Align Appendix A; the data
+preprocessor's ``patch_size=4``, their first grid).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import List, Optional
 
 import torch
 import torch.nn as nn
-from mmpretrain.models.backbones import SwinTransformer, TIMMBackbone, VisionTransformer
+from mmpretrain.models.backbones import BEiTViT, SwinTransformer, TIMMBackbone, VisionTransformer, ViTEVA02
 from mmpretrain.models.backbones.swin_transformer import SwinBlock
 from mmpretrain.models.backbones.vision_transformer import TransformerEncoderLayer
 from mmpretrain.models.classifiers import ImageClassifier
@@ -40,10 +41,12 @@ from shared_core.tl_align import (
     LabelCapture,
     aligned_target,
     capture_forward,
+    check_captured,
     check_drop_path,
     check_layers,
     compact_labels,
     kept_samples,
+    residual_labels,
     self_attention_labels,
     swin_labels,
     trace_labels,
@@ -208,7 +211,91 @@ class MMSwinTracer:
         return sum(len(s.blocks) for s in self.backbone.stages)
 
 
-MM_SUPPORTED_BACKBONES = {VisionTransformer: MMViTTracer, SwinTransformer: MMSwinTracer}
+class MMSoftmaxViTTracer:
+    """mmpretrain ``ViTEVA02`` (EVA-02: RoPE on q/k, SwiGLU) and ``BEiTViT`` (relative position bias): their
+    attention computes its probabilities itself, so the label rule reads them at its softmax
+    (:class:`shared_core.capture.SoftmaxCapture`: RoPE and the bias are in them) and applies Eq. 9/11; the layer's
+    one drop path (called for the attention branch, then the MLP's) gives the kept samples of its first call."""
+
+    def __init__(self, backbone: nn.Module):
+        from mmpretrain.models.backbones.beit import BEiTAttention, BEiTTransformerEncoderLayer
+        from mmpretrain.models.backbones.vit_eva02 import AttentionWithRoPE, EVA02EndcoderLayer
+
+        types = {
+            ViTEVA02: (EVA02EndcoderLayer, AttentionWithRoPE),
+            BEiTViT: (BEiTTransformerEncoderLayer, BEiTAttention),
+        }
+        layer_type, attn_type = types[type(backbone)]
+        for i, layer in enumerate(backbone.layers):
+            if type(layer) is not layer_type or type(layer.attn) is not attn_type:
+                raise ValueError(
+                    f'backbone: TL-Align traces {layer_type.__name__}/{attn_type.__name__}, layer {i} is '
+                    f'{type(layer).__name__}'
+                )
+        if tuple(backbone.out_indices) != (len(backbone.layers) - 1,):
+            raise ValueError(
+                f'backbone: TL-Align needs the classification output (out_indices=({len(backbone.layers) - 1},)), '
+                f'got {backbone.out_indices}'
+            )
+        if backbone.out_type not in ('cls_token', 'avg_featmap'):
+            raise ValueError(
+                f"backbone: out_type={backbone.out_type!r} has no TL-Align rule; use 'cls_token' or 'avg_featmap'"
+            )
+        self.backbone = backbone
+        self.num_prefix_tokens = backbone.num_extra_tokens
+
+    def register(self, captures: List[LabelCapture]) -> list:
+        from shared_core.capture import SoftmaxCapture
+
+        handles: list = []
+        mode = SoftmaxCapture()
+        for layer in self.backbone.layers:
+            cap = LabelCapture()
+            captures.append(cap)
+            mode.watch(layer.attn, cap, handles)
+            drop = layer.drop_path
+            if getattr(drop, 'drop_prob', 0.0) > 0 and drop.training:
+
+                def first_call(m, i, o, c=cap):
+                    if c.keep is None:
+                        c.keep = kept_samples(i[0], o)
+
+                handles.append(drop.register_forward_hook(first_call))
+        mode.start(handles)
+        return handles
+
+    def num_tokens(self, captures: List[LabelCapture]) -> int:
+        check_captured(captures, ('attn',), 'its attention computed no softmax')
+        return captures[0].attn.shape[-1]
+
+    def propagate(self, captures, labels, layers, residual):
+        for idx, c in enumerate(captures):
+            if layers is not None and idx not in layers:
+                continue
+            labels = residual_labels(labels, c.attn.float().mean(1) @ labels.float(), c.keep, residual)
+        return labels
+
+    def readout(self, labels: torch.Tensor, output=None) -> torch.Tensor:
+        if self.backbone.out_type == 'cls_token':
+            return labels[:, 0]
+        return labels[:, self.num_prefix_tokens :].mean(1)
+
+    def class_attention(self, captures: List[LabelCapture]):
+        if self.backbone.out_type != 'cls_token':
+            return None
+        return captures[-1].attn[:, :, :1]  # the class token's attention probabilities
+
+    @property
+    def depth(self) -> int:
+        return len(self.backbone.layers)
+
+
+MM_SUPPORTED_BACKBONES = {
+    VisionTransformer: MMViTTracer,
+    SwinTransformer: MMSwinTracer,
+    ViTEVA02: MMSoftmaxViTTracer,
+    BEiTViT: MMSoftmaxViTTracer,
+}
 
 
 def mm_tracer(backbone: nn.Module, neck: Optional[nn.Module] = None):

@@ -57,6 +57,7 @@ __all__ = [
     'DROP_PATH_LABELS',
     'check_drop_path',
     'LabelCapture',
+    'check_captured',
     'LabelTracer',
     'capture_forward',
     'trace_labels',
@@ -350,6 +351,13 @@ class LabelCapture:
         self.q = self.k = self.keep = self.attn = self.mask = self.tokens = self.scale = None
 
 
+def check_captured(captures: List[LabelCapture], fields, why: str) -> None:
+    """Refuse a forward after which a block's capture lacks a field the rule reads (``why``: the likely cause)."""
+    for i, c in enumerate(captures):
+        if any(getattr(c, f) is None for f in fields):
+            raise ValueError(f'model: block {i} left no {"/".join(fields)} for the label path: {why}')
+
+
 class LabelTracer(Protocol):
     """The rules of one architecture (one per framework and model family; see the adapters).
 
@@ -359,7 +367,8 @@ class LabelTracer(Protocol):
     - ``num_tokens(captures)``: tokens of the label state for the captured forward (prefix + patches);
     - ``propagate(captures, labels, layers, residual)``: the label state through every block (no grad);
     - ``readout(labels, output)``: ``(B, K)`` the label of what the classifier reads;
-    - ``class_attention(captures)``: ``(q_cls (B, H, 1, d), k (B, H, T, d), scale[, mask])`` of the last block for
+    - ``class_attention(captures)``: ``(q_cls (B, H, 1, d), k (B, H, T, d), scale[, mask])`` of the last block (or
+      the class token's attention probabilities ``(B, H, 1, T)`` themselves) for
       TransMix's class-token rule, or ``None`` where the classifier reads no class token.
     """
 
@@ -467,13 +476,18 @@ def transmix_share(
     qk = tracer.class_attention(captures)
     with torch.no_grad():
         if qk is not None:
-            q_cls, k, scale, *bias = qk  # an optional 4th: the class row of an additive bias or mask
+            probs = qk if isinstance(qk, torch.Tensor) else None  # (B, H, 1, T): the probabilities themselves
+            q_cls = probs if probs is not None else qk[0]
             with torch.autocast(device_type=q_cls.device.type, enabled=False):
                 P = tracer.num_prefix_tokens
                 s = mix.token_share_flat().float().to(q_cls.device)
                 v = torch.zeros(s.shape[0], P + s.shape[1], 2, device=s.device)
                 v[:, P:, 0], v[:, P:, 1] = s, 1.0
-                num_den = attention_labels(q_cls, k, v, bias[0] if bias else None, scale=scale)[:, 0]
+                if probs is not None:
+                    num_den = (probs.float().mean(1) @ v)[:, 0]
+                else:
+                    q_cls, k, scale, *bias = qk  # an optional 4th: the class row of an additive bias or mask
+                    num_den = attention_labels(q_cls, k, v, bias[0] if bias else None, scale=scale)[:, 0]
                 share = num_den[:, 0] / num_den[:, 1]
         else:
             labels = compact_labels(mix, tracer.num_prefix_tokens)

@@ -250,6 +250,8 @@ def test_bad_backbone_and_config():
         ('deit-tiny_world_tl-align.py', 'TLAlignClassifier'),
         ('deit-tiny_world_transmix.py', 'TransMixClassifier'),
         ('convnext-atto_world_tl-align.py', 'TLAlignClassifier'),  # TL-Align Appendix A via TIMMBackbone
+        ('eva02-tiny_world_tl-align.py', 'TLAlignClassifier'),  # EVA-02: the attention read at its softmax
+        ('beit-tiny_world_tl-align.py', 'TLAlignClassifier'),  # BEiT: with its relative position bias
     ],
 )
 def test_upstream_train_py_runs_the_tl_align_config(tiny_world, tmp_path, run_env, config, cls):

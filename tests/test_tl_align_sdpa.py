@@ -183,3 +183,31 @@ def test_the_zoo_page_is_what_timm_gives_now(run_env):
         text=True,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    'model, kwargs',
+    [
+        ('eva02_tiny_patch14_224', ['img_size=112', 'depth=2']),
+        ('vit_small_patch16_rope_224', ['img_size=112', 'depth=2']),
+        ('caformer_s18', []),
+        ('hiera_tiny_224', ['img_size=(128,128)']),  # 8x8 mask units: a grid divisible by 8
+        ('twins_svt_small', ['img_size=128', 'depths=[1,1,1,1]', 'wss=[4,4,4,4]']),  # stages 32 to 4 tokens
+    ],
+)
+def test_tokenaug_train_tl_align_across_the_zoo(tiny_world, tmp_path, model, kwargs):
+    """``tokenaug-train --mixup-type tl_align`` trains the newly traced families on the world (the mixer on each
+    model's first grid: the patches, or the stem's 4-pixel grid)."""
+    from timm_plugin.train import run
+
+    from .helpers import REPO
+
+    size = ['--img-size', '128'] if model.startswith(('hiera', 'twins')) else []
+    metrics = run(
+        ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml'), '--data-dir', str(tiny_world / 'imagenet')]
+        + ['--model', model, '--model-kwargs', *kwargs, *size, '--drop-path', '0.1']
+        + ['--epochs', '1', '-b', '8', '--workers', '0', '--mixup-type', 'tl_align']
+        + ['--output', str(tmp_path), '--experiment', 'run']
+    )
+    assert set(metrics) == {'loss', 'top1', 'top5'} and 0 <= metrics['top1'] <= 100

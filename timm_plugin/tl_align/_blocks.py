@@ -3,14 +3,13 @@ the capture checks, the stochastic-depth hooks, staged blocks, and label pooling
 
 from __future__ import annotations
 
-from typing import List
-
 import torch
 import torch.nn as nn
 from timm.layers import DropPath, GluMlp, LayerNorm, LayerScale, Mlp, RmsNorm, SwiGLU
 
-from shared_core.tl_align import (
+from shared_core.tl_align import (  # noqa: F401  (check_captured: the tracers import it from here)
     LabelCapture,
+    check_captured,
     conv_pool_labels,
     kept_samples,
 )
@@ -51,13 +50,6 @@ def check_block_parts(blocks, parts: dict, first: int = 0) -> None:
                     f'assume {", ".join(t.__name__ for t in types)} there (per-token: the labels pass it '
                     'unchanged); a part that mixes tokens needs its own label rule'
                 )
-
-
-def check_captured(captures: List[LabelCapture], fields, why: str) -> None:
-    """Refuse a forward after which a block's capture lacks a field the rule reads (``why``: the likely cause)."""
-    for i, c in enumerate(captures):
-        if any(getattr(c, f) is None for f in fields):
-            raise ValueError(f'model: block {i} left no {"/".join(fields)} for the label path: {why}')
 
 
 def hook_drop_path(blk: nn.Module, cap: LabelCapture, handles: list, kept=None) -> bool:
