@@ -24,6 +24,7 @@ HELPS = {
     'occlusion': [[]],
     'viz': [[], ['mix'], ['tl-align'], ['token-labels'], ['tokenmix'], ['tokenmixup']],
     'convert': [[]],
+    'study': [[]],
 }
 #: what a --help must not import
 HEAVY = ('torch', 'timm', 'torchvision', 'mmengine', 'mmcv', 'mmpretrain', 'mmseg', 'mmdet', 'numpy', 'matplotlib')
@@ -81,6 +82,7 @@ def test_the_help_is_the_parser_the_command_runs_with(helps):
     assert '--lam' in text['viz tokenmix'] and '--token-label-dir' in text['viz token-labels']
     assert '--from {tokenlabeling}' in text['maps import'] and '--input-size' in text['maps generate']
     assert '--to {mmseg,mmdet,timm}' in text['convert'] and '--ratios' in text['occlusion']
+    assert '--emit-jobs FILE' in text['study'] and 'tl_align: TL-Align over MixUp/CutMix' in text['study']
     args = maps_cli.parse_args(['import', '--from', 'tokenlabeling', '--src', 's', '--data-dir', 'd'] +
                                ['--num-classes', '3', '--out', 'o'])  # fmt: skip
     assert (args.command, args.batch_size, args.workers) == ('import', 256, 2)

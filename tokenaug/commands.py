@@ -11,6 +11,7 @@ command                   runs the ``main`` of
 ``tokenaug-occlusion``    :mod:`timm_plugin.tools.occlusion_cli`
 ``tokenaug-viz``          :mod:`timm_plugin.tools.viz_cli`
 ``tokenaug-convert``      :mod:`mm_plugin.convert_cli`
+``tokenaug-study``        :mod:`timm_plugin.tools.study_cli`
 ========================= ==========================================================================
 """
 
@@ -20,10 +21,18 @@ import sys
 from importlib import import_module
 from typing import Callable, Sequence
 
-from .tool_args import VIZ_COMMANDS, VIZ_USAGE, convert_parser, maps_parser, occlusion_parser, parse_viz
+from .tool_args import (
+    VIZ_COMMANDS,
+    VIZ_USAGE,
+    convert_parser,
+    maps_parser,
+    occlusion_parser,
+    parse_viz,
+    study_parser,
+)
 from .train_args import parse_args
 
-__all__ = ['train', 'maps', 'occlusion', 'viz', 'convert']
+__all__ = ['train', 'maps', 'occlusion', 'viz', 'convert', 'study']
 
 #: the flags that ask for help
 HELP_FLAGS = ('-h', '--help')
@@ -56,6 +65,11 @@ occlusion = _command(
     'timm_plugin.tools.occlusion_cli',
     lambda argv: occlusion_parser().parse_args(argv),
     '``tokenaug-occlusion``: accuracy against the fraction of dropped patches.',
+)
+study = _command(
+    'timm_plugin.tools.study_cli',
+    lambda argv: study_parser().parse_args(argv),
+    '``tokenaug-study``: paired seeds and intervals of each method against a baseline on any ImageFolder.',
 )
 convert = _command(
     'mm_plugin.convert_cli',

@@ -270,3 +270,62 @@ def parse_viz(command: str, argv: Sequence[str]) -> argparse.Namespace:
     if command not in add:
         raise ValueError(f'tokenaug-viz: the first argument is one of {VIZ_COMMANDS}, got {command!r}')
     return parse_args(argv, add=add[command], prog=f'tokenaug-viz {command}')
+
+
+#: the runs ``tokenaug-study`` knows: name -> (what it is, tokenaug-train's flags; MAPS: --label-maps)
+STUDY_RUNS = {
+    'plain': ('no mixing (the recipe with its mixing probability 0)', ['--mixup-prob', '0']),
+    'mixup': ('MixUp', ['--mixup-type', 'mixup']),
+    'cutmix': ("timm's MixUp/CutMix switch", ['--mixup-type', 'cutmix']),
+    'tl_align': ('TL-Align over MixUp/CutMix', ['--mixup-type', 'tl_align']),
+    'transmix': ('TransMix over MixUp/CutMix', ['--mixup-type', 'transmix']),
+    'tokenmix_block': ('TokenMix blocks, area targets', ['--mixup-type', 'tokenmix_block']),
+    'tokenmix': (
+        'TokenMix with activation-map targets (--label-maps)',
+        ['--mixup-type', 'tokenmix', '--activation-map-dir', 'MAPS'],
+    ),
+    'mixtoken': ('MixToken + token labeling (--label-maps)', ['--mixup-type', 'mixtoken', '--token-label-dir', 'MAPS']),
+    'htm': (
+        "TokenMixup's HTM at block 2 over MixUp/CutMix",
+        ['--mixup-type', 'cutmix', '--tokenmixup-htm-layers', '2'],
+    ),
+}
+
+
+def study_parser() -> argparse.ArgumentParser:
+    """``tokenaug-study`` (:mod:`timm_plugin.tools.study_cli`)."""
+    runs = '\n'.join(f'  {name}: {what}' for name, (what, _) in STUDY_RUNS.items())
+    p = argparse.ArgumentParser(
+        prog='tokenaug-study',
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description='Does a method help on my data? Each run trains once per seed with the same recipe (one\n'
+        'tokenaug-train command each); the final checkpoints are evaluated on the test split (else the val\n'
+        'split), and each method is compared with the baseline seed by seed: the mean and 95 % t interval of\n'
+        'the paired differences, and a verdict.',
+        epilog=f'runs:\n{runs}\n\nA rerun skips the steps that are done and runs again a step whose command\n'
+        'changed; an interrupted run resumes through tokenaug-train --resume.',
+    )
+    p.add_argument('--data-dir', required=True, help='an ImageFolder root with the splits as folders')
+    p.add_argument('--train-split', default='train')
+    p.add_argument('--val-split', default='val')
+    p.add_argument('--test-split', default='test', help='the split the final checkpoints are evaluated on '
+                   '(absent: the val split, and the results say so)')  # fmt: skip
+    p.add_argument('-c', '--config', required=True, help='a tokenaug-train YAML: the model and the recipe')
+    p.add_argument('--runs', nargs='+', required=True, metavar='RUN', help=f'runs to train: {", ".join(STUDY_RUNS)}')
+    p.add_argument('--baseline', default='cutmix', help='the run every other run is compared with (default cutmix)')
+    p.add_argument('--seeds', type=int, default=3, help='seeds 0 .. N-1 per run (default 3; 2 or more for an interval)')
+    p.add_argument('--out', required=True, help='the study folder (runs, logs, results.md / .json / .png)')
+    p.add_argument('--label-maps', default=None, help='a label-map store for tokenmix and mixtoken')
+    p.add_argument('--train-args', nargs=argparse.REMAINDER, default=[],
+                   help='more tokenaug-train flags for every run (last on the command line)')  # fmt: skip
+    p.add_argument('--parallel', type=int, default=1, help='commands run at once (default 1)')
+    p.add_argument('--launcher', choices=('none', 'torchrun'), default='none', help='run each command under torchrun')
+    p.add_argument('--nproc-per-node', type=int, default=1, help='with --launcher torchrun: processes per command')
+    p.add_argument('--dry-run', action='store_true', help='print every command without running any')
+    p.add_argument('--emit-jobs', default=None, metavar='FILE',
+                   help='write one command per line (a cluster array job) instead of running them')  # fmt: skip
+    p.add_argument('--collect', action='store_true', help='evaluate and tabulate what the runs wrote; train nothing')
+    p.add_argument('--run-step', default=None, metavar='NAME', help=argparse.SUPPRESS)  # one emitted job
+    p.add_argument('--bound', type=float, default=0.3, help='half-width under which an interval bounds an effect')
+    p.add_argument('--device', default=None, help='evaluation device (default: cuda when available)')
+    return p

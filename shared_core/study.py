@@ -1,0 +1,123 @@
+"""Paired-seed studies, framework-free: resumable steps that keep their command, the paired statistics of a method
+against its baseline over seeds (mean, Student-t interval), the verdict words, and the results page.
+
+Used by ``tokenaug-study`` (:mod:`timm_plugin.tools.study_cli`) and the bench studies (``bench/study.py``,
+``bench/study_size.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+__all__ = [
+    'Step',
+    'mean_sd',
+    't_quantile',
+    'paired',
+    'interval',
+    'excludes_zero',
+    'verdict',
+    'BOUND',
+]
+
+#: the half-width under which an interval that includes 0 counts as a bound (points of top-1)
+BOUND = 0.3
+
+
+def t_quantile(df: int) -> float:
+    """Student's t 0.975 quantile with ``df`` degrees of freedom (a two-sided 95 % interval)."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, df))
+
+
+def mean_sd(values: Sequence[float]) -> tuple:
+    """Mean and sample standard deviation (0 for a single value)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def paired(method: Sequence[float], baseline: Sequence[float]) -> dict:
+    """The paired difference method - baseline over seeds: mean, sample sd, 95 % t half-width (nan for one seed)
+    and whether the interval excludes 0."""
+    if len(method) != len(baseline):
+        raise ValueError(
+            f'paired: method and baseline need one value per seed each, got {len(method)} and {len(baseline)}'
+        )
+    diffs = [m - b for m, b in zip(method, baseline)]
+    mean, sd = mean_sd(diffs)
+    half = t_quantile(len(diffs) - 1) * sd / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
+    return dict(diffs=diffs, mean=mean, sd=sd, half=half, excludes_zero=bool(abs(mean) > half))
+
+
+def interval(d: dict, digits: int = 2) -> str:
+    """A :func:`paired` difference's 95 % interval as ``[lo, hi]``; ``n/a (1 seed)`` where one seed gives none."""
+    if len(d['diffs']) < 2:
+        return 'n/a (1 seed)'
+    return f'[{d["mean"] - d["half"]:+.{digits}f}, {d["mean"] + d["half"]:+.{digits}f}]'
+
+
+def excludes_zero(d: dict) -> str:
+    """A table cell: does a :func:`paired` difference's interval exclude 0 (``n/a`` for one seed)?"""
+    return 'n/a' if len(d['diffs']) < 2 else 'yes' if d['excludes_zero'] else 'no'
+
+
+def verdict(d: dict, bound: float = BOUND) -> str:
+    """The verdict on a :func:`paired` difference, in the size study's words: resolved better / worse (the
+    interval excludes 0), bounded (it includes 0 and is narrower than ``±bound``), or neither."""
+    if len(d['diffs']) < 2:
+        return 'n/a (1 seed)'
+    if d['excludes_zero']:
+        return f'resolved: {"better" if d["mean"] > 0 else "worse"} (the interval excludes 0)'
+    if d['half'] < bound:
+        return f'bounded: the interval includes 0 and is ±{d["half"]:.2f} wide, narrower than ±{bound:g}'
+    return f'neither resolved nor bounded: the interval includes 0 and is ±{d["half"]:.2f} wide'
+
+
+class Step:
+    """One resumable step: done when ``dir/study_step.json`` records the same key (the command and its inputs'
+    keys). A rerun skips a done step and runs again one whose command changed."""
+
+    def __init__(self, directory: Path, cmd: list, inputs: Sequence[str] = ()):
+        self.dir = Path(directory)
+        self.cmd = [str(c) for c in cmd]
+        self.key = hashlib.sha256(json.dumps([self.cmd, list(inputs)]).encode()).hexdigest()[:16]
+
+    @property
+    def record(self) -> Path:
+        return self.dir / 'study_step.json'
+
+    def done(self) -> Optional[dict]:
+        """The step's record if it finished with this key, else ``None``."""
+        if self.record.is_file():
+            try:
+                rec = json.loads(self.record.read_text())
+            except json.JSONDecodeError:  # a record cut short: not done
+                return None
+            if rec.get('key') == self.key:
+                return rec
+        return None
+
+    def finish(self, **result) -> dict:
+        """Write the record (atomically: a kill leaves the old one or none)."""
+        rec = dict(key=self.key, cmd=self.cmd, **result)
+        tmp = self.record.with_suffix('.tmp')
+        tmp.write_text(json.dumps(rec, indent=1) + '\n')
+        tmp.replace(self.record)
+        return rec
+
+
+def summary(values: Dict[int, float]) -> dict:
+    """``{seed: top-1}`` -> mean, sd and the seeds in order."""
+    seeds = sorted(values)
+    m, sd = mean_sd([values[s] for s in seeds])
+    return dict(mean=m, sd=sd, seeds=seeds, values=[values[s] for s in seeds])
+
+
+def complete_pairs(method: Dict[int, float], baseline: Dict[int, float]) -> List[int]:
+    """The seeds both runs finished."""
+    return sorted(set(method) & set(baseline))

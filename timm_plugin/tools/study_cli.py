@@ -1,0 +1,336 @@
+"""``tokenaug-study``: does a method help on *my* data? Paired seeds and 95 % intervals on any ImageFolder.
+
+Each run (``--runs``) trains once per seed with the same recipe (``-c``, a ``tokenaug-train`` YAML): one
+``tokenaug-train`` command with ``--seed s`` and the run's flags. The final checkpoints are evaluated on the test
+split (:mod:`timm_plugin.tools.study_eval`: the model as the training built it, checked against the training's own
+final val top-1), or, without a test split, the training's own final val top-1 is used and the results say so.
+Each method is compared with ``--baseline`` seed by seed (same seed: same data order, same initialisation draw):
+the mean and the 95 % Student-t interval of the paired differences, and a verdict (resolved better / worse,
+bounded within ``±--bound``, or neither).
+
+Every step keeps its command (:class:`shared_core.study.Step`): a rerun skips the steps that are done and runs again
+a step whose command changed; an interrupted training resumes through ``tokenaug-train --resume``. A failed run is
+reported by name and never becomes a number in the table. ``--dry-run`` prints the commands, ``--parallel P`` runs P
+at once, ``--launcher torchrun`` runs each under torchrun, ``--emit-jobs FILE`` writes one job per line for a
+cluster scheduler and ``--collect`` tabulates what the jobs wrote.
+
+Writes ``OUT/results.md``, ``OUT/results.json`` and ``OUT/results.png`` (the paired differences with their
+intervals), ``OUT/plan.json`` (every step's command) and ``OUT/logs/``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+from shared_core.study import Step, complete_pairs, interval, paired, summary, verdict
+from tokenaug.tool_args import STUDY_RUNS, study_parser
+
+__all__ = ['main', 'StudyError']
+
+BIN = Path(sys.executable).parent
+
+
+class StudyError(ValueError):
+    """Bad input to ``tokenaug-study``, named."""
+
+
+def _split_ok(root: Path, split: str) -> bool:
+    folder = root / split
+    return folder.is_dir() and any(p.is_dir() for p in folder.iterdir())
+
+
+class Study:
+    """The plan of one study (validated arguments, one step per run and seed) and what it does with them."""
+
+    def __init__(self, args, argv=None):
+        self.args = args
+        self.argv = list(sys.argv[1:] if argv is None else argv)
+        self.data = Path(args.data_dir).resolve()
+        if not self.data.is_dir():
+            raise StudyError(f'--data-dir: {self.data} is not a folder')
+        for flag, split in (('--train-split', args.train_split), ('--val-split', args.val_split)):
+            if not _split_ok(self.data, split):
+                raise StudyError(f'{flag}: {self.data / split} is not a folder of class folders')
+        self.test_split = args.test_split if _split_ok(self.data, args.test_split) else None
+        self.config = Path(args.config).resolve()
+        try:
+            cfg = yaml.safe_load(self.config.read_text())
+        except FileNotFoundError:
+            raise StudyError(f'-c/--config: {self.config} does not exist') from None
+        except yaml.YAMLError as e:
+            raise StudyError(f'-c/--config: {self.config} does not parse as YAML: {str(e).splitlines()[0]}') from None
+        if not isinstance(cfg, dict):
+            raise StudyError(f'-c/--config: {self.config} is not a tokenaug-train YAML of key: value lines')
+        unknown = [r for r in args.runs if r not in STUDY_RUNS]
+        if unknown:
+            raise StudyError(f'--runs: no run named {", ".join(unknown)} (runs: {", ".join(STUDY_RUNS)})')
+        if len(set(args.runs)) != len(args.runs):
+            raise StudyError(f'--runs: a run named twice in {" ".join(args.runs)}')
+        if args.baseline not in args.runs:
+            raise StudyError(f'--baseline: {args.baseline} is not among --runs {" ".join(args.runs)}')
+        if args.seeds < 1:
+            raise StudyError(f'--seeds: expected >= 1, got {args.seeds}')
+        if args.parallel < 1:
+            raise StudyError(f'--parallel: expected >= 1, got {args.parallel}')
+        needs_maps = [r for r in args.runs if 'MAPS' in STUDY_RUNS[r][1]]
+        if needs_maps and not args.label_maps:
+            raise StudyError(f'--label-maps: runs {", ".join(needs_maps)} need a label-map store (tokenaug-maps)')
+        if args.label_maps and not Path(args.label_maps).is_dir():
+            raise StudyError(f'--label-maps: {args.label_maps} is not a store folder')
+        self.out = Path(args.out).resolve()
+        self.seeds = list(range(args.seeds))
+        self.steps = {f'{run} seed {s}': self._step(run, s) for run in args.runs for s in self.seeds}
+
+    def _step(self, run: str, seed: int) -> Step:
+        a = self.args
+        flags = [str(Path(a.label_maps).resolve()) if f == 'MAPS' else f for f in STUDY_RUNS[run][1]]
+        train = [str(BIN / 'tokenaug-train')]
+        if a.launcher == 'torchrun':
+            train = [sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', str(a.nproc_per_node), *train]
+        out = self.out / 'runs' / run
+        cmd = train + ['-c', self.config, '--data-dir', self.data, '--train-split', a.train_split]
+        cmd += ['--val-split', a.val_split, '--seed', seed, *flags, '--output', out, '--experiment', f'seed{seed}']
+        return Step(out / f'seed{seed}', cmd + list(a.train_args))
+
+    # ---------------------------------------------------------------------------------------------- running
+
+    def write_plan(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        plan = {name: dict(cmd=s.cmd, dir=str(s.dir), key=s.key) for name, s in self.steps.items()}
+        (self.out / 'plan.json').write_text(json.dumps(plan, indent=1) + '\n')
+
+    def run_step(self, name: str) -> bool:
+        """Train one step unless it is done: from scratch, or resumed where an interrupted attempt of the same
+        command left a checkpoint. Returns whether it is done."""
+        step = self.steps[name]
+        if step.done():
+            print(f'  {name}: done before, skipped', flush=True)
+            return True
+        started = step.dir / 'study_started.json'
+        last = step.dir / 'last.pth.tar'
+        resume = started.is_file() and json.loads(started.read_text()).get('key') == step.key and last.is_file()
+        cmd = list(step.cmd)
+        if resume:
+            i = cmd.index('--experiment') + 2
+            cmd[i:i] = ['--resume', str(last)]
+        else:
+            shutil.rmtree(step.dir, ignore_errors=True)
+            step.dir.mkdir(parents=True)
+            started.write_text(json.dumps(dict(key=step.key)) + '\n')
+        logs = self.out / 'logs'
+        logs.mkdir(parents=True, exist_ok=True)
+        log = logs / f'{name.replace(" ", "_")}.log'
+        t = time.time()
+        with open(log, 'a') as f:
+            f.write(f'$ {shlex.join(cmd)}\n')
+            f.flush()
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            print(f'  {name}: FAILED (exit {rc}); see {log}', flush=True)
+            return False
+        final = json.loads((step.dir / 'results.json').read_text())['final']
+        step.finish(top1=final['top1'], top5=final['top5'], secs=round(time.time() - t, 1), resumed=resume)
+        print(f'  {name}: val top-1 {final["top1"]}{" (resumed)" if resume else ""} ({time.time() - t:.0f} s)')
+        return True
+
+    def train_all(self) -> None:
+        self.write_plan()
+        todo = list(self.steps)
+        if self.args.parallel == 1:
+            for name in todo:
+                self.run_step(name)
+        else:
+            with ThreadPoolExecutor(self.args.parallel) as pool:
+                list(pool.map(self.run_step, todo))
+
+    def job_lines(self) -> list:
+        """One ``tokenaug-study ... --run-step NAME`` command per step (what a cluster array job runs)."""
+        argv = list(self.argv)
+        if '--emit-jobs' in argv:
+            i = argv.index('--emit-jobs')
+            del argv[i : i + 2]
+        # --run-step first: --train-args takes the rest of the line
+        return [shlex.join([str(BIN / 'tokenaug-study'), '--run-step', name, *argv]) for name in self.steps]
+
+    # ---------------------------------------------------------------------------------------------- results
+
+    def evaluate(self, name: str, rec: dict) -> dict:
+        """The step's final checkpoint on the test split (kept in ``study_eval.json`` with the step's key), or the
+        training's own final val top-1 where there is no test split."""
+        if self.test_split is None:
+            return dict(top1=rec['top1'], split=self.args.val_split)
+        step = self.steps[name]
+        record = step.dir / 'study_eval.json'
+        key = [step.key, self.test_split]
+        if record.is_file():
+            kept = json.loads(record.read_text())
+            if kept.get('key') == key:
+                return kept['result']
+        from .study_eval import evaluate_run
+
+        result = evaluate_run(
+            step.dir, self.data, self.data, rec['top1'], test_split=self.test_split, val_split=self.args.val_split,
+            device=self.args.device,
+        )  # fmt: skip
+        result['split'] = self.test_split
+        record.write_text(json.dumps(dict(key=key, result=result), indent=1) + '\n')
+        return result
+
+    def report(self) -> int:
+        """Evaluate what is done, write the results, print them; 1 if a step is missing or failed."""
+        scores, missing = {}, []
+        for name, step in self.steps.items():
+            rec = step.done()
+            if rec is None:
+                missing.append(name)
+                continue
+            run, seed = name.rsplit(' seed ', 1)
+            scores.setdefault(run, {})[int(seed)] = self.evaluate(name, rec)['top1']
+        result = self.results(scores, missing)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / 'results.json').write_text(json.dumps(result, indent=1) + '\n')
+        text = self.markdown(result)
+        (self.out / 'results.md').write_text(text + '\n')
+        plotted = self.plot(result)
+        print('\n' + text)
+        print(f'\n({self.out / "results.md"}, results.json{", results.png" if plotted else ""})')
+        return 1 if missing else 0
+
+    def results(self, scores: dict, missing: list) -> dict:
+        a = self.args
+        runs = {}
+        for run in a.runs:
+            got = scores.get(run, {})
+            runs[run] = dict(
+                label=STUDY_RUNS[run][0],
+                missing_seeds=[s for s in self.seeds if s not in got],
+                **(summary(got) if got else dict(mean=None, sd=None, seeds=[], values=[])),
+            )
+        comparisons = {}
+        base = scores.get(a.baseline, {})
+        for run in a.runs:
+            if run == a.baseline:
+                continue
+            got = scores.get(run, {})
+            seeds = complete_pairs(got, base)
+            if not seeds:
+                comparisons[run] = dict(seeds=[], verdict='no seed where both runs finished')
+                continue
+            d = paired([got[s] for s in seeds], [base[s] for s in seeds])
+            comparisons[run] = dict(seeds=seeds, **d, interval=interval(d), verdict=verdict(d, a.bound))
+        split = self.test_split or a.val_split
+        return dict(
+            data_dir=str(self.data),
+            config=str(self.config),
+            split=split,
+            test_split_missing=self.test_split is None,
+            baseline=a.baseline,
+            seeds=self.seeds,
+            runs=runs,
+            comparisons=comparisons,
+            failed_or_missing=missing,
+        )
+
+    def markdown(self, r: dict) -> str:
+        where = (
+            f"the {r['split']} split (no {self.args.test_split} split under --data-dir: these are the training's "
+            'own final val top-1, the split the recipe was checked on)'
+            if r['test_split_missing']
+            else f'the {r["split"]} split (the final checkpoints, no selection)'
+        )
+        lines = [
+            f'# tokenaug-study: {Path(r["data_dir"]).name}',
+            '',
+            f'Recipe `{Path(r["config"]).name}`; seeds {", ".join(map(str, r["seeds"]))}; top-1 on {where}.',
+            '',
+            '| run | top-1 mean ± sd | per seed |',
+            '|---|---|---|',
+        ]
+        for name, run in r['runs'].items():
+            if run['values']:
+                cells = ' / '.join(f'{v:g}' for v in run['values'])
+                lost = f'; seeds {run["missing_seeds"]} failed or missing' if run['missing_seeds'] else ''
+                lines.append(f'| {name} ({run["label"]}) | {run["mean"]:.2f} ± {run["sd"]:.2f} | {cells}{lost} |')
+            else:
+                lines.append(f'| {name} ({run["label"]}) | failed or missing | every seed |')
+        lines += [
+            '',
+            f'Paired differences against {r["baseline"]} (same seed; mean and 95 % t interval over the seeds both runs '
+            'finished):',
+            '',
+            '| run | difference | 95 % interval | seeds | verdict |',
+            '|---|---|---|---|---|',
+        ]
+        for name, c in r['comparisons'].items():
+            if not c['seeds']:
+                lines.append(f'| {name} | – | – | none | {c["verdict"]} |')
+            else:
+                lines.append(f'| {name} | {c["mean"]:+.2f} | {c["interval"]} | {len(c["seeds"])} | {c["verdict"]} |')
+        if r['failed_or_missing']:
+            lines += ['', f'Failed or not run (logs under {self.out / "logs"}): {", ".join(r["failed_or_missing"])}.']
+        return '\n'.join(lines)
+
+    def plot(self, r: dict) -> bool:
+        """``results.png``: each run's paired difference with its interval; ``False`` without matplotlib."""
+        shown = [(n, c) for n, c in r['comparisons'].items() if c['seeds']]
+        if not shown:
+            return False
+        try:
+            import matplotlib
+
+            matplotlib.use('Agg')
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return False
+        fig, ax = plt.subplots(figsize=(6, 0.6 * len(shown) + 1.2))
+        for i, (name, c) in enumerate(shown):
+            half = c['half'] if c['half'] == c['half'] else 0.0  # nan for one seed: the point alone
+            ax.errorbar(c['mean'], i, xerr=half, fmt='o', capsize=4, color='C0')
+        ax.axvline(0, color='0.5', lw=1)
+        ax.set_yticks(range(len(shown)), [n for n, _ in shown])
+        ax.set_xlabel(f'top-1 difference to {r["baseline"]} (points; 95 % interval)')
+        fig.tight_layout()
+        fig.savefig(self.out / 'results.png', dpi=120)
+        plt.close(fig)
+        return True
+
+
+def main(argv=None) -> int:
+    args = study_parser().parse_args(argv)
+    try:
+        study = Study(args, argv)
+    except StudyError as e:
+        print(f'tokenaug-study: error: {e}', file=sys.stderr)
+        return 2
+    if args.run_step is not None:
+        if args.run_step not in study.steps:
+            print(f'tokenaug-study: error: --run-step: no step named {args.run_step!r}', file=sys.stderr)
+            return 2
+        return 0 if study.run_step(args.run_step) else 1
+    if args.dry_run:
+        for name, step in study.steps.items():
+            print(f'# {name}\n{shlex.join(step.cmd)}')
+        return 0
+    if args.emit_jobs:
+        study.write_plan()
+        lines = study.job_lines()
+        Path(args.emit_jobs).write_text('\n'.join(lines) + '\n')
+        print(f'{len(lines)} jobs in {args.emit_jobs}; then: tokenaug-study ... --collect')
+        return 0
+    if not args.collect:
+        print(f'== tokenaug-study: {len(study.steps)} trainings ({len(args.runs)} runs x {args.seeds} seeds)')
+        study.train_all()
+    return study.report()
+
+
+if __name__ == '__main__':
+    sys.exit(main())
