@@ -34,9 +34,7 @@ epoch: the test of the runner itself). The grid is every run but the probes (:da
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import math
 import os
 import shutil
 import statistics
@@ -47,6 +45,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / 'scripts'), str(REPO / 'bench')]
 from demo import BIN, metric, run, upstream  # the demo's command runner: whole log to a file, exit on failure
+
+from shared_core.study import Step, excludes_zero, interval, mean_sd, paired, t_quantile  # noqa: F401  (the runner's parts)
 
 # The world: objects cover 8-35 % of the image (tokenaug-data's default), so a CutMix box's area is often not
 # the share of the object it shows. ViT sizes as timm kwargs; the mmpretrain rows build the same ViT.
@@ -167,43 +167,6 @@ def default_area() -> tuple[float, float]:
     return params['min_area'].default, params['max_area'].default
 
 
-def t_quantile(df: int) -> float:
-    """Student's t 0.975 quantile with ``df`` degrees of freedom (a two-sided 95 % interval)."""
-    from scipy.stats import t
-
-    return float(t.ppf(0.975, df))
-
-
-def mean_sd(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for a single value)."""
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
-def paired(method: list[float], baseline: list[float]) -> dict:
-    """The paired difference method - baseline over seeds: mean, sample sd, 95 % t half-width (nan for one seed)
-    and whether the interval excludes 0."""
-    if len(method) != len(baseline):
-        raise ValueError(
-            f'paired: method and baseline need one value per seed each, got {len(method)} and {len(baseline)}'
-        )
-    diffs = [m - b for m, b in zip(method, baseline)]
-    mean, sd = mean_sd(diffs)
-    half = t_quantile(len(diffs) - 1) * sd / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
-    return dict(diffs=diffs, mean=mean, sd=sd, half=half, excludes_zero=bool(abs(mean) > half))
-
-
-def interval(d: dict, digits: int = 2) -> str:
-    """A :func:`paired` difference's 95 % interval as ``[lo, hi]``; ``n/a (1 seed)`` where one seed gives none."""
-    if len(d['diffs']) < 2:
-        return 'n/a (1 seed)'
-    return f'[{d["mean"] - d["half"]:+.{digits}f}, {d["mean"] + d["half"]:+.{digits}f}]'
-
-
-def excludes_zero(d: dict) -> str:
-    """The table's cell: does a :func:`paired` difference's interval exclude 0 (``n/a`` for one seed)?"""
-    return 'n/a' if len(d['diffs']) < 2 else 'yes' if d['excludes_zero'] else 'no'
-
-
 def cpu_seconds() -> float:
     """CPU time (user + system) of this process and its finished children so far: a step's cost whatever else
     shares the machine (its wall time is not)."""
@@ -218,32 +181,6 @@ def mm_env(world: Path) -> dict:
     and the repo importable (the configs' custom imports)."""
     path = f'{REPO}{os.pathsep}{os.environ.get("PYTHONPATH", "")}'
     return dict(os.environ, TOKENAUG_WORLD=str(world), PYTHONPATH=path)
-
-
-class Step:
-    """One resumable step: done when ``dir/study_step.json`` records the same key (the command and its inputs'
-    keys). ``run_step`` clears an unfinished or changed step's folder before running it."""
-
-    def __init__(self, directory: Path, cmd: list, inputs: list[str] = ()):
-        self.dir = directory
-        self.cmd = [str(c) for c in cmd]
-        self.key = hashlib.sha256(json.dumps([self.cmd, list(inputs)]).encode()).hexdigest()[:16]
-
-    @property
-    def record(self) -> Path:
-        return self.dir / 'study_step.json'
-
-    def done(self) -> dict | None:
-        if self.record.is_file():
-            rec = json.loads(self.record.read_text())
-            if rec.get('key') == self.key:
-                return rec
-        return None
-
-    def finish(self, **result) -> dict:
-        rec = dict(key=self.key, cmd=self.cmd, **result)
-        self.record.write_text(json.dumps(rec, indent=1) + '\n')
-        return rec
 
 
 class Study:

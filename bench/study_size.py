@@ -38,6 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / 'bench')]
 from study import PRESETS, RUNS, Step, Study, area_range, interval, mean_sd, paired
 
+from shared_core.study import verdict as shared_verdict
+
 #: the main object's share of the image per world (tokenaug-data --min-area/--max-area). The large range's upper
 #: end is reached by the round shapes only: a star, a triangle, an arrow or an L-shape fits at most about 45 % of
 #: a square image, so those classes draw from 30-45 %.
@@ -197,15 +199,7 @@ def render(record: dict, preset_name: str, preset: dict, tl_size: str | None, wa
     tl = record.get('tl_align')
     if tl:
         d = tl['diff']
-        verdict = (
-            'n/a (1 seed)'
-            if len(d['diffs']) < 2
-            else 'resolved: the interval excludes 0'
-            if d['excludes_zero']
-            else f'bounded: the interval includes 0 and is ±{d["half"]:.2f} wide, narrower than ±0.3'
-            if d['half'] < 0.3
-            else f'neither resolved nor bounded: the interval includes 0 and is ±{d["half"]:.2f} wide'
-        )
+        verdict = shared_verdict(d)
         lines += [
             '',
             f'TL-Align − CutMix at the size where area labels are most wrong ({tl_size}), over {len(d["diffs"])} '

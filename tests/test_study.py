@@ -206,7 +206,7 @@ def test_object_share_of_a_cutmix_box_by_hand():
 @pytest.mark.parametrize(
     'tl_align, cutmix, verdict',
     [
-        ([71.0, 72.0, 73.0, 74.0], [70.0, 70.8, 72.1, 72.9], 'resolved: the interval excludes 0'),
+        ([71.0, 72.0, 73.0, 74.0], [70.0, 70.8, 72.1, 72.9], 'resolved: better (the interval excludes 0)'),
         # differences +0.2 / -0.1 / +0.1 / -0.2 over 8 seeds: mean 0, sd 0.17, half-width 2.36 * 0.17 / √8 = 0.14
         ([70.2, 69.9, 70.1, 69.8] * 2, [70.0] * 8, 'bounded: the interval includes 0 and is ±0.14 wide, narrower'),
         ([71.0, 69.0, 70.5], [70.0, 70.0, 70.0], 'neither resolved nor bounded: the interval includes 0 and is ±'),
