@@ -56,7 +56,8 @@ nitpick_ignore_regex = [
     (
         r'py:class',
         r'(Tensor|Module|Path|Dataset|optional|callable|sequence|Sequence|Optional|Callable|Any|Iterable|'
-        r'Iterator|VisionTransformer|SwinTransformer|Cait|MlpMixer|ConvNeXt|ResNet|PyramidVisionTransformerV2|DataSample)',
+        r'Iterator|VisionTransformer|SwinTransformer|Cait|MlpMixer|ConvNeXt|ResNet|PyramidVisionTransformerV2|DataSample|'
+        r'Hiera|MetaFormer|MultiScaleVit|Twins|Eva|Beit|ViTEVA02|BEiTViT)',
     ),
     (
         r'py:.*',

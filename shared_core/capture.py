@@ -45,7 +45,7 @@ class _WatchingMode(TorchFunctionMode):
 class SdpaCapture(_WatchingMode):
     """Records the ``scaled_dot_product_attention`` call of the attention module that is running into its
     :class:`LabelCapture` (``q``, ``k`` detached, ``mask`` the bias or mask, ``scale``); calls made
-    while no watched module runs pass untouched. Entered by :meth:`start`, left by :meth:`remove` (a handle)."""
+    while no watched module runs pass untouched. Entered by ``start``, left by ``remove`` (a handle)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -47,6 +47,7 @@ class MetaFormerTracer(_ConvLabelGrid):
       ``Norm(T(mean_{o,i} |K|))`` read at stride 2 (mixing and aggregation at once, as ResNet's strided 3x3).
     - Token mixers (the block's only spatial mixing; Eq. 11 around each, ``Y ← Norm(Y + g(Y))``, for the samples
       whose branch stochastic depth kept):
+
       - ``Pooling`` (PoolFormer, ``pool(x) − x``): the average pool's equivalent matrix (in-grid cells, as the
         pool counts them). The ``− x`` is the token's own content, point-wise; we take the pool alone as the
         branch's label (the branch moves content from the window; subtracting the token's own does not move any),
@@ -55,6 +56,7 @@ class MetaFormerTracer(_ConvLabelGrid):
         ``Norm(T(mean_c |K_c|))``, as ConvNeXt's; its 1x1 convs and activations are per token;
       - ``Attention`` (CAFormer's last stages): Eq. 9 with the attention of its ``scaled_dot_product_attention``
         call over the stage's tokens (row-major).
+
     - MLPs, norms (per token, or GroupNorm with one group: sample statistics shared by all tokens, as a ResNet's
       BatchNorm), layer and residual scales: labels unchanged. The head's global average pool reads the mean label.
 
