@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import warnings
 from typing import Optional, Tuple, Union
 
 import torch
@@ -118,7 +119,24 @@ def use_label_kernel(device: torch.device) -> bool:
     choice = _choice()
     if choice is not None:
         return choice == 'triton'
-    return _TRITON and torch.device(device).type == 'cuda'
+    return _TRITON and _KERNEL_FAILED is None and torch.device(device).type == 'cuda'
+
+
+#: why the Triton kernel failed on this machine (its first launch), or ``None``: the default then goes back to the
+#: SDPA label columns for the rest of the process, after one warning (a forced ``'triton'`` raises instead)
+_KERNEL_FAILED: Optional[str] = None
+
+
+def _kernel_failed(error: Exception) -> None:
+    global _KERNEL_FAILED
+    if _KERNEL_FAILED is None:
+        _KERNEL_FAILED = f'{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ""}'
+        warnings.warn(
+            f'the Triton label-attention kernel failed here ({_KERNEL_FAILED}); TL-Align goes on with the SDPA label '
+            f'columns (set {FUSED_ENV}=triton to see the error, =1 to choose the SDPA path)',
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def shared_attention(
@@ -280,8 +298,15 @@ class LabelColumns:
             if attn_mask is None:  # one Triton kernel: the labels at one multiply-add per probability
                 from .label_kernel import label_attention
 
-                out, _, heads = label_attention(q, k, v, self.z, scale)
-                return out, heads
+                try:
+                    out, _, heads = label_attention(q, k, v, self.z, scale)
+                    return out, heads
+                except ValueError:
+                    raise
+                except Exception as e:  # the kernel does not build or launch here: warn once, go on without it
+                    if _choice() == 'triton' or torch.compiler.is_compiling():
+                        raise
+                    _kernel_failed(e)
             out, branch = shared_attention(q, k, v, self.z, scale, attn_mask, fused=False)  # a mask: materialised
             return out, branch.mul_(self.num_heads)
         if _cpu_shared_attention(qkv, attn_mask):  # the backward at the head dim (the plain one)

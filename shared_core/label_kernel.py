@@ -9,8 +9,8 @@ second accumulator that the online softmax rescales with the same running max as
 divided by the same row sum at the end. No wider head dim (the ``[v | labels]`` columns of the SDPA path pad 64
 to 72 and kernels then run 128-wide tiles), no concatenation, no materialised attention. The labels carry no
 gradient, so the backward is the plain attention's, fed the forward's output and log-sum-exp: PyTorch's own flash
-attention backward (CUDA, fp16/bf16; the CPU's fused backward on the CPU), else the attention recomputed by
-``scaled_dot_product_attention`` under autograd.
+attention backward (CUDA, fp16/bf16; the CPU's fused backward on the CPU), else the attention recomputed in fp32
+and its backward written out.
 
 Where it runs: :func:`shared_core.label_attention.use_label_kernel` (CUDA with Triton importable, or forced by
 ``TOKENAUG_FUSED_LABEL_ATTN=triton``; on the CPU the kernel runs only under Triton's interpreter,
@@ -22,10 +22,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 from typing import Tuple
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ['label_attention', 'triton_available', 'interpreting']
 
@@ -236,27 +236,52 @@ def _label_attention_backward_op(
     scale: float,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     aten = torch.ops.aten
+    if _flash_backward_applies(q):  # flash attention's backward with the forward's output and log-sum-exp
+        T = q.shape[2]
+        nothing = torch.empty((), dtype=torch.long, device=q.device)
+        try:
+            return tuple(
+                aten._scaled_dot_product_flash_attention_backward(
+                    grad, q, k, v, out, lse, None, None, T, T, 0.0, False, nothing, nothing, scale=scale
+                )
+            )
+        except RuntimeError as e:  # not on this build or device: the recomputed backward, after one warning
+            _flash_backward_failed(e)
+            return _recomputed_backward(grad, q, k, v, scale)
     if q.device.type == 'cpu':  # the CPU's fused backward (what SDPA's CPU backward runs)
         return tuple(
             aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, False, scale=scale)
         )
-    if _flash_backward_applies(q):  # flash attention's backward with the forward's output and log-sum-exp
-        T = q.shape[2]
-        nothing = torch.empty((), dtype=torch.long, device=q.device)
-        return tuple(
-            aten._scaled_dot_product_flash_attention_backward(
-                grad, q, k, v, out, lse, None, None, T, T, 0.0, False, nothing, nothing, scale=scale
-            )
-        )
     return _recomputed_backward(grad, q, k, v, scale)  # fp32 or an odd head dim on CUDA
 
 
+_FLASH_BACKWARD_WARNED = False
+
+
+def _flash_backward_failed(error: Exception) -> None:
+    global _FLASH_BACKWARD_WARNED
+    if not _FLASH_BACKWARD_WARNED:
+        _FLASH_BACKWARD_WARNED = True
+        warnings.warn(
+            f"PyTorch's flash attention backward refused the label kernel's output ({type(error).__name__}: "
+            f'{str(error).splitlines()[0] if str(error) else ""}); the backward recomputes the attention instead',
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
 def _recomputed_backward(grad, q, k, v, scale: float):
-    """The attention recomputed by ``scaled_dot_product_attention`` under autograd, and its backward."""
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        again = F.scaled_dot_product_attention(*leaves, scale=scale)
-        return tuple(torch.autograd.grad(again, leaves, grad))
+    """The attention's backward written out (a custom op runs below autograd, so no autograd here): ``P`` recomputed
+    in fp32, ``dV = Pᵀ dO``, ``dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O))``, ``dQ = dS K · scale``, ``dK = dSᵀ Q · scale``;
+    the gradients in the inputs' dtypes."""
+    qf, kf, vf, g = q.float(), k.float(), v.float(), grad.float()
+    p = torch.softmax((qf @ kf.transpose(-1, -2)) * scale, dim=-1)
+    dv = p.transpose(-1, -2) @ g
+    dp = g @ vf.transpose(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    dq = (ds @ kf) * scale
+    dk = (ds.transpose(-1, -2) @ qf) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @_label_attention_backward_op.register_fake

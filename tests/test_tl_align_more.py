@@ -429,6 +429,8 @@ def test_bad_input():
         match=r'no tracer for .*EfficientNet; supported: .*VisionTransformerDistilled, '
         r'.*VisionTransformer, .*SwinTransformer, timm\.models\.cait\.Cait, '
         r'timm\.models\.pvt_v2\.PyramidVisionTransformerV2, timm\.models\.mlp_mixer\.MlpMixer, '
+        r'timm\.models\.eva\.Eva, timm\.models\.beit\.Beit, timm\.models\.metaformer\.MetaFormer, '
+        r'timm\.models\.hiera\.Hiera, timm\.models\.twins\.Twins, timm\.models\.mvitv2\.MultiScaleVit, '
         r'timm\.models\.convnext\.ConvNeXt, timm\.models\.resnet\.ResNet$',
     ):
         TLAlign(timm.create_model('efficientnet_b0', num_classes=C))
