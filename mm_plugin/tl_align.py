@@ -62,9 +62,15 @@ __all__ = ['TLAlignClassifier', 'TransMixClassifier', 'MM_SUPPORTED_BACKBONES', 
 
 
 def _hook_drop(module: nn.Module, cap: LabelCapture, handles: list) -> None:
-    """mmcv's DropPath (``drop_prob``) zeroes whole samples of a residual branch."""
+    """mmcv's DropPath (``drop_prob``) zeroes whole samples of a residual branch; the samples its first call kept
+    (the attention branch's, where a layer's one DropPath serves its MLP branch too)."""
+
+    def hook(m, i, o, c=cap):
+        if c.keep is None:
+            c.keep = kept_samples(i[0], o)
+
     if getattr(module, 'drop_prob', 0.0) > 0 and module.training:
-        handles.append(module.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'keep', kept_samples(i[0], o))))
+        handles.append(module.register_forward_hook(hook))
 
 
 class MMViTTracer:
@@ -79,6 +85,10 @@ class MMViTTracer:
                 )
             if getattr(layer.attn, 'v_shortcut', False):
                 raise ValueError('backbone: attention with v_shortcut has no TL-Align rule')
+        self._classification_output(backbone)
+
+    def _classification_output(self, backbone: nn.Module) -> None:
+        """Refuse any output but the last layer's class token or mean patch token; keep the backbone."""
         if tuple(backbone.out_indices) != (len(backbone.layers) - 1,):
             raise ValueError(
                 f'backbone: TL-Align needs the classification output (out_indices=({len(backbone.layers) - 1},)), '
@@ -211,7 +221,7 @@ class MMSwinTracer:
         return sum(len(s.blocks) for s in self.backbone.stages)
 
 
-class MMSoftmaxViTTracer:
+class MMSoftmaxViTTracer(MMViTTracer):
     """mmpretrain ``ViTEVA02`` (EVA-02: RoPE on q/k, SwiGLU) and ``BEiTViT`` (relative position bias): their
     attention computes its probabilities itself, so the label rule reads them at its softmax
     (:class:`shared_core.capture.SoftmaxCapture`: RoPE and the bias are in them) and applies Eq. 9/11; the layer's
@@ -232,17 +242,7 @@ class MMSoftmaxViTTracer:
                     f'backbone: TL-Align traces {layer_type.__name__}/{attn_type.__name__}, layer {i} is '
                     f'{type(layer).__name__}'
                 )
-        if tuple(backbone.out_indices) != (len(backbone.layers) - 1,):
-            raise ValueError(
-                f'backbone: TL-Align needs the classification output (out_indices=({len(backbone.layers) - 1},)), '
-                f'got {backbone.out_indices}'
-            )
-        if backbone.out_type not in ('cls_token', 'avg_featmap'):
-            raise ValueError(
-                f"backbone: out_type={backbone.out_type!r} has no TL-Align rule; use 'cls_token' or 'avg_featmap'"
-            )
-        self.backbone = backbone
-        self.num_prefix_tokens = backbone.num_extra_tokens
+        self._classification_output(backbone)
 
     def register(self, captures: List[LabelCapture]) -> list:
         from shared_core.capture import SoftmaxCapture
@@ -253,14 +253,7 @@ class MMSoftmaxViTTracer:
             cap = LabelCapture()
             captures.append(cap)
             mode.watch(layer.attn, cap, handles)
-            drop = layer.drop_path
-            if getattr(drop, 'drop_prob', 0.0) > 0 and drop.training:
-
-                def first_call(m, i, o, c=cap):
-                    if c.keep is None:
-                        c.keep = kept_samples(i[0], o)
-
-                handles.append(drop.register_forward_hook(first_call))
+            _hook_drop(layer.drop_path, cap, handles)
         mode.start(handles)
         return handles
 
@@ -275,19 +268,10 @@ class MMSoftmaxViTTracer:
             labels = residual_labels(labels, c.attn.float().mean(1) @ labels.float(), c.keep, residual)
         return labels
 
-    def readout(self, labels: torch.Tensor, output=None) -> torch.Tensor:
-        if self.backbone.out_type == 'cls_token':
-            return labels[:, 0]
-        return labels[:, self.num_prefix_tokens :].mean(1)
-
     def class_attention(self, captures: List[LabelCapture]):
         if self.backbone.out_type != 'cls_token':
             return None
         return captures[-1].attn[:, :, :1]  # the class token's attention probabilities
-
-    @property
-    def depth(self) -> int:
-        return len(self.backbone.layers)
 
 
 MM_SUPPORTED_BACKBONES = {

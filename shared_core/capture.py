@@ -20,7 +20,9 @@ __all__ = ['SdpaCapture', 'SoftmaxCapture']
 
 
 class _WatchingMode(TorchFunctionMode):
-    """A torch function mode that records into the capture of the watched module that is running."""
+    """A torch function mode that records into the capture of the watched module that is running. It is active only
+    while a watched module runs (entered by the module's pre-hook, left by its hook), so the rest of the forward
+    pays nothing for it."""
 
     def __init__(self):
         super().__init__()
@@ -28,18 +30,25 @@ class _WatchingMode(TorchFunctionMode):
 
     def watch(self, module: nn.Module, cap: LabelCapture, handles: list) -> None:
         """Record the call made while ``module`` runs into ``cap``."""
-        handles.append(module.register_forward_pre_hook(lambda m, a, c=cap: setattr(self, 'current', c)))
-        handles.append(module.register_forward_hook(lambda m, a, o: setattr(self, 'current', None)))
+        handles.append(module.register_forward_pre_hook(lambda m, a, c=cap: self._enter(c)))
+        handles.append(module.register_forward_hook(lambda m, a, o: self._leave()))
+
+    def _enter(self, cap: LabelCapture) -> None:
+        self.current = cap
+        self.__enter__()
+
+    def _leave(self) -> None:
+        if self.current is not None:
+            self.current = None
+            self.__exit__(None, None, None)
 
     def start(self, handles: list) -> None:
-        """Enter the mode and add it to ``handles`` (its :meth:`remove` leaves it)."""
-        self.__enter__()
+        """Add the mode to ``handles``: its :meth:`remove` leaves it if a forward stopped inside a watched module."""
         handles.append(self)
 
     def remove(self) -> None:
-        """Leave the mode (a hook handle's ``remove``)."""
-        self.current = None
-        self.__exit__(None, None, None)
+        """Leave the mode if a watched module is still running (a hook handle's ``remove``)."""
+        self._leave()
 
 
 class SdpaCapture(_WatchingMode):

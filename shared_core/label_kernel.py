@@ -27,21 +27,10 @@ from typing import Tuple
 
 import torch
 
-__all__ = ['label_attention', 'triton_available', 'interpreting']
+__all__ = ['label_attention', 'interpreting']
 
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
-
-
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    """Whether Triton imports (CUDA wheels of torch ship it; it is optional for users)."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # an absent or broken Triton: the SDPA paths
-        return False
-    return True
 
 
 def interpreting() -> bool:
@@ -183,7 +172,7 @@ def _forward(q, k, v, labels, scale: float):
     BM, BN, warps, stages = _blocks(T, D, q.device)
     BK = 1 if KY == 1 else max(16, _next_pow2(KY))
     precision = 'ieee' if q.dtype == torch.float32 else 'tf32'
-    grid = (triton_cdiv(T, BM), B)
+    grid = (-(-T // BM), B)  # ceil(T / BM) query tiles per sample
     _kernel()[grid](
         q, k, v, labels, out, lse, heads,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -195,10 +184,6 @@ def _forward(q, k, v, labels, scale: float):
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out, lse, heads
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ----------------------------------------------------------------------------------------------

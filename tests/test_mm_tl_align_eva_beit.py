@@ -7,27 +7,15 @@ test_mm_tl_align.py.)"""
 import pytest
 import torch
 from mmpretrain.registry import MODELS
-from torch.overrides import TorchFunctionMode
 
 import mm_plugin  # noqa: F401
 from shared_core.mixing import MixSampler, mix_images, one_hot
 
 from .test_mm_tl_align import samples_with_mix
+from .test_tl_align_mvitv2 import RecordSoftmax
 
 C = 6
 ARCH = dict(embed_dims=64, num_layers=3, num_heads=4, feedforward_channels=128)
-
-
-class RecordSoftmax(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.outs = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in (torch.Tensor.softmax, torch.softmax, torch.nn.functional.softmax):
-            self.outs.append(out.detach())
-        return out
 
 
 def build(kind, backbone_type, out_type):

@@ -3,6 +3,8 @@ the capture checks, the stochastic-depth hooks, staged blocks, and label pooling
 
 from __future__ import annotations
 
+from typing import List
+
 import torch
 import torch.nn as nn
 from timm.layers import DropPath, GluMlp, LayerNorm, LayerScale, Mlp, RmsNorm, SwiGLU
@@ -61,6 +63,22 @@ def hook_drop_path(blk: nn.Module, cap: LabelCapture, handles: list, kept=None) 
     kept = kept or (lambda keep: setattr(cap, 'keep', keep))
     handles.append(blk.drop_path1.register_forward_hook(lambda m, i, o: kept(kept_samples(i[0], o))))
     return True
+
+
+def watch_blocks(blocks, captures: List[LabelCapture], mode, attention=lambda blk: blk.attn) -> list:
+    """One capture per block: the call of its attention module (``attention(blk)``; ``None``: no attention) recorded
+    by ``mode`` (:class:`shared_core.capture.SdpaCapture` or ``SoftmaxCapture``), and the samples its attention
+    branch's drop path kept. Returns the handles, the mode's among them."""
+    handles: list = []
+    for blk in blocks:
+        cap = LabelCapture()
+        captures.append(cap)
+        module = attention(blk)
+        if module is not None:
+            mode.watch(module, cap, handles)
+        hook_drop_path(blk, cap, handles)
+    mode.start(handles)
+    return handles
 
 
 class StagedBlocks:

@@ -32,8 +32,9 @@ class _ConvLabelGrid(StagedBlocks):
     _grid_module = 'the stem'
 
     def _grid_hook(self, cap: LabelCapture):
-        """A hook that sets ``cap.tokens`` to the ``(H, W)`` grid the label state starts on; returns its handle."""
-        raise NotImplementedError
+        """A hook that sets ``cap.tokens`` to the ``(H, W)`` grid the label state starts on (default: the output
+        grid of ``model.stem``); returns its handle."""
+        return self.model.stem.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'tokens', tuple(o.shape[-2:])))
 
     def register(self, captures: List[LabelCapture]) -> list:
         """``captures[0]`` keeps the first grid, then one per block (the samples its drop_path kept)."""
@@ -125,9 +126,6 @@ class ConvNeXtTracer(_ConvLabelGrid):
                         'mixes all tokens)'
                     )
         self.model = model
-
-    def _grid_hook(self, cap: LabelCapture):
-        return self.model.stem.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'tokens', tuple(o.shape[-2:])))
 
     def propagate(
         self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool

@@ -12,7 +12,7 @@ from timm.models.hiera import Hiera, HieraBlock, MaskUnitAttention
 from shared_core.capture import SdpaCapture
 from shared_core.tl_align import LabelCapture, attention_labels, residual_labels
 
-from ._blocks import NORMS, check_captured, hook_drop_path
+from ._blocks import NORMS, check_captured, watch_blocks
 
 __all__ = ['HieraTracer']
 
@@ -73,15 +73,8 @@ class HieraTracer:
         """``captures[0]`` keeps the patch count, then one per block (its attention call, the kept samples)."""
         embed = LabelCapture()
         captures.append(embed)
-        handles = [self.model.patch_embed.register_forward_hook(lambda m, i, o: setattr(embed, 'tokens', o.shape[1]))]
-        mode = SdpaCapture()
-        for blk in self.model.blocks:
-            cap = LabelCapture()
-            captures.append(cap)
-            mode.watch(blk.attn, cap, handles)
-            hook_drop_path(blk, cap, handles)
-        mode.start(handles)
-        return handles
+        handle = self.model.patch_embed.register_forward_hook(lambda m, i, o: setattr(embed, 'tokens', o.shape[1]))
+        return [handle] + watch_blocks(self.model.blocks, captures, SdpaCapture())
 
     def num_tokens(self, captures: List[LabelCapture]) -> int:
         check_captured(captures[:1], ('tokens',), 'the patch embedding did not run')

@@ -26,7 +26,7 @@ from timm.models.metaformer import (
 from shared_core.capture import SdpaCapture
 from shared_core.tl_align import LabelCapture, attention_labels, conv_pool_labels, conv_stencil_labels, residual_labels
 
-from ._blocks import hook_drop_path
+from ._blocks import watch_blocks
 from .cnn import _ConvLabelGrid
 
 __all__ = ['MetaFormerTracer']
@@ -107,24 +107,18 @@ class MetaFormerTracer(_ConvLabelGrid):
     _stages = 'stages'
     _grid_module = 'the stem'
 
-    def _grid_hook(self, cap: LabelCapture):
-        return self.model.stem.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'tokens', tuple(o.shape[-2:])))
-
     def register(self, captures: List[LabelCapture]) -> list:
         """``captures[0]`` keeps the stem's grid, then one per block: the samples its drop path kept and, for an
         attention mixer, its attention call."""
         stem = LabelCapture()
         captures.append(stem)
-        handles = [self._grid_hook(stem)]
-        mode = SdpaCapture()
-        for blk in self._blocks():
-            cap = LabelCapture()
-            captures.append(cap)
-            hook_drop_path(blk, cap, handles)
-            if type(blk.token_mixer) is Attention:
-                mode.watch(blk.token_mixer, cap, handles)
-        mode.start(handles)
-        return handles
+        mixers = watch_blocks(
+            self._blocks(),
+            captures,
+            SdpaCapture(),
+            lambda b: b.token_mixer if type(b.token_mixer) is Attention else None,
+        )
+        return [self._grid_hook(stem)] + mixers
 
     def _branch(self, mixer: nn.Module, Y: torch.Tensor, cap: LabelCapture) -> torch.Tensor:
         """The token mixer's labels on the ``(B, K, H, W)`` label map."""

@@ -13,7 +13,7 @@ from timm.models.mvitv2 import MultiScaleAttention, MultiScaleBlock, MultiScaleV
 from shared_core.capture import SoftmaxCapture
 from shared_core.tl_align import LabelCapture, conv_pool_labels, conv_stencil_labels, residual_labels
 
-from ._blocks import NORMS, check_captured, hook_drop_path
+from ._blocks import NORMS, check_captured, watch_blocks
 
 __all__ = ['MViTv2Tracer']
 
@@ -77,15 +77,8 @@ class MViTv2Tracer:
         """``captures[0]`` keeps the first grid, then one per block (its attention probabilities, kept samples)."""
         embed = LabelCapture()
         captures.append(embed)
-        handles = [self.model.patch_embed.register_forward_hook(lambda m, i, o: setattr(embed, 'tokens', tuple(o[1])))]
-        mode = SoftmaxCapture()
-        for blk in self._blocks():
-            cap = LabelCapture()
-            captures.append(cap)
-            mode.watch(blk.attn, cap, handles)
-            hook_drop_path(blk, cap, handles)
-        mode.start(handles)
-        return handles
+        handle = self.model.patch_embed.register_forward_hook(lambda m, i, o: setattr(embed, 'tokens', tuple(o[1])))
+        return [handle] + watch_blocks(self._blocks(), captures, SoftmaxCapture())
 
     def num_tokens(self, captures: List[LabelCapture]) -> int:
         check_captured(captures[:1], ('tokens',), 'the patch embedding did not run')

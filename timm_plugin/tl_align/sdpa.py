@@ -18,14 +18,13 @@ import torch
 import torch.nn as nn
 from timm.layers import AttentionRope
 from timm.models.beit import Attention as BeitAttention
-from timm.models.beit import Beit
 from timm.models.beit import Block as BeitBlock
-from timm.models.eva import Eva, EvaAttention, EvaBlock, EvaBlockPostNorm
+from timm.models.eva import EvaAttention, EvaBlock, EvaBlockPostNorm
 
 from shared_core.capture import SdpaCapture
 from shared_core.tl_align import LabelCapture, attention_labels, residual_labels
 
-from ._blocks import NORMS, VIT_BLOCK_PARTS, check_block_parts, check_captured, hook_drop_path
+from ._blocks import VIT_BLOCK_PARTS, check_block_parts, check_captured, watch_blocks
 
 __all__ = ['EvaTracer', 'BeitTracer']
 
@@ -76,15 +75,7 @@ class _SdpaBlocksTracer:
         return len(self.model.blocks)
 
     def register(self, captures: List[LabelCapture]) -> list:
-        handles: list = []
-        mode = SdpaCapture()
-        for blk in self.model.blocks:
-            cap = LabelCapture()
-            captures.append(cap)
-            mode.watch(blk.attn, cap, handles)
-            hook_drop_path(blk, cap, handles)
-        mode.start(handles)
-        return handles
+        return watch_blocks(self.model.blocks, captures, SdpaCapture())
 
     def num_tokens(self, captures: List[LabelCapture]) -> int:
         check_captured(captures, ('q', 'k'), 'its attention made no scaled_dot_product_attention call')
@@ -114,26 +105,13 @@ class _SdpaBlocksTracer:
         return labels[:, self.num_prefix_tokens :].mean(1)
 
 
-_PER_TOKEN_MLPS = VIT_BLOCK_PARTS['mlp']
-
-
 class EvaTracer(_SdpaBlocksTracer):
     """Label rules for timm's ``Eva`` (EVA-02, RoPE ViTs): see the module docstring."""
 
     family = 'Eva'
     block_types = (EvaBlock, EvaBlockPostNorm)
     attn_types = (EvaAttention, AttentionRope)
-    parts = {
-        'norm1': NORMS,
-        'norm2': NORMS,
-        'mlp': _PER_TOKEN_MLPS,
-        'drop_path1': VIT_BLOCK_PARTS['drop_path1'],
-        'drop_path2': VIT_BLOCK_PARTS['drop_path2'],
-        'attn.q_norm': NORMS,
-        'attn.k_norm': NORMS,
-        'attn.norm': NORMS,
-        'attn.proj': (nn.Linear,),
-    }
+    parts = VIT_BLOCK_PARTS  # the ViT block's parts (its layer scale is a parameter here; q/k norms, sub-LN)
 
 
 class BeitTracer(_SdpaBlocksTracer):
@@ -142,15 +120,4 @@ class BeitTracer(_SdpaBlocksTracer):
     family = 'Beit'
     block_types = (BeitBlock,)
     attn_types = (BeitAttention,)
-    parts = {
-        'norm1': NORMS,
-        'norm2': NORMS,
-        'mlp': _PER_TOKEN_MLPS,
-        'drop_path1': VIT_BLOCK_PARTS['drop_path1'],
-        'drop_path2': VIT_BLOCK_PARTS['drop_path2'],
-        'attn.proj': (nn.Linear,),
-    }
-
-
-#: the model classes of this module with their tracers
-SDPA_MODELS = {Eva: EvaTracer, Beit: BeitTracer}
+    parts = VIT_BLOCK_PARTS  # (no q/k norms: parts a block lacks are skipped)

@@ -19,7 +19,7 @@ from shared_core.tl_align import (
     residual_labels,
 )
 
-from ._blocks import NORMS, check_captured, hook_drop_path
+from ._blocks import NORMS, check_captured, watch_blocks
 
 __all__ = ['TwinsTracer']
 
@@ -84,17 +84,8 @@ class TwinsTracer:
         """``captures[0]`` keeps the first grid, then one per block (its attention call, the kept samples)."""
         embed = LabelCapture()
         captures.append(embed)
-        handles = [
-            self.model.patch_embeds[0].register_forward_hook(lambda m, i, o: setattr(embed, 'tokens', tuple(o[1])))
-        ]
-        mode = SdpaCapture()
-        for blk in self._blocks():
-            cap = LabelCapture()
-            captures.append(cap)
-            mode.watch(blk.attn, cap, handles)
-            hook_drop_path(blk, cap, handles)
-        mode.start(handles)
-        return handles
+        handle = self.model.patch_embeds[0].register_forward_hook(lambda m, i, o: setattr(embed, 'tokens', tuple(o[1])))
+        return [handle] + watch_blocks(self._blocks(), captures, SdpaCapture())
 
     def num_tokens(self, captures: List[LabelCapture]) -> int:
         check_captured(captures[:1], ('tokens',), 'the first patch embedding did not run')
