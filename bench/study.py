@@ -17,9 +17,11 @@ Trains a grid of {baseline, method} x seeds on a generated world through the rea
 
 Resumable: every step (world, test world, annotator, maps, each run, its test evaluation, each occlusion curve)
 keeps a ``study_step.json`` with the exact command it ran (and its inputs' steps); a rerun skips a step whose
-record matches and reruns one whose command changed or that did not finish. The annotator of token labeling and
-of TokenMix's activation-map targets is trained in the study (seed 0, the same recipe with average pooling) and
-its maps serve every seed.
+record matches and reruns one whose command changed or that did not finish. The trainings run through
+``tokenaug-study``'s runner (:func:`timm_plugin.tools.study_cli.train_step`): a training killed midway resumes
+through ``tokenaug-train --resume``; the statistics and verdicts are ``shared_core.study``'s, as tokenaug-study's.
+The annotator of token labeling and of TokenMix's activation-map targets is trained in the study (seed 0, the
+same recipe with average pooling) and its maps serve every seed.
 
 Presets: ``cpu_small`` (the default: 300 train images, 60 epochs, where mixing regularises; the grid in about 85
 min on this repo's 2-core machine), ``cpu`` (1000 train images, 15 epochs: an underfitting recipe where mixing
@@ -198,13 +200,18 @@ class Study:
         self.secs = 0.0  # the recorded time of every step of this study, skipped ones included
         self.cpu_secs = 0.0  # and their CPU time (steps recorded before it was kept count 0)
 
+    def count(self, rec: dict, skipped: bool) -> None:
+        """Add a step's recorded time to the study's (steps recorded before their CPU time was kept count 0)."""
+        self.steps_skipped += skipped
+        self.steps_done += not skipped
+        self.secs += rec['secs']
+        self.cpu_secs += rec.get('cpu_secs', 0.0)
+
     def step(self, name: str, step: Step, execute) -> dict:
         """``execute()`` -> result dict, unless ``step`` is already done; prints one line either way."""
         rec = step.done()
         if rec is not None:
-            self.steps_skipped += 1
-            self.secs += rec['secs']
-            self.cpu_secs += rec.get('cpu_secs', 0.0)
+            self.count(rec, skipped=True)
             print(f'  {name}: done before, skipped', flush=True)
             return rec
         shutil.rmtree(step.dir, ignore_errors=True)
@@ -212,9 +219,7 @@ class Study:
         t, cpu = time.time(), cpu_seconds()
         result = execute()
         rec = step.finish(secs=round(time.time() - t, 1), cpu_secs=round(cpu_seconds() - cpu, 1), **result)
-        self.steps_done += 1
-        self.secs += rec['secs']
-        self.cpu_secs += rec['cpu_secs']
+        self.count(rec, skipped=False)
         print(
             f'  {name}: {", ".join(f"{k} {v}" for k, v in result.items())} ({rec["secs"]:.0f} s)',
             flush=True,
@@ -273,12 +278,17 @@ class Study:
         ]
 
     def timm_step(self, name: str, step: Step) -> dict:
-        def execute():
-            run(step.cmd, log=self.logs / f'{name.replace(" ", "_")}.log', echo=False)
-            final = json.loads((step.dir / 'results.json').read_text())['final']
-            return dict(top1=final['top1'], top5=final['top5'])
+        """One training through ``tokenaug-study``'s runner (:func:`timm_plugin.tools.study_cli.train_step`): skipped
+        when done, resumed through ``tokenaug-train --resume`` where a killed attempt left a checkpoint."""
+        from timm_plugin.tools.study_cli import train_step
 
-        return self.step(name, step, execute)
+        skipped = step.done() is not None
+        log = self.logs / f'{name.replace(" ", "_")}.log'
+        rec = train_step(name, step, log)
+        if rec is None:
+            sys.exit(f'{name} failed: see {log}')
+        self.count(rec, skipped)
+        return rec
 
     def annotator_and_maps(self, world: Step) -> Step:
         """The annotator (seed 0, the cutmix recipe with average pooling, so its head reads every patch token) and

@@ -3,6 +3,7 @@ lose data or get silently wrong results, and checks the fix."""
 
 import copy
 import hashlib
+import json
 import os
 import random
 import subprocess
@@ -259,6 +260,11 @@ def test_two_epochs_and_a_resume_equal_three_epochs(tiny_world, tmp_path):
     run(train_cmd(data, tmp_path, 'split', *MIXED, '--stop-epoch', '2'))
     assert (tmp_path / 'split' / 'summary.csv').read_text().count('\n') == 3  # header + epochs 0, 1
     run(train_cmd(data, tmp_path, 'split', *MIXED, '--resume', str(tmp_path / 'split' / 'last.pth.tar')))
+    assert_same_run(tmp_path / 'whole', tmp_path / 'split')
+    # resuming the finished run (killed after its last epoch, before its caller noted it) trains nothing and
+    # keeps its results (results.json's final metrics were once overwritten with nothing)
+    final = run(train_cmd(data, tmp_path, 'split', *MIXED, '--resume', str(tmp_path / 'split' / 'last.pth.tar')))
+    assert final == json.loads((tmp_path / 'whole' / 'results.json').read_text())['final'] and final['top1'] >= 0
     assert_same_run(tmp_path / 'whole', tmp_path / 'split')
 
 

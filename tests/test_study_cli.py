@@ -86,6 +86,51 @@ def test_dry_run_prints_every_command_and_runs_none(data, tmp_path, capsys):
     assert ['--seed', '1', '--mixup-type', 'tl_align'] == commands[3][commands[3].index('--seed') :][:4]
 
 
+def test_without_a_store_the_dry_run_shows_the_annotator_and_its_maps_first(data, tmp_path, capsys):
+    out = tmp_path / 'dry'
+    assert study(argv(data, out, '--dry-run', runs=('cutmix', 'mixtoken'), seeds=1)) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert [line for line in printed if line.startswith('#')] == ['# annotator', '# maps', '# cutmix seed 0',
+                                                                  '# mixtoken seed 0']  # fmt: skip
+    ann, maps, _, mixtoken = (shlex.split(line) for line in printed if not line.startswith('#'))
+    assert ann[ann.index('--seed') :][:6] == ['--seed', '0', '--mixup-type', 'cutmix', '--gp', 'avg']
+    assert ann[-8:] == TRAIN[1:]  # the recipe as every run has it
+    # the model, its kwargs, the classes and the size that the training resolves from the config and --train-args
+    assert maps[1:2] == ['generate'] and maps[maps.index('--model') + 1] == 'vit_tiny_patch16_224'
+    assert maps[maps.index('--model-kwargs') + 1 :][:2] == ['img_size=112', 'global_pool=avg']
+    assert maps[maps.index('--num-classes') + 1] == '4' and maps[maps.index('--topk') + 1] == '4'
+    assert maps[maps.index('--input-size') + 1] == '112'
+    assert maps[maps.index('--checkpoint') + 1] == str(out / 'runs' / 'annotator' / 'seed0' / 'last.pth.tar')
+    assert mixtoken[mixtoken.index('--token-label-dir') + 1] == str(out / 'maps' / 'train')
+    # a cluster's jobs: the annotator's first (the runs that read its maps wait for it under the study's lock)
+    assert study(argv(data, out, '--emit-jobs', str(tmp_path / 'jobs.txt'), runs=('cutmix', 'mixtoken'), seeds=1)) == 0
+    jobs = [shlex.split(line) for line in (tmp_path / 'jobs.txt').read_text().splitlines()]
+    assert [j[j.index('--run-step') + 1] for j in jobs] == ['annotator', 'cutmix seed 0', 'mixtoken seed 0']
+
+
+@pytest.mark.slow
+def test_without_a_store_an_annotator_is_trained_and_its_maps_serve_the_map_runs(data, tmp_path, capsys):
+    from shared_core.map_store import read_store_paths
+
+    out = tmp_path / 'ann'
+    assert study(argv(data, out, runs=('cutmix', 'mixtoken', 'tokenmix'), seeds=1)) == 0
+    result = json.loads((out / 'results.json').read_text())
+    assert not result['failed_or_missing'] and result['runs']['mixtoken']['values']
+    assert result['runs']['tokenmix']['values'] and result['comparisons']['tokenmix']['seeds'] == [0]
+    ann = json.loads((out / 'runs' / 'annotator' / 'seed0' / 'study_step.json').read_text())
+    assert result['label_maps'] == dict(store=str(out / 'maps' / 'train'), annotator_val_top1=ann['top1'],
+                                        trained_here=True)  # fmt: skip
+    assert len(read_store_paths(out / 'maps' / 'train')) == 16  # every training image
+    assert 'Label maps: an annotator trained here' in (out / 'results.md').read_text()
+    for run, flag in (('mixtoken', '--token-label-dir'), ('tokenmix', '--activation-map-dir')):
+        rec = json.loads((out / 'runs' / run / 'seed0' / 'study_step.json').read_text())
+        assert rec['cmd'][rec['cmd'].index(flag) + 1] == str(out / 'maps' / 'train')
+    capsys.readouterr()
+    assert study(argv(data, out, runs=('cutmix', 'mixtoken', 'tokenmix'), seeds=1)) == 0
+    printed = capsys.readouterr().out
+    assert printed.count('done before, skipped') == 5 and 'maps: done before' in printed  # annotator, maps, 3 runs
+
+
 @pytest.mark.slow
 def test_emitted_jobs_then_collect_give_the_local_table(data, local_study, tmp_path):
     local, jobs = local_study, tmp_path / 'jobs'
@@ -164,7 +209,11 @@ def test_without_a_test_split_the_val_split_is_used_and_said(data, tmp_path):
         (lambda a: a.__setitem__(a.index('--runs') + 1, 'cutmixx'), '--runs: no run named cutmixx'),
         (lambda a: a.extend(['--baseline', 'mixup']), '--baseline: mixup is not among --runs'),
         (lambda a: a.__setitem__(a.index('--seeds') + 1, '0'), '--seeds: expected >= 1, got 0'),
-        (lambda a: a.__setitem__(a.index('--runs') + 2, 'tokenmix'), '--label-maps: runs tokenmix need'),
+        (lambda a: a.extend(['--label-maps', '/nope']), '--label-maps: /nope is not a store folder'),
+        (
+            lambda a: (a.__setitem__(a.index('--runs') + 2, 'tokenmix'), a.extend(['--train-args', '--no-such'])),
+            "-c/--config .* with --train-args: the annotator's command does not parse",
+        ),
     ],
 )
 def test_bad_input_is_named(data, tmp_path, capsys, change, message):

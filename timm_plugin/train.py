@@ -736,8 +736,15 @@ def run(argv=None) -> dict:
     if args.distributed:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()  # a live gloo group aborts the process at exit
-    if output_dir is not None:
-        with open(os.path.join(output_dir, 'results.json'), 'w') as f:
+    results = os.path.join(output_dir, 'results.json') if output_dir is not None else None
+    if start_epoch >= stop_epoch and results is not None and os.path.exists(results):
+        # a resume of a run with nothing left to train (killed after its last epoch, before its caller noted it):
+        # its results stand as they were written
+        _logger.info(f'Nothing left to train (epoch {start_epoch} of {stop_epoch}): {results} is kept')
+        with open(results) as f:
+            return json.load(f)['final']
+    if results is not None:
+        with open(results, 'w') as f:
             json.dump(
                 {
                     'model': args.model,

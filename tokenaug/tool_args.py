@@ -281,10 +281,14 @@ STUDY_RUNS = {
     'transmix': ('TransMix over MixUp/CutMix', ['--mixup-type', 'transmix']),
     'tokenmix_block': ('TokenMix blocks, area targets', ['--mixup-type', 'tokenmix_block']),
     'tokenmix': (
-        'TokenMix with activation-map targets (--label-maps)',
+        'TokenMix with activation-map targets (label maps)',
         ['--mixup-type', 'tokenmix', '--activation-map-dir', 'MAPS'],
     ),
-    'mixtoken': ('MixToken + token labeling (--label-maps)', ['--mixup-type', 'mixtoken', '--token-label-dir', 'MAPS']),
+    # MixToken replaces the recipe's MixUp/CutMix switch (Token Labeling, Table 3: no MixUp with it)
+    'mixtoken': (
+        'MixToken + token labeling (label maps)',
+        ['--mixup-type', 'mixtoken', '--mixup', '0', '--token-label-dir', 'MAPS'],
+    ),
     'htm': (
         "TokenMixup's HTM at block 2 over MixUp/CutMix",
         ['--mixup-type', 'cutmix', '--tokenmixup-htm-layers', '2'],
@@ -302,7 +306,9 @@ def study_parser() -> argparse.ArgumentParser:
         'tokenaug-train command each); the final checkpoints are evaluated on the test split (else the val\n'
         'split), and each method is compared with the baseline seed by seed: the mean and 95 % t interval of\n'
         'the paired differences, and a verdict.',
-        epilog=f'runs:\n{runs}\n\nA rerun skips the steps that are done and runs again a step whose command\n'
+        epilog=f'runs:\n{runs}\n\nThe label maps: --label-maps STORE, or without it an annotator trained from the\n'
+        'recipe (seed 0, MixUp/CutMix, average pooling) and its maps of the training split.\n\n'
+        'A rerun skips the steps that are done and runs again a step whose command\n'
         'changed; an interrupted run resumes through tokenaug-train --resume.',
     )
     p.add_argument('--data-dir', required=True, help='an ImageFolder root with the splits as folders')
@@ -315,7 +321,8 @@ def study_parser() -> argparse.ArgumentParser:
     p.add_argument('--baseline', default='cutmix', help='the run every other run is compared with (default cutmix)')
     p.add_argument('--seeds', type=int, default=3, help='seeds 0 .. N-1 per run (default 3; 2 or more for an interval)')
     p.add_argument('--out', required=True, help='the study folder (runs, logs, results.md / .json / .png)')
-    p.add_argument('--label-maps', default=None, help='a label-map store for tokenmix and mixtoken')
+    p.add_argument('--label-maps', default=None, help='a label-map store for tokenmix and mixtoken (without one: '
+                   'an annotator trained from the recipe, and its maps)')  # fmt: skip
     p.add_argument('--train-args', nargs=argparse.REMAINDER, default=[],
                    help='more tokenaug-train flags for every run (last on the command line)')  # fmt: skip
     p.add_argument('--parallel', type=int, default=1, help='commands run at once (default 1)')

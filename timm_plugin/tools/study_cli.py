@@ -8,6 +8,11 @@ Each method is compared with ``--baseline`` seed by seed (same seed: same data o
 the mean and the 95 % Student-t interval of the paired differences, and a verdict (resolved better / worse,
 bounded within ``±--bound``, or neither).
 
+The runs that read label maps (``tokenmix``, ``mixtoken``) take a store (``--label-maps``), or, without one, the
+study trains an annotator from the same recipe (seed 0, MixUp/CutMix with average pooling, so its head reads every
+token, as the bench study does) and writes its maps of the training split with ``tokenaug-maps generate``: two
+more steps, ``annotator`` and ``maps``, that every run reading the maps waits for.
+
 Every step keeps its command (:class:`shared_core.study.Step`): a rerun skips the steps that are done and runs again
 a step whose command changed; an interrupted training resumes through ``tokenaug-train --resume``. A failed run is
 reported by name and never becomes a number in the table. ``--dry-run`` prints the commands, ``--parallel P`` runs P
@@ -20,7 +25,9 @@ intervals), ``OUT/plan.json`` (every step's command) and ``OUT/logs/``.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -31,10 +38,11 @@ from pathlib import Path
 
 import yaml
 
+from shared_core.map_store import read_store_paths
 from shared_core.study import Step, complete_pairs, interval, paired, summary, verdict
 from tokenaug.tool_args import STUDY_RUNS, study_parser
 
-__all__ = ['main', 'StudyError']
+__all__ = ['main', 'StudyError', 'Study', 'train_step', 'run_logged']
 
 BIN = Path(sys.executable).parent
 
@@ -46,6 +54,51 @@ class StudyError(ValueError):
 def _split_ok(root: Path, split: str) -> bool:
     folder = root / split
     return folder.is_dir() and any(p.is_dir() for p in folder.iterdir())
+
+
+def run_logged(cmd: list, log: Path) -> tuple:
+    """Run ``cmd`` with its output appended to ``log`` (after the command line): ``(exit code, CPU seconds)``, the
+    CPU time of the command and the children it waited for, whatever else runs beside it."""
+    with open(log, 'a') as f:
+        f.write(f'$ {shlex.join(cmd)}\n')
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, round(usage.ru_utime + usage.ru_stime, 1)
+
+
+def train_step(name: str, step: Step, log: Path) -> dict | None:
+    """The runner of one ``tokenaug-train`` step (``tokenaug-study``'s and the bench studies'): its record if it is
+    done; else it trains, from scratch or resumed (``--resume``) where an interrupted attempt of the same command
+    left a checkpoint, and records the final val top-1/top-5, wall and CPU seconds. ``None`` if the training
+    failed (the log named)."""
+    rec = step.done()
+    if rec is not None:
+        print(f'  {name}: done before, skipped', flush=True)
+        return rec
+    started = step.dir / 'study_started.json'
+    last = step.dir / 'last.pth.tar'
+    resume = started.is_file() and json.loads(started.read_text()).get('key') == step.key and last.is_file()
+    cmd = list(step.cmd)
+    if resume:
+        i = cmd.index('--experiment') + 2
+        cmd[i:i] = ['--resume', str(last)]
+    else:
+        shutil.rmtree(step.dir, ignore_errors=True)
+        step.dir.mkdir(parents=True)
+        started.write_text(json.dumps(dict(key=step.key)) + '\n')
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t = time.time()
+    rc, cpu = run_logged(cmd, log)
+    if rc != 0:
+        print(f'  {name}: FAILED (exit {rc}); see {log}', flush=True)
+        return None
+    final = json.loads((step.dir / 'results.json').read_text())['final']
+    secs = round(time.time() - t, 1)
+    rec = step.finish(top1=final['top1'], top5=final['top5'], secs=secs, cpu_secs=cpu, resumed=resume)
+    print(f'  {name}: val top-1 {final["top1"]}{" (resumed)" if resume else ""} ({secs:.0f} s)', flush=True)
+    return rec
 
 
 class Study:
@@ -81,40 +134,140 @@ class Study:
             raise StudyError(f'--seeds: expected >= 1, got {args.seeds}')
         if args.parallel < 1:
             raise StudyError(f'--parallel: expected >= 1, got {args.parallel}')
-        needs_maps = [r for r in args.runs if 'MAPS' in STUDY_RUNS[r][1]]
-        if needs_maps and not args.label_maps:
-            raise StudyError(f'--label-maps: runs {", ".join(needs_maps)} need a label-map store (tokenaug-maps)')
         if args.label_maps and not Path(args.label_maps).is_dir():
             raise StudyError(f'--label-maps: {args.label_maps} is not a store folder')
         self.out = Path(args.out).resolve()
         self.seeds = list(range(args.seeds))
+        #: the annotator and its maps (``{'annotator': Step, 'maps': Step}``) where a run reads maps and no
+        #: --label-maps store is given; else empty
+        self.prep: dict = {}
+        self._prepared = None
+        self.maps = Path(args.label_maps).resolve() if args.label_maps else None
+        if any(self.reads_maps(r) for r in args.runs) and self.maps is None:
+            self.maps = self.out / 'maps' / 'train'
+            self.prep = self._annotator_steps()
         self.steps = {f'{run} seed {s}': self._step(run, s) for run in args.runs for s in self.seeds}
 
-    def _step(self, run: str, seed: int) -> Step:
+    @staticmethod
+    def reads_maps(run: str) -> bool:
+        return 'MAPS' in STUDY_RUNS[run][1]
+
+    def _train_cmd(self, out: Path, seed: int, flags: list) -> list:
+        """One ``tokenaug-train`` command of the recipe (``out/seed{seed}`` its run folder)."""
         a = self.args
-        flags = [str(Path(a.label_maps).resolve()) if f == 'MAPS' else f for f in STUDY_RUNS[run][1]]
         train = [str(BIN / 'tokenaug-train')]
         if a.launcher == 'torchrun':
             train = [sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', str(a.nproc_per_node), *train]
-        out = self.out / 'runs' / run
         cmd = train + ['-c', self.config, '--data-dir', self.data, '--train-split', a.train_split]
         cmd += ['--val-split', a.val_split, '--seed', seed, *flags, '--output', out, '--experiment', f'seed{seed}']
-        return Step(out / f'seed{seed}', cmd + list(a.train_args))
+        return cmd + list(a.train_args)
+
+    def _step(self, run: str, seed: int) -> Step:
+        flags = [str(self.maps) if f == 'MAPS' else f for f in STUDY_RUNS[run][1]]
+        out = self.out / 'runs' / run
+        inputs = [self.prep['maps'].key] if self.prep and self.reads_maps(run) else []
+        return Step(out / f'seed{seed}', self._train_cmd(out, seed, flags), inputs)
+
+    def _annotator_steps(self) -> dict:
+        """The annotator (the recipe at seed 0 with MixUp/CutMix and average pooling) and the ``tokenaug-maps
+        generate`` command of its maps of the training split, with the model, its kwargs, the classes and the input
+        size the training resolves from the config and ``--train-args``."""
+        from tokenaug.train_args import parse_args
+
+        flags = ['--mixup-type', 'cutmix', '--gp', 'avg']
+        ann = self._train_cmd(self.out / 'runs' / 'annotator', 0, flags)
+        try:
+            t = parse_args([str(a) for a in ann[ann.index('-c') :]])
+        except SystemExit:  # argparse has printed what it refuses
+            raise StudyError(
+                f"-c/--config {self.config} with --train-args: the annotator's command does not parse"
+            ) from None
+        # the input size as the training's data: --input-size, --img-size, the model's img_size kwarg, its default
+        size = t.input_size[1:] if t.input_size else t.img_size or t.model_kwargs.get('img_size')
+        if size is None:
+            import timm
+
+            size = (
+                (timm.get_pretrained_cfg_value(t.model, 'input_size') or [None])[1:] if timm.is_model(t.model) else []
+            )
+        if not size:
+            raise StudyError(
+                f'-c/--config: no input size for the annotator {t.model}: set img_size or pass --label-maps'
+            )
+        size = [size] if isinstance(size, int) else list(size)
+        kwargs = [f'{k}={v if isinstance(v, str) else json.dumps(v)}' for k, v in t.model_kwargs.items()]
+        maps = [BIN / 'tokenaug-maps', 'generate', '--data-dir', self.data, '--split', self.args.train_split]
+        maps += ['--model', t.model, '--model-kwargs', *kwargs, 'global_pool=avg']
+        maps += ['--num-classes', t.num_classes] if t.num_classes else []  # else the checkpoint's
+        maps += ['--checkpoint', self.out / 'runs' / 'annotator' / 'seed0' / 'last.pth.tar']
+        topk = min(5, t.num_classes or 5)  # the paper's top-5, or every class of a smaller problem
+        maps += ['--input-size', *size, '--topk', topk, '--out', self.maps, '-j', t.workers, '--no-progress']
+        ann_step = Step(self.out / 'runs' / 'annotator' / 'seed0', ann)
+        # the store's folder is the tool's own (it refuses a non-empty one): the step's record sits beside it
+        return dict(annotator=ann_step, maps=Step(self.maps.parent / 'record', maps, [ann_step.key]))
 
     # ---------------------------------------------------------------------------------------------- running
 
     def write_plan(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        plan = {name: dict(cmd=s.cmd, dir=str(s.dir), key=s.key) for name, s in self.steps.items()}
+        plan = {name: dict(cmd=s.cmd, dir=str(s.dir), key=s.key) for name, s in self.all_steps().items()}
         (self.out / 'plan.json').write_text(json.dumps(plan, indent=1) + '\n')
 
+    def all_steps(self) -> dict:
+        """Every step by name, the annotator and its maps first."""
+        return {**self.prep, **self.steps}
+
     def run_step(self, name: str) -> bool:
-        """Train one step unless it is done: from scratch, or resumed where an interrupted attempt of the same
-        command left a checkpoint. Returns whether it is done."""
-        step = self.steps[name]
+        """One step of the plan (``annotator``: the annotator and its maps); a run that reads the maps first
+        waits for them (building them if no one has). Returns whether it is done."""
+        if name == 'annotator' or (self.prep and self.reads_maps(name.rsplit(' seed ', 1)[0])):
+            if not self.prepare():
+                if name != 'annotator':
+                    print(f'  {name}: FAILED (no label maps: the annotator or its maps failed)', flush=True)
+                return False
+            if name == 'annotator':
+                return True
+        return self._train(name, self.steps[name])
+
+    def prepare(self) -> bool:
+        """The annotator and its maps, once: under a lock, so that jobs started together wait for one another."""
+        if self._prepared is None:  # once per process: a failure is not tried again by every run that waits
+            self.out.mkdir(parents=True, exist_ok=True)
+            with open(self.out / 'maps.lock', 'w') as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                self._prepared = self._train('annotator', self.prep['annotator']) and self._make_maps(self.prep['maps'])
+        return self._prepared
+
+    def _log(self, name: str) -> Path:
+        logs = self.out / 'logs'
+        logs.mkdir(parents=True, exist_ok=True)
+        return logs / f'{name.replace(" ", "_")}.log'
+
+    def _make_maps(self, step: Step) -> bool:
+        """``tokenaug-maps generate`` unless done; an interrupted attempt of the same command resumes (``--resume``
+        checks that the store is the same run's)."""
         if step.done():
-            print(f'  {name}: done before, skipped', flush=True)
+            print('  maps: done before, skipped', flush=True)
             return True
+        started = step.dir / 'study_started.json'
+        resume = started.is_file() and json.loads(started.read_text()).get('key') == step.key and self.maps.is_dir()
+        if not resume:
+            shutil.rmtree(self.maps, ignore_errors=True)
+            shutil.rmtree(step.dir, ignore_errors=True)
+            step.dir.mkdir(parents=True)
+            started.write_text(json.dumps(dict(key=step.key)) + '\n')
+        cmd = step.cmd + (['--resume'] if resume else [])
+        t = time.time()
+        rc, _ = run_logged(cmd, self._log('maps'))
+        if rc != 0:
+            print(f'  maps: FAILED (exit {rc}); see {self._log("maps")}', flush=True)
+            return False
+        step.finish(images=len(read_store_paths(self.maps)), secs=round(time.time() - t, 1), resumed=resume)
+        print(f'  maps: {self.maps} ({time.time() - t:.0f} s)', flush=True)
+        return True
+
+    def _train(self, name: str, step: Step) -> bool:
+        return train_step(name, step, self._log(name)) is not None
         started = step.dir / 'study_started.json'
         last = step.dir / 'last.pth.tar'
         resume = started.is_file() and json.loads(started.read_text()).get('key') == step.key and last.is_file()
@@ -126,14 +279,9 @@ class Study:
             shutil.rmtree(step.dir, ignore_errors=True)
             step.dir.mkdir(parents=True)
             started.write_text(json.dumps(dict(key=step.key)) + '\n')
-        logs = self.out / 'logs'
-        logs.mkdir(parents=True, exist_ok=True)
-        log = logs / f'{name.replace(" ", "_")}.log'
+        log = self._log(name)
         t = time.time()
-        with open(log, 'a') as f:
-            f.write(f'$ {shlex.join(cmd)}\n')
-            f.flush()
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = self._run(cmd, log)
         if rc != 0:
             print(f'  {name}: FAILED (exit {rc}); see {log}', flush=True)
             return False
@@ -145,6 +293,8 @@ class Study:
     def train_all(self) -> None:
         self.write_plan()
         todo = list(self.steps)
+        if self.prep:  # before the pool: the runs that read the maps would only wait for them
+            self.prepare()
         if self.args.parallel == 1:
             for name in todo:
                 self.run_step(name)
@@ -158,8 +308,10 @@ class Study:
         if '--emit-jobs' in argv:
             i = argv.index('--emit-jobs')
             del argv[i : i + 2]
-        # --run-step first: --train-args takes the rest of the line
-        return [shlex.join([str(BIN / 'tokenaug-study'), '--run-step', name, *argv]) for name in self.steps]
+        # --run-step first: --train-args takes the rest of the line. The annotator's job first: a job that reads
+        # its maps and starts before they are written waits for them (or builds them) under the study's lock
+        names = (['annotator'] if self.prep else []) + list(self.steps)
+        return [shlex.join([str(BIN / 'tokenaug-study'), '--run-step', name, *argv]) for name in names]
 
     # ---------------------------------------------------------------------------------------------- results
 
@@ -228,6 +380,12 @@ class Study:
             d = paired([got[s] for s in seeds], [base[s] for s in seeds])
             comparisons[run] = dict(seeds=seeds, **d, interval=interval(d), verdict=verdict(d, a.bound))
         split = self.test_split or a.val_split
+        maps = None
+        if self.maps is not None:
+            ann = self.prep['annotator'].done() if self.prep else None
+            maps = dict(
+                store=str(self.maps), annotator_val_top1=ann['top1'] if ann else None, trained_here=bool(self.prep)
+            )
         return dict(
             data_dir=str(self.data),
             config=str(self.config),
@@ -237,6 +395,7 @@ class Study:
             seeds=self.seeds,
             runs=runs,
             comparisons=comparisons,
+            label_maps=maps,
             failed_or_missing=missing,
         )
 
@@ -262,6 +421,14 @@ class Study:
                 lines.append(f'| {name} ({run["label"]}) | {run["mean"]:.2f} ± {run["sd"]:.2f} | {cells}{lost} |')
             else:
                 lines.append(f'| {name} ({run["label"]}) | failed or missing | every seed |')
+        m = r['label_maps']
+        if m and m['trained_here']:
+            top1 = 'did not finish' if m['annotator_val_top1'] is None else f'val top-1 {m["annotator_val_top1"]}'
+            where = f'its maps of the {self.args.train_split} split in `{m["store"]}`'
+            lines += ['', f'Label maps: an annotator trained here from the recipe (seed 0, MixUp/CutMix, average '
+                      f'pooling; {top1}), {where}.']  # fmt: skip
+        elif m:
+            lines += ['', f'Label maps: the store `{m["store"]}` (--label-maps).']
         lines += [
             '',
             f'Paired differences against {r["baseline"]} (same seed; mean and 95 % t interval over the seeds both runs '
@@ -312,12 +479,12 @@ def main(argv=None) -> int:
         print(f'tokenaug-study: error: {e}', file=sys.stderr)
         return 2
     if args.run_step is not None:
-        if args.run_step not in study.steps:
+        if args.run_step not in study.steps and not (args.run_step == 'annotator' and study.prep):
             print(f'tokenaug-study: error: --run-step: no step named {args.run_step!r}', file=sys.stderr)
             return 2
         return 0 if study.run_step(args.run_step) else 1
     if args.dry_run:
-        for name, step in study.steps.items():
+        for name, step in study.all_steps().items():
             print(f'# {name}\n{shlex.join(step.cmd)}')
         return 0
     if args.emit_jobs:
@@ -327,7 +494,10 @@ def main(argv=None) -> int:
         print(f'{len(lines)} jobs in {args.emit_jobs}; then: tokenaug-study ... --collect')
         return 0
     if not args.collect:
-        print(f'== tokenaug-study: {len(study.steps)} trainings ({len(args.runs)} runs x {args.seeds} seeds)')
+        annotator = ', and an annotator and its label maps first' if study.prep else ''
+        print(
+            f'== tokenaug-study: {len(study.steps)} trainings ({len(args.runs)} runs x {args.seeds} seeds){annotator}'
+        )
         study.train_all()
     return study.report()
 
