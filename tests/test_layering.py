@@ -85,3 +85,66 @@ timm_plugin.fix_posterize()
 print(HistoryBuffer.__getstate__ is not before[1], auto_augment.NAME_TO_OP['Posterize'] is not before[0]['Posterize'])
 """
     assert _run(code).split() == ['True', 'True', 'True']
+
+
+def _import_graph() -> dict:
+    """Our modules -> the modules of ours they import, read from the source: every ``import`` and ``from ...
+    import`` anywhere in a file (inside functions too), relative ones resolved; ``from pkg import name`` counts
+    as importing ``pkg.name`` where that is a module, else ``pkg``. A module's own parent packages are left out
+    (Python imports them first whatever the module says)."""
+    import ast
+
+    files = {}
+    for top in ('shared_core', 'timm_plugin', 'mm_plugin', 'tokenaug'):
+        for path in (REPO / top).rglob('*.py'):
+            name = '.'.join(path.relative_to(REPO).with_suffix('').parts)
+            files[name.removesuffix('.__init__')] = path
+
+    def ours(name):
+        while name and name not in files:
+            name = name.rpartition('.')[0]
+        return name or None
+
+    graph = {}
+    for mod, path in files.items():
+        package = mod if path.name == '__init__.py' else mod.rpartition('.')[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split('.')[: len(package.split('.')) - node.level + 1] if node.level else []
+                module = '.'.join(base + ([node.module] if node.module else []))
+                names = [f'{module}.{a.name}' for a in node.names]
+            else:
+                continue
+            for n in names:
+                target = ours(n)
+                if target and target != mod and not mod.startswith(target + '.'):
+                    edges.add(target)
+        graph[mod] = edges
+    return graph
+
+
+def test_the_import_graph_of_our_modules_has_no_cycle():
+    """No module of ours imports, directly or through others (lazily included), a module that imports it back:
+    the core below the adapters, each adapter's tools above its library code."""
+    graph = _import_graph()
+    # the reading sees what it should: a module-level import, a relative one inside a method
+    assert {'shared_core.map_store', 'tokenaug.tool_args'} <= graph['timm_plugin.tools.maps_cli']
+    assert 'timm_plugin.tools.study_eval' in graph['timm_plugin.tools.study_cli']
+    state, cycles = {}, []
+
+    def visit(mod, path):
+        state[mod] = 'open'
+        for nxt in sorted(graph[mod]):
+            if state.get(nxt) == 'open':
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[mod] = 'done'
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])
+    assert not cycles, '\n'.join(' -> '.join(c) for c in cycles)
