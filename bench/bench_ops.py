@@ -89,7 +89,7 @@ def make_steps(model_name: str, x, y, xm, target, num_classes: int, **kwargs):
     tl_model = attach_aux_head(timm.create_model(model_name, num_classes=num_classes, **kwargs)).train()
     tl_model.load_state_dict(model.state_dict(), strict=False)
     tl_target, tl_loss = token_label_target(y, num_classes), TokenLabelingLoss(num_classes)
-    # the same rows with their token targets built once, as TokenLabelCollate(token_stride=...) does in a worker
+    # the same rows with their token targets built once, as TokenLabelCollate(label_stride=...) does in a worker
     sh, sw = token_labeling_stride(tl_model)
     grid = (x.shape[-2] // sh, x.shape[-1] // sw)
     tl_built = tl_target.with_token_targets(grid, tl_loss.smoothing)

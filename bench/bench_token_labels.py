@@ -222,8 +222,8 @@ def training_step(args, target):
     model = attach_aux_head(timm.create_model(args.step_model, num_classes=1000)).to(dev).train()
     wrapped = TokenLabeling(model)
     lossf = TokenLabelingLoss(1000)
-    # the same rows with their token targets already built, as TokenLabelCollate(token_stride=...) hands them over
-    loader_built = target.with_token_targets(tuple(224 // s for s in wrapped.token_stride), lossf.smoothing)
+    # the same rows with their token targets already built, as TokenLabelCollate(label_stride=...) hands them over
+    loader_built = target.with_token_targets(tuple(224 // s for s in wrapped.label_stride), lossf.smoothing)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     x = torch.randn(args.batch, 3, 224, 224, device=dev)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.amp)

@@ -339,10 +339,10 @@ class TokenLabelingClassifier(ImageClassifier):
                 'train_cfg: image batch augments (MixUp/CutMix) mix pixels that the token labels do '
                 'not follow; MixToken is in the model; remove train_cfg.augments'
             )
-        _, self.head.num_prefix_tokens, self.token_stride = backbone_tokens(self.backbone)
+        _, self.head.num_prefix_tokens, self.label_stride = backbone_tokens(self.backbone)
         try:
             self.sampler = (
-                mixtoken_sampler(mix_beta, mix_prob, mix_mode, self.token_stride, mix_box_rounding)
+                mixtoken_sampler(mix_beta, mix_prob, mix_mode, self.label_stride, mix_box_rounding)
                 if mix_token
                 else None
             )
@@ -354,8 +354,8 @@ class TokenLabelingClassifier(ImageClassifier):
     def token_grid(self, inputs: torch.Tensor) -> Tuple[int, int]:
         """The token grid of a batch of images (their size must be a whole number of tokens)."""
         H, W = inputs.shape[-2:]
-        check_image_size((H, W), self.token_stride, 'inputs')
-        return H // self.token_stride[0], W // self.token_stride[1]
+        check_image_size((H, W), self.label_stride, 'inputs')
+        return H // self.label_stride[0], W // self.label_stride[1]
 
     def sample_mix(self, inputs: torch.Tensor) -> Optional[Mix]:
         """The batch's MixToken box, ``None`` when MixToken is off or this batch is not mixed."""

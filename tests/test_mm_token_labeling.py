@@ -337,7 +337,7 @@ def test_timm_cnn_and_mixer_backbones_match_the_timm_wrapper(family):
     attach_aux_head(timm_model).get_classifier().load_state_dict(model.head.head.state_dict())
     timm_model.aux_head.load_state_dict(model.head.aux_head.state_dict())
     wrapper = TokenLabeling(timm_model.train(), generator=torch.Generator().manual_seed(1))
-    assert model.token_stride == wrapper.token_stride == (stride, stride)
+    assert model.label_stride == wrapper.label_stride == (stride, stride)
     x = torch.randn(4, 3, 64, 64)
     model.generator = torch.Generator().manual_seed(1)
     feats, mix, grid = model.extract_feat_mixed(x)

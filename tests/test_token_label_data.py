@@ -85,14 +85,14 @@ def test_token_targets_follow_crops_and_flips_through_timms_loader(quadrant_data
 
 @pytest.mark.parametrize('prefetcher', [True, False])
 def test_the_collate_builds_the_token_targets_in_the_workers(quadrant_data, prefetcher):
-    """``TokenLabelCollate(token_stride=, smoothing=)`` in two worker processes: each batch carries the sparse token
+    """``TokenLabelCollate(label_stride=, smoothing=)`` in two worker processes: each batch carries the sparse token
     targets of its map rows on its images' token grid (equal, tensor by tensor, to the ones built from the rows),
     through the workers' pickling, the prefetcher's ``.to`` and a deepcopy; the loss's targets take them, and refuse
     them for another grid or smoothing."""
     from shared_core.token_labeling import token_labeling_targets
 
     torch.manual_seed(0)
-    collate = TokenLabelCollate(4, token_stride=16, smoothing=0.1)
+    collate = TokenLabelCollate(4, label_stride=16, smoothing=0.1)
     batches, ld = 0, loader(quadrant_data, prefetcher, input_size=(48, 64), collate=collate, workers=2)
     for x, target in ld:
         assert target.token_grid == (3, 4) and target.token_smoothing == 0.1
@@ -109,14 +109,14 @@ def test_the_collate_builds_the_token_targets_in_the_workers(quadrant_data, pref
     assert batches == len(ld) > 0
 
 
-def test_the_collate_refuses_a_bad_token_stride_or_smoothing(quadrant_data):
+def test_the_collate_refuses_a_bad_label_stride_or_smoothing(quadrant_data):
     for bad in (0, (16,), (16, 8.0)):
-        with pytest.raises(ValueError, match='token_stride: expected a positive int or'):
-            TokenLabelCollate(4, token_stride=bad)
+        with pytest.raises(ValueError, match='label_stride: expected a positive int or'):
+            TokenLabelCollate(4, label_stride=bad)
     with pytest.raises(ValueError, match=r'smoothing: expected a label smoothing in \[0, 1\)'):
-        TokenLabelCollate(4, token_stride=16, smoothing=1.0)
-    with pytest.raises(ValueError, match='token_stride: the images are 48x64 px, not a whole number of 20x20'):
-        next(iter(loader(quadrant_data, False, input_size=(48, 64), collate=TokenLabelCollate(4, token_stride=20))))
+        TokenLabelCollate(4, label_stride=16, smoothing=1.0)
+    with pytest.raises(ValueError, match='label_stride: the images are 48x64 px, not a whole number of 20x20'):
+        next(iter(loader(quadrant_data, False, input_size=(48, 64), collate=TokenLabelCollate(4, label_stride=20))))
 
 
 def check_pure_tokens(x, target, grid):

@@ -411,7 +411,7 @@ def test_cnn_mixtoken_in_image_space_and_unmixed_aux_logits_against_loops(name, 
     the partner's row. Reference: explicit loops over samples and cells, a per-position matrix product."""
     m = tiny_cnn(name)
     w = TokenLabeling(m, mode=mode, generator=torch.Generator().manual_seed(4))
-    assert w.token_stride == (32, 32) and w.num_prefix_tokens == 0
+    assert w.label_stride == (32, 32) and w.num_prefix_tokens == 0
     x = torch.randn(6, 3, 96, 128)
     out = w(x)
     mix = out.mix

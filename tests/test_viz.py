@@ -181,23 +181,17 @@ def test_tl_align_pictures_read_back_and_start_from_the_mix(tiny_world, tmp_path
         viz_cli.tl_align([*common[:-3], '--model', 'resnet18', '--model-kwargs', '--viz-dir', str(tmp_path / 'r')])
 
 
-def test_token_label_pictures_follow_the_image_through_flips_and_rotations(quadrant_data, tmp_path):
-    """Quadrant images with quadrant maps, through crop, flip and RandAugment (geometric ops followed): every
-    token whose centre pixel shows a quadrant colour and whose target is confident has that quadrant's class
-    as its target, in meta.json and in the picture's colours."""
+def _token_label_agreement(out, grid, stride):
+    """Over the pictures of ``tokenaug-viz token-labels`` in ``out``: every token whose centre pixel shows a
+    quadrant colour and whose target is confident has that quadrant's class as its target, in meta.json and in
+    the picture's colours. Returns (tokens checked, draws flipped, draws moved by a geometric op)."""
     from shared_core.viz import class_from_colour
 
     from .helpers import COLOURS
 
-    out = tmp_path / 'tl'
-    argv = ['token-labels', '--data-dir', str(quadrant_data), '--token-label-dir', str(quadrant_data / 'maps')]
-    argv += ['--model', 'vit_tiny_patch16_224', '--model-kwargs', 'img_size=64', '--input-size', '3', '64', '64']
-    argv += ['--aa', 'rand-m9-n1', '--color-jitter', '0', '--train-interpolation', 'nearest']
-    argv += ['--count', '6', '--draws', '6', '--viz-dir', str(out)]
-    assert viz_cli.main(argv) == 0
     meta = json.loads((out / 'meta.json').read_text())
-    assert meta['grid'] == [4, 4] and meta['geometric_aa'] == 'follow'
-    rc = token_centres((4, 4), (16, 16))
+    assert meta['grid'] == list(grid) and meta['geometric_aa'] == 'follow'
+    rc = token_centres(grid, stride)
     checked, flipped, moved = 0, 0, 0
     for image in meta['images']:
         assert _png(out / image['map']).shape == (64, 64, 3)  # the 8x8 stored map, 8 px per cell
@@ -214,7 +208,35 @@ def test_token_label_pictures_follow_the_image_through_flips_and_rotations(quadr
             identity = np.allclose(np.asarray(draw['affines']).reshape(-1, 2, 3), np.eye(3)[:2])
             flipped += int(draw['flip'] and ok.any())
             moved += int(not identity and ok.any())
+    return checked, flipped, moved
+
+
+def test_token_label_pictures_follow_the_image_through_flips_and_rotations(quadrant_data, tmp_path):
+    """Quadrant images with quadrant maps, through crop, flip and RandAugment (geometric ops followed): every
+    token whose centre pixel shows a quadrant colour and whose target is confident has that quadrant's class
+    as its target, in meta.json and in the picture's colours."""
+    out = tmp_path / 'tl'
+    argv = ['token-labels', '--data-dir', str(quadrant_data), '--token-label-dir', str(quadrant_data / 'maps')]
+    argv += ['--model', 'vit_tiny_patch16_224', '--model-kwargs', 'img_size=64', '--input-size', '3', '64', '64']
+    argv += ['--aa', 'rand-m9-n1', '--color-jitter', '0', '--train-interpolation', 'nearest']
+    argv += ['--count', '6', '--draws', '6', '--viz-dir', str(out)]
+    assert viz_cli.main(argv) == 0
+    checked, flipped, moved = _token_label_agreement(out, (4, 4), (16, 16))
     assert checked > 150 and flipped > 3 and moved > 3, (checked, flipped, moved)
+
+
+def test_token_label_pictures_of_a_resnet_are_on_its_final_feature_grid(quadrant_data, tmp_path):
+    """A ResNet, as training takes it: the targets on its final feature map's grid (32 px, the grid token
+    labeling trains on; the pictures once looked for a patch grid and refused it), each 32-px cell of a 64-px
+    image one quadrant, followed through flips."""
+    out = tmp_path / 'tl'
+    argv = ['token-labels', '--data-dir', str(quadrant_data), '--token-label-dir', str(quadrant_data / 'maps')]
+    argv += ['--model', 'resnet18', '--input-size', '3', '64', '64', '--scale', '1', '1', '--ratio', '1', '1']
+    argv += ['--color-jitter', '0', '--train-interpolation', 'nearest']
+    argv += ['--count', '6', '--draws', '4', '--viz-dir', str(out)]
+    assert viz_cli.main(argv) == 0
+    checked, flipped, _ = _token_label_agreement(out, (2, 2), (32, 32))
+    assert checked > 40 and flipped > 2, (checked, flipped)
 
 
 def test_tokenmixup_pictures_show_the_htm_plan(tiny_world, tmp_path):

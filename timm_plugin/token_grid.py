@@ -135,7 +135,7 @@ def tl_align_stride(model: nn.Module) -> Tuple[int, int]:
 def token_labeling_stride(model: nn.Module) -> Tuple[int, int]:
     """The grid token labeling works on: a CNN's final feature map (:func:`cnn_stride`), else the tokens
     (:func:`token_stride`); MixToken's box and the dense targets are drawn on it, and
-    ``TokenLabelCollate(token_stride=)`` takes it to build the dense targets in the loader."""
+    ``TokenLabelCollate(label_stride=)`` takes it to build the dense targets in the loader."""
     return cnn_stride(model) if cnn_features(model) is not None else token_stride(model)
 
 

@@ -113,7 +113,7 @@ class TokenLabelTarget(CarrierTensor):
 
     def with_token_targets(self, grid: Tuple[int, int], smoothing: float = 0.0) -> 'TokenLabelTarget':
         """This target carrying its sparse token targets for ``grid`` at ``smoothing`` (:meth:`token_targets`), as
-        ``TokenLabelCollate(token_stride=...)`` hands a batch over; the loss then reads them instead of building
+        ``TokenLabelCollate(label_stride=...)`` hands a batch over; the loss then reads them instead of building
         them."""
         return TokenLabelTarget.of(self.as_tensor(), self.maps.with_tokens(grid, smoothing))
 
@@ -383,20 +383,20 @@ class TokenLabelCollate:
     TokenLabelTarget)``: uint8 images stay uint8 (timm's fast-collate prefetcher normalises them on the
     device); the affine chains are padded with identities to the batch's longest.
 
-    ``token_stride`` (the model's, ``(sh, sw)`` or one int; :func:`~timm_plugin.token_grid.token_labeling_stride`):
+    ``label_stride`` (the model's, ``(sh, sw)`` or one int; :func:`~timm_plugin.token_grid.token_labeling_stride`):
     the sparse token targets are built here too, on the batch's token grid at label smoothing ``smoothing`` (the
     loss's), so the DataLoader's workers build them instead of the training step (they do not depend on MixToken's
     mix: the aux logits are un-mixed instead). The loss checks that they are for its grid and smoothing."""
 
-    def __init__(self, num_classes: int, check: bool = True, token_stride=None, smoothing: float = 0.0):
+    def __init__(self, num_classes: int, check: bool = True, label_stride=None, smoothing: float = 0.0):
         self.num_classes, self.check = int(num_classes), check
-        if token_stride is not None:  # (smoothing is only read then)
-            token_stride = (token_stride, token_stride) if isinstance(token_stride, int) else tuple(token_stride)
-            if len(token_stride) != 2 or not all(isinstance(s, int) and s > 0 for s in token_stride):
-                raise ValueError(f'token_stride: expected a positive int or (sh, sw), got {token_stride!r}')
+        if label_stride is not None:  # (smoothing is only read then)
+            label_stride = (label_stride, label_stride) if isinstance(label_stride, int) else tuple(label_stride)
+            if len(label_stride) != 2 or not all(isinstance(s, int) and s > 0 for s in label_stride):
+                raise ValueError(f'label_stride: expected a positive int or (sh, sw), got {label_stride!r}')
             if not 0.0 <= smoothing < 1.0:
                 raise ValueError(f'smoothing: expected a label smoothing in [0, 1), got {smoothing}')
-        self.token_stride, self.smoothing = token_stride, float(smoothing)
+        self.label_stride, self.smoothing = label_stride, float(smoothing)
 
     def __call__(self, batch):
         imgs = [torch.as_tensor(np.asarray(b[0])) if not torch.is_tensor(b[0]) else b[0] for b in batch]
@@ -416,13 +416,13 @@ class TokenLabelCollate:
             self.num_classes,
         )
         target = TokenLabelTarget.of(labels, maps)
-        if self.token_stride is None:
+        if self.label_stride is None:
             return x, target
         size = tuple(x.shape[-2:])
-        if any(n % s for n, s in zip(size, self.token_stride)):
+        if any(n % s for n, s in zip(size, self.label_stride)):
             raise ValueError(
-                f'token_stride: the images are {size[0]}x{size[1]} px, not a whole number of '
-                f'{self.token_stride[0]}x{self.token_stride[1]}-px tokens'
+                f'label_stride: the images are {size[0]}x{size[1]} px, not a whole number of '
+                f'{self.label_stride[0]}x{self.label_stride[1]}-px tokens'
             )
-        grid = (size[0] // self.token_stride[0], size[1] // self.token_stride[1])
+        grid = (size[0] // self.label_stride[0], size[1] // self.label_stride[1])
         return x, target.with_token_targets(grid, self.smoothing)

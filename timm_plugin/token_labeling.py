@@ -139,13 +139,13 @@ class TokenLabeling(nn.Module):
         self.num_prefix_tokens = (
             0 if self.cnn is not None else int(getattr(model, 'num_prefix_tokens', int(hasattr(model, 'patch_embed'))))
         )
-        self.token_stride = token_labeling_stride(model)
-        self.sampler = mixtoken_sampler(beta, prob if mix_token else 0.0, mode, self.token_stride, box_rounding)
+        self.label_stride = token_labeling_stride(model)
+        self.sampler = mixtoken_sampler(beta, prob if mix_token else 0.0, mode, self.label_stride, box_rounding)
 
     def grid(self, x: torch.Tensor) -> Tuple[int, int]:
         """The token grid of a batch of images (a whole number of tokens)."""
-        check_image_size(tuple(x.shape[-2:]), self.token_stride)
-        return x.shape[-2] // self.token_stride[0], x.shape[-1] // self.token_stride[1]
+        check_image_size(tuple(x.shape[-2:]), self.label_stride)
+        return x.shape[-2] // self.label_stride[0], x.shape[-1] // self.label_stride[1]
 
     def predict(self, x: torch.Tensor, model: Optional[nn.Module] = None) -> torch.Tensor:
         """The inference output (:func:`~shared_core.token_labeling.inference_logits` by ``head_rule``) of

@@ -386,7 +386,7 @@ def build_data(args, recipe, data_config: dict, device, model_dtype) -> Training
         loader_built = recipe.token_labeling and recipe.dense and args.token_targets == 'loader'
         stride = token_labeling_stride(recipe.model) if loader_built else None
         # (check=False: the dataset checks each row, named)
-        collate_fn = TokenLabelCollate(args.num_classes, check=False, token_stride=stride, smoothing=args.smoothing)
+        collate_fn = TokenLabelCollate(args.num_classes, check=False, label_stride=stride, smoothing=args.smoothing)
         if stride is not None:
             _logger.info(f'Token labeling: the loader builds the token targets ({stride[0]}x{stride[1]} px tokens)')
     # mixing: where the recipe's mixer runs (fast-collate with the prefetcher, else in the loop; on the device

@@ -372,7 +372,7 @@ def token_labels(argv) -> Path:
     from shared_core.map_store import LabelMapStore
     from shared_core.viz import class_colours, label_image
     from timm_plugin.recipe import attach_method_modules, build_model
-    from timm_plugin.token_grid import token_stride
+    from timm_plugin.token_grid import token_labeling_stride
     from timm_plugin.token_label_data import TokenLabelCollate, TokenLabelDataset
     from tokenaug.train_args import check_supported
 
@@ -389,7 +389,7 @@ def token_labels(argv) -> Path:
     model = build_model(args, lambda model: attach_method_modules(model, args))  # a checkpoint's aux head too
     data_config = resolve_data_config(vars(args), model=model)
     size = tuple(data_config['input_size'][1:])
-    stride = token_stride(model)
+    stride = token_labeling_stride(model)  # the grid of the targets, as training builds them (32 px on a CNN)
     grid = (size[0] // stride[0], size[1] // stride[1])
     base, transform = _training_split(args, data_config, use_prefetcher=True)  # uint8, as the prefetcher's
     dataset = TokenLabelDataset(
