@@ -190,7 +190,58 @@ def timm_tracer(model: nn.Module, pooled_outside: bool = False, name: str = 'mod
     return tracer_for(model, POOLED_OUTSIDE, name)  # no tracer: the error that lists the supported classes
 
 
-class TLAlign(nn.Module):
+class _MixTargetWrapper(nn.Module):
+    """What TL-Align and TransMix share around a timm model: its tracer, the label attention's path (``fused``),
+    ``forward`` (the model without a target, ``align`` with one) and the checks of a mixed batch."""
+
+    method = ''
+
+    def __init__(self, model: nn.Module, fused: Union[bool, str, None] = None):
+        super().__init__()
+        check_choice('fused', fused)
+        self.tracer = timm_tracer(model)
+        guard_module_hooks()  # per-call hooks under torch.compile
+        self.model = model
+        self.fused = fused
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return self.tracer.num_prefix_tokens
+
+    @property
+    def depth(self) -> int:
+        return self.tracer.depth
+
+    def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None):
+        """``model(x)`` without a target; with one, :meth:`align`'s ``(output, aligned target)`` in train and eval
+        mode alike (in eval mode stochastic depth and dropout are off, so every block counts)."""
+        if target is None:
+            return self.model(x)
+        return self.align(x, target)
+
+    def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):
+        raise NotImplementedError
+
+    def _check_target(self, x: torch.Tensor, target) -> Mix:
+        """The :class:`Mix` of ``target``, checked against the batch and the model's classes."""
+        mix = check_mix_target(target, self.method, type(self).__name__)
+        if not torch.is_tensor(x) or x.dim() != 4:
+            raise ValueError(f'x: expected a (B, C, H, W) image batch, got {getattr(x, "shape", type(x).__name__)}')
+        if x.shape[0] != mix.batch_size:
+            raise ValueError(
+                f'x: a batch of {x.shape[0]} images for a target (mix) of {mix.batch_size}; '
+                'pass the images the mixer returned with its target'
+            )
+        classes = getattr(self.model, 'num_classes', None)
+        if isinstance(classes, int) and classes > 0 and target.num_classes != classes:
+            raise ValueError(
+                f'target: the mixer made {target.num_classes}-class targets for a model with {classes} classes '
+                "(create_mixer(num_classes=...) must be the model's)"
+            )
+        return mix
+
+
+class TLAlign(_MixTargetWrapper):
     """Token-label alignment around a timm model (see the module docstring); the label path is
     :func:`shared_core.tl_align.trace_labels` with this model's tracer. :class:`timm_plugin.TLAlignTask` is
     the same as a timm ``TrainingTask``.
@@ -221,30 +272,14 @@ class TLAlign(nn.Module):
         drop_path: str = 'kept',
         shared: bool = True,
     ):
-        super().__init__()
         for name, value in (('residual', residual), ('shared', shared)):
             if not isinstance(value, bool):
                 raise ValueError(f'{name}: expected True or False, got {value!r}')
-        check_choice('fused', fused)
-        self.tracer = timm_tracer(model)
-        guard_module_hooks()  # per-call hooks under torch.compile
+        super().__init__(model, fused)
         self.shared = shared
-        self.model = model
         self.layers = check_layers(layers, self.tracer.depth)
         self.residual = residual
-        self.fused = fused
         self.drop_path = check_drop_path(drop_path)
-
-    @property
-    def num_prefix_tokens(self) -> int:
-        return self.tracer.num_prefix_tokens
-
-    @property
-    def depth(self) -> int:
-        return self.tracer.depth
-
-    def _check_mix(self, target) -> Mix:
-        return check_mix_target(target, self.method, type(self).__name__)
 
     def _run(self, x: torch.Tensor, labels: torch.Tensor, forward=None):
         labels = labels.to(x.device)
@@ -255,32 +290,9 @@ class TLAlign(nn.Module):
             output, captures = capture_forward(tracer, forward or (lambda: self.model(x)))
             return output, trace_labels(tracer, captures, output, labels, self.layers, self.residual, self.drop_path)
 
-    def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None):
-        """``model(x)`` without a target; with one, :meth:`align`'s ``(output, aligned target)`` in train and eval
-        mode alike (in eval mode stochastic depth and dropout are off, so every block counts)."""
-        if target is None:
-            return self.model(x)
-        return self.align(x, target)
-
-    def _check_batch(self, x: torch.Tensor, mix: Mix) -> None:
-        if not torch.is_tensor(x) or x.dim() != 4:
-            raise ValueError(f'x: expected a (B, C, H, W) image batch, got {getattr(x, "shape", type(x).__name__)}')
-        if x.shape[0] != mix.batch_size:
-            raise ValueError(
-                f'x: a batch of {x.shape[0]} images for a target (mix) of {mix.batch_size}; '
-                'pass the images the mixer returned with its target'
-            )
-
     def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):
         """``(output, aligned (B, C) target)``; ``forward`` (default ``self.model(x)``) runs the token path."""
-        mix = self._check_mix(target)
-        self._check_batch(x, mix)
-        classes = getattr(self.model, 'num_classes', None)
-        if isinstance(classes, int) and classes > 0 and target.num_classes != classes:
-            raise ValueError(
-                f'target: the mixer made {target.num_classes}-class targets for a model with {classes} classes '
-                "(create_mixer(num_classes=...) must be the model's)"
-            )
+        mix = self._check_target(x, target)
         output, share = self._run(x, compact_labels(mix, self.num_prefix_tokens), forward)
         return output, aligned_target(share[:, 0], target.labels, mix, target.num_classes, target.smoothing)
 
@@ -302,7 +314,7 @@ def check_mix_target(target, method: str, who: str) -> Mix:
     return target.mix
 
 
-class TransMix(TLAlign):
+class TransMix(_MixTargetWrapper):
     """TransMix (Chen et al., "TransMix: Attend to Mix for Vision Transformers"), the baseline TL-Align
     compares with: the partner share of the target is read from the last block's attention over the
     mixed region instead of the area (:func:`shared_core.tl_align.transmix_share`).
@@ -331,8 +343,7 @@ class TransMix(TLAlign):
         self.mode = mode
 
     def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):
-        mix = self._check_mix(target)
-        self._check_batch(x, mix)
+        mix = self._check_target(x, target)
         output, captures = capture_forward(self.tracer, forward or (lambda: self.model(x)))
         with fused_label_attn(self.fused):
             share = transmix_share(self.tracer, captures, output, mix.to(x.device), self.mode)
