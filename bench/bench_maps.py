@@ -29,7 +29,8 @@ import torch
 from common import device_sync, median_times
 from PIL import Image
 
-from shared_core.map_store import LabelMapStore, MapWriter, store_status
+from shared_core.map_status import store_status
+from shared_core.map_store import LabelMapStore, MapWriter
 from timm_plugin import annotator
 from timm_plugin.tools import maps_cli as maps
 

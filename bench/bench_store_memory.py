@@ -6,7 +6,7 @@ resident memory, ``RssAnon``: the process's own) that opening the store and look
 file pages it maps (``RssFile``: the page cache, shared by every process mapping the same files):
 
 - ``dict``: the index as it was, a Python dict of every path (``_index_paths(_read_paths(...))``);
-- ``mmap``: :class:`shared_core.map_store.PathIndex`, memory-mapped (what ``LabelMapStore.open`` uses);
+- ``mmap``: :class:`shared_core.map_paths.PathIndex`, memory-mapped (what ``LabelMapStore.open`` uses);
 
 and the same in ``--workers`` spawned worker processes that each unpickle the store (as a DataLoader's spawn /
 forkserver workers do) and look up ``--lookups`` random images. Linux only (``/proc``)::

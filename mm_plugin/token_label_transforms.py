@@ -109,7 +109,7 @@ class LoadTokenLabelMap(BaseTransform):
             ImageFolder-style split): the key of an image is ``relpath(img_path, split_root)``.
         check: refuse corrupt rows (:func:`shared_core.label_maps.check_map_row`).
 
-    A missing row raises the store's :class:`~shared_core.map_store.MissingLabelMapError` naming the image.
+    A missing row raises the store's :class:`~shared_core.map_format.MissingLabelMapError` naming the image.
     """
 
     def __init__(

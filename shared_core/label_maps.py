@@ -720,7 +720,7 @@ def register_center_square(
     """``(box, flip, chain)`` of a crop (this module's form: the box, the flip, then the ops ``affines``) of an image
     of ``image_size = (W, H)`` pixels, for a map that covers the image's centre square instead of the whole image
     (the maps released with Token Labeling: the shorter side resized, the centre square cropped,
-    :data:`shared_core.map_store.CENTER_SQUARE`): each token reads the map where the annotator saw its pixels, and
+    :data:`shared_core.map_format.CENTER_SQUARE`): each token reads the map where the annotator saw its pixels, and
     the parts of the image the annotator never saw count as uniform (the fill rule).
 
     In this module's form: the whole map as the box, no flip, and the chain the registration (at output point

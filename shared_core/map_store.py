@@ -39,32 +39,70 @@ as the public code does, unless asked to register them where the annotator saw t
 consumer that needs a full C-way distribution spreads the remaining mass ``1 - sum(top-k)`` uniformly
 over the other ``C - k`` classes (that is the consumer's job, not this module's).
 
-Public API: :func:`normalize_path`, :func:`index_dtype`, :class:`MapWriter` (``create``, ``resume``,
-``write``, ``missing``, ``finalize``), :class:`LabelMapStore` (``open``, ``row``, ``lookup``,
-``index_of``), :func:`new_meta`, :func:`store_status`, :func:`read_store_paths`, :func:`merge_stores`,
-:func:`remove_store`, :func:`compatibility_diff`, and the errors
-:class:`LabelMapError`, :class:`IncompleteStoreError`, :class:`MissingLabelMapError`.
+Public API: :class:`MapWriter` (``create``, ``resume``, ``write``, ``missing``, ``finalize``),
+:class:`LabelMapStore` (``open``, ``row``, ``lookup``, ``index_of``), :func:`read_store_paths`,
+:func:`remove_store`; from :mod:`shared_core.map_format` (and importable from here): :func:`normalize_path`,
+:func:`index_dtype`, :func:`new_meta`, :func:`compatibility_diff`, the errors :class:`LabelMapError`,
+:class:`IncompleteStoreError`, :class:`MissingLabelMapError` and the format's constants; the path index
+:class:`~shared_core.map_paths.PathIndex`; a store's status and the merge of shards:
+:mod:`shared_core.map_status` (:func:`~shared_core.map_status.store_status`,
+:func:`~shared_core.map_status.merge_stores`).
 
 Plain numpy + json: this module imports neither torch, timm nor mm*.
 """
 
 from __future__ import annotations
 
-import datetime
 import errno
-import hashlib
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from shared_core.map_format import (
+    CENTER_SQUARE,
+    DONE_FILE,
+    FORMAT,
+    INDICES_FILE,
+    META_FILE,
+    PATHS_FILE,
+    REGION,
+    REGIONS,
+    STORE_FILES,
+    VALUES_DTYPE,
+    VALUES_FILE,
+    VERSION,
+    VOLATILE_META_KEYS,
+    IncompleteStoreError,
+    LabelMapError,
+    MissingLabelMapError,
+    _check_space,
+    _gb,
+    _index_paths,
+    _load_array,
+    _now,
+    _read_meta,
+    _read_paths,
+    _row_shape,
+    _unallocated,
+    _write_json_atomic,
+    _write_paths,
+    compatibility_diff,
+    index_dtype,
+    new_meta,
+    normalize_path,
+)
+from shared_core.map_paths import PATH_INDEX_FILE, PATH_OFFSETS_FILE, PathIndex
 
 __all__ = [
     'FORMAT',
     'VERSION',
+    'CENTER_SQUARE',
+    'REGION',
+    'REGIONS',
+    'STORE_FILES',
+    'VOLATILE_META_KEYS',
     'LabelMapError',
     'IncompleteStoreError',
     'MissingLabelMapError',
@@ -72,411 +110,12 @@ __all__ = [
     'index_dtype',
     'MapWriter',
     'LabelMapStore',
-    'store_status',
-    'merge_stores',
     'remove_store',
     'compatibility_diff',
     'new_meta',
     'read_store_paths',
     'PathIndex',
 ]
-
-FORMAT = 'tokenaug-label-maps'
-VERSION = 1
-META_FILE = 'meta.json'
-VALUES_FILE = 'values.npy'
-INDICES_FILE = 'indices.npy'
-PATHS_FILE = 'paths.txt'
-DONE_FILE = 'done.npy'
-STORE_FILES = (VALUES_FILE, INDICES_FILE, PATHS_FILE, DONE_FILE, META_FILE)
-VALUES_DTYPE = np.dtype(np.float16)
-MAX_UINT16_CLASSES = 65536  # class indices 0..65535 fit uint16
-REGION = {'covers': 'full_image', 'resize': 'squash'}
-#: what the maps released with Token Labeling cover: its ``generate_label.py`` ran timm 0.4.5's eval transform at
-#: ``--img-size 576 --crop-pct 1.0``, i.e. the shorter side resized to 576, then the centre square cropped
-CENTER_SQUARE = {'covers': 'center_square', 'resize': 'shorter_side'}
-#: the regions a store may record (``meta.json``'s ``region``)
-REGIONS = (REGION, CENTER_SQUARE)
-# Meta keys allowed to differ between a store and a resumed run / between shards of one run.
-VOLATILE_META_KEYS = frozenset({'created', 'completed', 'complete', 'shard', 'num_images', 'run', 'merged_from'})
-_REQUIRED_META = {
-    'format': str,
-    'version': int,
-    'num_images': int,
-    'num_classes': int,
-    'k': int,
-    'grid': list,
-    'values_dtype': str,
-    'indices_dtype': str,
-    'input_size': list,
-}
-_WRITE_CHUNK_ROWS = 4096
-# Keys that MapWriter.create writes itself (everything else in meta.json is extra_meta).
-_FORMAT_META_KEYS = frozenset(
-    {
-        'format',
-        'version',
-        'num_images',
-        'num_classes',
-        'k',
-        'grid',
-        'values',
-        'values_order',
-        'values_dtype',
-        'indices_dtype',
-        'remaining_mass',
-        'annotator',
-        'annotator_checkpoint',
-        'input_size',
-        'region',
-        'complete',
-        'created',
-    }
-)
-
-
-def _gb(nbytes: int) -> str:
-    return f'{nbytes / 1e9:.2f} GB'
-
-
-def _unallocated(path: Path) -> int:
-    """Bytes of a sparse preallocated file not backed by disk blocks yet (what writing its rows will take)."""
-    st = path.stat()
-    return max(0, st.st_size - getattr(st, 'st_blocks', 0) * 512)
-
-
-def _check_space(root: Path, need: int, done: int, total: int) -> None:
-    """The store's arrays are memory-mapped, sparse files: a write into a full disk is a ``SIGBUS`` that kills the
-    process (no error to catch). Refuse up front where the rows still to write need more than the disk has."""
-    free = shutil.disk_usage(root).free
-    if need > free:
-        raise LabelMapError(
-            f'disk full: the store at {root} needs {_gb(need)} more, {_gb(free)} are free; {done} of {total} rows '
-            f'written. Free {_gb(need - free)} and rerun with --resume'
-        )
-
-
-class LabelMapError(ValueError):
-    """A label-map store that is corrupt, inconsistent, incompatible or misused."""
-
-
-class IncompleteStoreError(LabelMapError):
-    """A store whose generation has not finished (some rows are not on disk yet)."""
-
-
-class MissingLabelMapError(KeyError):
-    """No label map for an image in this store (a ``KeyError`` naming the image and the store)."""
-
-    def __init__(self, rel_path: str, store: os.PathLike | str, hint: str = ''):
-        self.rel_path, self.store = rel_path, str(store)
-        msg = f'no label map for image {rel_path!r} in label-map store {self.store!r}'
-        super().__init__(msg + (f' ({hint})' if hint else ''))
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0])
-
-
-# ----------------------------------------------------------------------------------------- helpers
-def normalize_path(path: str | os.PathLike) -> str:
-    """A dataset-relative image path in store form: ``os.sep`` -> ``'/'``, no leading ``'./'``.
-
-    Raises ``ValueError`` for an empty or absolute path and for paths containing a newline or carriage
-    return (``paths.txt`` is one path per line).
-    """
-    s = os.fspath(path)
-    if not isinstance(s, str):
-        raise ValueError(f'image path must be a str, got {type(s).__name__}: {s!r}')
-    for sep in (os.sep, os.altsep):
-        if sep and sep != '/':
-            s = s.replace(sep, '/')
-    while s.startswith('./'):
-        s = s[2:]
-    if '\n' in s or '\r' in s:
-        raise ValueError(f'image path {s!r} contains a newline; paths.txt stores one path per line')
-    if not s or s.startswith('/'):
-        raise ValueError(f'image path must be relative to the dataset split root and non-empty, got {s!r}')
-    return s
-
-
-def index_dtype(num_classes: int) -> np.dtype:
-    """Class-index dtype for ``num_classes``: uint16 while every index fits (C <= 65536), else int32."""
-    if num_classes < 1:
-        raise ValueError(f'num_classes must be >= 1, got {num_classes}')
-    return np.dtype(np.uint16) if num_classes <= MAX_UINT16_CLASSES else np.dtype(np.int32)
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
-
-
-def _write_json_atomic(path: Path, obj: Mapping[str, Any]) -> None:
-    tmp = path.with_name(path.name + '.tmp')
-    with open(tmp, 'w', encoding='utf-8') as f:
-        json.dump(obj, f, indent=1, sort_keys=False)
-        f.write('\n')
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _read_meta(root: Path) -> dict:
-    path = root / META_FILE
-    if not path.is_file():
-        hint = ''
-        if (root / 'shards').is_dir():
-            hint = f'; it has shards/ -- merge them with `tokenaug-maps merge {root}`'
-        raise LabelMapError(f'{root} is not a label-map store: {META_FILE} not found{hint}')
-    try:
-        meta = json.loads(path.read_text(encoding='utf-8'))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LabelMapError(f'{path}: unreadable label-map meta ({e})') from e
-    _check_meta(meta, path)
-    return meta
-
-
-def _check_meta(meta: Any, where: Path) -> None:
-    if not isinstance(meta, dict):
-        raise LabelMapError(f'{where}: expected a JSON object, got {type(meta).__name__}')
-    if meta.get('format') != FORMAT:
-        raise LabelMapError(f'{where}: format is {meta.get("format")!r}, expected {FORMAT!r}')
-    if meta.get('version') != VERSION:
-        raise LabelMapError(f'{where}: version {meta.get("version")!r} is not supported (expected {VERSION})')
-    for key, typ in _REQUIRED_META.items():
-        if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
-            raise LabelMapError(f'{where}: meta key {key!r} must be a {typ.__name__}, got {meta.get(key)!r}')
-    grid = meta['grid']
-    if len(grid) != 2 or not all(isinstance(g, int) and g > 0 for g in grid):
-        raise LabelMapError(f'{where}: grid must be [h, w] with positive ints, got {grid!r}')
-    if meta['values_dtype'] != VALUES_DTYPE.name:
-        raise LabelMapError(f'{where}: values_dtype {meta["values_dtype"]!r}, expected {VALUES_DTYPE.name!r}')
-    expected_ix = index_dtype(meta['num_classes']).name
-    if meta['indices_dtype'] != expected_ix:
-        raise LabelMapError(
-            f'{where}: indices_dtype {meta["indices_dtype"]!r} for {meta["num_classes"]} classes, '
-            f'expected {expected_ix!r}'
-        )
-    if not 1 <= meta['k'] <= meta['num_classes']:
-        raise LabelMapError(f'{where}: k={meta["k"]} must be in [1, num_classes={meta["num_classes"]}]')
-    if meta['num_images'] < 0:
-        raise LabelMapError(f'{where}: num_images must be >= 0, got {meta["num_images"]}')
-
-
-def _row_shape(meta: Mapping[str, Any]) -> tuple[int, int, int]:
-    return (meta['k'], *meta['grid'])
-
-
-def _load_array(root: Path, name: str, shape: tuple, dtype: np.dtype, mode: str) -> np.memmap:
-    path = root / name
-    if not path.is_file():
-        raise LabelMapError(f'label-map store {root}: {name} is missing')
-    try:
-        arr = np.load(path, mmap_mode=mode, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise LabelMapError(f'label-map store {root}: {name} is not a readable .npy array ({e})') from e
-    if arr.shape != tuple(shape) or arr.dtype != dtype:
-        raise LabelMapError(
-            f'label-map store {root}: {name} has shape {arr.shape} dtype {arr.dtype}, '
-            f'expected {tuple(shape)} {dtype} (from {META_FILE})'
-        )
-    return arr
-
-
-def _read_paths(root: Path, num_images: int) -> list[str]:
-    path = root / PATHS_FILE
-    try:
-        text = path.read_text(encoding='utf-8')
-    except FileNotFoundError as e:
-        raise LabelMapError(f'label-map store {root}: {PATHS_FILE} is missing') from e
-    except UnicodeDecodeError as e:
-        raise LabelMapError(f'{path}: not UTF-8 ({e})') from e
-    # split on '\n' only: str.splitlines() would also split on characters that are legal in file names
-    paths = text.split('\n')
-    if paths and paths[-1] == '':
-        paths.pop()
-    if len(paths) != num_images:
-        raise LabelMapError(f'{path}: {len(paths)} paths, expected num_images={num_images} from {META_FILE}')
-    return paths
-
-
-def _index_paths(paths: Sequence[str], where: os.PathLike | str) -> dict[str, int]:
-    index: dict[str, int] = {}
-    for row, p in enumerate(paths):
-        first = index.setdefault(p, row)
-        if first != row:
-            raise LabelMapError(f'{where}: duplicate image path {p!r} at rows {first} and {row}')
-    return index
-
-
-def _write_paths(root: Path, paths: Sequence[str]) -> None:
-    tmp = root / (PATHS_FILE + '.tmp')
-    with open(tmp, 'w', encoding='utf-8', newline='\n') as f:
-        for p in paths:
-            f.write(p + '\n')
-    os.replace(tmp, root / PATHS_FILE)
-
-
-# ------------------------------------------------------------------------------------------ path index
-#: the store's path index (derived from paths.txt; rebuilt when missing or stale): ``(N + 1, 2)`` uint64, row 0
-#: ``[digest of paths.txt, N]``, then ``(hash of the path, row)`` sorted by hash
-PATH_INDEX_FILE = 'paths.index.npy'
-#: byte offsets of the paths in paths.txt: ``(N + 1,)`` int64, path ``r`` is ``[offsets[r], offsets[r + 1] - 1)``
-PATH_OFFSETS_FILE = 'paths.offsets.npy'
-
-
-def _hash64(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), 'little')
-
-
-class PathIndex:
-    """Row of an image path, from memory-mapped arrays: the hash of each path sorted with its row, the paths'
-    byte offsets, and ``paths.txt`` itself, so that every process and DataLoader worker shares the page cache
-    instead of holding a dict of every path in each (``bench/bench_store_memory.py``). A lookup is a
-    binary search on the hashes and a comparison of the path's bytes (a hash collision costs one more
-    comparison). Built once from ``paths.txt`` (duplicates refused) and written beside it; where the store's
-    folder cannot be written, the arrays are kept in memory (about 24 bytes a row)."""
-
-    def __init__(self, root: Path, num_images: int, write: bool = True):
-        self.root, self.n = Path(root), int(num_images)
-        text = self.root / PATHS_FILE
-        try:
-            data = text.read_bytes()
-        except FileNotFoundError as e:
-            raise LabelMapError(f'label-map store {self.root}: {PATHS_FILE} is missing') from e
-        digest = _hash64(data)
-        index, offsets = self._load(digest)
-        if index is None:
-            index, offsets = _build_path_index(data, self.n, digest, self.root)
-            if write:
-                self._save(index, offsets)
-        del data
-        self._hashes, self._rows, self._offsets = index[1:, 0], index[1:, 1], offsets
-        self._text = np.memmap(text, dtype=np.uint8, mode='r') if offsets[-1] else np.zeros(0, np.uint8)
-
-    def _load(self, digest: int):
-        files = self.root / PATH_INDEX_FILE, self.root / PATH_OFFSETS_FILE
-        if not all(f.is_file() for f in files):
-            return None, None
-        try:
-            index = np.load(files[0], mmap_mode='r', allow_pickle=False)
-            offsets = np.load(files[1], mmap_mode='r', allow_pickle=False)
-        except (OSError, ValueError):
-            return None, None
-        ok = (
-            index.dtype == np.uint64
-            and index.shape == (self.n + 1, 2)
-            and offsets.dtype == np.int64
-            and offsets.shape == (self.n + 1,)
-            and int(index[0, 0]) == digest
-            and int(index[0, 1]) == self.n
-        )
-        return (index, offsets) if ok else (None, None)
-
-    def _save(self, index: np.ndarray, offsets: np.ndarray) -> None:
-        for name, arr in ((PATH_OFFSETS_FILE, offsets), (PATH_INDEX_FILE, index)):  # the index last: it vouches
-            tmp = None
-            try:  # a temporary of this process's own, renamed whole: readers building it at once cannot collide
-                fd, tmp = tempfile.mkstemp(prefix=f'.{name}.', suffix='.tmp', dir=self.root)
-                with os.fdopen(fd, 'wb') as f:
-                    np.save(f, arr, allow_pickle=False)
-                os.replace(tmp, self.root / name)
-            except OSError:  # a read-only store: the index stays in this process's memory
-                if tmp is not None:
-                    Path(tmp).unlink(missing_ok=True)
-                return
-
-    def row(self, key: str) -> int:
-        """The row of ``key`` (a normalised path), or -1."""
-        data = key.encode('utf-8')
-        h = np.uint64(_hash64(data))
-        i = int(np.searchsorted(self._hashes, h))
-        while i < self.n and self._hashes[i] == h:
-            r = int(self._rows[i])
-            start, end = int(self._offsets[r]), int(self._offsets[r + 1]) - 1
-            if end - start == len(data) and self._text[start:end].tobytes() == data:
-                return r
-            i += 1
-        return -1
-
-
-def _build_path_index(data: bytes, n: int, digest: int, where) -> tuple:
-    """``(index, offsets)`` of :class:`PathIndex` from the bytes of paths.txt (one path per line)."""
-    try:
-        data.decode('utf-8')
-    except UnicodeDecodeError as e:
-        raise LabelMapError(f'{where / PATHS_FILE}: not UTF-8 ({e})') from e
-    ends = np.flatnonzero(np.frombuffer(data, np.uint8) == ord('\n'))
-    if len(ends) != n or (n and ends[-1] != len(data) - 1):
-        raise LabelMapError(f'{where / PATHS_FILE}: {len(ends)} paths, expected num_images={n} from {META_FILE}')
-    offsets = np.zeros(n + 1, np.int64)
-    offsets[1:] = ends + 1
-    hashes = np.fromiter((_hash64(data[offsets[r] : offsets[r + 1] - 1]) for r in range(n)), dtype=np.uint64, count=n)
-    order = np.argsort(hashes, kind='stable')
-    index = np.empty((n + 1, 2), np.uint64)
-    index[0] = (digest, n)
-    index[1:, 0], index[1:, 1] = hashes[order], order
-    same = np.flatnonzero(index[2:, 0] == index[1:-1, 0])  # equal hashes: a duplicate path, or a collision
-    for h in np.unique(index[1:, 0][same]):
-        first: dict = {}
-        for r in sorted(int(r) for r in order[hashes[order] == h]):
-            path = data[offsets[r] : offsets[r + 1] - 1]
-            if path in first:
-                raise LabelMapError(
-                    f'{where}: duplicate image path {path.decode("utf-8", "replace")!r} at rows {first[path]} and {r}'
-                )
-            first[path] = r
-    return index, offsets
-
-
-def compatibility_diff(
-    a: Mapping[str, Any], b: Mapping[str, Any], ignore: Iterable[str] = VOLATILE_META_KEYS
-) -> list[str]:
-    """The meta keys (outside ``ignore``) whose values differ between ``a`` and ``b``, as readable lines."""
-    ignore = set(ignore)
-    keys = sorted((set(a) | set(b)) - ignore)
-    return [f'{k}: {a.get(k)!r} != {b.get(k)!r}' for k in keys if a.get(k) != b.get(k)]
-
-
-def new_meta(
-    n: int,
-    *,
-    num_classes: int,
-    k: int,
-    grid: Sequence[int],
-    annotator: str,
-    input_size: Sequence[int],
-    annotator_checkpoint: str | None = None,
-    region: Mapping[str, str] = REGION,
-) -> dict:
-    """The format part of ``meta.json`` for a new store of ``n`` images (incomplete; see the module doc);
-    ``region``: what of each image the annotator saw (:data:`REGIONS`)."""
-    grid, input_size = [int(g) for g in grid], [int(s) for s in input_size]
-    if len(grid) != 2 or min(grid) < 1:
-        raise ValueError(f'grid must be (h, w) with positive ints, got {grid}')
-    if len(input_size) != 2 or min(input_size) < 1:
-        raise ValueError(f'input_size must be (H, W) with positive ints, got {input_size}')
-    if not 1 <= k <= num_classes:
-        raise ValueError(f'k must be in [1, num_classes={num_classes}], got {k}')
-    if dict(region) not in REGIONS:
-        raise ValueError(f'region must be one of {REGIONS}, got {region!r}')
-    return {
-        'format': FORMAT,
-        'version': VERSION,
-        'num_images': n,
-        'num_classes': int(num_classes),
-        'k': int(k),
-        'grid': grid,
-        'values': 'probabilities',
-        'values_order': 'descending',
-        'values_dtype': VALUES_DTYPE.name,
-        'indices_dtype': index_dtype(num_classes).name,
-        'remaining_mass': 'consumer spreads 1 - sum(top-k) uniformly over the other num_classes - k classes',
-        'annotator': str(annotator),
-        'annotator_checkpoint': None if annotator_checkpoint is None else str(annotator_checkpoint),
-        'input_size': input_size,
-        'region': dict(region),
-        'complete': False,
-        'created': _now(),
-    }
 
 
 # ------------------------------------------------------------------------------------------ writer
@@ -819,128 +458,6 @@ class LabelMapStore:
             f'LabelMapStore({str(self.root)!r}, num_images={m["num_images"]}, num_classes={m["num_classes"]}, '
             f'k={m["k"]}, grid={tuple(m["grid"])}, annotator={m.get("annotator")!r})'
         )
-
-
-# ------------------------------------------------------------------------------ status, merge, remove
-def store_status(path: str | os.PathLike) -> dict:
-    """Meta plus completeness and on-disk size of a store, complete or not. The arrays and the paths are opened
-    as training opens them (shape, dtype, no pickled objects, readable paths, no duplicates); what fails is
-    listed in ``problems`` and the store is then not ``complete``."""
-    root = Path(path)
-    meta = _read_meta(root)
-    n = meta['num_images']
-    done = _load_array(root, DONE_FILE, (n,), np.dtype(np.uint8), 'r')
-    n_done = int(np.count_nonzero(np.asarray(done)))
-    del done
-    problems = []
-    shape = (n, *_row_shape(meta))
-    for name, dtype in ((VALUES_FILE, VALUES_DTYPE), (INDICES_FILE, np.dtype(meta['indices_dtype']))):
-        try:
-            _load_array(root, name, shape, dtype, 'r')  # opened as training opens it, then dropped
-        except LabelMapError as e:
-            problems.append(str(e))
-    try:
-        PathIndex(root, n, write=False)  # readable, no duplicates (a status writes nothing)
-    except LabelMapError as e:
-        problems.append(str(e))
-    files = {name: (root / name).stat().st_size for name in STORE_FILES if (root / name).is_file()}
-    allocated = {name: (root / name).stat().st_blocks * 512 for name in files}
-    k, h, w = _row_shape(meta)
-    payload = k * h * w * (VALUES_DTYPE.itemsize + np.dtype(meta['indices_dtype']).itemsize)
-    return {
-        'meta': meta,
-        'rows_done': n_done,
-        'rows_missing': n - n_done,
-        'complete': bool(meta.get('complete')) and n_done == n and not problems,
-        'problems': problems,
-        'file_bytes': files,
-        'allocated_bytes': allocated,
-        'payload_bytes_per_image': payload,
-        'file_bytes_per_image': (sum(files.values()) / n) if n else float('nan'),
-    }
-
-
-def merge_stores(
-    shard_paths: Sequence[str | os.PathLike], out: str | os.PathLike, meta_update: Mapping[str, Any] | None = None
-) -> Path:
-    """Merge complete shard stores into one store at ``out``; returns ``out``.
-
-    Every shard's meta must carry ``shard = {"index", "num_shards", "row_start", "row_stop",
-    "num_images_total"}``; the shards must be the ``num_shards`` indices exactly once, their row
-    ranges must tile ``[0, num_images_total)`` and all other non-volatile meta must agree. Rows are
-    copied in shard order, so row ``r`` of the result is global row ``r``; the merged store is then
-    finalized and reopened (which re-checks that no image path occurs twice). Shards are left as they are.
-    """
-    shards = [LabelMapStore.open(p) for p in shard_paths]
-    if not shards:
-        raise LabelMapError('merge: no shard stores given')
-    shards.sort(key=lambda s: _shard_info(s)['index'])
-    _check_shards(shards)
-    meta0 = shards[0].meta
-    total = _shard_info(shards[0])['num_images_total']
-    paths = [p for s in shards for p in s.paths]
-    if len(paths) != total:
-        raise LabelMapError(f'merge: shards hold {len(paths)} rows, expected {total}')
-    extra = {key: v for key, v in meta0.items() if key not in _FORMAT_META_KEYS | {'shard', 'completed'}}
-    extra['merged_from'] = {'num_shards': len(shards), 'shards': [str(s.root) for s in shards]}
-    extra.update(meta_update or {})
-    writer = MapWriter.create(
-        out,
-        paths,
-        num_classes=meta0['num_classes'],
-        k=meta0['k'],
-        grid=meta0['grid'],
-        annotator=meta0['annotator'],
-        input_size=meta0['input_size'],
-        annotator_checkpoint=meta0['annotator_checkpoint'],
-        region=meta0.get('region', REGION),
-        extra_meta=extra,
-    )
-    with writer:
-        for s in shards:
-            start = _shard_info(s)['row_start']
-            for a in range(0, len(s), _WRITE_CHUNK_ROWS):
-                b = min(len(s), a + _WRITE_CHUNK_ROWS)
-                writer.write(np.arange(start + a, start + b), s.values[a:b], s.indices[a:b])
-        writer.finalize()
-    LabelMapStore.open(out)  # full validation of the result (duplicates across shards included)
-    return Path(out)
-
-
-def _shard_info(store: LabelMapStore) -> dict:
-    info = store.meta.get('shard')
-    keys = ('index', 'num_shards', 'row_start', 'row_stop', 'num_images_total')
-    if not isinstance(info, dict) or not all(isinstance(info.get(k), int) for k in keys):
-        raise LabelMapError(f'{store.root} is not a shard store: meta "shard" must hold {list(keys)}')
-    return info
-
-
-def _check_shards(shards: Sequence[LabelMapStore]) -> None:
-    infos = [_shard_info(s) for s in shards]
-    num_shards, total = infos[0]['num_shards'], infos[0]['num_images_total']
-    indices = [i['index'] for i in infos]
-    if indices != list(range(num_shards)) or any(i['num_shards'] != num_shards for i in infos):
-        raise LabelMapError(
-            f'merge: expected shards 0..{num_shards - 1} of {num_shards} exactly once, '
-            f'got indices {indices} (num_shards {sorted({i["num_shards"] for i in infos})})'
-        )
-    expect = 0
-    for s, info in zip(shards, infos):
-        if info['num_images_total'] != total:
-            raise LabelMapError(
-                f'merge: {s.root} belongs to a run of {info["num_images_total"]} images, shard 0 to one of {total}'
-            )
-        if info['row_start'] != expect or info['row_stop'] - info['row_start'] != len(s):
-            raise LabelMapError(
-                f'merge: {s.root} holds rows [{info["row_start"]}, {info["row_stop"]}) with '
-                f'{len(s)} images; expected to start at row {expect}'
-            )
-        expect = info['row_stop']
-        diff = compatibility_diff(shards[0].meta, s.meta)
-        if diff:
-            raise LabelMapError(f'merge: {s.root} is incompatible with {shards[0].root}: ' + '; '.join(diff))
-    if expect != total:
-        raise LabelMapError(f'merge: shards cover rows [0, {expect}), expected [0, {total})')
 
 
 def read_store_paths(path: str | os.PathLike) -> list[str]:

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared_core import map_paths, map_status
 from shared_core import map_store as M
 from shared_core.map_store import (
     IncompleteStoreError,
@@ -177,7 +178,7 @@ def test_incomplete_store_is_refused(tmp_path):
         LabelMapStore.open(tmp_path / 's')
     assert str(tmp_path / 's') in str(info.value) and '3 of 12 rows missing' in str(info.value)
     assert '--resume' in str(info.value)
-    status = M.store_status(tmp_path / 's')
+    status = map_status.store_status(tmp_path / 's')
     assert status['rows_missing'] == 3 and not status['complete']
     # resume: the done rows stay, the rest is written, then it opens
     w = MapWriter.resume(tmp_path / 's')
@@ -281,7 +282,7 @@ def test_merge_stores_equals_single_store(tmp_path):
     _shard(tmp_path / 'a', PATHS[:8], 0, 0, 3, 12, values, indices)
     _shard(tmp_path / 'b', PATHS[8:], 8, 1, 3, 12, values, indices)
     _shard(tmp_path / 'c', [], 12, 2, 3, 12, values, indices)  # an empty last shard is fine
-    M.merge_stores([tmp_path / 'c', tmp_path / 'a', tmp_path / 'b'], tmp_path / 'out')
+    map_status.merge_stores([tmp_path / 'c', tmp_path / 'a', tmp_path / 'b'], tmp_path / 'out')
     out = LabelMapStore.open(tmp_path / 'out')
     assert out.paths == PATHS and 'shard' not in out.meta and out.meta['merged_from']['num_shards'] == 3
     np.testing.assert_array_equal(out.values, values)
@@ -293,14 +294,14 @@ def test_merge_refuses_gaps_overlaps_and_incompatible_shards(tmp_path):
     _shard(tmp_path / 'a', PATHS[:6], 0, 0, 2, 12, values, indices)
     _shard(tmp_path / 'b', PATHS[7:], 7, 1, 2, 12, values, indices)  # row 6 missing
     with pytest.raises(LabelMapError, match='expected to start at row 6'):
-        M.merge_stores([tmp_path / 'a', tmp_path / 'b'], tmp_path / 'out')
+        map_status.merge_stores([tmp_path / 'a', tmp_path / 'b'], tmp_path / 'out')
     with pytest.raises(LabelMapError, match=r'expected shards 0..1 of 2 exactly once'):
-        M.merge_stores([tmp_path / 'a'], tmp_path / 'out')
+        map_status.merge_stores([tmp_path / 'a'], tmp_path / 'out')
     v13, i13 = np.concatenate([values, values[:1]]), np.concatenate([indices, indices[:1]])
     _shard(tmp_path / 'a13', PATHS[:6], 0, 0, 2, 13, v13, i13)
     _shard(tmp_path / 'dup', PATHS[6:] + [PATHS[0]], 6, 1, 2, 13, v13, i13)  # image 0 in both shards
     with pytest.raises(LabelMapError, match="duplicate image path '00_class/000000.jpg' at rows 0 and 12"):
-        M.merge_stores([tmp_path / 'a13', tmp_path / 'dup'], tmp_path / 'out2')
+        map_status.merge_stores([tmp_path / 'a13', tmp_path / 'dup'], tmp_path / 'out2')
     extra = {'shard': {'index': 1, 'num_shards': 2, 'row_start': 6, 'row_stop': 12, 'num_images_total': 12}}
     with MapWriter.create(
         tmp_path / 'other',
@@ -315,7 +316,7 @@ def test_merge_refuses_gaps_overlaps_and_incompatible_shards(tmp_path):
         w.write(np.arange(6), values[6:], indices[6:])
         w.finalize()
     with pytest.raises(LabelMapError, match="annotator: 'resnet18' != 'resnet50'"):
-        M.merge_stores([tmp_path / 'a', tmp_path / 'other'], tmp_path / 'out3')
+        map_status.merge_stores([tmp_path / 'a', tmp_path / 'other'], tmp_path / 'out3')
 
 
 # -------------------------------------------------------------------------------------- properties
@@ -395,7 +396,7 @@ def test_the_path_index_of_a_read_only_store_stays_in_memory(tmp_path, monkeypat
 def test_hash_collisions_cost_a_comparison_and_hide_no_duplicate(tmp_path, monkeypatch):
     """With a hash of 3 values every path collides with others: lookups still find the right row by comparing
     the path's bytes, and a duplicate among colliding paths is still refused."""
-    monkeypatch.setattr(M, '_hash64', lambda data: len(data) % 3)
+    monkeypatch.setattr(map_paths, '_hash64', lambda data: len(data) % 3)
     root = tmp_path / 's'
     paths = PATHS + ['a.jpg', 'bb.jpg', 'ccc.jpg']
     _full_store(root, paths)

@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from shared_core.map_store import LabelMapError, LabelMapStore, store_status
+from shared_core.map_status import store_status
+from shared_core.map_store import LabelMapError, LabelMapStore
 from timm_plugin import annotator
 from timm_plugin.tools import maps_cli as maps
 

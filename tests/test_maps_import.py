@@ -311,17 +311,15 @@ def test_a_full_disk_is_named_before_the_store_is_written(tiny_world, tmp_path, 
     import subprocess
     import sys
 
-    from shared_core import map_store
-
     data = tiny_world / 'imagenet'
     public_label_files(data, tmp_path / 'labels')
     real = shutil.disk_usage
-    monkeypatch.setattr(map_store.shutil, 'disk_usage', lambda p: real(p)._replace(free=1000))
+    monkeypatch.setattr(shutil, 'disk_usage', lambda p: real(p)._replace(free=1000))
     assert run_import(data, tmp_path / 'labels', tmp_path / 'store', '-b', '4') == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and 'disk full: the store at' in err and '0 of' in err, err
     assert 'rerun with --resume' in err
-    monkeypatch.setattr(map_store.shutil, 'disk_usage', real)
+    monkeypatch.setattr(shutil, 'disk_usage', real)
     for command in (
         ['import', '--from', 'tokenlabeling', '--src', str(tmp_path / 'labels'), '--num-classes', str(C)],
         ['generate', '--model', 'resnet18', '--num-classes', str(C), '--input-size', '128'],

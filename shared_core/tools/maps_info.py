@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shared_core.map_store import LabelMapError, store_status
+from shared_core.map_format import LabelMapError
+from shared_core.map_status import store_status
 
 __all__ = ['SHARD_DIR_RE', 'shard_dirs', 'info', 'format_status', 'print_info']
 
