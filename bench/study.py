@@ -161,12 +161,9 @@ NUM_CLASSES = 10
 
 def default_area() -> tuple[float, float]:
     """tokenaug-data's default share of the image covered by a scene's main object (--min-area, --max-area)."""
-    import inspect
+    from shared_core.tools.world import WorldConfig
 
-    from shared_core.tools.world import generate_world
-
-    params = inspect.signature(generate_world).parameters
-    return params['min_area'].default, params['max_area'].default
+    return WorldConfig.min_area, WorldConfig.max_area
 
 
 def cpu_seconds() -> float:

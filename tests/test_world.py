@@ -336,7 +336,7 @@ def _all_objects(config: dict) -> list[dict]:
     """Every object of every scene of ``config`` (internal records, incl. colour draw)."""
     specs = W.class_specs(config['num_classes'])
     n = {0: config['train_per_class'], 1: config['val_per_class']}
-    return [ob for s in (0, 1) for i in range(n[s] * config['num_classes']) for ob in W._scene(config, specs, s, i)[2]]
+    return [ob for s in (0, 1) for i in range(n[s] * config['num_classes']) for ob in W.scene(config, specs, s, i)[2]]
 
 
 def _home_fraction(objects: list[dict], specs: list[dict]) -> tuple[float, float]:
@@ -401,7 +401,7 @@ def test_default_colour_consistency(default_world):
     # the internal renderer reproduces the written scenes ...
     for s, (_, ade, _) in enumerate(SPLITS):
         for i in (0, 7):
-            rgb, label, _ = W._scene(meta['config'], specs, s, i)
+            rgb, label, _ = W.scene(meta['config'], specs, s, i)
             stem = f'{1 + i + s * meta["counts"]["train"]["images"]:06d}'
             png = np.asarray(Image.open(out / 'ade20k' / 'annotations' / ade / f'{stem}.png'))
             assert (label == png).all()
