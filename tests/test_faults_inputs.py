@@ -433,7 +433,7 @@ def test_the_distributed_sampler_orders_by_the_runs_seed():
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
-    from timm_plugin.train import seed_distributed_sampler
+    from timm_plugin.train_data import seed_distributed_sampler
 
     def order(seed, epoch):
         loader = DataLoader(list(range(40)), sampler=DistributedSampler(range(40), num_replicas=2, rank=0))

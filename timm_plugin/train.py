@@ -34,8 +34,7 @@ import torch
 import torchvision
 import yaml
 from timm import utils
-from timm.data import create_dataset, create_loader, resolve_data_config
-from timm.data.dataset_factory import _EVAL_SYNONYM, _TRAIN_SYNONYM
+from timm.data import resolve_data_config
 from timm.layers import convert_sync_batchnorm, set_fast_norm
 from timm.models import resume_checkpoint, safe_model_name
 from timm.optim import create_optimizer_v2, optimizer_kwargs
@@ -53,18 +52,10 @@ from shared_core.map_store import MissingLabelMapError
 from shared_core.mix import check_labels
 from tokenaug.train_args import check_numbers, check_supported, parse_args
 
-from .image_data import (
-    CheckedImageDataset,
-    UnreadableImageError,
-    check_class_lists,
-    check_repeated_folders,
-    no_images_named,
-    readable,
-)
+from .image_data import UnreadableImageError
 from .recipe import build_training
 from .timm_fixes import fix_posterize
-from .token_grid import token_labeling_stride
-from .token_label_data import TokenLabelCollate, TokenLabelDataset
+from .train_data import TrainingData, build_data, check_split_folder
 
 _logger = logging.getLogger('tokenaug.train')
 
@@ -129,33 +120,6 @@ class PlainCheckpointSaver(utils.CheckpointSaver):
 def epoch_seed(seed: int, epoch: int) -> int:
     """The seed of an epoch's random streams (``utils.random_seed`` adds the rank): distinct per epoch."""
     return int(seed) + 100_003 * int(epoch)
-
-
-def train_augmentation(args, data_config: dict) -> dict:
-    """The training transform's arguments from the command line, as timm's ``create_loader`` and
-    ``create_transform`` both take them (``tokenaug-viz`` builds the same transform)."""
-    interpolation = args.train_interpolation
-    if args.no_aug or not interpolation:
-        interpolation = data_config['interpolation']
-    return dict(
-        no_aug=args.no_aug,
-        re_prob=args.reprob,
-        re_mode=args.remode,
-        re_count=args.recount,
-        train_crop_mode=args.train_crop_mode,
-        scale=args.scale,
-        ratio=args.ratio,
-        hflip=args.hflip,
-        vflip=args.vflip,
-        color_jitter=args.color_jitter,
-        color_jitter_prob=args.color_jitter_prob,
-        grayscale_prob=args.grayscale_prob,
-        gaussian_blur_prob=args.gaussian_blur_prob,
-        auto_augment=args.aa,
-        interpolation=interpolation,
-        mean=data_config['mean'],
-        std=data_config['std'],
-    )
 
 
 def has_wandb() -> bool:
@@ -258,37 +222,6 @@ def check_output_folder(args, resume_path: str) -> None:
     )
 
 
-#: the split synonyms timm's ``_search_split`` tries (``timm.data.dataset_factory``), as it has them
-_SPLITS = (tuple(_TRAIN_SYNONYM), tuple(_EVAL_SYNONYM))
-
-
-def check_split_folder(data_dir: str, split: str, flag: str) -> bool:
-    """An image-folder split must exist: where ``data_dir`` has split folders but neither ``split`` nor one of
-    its synonyms, timm falls back to reading ``data_dir`` itself, every split's images as this one (a typo in
-    ``--val-split`` would validate on training images). A ``data_dir`` without split folders (a folder of class
-    folders) is read as timm does; returns whether the split is ``data_dir`` itself so."""
-    name = split.split('[')[0]
-    synonyms = next((names for names in _SPLITS if name in names), (name,))
-    if any(os.path.isdir(os.path.join(data_dir, s)) for s in (name,) + synonyms):
-        return False
-    known = {n for names in _SPLITS for n in names} | {'test'}  # ('test' is a split folder too)
-    present = sorted(d for d in os.listdir(data_dir) if d in known and os.path.isdir(os.path.join(data_dir, d)))
-    if present:
-        raise FileNotFoundError(
-            f'{flag}: no folder {name!r} under {data_dir} (its split folders: {present}); timm would read the whole '
-            'folder, every split, as this split'
-        )
-    return True
-
-
-def seed_distributed_sampler(loader, seed: int) -> None:
-    """The training loader's ``DistributedSampler`` orders each epoch from ``(seed, epoch)``: timm's
-    ``create_loader`` leaves it at its default seed 0, so under DDP the data order ignored ``--seed``."""
-    sampler = getattr(loader, 'sampler', None)
-    if isinstance(sampler, torch.utils.data.distributed.DistributedSampler):
-        sampler.seed = int(seed)
-
-
 def check_resume_optimizer(path: str, opt: str) -> None:
     """Refuse, before anything loads, a ``--resume`` checkpoint whose optimizer state is of another ``--opt`` than
     this run's (its ``args`` say which): the state would load and fail at the first step (``KeyError: 'step'``
@@ -313,133 +246,6 @@ def resolve_resume(args) -> str:
     return last if os.path.exists(last) else ''
 
 
-class TrainingData(NamedTuple):
-    """The loaders of a run, and where its mixer runs: ``collate_fn`` (the loader's: the maps' collate, or the
-    fast-collate mixer with the prefetcher) or ``mixer`` (in the loop)."""
-
-    dataset_train: object
-    loader_train: object
-    loader_eval: object
-    collate_fn: object
-    mixer: object
-
-
-def build_data(args, recipe, data_config: dict, device, model_dtype) -> TrainingData:
-    """The training and eval datasets and loaders as timm's ``train.py`` creates them, with the label maps a method
-    reads and the recipe's mixer placed (the checks name the flag)."""
-    # as timm's train.py: images converted to the model's channels (grayscale and CMYK JPEGs occur in ImageNet)
-    input_img_mode = args.input_img_mode or ('RGB' if data_config['input_size'][0] == 3 else 'L')
-    with no_images_named('--data-dir / --train-split'):
-        dataset_train = create_dataset(
-            args.dataset,
-            root=args.data_dir,
-            split=args.train_split,
-            is_training=True,
-            class_map=args.class_map,
-            batch_size=args.batch_size,
-            seed=args.seed,
-            repeats=args.epoch_repeats,
-            input_img_mode=input_img_mode,
-            download=args.dataset_download,
-            num_samples=args.train_num_samples,
-            trust_remote_code=args.dataset_trust_remote_code,
-            input_key=args.input_key,
-            target_key=args.target_key,
-        )
-    with no_images_named('--data-dir / --val-split'):
-        dataset_eval = create_dataset(
-            args.dataset,
-            root=args.data_dir,
-            split=args.val_split,
-            is_training=False,
-            class_map=args.class_map,
-            batch_size=args.batch_size,
-            input_img_mode=input_img_mode,
-            download=args.dataset_download,
-            num_samples=args.val_num_samples,
-            trust_remote_code=args.dataset_trust_remote_code,
-            input_key=args.input_key,
-            target_key=args.target_key,
-        )
-    check_repeated_folders(dataset_train, '--data-dir')
-    check_repeated_folders(dataset_eval, '--data-dir')
-    check_class_lists(dataset_train, dataset_eval, args.num_classes)
-    # unreadable (and truncated) images are skipped with the file named, not fatal mid-epoch
-    dataset_train, dataset_eval = (CheckedImageDataset(d) if readable(d) else d for d in (dataset_train, dataset_eval))
-
-    collate_fn = mixer = None
-    maps_dir, maps_flag = (
-        (args.token_label_dir, '--token-label-dir')
-        if args.token_label_dir
-        else (args.activation_map_dir, '--activation-map-dir')
-    )
-    if maps_dir:  # the samples carry their map rows, crops and flips
-        from shared_core.map_store import LabelMapStore
-
-        store = LabelMapStore.open(maps_dir)
-        if store.num_classes != args.num_classes:
-            raise ValueError(f'{maps_flag}: the maps have {store.num_classes} classes, the model {args.num_classes}')
-        dataset_train = TokenLabelDataset(
-            dataset_train, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order, map_region=args.map_region
-        )
-        # the dense term's token targets built by the loader's workers, not the training step
-        loader_built = recipe.token_labeling and recipe.dense and args.token_targets == 'loader'
-        stride = token_labeling_stride(recipe.model) if loader_built else None
-        # (check=False: the dataset checks each row, named)
-        collate_fn = TokenLabelCollate(args.num_classes, check=False, label_stride=stride, smoothing=args.smoothing)
-        if stride is not None:
-            _logger.info(f'Token labeling: the loader builds the token targets ({stride[0]}x{stride[1]} px tokens)')
-    # mixing: where the recipe's mixer runs (fast-collate with the prefetcher, else in the loop; on the device
-    # with activation-map targets, which are built there); MixToken runs in the task (TokenLabelingTask)
-    if recipe.mixing is not None:
-        if args.prefetcher and not args.activation_map_dir:
-            collate_fn = recipe.mixer(collate=True)
-        else:
-            mixer = recipe.mixer()
-        _logger.info(recipe.describe())
-
-    loader_train = create_loader(
-        dataset_train,
-        input_size=data_config['input_size'],
-        batch_size=args.batch_size,
-        is_training=True,
-        re_split=args.resplit,
-        num_aug_repeats=args.aug_repeats,
-        **train_augmentation(args, data_config),
-        num_workers=args.workers,
-        distributed=args.distributed,
-        collate_fn=collate_fn,
-        pin_memory=args.pin_mem,
-        img_dtype=model_dtype or torch.float32,
-        device=device,
-        use_prefetcher=args.prefetcher,
-        use_multi_epochs_loader=args.use_multi_epochs_loader,
-        worker_seeding=args.worker_seeding,  # timm drops the last (possibly odd) training batch
-        # workers start afresh each epoch from that epoch's seed (see epoch_seed): a resumed run repeats an
-        # uninterrupted one exactly (and --mixup-off-epoch reaches the collate function they copy)
-        persistent_workers=False,
-    )
-    seed_distributed_sampler(loader_train, args.seed)
-    loader_eval = create_loader(
-        dataset_eval,
-        input_size=data_config['input_size'],
-        batch_size=args.validation_batch_size or args.batch_size,
-        is_training=False,
-        interpolation=data_config['interpolation'],
-        mean=data_config['mean'],
-        std=data_config['std'],
-        num_workers=args.workers,
-        distributed=args.distributed,
-        crop_pct=data_config['crop_pct'],
-        pin_memory=args.pin_mem,
-        img_dtype=model_dtype or torch.float32,
-        device=device,
-        use_prefetcher=args.prefetcher,
-    )
-
-    return TrainingData(dataset_train, loader_train, loader_eval, collate_fn, mixer)
-
-
 #: errors of what the user asked for (their messages name the argument): printed without a traceback
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, UnreadableImageError, MissingLabelMapError)
 
@@ -457,10 +263,103 @@ def main(argv=None) -> None:
 
 
 def run(argv=None) -> dict:
-    """Train and evaluate; returns the last evaluation metrics (``loss``, ``top1``, ``top5``)."""
+    """Train and evaluate; returns the last evaluation metrics (``loss``, ``top1``, ``top5``). The phases, in
+    timm ``train.py``'s order (which the random streams, hence the weights, depend on): the arguments checked,
+    the device and precision, the model and its method (:func:`timm_plugin.recipe.build_training`), the
+    optimizer and a resumed state, the data, the training task, the run folder, the schedule, the epochs."""
     utils.setup_default_logging()
     fix_posterize()  # before any transform is built (timm_plugin.timm_fixes)
     args = parse_args(argv)
+    resume_path = check_run_args(args)
+    device = utils.init_distributed_device(args)
+    if args.distributed:
+        _logger.info(f'Distributed training: process {args.rank}, total {args.world_size}, device {args.device}.')
+    else:
+        _logger.info(f'Training with a single process on device {args.device}.')
+    model_dtype, amp_dtype = precision(args)
+    utils.random_seed(args.seed, args.rank)
+    if args.fuser:
+        utils.set_jit_fuser(args.fuser)
+    if args.fast_norm:
+        set_fast_norm()
+    # a missing, truncated or foreign file named before anything is built (timm's loaders would say less)
+    for flag, path in (('--resume', resume_path), ('--initial-checkpoint', args.initial_checkpoint)):
+        if path:
+            load_checkpoint_file(path, flag, mmap=True)
+    if args.pretrained_path and os.path.splitext(args.pretrained_path)[1] != '.safetensors':
+        load_checkpoint_file(args.pretrained_path, '--pretrained-path', mmap=True)
+    recipe = build_training(args)  # the model, the method, the mixing and the loss (timm_plugin.recipe)
+    model, data_config = place_model(args, recipe, device, model_dtype)
+    scale_lr(args)
+    optimizer = create_optimizer_v2(model, **optimizer_kwargs(cfg=args), **args.opt_kwargs)
+    amp_autocast, loss_scaler = suppress, None
+    if args.amp:
+        amp_autocast = partial(torch.autocast, device_type=device.type, dtype=amp_dtype)
+        if device.type == 'cuda' and amp_dtype == torch.float16:
+            loss_scaler = NativeScaler(device=device.type)
+    resume_epoch = resume_state(args, model, optimizer, loss_scaler, resume_path)
+    data = build_data(args, recipe, data_config, device, model_dtype)
+    train_loss_fn = recipe.train_loss.to(device=device)
+    evaluator = recipe.evaluator(data.loader_eval, device)  # timm's ClassificationEvaluator
+    task = training_task(args, recipe, device, train_loss_fn, resume_path)
+    # what --mixup-off-epoch switches off: the collate mixer, the loop's mixer, or MixToken in the task
+    collate_fn = data.collate_fn
+    mixing = (collate_fn if hasattr(collate_fn, 'mixup_enabled') else None) or data.mixer
+    mixing = mixing or getattr(task, 'sampler', None)
+    output_dir, saver = start_output(args, model, optimizer, task, loss_scaler, data_config, resume_path)
+
+    updates_per_epoch = (len(data.loader_train) + args.grad_accum_steps - 1) // args.grad_accum_steps
+    lr_scheduler, num_epochs = create_scheduler_v2(
+        optimizer,
+        **scheduler_kwargs(args, decreasing_metric=args.eval_metric == 'loss'),
+        updates_per_epoch=updates_per_epoch,
+    )
+    start_epoch = args.start_epoch if args.start_epoch is not None else (resume_epoch or 0)
+    if lr_scheduler is not None and start_epoch > 0:
+        if args.sched_on_updates:
+            lr_scheduler.step_update(start_epoch * updates_per_epoch)
+        else:
+            lr_scheduler.step(start_epoch)
+    if utils.is_primary(args):
+        _logger.info(f'Scheduled epochs: {num_epochs}; {updates_per_epoch} updates per epoch.')
+    loop = EpochLoop(
+        args, task, data, optimizer, device, lr_scheduler, amp_autocast, loss_scaler, mixing, model_dtype, saver,
+        output_dir, evaluator, model,
+    )  # fmt: skip
+    eval_metrics, best_metric, best_epoch, stop_epoch = loop.run(start_epoch, num_epochs, resume_path)
+    if best_metric is not None:
+        _logger.info(f'*** Best metric: {best_metric} (epoch {best_epoch})')
+    if args.distributed:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()  # a live gloo group aborts the process at exit
+    results = os.path.join(output_dir, 'results.json') if output_dir is not None else None
+    if start_epoch >= stop_epoch and results is not None and os.path.exists(results):
+        # a resume of a run with nothing left to train (killed after its last epoch, before its caller noted it):
+        # its results stand as they were written
+        _logger.info(f'Nothing left to train (epoch {start_epoch} of {stop_epoch}): {results} is kept')
+        with open(results) as f:
+            return json.load(f)['final']
+    if results is not None:
+        with open(results, 'w') as f:
+            json.dump(
+                {
+                    'model': args.model,
+                    'method': args.method,
+                    'mixup_type': args.mixup_type,
+                    'best_metric': best_metric,
+                    'best_epoch': best_epoch,
+                    'final': eval_metrics,
+                    'output_dir': output_dir,
+                },
+                f,
+                indent=2,
+            )
+    return eval_metrics
+
+
+def check_run_args(args) -> str:
+    """The arguments checked before anything is built (the data folders, the output folder, the flags timm's
+    train.py would take and tokenaug does not); returns the checkpoint ``--resume`` names (or ``''``)."""
     check_supported(args)
     check_numbers(args)
     for module in args.device_modules or ():
@@ -483,12 +382,11 @@ def run(argv=None) -> dict:
             )
     args.prefetcher = not args.no_prefetcher
     args.grad_accum_steps = max(1, args.grad_accum_steps)
-    device = utils.init_distributed_device(args)
-    if args.distributed:
-        _logger.info(f'Distributed training: process {args.rank}, total {args.world_size}, device {args.device}.')
-    else:
-        _logger.info(f'Training with a single process on device {args.device}.')
+    return resume_path
 
+
+def precision(args) -> tuple:
+    """``(model dtype or None, autocast dtype)`` from ``--model-dtype``, ``--amp`` and ``--amp-dtype``."""
     model_dtype = None
     if args.model_dtype:
         if args.model_dtype not in ('float32', 'float16', 'bfloat16'):
@@ -499,20 +397,12 @@ def run(argv=None) -> dict:
     if args.amp_dtype not in ('float16', 'bfloat16'):
         raise ValueError(f'--amp-dtype: expected float16 or bfloat16, got {args.amp_dtype!r}')
     amp_dtype = torch.bfloat16 if args.amp_dtype == 'bfloat16' else torch.float16
-    use_amp = 'native' if args.amp else None
-    utils.random_seed(args.seed, args.rank)
-    if args.fuser:
-        utils.set_jit_fuser(args.fuser)
-    if args.fast_norm:
-        set_fast_norm()
+    return model_dtype, amp_dtype
 
-    # a missing, truncated or foreign file named before anything is built (timm's loaders would say less)
-    for flag, path in (('--resume', resume_path), ('--initial-checkpoint', args.initial_checkpoint)):
-        if path:
-            load_checkpoint_file(path, flag, mmap=True)
-    if args.pretrained_path and os.path.splitext(args.pretrained_path)[1] != '.safetensors':
-        load_checkpoint_file(args.pretrained_path, '--pretrained-path', mmap=True)
-    recipe = build_training(args)  # the model, the method, the mixing and the loss (timm_plugin.recipe)
+
+def place_model(args, recipe, device, model_dtype) -> tuple:
+    """The recipe's model on its device and dtype (channels-last, synchronised BN as asked) and the data config
+    resolved for it."""
     model = recipe.model
     if utils.is_primary(args):
         _logger.info(
@@ -527,7 +417,12 @@ def run(argv=None) -> dict:
     if args.distributed and args.sync_bn:
         args.dist_bn = ''  # as timm: no BN statistics to distribute with synchronised BN
         model = convert_sync_batchnorm(model)
+    return model, data_config
 
+
+def scale_lr(args) -> None:
+    """As timm: ``--lr`` from ``--lr-base`` scaled by the global batch (linear, or sqrt for adaptive optimizers)
+    where ``--lr`` is not given."""
     if not args.lr:
         global_batch = args.batch_size * args.world_size * args.grad_accum_steps
         ratio = global_batch / args.lr_base_size
@@ -535,14 +430,11 @@ def run(argv=None) -> dict:
         if scale == 'sqrt':
             ratio = ratio**0.5
         args.lr = args.lr_base * ratio
-    optimizer = create_optimizer_v2(model, **optimizer_kwargs(cfg=args), **args.opt_kwargs)
 
-    amp_autocast, loss_scaler = suppress, None
-    if use_amp:
-        amp_autocast = partial(torch.autocast, device_type=device.type, dtype=amp_dtype)
-        if device.type == 'cuda' and amp_dtype == torch.float16:
-            loss_scaler = NativeScaler(device=device.type)
 
+def resume_state(args, model, optimizer, loss_scaler, resume_path: str):
+    """The weights (and, unless ``--no-resume-opt``, the optimizer and loss scaler) of ``--resume``; the epoch to
+    continue at (``None`` without one). A checkpoint of another model or optimizer is named."""
     resume_epoch = None
     if resume_path:
         if not args.no_resume_opt:
@@ -569,14 +461,12 @@ def run(argv=None) -> dict:
                 f"--resume: {resume_path} holds an optimizer state that does not fit this run's optimizer ({e}); "
                 'pass --no-resume-opt to take the weights and epoch only'
             ) from None
-    data = build_data(args, recipe, data_config, device, model_dtype)
-    dataset_train, loader_train, loader_eval = data.dataset_train, data.loader_train, data.loader_eval
-    collate_fn, mixer = data.collate_fn, data.mixer
+    return resume_epoch
 
-    train_loss_fn = recipe.train_loss.to(device=device)
-    evaluator = recipe.evaluator(loader_eval, device)  # timm's ClassificationEvaluator
 
-    # the method is the training task; EMA, optimizer, resume and checkpoints hold the bare model
+def training_task(args, recipe, device, train_loss_fn, resume_path: str):
+    """The method's training task (EMA, compilation and DDP as timm sets them up); EMA, optimizer, resume and
+    checkpoints hold the bare model."""
     task = recipe.task(device, criterion=train_loss_fn)
     if args.model_ema:
         task.setup_ema(
@@ -596,9 +486,12 @@ def run(argv=None) -> dict:
         task.prepare_distributed(
             device_ids=[device] if device.type == 'cuda' else None, broadcast_buffers=not args.no_ddp_bb
         )
-    # what --mixup-off-epoch switches off: the collate mixer, the loop's mixer, or MixToken in the task
-    mixing = (collate_fn if hasattr(collate_fn, 'mixup_enabled') else None) or mixer or getattr(task, 'sampler', None)
+    return task
 
+
+def start_output(args, model, optimizer, task, loss_scaler, data_config: dict, resume_path: str) -> tuple:
+    """On the primary process: the run folder (``args.yaml``, the checkpoint saver with a resumed run's
+    bookkeeping, wandb); ``(output_dir, saver)``, ``(None, None)`` elsewhere."""
     eval_metric = args.eval_metric
     saver = None
     output_dir = None
@@ -628,137 +521,124 @@ def run(argv=None) -> dict:
         if args.log_wandb:
             start_wandb(args, exp_name, resume_path)
 
-    updates_per_epoch = (len(loader_train) + args.grad_accum_steps - 1) // args.grad_accum_steps
-    lr_scheduler, num_epochs = create_scheduler_v2(
-        optimizer,
-        **scheduler_kwargs(args, decreasing_metric=eval_metric == 'loss'),
-        updates_per_epoch=updates_per_epoch,
-    )
-    start_epoch = args.start_epoch if args.start_epoch is not None else (resume_epoch or 0)
-    if lr_scheduler is not None and start_epoch > 0:
-        if args.sched_on_updates:
-            lr_scheduler.step_update(start_epoch * updates_per_epoch)
-        else:
-            lr_scheduler.step(start_epoch)
-    if utils.is_primary(args):
-        _logger.info(f'Scheduled epochs: {num_epochs}; {updates_per_epoch} updates per epoch.')
+    return output_dir, saver
 
-    best_metric = best_epoch = None
-    summary = os.path.join(output_dir, 'summary.csv') if output_dir is not None else None
-    write_header = summary is not None and not (resume_path and os.path.exists(summary))
-    if write_header and os.path.exists(summary):  # a fresh run in an existing folder starts a fresh summary
-        os.remove(summary)
-    elif summary is not None and os.path.exists(summary):  # resumed: the epochs it will run again are not done
-        drop_summary_rows(summary, from_epoch=start_epoch)
-    eval_metrics = {}
-    if args.stop_epoch is not None and not 0 < args.stop_epoch <= num_epochs:
-        raise ValueError(f'--stop-epoch: expected 1..{num_epochs} (the scheduled epochs), got {args.stop_epoch}')
-    if args.val_interval < 1:
-        raise ValueError(f'--val-interval: expected an integer >= 1, got {args.val_interval}')
-    stop_epoch = num_epochs if args.stop_epoch is None else args.stop_epoch
-    milestones = set(args.save_epochs or ())
-    for epoch in range(start_epoch, stop_epoch):
-        # every random stream of the epoch (augmentation, mixing, dropout, sampler, workers) from (seed, epoch):
-        # a run resumed at this epoch draws exactly what an uninterrupted one does
-        utils.random_seed(epoch_seed(args.seed, epoch), args.rank)
-        if hasattr(dataset_train, 'set_epoch'):
-            dataset_train.set_epoch(epoch)
-        elif args.distributed and hasattr(loader_train.sampler, 'set_epoch'):
-            loader_train.sampler.set_epoch(epoch)
-        if args.mixup_off_epoch and epoch >= args.mixup_off_epoch and mixing is not None:
-            mixing.mixup_enabled = False
-        train_metrics = train_one_epoch(
-            epoch,
-            task,
-            loader_train,
-            optimizer,
-            args,
-            device=device,
-            lr_scheduler=lr_scheduler,
-            amp_autocast=amp_autocast,
-            loss_scaler=loss_scaler,
-            mixer=mixer,
-            model_dtype=model_dtype,
-            saver=saver,
-            output_dir=output_dir,
-        )
-        if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
-            utils.distribute_bn(model, args.world_size, args.dist_bn == 'reduce')
-        done = epoch + 1
-        # as timm: evaluate and checkpoint every --val-interval epochs, at a milestone and at the end (of the
-        # schedule or of the --stop-epoch part)
-        if done % args.val_interval and done not in milestones and done not in (num_epochs, stop_epoch):
-            _logger.info('Skipping eval and checkpointing')
-            if lr_scheduler is not None:
-                lr_scheduler.step(done, metric=None)
-            continue
-        eval_metrics = validate(
-            task.get_eval_model(),
-            loader_eval,
-            evaluator,
-            args,
-            device=device,
-            amp_autocast=amp_autocast,
-            model_dtype=model_dtype,
-        )
-        if task.has_ema() and not args.model_ema_force_cpu:  # as timm: a CPU EMA is kept, not evaluated
+
+class EpochLoop(NamedTuple):
+    """What the epochs run with (:meth:`run`)."""
+
+    args: object
+    task: object
+    data: TrainingData
+    optimizer: object
+    device: object
+    lr_scheduler: object
+    amp_autocast: object
+    loss_scaler: object
+    mixing: object
+    model_dtype: object
+    saver: object
+    output_dir: object
+    evaluator: object
+    model: object  # the bare model (its BN statistics distributed)
+
+    def run(self, start_epoch: int, num_epochs: int, resume_path: str) -> tuple:
+        """Train ``start_epoch`` .. the end of the schedule (or ``--stop-epoch``), evaluating and checkpointing as
+        timm does; ``(last evaluation, best metric, its epoch, the epoch it stopped before)``."""
+        args, task, data, optimizer, device = self.args, self.task, self.data, self.optimizer, self.device
+        lr_scheduler, saver, output_dir, evaluator = self.lr_scheduler, self.saver, self.output_dir, self.evaluator
+        dataset_train, loader_train, loader_eval = data.dataset_train, data.loader_train, data.loader_eval
+        mixer, mixing, amp_autocast, loss_scaler = data.mixer, self.mixing, self.amp_autocast, self.loss_scaler
+        model_dtype, eval_metric, model = self.model_dtype, args.eval_metric, self.model
+        best_metric = best_epoch = None
+        summary = os.path.join(output_dir, 'summary.csv') if output_dir is not None else None
+        write_header = summary is not None and not (resume_path and os.path.exists(summary))
+        if write_header and os.path.exists(summary):  # a fresh run in an existing folder starts a fresh summary
+            os.remove(summary)
+        elif summary is not None and os.path.exists(summary):  # resumed: the epochs it will run again are not done
+            drop_summary_rows(summary, from_epoch=start_epoch)
+        eval_metrics = {}
+        if args.stop_epoch is not None and not 0 < args.stop_epoch <= num_epochs:
+            raise ValueError(f'--stop-epoch: expected 1..{num_epochs} (the scheduled epochs), got {args.stop_epoch}')
+        if args.val_interval < 1:
+            raise ValueError(f'--val-interval: expected an integer >= 1, got {args.val_interval}')
+        stop_epoch = num_epochs if args.stop_epoch is None else args.stop_epoch
+        milestones = set(args.save_epochs or ())
+        for epoch in range(start_epoch, stop_epoch):
+            # every random stream of the epoch (augmentation, mixing, dropout, sampler, workers) from (seed, epoch):
+            # a run resumed at this epoch draws exactly what an uninterrupted one does
+            utils.random_seed(epoch_seed(args.seed, epoch), args.rank)
+            if hasattr(dataset_train, 'set_epoch'):
+                dataset_train.set_epoch(epoch)
+            elif args.distributed and hasattr(loader_train.sampler, 'set_epoch'):
+                loader_train.sampler.set_epoch(epoch)
+            if args.mixup_off_epoch and epoch >= args.mixup_off_epoch and mixing is not None:
+                mixing.mixup_enabled = False
+            train_metrics = train_one_epoch(
+                epoch,
+                task,
+                loader_train,
+                optimizer,
+                args,
+                device=device,
+                lr_scheduler=lr_scheduler,
+                amp_autocast=amp_autocast,
+                loss_scaler=loss_scaler,
+                mixer=mixer,
+                model_dtype=model_dtype,
+                saver=saver,
+                output_dir=output_dir,
+            )
             if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
-                utils.distribute_bn(task.get_trainable_module(ema=True), args.world_size, args.dist_bn == 'reduce')
+                utils.distribute_bn(model, args.world_size, args.dist_bn == 'reduce')
+            done = epoch + 1
+            # as timm: evaluate and checkpoint every --val-interval epochs, at a milestone and at the end (of the
+            # schedule or of the --stop-epoch part)
+            if done % args.val_interval and done not in milestones and done not in (num_epochs, stop_epoch):
+                _logger.info('Skipping eval and checkpointing')
+                if lr_scheduler is not None:
+                    lr_scheduler.step(done, metric=None)
+                continue
             eval_metrics = validate(
-                task.get_eval_model(ema=True),
+                task.get_eval_model(),
                 loader_eval,
                 evaluator,
                 args,
                 device=device,
                 amp_autocast=amp_autocast,
-                log_suffix=' (EMA)',
+                model_dtype=model_dtype,
             )
-        if output_dir is not None:
-            lrs = [pg['lr'] for pg in optimizer.param_groups]
-            utils.update_summary(
-                epoch,
-                train_metrics,
-                eval_metrics,
-                filename=summary,
-                lr=sum(lrs) / len(lrs),
-                write_header=write_header,
-                log_wandb=args.log_wandb and has_wandb(),
-            )
-            write_header = False
-        if saver is not None:
-            best_metric, best_epoch = saver.save_checkpoint(epoch, metric=eval_metrics[eval_metric])
-            if done in milestones:  # milestone-N.pth.tar: never removed by the history
-                saver.save_milestone(done)
-        if lr_scheduler is not None:
-            lr_scheduler.step(done, eval_metrics[eval_metric])
-    if best_metric is not None:
-        _logger.info(f'*** Best metric: {best_metric} (epoch {best_epoch})')
-    if args.distributed:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()  # a live gloo group aborts the process at exit
-    results = os.path.join(output_dir, 'results.json') if output_dir is not None else None
-    if start_epoch >= stop_epoch and results is not None and os.path.exists(results):
-        # a resume of a run with nothing left to train (killed after its last epoch, before its caller noted it):
-        # its results stand as they were written
-        _logger.info(f'Nothing left to train (epoch {start_epoch} of {stop_epoch}): {results} is kept')
-        with open(results) as f:
-            return json.load(f)['final']
-    if results is not None:
-        with open(results, 'w') as f:
-            json.dump(
-                {
-                    'model': args.model,
-                    'method': args.method,
-                    'mixup_type': args.mixup_type,
-                    'best_metric': best_metric,
-                    'best_epoch': best_epoch,
-                    'final': eval_metrics,
-                    'output_dir': output_dir,
-                },
-                f,
-                indent=2,
-            )
-    return eval_metrics
+            if task.has_ema() and not args.model_ema_force_cpu:  # as timm: a CPU EMA is kept, not evaluated
+                if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
+                    utils.distribute_bn(task.get_trainable_module(ema=True), args.world_size, args.dist_bn == 'reduce')
+                eval_metrics = validate(
+                    task.get_eval_model(ema=True),
+                    loader_eval,
+                    evaluator,
+                    args,
+                    device=device,
+                    amp_autocast=amp_autocast,
+                    log_suffix=' (EMA)',
+                )
+            if output_dir is not None:
+                lrs = [pg['lr'] for pg in optimizer.param_groups]
+                utils.update_summary(
+                    epoch,
+                    train_metrics,
+                    eval_metrics,
+                    filename=summary,
+                    lr=sum(lrs) / len(lrs),
+                    write_header=write_header,
+                    log_wandb=args.log_wandb and has_wandb(),
+                )
+                write_header = False
+            if saver is not None:
+                best_metric, best_epoch = saver.save_checkpoint(epoch, metric=eval_metrics[eval_metric])
+                if done in milestones:  # milestone-N.pth.tar: never removed by the history
+                    saver.save_milestone(done)
+            if lr_scheduler is not None:
+                lr_scheduler.step(done, eval_metrics[eval_metric])
+        return eval_metrics, best_metric, best_epoch, stop_epoch
 
 
 def train_one_epoch(

@@ -59,9 +59,9 @@ def _check_count(count: int) -> int:
 def _training_split(args, data_config: dict, use_prefetcher: bool = False):
     """The training split with ``tokenaug-train``'s training transform (uint8 images with ``use_prefetcher``, as
     its prefetcher loader; else normalised tensors)."""
-    from timm.data import create_dataset, create_transform
+    from timm.data import create_dataset
 
-    from timm_plugin.train import train_augmentation
+    from timm_plugin.train_data import training_transform
 
     data_dir = args.data_dir or args.data
     if not data_dir:
@@ -75,13 +75,7 @@ def _training_split(args, data_config: dict, use_prefetcher: bool = False):
         input_img_mode=args.input_img_mode or ('RGB' if data_config['input_size'][0] == 3 else 'L'),
         download=args.dataset_download,
     )
-    transform = create_transform(
-        data_config['input_size'],
-        is_training=True,
-        use_prefetcher=use_prefetcher,
-        **train_augmentation(args, data_config),
-    )
-    return dataset, transform
+    return dataset, training_transform(args, data_config, use_prefetcher)
 
 
 def _mixed_batch(args, count: int):
@@ -89,12 +83,12 @@ def _mixed_batch(args, count: int):
     target, method, mix_kind, mixer kwargs)`` for ``count`` samples of the training split."""
     from timm.data import resolve_data_config
 
-    from shared_core.options import TOKEN_LABELING_TYPES
-    from timm_plugin.recipe import build_training
+    from timm_plugin.recipe import build_training, uses_token_labeling
+    from timm_plugin.train_data import map_dataset
     from tokenaug.train_args import check_supported
 
     check_supported(args)
-    if args.mixup_type in TOKEN_LABELING_TYPES or args.token_label_dir or args.relabel:
+    if uses_token_labeling(args):
         raise ValueError('--mixup-type mixtoken / --token-label-dir: token labeling mixes inside the model')
     _seed(args.viz_seed)
     recipe = build_training(args)  # what tokenaug-train builds from the same flags
@@ -103,27 +97,16 @@ def _mixed_batch(args, count: int):
     model, method, mix_kind, kwargs = recipe.model, recipe.method, recipe.mix_kind, recipe.mixing
     data_config = resolve_data_config(vars(args), model=model)
     dataset, transform = _training_split(args, data_config)
-    if args.activation_map_dir:  # as tokenaug-train: the samples carry their teacher map rows, crops and flips
-        from shared_core.map_store import LabelMapStore
-        from timm_plugin.token_label_data import TokenLabelCollate, TokenLabelDataset
-
-        store = LabelMapStore.open(args.activation_map_dir)
-        if store.num_classes != args.num_classes:
-            raise ValueError(
-                f'--activation-map-dir: the maps have {store.num_classes} classes, the model {args.num_classes}'
-            )
-        base, dataset = (
-            dataset,
-            TokenLabelDataset(
-                dataset, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order, map_region=args.map_region
-            ),
-        )
+    base = dataset
+    dataset, store = map_dataset(args, dataset)  # as tokenaug-train: the samples carry their teacher map rows
     dataset.transform = transform
     if len(dataset) < count:
         raise ValueError(f'--count: {count} samples asked, the training split has {len(dataset)}')
     indices = sorted(random.Random(args.viz_seed).sample(range(len(dataset)), count))
     samples = [dataset[i] for i in indices]
-    if args.activation_map_dir:
+    if store is not None:
+        from timm_plugin.token_label_data import TokenLabelCollate
+
         x, y = TokenLabelCollate(args.num_classes)(samples)
         dataset = base
     else:
@@ -373,7 +356,8 @@ def token_labels(argv) -> Path:
     from shared_core.viz import class_colours, label_image
     from timm_plugin.recipe import attach_method_modules, build_model
     from timm_plugin.token_grid import token_labeling_stride
-    from timm_plugin.token_label_data import TokenLabelCollate, TokenLabelDataset
+    from timm_plugin.token_label_data import TokenLabelCollate
+    from timm_plugin.train_data import map_dataset
     from tokenaug.train_args import check_supported
 
     args = parse_viz('token-labels', argv)
@@ -392,9 +376,7 @@ def token_labels(argv) -> Path:
     stride = token_labeling_stride(model)  # the grid of the targets, as training builds them (32 px on a CNN)
     grid = (size[0] // stride[0], size[1] // stride[1])
     base, transform = _training_split(args, data_config, use_prefetcher=True)  # uint8, as the prefetcher's
-    dataset = TokenLabelDataset(
-        base, store, geometric_aa=args.geometric_aa, aa_order=args.aa_order, map_region=args.map_region
-    )
+    dataset, _ = map_dataset(args, base, store)
     dataset.transform = transform
     count = min(args.count, len(dataset))
     indices = sorted(random.Random(args.viz_seed).sample(range(len(dataset)), count))
