@@ -45,6 +45,6 @@ bench mixers.txt 90 bench/bench_mixers.py --device cuda --repeats 50
 bench token_labels.txt 120 bench/bench_token_labels.py --device cuda --images 16 --rounds 5 --step-model deit_small_patch16_224 --amp --compile inductor
 # the kernel's tests on CUDA tensors, where pytest is installed
 if python3 -c "import pytest, hypothesis" 2>/dev/null; then
-  echo "## pytest tests/test_label_kernel.py (CUDA tensors)" | tee -a "$OUT/kernel.txt"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_label_kernel.py 2>&1 | tail -15 | tee -a "$OUT/kernel.txt"
+  echo "## pytest tests/shared_core/test_label_kernel.py (CUDA tensors)" | tee -a "$OUT/kernel.txt"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/shared_core/test_label_kernel.py 2>&1 | tail -15 | tee -a "$OUT/kernel.txt"
 fi

@@ -1,6 +1,6 @@
 """Sphinx configuration of tokenaug's documentation (``make docs``): MyST Markdown pages, the API reference by
 autodoc/autosummary from the docstrings, the furo theme. Built with warnings as errors and nitpicky references
-(``tests/test_docs.py``), so a broken link or a reference to a name that does not exist fails the build."""
+(``tests/docs/test_docs.py``), so a broken link or a reference to a name that does not exist fails the build."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def setup(app):
 
 
 html_theme = 'furo'
-# diffs wrap their long lines (the other code blocks fit the column: tests/test_docs.py)
+# diffs wrap their long lines (the other code blocks fit the column: tests/docs/test_docs.py)
 html_static_path = ['_static']
 html_css_files = ['tokenaug.css']
 html_title = f'tokenaug {release}'

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Write the flag table of a timm ``train.py`` (``tests/data/timm_train_flags.json``), against which
-``tests/test_train_flags.py`` diffs ``tokenaug-train``'s parser so drift shows.
+``tests/timm_plugin/test_train_flags.py`` diffs ``tokenaug-train``'s parser so drift shows.
 
     python scripts/timm_flag_table.py PATH/TO/timm/train.py --source 'huggingface/pytorch-image-models@<commit>'
 

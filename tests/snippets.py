@@ -4,7 +4,7 @@ includes), each with the mark that says who runs it.
 A Python or shell snippet is a fenced block whose language is one of :data:`RUNNABLE`; the last non-blank line
 before its fence is its mark, an HTML comment (invisible on the rendered page and on GitHub):
 
-- ``<!-- run -->``: ``tests/test_docs_snippets.py`` runs it, in the order of the page (the page's Python snippets
+- ``<!-- run -->``: ``tests/docs/test_docs_snippets.py`` runs it, in the order of the page (the page's Python snippets
   share one namespace; its shell snippets one working folder, which holds a small synthetic world in
   ``data/world``);
 - ``<!-- run: config PATH -->``: a Python snippet that is an MMEngine config: written to ``PATH`` in the page's

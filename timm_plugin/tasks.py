@@ -15,7 +15,7 @@ As in timm: the trainable module is the bare model (``prepare_distributed`` wrap
 hooks sit on the unwrapped model and the step runs through the (wrapped) module, so DDP synchronises as usual;
 EMA (``setup_ema``) and checkpoints hold the bare model, keys unchanged. ``compile()`` (timm's) compiles the
 trainable module; the step runs through it, and dynamo traces the method's hooks into the graph (equal to the
-eager step: ``tests/test_compile.py``).
+eager step: ``tests/timm_plugin/test_compile.py``).
 """
 
 from __future__ import annotations

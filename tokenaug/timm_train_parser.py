@@ -3,7 +3,7 @@
 The argument definitions of timm's ``train.py`` (huggingface/pytorch-image-models, Apache-2.0, Ross Wightman),
 taken verbatim from the newest stored ``train.py`` (aa4b5850, timm 1.0.29.dev0), plus the flags timm 1.0.31's own
 tests drive (``--stop-epoch``, ``--save-epochs``, ``--resume auto``, ``--pretrained-cfg-overlay``, ``--task``,
-``--lr-decay-fn``, ``--lr-stable-timescale``). ``tests/test_train_flags.py`` diffs the parser against the flag
+``--lr-decay-fn``, ``--lr-stable-timescale``). ``tests/timm_plugin/test_train_flags.py`` diffs the parser against the flag
 table ``tests/data/timm_train_flags.json``. tokenaug's own flags and checks: :mod:`tokenaug.train_args`.
 
 Building it imports neither torch nor timm: timm's ``ParseKwargs`` is imported when a ``key=value`` flag is given.

@@ -1,0 +1,229 @@
+"""The Triton label-attention kernel (shared_core.label_kernel), run here by Triton's interpreter on CPU tensors
+(``TRITON_INTERPRET=1``, set by conftest.py before Triton is imported; on a machine with a GPU the same tests run
+the compiled kernel on CUDA tensors).
+
+Forward output, log-sum-exp and labels against ``scaled_dot_product_attention`` and an explicit loop over heads;
+gradients against SDPA's; a whole TL-Align step with the kernel forced against the explicit reference; one graph
+under ``torch.compile``. The interpreter executes each tile with numpy (about 2 s for a (2, 3, 197, 64) call), so
+the shapes are small: few samples and heads, but the real token counts (197, 50) and head dims (32, 64).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from timm.loss import SoftTargetCrossEntropy
+
+from shared_core import label_kernel
+from shared_core.label_attention import FUSED_ENV, LabelColumns, _env_choice, fused_label_attn, use_label_kernel
+from shared_core.label_kernel import label_attention
+from timm_plugin.tl_align import TLAlign
+
+from ..timm_plugin.test_tl_align import tiny_vit
+from ..timm_plugin.test_tl_align_shared import KINDS, _batch, _reference_target
+
+DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
+
+
+def _inputs(B, H, T, D, K, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # a stacked qkv, as a timm block makes it: the kernel reads views with strides
+    qkv = (torch.randn(B, T, 3, H, D, generator=g) * 1.5).permute(2, 0, 3, 1, 4).to(DEVICE, dtype)
+    labels = torch.softmax(torch.randn(B, T, K, generator=g) * 2, -1).to(DEVICE)
+    return qkv, labels
+
+
+def _reference(q, k, v, labels, scale):
+    """The attention materialised in fp32 from the inputs as given, its rows' log-sum-exp, and Eq. 9's sum over
+    heads as an explicit loop."""
+    logits = (q.double() @ k.double().transpose(-1, -2)) * scale
+    A = logits.softmax(-1)
+    heads = sum(A[:, h] @ labels.double() for h in range(q.shape[1]))
+    return A @ v.double(), logits.logsumexp(-1), heads
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('T, D, K', [(197, 64, 1), (197, 32, 1), (50, 64, 3), (50, 32, 1)])
+def test_forward_equals_sdpa_and_the_label_rule(T, D, K, dtype):
+    qkv, labels = _inputs(2, 2, T, D, K, dtype, seed=T + D + K)
+    q, k, v = qkv.unbind(0)
+    scale = D**-0.5
+    out, lse, heads = label_attention(q, k, v, labels, scale)
+    ref_out, ref_lse, ref_heads = _reference(q, k, v, labels, scale)
+    sdpa = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    assert out.shape == sdpa.shape and out.dtype == dtype and lse.dtype == heads.dtype == torch.float32
+    # the labels in fp32 from the unrounded probabilities: fp32 agreement with the exact rule in every dtype
+    # (measured max |d| 6e-7), and the rows' log-sum-exp likewise (1e-6)
+    assert (heads.double() - ref_heads).abs().max() < 1e-5
+    assert (lse.double() - ref_lse).abs().max() < 1e-5
+    if dtype == torch.float32:  # measured 3e-7
+        assert (out.double() - ref_out).abs().max() < 1e-5
+        assert torch.allclose(out, sdpa, atol=1e-5, rtol=0)
+    else:  # P rounded to bf16 before P·V, as GPU flash kernels do (the CPU's SDPA keeps it in fp32): within
+        # about one bf16 ulp of the largest output, of the exact attention and of SDPA's (measured 0.020 and 0.016
+        # for outputs up to 4.0-4.8, bound 2^-7 * max = 0.031-0.038)
+        bound = 2**-7 * ref_out.abs().max().item()
+        assert (out.double() - ref_out).abs().max() <= bound
+        assert (out.float() - sdpa.float()).abs().max() <= bound
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('T, D', [(197, 64), (50, 32)])
+def test_gradients_equal_sdpas_and_the_labels_get_none(T, D, dtype):
+    qkv, labels = _inputs(2, 2, T, D, 1, dtype, seed=7)
+    qkv.requires_grad_(True)
+    labels.requires_grad_(True)  # detached by the op: no gradient reaches it
+    grad = torch.randn(2, 2, T, D, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    out, _, heads = label_attention(*qkv.unbind(0), labels, D**-0.5)
+    assert not heads.requires_grad
+    (mine,) = torch.autograd.grad(out, qkv, grad)
+    (theirs,) = torch.autograd.grad(F.scaled_dot_product_attention(*qkv.unbind(0), scale=D**-0.5), qkv, grad)
+    # fp32: the same backward on an output equal to 3e-7 (measured 8e-7); bf16: one bf16 ulp of the largest
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    assert (mine.float() - theirs.float()).abs().max() <= tol * max(1.0, theirs.float().abs().max().item())
+    assert labels.grad is None
+
+
+def test_the_recomputing_backward_equals_sdpas():
+    """The backward CUDA takes in fp32 or at head dims flash does not take: the attention recomputed and its
+    backward written out (a custom op runs below autograd; run here on CPU tensors through the same function)."""
+    from shared_core.label_kernel import _recomputed_backward
+
+    qkv, labels = _inputs(2, 2, 50, 24, 1, torch.float32, seed=1)
+    qkv.requires_grad_(True)
+    grad = torch.randn(2, 2, 50, 24, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    (theirs,) = torch.autograd.grad(F.scaled_dot_product_attention(*qkv.unbind(0), scale=0.2), qkv, grad)
+    mine = torch.stack(_recomputed_backward(grad, *qkv.detach().unbind(0), 0.2))
+    assert torch.allclose(mine, theirs, atol=1e-5, rtol=0)  # the formulas written out against SDPA's fused kernel
+
+
+@pytest.mark.parametrize('kind', ['cls', 'qk-norm', 'registers', 'avg-no-cls'])
+def test_a_tl_align_step_with_the_kernel_forced_is_the_reference(kind, monkeypatch):
+    """``TLAlign(model, fused='triton')``: the targets of the explicit reference (dense one-hot labels, loops over
+    heads), the plain model's logits, and the plain step's gradients."""
+    model = tiny_vit(depth=3, **KINDS[kind]).to(DEVICE).eval()
+    (xm, target), y = _batch(11)
+    xm, target, y = xm.to(DEVICE), target.to(DEVICE), y.to(DEVICE)
+    ref = _reference_target(model, xm, target, y)
+    launches = []
+    forward = label_kernel._forward
+    monkeypatch.setattr(label_kernel, '_forward', lambda *a: launches.append(1) or forward(*a))
+    out, aligned = TLAlign(model, fused='triton')(xm, target)
+    assert len(launches) == 3  # one kernel per block
+    assert torch.allclose(aligned, ref, atol=1e-5, rtol=0)  # measured 1e-7
+    assert torch.allclose(out, model(xm), atol=1e-5, rtol=0)
+
+    def grads(fn):
+        model.zero_grad(set_to_none=True)
+        SoftTargetCrossEntropy()(fn(), ref).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = grads(lambda: model(xm))
+    kernel = grads(lambda: TLAlign(model, fused='triton')(xm, target)[0])
+    for n in plain:
+        assert torch.allclose(plain[n], kernel[n], atol=1e-5, rtol=1e-4), n
+
+
+def test_bf16_autocast_step_with_the_kernel():
+    model = tiny_vit(depth=3).to(DEVICE).eval()
+    (xm, target), y = _batch(12)
+    xm, target, y = xm.to(DEVICE), target.to(DEVICE), y.to(DEVICE)
+    ref = _reference_target(model, xm, target, y)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out, aligned = TLAlign(model, fused='triton')(xm, target)
+        plain = model(xm)
+    # the labels: fp32 from the kernel's unrounded probabilities of bf16 logits; the logits: the plain bf16 model's
+    # up to another kernel's rounding
+    assert aligned.dtype == torch.float32 and (aligned - ref).abs().max() < 2e-3
+    assert torch.allclose(out.float(), plain.float(), atol=0.1, rtol=0.02)
+
+
+def test_one_graph_under_torch_compile():
+    """The custom op with its fake implementation: ``fullgraph=True`` compiles forward and backward, and the
+    compiled function equals the eager one."""
+    qkv, labels = _inputs(2, 2, 50, 32, 1, torch.float32, seed=5)
+
+    def step(qkv, labels):
+        out, _, heads = label_attention(*qkv.unbind(0), labels, 0.25)
+        return (out * out).sum(), heads
+
+    eager_qkv, compiled_qkv = qkv.clone().requires_grad_(), qkv.clone().requires_grad_()
+    loss_e, heads_e = step(eager_qkv, labels)
+    loss_e.backward()
+    torch._dynamo.reset()
+    loss_c, heads_c = torch.compile(step, fullgraph=True, dynamic=False)(compiled_qkv, labels)
+    loss_c.backward()
+    assert torch.allclose(loss_c, loss_e, rtol=1e-5) and torch.allclose(heads_c, heads_e, atol=1e-6)
+    assert torch.allclose(compiled_qkv.grad, eager_qkv.grad, atol=1e-5)
+
+
+def test_the_kernel_columns_keep_the_state_in_fp32_without_a_buffer():
+    columns = LabelColumns(torch.rand(2, 17, 1), num_heads=4, head_dim=8, dtype=torch.bfloat16, kernel=True)
+    assert columns.kernel and not columns.split and columns.z.dtype == torch.float32
+    assert not hasattr(columns, 'buf')
+
+
+def test_dispatch_the_kernel_on_cuda_by_default_and_forced_by_the_variable(monkeypatch):
+    assert not use_label_kernel('cpu')
+    with fused_label_attn('triton'):
+        assert use_label_kernel('cpu')
+    with fused_label_attn(True):  # an explicit True keeps the SDPA call with label columns
+        assert not use_label_kernel('cuda')
+    for value, expected in (('triton', 'triton'), ('1', True), ('0', False), ('', None), (' TRITON ', 'triton')):
+        monkeypatch.setenv(FUSED_ENV, value)
+        assert _env_choice() == expected, value
+    monkeypatch.setenv(FUSED_ENV, 'fast')
+    with pytest.raises(ValueError, match=f'\\${FUSED_ENV}: expected 1, 0 or triton'):
+        _env_choice()
+    # the variable as a process reads it at import
+    code = 'from shared_core.label_attention import use_label_kernel as u; print(u("cpu"), u("cuda"))'
+    env = {**os.environ, FUSED_ENV: 'triton'}
+    out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == 'True True', (out.stdout, out.stderr)
+    with pytest.raises(ValueError, match="fused: expected True, False, 'triton' or None"):
+        TLAlign(tiny_vit(depth=1), fused='cuda')
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused_plainly(monkeypatch):
+    monkeypatch.setenv('TRITON_INTERPRET', '0')
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(RuntimeError, match='CUDA tensors, or on CPU tensors under Triton.s interpreter'):
+        label_attention(q, q, q, torch.rand(1, 4, 1), 0.3)
+
+
+def test_a_kernel_that_fails_here_warns_once_and_the_default_goes_on_without_it(monkeypatch):
+    """On a machine where the kernel does not build or launch, the default path warns once, gives the materialised
+    attention's result for that call and the SDPA columns afterwards; a forced 'triton' raises the error."""
+    import shared_core.label_attention as la
+
+    monkeypatch.setattr(la, '_KERNEL_FAILED', None)
+    monkeypatch.setattr(label_kernel, '_forward', lambda *a: (_ for _ in ()).throw(RuntimeError('no kernel here')))
+    qkv, labels = _inputs(2, 2, 17, 16, 1, torch.float32, seed=2)
+    columns = LabelColumns(labels, num_heads=2, head_dim=16, dtype=torch.float32, kernel=True)
+    with pytest.warns(RuntimeWarning, match='kernel failed here .RuntimeError: no kernel here.*SDPA label columns'):
+        out, heads = columns.attend(qkv, 0.25)
+    _, _, ref_heads = _reference(*qkv.unbind(0), labels, 0.25)
+    assert torch.allclose(out, F.scaled_dot_product_attention(*qkv.unbind(0), scale=0.25), atol=1e-5)
+    assert (heads.double() - ref_heads).abs().max() < 1e-5
+    monkeypatch.setattr(la, '_TRITON', True)
+    assert not use_label_kernel('cuda')  # the rest of the process: the SDPA columns
+    with fused_label_attn('triton'), pytest.raises(RuntimeError, match='no kernel here'):
+        LabelColumns(labels, num_heads=2, head_dim=16, dtype=torch.float32, kernel=True).attend(qkv, 0.25)
+
+
+def test_a_flash_backward_that_refuses_falls_back_to_the_recomputed_one(monkeypatch):
+    """The CUDA flash backward called where it does not run (here: CPU tensors) warns once and recomputes: the
+    gradients are still SDPA's."""
+    monkeypatch.setattr(label_kernel, '_flash_backward_applies', lambda q: True)
+    monkeypatch.setattr(label_kernel, '_FLASH_BACKWARD_WARNED', False)
+    qkv, labels = _inputs(1, 2, 50, 32, 1, torch.float32, seed=8)
+    qkv.requires_grad_(True)
+    grad = torch.randn(1, 2, 50, 32, generator=torch.Generator().manual_seed(2))
+    out, _, _ = label_attention(*qkv.unbind(0), labels, 32**-0.5)
+    with pytest.warns(RuntimeWarning, match='flash attention backward refused'):
+        (mine,) = torch.autograd.grad(out, qkv, grad)
+    (theirs,) = torch.autograd.grad(F.scaled_dot_product_attention(*qkv.unbind(0), scale=32**-0.5), qkv, grad)
+    assert torch.allclose(mine, theirs, atol=1e-5)
