@@ -281,20 +281,42 @@ class TLAlign(_MixTargetWrapper):
         self.residual = residual
         self.drop_path = check_drop_path(drop_path)
 
-    def _run(self, x: torch.Tensor, labels: torch.Tensor, forward=None):
+    def _run(self, x: torch.Tensor, labels: torch.Tensor, forward=None, history: Optional[list] = None):
         labels = labels.to(x.device)
         tracer = self.tracer
         if self.shared and SharedAttentionViT.applies(tracer, labels, self.layers):
-            tracer = SharedAttentionViT(tracer, labels, self.layers, self.residual, self.drop_path)
-        with fused_label_attn(self.fused):
-            output, captures = capture_forward(tracer, forward or (lambda: self.model(x)))
-            return output, trace_labels(tracer, captures, output, labels, self.layers, self.residual, self.drop_path)
+            tracer = SharedAttentionViT(tracer, labels, self.layers, self.residual, self.drop_path, history=history)
+        elif history is not None:
+            if not hasattr(tracer, 'history'):
+                raise ValueError(
+                    f'model: the label states after each block are kept for timm ViTs (shared path) and Swin, not '
+                    f'for {type(self.model).__name__}'
+                )
+            tracer.history = history
+        try:
+            with fused_label_attn(self.fused):
+                output, captures = capture_forward(tracer, forward or (lambda: self.model(x)))
+                share = trace_labels(tracer, captures, output, labels, self.layers, self.residual, self.drop_path)
+        finally:
+            if history is not None and tracer is self.tracer:
+                tracer.history = None
+        return output, share
 
     def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):
         """``(output, aligned (B, C) target)``; ``forward`` (default ``self.model(x)``) runs the token path."""
         mix = self._check_target(x, target)
         output, share = self._run(x, compact_labels(mix, self.num_prefix_tokens), forward)
         return output, aligned_target(share[:, 0], target.labels, mix, target.num_classes, target.smoothing)
+
+    def label_states(self, x: torch.Tensor, target: torch.Tensor) -> tuple:
+        """What :meth:`align` computes, and the label state after each block: ``(output, share, states)`` with
+        ``share`` the ``(B, K)`` aligned label of what the classifier reads (column 0: the partner's share) and
+        ``states`` one ``(B, T, K)`` tensor per block for a ViT (prefix tokens first), one ``(B, H', W', K)`` per
+        block on its stage's grid for Swin (``tokenaug-viz tl-align`` draws them). Other models: ``ValueError``."""
+        mix = self._check_target(x, target)
+        states: list = []
+        output, share = self._run(x, compact_labels(mix, self.num_prefix_tokens), history=states)
+        return output, share, states
 
     def trace(self, x: torch.Tensor, token_labels: torch.Tensor, cls_label: Optional[torch.Tensor] = None):
         """Reference entry point: dense per-patch labels ``(B, N_patches, C)`` (rows sum to 1, row-major
