@@ -8,7 +8,7 @@ from shared_core.plotting import save_figure, save_png, write_index
 from shared_core.viz import grey_image, images_uint8, overlay, share_image
 from tokenaug.tool_args import parse_viz
 
-from .common import branch, check_count, class_names_of, drawn, mixed_batch, top_classes
+from .samples import branch, check_count, class_names_of, drawn, mixed_batch, top_classes
 
 __all__ = ['mix']
 

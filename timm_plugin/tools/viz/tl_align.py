@@ -10,7 +10,7 @@ from shared_core.plotting import save_figure, save_png, write_index
 from shared_core.viz import images_uint8, share_image
 from tokenaug.tool_args import parse_viz
 
-from .common import branch, check_count, class_names_of, drawn, mixed_batch, pin_branch
+from .samples import branch, check_count, class_names_of, drawn, mixed_batch, pin_branch
 
 __all__ = ['tl_align']
 

@@ -10,7 +10,7 @@ import torch
 from shared_core.plotting import save_figure, save_png, write_index
 from tokenaug.tool_args import parse_viz
 
-from .common import class_names_of, seed_all, training_split
+from .samples import class_names_of, seed_all, training_split
 
 __all__ = ['token_labels']
 

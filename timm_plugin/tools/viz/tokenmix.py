@@ -11,7 +11,7 @@ from shared_core.samplers import MixSampler
 from shared_core.viz import share_image
 from tokenaug.tool_args import parse_viz
 
-from .common import check_count
+from .samples import check_count
 
 __all__ = ['tokenmix']
 

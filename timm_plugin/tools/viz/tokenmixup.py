@@ -12,7 +12,7 @@ from shared_core.plotting import save_figure, save_png, write_index
 from shared_core.viz import grey_image, images_uint8, share_image, token_plane
 from tokenaug.tool_args import parse_viz
 
-from .common import check_count, class_names_of, seed_all, training_split
+from .samples import check_count, class_names_of, seed_all, training_split
 
 __all__ = ['tokenmixup']
 
