@@ -588,3 +588,40 @@ def test_stochastic_depth_keeps_match_the_reference(drop_path):
     expect = Y if drop_path == 'kept' else Y_public
     assert torch.allclose(label, expect[:, 0], atol=1e-6)
     assert (Y[:, 0] - Y_public[:, 0]).abs().max() > 1e-3  # the two rules differ here
+
+
+def test_label_states_are_the_label_path_after_each_block():
+    """``TLAlign.label_states`` (what ``tokenaug-viz tl-align`` draws): the training path's output and aligned
+    label, and one state per block equal to the explicit reference's labels after that block (a ViT: the
+    reference aligning at blocks 0..d-1 only leaves the state after block d-1); Swin: one state per block on its
+    stage's grid, the last one's mean the aligned label; a model without kept states is refused by name."""
+    from shared_core.tl_align import compact_labels
+
+    model = tiny_vit().eval()
+    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=8, carry_mix=True,
+                         generator=torch.Generator().manual_seed(2))  # fmt: skip
+    xm, target = mixer(torch.randn(4, 3, 32, 32), torch.arange(4) % C)
+    vit_batch = xm, target
+    wrapped = TLAlign(model)
+    with torch.no_grad():
+        out, share, states = wrapped.label_states(xm, target)
+        out_a, _ = wrapped(xm, target)
+        assert torch.equal(out, out_a) and len(states) == len(model.blocks)
+        Y0 = compact_labels(target.mix, model.num_prefix_tokens)
+        for d in range(1, len(model.blocks) + 1):
+            final = []
+            _, label = reference(model, xm, Y0.clone(), layers=set(range(d)), final=final)
+            torch.testing.assert_close(states[d - 1], final[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(share, label, atol=1e-6, rtol=0)  # the class token's label after the last block
+
+    swin = TLAlign(tiny_swin().eval())
+    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=2, carry_mix=True,
+                         generator=torch.Generator().manual_seed(2))  # fmt: skip
+    xm, target = mixer(torch.randn(4, 3, 32, 32), torch.arange(4) % C)
+    with torch.no_grad():
+        _, share, states = swin.label_states(xm, target)
+    depths = [len(stage.blocks) for stage in swin.model.layers]
+    assert len(states) == sum(depths) and states[0].shape[:3] == (4, 16, 16) and states[-1].shape[1:3] == (8, 8)
+    torch.testing.assert_close(share, states[-1].flatten(1, 2).mean(1), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match='label states after each block are kept for timm ViTs'):
+        TLAlign(tiny_vit(), shared=False).label_states(*vit_batch)  # the reference path keeps none
