@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 import statistics
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -101,6 +102,18 @@ class Step:
             if rec.get('key') == self.key:
                 return rec
         return None
+
+    def started(self) -> bool:
+        """Whether an attempt of this same command began here and did not finish (its marker holds this key):
+        what it left may be resumed."""
+        marker = self.dir / 'study_started.json'
+        return marker.is_file() and json.loads(marker.read_text()).get('key') == self.key
+
+    def start(self) -> None:
+        """A fresh attempt: the folder emptied, then marked with this key (:meth:`started`)."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True)
+        (self.dir / 'study_started.json').write_text(json.dumps(dict(key=self.key)) + '\n')
 
     def finish(self, **result) -> dict:
         """Write the record (atomically: a kill leaves the old one or none)."""

@@ -192,7 +192,7 @@ def timm_tracer(model: nn.Module, pooled_outside: bool = False, name: str = 'mod
 
 class _MixTargetWrapper(nn.Module):
     """What TL-Align and TransMix share around a timm model: its tracer, the label attention's path (``fused``),
-    ``forward`` (the model without a target, ``align`` with one) and the checks of a mixed batch."""
+    ``forward`` (the model without a target, the subclass's ``align`` with one) and the checks of a mixed batch."""
 
     method = ''
 
@@ -218,9 +218,6 @@ class _MixTargetWrapper(nn.Module):
         if target is None:
             return self.model(x)
         return self.align(x, target)
-
-    def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):
-        raise NotImplementedError
 
     def _check_target(self, x: torch.Tensor, target) -> Mix:
         """The :class:`Mix` of ``target``, checked against the batch and the model's classes."""

@@ -77,17 +77,14 @@ def train_step(name: str, step: Step, log: Path) -> dict | None:
     if rec is not None:
         print(f'  {name}: done before, skipped', flush=True)
         return rec
-    started = step.dir / 'study_started.json'
     last = step.dir / 'last.pth.tar'
-    resume = started.is_file() and json.loads(started.read_text()).get('key') == step.key and last.is_file()
+    resume = step.started() and last.is_file()
     cmd = list(step.cmd)
     if resume:
         i = cmd.index('--experiment') + 2
         cmd[i:i] = ['--resume', str(last)]
     else:
-        shutil.rmtree(step.dir, ignore_errors=True)
-        step.dir.mkdir(parents=True)
-        started.write_text(json.dumps(dict(key=step.key)) + '\n')
+        step.start()
     log.parent.mkdir(parents=True, exist_ok=True)
     t = time.time()
     rc, cpu = run_logged(cmd, log)
@@ -249,13 +246,10 @@ class Study:
         if step.done():
             print('  maps: done before, skipped', flush=True)
             return True
-        started = step.dir / 'study_started.json'
-        resume = started.is_file() and json.loads(started.read_text()).get('key') == step.key and self.maps.is_dir()
+        resume = step.started() and self.maps.is_dir()
         if not resume:
-            shutil.rmtree(self.maps, ignore_errors=True)
-            shutil.rmtree(step.dir, ignore_errors=True)
-            step.dir.mkdir(parents=True)
-            started.write_text(json.dumps(dict(key=step.key)) + '\n')
+            shutil.rmtree(self.maps, ignore_errors=True)  # the store's folder is beside the step's record
+            step.start()
         cmd = step.cmd + (['--resume'] if resume else [])
         t = time.time()
         rc, _ = run_logged(cmd, self._log('maps'))
@@ -268,27 +262,6 @@ class Study:
 
     def _train(self, name: str, step: Step) -> bool:
         return train_step(name, step, self._log(name)) is not None
-        started = step.dir / 'study_started.json'
-        last = step.dir / 'last.pth.tar'
-        resume = started.is_file() and json.loads(started.read_text()).get('key') == step.key and last.is_file()
-        cmd = list(step.cmd)
-        if resume:
-            i = cmd.index('--experiment') + 2
-            cmd[i:i] = ['--resume', str(last)]
-        else:
-            shutil.rmtree(step.dir, ignore_errors=True)
-            step.dir.mkdir(parents=True)
-            started.write_text(json.dumps(dict(key=step.key)) + '\n')
-        log = self._log(name)
-        t = time.time()
-        rc = self._run(cmd, log)
-        if rc != 0:
-            print(f'  {name}: FAILED (exit {rc}); see {log}', flush=True)
-            return False
-        final = json.loads((step.dir / 'results.json').read_text())['final']
-        step.finish(top1=final['top1'], top5=final['top5'], secs=round(time.time() - t, 1), resumed=resume)
-        print(f'  {name}: val top-1 {final["top1"]}{" (resumed)" if resume else ""} ({time.time() - t:.0f} s)')
-        return True
 
     def train_all(self) -> None:
         self.write_plan()
