@@ -25,6 +25,7 @@ from timm.models import create_model, is_model, load_checkpoint
 from timm.task import ClassificationEvaluator, ClassificationTask, create_classification_loss, evaluation_sample_limit
 
 from shared_core.options import TOKEN_LABELING_TYPES
+from tokenaug.train_args import resolve_method
 
 from .checkpoints import read_state_dict
 from .mixup import MIX_KINDS, create_mixer
@@ -37,6 +38,7 @@ __all__ = [
     'Recipe',
     'build_model',
     'build_training',
+    'resolve_flags',
     'attach_method_modules',
     'attach_modules_in',
     'load_initial_checkpoint',
@@ -154,9 +156,10 @@ class Recipe:
 
 
 def build_training(args: argparse.Namespace) -> Recipe:
-    """The :class:`Recipe` of parsed arguments: builds the model with its method's modules (:func:`build_model`),
-    resolves the mixing and refuses, naming the flag, what the methods cannot combine."""
-    resolve_tokenmix(args)
+    """The :class:`Recipe` of parsed arguments: resolves every derived flag (:func:`resolve_flags`), builds the
+    model with its method's modules (:func:`build_model`), resolves the mixing and refuses, naming the flag, what
+    the methods cannot combine."""
+    resolve_flags(args)
     token_labeling, dense = uses_token_labeling(args), uses_dense_targets(args)
     if token_labeling:
         check_token_labeling(args)
@@ -248,6 +251,35 @@ def check_token_labeling(args: argparse.Namespace) -> None:
             f'{"--cutmix-minmax" if args.cutmix_minmax else "--bce-loss"}: not used by token '
             'labeling (MixToken draws its box from Beta(--cutmix); the loss is Eq. 3 cross entropy)'
         )
+
+
+def resolve_flags(args: argparse.Namespace) -> None:
+    """Every flag that other flags or the launch decide, set in place, here and nowhere else (a second call
+    changes nothing; :func:`build_training` makes the first):
+
+    - ``--method`` and the mixing kind under it (:func:`tokenaug.train_args.resolve_method`: ``--mixup-type
+      tl_align`` is ``--method tl_align --mixup-type cutmix``);
+    - ``--mixup-type tokenmix``: the paper's TokenMix (:func:`resolve_tokenmix`);
+    - timm's ``--data``, the former name of ``--data-dir``;
+    - the prefetcher (on unless ``--no-prefetcher``) and ``--grad-accum-steps`` of at least 1;
+    - as timm's ``train.py``: ``--lr`` from ``--lr-base`` scaled by the global batch where ``--lr`` is not given
+      (linear, or square root for adaptive optimizers; the world size is the launch's, 1 before a process group
+      is up), and no BN statistics to distribute (``--dist-bn``) with synchronised BN in a distributed run."""
+    resolve_method(args)
+    resolve_tokenmix(args)
+    if args.data and not args.data_dir:
+        args.data_dir = args.data
+    args.prefetcher = not args.no_prefetcher
+    args.grad_accum_steps = max(1, args.grad_accum_steps)
+    if not args.lr:
+        global_batch = args.batch_size * getattr(args, 'world_size', 1) * args.grad_accum_steps
+        ratio = global_batch / args.lr_base_size
+        scale = args.lr_base_scale or ('sqrt' if any(o in args.opt.lower() for o in ('ada', 'lamb')) else 'linear')
+        if scale == 'sqrt':
+            ratio = ratio**0.5
+        args.lr = args.lr_base * ratio
+    if getattr(args, 'distributed', False) and args.sync_bn:
+        args.dist_bn = ''
 
 
 def resolve_tokenmix(args) -> None:

@@ -290,7 +290,6 @@ def run(argv=None) -> dict:
         load_checkpoint_file(args.pretrained_path, '--pretrained-path', mmap=True)
     recipe = build_training(args)  # the model, the method, the mixing and the loss (timm_plugin.recipe)
     model, data_config = place_model(args, recipe, device, model_dtype)
-    scale_lr(args)
     optimizer = create_optimizer_v2(model, **optimizer_kwargs(cfg=args), **args.opt_kwargs)
     amp_autocast, loss_scaler = suppress, None
     if args.amp:
@@ -364,24 +363,21 @@ def check_run_args(args) -> str:
     check_numbers(args)
     for module in args.device_modules or ():
         importlib.import_module(module)
-    if args.data and not args.data_dir:
-        args.data_dir = args.data
-    if not args.data_dir:
+    data_dir = args.data_dir or args.data  # (timm's --data: resolve_flags makes it --data-dir)
+    if not data_dir:
         raise SystemExit('tokenaug-train: --data-dir is required')
-    if not args.dataset and not os.path.isdir(args.data_dir):  # before the model is built
-        raise FileNotFoundError(f'--data-dir: {args.data_dir} is not a directory')
+    if not args.dataset and not os.path.isdir(data_dir):  # before the model is built
+        raise FileNotFoundError(f'--data-dir: {data_dir} is not a directory')
     resume_path = resolve_resume(args)
     check_output_folder(args, resume_path)
     if not args.dataset or args.dataset.lower() in ('folder', 'imagefolder'):
-        whole = check_split_folder(args.data_dir, args.train_split, '--train-split')
-        if check_split_folder(args.data_dir, args.val_split, '--val-split') and whole and args.val_split:
+        whole = check_split_folder(data_dir, args.train_split, '--train-split')
+        if check_split_folder(data_dir, args.val_split, '--val-split') and whole and args.val_split:
             _logger.warning(
-                f'--data-dir {args.data_dir} has no split folders (train, val, ...): it is read whole as both the '
+                f'--data-dir {data_dir} has no split folders (train, val, ...): it is read whole as both the '
                 'training and the validation split, so validation measures the images the model trains on '
                 "(timm's behaviour); point --data-dir at the folder that holds the split folders"
             )
-    args.prefetcher = not args.no_prefetcher
-    args.grad_accum_steps = max(1, args.grad_accum_steps)
     return resume_path
 
 
@@ -414,22 +410,9 @@ def place_model(args, recipe, device, model_dtype) -> tuple:
     model.to(device=device, dtype=model_dtype)
     if args.channels_last:
         model.to(memory_format=torch.channels_last)
-    if args.distributed and args.sync_bn:
-        args.dist_bn = ''  # as timm: no BN statistics to distribute with synchronised BN
+    if args.distributed and args.sync_bn:  # (resolve_flags: no --dist-bn with it)
         model = convert_sync_batchnorm(model)
     return model, data_config
-
-
-def scale_lr(args) -> None:
-    """As timm: ``--lr`` from ``--lr-base`` scaled by the global batch (linear, or sqrt for adaptive optimizers)
-    where ``--lr`` is not given."""
-    if not args.lr:
-        global_batch = args.batch_size * args.world_size * args.grad_accum_steps
-        ratio = global_batch / args.lr_base_size
-        scale = args.lr_base_scale or ('sqrt' if any(o in args.opt.lower() for o in ('ada', 'lamb')) else 'linear')
-        if scale == 'sqrt':
-            ratio = ratio**0.5
-        args.lr = args.lr_base * ratio
 
 
 def resume_state(args, model, optimizer, loss_scaler, resume_path: str):

@@ -11,7 +11,9 @@ scalar for a list stops with the key named).
 
 Building the parser and parsing import neither torch nor timm (``--help`` answers at once): the choices come
 from :mod:`shared_core.options`, timm's ``ParseKwargs`` is imported when a ``key=value`` flag is given, and
-the default ``--device`` is resolved after parsing.
+the default ``--device`` is resolved after parsing. The flags that other flags decide (the method and the mixing
+kind under it, the learning rate from ``--lr-base``, ...) are resolved by
+:func:`timm_plugin.recipe.resolve_flags`, which :func:`timm_plugin.recipe.build_training` runs first.
 """
 
 from __future__ import annotations
@@ -432,7 +434,6 @@ def parse_args(argv=None, add=None, prog: str | None = None) -> argparse.Namespa
     args.config = args_config.config
     if args.device is None:
         args.device = default_device()
-    resolve_method(args)
     return args
 
 

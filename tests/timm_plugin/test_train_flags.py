@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from timm_plugin.recipe import resolve_flags
 from tokenaug.train_args import REFUSED, build_parser, check_supported, parse_args
 
 TABLE = json.loads((Path(__file__).parents[1] / 'data' / 'timm_train_flags.json').read_text())
@@ -284,21 +285,27 @@ def _spellings():
     'argv, yaml_cfg, canonical, warns', [pytest.param(*case, id=' '.join(case[0])) for case in _spellings()]
 )
 def test_every_spelling_parses_to_its_canonical_arguments(tmp_path, argv, yaml_cfg, canonical, warns):
-    """``--mixup-type tl_align`` / ``transmix`` (the promised spelling) parse with no warning at all, from the
-    command line and from YAML, into the method over ``cutmix``; every spelling parses to exactly the arguments
-    of its canonical ``--method METHOD --mixup-type KIND`` (the whole namespace, not only the two fields); the
-    former ``--method-mix`` still parses and warns with its replacement."""
+    """``--mixup-type tl_align`` / ``transmix`` (the promised spelling) parse and resolve (``resolve_flags``, as
+    ``build_training`` does) with no warning at all, from the command line and from YAML, into the method over
+    ``cutmix``; every spelling resolves to exactly the arguments of its canonical ``--method METHOD --mixup-type
+    KIND`` (the whole namespace, not only the two fields); the former ``--method-mix`` still parses and warns with
+    its replacement."""
     import warnings
+
+    def resolved(argv):  # the arguments as the recipe reads them (build_training resolves them first)
+        args = parse_args(argv)
+        resolve_flags(args)
+        return vars(args)
 
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        want = vars(parse_args(canonical))
+        want = resolved(canonical)
     cfg = tmp_path / 'run.yaml'
     cfg.write_text(yaml.safe_dump(yaml_cfg))
     for args in (argv, ['-c', str(cfg)]):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter('always')
-            got = vars(parse_args(args))
+            got = resolved(args)
         got['config'] = ''
         assert got == want, args
         if warns:
@@ -312,11 +319,11 @@ def test_every_spelling_parses_to_its_canonical_arguments(tmp_path, argv, yaml_c
 
 def test_contradictory_spellings_are_refused_by_name():
     with pytest.raises(ValueError, match='--mixup-type tl_align: a method, and --method transmix names one too'):
-        parse_args(['--mixup-type', 'tl_align', '--method', 'transmix'])
+        resolve_flags(parse_args(['--mixup-type', 'tl_align', '--method', 'transmix']))
     with pytest.raises(ValueError, match='two mixing kinds under --method tl_align'):
-        parse_args(['--method', 'tl_align', '--mixup-type', 'mixup', '--method-mix', 'cutmix'])
+        resolve_flags(parse_args(['--method', 'tl_align', '--mixup-type', 'mixup', '--method-mix', 'cutmix']))
     with pytest.raises(ValueError, match='--method-mix cutmix: it names the mixing kind under a --method'):
-        parse_args(['--method-mix', 'cutmix'])
+        resolve_flags(parse_args(['--method-mix', 'cutmix']))
 
 
 def test_help_lists_the_methods_among_the_mixing_kinds(capsys):
