@@ -16,7 +16,7 @@ lint: install
 # built once): 18 min on 2 cores against 23.5 serially (docs/development.md)
 JOBS ?= 2
 test: lint
-	$(PYTHON) -m pytest -n $(JOBS) --dist loadfile
+	$(PYTHON) -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
 test-quick: lint
 	$(PYTHON) -m pytest -m "not slow and not docs"

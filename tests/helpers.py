@@ -127,3 +127,23 @@ def check_compact_equals_dense(model, mixer, x, y, num_classes, smoothing=0.1, s
     assert torch.allclose(aligned.sum(1), torch.ones(len(y)), atol=1e-6) and aligned.min() >= 0
     assert not aligned.requires_grad
     return wrapped, xm, aligned
+
+
+def call_main(command, argv, capsys):
+    """A console command (``tokenaug.commands.<name>``, what its console script calls) run on ``argv`` in this
+    process: (exit status, stdout, stderr). It checks what a subprocess would, less an interpreter start-up (5 s of
+    imports): an exception that escaped the command, a traceback for its user, fails the calling test here."""
+    import logging
+
+    capsys.readouterr()
+    # the handlers an earlier run in this process added write to streams of tests that ended: the command adds
+    # its own, on this test's stderr, as in a fresh process
+    handlers, logging.root.handlers = logging.root.handlers, []
+    try:
+        code = command([str(a) for a in argv]) or 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        logging.root.handlers = handlers
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -17,6 +17,9 @@ import torch
 
 from mm_plugin.convert_cli import convert_checkpoint
 from shared_core.checkpoint_io import CheckpointError, atomic_output, load_checkpoint_file, save_checkpoint_file
+from tokenaug import commands
+
+from ..helpers import call_main
 
 
 def sha(path):
@@ -25,7 +28,7 @@ def sha(path):
 
 def convert_cmd(src, dst, *extra):
     return [
-        'tokenaug-convert', '--src', str(src), '--dst', str(dst), '--to', 'mmseg',
+        '--src', str(src), '--dst', str(dst), '--to', 'mmseg',
         '--model', 'deit_tiny_patch16_224', '--model-kwargs', 'img_size=32', 'patch_size=8', *extra,
     ]  # fmt: skip
 
@@ -44,10 +47,10 @@ def train_ckpt(tmp_path):
 
 
 # 1. data lost: tokenaug-convert onto its own source, or over an existing file -------------------------------
-def test_convert_refuses_its_own_source_and_existing_files(train_ckpt, tmp_path, run_env):
+def test_convert_refuses_its_own_source_and_existing_files(train_ckpt, tmp_path, capsys):
     before = sha(train_ckpt)
-    res = subprocess.run(convert_cmd(train_ckpt, train_ckpt), env=run_env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and 'is the src file' in res.stderr and 'Traceback' not in res.stderr
+    code, _, err = call_main(commands.convert, convert_cmd(train_ckpt, train_ckpt), capsys)
+    assert code == 2 and 'is the src file' in err and 'Traceback' not in err
     link = tmp_path / 'link.pth.tar'
     os.symlink(train_ckpt, link)  # the same file under another name
     with pytest.raises(CheckpointError, match='is the src file'):
@@ -57,13 +60,11 @@ def test_convert_refuses_its_own_source_and_existing_files(train_ckpt, tmp_path,
     assert sha(train_ckpt) == before and set(torch.load(train_ckpt, weights_only=True)) >= {'optimizer', 'epoch'}
     out = tmp_path / 'out.pth'
     out.write_bytes(b'an older conversion')
-    res = subprocess.run(convert_cmd(train_ckpt, out), env=run_env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and 'exists; pass --force' in res.stderr
+    code, _, err = call_main(commands.convert, convert_cmd(train_ckpt, out), capsys)
+    assert code == 2 and 'exists; pass --force' in err
     assert out.read_bytes() == b'an older conversion'
-    res = subprocess.run(
-        convert_cmd(train_ckpt, out, '--force'), env=run_env, capture_output=True, text=True, timeout=300
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
+    code, _, err = call_main(commands.convert, convert_cmd(train_ckpt, out, '--force'), capsys)
+    assert code == 0, err[-2000:]
     assert set(torch.load(out, weights_only=True)) == {'state_dict', 'meta'}
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith('.tmp')] == []
     assert sha(train_ckpt) == before
@@ -112,7 +113,7 @@ def test_a_full_disk_is_reported_as_such_and_replaces_nothing(tmp_path):
 
 
 @pytest.mark.parametrize('kind', ['garbage', 'truncated', 'empty', 'pickle'])
-def test_unreadable_checkpoints_are_named_without_unsafe_advice(kind, train_ckpt, tmp_path, run_env):
+def test_unreadable_checkpoints_are_named_without_unsafe_advice(kind, train_ckpt, tmp_path, capsys):
     bad = tmp_path / f'{kind}.pth'
     if kind == 'garbage':
         bad.write_bytes(b'junk' + random.Random(0).randbytes(5000))  # neither zip nor pickle
@@ -136,16 +137,16 @@ def test_unreadable_checkpoints_are_named_without_unsafe_advice(kind, train_ckpt
     }[kind]
     with pytest.raises(CheckpointError, match=expect):
         load_checkpoint_file(bad, 'src')
-    res = subprocess.run(convert_cmd(bad, tmp_path / 'o.pth'), env=run_env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and expect in res.stderr and 'weights_only=False' not in res.stderr, res.stderr[-2000:]
-    assert 'Traceback' not in res.stderr and not (tmp_path / 'PWNED').exists()
+    code, _, err = call_main(commands.convert, convert_cmd(bad, tmp_path / 'o.pth'), capsys)
+    assert code == 2 and expect in err and 'weights_only=False' not in err, err[-2000:]
+    assert 'Traceback' not in err and not (tmp_path / 'PWNED').exists()
 
 
-def test_convert_names_an_unknown_model(train_ckpt, tmp_path, run_env):
+def test_convert_names_an_unknown_model(train_ckpt, tmp_path, capsys):
     cmd = convert_cmd(train_ckpt, tmp_path / 'o.pth')
     cmd[cmd.index('deit_tiny_patch16_224')] = 'vit_tiny_patch16_224x'
-    res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and "model: 'vit_tiny_patch16_224x' is not a timm model name" in res.stderr
+    code, _, err = call_main(commands.convert, cmd, capsys)
+    assert code == 2 and "model: 'vit_tiny_patch16_224x' is not a timm model name" in err
 
 
 # tokenaug-train on the tiny world ----------------------------------------------------------------------------
@@ -294,8 +295,8 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_world, tmp_path, ru
 
 # 10. command-line errors without tracebacks ---------------------------------------------------------------------
 @pytest.mark.parametrize('case', ['no-data-dir', 'unknown-model', 'garbage-resume'])
-def test_train_cli_errors_are_named_without_a_traceback(case, tiny_world, tmp_path, run_env):
-    cmd = ['tokenaug-train'] + train_cmd(tiny_world / 'imagenet', tmp_path, 'x', '--epochs', '1')
+def test_train_cli_errors_are_named_without_a_traceback(case, tiny_world, tmp_path, capsys):
+    cmd = train_cmd(tiny_world / 'imagenet', tmp_path, 'x', '--epochs', '1')
     if case == 'no-data-dir':
         cmd[cmd.index('--data-dir') + 1] = str(tmp_path / 'nope')
         expect = 'is not a directory'
@@ -306,8 +307,8 @@ def test_train_cli_errors_are_named_without_a_traceback(case, tiny_world, tmp_pa
         (tmp_path / 'junk.pth.tar').write_bytes(b'junk' + random.Random(0).randbytes(5000))  # not zip, not pickle
         cmd += ['--resume', str(tmp_path / 'junk.pth.tar')]
         expect = '--resume: ' + str(tmp_path / 'junk.pth.tar') + ' is not a PyTorch checkpoint'
-    res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and expect in res.stderr and 'Traceback' not in res.stderr, res.stderr[-2000:]
+    code, _, err = call_main(commands.train, cmd, capsys)
+    assert code == 2 and expect in err and 'Traceback' not in err, err[-2000:]
 
 
 # 7. non-finite and mistyped numbers ---------------------------------------------------------------------------
@@ -348,13 +349,11 @@ def test_mm_batch_augment_numbers_are_checked_at_build():
         BATCH_AUGMENTS.build(dict(type='TAMixup', alpha=float('inf')))
 
 
-def test_train_refuses_an_infinite_mixup_alpha(tiny_world, tmp_path, run_env):
-    cmd = ['tokenaug-train'] + train_cmd(
-        tiny_world / 'imagenet', tmp_path, 'x', '--epochs', '1', '--mixup', 'inf', '--cutmix', '0'
-    )
+def test_train_refuses_an_infinite_mixup_alpha(tiny_world, tmp_path, capsys):
+    cmd = train_cmd(tiny_world / 'imagenet', tmp_path, 'x', '--epochs', '1', '--mixup', 'inf', '--cutmix', '0')
     cmd += ['--mixup-type', 'mixup']
-    res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and 'mixup_alpha: expected a finite number' in res.stderr, res.stderr[-2000:]
+    code, _, err = call_main(commands.train, cmd, capsys)
+    assert code == 2 and 'mixup_alpha: expected a finite number' in err, err[-2000:]
     assert not (tmp_path / 'x' / 'model_best.pth.tar').exists()
 
 

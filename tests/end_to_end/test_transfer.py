@@ -1,5 +1,7 @@
 """Transfer end to end: a converted tokenaug checkpoint trained and tested by the upstream mmseg tools."""
 
+import contextlib
+import io
 from pathlib import Path
 
 import mmdet
@@ -9,6 +11,7 @@ import timm
 import torch
 
 from shared_core.tools.world import generate_world
+from tokenaug import commands
 
 from ..conftest import REPO
 from ..helpers import run_tool
@@ -17,28 +20,19 @@ SEG_TOOLS = Path(mmseg.__file__).parent / '.mim' / 'tools'
 DET_TOOLS = Path(mmdet.__file__).parent / '.mim' / 'tools'
 
 
-def convert(tmp_path, env, model, to, dst, img_size=None):
+def convert(tmp_path, model, to, dst, img_size=None):
     """A freshly initialised (seed 0) 10-class timm ``model`` saved as tmp_path/cls.pth and converted by
-    tokenaug-convert to tmp_path/``dst`` for ``to``; tokenaug-convert's stdout."""
+    tokenaug-convert (its main, in this process: the upstream tools are what run as subprocesses here) to
+    tmp_path/``dst`` for ``to``; tokenaug-convert's stdout."""
     size = {} if img_size is None else dict(img_size=img_size)
     torch.manual_seed(0)
     torch.save({'state_dict': timm.create_model(model, **size, num_classes=10).state_dict()}, tmp_path / 'cls.pth')
-    return run_tool(
-        [
-            'tokenaug-convert',
-            '--src',
-            tmp_path / 'cls.pth',
-            '--dst',
-            tmp_path / dst,
-            '--to',
-            to,
-            '--model',
-            model,
-            *(['--model-kwargs', f'img_size={img_size}'] if size else []),
-        ],
-        env,
-        timeout=300,
-    )
+    argv = ['--src', tmp_path / 'cls.pth', '--dst', tmp_path / dst, '--to', to, '--model', model]
+    argv += ['--model-kwargs', f'img_size={img_size}'] if size else []
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert commands.convert([str(a) for a in argv]) == 0
+    return printed.getvalue()
 
 
 def train_and_test(tools, config, checkpoint, tmp_path, env, train_opts, test_opts, timeout=600):
@@ -75,7 +69,7 @@ def mmseg_world_transfer(tmp_path, env, model, config):
     generate_world(
         world, seed=0, num_classes=10, image_size=112, train_per_class=2, val_per_class=1, formats=('ade20k',)
     )
-    converted = convert(tmp_path, env, model, 'mmseg', 'seg.pth', img_size=112)
+    converted = convert(tmp_path, model, 'mmseg', 'seg.pth', img_size=112)
     env.update(TOKENAUG_WORLD=str(world), TOKENAUG_BACKBONE=str(tmp_path / 'seg.pth'))
     train_log, test_log = train_and_test(
         SEG_TOOLS,
@@ -118,7 +112,7 @@ def test_mmdet_cascade_train_and_test_from_a_converted_swin(tmp_path, run_env):
     test.py reports box and mask AP (2 validation images, to keep CPU time down)."""
     world = tmp_path / 'world'
     generate_world(world, seed=0, num_classes=10, image_size=112, train_per_class=2, val_per_class=1, formats=('coco',))
-    convert(tmp_path, run_env, 'swin_tiny_patch4_window7_224', 'mmdet', 'det.pth')
+    convert(tmp_path, 'swin_tiny_patch4_window7_224', 'mmdet', 'det.pth')
     run_env.update(TOKENAUG_WORLD=str(world), TOKENAUG_BACKBONE=str(tmp_path / 'det.pth'))
     small = [
         'train_dataloader.num_workers=0',

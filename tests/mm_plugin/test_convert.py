@@ -1,7 +1,5 @@
 """tokenaug-convert: converted backbones compute the source's features through the targets' own loaders."""
 
-import subprocess
-
 import pytest
 import timm
 import torch
@@ -10,6 +8,9 @@ from mmpretrain.registry import MODELS as PRETRAIN_MODELS
 
 import mm_plugin  # noqa: F401
 from mm_plugin.convert_cli import _timm_arch, build_backbone, convert_checkpoint
+from tokenaug import commands
+
+from ..helpers import call_main
 
 
 def _loaded(to, model, dst, final_norm=False, **model_kwargs):
@@ -90,7 +91,7 @@ def test_mmpretrain_vit_to_mmseg(tmp_path):
     assert torch.allclose(seg(x)[-1], cls.backbone(x)[-1], atol=1e-5)
 
 
-def test_wrong_checkpoints_are_refused_with_the_keys_named(tmp_path, run_env):
+def test_wrong_checkpoints_are_refused_with_the_keys_named(tmp_path, capsys):
     torch.manual_seed(0)
     vit = timm.create_model('deit_tiny_patch16_224', img_size=32, patch_size=8, num_classes=10)
     sd = vit.state_dict()
@@ -110,9 +111,9 @@ def test_wrong_checkpoints_are_refused_with_the_keys_named(tmp_path, run_env):
     with pytest.raises(ValueError, match=r"keys have no mapping: \['patch_embed.norm.weight'"):
         convert_checkpoint(tmp_path / 'swin.pth', tmp_path / 'x.pth', 'mmseg', 'deit_tiny_patch16_224')
     # the CLI: exit code 2 and the reason
-    res = subprocess.run(
+    code, out, err = call_main(
+        commands.convert,
         [
-            'tokenaug-convert',
             '--src',
             str(tmp_path / 'truncated.pth'),
             '--dst',
@@ -125,22 +126,19 @@ def test_wrong_checkpoints_are_refused_with_the_keys_named(tmp_path, run_env):
             'img_size=32',
             'patch_size=8',
         ],
-        env=run_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        capsys,
     )
-    assert res.returncode == 2 and 'does not fit a mmseg vit backbone' in res.stderr
+    assert code == 2 and 'does not fit a mmseg vit backbone' in err
     assert not (tmp_path / 'x.pth').exists()
 
 
-def test_cli_report(tmp_path, run_env):
+def test_cli_report(tmp_path, capsys):
     torch.manual_seed(0)
     vit = timm.create_model('deit_tiny_patch16_224', img_size=32, patch_size=8, num_classes=10)
     torch.save({'state_dict': vit.state_dict()}, tmp_path / 'src.pth')
-    res = subprocess.run(
+    code, out, err = call_main(
+        commands.convert,
         [
-            'tokenaug-convert',
             '--src',
             str(tmp_path / 'src.pth'),
             '--dst',
@@ -153,14 +151,11 @@ def test_cli_report(tmp_path, run_env):
             'img_size=32',
             'patch_size=8',
         ],
-        env=run_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        capsys,
     )
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert 'strict load and mmseg init_weights verified' in res.stdout
-    assert "dropped (training-only): ['head.bias', 'head.weight', 'ln1.weight (final norm" in res.stdout
+    assert code == 0, err[-2000:]
+    assert 'strict load and mmseg init_weights verified' in out
+    assert "dropped (training-only): ['head.bias', 'head.weight', 'ln1.weight (final norm" in out
 
 
 def test_mmpretrain_swin_to_mmdet_same_features(tmp_path):
@@ -318,7 +313,7 @@ def test_mmpretrain_timm_backbone_lvvit_to_mmseg(tmp_path):
         assert torch.allclose(seg(x)[0], tokens[:, 1:].transpose(1, 2).reshape(2, 240, 4, 4), atol=1e-5)
 
 
-def test_wrong_lvvit_checkpoints_are_refused_with_the_keys_named(tmp_path, run_env):
+def test_wrong_lvvit_checkpoints_are_refused_with_the_keys_named(tmp_path, capsys):
     torch.manual_seed(0)
     # a DeiT-S state dict declared as lvvit_s: qkv biases unexpected, blocks 12-15 and the stem missing,
     # MLP ratio 4 instead of 3
@@ -353,9 +348,9 @@ def test_wrong_lvvit_checkpoints_are_refused_with_the_keys_named(tmp_path, run_e
         )
     assert not (tmp_path / 'x.pth').exists()
     # the CLI: exit code 2 and the reason
-    res = subprocess.run(
+    code, out, err = call_main(
+        commands.convert,
         [
-            'tokenaug-convert',
             '--src',
             str(tmp_path / 'truncated.pth'),
             '--dst',
@@ -367,12 +362,9 @@ def test_wrong_lvvit_checkpoints_are_refused_with_the_keys_named(tmp_path, run_e
             '--model-kwargs',
             'img_size=64',
         ],
-        env=run_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        capsys,
     )
-    assert res.returncode == 2 and 'does not fit a mmseg lvvit backbone' in res.stderr
+    assert code == 2 and 'does not fit a mmseg lvvit backbone' in err
     assert not (tmp_path / 'x.pth').exists()
 
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -137,8 +138,10 @@ def test_emitted_jobs_then_collect_give_the_local_table(data, local_study, tmp_p
     assert study(argv(data, jobs, '--emit-jobs', str(tmp_path / 'jobs.txt'), seeds=2)) == 0
     lines = (tmp_path / 'jobs.txt').read_text().splitlines()
     assert len(lines) == 4 and all('--run-step' in line for line in lines)
-    for line in lines:  # what a scheduler's array job runs, one line each
-        subprocess.run(shlex.split(line), check=True, capture_output=True)
+    for line in lines:  # what a scheduler's array job runs, one line each: the console script's main, here
+        job = shlex.split(line)
+        assert Path(job[0]).name == 'tokenaug-study' and Path(job[0]).is_file()
+        assert study(job[1:]) == 0
     assert study(argv(data, jobs, '--collect', seeds=2)) == 0
     a, b = (json.loads((d / 'results.json').read_text()) for d in (local, jobs))
     assert a['runs'] == b['runs'] and a['comparisons'] == b['comparisons']
