@@ -2,10 +2,18 @@
 (``tests/snippets.py`` has the marks). The ``run`` snippets run here, page by page in the page's order, as a reader
 would type them: shell snippets in bash (stopping at the first failure) with the venv's console scripts on PATH, in
 one working folder per page that holds a small synthetic world in ``data/world``; Python snippets in one namespace
-per page, in that folder."""
+per page, in that folder.
+
+Pages repeat a command where a reader starting on that page needs it (``tokenaug-train ... --mixup-type tl_align``
+on four pages). A shell snippet whose text and whose folder's content, file by file, equal those of one already run
+here is not run again: what that run added or changed is copied into the folder. The commands are deterministic
+given their folder (same seeds, same files), so this is what the rerun would write, up to a run folder's time stamp
+and the absolute paths some logs record; every distinct snippet in every distinct folder still runs."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -55,11 +63,62 @@ def small_world(tmp_path_factory):
     return out
 
 
-def _run_bash(snippet, cwd, env):
+def _files(folder: Path) -> dict[str, str]:
+    """Every file under ``folder``: its path relative to it -> the SHA-256 of its bytes."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob('*'))
+        if p.is_file() and not p.is_symlink()
+    }
+
+
+class SnippetMemo:
+    """The shell snippets run in this module, by their text and their folder's files before them: the files each
+    run added or changed (copies under ``root``) and those it removed."""
+
+    def __init__(self, root: Path):
+        self.root, self.runs = root, {}
+
+    @staticmethod
+    def key(snippet, before: dict[str, str]) -> str:
+        return hashlib.sha256(json.dumps([snippet.code, sorted(before.items())]).encode()).hexdigest()
+
+    def replay(self, key: str, cwd: Path) -> bool:
+        """The run of ``key`` written into ``cwd``; ``False`` if there was none."""
+        if key not in self.runs:
+            return False
+        written, removed = self.runs[key]
+        for rel in written:
+            (cwd / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(self.root / key / rel, cwd / rel)
+        for rel in removed:
+            (cwd / rel).unlink()
+        return True
+
+    def record(self, key: str, cwd: Path, before: dict[str, str]) -> None:
+        after = _files(cwd)
+        written = [rel for rel, digest in after.items() if before.get(rel) != digest]
+        for rel in written:
+            (self.root / key / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(cwd / rel, self.root / key / rel)
+        self.runs[key] = (written, [rel for rel in before if rel not in after])
+
+
+@pytest.fixture(scope='module')
+def memo(tmp_path_factory):
+    return SnippetMemo(tmp_path_factory.mktemp('snippet_runs'))
+
+
+def _run_bash(snippet, cwd, env, memo):
+    before = _files(cwd)
+    key = memo.key(snippet, before)
+    if memo.replay(key, cwd):
+        return
     try:
         run_tool(['bash', '-c', 'set -eo pipefail\n' + snippet.code], env, timeout=900, cwd=cwd)
     except AssertionError as exc:
         raise AssertionError(f'{snippet.where}\n{snippet.code}\n{exc}') from None
+    memo.record(key, cwd, before)
 
 
 def _run_python(snippet, namespace):
@@ -84,7 +143,7 @@ def _load_config(snippet, cwd, env):
 
 @pytest.mark.slow
 @pytest.mark.parametrize('page', sorted(BY_PAGE))
-def test_page_snippets_run(page, small_world, tmp_path, monkeypatch):
+def test_page_snippets_run(page, small_world, memo, tmp_path, monkeypatch):
     work = tmp_path / 'work'
     (work / 'data').mkdir(parents=True)
     shutil.copytree(small_world, work / 'data' / 'world')
@@ -97,6 +156,6 @@ def test_page_snippets_run(page, small_world, tmp_path, monkeypatch):
         if snippet.kind[0] == 'config':
             _load_config(snippet, work, env)
         elif snippet.lang == 'bash':
-            _run_bash(snippet, work, env)
+            _run_bash(snippet, work, env, memo)
         else:
             _run_python(snippet, namespace)
