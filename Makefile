@@ -13,7 +13,8 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 # every lane, on JOBS processes (pytest-xdist; a file's tests stay on one process, so its module fixtures are
-# built once): 18 min on 2 cores against 23.5 serially (docs/development.md)
+# built once; the files with the most end-to-end runs first, see tests/conftest.py): 11 min on 2 cores against
+# 23.5 serially (docs/development.md, "Test time")
 JOBS ?= 2
 test: lint
 	$(PYTHON) -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder
