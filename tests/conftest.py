@@ -57,7 +57,5 @@ def pytest_collection_modifyitems(config, items):
     pytest-xdist (``make test``: ``--dist loadfile --no-loadscope-reorder``) the longest files start first and the
     processes finish together (xdist's own order, most tests first, started the two-minute files last)."""
     slow = Counter(item.path for item in items if item.get_closest_marker('slow'))
-    first = {}
-    for i, item in enumerate(items):
-        first.setdefault(item.path, i)
-    items.sort(key=lambda item: (-slow[item.path], first[item.path]))
+    order = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
+    items.sort(key=lambda item: (-slow[item.path], order[item.path]))

@@ -1,7 +1,5 @@
 """Transfer end to end: a converted tokenaug checkpoint trained and tested by the upstream mmseg tools."""
 
-import contextlib
-import io
 from pathlib import Path
 
 import mmdet
@@ -14,13 +12,13 @@ from shared_core.tools.world import generate_world
 from tokenaug import commands
 
 from ..conftest import REPO
-from ..helpers import run_tool
+from ..helpers import call_main, run_tool
 
 SEG_TOOLS = Path(mmseg.__file__).parent / '.mim' / 'tools'
 DET_TOOLS = Path(mmdet.__file__).parent / '.mim' / 'tools'
 
 
-def convert(tmp_path, model, to, dst, img_size=None):
+def convert(tmp_path, capsys, model, to, dst, img_size=None):
     """A freshly initialised (seed 0) 10-class timm ``model`` saved as tmp_path/cls.pth and converted by
     tokenaug-convert (its main, in this process: the upstream tools are what run as subprocesses here) to
     tmp_path/``dst`` for ``to``; tokenaug-convert's stdout."""
@@ -29,10 +27,9 @@ def convert(tmp_path, model, to, dst, img_size=None):
     torch.save({'state_dict': timm.create_model(model, **size, num_classes=10).state_dict()}, tmp_path / 'cls.pth')
     argv = ['--src', tmp_path / 'cls.pth', '--dst', tmp_path / dst, '--to', to, '--model', model]
     argv += ['--model-kwargs', f'img_size={img_size}'] if size else []
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        assert commands.convert([str(a) for a in argv]) == 0
-    return printed.getvalue()
+    code, out, err = call_main(commands.convert, argv, capsys)
+    assert code == 0, err[-2000:]
+    return out
 
 
 def train_and_test(tools, config, checkpoint, tmp_path, env, train_opts, test_opts, timeout=600):
@@ -62,14 +59,14 @@ def train_and_test(tools, config, checkpoint, tmp_path, env, train_opts, test_op
     return train_log, test_log
 
 
-def mmseg_world_transfer(tmp_path, env, model, config):
+def mmseg_world_transfer(tmp_path, capsys, env, model, config):
     """A 112 px ``model`` converted for mmseg, then our world ``config`` (configs/mmseg) through mmseg's own
     train.py (2 iterations, from the converted backbone) and test.py; tokenaug-convert's stdout."""
     world = tmp_path / 'world'
     generate_world(
         world, seed=0, num_classes=10, image_size=112, train_per_class=2, val_per_class=1, formats=('ade20k',)
     )
-    converted = convert(tmp_path, model, 'mmseg', 'seg.pth', img_size=112)
+    converted = convert(tmp_path, capsys, model, 'mmseg', 'seg.pth', img_size=112)
     env.update(TOKENAUG_WORLD=str(world), TOKENAUG_BACKBONE=str(tmp_path / 'seg.pth'))
     train_log, test_log = train_and_test(
         SEG_TOOLS,
@@ -93,26 +90,26 @@ def mmseg_world_transfer(tmp_path, env, model, config):
 
 
 @pytest.mark.slow
-def test_mmseg_train_and_test_from_a_converted_checkpoint(tmp_path, run_env):
-    mmseg_world_transfer(tmp_path, run_env, 'vit_tiny_patch16_224', 'upernet_vit-tiny_world.py')
+def test_mmseg_train_and_test_from_a_converted_checkpoint(tmp_path, capsys, run_env):
+    mmseg_world_transfer(tmp_path, capsys, run_env, 'vit_tiny_patch16_224', 'upernet_vit-tiny_world.py')
 
 
 @pytest.mark.slow
-def test_mmseg_fcn_train_and_test_from_a_converted_lvvit(tmp_path, run_env):
+def test_mmseg_fcn_train_and_test_from_a_converted_lvvit(tmp_path, capsys, run_env):
     """LV-ViT-T (112 px) -> tokenaug-convert -> our FCN world config through mmseg's own tools."""
     import timm_plugin  # noqa: F401  (registers lvvit_*)
 
-    converted = mmseg_world_transfer(tmp_path, run_env, 'lvvit_t', 'fcn_lvvit-tiny_world.py')
+    converted = mmseg_world_transfer(tmp_path, capsys, run_env, 'lvvit_t', 'fcn_lvvit-tiny_world.py')
     assert "dropped (training-only): ['aux_head.bias', 'aux_head.weight', 'head.bias', 'head.weight'" in converted
 
 
 @pytest.mark.slow
-def test_mmdet_cascade_train_and_test_from_a_converted_swin(tmp_path, run_env):
+def test_mmdet_cascade_train_and_test_from_a_converted_swin(tmp_path, capsys, run_env):
     """Our Cascade Mask R-CNN Swin-T config (world variant) through mmdet's own tools: 2 iterations, then
     test.py reports box and mask AP (2 validation images, to keep CPU time down)."""
     world = tmp_path / 'world'
     generate_world(world, seed=0, num_classes=10, image_size=112, train_per_class=2, val_per_class=1, formats=('coco',))
-    convert(tmp_path, 'swin_tiny_patch4_window7_224', 'mmdet', 'det.pth')
+    convert(tmp_path, capsys, 'swin_tiny_patch4_window7_224', 'mmdet', 'det.pth')
     run_env.update(TOKENAUG_WORLD=str(world), TOKENAUG_BACKBONE=str(tmp_path / 'det.pth'))
     small = [
         'train_dataloader.num_workers=0',

@@ -21,6 +21,13 @@ def _loaded(to, model, dst, final_norm=False, **model_kwargs):
     return bb
 
 
+def _cli(capsys, src, dst, model, *model_kwargs):
+    """``tokenaug-convert --to mmseg`` of ``src`` as ``model`` (``--model-kwargs``), in this process: (exit
+    status, stdout, stderr)."""
+    argv = ['--src', src, '--dst', dst, '--to', 'mmseg', '--model', model, '--model-kwargs', *model_kwargs]
+    return call_main(commands.convert, argv, capsys)
+
+
 def test_deit_to_mmseg_vit_same_features(tmp_path):
     torch.manual_seed(0)
     src = timm.create_model('deit_tiny_patch16_224', img_size=32, patch_size=8, num_classes=10).eval()
@@ -111,22 +118,8 @@ def test_wrong_checkpoints_are_refused_with_the_keys_named(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"keys have no mapping: \['patch_embed.norm.weight'"):
         convert_checkpoint(tmp_path / 'swin.pth', tmp_path / 'x.pth', 'mmseg', 'deit_tiny_patch16_224')
     # the CLI: exit code 2 and the reason
-    code, out, err = call_main(
-        commands.convert,
-        [
-            '--src',
-            str(tmp_path / 'truncated.pth'),
-            '--dst',
-            str(tmp_path / 'x.pth'),
-            '--to',
-            'mmseg',
-            '--model',
-            'deit_tiny_patch16_224',
-            '--model-kwargs',
-            'img_size=32',
-            'patch_size=8',
-        ],
-        capsys,
+    code, out, err = _cli(
+        capsys, tmp_path / 'truncated.pth', tmp_path / 'x.pth', 'deit_tiny_patch16_224', 'img_size=32', 'patch_size=8'
     )
     assert code == 2 and 'does not fit a mmseg vit backbone' in err
     assert not (tmp_path / 'x.pth').exists()
@@ -136,22 +129,8 @@ def test_cli_report(tmp_path, capsys):
     torch.manual_seed(0)
     vit = timm.create_model('deit_tiny_patch16_224', img_size=32, patch_size=8, num_classes=10)
     torch.save({'state_dict': vit.state_dict()}, tmp_path / 'src.pth')
-    code, out, err = call_main(
-        commands.convert,
-        [
-            '--src',
-            str(tmp_path / 'src.pth'),
-            '--dst',
-            str(tmp_path / 'o.pth'),
-            '--to',
-            'mmseg',
-            '--model',
-            'deit_tiny_patch16_224',
-            '--model-kwargs',
-            'img_size=32',
-            'patch_size=8',
-        ],
-        capsys,
+    code, out, err = _cli(
+        capsys, tmp_path / 'src.pth', tmp_path / 'o.pth', 'deit_tiny_patch16_224', 'img_size=32', 'patch_size=8'
     )
     assert code == 0, err[-2000:]
     assert 'strict load and mmseg init_weights verified' in out
@@ -348,22 +327,7 @@ def test_wrong_lvvit_checkpoints_are_refused_with_the_keys_named(tmp_path, capsy
         )
     assert not (tmp_path / 'x.pth').exists()
     # the CLI: exit code 2 and the reason
-    code, out, err = call_main(
-        commands.convert,
-        [
-            '--src',
-            str(tmp_path / 'truncated.pth'),
-            '--dst',
-            str(tmp_path / 'x.pth'),
-            '--to',
-            'mmseg',
-            '--model',
-            'lvvit_t',
-            '--model-kwargs',
-            'img_size=64',
-        ],
-        capsys,
-    )
+    code, out, err = _cli(capsys, tmp_path / 'truncated.pth', tmp_path / 'x.pth', 'lvvit_t', 'img_size=64')
     assert code == 2 and 'does not fit a mmseg lvvit backbone' in err
     assert not (tmp_path / 'x.pth').exists()
 
