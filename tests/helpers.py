@@ -1,7 +1,11 @@
 """Helpers shared by the test modules: quadrant images and their label maps, map stores of given rows, and
-running an upstream tool (tools/train.py, tools/test.py, a console script) in a subprocess."""
+running an upstream tool (tools/train.py, tools/test.py, a console script) in a subprocess or in the test's process."""
 
+import contextlib
+import io
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -79,16 +83,113 @@ MM_WORLD_OPTS = [
 ]
 
 
-def mmpretrain_train(config, work_dir, env, cwd, *args, max_epochs=1):
-    """mmpretrain's shipped tools/train.py, run in ``cwd``, on configs/mmpretrain/``config`` (``args``: more
-    flags, before the --cfg-options) for ``max_epochs`` with MM_WORLD_OPTS; asserts it succeeds, returns its log."""
+def _manager_classes():
+    """MMEngine's named-instance classes (``ManagerMixin``: the default scope, loggers, message hubs, visualizers)."""
+    from mmengine.utils import ManagerMixin
+
+    todo, seen = [ManagerMixin], []
+    while todo:
+        cls = todo.pop()
+        seen.append(cls)
+        todo.extend(cls.__subclasses__())
+    return [c for c in seen if isinstance(getattr(c, '_instance_dict', None), dict)]
+
+
+@contextlib.contextmanager
+def _as_a_fresh_process(argv, env, cwd, out):
+    """What a fresh ``python SCRIPT ARGV`` would have, for the duration: ``sys.argv``, exactly ``env`` as the
+    environment, ``cwd``, stdout and stderr into ``out`` (logging's and MMEngine's loggers, made during the run, too),
+    a fresh interpreter's warning filters with each warning printed there, none of MMEngine's named instances (an
+    earlier Runner's visualizer would be reused, with its folder); afterwards everything the upstream tools set for
+    their process is put back: the environment (tools/train.py sets ``LOCAL_RANK``), the folder, MMEngine's named
+    instances (the Runner's default scope becomes the current one; its logger keeps its log file open: closed),
+    the random states (the Runner seeds them), torch's threads and deterministic switch, multiprocessing's start method
+    and OpenCV's threads (the Runner's ``env_cfg``)."""
+    import logging
+    import multiprocessing
+    import random
+    import warnings
+
+    import cv2
+    import numpy as np
+    import torch
+
+    saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
+    managers = {cls: dict(cls._instance_dict) for cls in _manager_classes()}
+    for cls in managers:
+        cls._instance_dict.clear()
+    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    knobs = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), cv2.getNumThreads())
+    start_method = multiprocessing.get_start_method(allow_none=True)
+    handlers, logging.root.handlers = logging.root.handlers, []
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = [str(a) for a in argv]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), warnings.catch_warnings():
+            warnings.resetwarnings()  # a fresh interpreter's filters (python -W default less its ignore list)
+            warnings.simplefilter('default')
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.filterwarnings('ignore', category=category)
+            warnings.showwarning = lambda m, c, f, n, file=None, line=None: out.write(
+                warnings.formatwarning(m, c, f, n, line)
+            )
+            yield
+    finally:
+        for cls in _manager_classes():  # with the classes the run imported; every instance now is the run's
+            for instance in cls._instance_dict.values():
+                for handler in getattr(instance, 'handlers', []):
+                    handler.close()
+            cls._instance_dict.clear()
+            cls._instance_dict.update(managers.get(cls, {}))
+        logging.root.handlers = handlers
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+        torch.set_num_threads(knobs[0])
+        torch.use_deterministic_algorithms(knobs[1])
+        cv2.setNumThreads(knobs[2])
+        if multiprocessing.get_start_method(allow_none=True) != start_method:
+            multiprocessing.set_start_method(start_method, force=True)
+
+
+def upstream_tool(script, args, env, cwd, fresh_process=False, timeout=600):
+    """An upstream script shipped in an mm wheel (``<pkg>/.mim/tools/train.py``, ``test.py``) on ``args``, run in
+    ``cwd`` with the environment ``env``; asserts it succeeds, returns its stdout + stderr. By default it runs as
+    ``__main__`` in this process (:func:`_as_a_fresh_process`: 5 s of imports less a run); ``fresh_process`` runs
+    ``python SCRIPT`` where a new interpreter is what the test checks (the config's ``custom_imports`` registering our
+    modules, the safe loading of a resumed checkpoint)."""
+    import runpy
+
+    argv = [str(script), *map(str, args)]
+    if fresh_process:
+        return run_tool(['python', *argv], env, timeout=timeout, cwd=cwd)
+    out = io.StringIO()
+    try:
+        with _as_a_fresh_process(argv, env, cwd, out):
+            runpy.run_path(str(script), run_name='__main__')
+    except SystemExit as e:
+        assert e.code in (None, 0), f'{script} exited with {e.code}\n{out.getvalue()[-4000:]}'
+    except Exception as e:
+        raise AssertionError(f'{script} failed\n{out.getvalue()[-4000:]}') from e
+    return out.getvalue()
+
+
+def mmpretrain_train(config, work_dir, env, cwd, *args, max_epochs=1, fresh_process=False):
+    """mmpretrain's shipped tools/train.py (:func:`upstream_tool`), run in ``cwd``, on configs/mmpretrain/``config``
+    (``args``: more flags, before the --cfg-options) for ``max_epochs`` with MM_WORLD_OPTS; asserts it succeeds,
+    returns its log."""
     import mmpretrain
 
     train_py = Path(mmpretrain.__file__).parent / '.mim' / 'tools' / 'train.py'
-    return run_tool(
+    return upstream_tool(
+        train_py,
         [
-            'python',
-            train_py,
             REPO / 'configs' / 'mmpretrain' / config,
             '--work-dir',
             work_dir,
@@ -98,7 +199,8 @@ def mmpretrain_train(config, work_dir, env, cwd, *args, max_epochs=1):
             f'train_cfg.max_epochs={max_epochs}',
         ],
         env,
-        cwd=cwd,
+        cwd,
+        fresh_process=fresh_process,
     )
 
 

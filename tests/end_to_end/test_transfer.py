@@ -12,7 +12,7 @@ from shared_core.tools.world import generate_world
 from tokenaug import commands
 
 from ..conftest import REPO
-from ..helpers import call_main, run_tool
+from ..helpers import call_main, upstream_tool
 
 SEG_TOOLS = Path(mmseg.__file__).parent / '.mim' / 'tools'
 DET_TOOLS = Path(mmdet.__file__).parent / '.mim' / 'tools'
@@ -20,7 +20,7 @@ DET_TOOLS = Path(mmdet.__file__).parent / '.mim' / 'tools'
 
 def convert(tmp_path, capsys, model, to, dst, img_size=None):
     """A freshly initialised (seed 0) 10-class timm ``model`` saved as tmp_path/cls.pth and converted by
-    tokenaug-convert (its main, in this process: the upstream tools are what run as subprocesses here) to
+    tokenaug-convert (its main, in this process) to
     tmp_path/``dst`` for ``to``; tokenaug-convert's stdout."""
     size = {} if img_size is None else dict(img_size=img_size)
     torch.manual_seed(0)
@@ -32,29 +32,17 @@ def convert(tmp_path, capsys, model, to, dst, img_size=None):
     return out
 
 
-def train_and_test(tools, config, checkpoint, tmp_path, env, train_opts, test_opts, timeout=600):
+def train_and_test(tools, config, checkpoint, tmp_path, env, train_opts, test_opts):
     """The upstream ``tools``' train.py (work dir tmp_path/work) then test.py on the ``checkpoint`` it wrote
-    (work dir tmp_path/test), both run in tmp_path; their logs."""
-    train_log = run_tool(
-        ['python', tools / 'train.py', config, '--work-dir', tmp_path / 'work', '--cfg-options', *train_opts],
-        env,
-        timeout=timeout,
-        cwd=tmp_path,
+    (work dir tmp_path/test), both run in tmp_path (in this process: :func:`upstream_tool`); their logs."""
+    train_log = upstream_tool(
+        tools / 'train.py', [config, '--work-dir', tmp_path / 'work', '--cfg-options', *train_opts], env, tmp_path
     )
-    test_log = run_tool(
-        [
-            'python',
-            tools / 'test.py',
-            config,
-            tmp_path / 'work' / checkpoint,
-            '--work-dir',
-            tmp_path / 'test',
-            '--cfg-options',
-            *test_opts,
-        ],
+    test_log = upstream_tool(
+        tools / 'test.py',
+        [config, tmp_path / 'work' / checkpoint, '--work-dir', tmp_path / 'test', '--cfg-options', *test_opts],
         env,
-        timeout=timeout,
-        cwd=tmp_path,
+        tmp_path,
     )
     return train_log, test_log
 
@@ -126,7 +114,6 @@ def test_mmdet_cascade_train_and_test_from_a_converted_swin(tmp_path, capsys, ru
         run_env,
         train_opts=['train_dataloader.dataset.indices=4', 'train_cfg.max_epochs=1', 'train_cfg.val_interval=2', *small],
         test_opts=small,
-        timeout=900,
     )
     assert 'Epoch(train) [1][2/2]' in train_log
     assert 'unexpected key' not in train_log and 'missing keys' not in train_log

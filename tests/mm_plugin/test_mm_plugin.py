@@ -134,13 +134,16 @@ def test_bad_input():
 @pytest.mark.parametrize('config', ['deit-tiny_world_tokenmix-block.py', 'deit-tiny_world_cutmix.py'])
 def test_upstream_train_py_two_iterations_and_resume(tiny_world, tmp_path, run_env, config):
     """mmpretrain's shipped tools/train.py runs our config unchanged; the checkpoint it writes resumes
-    under torch's default weights_only=True (mm_plugin.enable_safe_load in the config)."""
+    under torch's default weights_only=True (mm_plugin.enable_safe_load in the config). The CutMix config runs in
+    fresh interpreters, where nothing but the config's ``custom_imports`` registers our modules and makes the load
+    safe."""
     run_env['TOKENAUG_WORLD'] = str(tiny_world)
-    log = mmpretrain_train(config, tmp_path, run_env, tmp_path)
+    fresh = config == 'deit-tiny_world_cutmix.py'
+    log = mmpretrain_train(config, tmp_path, run_env, tmp_path, fresh_process=fresh)
     assert 'Epoch(train) [1][2/2]' in log and 'accuracy/top1' in log
     assert 'TokenAugDataPreprocessor: mixes with' in log  # the runner built our preprocessor from the config
     assert (tmp_path / 'epoch_1.pth').exists()
-    log = mmpretrain_train(config, tmp_path, run_env, tmp_path, '--resume', max_epochs=2)
+    log = mmpretrain_train(config, tmp_path, run_env, tmp_path, '--resume', max_epochs=2, fresh_process=fresh)
     assert 'resumed epoch: 1, iter: 2' in log and 'Epoch(train) [2][2/2]' in log
 
 
