@@ -226,3 +226,26 @@ def test_bad_input_is_named(data, tmp_path, capsys, change, message):
     change(a)
     assert study(a) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_forked_commands_run_as_their_console_scripts_in_a_fresh_process(quadrant_data, tmp_path, monkeypatch):
+    """run_logged's fork server (tokenaug-maps, tokenaug-train) against the console script as a subprocess: the
+    same exit status and the same log, in the caller's folder (a relative path) and environment; a command the
+    server does not run (any other program) is a subprocess; a server that died is restarted for the next command."""
+    from timm_plugin.tools.study_cli import BIN, _Forker, run_logged
+
+    monkeypatch.chdir(quadrant_data)
+    for i, argv in enumerate((['info', 'maps'], ['info', 'no_store'], ['inf0', 'maps'])):
+        monkeypatch.setenv('COLUMNS', str(50 + 11 * i))  # argparse wraps to it: the child has the caller's environment
+        cmd = [str(BIN / 'tokenaug-maps'), *argv]
+        forked, own = tmp_path / f'forked{i}.log', subprocess.run(cmd, capture_output=True, text=True)
+        code, cpu = run_logged(cmd, forked)
+        assert code == own.returncode and cpu >= 0
+        assert forked.read_text() == f'$ {shlex.join(cmd)}\n' + own.stdout + own.stderr, argv
+    assert code == 2 and "invalid choice: 'inf0'" in forked.read_text()
+    _Forker.here().proc.kill()
+    _Forker.here().proc.wait()
+    code, _ = run_logged([str(BIN / 'tokenaug-maps'), 'info', 'maps'], tmp_path / 'after.log')
+    assert code == 0 and 'classes' in (tmp_path / 'after.log').read_text()
+    code, _ = run_logged(['bash', '-c', 'echo "$COLUMNS"; exit 3'], tmp_path / 'bash.log')
+    assert code == 3 and (tmp_path / 'bash.log').read_text().endswith('72\n')

@@ -13,6 +13,9 @@ study trains an annotator from the same recipe (seed 0, MixUp/CutMix with averag
 token, as the bench study does) and writes its maps of the training split with ``tokenaug-maps generate``: two
 more steps, ``annotator`` and ``maps``, that every run reading the maps waits for.
 
+The trainings and the maps run as processes of their own forked from one that imported torch and timm once
+(:func:`run_logged`), so a study of many short runs does not pay those imports per run.
+
 Every step keeps its command (:class:`shared_core.study.Step`): a rerun skips the steps that are done and runs again
 a step whose command changed; an interrupted training resumes through ``tokenaug-train --resume``. A failed run is
 reported by name and never becomes a number in the table. ``--dry-run`` prints the commands, ``--parallel P`` runs P
@@ -42,7 +45,7 @@ from shared_core.map_store import read_store_paths
 from shared_core.study import Step, complete_pairs, interval, paired, summary, verdict
 from tokenaug.tool_args import STUDY_RUNS, study_parser
 
-__all__ = ['main', 'StudyError', 'Study', 'train_step', 'run_logged']
+__all__ = ['main', 'StudyError', 'Study', 'train_step', 'run_logged', 'FORKED']
 
 BIN = Path(sys.executable).parent
 
@@ -56,16 +59,90 @@ def _split_ok(root: Path, split: str) -> bool:
     return folder.is_dir() and any(p.is_dir() for p in folder.iterdir())
 
 
+#: the console commands a study runs locally in a process forked from one that imported their modules once
+#: (:func:`run_logged`): command name -> the function of :mod:`tokenaug.commands` its console script calls
+FORKED = {'tokenaug-train': 'train', 'tokenaug-maps': 'maps'}
+
+
+def _serve() -> None:
+    """The fork server of :class:`_Forker` (``python -c``): imports what :data:`FORKED` runs, then for each request
+    line on stdin (JSON: the command, its log, environment and folder) forks a child that runs the command as its
+    console script would in a fresh process, and answers one line on stdout: the child's exit status and CPU
+    seconds (its own and its waited children's, from ``wait4``)."""
+    import importlib
+
+    commands = importlib.import_module('tokenaug.commands')
+    importlib.import_module('timm_plugin.train')
+    for line in sys.stdin:
+        req = json.loads(line)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into this loop (the command's SystemExit or error ends the process)
+            os.environ.clear()
+            os.environ.update(req['env'])
+            os.chdir(req['cwd'])
+            null = os.open(os.devnull, os.O_RDONLY)
+            log = os.open(req['log'], os.O_WRONLY | os.O_APPEND)
+            os.dup2(null, 0)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            os.close(null)
+            os.close(log)
+            sys.argv = req['cmd']
+            sys.exit(getattr(commands, FORKED[Path(req['cmd'][0]).name])(req['cmd'][1:]))
+        _, status, usage = os.wait4(pid, 0)
+        print(json.dumps([os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime]), flush=True)
+
+
+class _Forker:
+    """A fork server (:func:`_serve`) of this thread: started by the first :data:`FORKED` command run here, it ends
+    with this process (its stdin closes)."""
+
+    _local = __import__('threading').local()
+
+    def __init__(self):
+        self.proc = subprocess.Popen(
+            [sys.executable, '-c', 'from timm_plugin.tools.study_cli import _serve; _serve()'],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    @classmethod
+    def here(cls) -> '_Forker':
+        forker = getattr(cls._local, 'forker', None)
+        if forker is None or forker.proc.poll() is not None:
+            forker = cls._local.forker = cls()
+        return forker
+
+    def run(self, cmd: list, log: Path) -> tuple:
+        req = dict(cmd=[str(c) for c in cmd], log=str(log), env=dict(os.environ), cwd=os.getcwd())
+        self.proc.stdin.write(json.dumps(req) + '\n')
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:  # the server died (killed, or it could not import): the command did not run to its end
+            return self.proc.wait() or 1, 0.0
+        code, cpu = json.loads(answer)
+        return code, round(cpu, 1)
+
+
 def run_logged(cmd: list, log: Path) -> tuple:
     """Run ``cmd`` with its output appended to ``log`` (after the command line): ``(exit code, CPU seconds)``, the
-    CPU time of the command and the children it waited for, whatever else runs beside it."""
+    CPU time of the command and the children it waited for, whatever else runs beside it.
+
+    This environment's ``tokenaug-train`` and ``tokenaug-maps`` (:data:`FORKED`) run in a process of their own
+    forked from a server that imported torch and timm once (:func:`_serve`, one per thread of the study), as their
+    console scripts would run in a fresh process: a study of many short runs does not pay those 3-5 s of imports per
+    run, and their CPU seconds count from the fork. Other commands (``--launcher torchrun``) run as subprocesses."""
     with open(log, 'a') as f:
-        f.write(f'$ {shlex.join(cmd)}\n')
+        f.write(f'$ {shlex.join(str(c) for c in cmd)}\n')
         f.flush()
+        path = Path(str(cmd[0]))
+        if path.parent == BIN and path.name in FORKED and hasattr(os, 'fork'):
+            return _Forker.here().run(cmd, log)
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, round(usage.ru_utime + usage.ru_stime, 1)
+        return os.waitstatus_to_exitcode(status), round(usage.ru_utime + usage.ru_stime, 1)
 
 
 def train_step(name: str, step: Step, log: Path) -> dict | None:
