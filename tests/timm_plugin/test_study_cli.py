@@ -231,7 +231,8 @@ def test_bad_input_is_named(data, tmp_path, capsys, change, message):
 def test_forked_commands_run_as_their_console_scripts_in_a_fresh_process(quadrant_data, tmp_path, monkeypatch):
     """run_logged's fork server (tokenaug-maps, tokenaug-train) against the console script as a subprocess: the
     same exit status and the same log, in the caller's folder (a relative path) and environment; a command the
-    server does not run (any other program) is a subprocess; a server that died is restarted for the next command."""
+    server does not run (any other program) is a subprocess; a server that died fails its command, named in the log,
+    and is started again for the next."""
     from timm_plugin.tools.study_cli import BIN, _Forker, run_logged
 
     monkeypatch.chdir(quadrant_data)
@@ -243,8 +244,11 @@ def test_forked_commands_run_as_their_console_scripts_in_a_fresh_process(quadran
         assert code == own.returncode and cpu >= 0
         assert forked.read_text() == f'$ {shlex.join(cmd)}\n' + own.stdout + own.stderr, argv
     assert code == 2 and "invalid choice: 'inf0'" in forked.read_text()
-    _Forker.here().proc.kill()
-    _Forker.here().proc.wait()
+    server = _Forker.here()
+    server.proc.kill()
+    server.proc.wait()
+    assert server.run([str(BIN / 'tokenaug-maps'), 'info', 'maps'], tmp_path / 'killed.log') == (-9, 0.0)
+    assert 'the fork server of this command ended (exit -9)' in (tmp_path / 'killed.log').read_text()
     code, _ = run_logged([str(BIN / 'tokenaug-maps'), 'info', 'maps'], tmp_path / 'after.log')
     assert code == 0 and 'classes' in (tmp_path / 'after.log').read_text()
     code, _ = run_logged(['bash', '-c', 'echo "$COLUMNS"; exit 3'], tmp_path / 'bash.log')

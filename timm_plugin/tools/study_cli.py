@@ -35,6 +35,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -98,7 +99,7 @@ class _Forker:
     """A fork server (:func:`_serve`) of this thread: started by the first :data:`FORKED` command run here, it ends
     with this process (its stdin closes)."""
 
-    _local = __import__('threading').local()
+    _local = threading.local()
 
     def __init__(self):
         self.proc = subprocess.Popen(
@@ -117,11 +118,17 @@ class _Forker:
 
     def run(self, cmd: list, log: Path) -> tuple:
         req = dict(cmd=[str(c) for c in cmd], log=str(log), env=dict(os.environ), cwd=os.getcwd())
-        self.proc.stdin.write(json.dumps(req) + '\n')
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline()
+        try:
+            self.proc.stdin.write(json.dumps(req) + '\n')
+            self.proc.stdin.flush()
+            answer = self.proc.stdout.readline()
+        except BrokenPipeError:
+            answer = ''
         if not answer:  # the server died (killed, or it could not import): the command did not run to its end
-            return self.proc.wait() or 1, 0.0
+            code = self.proc.wait() or 1
+            with open(log, 'a') as f:
+                f.write(f'the fork server of this command ended (exit {code}) before it answered; see stderr\n')
+            return code, 0.0
         code, cpu = json.loads(answer)
         return code, round(cpu, 1)
 
@@ -133,12 +140,13 @@ def run_logged(cmd: list, log: Path) -> tuple:
     This environment's ``tokenaug-train`` and ``tokenaug-maps`` (:data:`FORKED`) run in a process of their own
     forked from a server that imported torch and timm once (:func:`_serve`, one per thread of the study), as their
     console scripts would run in a fresh process: a study of many short runs does not pay those 3-5 s of imports per
-    run, and their CPU seconds count from the fork. Other commands (``--launcher torchrun``) run as subprocesses."""
+    run, and their CPU seconds count from the fork. Other commands (``--launcher torchrun``), and every command on
+    other systems than Linux (macOS's frameworks are not safe to fork), run as subprocesses."""
     with open(log, 'a') as f:
         f.write(f'$ {shlex.join(str(c) for c in cmd)}\n')
         f.flush()
         path = Path(str(cmd[0]))
-        if path.parent == BIN and path.name in FORKED and hasattr(os, 'fork'):
+        if path.parent == BIN and path.name in FORKED and sys.platform.startswith('linux'):
             return _Forker.here().run(cmd, log)
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
