@@ -4,11 +4,19 @@ would type them: shell snippets in bash (stopping at the first failure) with the
 one working folder per page that holds a small synthetic world in ``data/world``; Python snippets in one namespace
 per page, in that folder.
 
+A shell snippet whose every line is one plain command (its words only: no operator, redirection, expansion,
+variable or assignment, no shell builtin) runs line by line, stopping at the first that fails, as bash would run it
+under ``set -e``: a ``tokenaug-*`` command by the function its console script calls, in this process (as
+``tests/helpers.py::call_main``: 3-5 s of imports less a command; ``end_to_end/test_commands.py`` checks that the
+installed scripts are these functions, and the wheel test runs the install page's first run in bash), any other
+command (``tokenaug-mim``, which starts mim and the upstream tool) in bash. Any other snippet runs whole in bash.
+
 Pages repeat a command where a reader starting on that page needs it (``tokenaug-train ... --mixup-type tl_align``
-on four pages). A shell snippet whose text and whose folder's content, file by file, equal those of one already run
-here is not run again: what that run added or changed is copied into the folder. The commands are deterministic
-given their folder (same seeds, same files), so this is what the rerun would write, up to a run folder's time stamp
-and the absolute paths some logs record; every distinct snippet in every distinct folder still runs."""
+on four pages). A command (or a snippet run whole) whose words and whose folder's content, file by file, equal
+those of one already run here is not run again: what that run added or changed is copied into the folder. The
+commands are deterministic given their folder (same seeds, same files), so this is what the rerun would write, up to
+a run folder's time stamp and the absolute paths some logs record; every distinct command in every distinct folder
+still runs."""
 
 from __future__ import annotations
 
@@ -18,13 +26,14 @@ import os
 import shutil
 import sys
 from collections import defaultdict
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 
 from shared_core.tools.world import generate_world
 
-from ..helpers import run_tool
+from ..helpers import call_main, run_tool
 from ..snippets import REPO, all_snippets
 
 #: the docs lane (make test-docs); make test runs every lane
@@ -36,6 +45,37 @@ BY_PAGE = defaultdict(list)
 for _s in SNIPPETS:
     if _s.kind[0] in ('run', 'config'):
         BY_PAGE[_s.page].append(_s)
+
+
+#: tokenaug's console scripts that a page's command line runs by their function, in this process; tokenaug-mim runs
+#: mim, which runs the upstream tool in a process of its own: in bash, as the reader runs it
+IN_PROCESS = {
+    ep.name: ep
+    for ep in entry_points(group='console_scripts')
+    if ep.dist is not None and ep.dist.name == 'tokenaug' and ep.name != 'tokenaug-mim'
+}
+#: what makes a line more than a plain command: bash's operators and redirections, expansions, globs, quoting
+SHELL_CHARS = set('|&;<>()$`*?[]{}~!\\\'"')
+#: builtins that change the shell's state for the lines after them
+BUILTINS = {'cd', 'pushd', 'popd', 'export', 'unset', 'set', 'source', '.', 'alias', 'eval', 'exec', 'declare'}
+
+
+def plain_commands(code: str) -> list[list[str]] | None:
+    """The words of each command of a shell snippet whose every line is one plain command (comments and blank lines
+    aside, continued lines joined); ``None`` if any line is more (:data:`SHELL_CHARS`, a builtin of
+    :data:`BUILTINS`, a leading assignment)."""
+    commands = []
+    for line in code.replace('\\\n', ' ').splitlines():
+        text, hash_, _ = line.partition('#')
+        if hash_ and text.strip() and not text[-1].isspace():  # a '#' inside a word: not a comment to bash
+            return None
+        words = text.split()
+        if not words:
+            continue
+        if SHELL_CHARS & set(text) or words[0] in BUILTINS or '=' in words[0]:
+            return None
+        commands.append(words)
+    return commands
 
 
 def test_every_snippet_is_marked():
@@ -73,15 +113,15 @@ def _files(folder: Path) -> dict[str, str]:
 
 
 class SnippetMemo:
-    """The shell snippets run in this module, by their text and their folder's files before them: the files each
-    run added or changed (copies under ``root``) and those it removed."""
+    """The shell commands (or snippets run whole) run in this module, by their text and their folder's files before
+    them: the files each run added or changed (copies under ``root``) and those it removed."""
 
     def __init__(self, root: Path):
         self.root, self.runs = root, {}
 
     @staticmethod
-    def key(snippet, before: dict[str, str]) -> str:
-        return hashlib.sha256(json.dumps([snippet.code, sorted(before.items())]).encode()).hexdigest()
+    def key(text: str, before: dict[str, str]) -> str:
+        return hashlib.sha256(json.dumps([text, sorted(before.items())]).encode()).hexdigest()
 
     def replay(self, key: str, cwd: Path) -> bool:
         """The run of ``key`` written into ``cwd``; ``False`` if there was none."""
@@ -109,16 +149,34 @@ def memo(tmp_path_factory):
     return SnippetMemo(tmp_path_factory.mktemp('snippet_runs'))
 
 
-def _run_bash(snippet, cwd, env, memo):
-    before = _files(cwd)
-    key = memo.key(snippet, before)
-    if memo.replay(key, cwd):
-        return
+def _run_console_script(words, capsys):
+    """A ``tokenaug-*`` command line by the function its console script calls, in this process."""
+    argv0, sys.argv = sys.argv, words  # what the script's parser names itself by
     try:
-        run_tool(['bash', '-c', 'set -eo pipefail\n' + snippet.code], env, timeout=900, cwd=cwd)
-    except AssertionError as exc:
-        raise AssertionError(f'{snippet.where}\n{snippet.code}\n{exc}') from None
-    memo.record(key, cwd, before)
+        code, out, err = call_main(IN_PROCESS[words[0]].load(), words[1:], capsys)
+    finally:
+        sys.argv = argv0
+    assert code == 0, f'exit status {code}\n{out[-3000:]}\n{err[-4000:]}'
+
+
+def _run_shell(snippet, cwd, env, memo, capsys):
+    """The snippet's plain commands one by one (:func:`plain_commands`), or the snippet whole in bash; each replayed
+    where :class:`SnippetMemo` has its run."""
+    commands = plain_commands(snippet.code)
+    for words in [None] if commands is None else commands:
+        text = snippet.code if words is None else ' '.join(words)
+        before = _files(cwd)
+        key = memo.key(text, before)
+        if memo.replay(key, cwd):
+            continue
+        try:
+            if words is not None and words[0] in IN_PROCESS:
+                _run_console_script(words, capsys)
+            else:
+                run_tool(['bash', '-c', 'set -eo pipefail\n' + text], env, timeout=900, cwd=cwd)
+        except AssertionError as exc:
+            raise AssertionError(f'{snippet.where}\n{text}\n{exc}') from None
+        memo.record(key, cwd, before)
 
 
 def _run_python(snippet, namespace):
@@ -143,19 +201,20 @@ def _load_config(snippet, cwd, env):
 
 @pytest.mark.slow
 @pytest.mark.parametrize('page', sorted(BY_PAGE))
-def test_page_snippets_run(page, small_world, memo, tmp_path, monkeypatch):
+def test_page_snippets_run(page, small_world, memo, tmp_path, monkeypatch, capsys):
     work = tmp_path / 'work'
     (work / 'data').mkdir(parents=True)
     shutil.copytree(small_world, work / 'data' / 'world')
     env = dict(os.environ)
     env['PATH'] = f'{VENV_BIN}{os.pathsep}{env.get("PATH", "")}'
     env.pop('PYTHONPATH', None)  # the installed package, as a reader has it
+    monkeypatch.setenv('PATH', env['PATH'])  # the commands run in this process see what those in bash see
     monkeypatch.chdir(work)
     namespace = {'__name__': '__main__'}
     for snippet in BY_PAGE[page]:
         if snippet.kind[0] == 'config':
             _load_config(snippet, work, env)
         elif snippet.lang == 'bash':
-            _run_bash(snippet, work, env, memo)
+            _run_shell(snippet, work, env, memo, capsys)
         else:
             _run_python(snippet, namespace)
