@@ -87,10 +87,10 @@ def _manager_classes():
     """MMEngine's named-instance classes (``ManagerMixin``: the default scope, loggers, message hubs, visualizers)."""
     from mmengine.utils import ManagerMixin
 
-    todo, seen = [ManagerMixin], []
+    todo, seen = [ManagerMixin], {}
     while todo:
         cls = todo.pop()
-        seen.append(cls)
+        seen[cls] = None  # once, though a class may derive from two of them
         todo.extend(cls.__subclasses__())
     return [c for c in seen if isinstance(getattr(c, '_instance_dict', None), dict)]
 
