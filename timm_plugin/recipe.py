@@ -30,6 +30,7 @@ from tokenaug.train_args import resolve_method
 from .checkpoints import read_state_dict
 from .mixup import MIX_KINDS, create_mixer
 from .tasks import TLAlignTask, TokenLabelingTask, TokenMixupTask, TransMixTask
+from .tl_align import timm_tracer
 from .token_grid import mixing_stride
 from .token_labeling import TokenLabelingLoss, attach_aux_head
 from .tokenmixup import _has_class_token, attach_scorenets
@@ -172,6 +173,8 @@ def build_training(args: argparse.Namespace) -> Recipe:
 
     check_switches_apply(args, token_labeling, dense)
     model = build_model(args, lambda model: attach_method_modules(model, args))
+    if args.method in ('tl_align', 'transmix'):  # the tracer's refusal (the zoo page's words) before the label grid
+        timm_tracer(model)
     check_activation_maps(args, token_labeling)
     mixing = None
     if resolve_mixing(args, token_labeling):

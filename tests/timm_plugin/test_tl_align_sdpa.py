@@ -169,6 +169,37 @@ def test_families_without_a_rule_are_refused_naming_the_block_and_why(arch, bloc
         TLAlign(model)
 
 
+def _zoo_refusals() -> list:
+    """``(model, reason)`` of every family the zoo page lists as refused, the reason as the page prints it."""
+    from ..helpers import REPO
+
+    rows = []
+    for line in (REPO / 'docs' / 'methods' / 'tl_align_zoo.md').read_text().splitlines():
+        cells = [c.strip() for c in line.replace('\\|', '\0').split('|')]
+        if len(cells) == 6 and cells[3] == 'refused':
+            rows.append((cells[2].strip('`'), cells[4].replace('\0', '|')))
+    return rows
+
+
+@pytest.mark.slow
+def test_tokenaug_train_refuses_every_refused_family_in_the_zoo_pages_words(tiny_world, tmp_path, capsys):
+    """``tokenaug-train --mixup-type tl_align`` on each family the zoo page refuses: the tracer's refusal, in the
+    page's words, before anything else (the label grid's lookup once came first and said "no patch embedding or
+    first stage" for five of them); TransMix the same."""
+    from tokenaug import commands
+
+    from ..helpers import call_main
+
+    refused = _zoo_refusals()
+    assert len(refused) == 13, refused  # the page's count
+    for model, reason in refused:
+        for method in ('tl_align', 'transmix'):
+            argv = ['--data-dir', tiny_world / 'imagenet', '--model', model, '--num-classes', 10, '--mixup-type']
+            argv += [method, '--cutmix', '1.0', '--epochs', '1', '-b', '8', '--workers', '0', '--output', tmp_path]
+            code, _, err = call_main(commands.train, argv, capsys)
+            assert code == 2 and err.strip().splitlines()[-1] == f'tokenaug-train: error: model: {reason}', err
+
+
 def test_the_zoo_page_is_what_timm_gives_now(run_env):
     """docs/methods/tl_align_zoo.md is scripts/tl_align_zoo.py's output for the installed timm (it cannot drift)."""
     import subprocess
