@@ -35,7 +35,7 @@ from mmpretrain.models.necks import GlobalAveragePooling
 from mmpretrain.models.utils.attention import MultiheadAttention, ShiftWindowMSA, WindowMSA
 from mmpretrain.registry import MODELS
 
-from shared_core.label_attention import check_choice, fused_label_attn
+from shared_core.label_attention import check_choice, fused_label_attn, refuse_unrun_kernel
 from shared_core.tl_align import (
     TRANSMIX_MODES,
     LabelCapture,
@@ -59,6 +59,12 @@ from .attention import attention_scale, split_qk
 from .data_preprocessor import mix_from_samples
 
 __all__ = ['TLAlignClassifier', 'TransMixClassifier', 'MM_SUPPORTED_BACKBONES', 'mm_tracer']
+
+#: why a forced ``'triton'`` does not run in an mm classifier: the kernel is timm ViTs' shared path
+_NO_KERNEL = (
+    "mmpretrain's backbones keep their own attention and the labels are recomputed in a call of their own (the "
+    'kernel runs in the shared attention of timm ViTs only); use fused=True or False'
+)
 
 
 def _hook_drop(module: nn.Module, cap: LabelCapture, handles: list) -> None:
@@ -330,6 +336,7 @@ class AlignedTargetClassifier(ImageClassifier):
         self.align_layers = check_layers(cfg.get('layers'), self.tracer.depth, f'{self.config_key}.layers')
         self.align_residual = bool(cfg.get('residual', True))
         self.align_fused = check_choice(f'{self.config_key}.fused', cfg.get('fused', None))
+        refuse_unrun_kernel(self.align_fused, _NO_KERNEL, f'{self.config_key}.fused')
         self.align_drop_path = check_drop_path(cfg.get('drop_path', 'kept'), f'{self.config_key}.drop_path')
 
     def _share(self, feats, captures, mix) -> torch.Tensor:
@@ -341,6 +348,7 @@ class AlignedTargetClassifier(ImageClassifier):
         mix = mix_from_samples(data_samples)
         if mix is None:
             return self.extract_feat(inputs), None
+        refuse_unrun_kernel(self.align_fused, _NO_KERNEL, f'{self.config_key}.fused')
         feats, captures = capture_forward(self.tracer, lambda: self.extract_feat(inputs))
         with fused_label_attn(self.align_fused):
             share = self._share(feats, captures, mix.to(inputs.device))

@@ -25,6 +25,7 @@ __all__ = [
     'set_fused_label_attn',
     'fused_label_attn',
     'use_label_kernel',
+    'refuse_unrun_kernel',
     'check_choice',
     'shared_attention',
     'LabelColumns',
@@ -57,10 +58,12 @@ def _env_choice() -> Choice:
 
 
 def check_choice(name: str, enable: Choice) -> Choice:
-    """``enable`` if it is a choice (``True``, ``False``, ``'triton'`` or ``None``), else a ValueError naming
-    ``name``."""
-    if enable is None or isinstance(enable, bool) or enable == 'triton':
+    """``enable`` if it is a choice (``True``, ``False``, ``'triton'`` in any case, as
+    ``$TOKENAUG_FUSED_LABEL_ATTN`` takes it, or ``None``), else a ValueError naming ``name``."""
+    if enable is None or isinstance(enable, bool):
         return enable
+    if isinstance(enable, str) and enable.strip().lower() == 'triton':
+        return 'triton'
     raise ValueError(f"{name}: expected True, False, 'triton' or None (the default), got {enable!r}")
 
 
@@ -83,7 +86,7 @@ def set_fused_label_attn(enable: Choice) -> None:
 def fused_label_attn(enable: Choice):
     """The choice inside a ``with`` block (what a wrapper's ``fused=`` argument sets); ``None`` leaves it."""
     global _FUSED_SCOPE
-    check_choice('enable', enable)
+    enable = check_choice('enable', enable)
     outer = _FUSED_SCOPE
     if enable is not None:
         _FUSED_SCOPE = enable
@@ -109,6 +112,18 @@ def use_fused_label_attn(device: torch.device, shared: bool = False) -> bool:
 
 def _choice() -> Choice:
     return _FUSED_SCOPE if _FUSED_SCOPE is not None else _FUSED
+
+
+def refuse_unrun_kernel(enable: Choice, why_not: Optional[str], name: str = 'fused') -> None:
+    """A forced ``'triton'`` is honoured or refused, never replaced: where the kernel would not run (``why_not``,
+    ``None`` where it runs), a ValueError naming the choice (``enable``, a wrapper's ``name=`` argument, else the
+    process's: the innermost :func:`fused_label_attn` scope, :func:`set_fused_label_attn` or
+    ``$TOKENAUG_FUSED_LABEL_ATTN``) and why."""
+    forced = enable if enable is not None else _choice()
+    if forced != 'triton' or why_not is None:
+        return
+    source = f"{name}='triton'" if enable is not None else f"'triton' (${FUSED_ENV} or set_fused_label_attn)"
+    raise ValueError(f'{source}: the Triton label kernel does not run here: {why_not}')
 
 
 def use_label_kernel(device: torch.device) -> bool:
@@ -295,6 +310,8 @@ class LabelColumns:
         d = self.head_dim
         if self.kernel:
             q, k, v = qkv.unbind(0)
+            if attn_mask is not None:
+                refuse_unrun_kernel(None, 'the block is given an attention mask, which the kernel does not take')
             if attn_mask is None:  # one Triton kernel: the labels at one multiply-add per probability
                 from .label_kernel import label_attention
 

@@ -187,6 +187,60 @@ def test_dispatch_the_kernel_on_cuda_by_default_and_forced_by_the_variable(monke
         TLAlign(tiny_vit(depth=1), fused='cuda')
 
 
+def test_a_forced_kernel_is_honoured_or_refused_never_replaced(monkeypatch):
+    """``fused='triton'`` (or the variable) where the shared path does not run: attention dropout active in
+    training (the recomputing path ran instead, silently: 0 launches), ``shared=False``, dense labels, a block
+    given a mask, TransMix, another family: one ValueError saying why. In eval mode the same model launches the
+    kernel. ``'Triton'`` is the choice in any case, as the variable takes it."""
+    from timm.models.mlp_mixer import MlpMixer
+
+    from timm_plugin.tl_align import TransMix
+
+    launches = []
+    forward = label_kernel._forward
+    monkeypatch.setattr(label_kernel, '_forward', lambda *a: launches.append(1) or forward(*a))
+    (xm, target), y = _batch(13)
+    xm, target = xm.to(DEVICE), target.to(DEVICE)
+    model = tiny_vit(depth=2, attn_drop_rate=0.3).to(DEVICE).train()
+    for forced in (dict(fused='Triton'), dict(fused=' TRITON ')):
+        with pytest.raises(ValueError, match="^fused='triton': the Triton label kernel does not run here: block 0's "):
+            TLAlign(model, **forced)(xm, target)
+    assert not launches
+    monkeypatch.setenv(FUSED_ENV, 'Triton')  # the process's choice: as the variable sets it at import
+    monkeypatch.setattr('shared_core.label_attention._FUSED', _env_choice())
+    with pytest.raises(ValueError, match=r"^'triton' \(\$TOKENAUG_FUSED_LABEL_ATTN or set_fused_label_attn\): "):
+        TLAlign(model)(xm, target)
+    with pytest.raises(ValueError, match='shared=False keeps the model.s own attention'):
+        TLAlign(model.eval(), shared=False)(xm, target)
+    with pytest.raises(ValueError, match="TransMix reads the last block's attention"):
+        TransMix(model)(xm, target)
+    mixer = MlpMixer(num_classes=model.num_classes, img_size=32, patch_size=8, num_blocks=1, embed_dim=16)
+    with pytest.raises(ValueError, match='MlpMixer is traced by MlpMixerTracer, which computes the labels apart'):
+        TLAlign(mixer.to(DEVICE))(xm, target)
+    dense = torch.softmax(torch.randn(xm.shape[0], 16, 10), -1).to(DEVICE)  # 10 columns: wider than the shared path's
+    with pytest.raises(ValueError, match='a label state 10 wide'):
+        TLAlign(model).trace(xm, dense)
+    assert not launches
+    model.eval()  # no dropout: the kernel runs, once per block
+    TLAlign(model, fused='TRITON')(xm, target)
+    assert len(launches) == 2
+    # an explicit True or False runs the recomputing path under dropout (exact, as before)
+    monkeypatch.setattr('shared_core.label_attention._FUSED', None)
+    model.train()
+    for fused in (True, False):
+        TLAlign(model, fused=fused)(xm, target)
+    assert len(launches) == 2
+
+
+def test_a_forced_kernel_refuses_a_block_given_an_attention_mask():
+    columns = LabelColumns(torch.rand(1, 5, 1), num_heads=2, head_dim=8, dtype=torch.float32, kernel=True)
+    qkv, mask = torch.randn(3, 1, 2, 5, 8), torch.ones(5, 5, dtype=torch.bool)
+    with fused_label_attn('triton'), pytest.raises(ValueError, match='given an attention mask'):
+        columns.attend(qkv, 0.3, mask)
+    out, heads = columns.attend(qkv, 0.3, mask)  # the default: the attention materialised once
+    assert out.shape == (1, 2, 5, 8) and heads.shape == (1, 5, 1)
+
+
 def test_cpu_tensors_without_the_interpreter_are_refused_plainly(monkeypatch):
     monkeypatch.setenv('TRITON_INTERPRET', '0')
     q = torch.randn(1, 1, 4, 8)

@@ -56,7 +56,7 @@ from timm.models.twins import Twins
 from timm.models.vision_transformer import VisionTransformer
 
 from shared_core.compiling import guard_module_hooks
-from shared_core.label_attention import check_choice, fused_label_attn
+from shared_core.label_attention import check_choice, fused_label_attn, refuse_unrun_kernel
 from shared_core.mix import Mix
 from shared_core.tl_align import (
     TRANSMIX_MODES,
@@ -198,7 +198,7 @@ class _MixTargetWrapper(nn.Module):
 
     def __init__(self, model: nn.Module, fused: Union[bool, str, None] = None):
         super().__init__()
-        check_choice('fused', fused)
+        fused = check_choice('fused', fused)
         self.tracer = timm_tracer(model)
         guard_module_hooks()  # per-call hooks under torch.compile
         self.model = model
@@ -281,7 +281,12 @@ class TLAlign(_MixTargetWrapper):
     def _run(self, x: torch.Tensor, labels: torch.Tensor, forward=None, history: Optional[list] = None):
         labels = labels.to(x.device)
         tracer = self.tracer
-        if self.shared and SharedAttentionViT.applies(tracer, labels, self.layers):
+        if self.shared:
+            why_not = SharedAttentionViT.why_not(tracer, labels, self.layers)
+        else:
+            why_not = "shared=False keeps the model's own attention and recomputes the labels in a call of their own"
+        refuse_unrun_kernel(self.fused, why_not)  # the kernel runs in the shared path only
+        if why_not is None:
             tracer = SharedAttentionViT(tracer, labels, self.layers, self.residual, self.drop_path, history=history)
         elif history is not None:
             if not hasattr(tracer, 'history'):
@@ -363,6 +368,7 @@ class TransMix(_MixTargetWrapper):
 
     def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):
         mix = self._check_target(x, target)
+        refuse_unrun_kernel(self.fused, "TransMix reads the last block's attention in a call of its own")
         output, captures = capture_forward(self.tracer, forward or (lambda: self.model(x)))
         with fused_label_attn(self.fused):
             share = transmix_share(self.tracer, captures, output, mix.to(x.device), self.mode)

@@ -114,15 +114,37 @@ class SharedAttentionViT:
 
     @staticmethod
     def applies(base, labels: torch.Tensor, layers) -> bool:
-        """Whether the shared path covers this model and state: a plain timm ViT (not the CCT adapter) whose
-        attention forwards are timm's own (not replaced), a compact state, and no attention dropout active in the
-        blocks it aligns (it would drop label columns too)."""
-        if type(base) not in (ViTTracer, DistilledViTTracer) or labels.shape[-1] > SHARED_MAX_WIDTH:
-            return False
-        blocks = [b for i, b in enumerate(base.model.blocks) if layers is None or i in layers]
-        if any('forward' in b.attn.__dict__ or type(b.attn).forward is not Attention.forward for b in blocks):
-            return False  # a replaced attention forward is the user's: keep it (the recomputing path checks it)
-        return not any(b.attn.attn_drop.p > 0 and b.attn.training for b in blocks)
+        """Whether the shared path covers this model and state (:meth:`why_not` says nothing against it)."""
+        return SharedAttentionViT.why_not(base, labels, layers) is None
+
+    @staticmethod
+    def why_not(base, labels: torch.Tensor, layers) -> Optional[str]:
+        """Why the shared path does not cover this model and state, or ``None`` where it does: a plain timm ViT
+        (not the CCT adapter) whose attention forwards are timm's own (not replaced), a compact state, and no
+        attention dropout active in the blocks it aligns (it would drop label columns too)."""
+        if type(base) not in (ViTTracer, DistilledViTTracer):
+            return (
+                f'it runs in the shared attention of timm ViTs and DeiTs; {type(base.model).__name__} is traced by '
+                f'{type(base).__name__}, which computes the labels apart from the token path'
+            )
+        if labels.shape[-1] > SHARED_MAX_WIDTH:
+            return (
+                f'a label state {labels.shape[-1]} wide (dense labels) takes the recomputing path; the shared '
+                f'attention carries at most {SHARED_MAX_WIDTH} label columns'
+            )
+        blocks = [(i, b) for i, b in enumerate(base.model.blocks) if layers is None or i in layers]
+        for i, b in blocks:
+            if 'forward' in b.attn.__dict__ or type(b.attn).forward is not Attention.forward:
+                # a replaced attention forward is the user's: keep it (the recomputing path checks it)
+                return f"block {i}'s attention forward is replaced (not timm's own), so the recomputing path runs"
+        for i, b in blocks:
+            if b.attn.attn_drop.p > 0 and b.attn.training:
+                return (
+                    f"block {i}'s attention dropout (p={b.attn.attn_drop.p}) is active in training: the kernel has "
+                    'no dropout and dropping its label columns would change the labels, so the recomputing path '
+                    'runs (exact under dropout); use fused=True or False, or attn_drop_rate=0'
+                )
+        return None
 
     @property
     def depth(self) -> int:
