@@ -7,7 +7,9 @@ Plain numpy + json.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import json
 import os
 import shutil
@@ -30,6 +32,7 @@ __all__ = [
     'CENTER_SQUARE',
     'REGIONS',
     'VOLATILE_META_KEYS',
+    'DISK_ERRNOS',
     'LabelMapError',
     'IncompleteStoreError',
     'MissingLabelMapError',
@@ -37,6 +40,8 @@ __all__ = [
     'index_dtype',
     'compatibility_diff',
     'new_meta',
+    'store_bytes',
+    'disk_writes',
 ]
 
 FORMAT = 'tokenaug-label-maps'
@@ -92,8 +97,12 @@ _FORMAT_META_KEYS = frozenset(
 )
 
 
-def _gb(nbytes: int) -> str:
-    return f'{nbytes / 1e9:.2f} GB'
+def _size(nbytes: int) -> str:
+    """``nbytes`` in the unit that shows it: ``512 B``, ``12.3 kB``, ``4.56 MB``, ``8.30 GB``."""
+    for unit, scale in (('GB', 1e9), ('MB', 1e6), ('kB', 1e3)):
+        if nbytes >= scale:
+            return f'{nbytes / scale:.3g} {unit}' if scale == 1e3 else f'{nbytes / scale:.2f} {unit}'
+    return f'{nbytes} B'
 
 
 def _unallocated(path: Path) -> int:
@@ -102,15 +111,112 @@ def _unallocated(path: Path) -> int:
     return max(0, st.st_size - getattr(st, 'st_blocks', 0) * 512)
 
 
-def _check_space(root: Path, need: int, done: int, total: int) -> None:
-    """The store's arrays are memory-mapped, sparse files: a write into a full disk is a ``SIGBUS`` that kills the
-    process (no error to catch). Refuse up front where the rows still to write need more than the disk has."""
+#: the errors of a write that the disk (full, over quota) or a file-size limit refused
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+
+
+def _npy_bytes(shape: Sequence[int], dtype: np.dtype) -> int:
+    """The size of the ``.npy`` file of an array: its header (as ``open_memmap`` writes it) and its data."""
+    import io
+
+    header = io.BytesIO()
+    d = {'descr': np.lib.format.dtype_to_descr(np.dtype(dtype)), 'fortran_order': False, 'shape': tuple(shape)}
+    np.lib.format.write_array_header_1_0(header, d)
+    return len(header.getvalue()) + int(np.prod(shape)) * np.dtype(dtype).itemsize
+
+
+def store_bytes(
+    num_images: int, row_shape: Sequence[int], indices_itemsize: int, paths: Sequence[str], meta: Mapping
+) -> dict[str, int]:
+    """Every file a store of ``num_images`` rows writes, and its size in bytes: the three arrays, ``paths.txt``,
+    ``meta.json`` (twice: a temporary is written beside it each time it is replaced) and the readers' path
+    index (``paths.index.npy``, ``paths.offsets.npy``, written when the store is finalized)."""
+    rows = (num_images, *row_shape)
+    meta_size = len(json.dumps(meta, indent=1).encode('utf-8')) + 256  # finalize adds 'completed'
+    return {
+        VALUES_FILE: _npy_bytes(rows, VALUES_DTYPE),
+        INDICES_FILE: _npy_bytes(rows, np.dtype(f'u{indices_itemsize}')),
+        DONE_FILE: _npy_bytes((num_images,), np.uint8),
+        PATHS_FILE: sum(len(p.encode('utf-8')) + 1 for p in paths),
+        META_FILE: 2 * meta_size,
+        'paths.index.npy': _npy_bytes((num_images + 1, 2), np.uint64),
+        'paths.offsets.npy': _npy_bytes((num_images + 1,), np.int64),
+    }
+
+
+def _on_disk(root: Path, nbytes: int) -> int:
+    """``nbytes`` rounded up to the file system's blocks (a small file still takes a whole one)."""
+    try:
+        block = os.statvfs(root).f_frsize or 4096
+    except (OSError, AttributeError):
+        block = 4096
+    return -(-nbytes // block) * block
+
+
+def _file_size_limit() -> int | None:
+    """This process's file-size limit in bytes (``ulimit -f``), or ``None`` where there is none."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if limit in (resource.RLIM_INFINITY, -1) else int(limit)
+
+
+def _check_space(root: Path, sizes: Mapping[str, int], done: int, total: int) -> None:
+    """Refuse up front where the files still to write (``sizes``: name -> bytes) need more than the disk has or
+    than the process may write into one file (``ulimit -f``)."""
+    limit = _file_size_limit()
+    if limit is not None:
+        name, size = max(sizes.items(), key=lambda kv: kv[1])
+        if size > limit:
+            raise LabelMapError(
+                f'file-size limit: the store at {root} writes {name} of {_size(size)}, the limit of this process is '
+                f'{_size(limit)} (ulimit -f); {done} of {total} rows written. Raise the limit and rerun with --resume'
+            )
+    need = sum(_on_disk(root, n) for n in sizes.values())
     free = shutil.disk_usage(root).free
     if need > free:
         raise LabelMapError(
-            f'disk full: the store at {root} needs {_gb(need)} more, {_gb(free)} are free; {done} of {total} rows '
-            f'written. Free {_gb(need - free)} and rerun with --resume'
+            f'disk full: the store at {root} needs {_size(need)} more, {_size(free)} are free; {done} of {total} rows '
+            f'written. Free {_size(need - free)} and rerun with --resume'
         )
+
+
+def _allocate(path: Path) -> None:
+    """Back every byte of ``path`` (a sparse preallocated array) by disk blocks now: its rows are written through
+    a memory map, where a full disk is a ``SIGBUS`` that kills the process (no error to catch); allocated up
+    front, a full disk is an ``OSError`` here, and a disk that fills later (another writer) cannot take the
+    store's blocks. A file system without ``fallocate`` keeps the file sparse (the up-front check still holds)."""
+    if not hasattr(os, 'posix_fallocate'):
+        return
+    with open(path, 'r+b') as f:
+        size = os.fstat(f.fileno()).st_size
+        try:
+            os.posix_fallocate(f.fileno(), 0, size)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                return
+            raise
+
+
+@contextlib.contextmanager
+def disk_writes(root: Path, done: int, total: int, then: str = 'rerun with --resume'):
+    """A write of the store at ``root`` that the disk or a file-size limit refuses (:data:`DISK_ERRNOS`) ends in
+    one :class:`LabelMapError` naming the file, the cause, the rows on disk and what to do (``then``)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in DISK_ERRNOS:
+            raise
+        where = f' {e.filename}' if e.filename else f' the store at {root}'
+        if e.errno == errno.EFBIG:
+            cause, fix = 'file-size limit', 'Raise the limit of this process (ulimit -f)'
+        else:
+            cause, fix = 'disk full', f'Free space on the disk of {root}'
+        raise LabelMapError(
+            f'{cause}: writing{where} failed ({e.strerror}); {done} of {total} rows written. {fix} and {then}'
+        ) from None
 
 
 class LabelMapError(ValueError):
@@ -168,12 +274,18 @@ def _now() -> str:
 
 def _write_json_atomic(path: Path, obj: Mapping[str, Any]) -> None:
     tmp = path.with_name(path.name + '.tmp')
-    with open(tmp, 'w', encoding='utf-8') as f:
-        json.dump(obj, f, indent=1, sort_keys=False)
-        f.write('\n')
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, 'w', encoding='utf-8') as f:
+            json.dump(obj, f, indent=1, sort_keys=False)
+            f.write('\n')
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:  # no half-written temporary left beside the file (it stays as it was)
+        tmp.unlink(missing_ok=True)
+        if e.filename is None:
+            e.filename = str(path)
+        raise
 
 
 def _read_meta(root: Path) -> dict:
@@ -266,10 +378,16 @@ def _index_paths(paths: Sequence[str], where: os.PathLike | str) -> dict[str, in
 
 def _write_paths(root: Path, paths: Sequence[str]) -> None:
     tmp = root / (PATHS_FILE + '.tmp')
-    with open(tmp, 'w', encoding='utf-8', newline='\n') as f:
-        for p in paths:
-            f.write(p + '\n')
-    os.replace(tmp, root / PATHS_FILE)
+    try:
+        with open(tmp, 'w', encoding='utf-8', newline='\n') as f:
+            for p in paths:
+                f.write(p + '\n')
+        os.replace(tmp, root / PATHS_FILE)
+    except OSError as e:  # no half-written temporary left
+        tmp.unlink(missing_ok=True)
+        if e.filename is None:
+            e.filename = str(root / PATHS_FILE)
+        raise
 
 
 def compatibility_diff(

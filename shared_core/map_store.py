@@ -13,19 +13,32 @@ classes per location are kept, in half precision. This module stores those maps 
 * resumable: rows are marked done only after their data is flushed, so a killed generation run never
   claims a row that is not on disk, and a store is readable only once every row is done.
 
-Layout of a store (a directory)::
+Layout of a store (a directory):
 
-    meta.json     {"format": "tokenaug-label-maps", "version": 1, "num_images": N, "num_classes": C,
-                   "k": k, "grid": [h, w], "values": "probabilities", "values_dtype": "float16",
-                   "indices_dtype": "uint16" | "int32", "annotator": ..., "annotator_checkpoint": ...,
-                   "input_size": [H, W], "region": {"covers": "full_image", "resize": "squash"},
-                   "complete": bool, "created": ISO time, ...}
-    values.npy    (N, k, h, w) float16  -- annotator softmax probabilities of the top-k classes
-    indices.npy   (N, k, h, w) uint16 (C <= 65536) or int32 (more classes) -- their class indices
-    paths.txt     N relative image paths, '/'-separated, UTF-8, one per line, in row order
-    done.npy      (N,) uint8 -- 1 once the row's values and indices are on disk
-    paths.index.npy, paths.offsets.npy   the readers' path index, derived from paths.txt (:class:`PathIndex`;
-                  written when the store is finalized, rebuilt by a reader when missing or stale)
+=================================== =================================================================
+file                                what it holds
+=================================== =================================================================
+``meta.json``                       the store's description (below)
+``values.npy``                      ``(N, k, h, w)`` float16: the annotator's softmax probabilities of
+                                    the top-k classes
+``indices.npy``                     ``(N, k, h, w)`` uint16 (C <= 65536) or int32 (more classes):
+                                    their class indices
+``paths.txt``                       N relative image paths, '/'-separated, UTF-8, one per line, in row
+                                    order
+``done.npy``                        ``(N,)`` uint8: 1 once the row's values and indices are on disk
+``paths.index.npy``,                the readers' path index, derived from paths.txt
+``paths.offsets.npy``               (:class:`PathIndex`; written when the store is finalized, rebuilt
+                                    by a reader when missing or stale)
+=================================== =================================================================
+
+``meta.json``::
+
+    {"format": "tokenaug-label-maps", "version": 1, "num_images": N,
+     "num_classes": C, "k": k, "grid": [h, w], "values": "probabilities",
+     "values_dtype": "float16", "indices_dtype": "uint16" | "int32",
+     "annotator": ..., "annotator_checkpoint": ..., "input_size": [H, W],
+     "region": {"covers": "full_image", "resize": "squash"},
+     "complete": bool, "created": ISO time, ...}
 
 Semantics of a row: ``values[r, :, i, j]`` are the annotator's softmax probabilities of classes
 ``indices[r, :, i, j]`` at map cell ``(i, j)``, sorted in descending order. Cell ``(i, j)`` covers the
@@ -53,7 +66,7 @@ Plain numpy + json: this module imports neither torch, timm nor mm*.
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -77,8 +90,8 @@ from shared_core.map_format import (
     IncompleteStoreError,
     LabelMapError,
     MissingLabelMapError,
+    _allocate,
     _check_space,
-    _gb,
     _index_paths,
     _load_array,
     _now,
@@ -89,9 +102,11 @@ from shared_core.map_format import (
     _write_json_atomic,
     _write_paths,
     compatibility_diff,
+    disk_writes,
     index_dtype,
     new_meta,
     normalize_path,
+    store_bytes,
 )
 from shared_core.map_paths import PATH_INDEX_FILE, PATH_OFFSETS_FILE, PathIndex
 
@@ -172,6 +187,7 @@ class MapWriter:
         if clash:
             raise ValueError(f'extra_meta may not override the format keys {sorted(clash)}')
         meta.update(extra_meta or {})
+        made_root = not root.exists()
         root.mkdir(parents=True, exist_ok=True)
         n, shape = len(paths), _row_shape(meta)
         arrays = (
@@ -179,21 +195,24 @@ class MapWriter:
             (INDICES_FILE, np.dtype(meta['indices_dtype']), (n, *shape)),
             (DONE_FILE, np.dtype(np.uint8), (n,)),
         )
-        _check_space(root, sum(int(np.prod(full)) * dtype.itemsize for _, dtype, full in arrays), 0, n)
-        for name, dtype, full in arrays:
-            try:
-                arr = np.lib.format.open_memmap(root / name, mode='w+', dtype=dtype, shape=full)
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                    raise LabelMapError(
-                        f'disk full: {root / name} ({_gb(int(np.prod(full)) * dtype.itemsize)}) cannot be '
-                        f'allocated ({e.strerror}); 0 of {n} rows written. Free the space and rerun'
-                    ) from None
-                raise
-            arr.flush()
-            del arr
-        _write_paths(root, paths)
-        _write_json_atomic(root / META_FILE, meta)  # last: its presence marks an initialised store
+        written = [root / name for name, _, _ in arrays] + [root / PATHS_FILE]
+        try:  # a failed creation leaves nothing (a rerun creates the store afresh)
+            _check_space(root, store_bytes(n, shape, np.dtype(meta['indices_dtype']).itemsize, paths, meta), 0, n)
+            with disk_writes(root, 0, n, then='rerun'):
+                for name, dtype, full in arrays:
+                    arr = np.lib.format.open_memmap(root / name, mode='w+', dtype=dtype, shape=full)
+                    arr.flush()
+                    del arr
+                    _allocate(root / name)
+                _write_paths(root, paths)
+                _write_json_atomic(root / META_FILE, meta)  # last: its presence marks an initialised store
+        except BaseException:
+            for path in written:
+                path.unlink(missing_ok=True)
+            if made_root:
+                with contextlib.suppress(OSError):
+                    root.rmdir()
+            raise
         return cls(root, meta, paths)
 
     @classmethod
@@ -206,8 +225,15 @@ class MapWriter:
         paths = _read_paths(root, meta['num_images'])
         _index_paths(paths, root)
         writer = cls(root, meta, paths)
-        unallocated = sum(_unallocated(root / name) for name in (VALUES_FILE, INDICES_FILE, DONE_FILE))
-        _check_space(root, unallocated, writer.num_done(), writer.num_images)
+        n, done = writer.num_images, writer.num_done()
+        left = store_bytes(n, _row_shape(meta), np.dtype(meta['indices_dtype']).itemsize, [], meta)
+        for name in (VALUES_FILE, INDICES_FILE, DONE_FILE):  # what of the arrays is not on disk yet
+            left[name] = _unallocated(root / name)
+        left[PATHS_FILE] = 0
+        _check_space(root, left, done, n)
+        with disk_writes(root, done, n):
+            for name in (VALUES_FILE, INDICES_FILE, DONE_FILE):  # a store created sparse: its blocks now
+                _allocate(root / name)
         return writer
 
     # -- properties
@@ -246,12 +272,13 @@ class MapWriter:
         if len(rows) == 0:
             return
         where = self._as_slice(rows)
-        self._values[where] = values
-        self._indices[where] = indices
-        self._values.flush()
-        self._indices.flush()
-        self._done[where] = 1
-        self._done.flush()
+        with disk_writes(self.root, self.num_done(), self.num_images):
+            self._values[where] = values
+            self._indices[where] = indices
+            self._values.flush()
+            self._indices.flush()
+            self._done[where] = 1
+            self._done.flush()
 
     def _check_rows(self, rows) -> np.ndarray:
         rows = np.asarray(rows)
@@ -300,10 +327,13 @@ class MapWriter:
                 f'label-map store {self.root}: cannot finalize, {missing.size} of {self.num_images} rows missing '
                 f'(first: row {missing[0]} = {self._paths[missing[0]]!r})'
             )
-        for arr in (self._values, self._indices, self._done):
-            arr.flush()
-        self._meta.update(complete=True, completed=_now())
-        _write_json_atomic(self.root / META_FILE, self._meta)
+        n = self.num_images
+        with disk_writes(self.root, n, n, then='rerun with --resume (nothing is recomputed)'):
+            for arr in (self._values, self._indices, self._done):
+                arr.flush()
+            meta = {**self._meta, 'complete': True, 'completed': _now()}
+            _write_json_atomic(self.root / META_FILE, meta)
+        self._meta = meta
         PathIndex(self.root, self.num_images)  # the readers' path index, written once here
 
     def close(self) -> None:

@@ -3,6 +3,7 @@ timm models, generation on the synthetic world, resume after a killed run, shard
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -296,6 +297,33 @@ def test_resume_after_a_killed_run_equals_an_uninterrupted_run(tmp_path, referen
     again = []
     res = _generate(_argv(data_dir, checkpoint, out, '--resume'), on_batch=lambda r: again.extend(r.tolist()))
     assert again == [] and res['rows_computed'] == 0
+
+
+def test_a_disk_that_fills_during_generate_is_one_line_and_a_resume_finishes_the_same_store(
+    tmp_path, reference, data_dir, checkpoint, capsys, monkeypatch
+):
+    """``generate`` on a disk that fills after its up-front check (a row's write refused with ENOSPC at the third
+    batch): one line naming the cause and the rows on disk, exit 2; ``--resume`` computes the rest and the store
+    is the uninterrupted one's, byte for byte."""
+    import errno
+
+    real_flush, calls = np.memmap.flush, [0]
+
+    def flush(self):
+        calls[0] += str(self.filename).endswith('values.npy')
+        if calls[0] == 4:  # values.npy's flushes: at creation, two batches', the third batch's fails
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_flush(self)
+
+    out = tmp_path / 'maps'
+    monkeypatch.setattr(np.memmap, 'flush', flush)
+    assert maps.main(_argv(data_dir, checkpoint, out)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith('tokenaug-maps generate: error: disk full: writing'), err
+    assert f'{2 * BATCH} of 20 rows written' in err[0] and 'rerun with --resume' in err[0], err
+    monkeypatch.undo()
+    assert maps.main(_argv(data_dir, checkpoint, out, '--resume')) == 0
+    _same_arrays(out, reference)
 
 
 def test_resume_stops_at_a_test_hook_and_refuses_other_settings(tmp_path, reference, data_dir, checkpoint, capsys):

@@ -304,12 +304,15 @@ def test_a_resume_from_another_label_tree_is_refused(tiny_world, tmp_path, capsy
 
 
 def test_a_full_disk_is_named_before_the_store_is_written(tiny_world, tmp_path, capsys, monkeypatch, run_env):
-    """The store's arrays are sparse memory maps: writing into a full disk kills the process (SIGBUS). The writer
-    checks the space its rows still need first (create and resume) and says how much to free; a file-size limit
-    (``ulimit -f``) is reported as a full disk too, one line, for ``import`` and ``generate`` alike."""
+    """The writer checks the space everything it writes still needs first (create and resume: the arrays, the path
+    list, meta.json and its temporary, the path index, each rounded up to the disk's blocks) and says how much to
+    free; a file-size limit (``ulimit -f``) below a file it writes is named as such, one line, for ``import`` and
+    ``generate`` alike, before anything is written."""
     import shutil
     import subprocess
     import sys
+
+    from shared_core.map_format import _on_disk, store_bytes
 
     data = tiny_world / 'imagenet'
     public_label_files(data, tmp_path / 'labels')
@@ -319,6 +322,14 @@ def test_a_full_disk_is_named_before_the_store_is_written(tiny_world, tmp_path, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and 'disk full: the store at' in err and '0 of' in err, err
     assert 'rerun with --resume' in err
+    # room for the three arrays alone (what the check once counted) is not enough: paths.txt and meta.json too
+    n = sum(1 for p in (data / 'train').rglob('*') if p.is_file())
+    sizes = store_bytes(n, (K, *GRID), 2, [], {})
+    arrays = sum(_on_disk(tmp_path, sizes[n]) for n in ('values.npy', 'indices.npy', 'done.npy'))
+    monkeypatch.setattr(shutil, 'disk_usage', lambda p: real(p)._replace(free=arrays))
+    assert run_import(data, tmp_path / 'labels', tmp_path / 'store', '-b', '4') == 2
+    err = capsys.readouterr().err.strip()
+    assert 'disk full: the store at' in err and not (tmp_path / 'store').exists(), err
     monkeypatch.setattr(shutil, 'disk_usage', real)
     for command in (
         ['import', '--from', 'tokenlabeling', '--src', str(tmp_path / 'labels'), '--num-classes', str(C)],
@@ -331,7 +342,190 @@ def test_a_full_disk_is_named_before_the_store_is_written(tiny_world, tmp_path, 
                              capture_output=True, text=True, timeout=300)  # fmt: skip
         assert res.returncode == 2, res.stderr[-2000:]
         last = res.stderr.strip().splitlines()[-1]
-        assert 'disk full:' in last and 'cannot be allocated' in last and 'Traceback' not in res.stderr, last
+        assert 'file-size limit:' in last and '(ulimit -f)' in last and 'Traceback' not in res.stderr, last
+        assert not out.exists() or not any(out.iterdir()), sorted(out.iterdir())
+
+
+def test_a_worker_that_cannot_hand_its_batch_over_is_one_line(imported, tmp_path, run_env):
+    """Under ``ulimit -f 20`` (20 kB) the store's files fit, but a DataLoader worker's batch of 20 rows does not
+    fit into its shared-memory file (the int64 class indices: 39 kB): torch's error in the worker, once a
+    60-line traceback, is one line naming the cause and the way out; then a resume without the limit finishes the
+    store, the uninterrupted import's byte for byte."""
+    import subprocess
+    import sys
+
+    data, labels, reference, _ = imported
+    store = tmp_path / 'store'
+    argv = ['import', '--from', 'tokenlabeling', '--src', str(labels), '--num-classes', str(C), '--data-dir']
+    argv += [str(data), '--out', str(store), '-j', '1', '-b', '20', '--no-progress']
+    code = f'import sys; from tokenaug.commands import maps; sys.exit(maps({argv!r}))'
+    res = subprocess.run(['bash', '-c', f'ulimit -f 20; exec {sys.executable} -c "$0"', code], env=run_env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 2 and 'Traceback' not in res.stderr, res.stderr[-3000:]
+    assert res.stderr.strip().splitlines()[-1] == (
+        'tokenaug-maps import: error: a DataLoader worker could not hand its batch over through shared memory '
+        '(File too large); raise the file-size limit (ulimit -f), or pass --workers 0'
+    )
+    assert run_import(data, labels, store, '-b', '8', '--resume') == 0
+    for name in STORE_BYTES:
+        assert (store / name).read_bytes() == (reference.root / name).read_bytes(), name
+
+
+def test_torchs_shared_memory_error_is_recognised():
+    """The real error torch raises where shared memory cannot be allocated (a file-size limit, in this process
+    for a moment) is turned into an ``OSError`` naming it; other errors are left alone."""
+    import errno
+    import resource
+
+    from timm_plugin.tools.common import shared_memory_error
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(RuntimeError) as caught:
+            torch.empty(100_000).share_memory_()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    plain = shared_memory_error(caught.value)
+    assert isinstance(plain, OSError) and plain.errno == errno.EFBIG and 'ulimit -f' in plain.strerror
+    assert shared_memory_error(RuntimeError('unable to resize file </torch_1> to the right size: x (28)')).errno == 28
+    assert shared_memory_error(RuntimeError('a shape mismatch (3)')) is None
+    assert shared_memory_error(ValueError('unable to resize file </x>: (27)')) is None
+
+
+#: the files of a finished store, compared byte for byte (meta.json apart: its times and run record differ)
+STORE_BYTES = ('values.npy', 'indices.npy', 'done.npy', 'paths.txt', 'paths.index.npy', 'paths.offsets.npy')
+
+
+def _refusing_open(real_open, suffix, code, at=1):
+    """``open`` whose ``at``-th file named ``...suffix`` fails its writes with ``code`` (after a few bytes)."""
+    count = [0]
+
+    class Refusing:
+        def __init__(self, f):
+            self.f, self.wrote = f, 0
+
+        def write(self, text):
+            if self.wrote:
+                raise OSError(code, os.strerror(code))
+            self.wrote += 1
+            return self.f.write(text[:3])
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fake(file, *args, **kwargs):
+        f = real_open(file, *args, **kwargs)
+        if str(file).endswith(suffix):
+            count[0] += 1
+            if count[0] == at:
+                return Refusing(f)
+        return f
+
+    return fake
+
+
+@pytest.mark.parametrize(
+    'where, code',
+    [
+        ('allocating values.npy', 'ENOSPC'),
+        ('allocating values.npy', 'EFBIG'),
+        ('paths.txt', 'ENOSPC'),
+        ('meta.json at creation', 'ENOSPC'),
+        ('rows of the second batch', 'ENOSPC'),
+        ('rows of the second batch', 'EFBIG'),
+        ('meta.json at finalize', 'EDQUOT'),
+    ],
+)
+def test_every_write_the_disk_refuses_ends_in_one_line_and_a_resume_finishes_the_same_store(
+    imported, tmp_path, capsys, monkeypatch, where, code
+):
+    """A full disk (ENOSPC, EDQUOT) or a file-size limit (EFBIG) at each write of the store, injected after the
+    up-front check (a disk that fills during the import): one line naming the cause, the file and the rows on
+    disk, no temporary left; then ``--resume`` finishes a store whose files are the uninterrupted import's, byte
+    for byte."""
+    import builtins
+    import errno
+
+    from shared_core import map_format
+
+    data, labels, reference, _ = imported
+    err_code = getattr(errno, code)
+    if where.startswith('allocating'):
+        real = os.posix_fallocate
+
+        def fallocate(fd, offset, length):
+            raise OSError(err_code, os.strerror(err_code))
+
+        monkeypatch.setattr(os, 'posix_fallocate', fallocate)
+    elif where == 'rows of the second batch':
+        real_flush, calls = np.memmap.flush, [0]
+
+        def flush(self):
+            calls[0] += str(self.filename).endswith('values.npy')
+            if calls[0] == 3:  # values.npy's flushes: at creation, the first batch's, the second's fails
+                raise OSError(err_code, os.strerror(err_code))
+            return real_flush(self)
+
+        monkeypatch.setattr(np.memmap, 'flush', flush)
+    else:
+        suffix, at = {'paths.txt': ('paths.txt.tmp', 1), 'meta.json at creation': ('meta.json.tmp', 1)}.get(
+            where, ('meta.json.tmp', 2)
+        )
+        monkeypatch.setattr(map_format, 'open', _refusing_open(builtins.open, suffix, err_code, at), raising=False)
+    store = tmp_path / 'store'
+    assert run_import(data, labels, store, '-b', '8') == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    cause = 'file-size limit' if code == 'EFBIG' else 'disk full'
+    assert len(err) == 1 and err[0].startswith(f'tokenaug-maps import: error: {cause}: writing'), err
+    assert 'rows written' in err[0] and ('ulimit -f' in err[0]) == (code == 'EFBIG'), err
+    if where == 'rows of the second batch':
+        assert '8 of ' in err[0] and 'rerun with --resume' in err[0], err
+    if where.startswith('allocating') or where in ('paths.txt', 'meta.json at creation'):
+        assert not store.exists(), sorted(store.iterdir())  # a failed creation leaves nothing
+    else:
+        assert not [p.name for p in store.iterdir() if 'tmp' in p.name]
+    monkeypatch.undo()
+    if where.startswith('allocating'):
+        assert os.posix_fallocate is real
+    assert run_import(data, labels, store, '-b', '8', '--resume') == 0
+    for name in STORE_BYTES:
+        assert (store / name).read_bytes() == (reference.root / name).read_bytes(), name
+    got, want = (json.loads((root / 'meta.json').read_text()) for root in (store, reference.root))
+    for meta in (got, want):
+        for key in ('created', 'completed', 'run'):
+            meta.pop(key)
+    assert got == want
+
+
+def test_the_arrays_are_allocated_when_the_store_is_created(tmp_path):
+    """The rows are written through memory maps, where a disk that fills during the import would be a SIGBUS:
+    the writer allocates the arrays' blocks up front (``posix_fallocate``), so nothing another writer does
+    later can take them. A file system without ``fallocate`` keeps the sparse files (the up-front check holds)."""
+    from shared_core.map_store import MapWriter
+
+    probe = tmp_path / 'probe'
+    probe.write_bytes(b'')
+    try:
+        with open(probe, 'r+b') as f:
+            os.posix_fallocate(f.fileno(), 0, 1 << 16)
+        supported = True
+    except OSError:
+        supported = False
+    paths = [f'c/{i}.png' for i in range(64)]
+    with MapWriter.create(
+        tmp_path / 'store', paths, num_classes=C, k=K, grid=GRID, annotator='x', input_size=(224, 224)
+    ) as writer:
+        assert writer.num_done() == 0
+    for name in ('values.npy', 'indices.npy', 'done.npy'):
+        st = (tmp_path / 'store' / name).stat()
+        assert (st.st_blocks * 512 >= st.st_size) == supported, (name, st.st_blocks, st.st_size)
 
 
 def test_resume_and_shards_give_the_same_store(imported, tmp_path):

@@ -3,6 +3,9 @@ workers' errors reach the user as one line (their flags: :mod:`tokenaug.tool_arg
 
 from __future__ import annotations
 
+import errno
+import os
+import re
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -13,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ..image_data import no_images_named
 
-__all__ = ['parse_model_kwargs', 'split_dataset', 'resolve_device', 'batches_raising_plainly']
+__all__ = ['parse_model_kwargs', 'split_dataset', 'resolve_device', 'batches_raising_plainly', 'shared_memory_error']
 
 
 def parse_model_kwargs(items: Sequence[str] | None) -> dict[str, Any]:
@@ -77,8 +80,38 @@ class _Catching(Dataset):
             return _Raised(e)
 
 
+#: torch's error where a worker cannot put its batch into shared memory (its message ends in ``strerror (errno)``)
+_SHM_FAILED = re.compile(
+    r'unable to (?:allocate shared memory|resize file|write to file|open shared memory object|mmap)\b.*\((\d+)\)'
+)
+
+
+def shared_memory_error(error: BaseException) -> Optional[OSError]:
+    """``error`` as an ``OSError`` naming the cause where it is torch's failure to put a DataLoader worker's batch
+    into shared memory (``/dev/shm`` full, a file-size limit), else ``None``."""
+    found = _SHM_FAILED.search(str(error)) if isinstance(error, RuntimeError) else None
+    if found is None:
+        return None
+    code = int(found[1])
+    fix = 'raise the file-size limit (ulimit -f)' if code == errno.EFBIG else 'free space in /dev/shm'
+    return OSError(
+        code,
+        f'a DataLoader worker could not hand its batch over through shared memory ({os.strerror(code)}); {fix}, '
+        'or pass --workers 0',
+    )
+
+
 def _collate_or_raised(items: list):
-    return next((item for item in items if isinstance(item, _Raised)), None) or default_collate(items)
+    raised = next((item for item in items if isinstance(item, _Raised)), None)
+    if raised is not None:
+        return raised
+    try:
+        return default_collate(items)
+    except RuntimeError as e:  # in a worker: the batch's shared memory could not be allocated
+        plain = shared_memory_error(e)
+        if plain is None:
+            raise
+        return _Raised(plain)
 
 
 class _RaisingPlainly:
@@ -98,5 +131,6 @@ class _RaisingPlainly:
 def batches_raising_plainly(dataset: Dataset, errors: tuple[type[BaseException], ...], **loader_kwargs):
     """The batches of ``DataLoader(dataset, **loader_kwargs)`` (an iterable with its length); an error of a type in
     ``errors`` raised by an item is raised as itself, one line as without workers, where DataLoader would wrap it in
-    "Caught X in DataLoader worker process N ... Original Traceback" (the worker hands it over as a value)."""
+    "Caught X in DataLoader worker process N ... Original Traceback" (the worker hands it over as a value). So is
+    a worker's failure to allocate its batch's shared memory, as an ``OSError`` (:func:`shared_memory_error`)."""
     return _RaisingPlainly(DataLoader(_Catching(dataset, errors), collate_fn=_collate_or_raised, **loader_kwargs))

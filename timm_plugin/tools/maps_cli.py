@@ -5,11 +5,12 @@ produced offline by an annotator (NFNet-F6 at 576 px there: 18 x 18 locations, t
 in half precision). This tool writes those maps into a :mod:`shared_core.map_store` store::
 
     tokenaug-maps generate --data-dir DIR [--split train] --model NAME [--checkpoint FILE]
-                           [--model-kwargs k=v ...] [--num-classes N] --out OUT [--input-size 576]
-                           [--topk 5] [-b 32] [-j 2] [--device cpu|cuda] [--amp] [--resume]
-                           [--shard-index I --num-shards S]
-    tokenaug-maps import --from tokenlabeling --src LABEL_ROOT --data-dir DIR [--split train]
-                         --num-classes C --out OUT [-b 256] [-j 2] [--resume] [--shard-index I --num-shards S]
+                           [--model-kwargs k=v ...] [--num-classes N] --out OUT
+                           [--input-size 576] [--topk 5] [-b 32] [-j 2] [--device cpu|cuda]
+                           [--amp] [--resume] [--shard-index I --num-shards S]
+    tokenaug-maps import --from tokenlabeling --src LABEL_ROOT --data-dir DIR
+                         [--split train] --num-classes C --out OUT [-b 256] [-j 2]
+                         [--resume] [--shard-index I --num-shards S]
     tokenaug-maps merge OUT [--keep-shards]
     tokenaug-maps info DIR [--json]
 
@@ -59,6 +60,7 @@ from torch.utils.data import Dataset
 
 from shared_core.checkpoint_io import CheckpointError, load_checkpoint_file
 from shared_core.label_maps import rows_from_topk_logits
+from shared_core.map_format import DISK_ERRNOS
 from shared_core.map_status import merge_stores, store_status
 from shared_core.map_store import (
     CENTER_SQUARE,
@@ -639,6 +641,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print_info(args.path, args.json)
     except (LabelMapError, ValueError, FileNotFoundError, UnreadableImageError) as e:
         print(f'tokenaug-maps {args.command}: error: {e}', file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk or a file-size limit outside the store's own writes (a worker's batch)
+        if e.errno not in DISK_ERRNOS:
+            raise
+        print(f'tokenaug-maps {args.command}: error: {e.strerror}', file=sys.stderr)
         return 2
     return 0
 
