@@ -2,9 +2,11 @@
 
 Usage::
 
-    tokenaug-convert --src CKPT --dst OUT --to {mmseg,mmdet} --model TIMM_MODEL_NAME [--from {timm,mmpretrain}]
-                     [--model-kwargs img_size=112 ...] [--use-ema] [--final-norm] [--force]
-    tokenaug-convert --src MMPRETRAIN_CKPT --dst OUT --to timm --from mmpretrain --model TIMM_MODEL_NAME [--plain]
+    tokenaug-convert --src CKPT --dst OUT --to {mmseg,mmdet} --model TIMM_MODEL_NAME
+                     [--from {timm,mmpretrain}] [--model-kwargs img_size=112 ...]
+                     [--use-ema] [--final-norm] [--force]
+    tokenaug-convert --src MMPRETRAIN_CKPT --dst OUT --to timm --from mmpretrain
+                     --model TIMM_MODEL_NAME [--plain]
 
 ``--to timm``: an mmpretrain classifier (ViT/DeiT with mmpretrain's ``VisionTransformer``, LV-ViT through
 ``TIMMBackbone``; its classifier, token labeling's aux head and TokenMixup's ScoreNets kept) as the timm model's

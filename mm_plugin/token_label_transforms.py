@@ -6,8 +6,9 @@ Data (registered in mmpretrain's ``TRANSFORMS``). The map of an image covers the
 from disk; the crop and the flip the image gets are recorded and applied to the map on the training
 device (:func:`shared_core.label_maps.token_targets_sparse`, one batched call)::
 
-    LoadImageFromFile -> LoadTokenLabelMap -> TokenLabelRandomResizedCrop -> RandomFlip (horizontal)
-        -> TokenLabelRandAugment -> RandomErasing -> PackTokenLabelInputs
+    LoadImageFromFile -> LoadTokenLabelMap -> TokenLabelRandomResizedCrop
+        -> RandomFlip (horizontal) -> TokenLabelRandAugment -> RandomErasing
+        -> PackTokenLabelInputs
 
 - :class:`LoadTokenLabelMap` reads the image's row (key: ``img_path`` relative to the split root);
 - :class:`TokenLabelRandomResizedCrop` is mmpretrain's ``RandomResizedCrop`` that records its crop as
@@ -15,8 +16,9 @@ device (:func:`shared_core.label_maps.token_targets_sparse`, one batched call)::
   ``RandomFlip`` and ``TokenLabelRandAugment`` only (the public Token Labeling order: flip and RandAugment on
   the whole image, then the crop; :func:`shared_core.label_maps.crop_after_ops` records that geometry)::
 
-      LoadImageFromFile -> LoadTokenLabelMap -> RandomFlip (horizontal) -> TokenLabelRandAugment
-          -> TokenLabelRandomResizedCrop -> RandomErasing -> PackTokenLabelInputs
+      LoadImageFromFile -> LoadTokenLabelMap -> RandomFlip (horizontal)
+          -> TokenLabelRandAugment -> TokenLabelRandomResizedCrop -> RandomErasing
+          -> PackTokenLabelInputs
 
 - mmcv's ``RandomFlip`` records ``flip`` / ``flip_direction``; only horizontal flips are allowed;
 - :class:`TokenLabelRandAugment` is mmpretrain's ``RandAugment`` whose geometric policies (``Rotate``,

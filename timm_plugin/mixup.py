@@ -4,15 +4,17 @@
 draws), ``method`` (what will re-weight the target: ``'tl_align'``, ``'transmix'``) and ``patch_size``, and
 returns a callable used exactly like timm's Mixup: ``x, target = mixer(x, y)``.
 
-The kinds::
+The kinds:
 
-    | mix_kind          | cut branch (``cutmix_alpha > 0``)   | target returned                          |
-    |-------------------|-------------------------------------|------------------------------------------|
-    | ``mixup``         | none (MixUp only)                   | ``(B, C)`` float tensor                  |
-    | ``cutmix``        | pixel box, timm's λ correction      | ``(B, C)`` float tensor                  |
-    | ``token_box``     | box on the token grid (MixToken)    | :class:`MixTarget` (carries the mix)     |
-    | ``tokenmix_block``| TokenMix multi-block token mask     | :class:`MixTarget`                       |
-    | ``tokenmix_random``| TokenMix random token mask         | :class:`MixTarget`                       |
+====================== ===================================== ======================================
+``mix_kind``           cut branch (``cutmix_alpha > 0``)     target returned
+====================== ===================================== ======================================
+``mixup``              none (MixUp only)                     ``(B, C)`` float tensor
+``cutmix``             pixel box, timm's λ correction        ``(B, C)`` float tensor
+``token_box``          box on the token grid (MixToken)      :class:`MixTarget` (carries the mix)
+``tokenmix_block``     TokenMix multi-block token mask       :class:`MixTarget`
+``tokenmix_random``    TokenMix random token mask            :class:`MixTarget`
+====================== ===================================== ======================================
 
 With ``mixup_alpha > 0`` as well, every cut kind switches with a MixUp blend by ``switch_prob``,
 as timm does for CutMix. A :class:`MixTarget` *is* the ``(B, C)`` soft target (a ``torch.Tensor``

@@ -7,10 +7,11 @@ random PatchDrop protocol of Naseer et al. 2021, "Intriguing Properties of Visio
 patches of the model's 16 x 16 px patch grid are blanked out). This tool runs that sweep for any timm
 classifier and checkpoint::
 
-    tokenaug-occlusion --data-dir DIR [--split val] --model NAME [--checkpoint FILE [--use-ema]]
-                       [--model-kwargs k=v ...] [--num-classes N] [--ratios 0 0.1 ... 0.9]
-                       [--mode zero|drop] [--fill zero|black] [--patch-size P] [--img-size S]
-                       [--seed 0] [--repeats 1] [-b 64] [-j 2] [--device cpu|cuda] [--amp] [--out DIR]
+    tokenaug-occlusion --data-dir DIR [--split val] --model NAME
+                       [--checkpoint FILE [--use-ema]] [--model-kwargs k=v ...]
+                       [--num-classes N] [--ratios 0 0.1 ... 0.9] [--mode zero|drop]
+                       [--fill zero|black] [--patch-size P] [--img-size S] [--seed 0]
+                       [--repeats 1] [-b 64] [-j 2] [--device cpu|cuda] [--amp] [--out DIR]
 
 and writes ``OUT/occlusion.csv``, ``OUT/occlusion.md`` and ``OUT/occlusion.png`` (and prints the table).
 
