@@ -27,7 +27,8 @@ pass ``--rebuild``. Bad arguments are argparse usage errors (exit status 2); a f
 
 Command line::
 
-    tokenaug-mmcv-wheel [--cache DIR] [--constraints FILE] [--install] [--rebuild] [--dry-run]
+    tokenaug-mmcv-wheel [--cache DIR] [--constraints FILE] [--install] [--rebuild]
+                        [--dry-run]
 
 Standard library only (it runs before anything else is installed).
 """
@@ -141,6 +142,31 @@ def find_cached_wheel(cache: Path, version: str = MMCV_VERSION, tags: tuple[str,
         return None
     hits = sorted(p for p in cache.iterdir() if p.is_file() and wheel_fits(p.name, version, tags))
     return hits[0] if hits else None
+
+
+def other_cached_tags(cache: Path, version: str = MMCV_VERSION) -> list[str]:
+    """The python tags (``cp311``, ...) of the mmcv ``version`` wheels in ``cache`` that the running interpreter
+    cannot install (another Python's): a wheel cached for one Python is not one for another."""
+    if not cache.is_dir():
+        return []
+    found = set()
+    for p in cache.iterdir():
+        parts = p.name[: -len('.whl')].split('-') if p.name.endswith('.whl') else []
+        if p.is_file() and len(parts) in (5, 6) and parts[0] == 'mmcv' and parts[1] == version:
+            if not wheel_fits(p.name, version):
+                found.add(parts[-3])
+    return sorted(found)
+
+
+def _no_wheel_for_this_python(cache: Path) -> str:
+    """Why the cache has no wheel for this interpreter, where it holds another Python's ('' otherwise)."""
+    others = other_cached_tags(cache)
+    if not others:
+        return ''
+    return (
+        f'; the cache holds mmcv {MMCV_VERSION} wheels for {", ".join(others)} only, and this is Python '
+        f'{sys.version_info[0]}.{sys.version_info[1]} ({interpreter_tags()[0]}): a wheel is built for it'
+    )
 
 
 def expected_wheel_path(cache: Path) -> Path:
@@ -332,7 +358,9 @@ def main(argv=None) -> int:
                 f'would download the mmcv {MMCV_VERSION} sdist (pip download'
                 + (f' -c {constraints}' if constraints else '')
                 + f'), patch {CXX17} -> {CXX20} in setup.py and build the wheel into {cache} '
-                '(5-12 minutes on 2 cores)' + (', then pip install it' if args.install else '')
+                '(5-12 minutes on 2 cores)'
+                + (', then pip install it' if args.install else '')
+                + ('' if args.rebuild else _no_wheel_for_this_python(cache))
             )
             wheel = expected_wheel_path(cache)
         print(wheel, flush=True)
@@ -340,7 +368,11 @@ def main(argv=None) -> int:
     try:
         if wheel is None:
             if not args.rebuild:
-                _log(f'no mmcv {MMCV_VERSION} wheel for {"-".join(interpreter_tags())} in {cache}')
+                _log(
+                    f'no mmcv {MMCV_VERSION} wheel for {"-".join(interpreter_tags())} in {cache}'
+                    + _no_wheel_for_this_python(cache)
+                    + ' (5-12 minutes on 2 cores)'
+                )
             wheel = build_wheel(cache, constraints)
         else:
             _log(f'cached wheel: {wheel}')

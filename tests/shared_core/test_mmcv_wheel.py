@@ -162,6 +162,22 @@ def test_cli_dry_run_with_an_empty_cache_says_it_would_build(tmp_path):
     assert not cache.exists()  # nothing created, downloaded or built
 
 
+def test_cli_dry_run_says_when_the_cache_holds_another_pythons_wheel(tmp_path):
+    """A cache that holds the wheel of another Python only (the cp311 one ``make install`` builds, for a 3.12
+    environment): ``--dry-run`` says so before the user commits to a 5-12 minute build."""
+    other = 'cp310' if TAGS[0] != 'cp310' else 'cp312'
+    (tmp_path / f'mmcv-2.1.0-{other}-{other}-{TAGS[2]}.whl').write_bytes(b'')
+    (tmp_path / 'mmcv-2.0.1-{}-{}-{}.whl'.format(*TAGS)).write_bytes(b'')  # another version: not named
+    res = run_script('--cache', tmp_path, '--dry-run', cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout == f'{tmp_path / RIGHT}\n', res.stderr
+    py = f'{sys.version_info[0]}.{sys.version_info[1]}'
+    assert f'the cache holds mmcv 2.1.0 wheels for {other} only, and this is Python {py} ({TAGS[0]})' in res.stderr
+    assert 'would download' in res.stderr and '5-12 minutes' in res.stderr
+    (tmp_path / RIGHT).write_bytes(b'')  # this Python's wheel too: taken, nothing said of the other
+    res = run_script('--cache', tmp_path, '--dry-run', cwd=tmp_path)
+    assert 'cached wheel' in res.stderr and other not in res.stderr, res.stderr
+
+
 def test_cli_rebuild_dry_run_ignores_the_cache(tmp_path):
     (tmp_path / RIGHT).write_bytes(b'')
     res = run_script('--cache', tmp_path, '--rebuild', '--print-path-only', cwd=tmp_path)
