@@ -7,6 +7,7 @@ format and every rerun writes the same bytes.
 
 from __future__ import annotations
 
+import colorsys
 import math
 
 import numpy as np
@@ -154,12 +155,8 @@ def polygon_mask(poly, height: int, width: int) -> np.ndarray:
 
 # ------------------------------------------------------------------ colours / classes
 def _hsv(h: float, s: float, v: float) -> np.ndarray:
-    h = (h % 1.0) * 6.0
-    i = int(h) % 6
-    f = h - int(h)
-    p, q, t = v * (1 - s), v * (1 - s * f), v * (1 - s * (1 - f))
-    rgb = [(v, t, p), (q, v, p), (p, v, t), (p, q, v), (t, p, v), (v, p, q)][i]
-    return np.array(rgb, np.float64) * 255.0
+    """The RGB colour (0-255, float64) of hue ``h`` in [0, 1), saturation ``s`` and value ``v``."""
+    return np.array(colorsys.hsv_to_rgb(h, s, v), np.float64) * 255.0
 
 
 PALETTE_HUES = 12
