@@ -26,7 +26,7 @@ import torch
 from mmpretrain.registry import BATCH_AUGMENTS
 
 from shared_core.checks import ArgumentError, argument_errors, check_int, check_real
-from shared_core.mix import Mix, check_pairwise_batch, mix_images, mix_rows, own_lam
+from shared_core.mix import Mix, check_image_batch, check_pairwise_batch, mix_images, mix_rows, own_lam
 from shared_core.samplers import MixSampler
 from shared_core.tokenmix import ACTIVATION_TARGETS
 
@@ -87,6 +87,7 @@ class MixBatchAugment:
 
     def __call__(self, batch_inputs: torch.Tensor, batch_score: torch.Tensor):
         """The stock mmpretrain contract: mix images and one-hot (or soft) scores ``(N, C)``."""
+        check_image_batch(batch_inputs, 'batch_inputs')
         if batch_score.ndim != 2 or batch_score.shape[0] != batch_inputs.shape[0]:
             raise ArgumentError(
                 f'batch_score: expected (N={batch_inputs.shape[0]}, num_classes) scores, got {tuple(batch_score.shape)}'

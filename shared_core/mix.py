@@ -37,6 +37,7 @@ __all__ = [
     'one_hot',
     'check_labels',
     'check_pairwise_batch',
+    'check_image_batch',
     'check_image_size',
     'grid_size',
     'to_2tuple',
@@ -184,6 +185,27 @@ def check_pairwise_batch(batch_size: int, name: str = 'x', allow_odd: bool = Fal
         raise ValueError(
             f'{name}: pairwise mixing pairs sample i with B-1-i and needs an even, '
             f'non-empty batch; got batch size {batch_size}'
+        )
+
+
+#: the channel counts of an image (grey, RGB, RGBA): a batch with one of them last and none second is channels-last
+IMAGE_CHANNELS = (1, 3, 4)
+
+
+def check_image_batch(x, name: str = 'x') -> None:
+    """A ``(B, C, H, W)`` image tensor. A channels-last ``(B, H, W, C)`` batch (its last dimension an image's
+    channel count, its second not) is refused naming the layout: mixed as it is, CutMix and the token kinds would
+    take ``W x C`` for the image plane (timm's ``Mixup`` does; tokenaug departs, ``docs/departures.md``). A
+    ``channels_last`` memory format is a ``(B, C, H, W)`` tensor and is taken."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(
+            f'{name}: expected a (B, C, H, W) image tensor, got '
+            f'{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}'
+        )
+    if x.shape[-1] in IMAGE_CHANNELS and x.shape[1] not in IMAGE_CHANNELS:
+        raise ValueError(
+            f'{name}: {tuple(x.shape)} looks like a channels-last (B, H, W, C) batch; the mixers take (B, C, H, W) '
+            f'(mixed as it is, CutMix would cut the W x C plane): pass {name}.permute(0, 3, 1, 2)'
         )
 
 

@@ -37,6 +37,7 @@ from timm.data import FastCollateMixup
 from shared_core.checks import check_real
 from shared_core.mix import (
     Mix,
+    check_image_batch,
     check_pairwise_batch,
     mix_images,
     mix_images_reversed,
@@ -213,12 +214,8 @@ class TokenAwareMixup:
 
     @staticmethod
     def sample_checks(x: torch.Tensor, target: torch.Tensor, name: str = 'x') -> None:
-        """A ``(B, C, H, W)`` image batch of an even size and a target per image."""
-        if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise ValueError(
-                f'{name}: expected a (B, C, H, W) image tensor, got '
-                f'{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}'
-            )
+        """A ``(B, C, H, W)`` image batch (not channels-last) of an even size and a target per image."""
+        check_image_batch(x, name)
         check_pairwise_batch(x.shape[0], name)
         if not torch.is_tensor(target):
             raise ValueError(f'target: expected a tensor, got {type(target).__name__}')

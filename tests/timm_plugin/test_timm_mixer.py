@@ -163,6 +163,37 @@ def test_bad_input_errors():
         create_mixer('mixup', mode='half')
 
 
+def test_a_channels_last_batch_is_refused_naming_the_layout():
+    """A ``(B, H, W, C)`` batch: timm's ``Mixup`` takes it and its CutMix cuts the ``W x C`` plane (kept as timm's
+    behaviour until now); tokenaug refuses it by shape for every kind, the collate and mmpretrain's augment
+    (docs/departures.md). A ``channels_last`` memory format is a (B, C, H, W) tensor and is mixed as any."""
+    from timm.data import Mixup
+
+    from mm_plugin.batch_augments import TACutMix
+
+    nhwc, y = torch.rand(4, 64, 64, 3), torch.tensor([0, 1, 2, 3])
+    out, _ = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=10)(nhwc.clone(), y)
+    assert out.shape == (4, 64, 64, 3)  # timm's: taken as it is
+    layout = r'x: \(4, 64, 64, 3\) looks like a channels-last \(B, H, W, C\) batch.*permute\(0, 3, 1, 2\)'
+    for kind, alphas in (
+        ('cutmix', dict(mixup_alpha=0.8, cutmix_alpha=1.0)),
+        ('mixup', dict(mixup_alpha=0.8)),
+        ('token_box', dict(cutmix_alpha=1.0)),
+        ('tokenmix_block', dict(cutmix_alpha=1.0)),
+    ):
+        with pytest.raises(ValueError, match=layout):
+            create_mixer(kind, **alphas, num_classes=10, patch_size=16)(nhwc, y)
+    collate = create_mixer('cutmix', cutmix_alpha=1.0, num_classes=10, collate=True)
+    images = [((nhwc[i] * 255).to(torch.uint8).numpy(), int(y[i])) for i in range(4)]
+    with pytest.raises(ValueError, match='batch: .* looks like a channels-last'):
+        collate(images)
+    with pytest.raises(ValueError, match='batch_inputs: .* looks like a channels-last'):
+        TACutMix(alpha=1.0, patch_size=16)(nhwc, torch.eye(10)[y])
+    nchw = torch.rand(4, 3, 64, 64).contiguous(memory_format=torch.channels_last)
+    out, target = create_mixer('cutmix', cutmix_alpha=1.0, num_classes=10)(nchw, y)
+    assert out.shape == (4, 3, 64, 64) and target.shape == (4, 10)
+
+
 def test_mix_target_deepcopy_and_timm_attributes_are_live():
     import copy
 
