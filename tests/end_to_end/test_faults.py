@@ -293,6 +293,79 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_world, tmp_path, ru
     assert_same_run(tmp_path / 'whole', tmp_path / 'killed')
 
 
+#: a sitecustomize for a killed run's process: its first save of the epoch $KILL_AT_SAVE writes half the file,
+#: says so on stderr and waits to be killed (a kill -9 in the middle of a checkpoint's write)
+_HALF_SAVE = """
+import os, sys, time
+import torch
+
+_save = torch.save
+
+
+def save(obj, f, *args, **kwargs):
+    if isinstance(obj, dict) and obj.get('epoch') == int(os.environ['KILL_AT_SAVE']) and hasattr(f, 'write'):
+        import io
+
+        whole = io.BytesIO()
+        _save(obj, whole, *args, **kwargs)
+        f.write(whole.getvalue()[: len(whole.getvalue()) // 2])
+        f.flush()
+        print('TEST: half of the checkpoint written', file=sys.stderr, flush=True)
+        time.sleep(600)
+    return _save(obj, f, *args, **kwargs)
+
+
+torch.save = save
+"""
+
+
+def _killed(cmd, env, marker):
+    """Run ``cmd`` and kill -9 it at the first stderr line holding ``marker``."""
+    import signal
+
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    for line in proc.stderr:
+        if marker in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=600)
+    assert proc.returncode == -signal.SIGKILL, f'not killed: no {marker!r} line'
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    'method', [['--mixup-type', 'tl_align'], ['--tokenmixup-htm-layers', '1']], ids=['tl_align', 'htm']
+)
+def test_kill_9_mid_epoch_and_mid_checkpoint_then_resume_equals_an_uninterrupted_run(
+    method, tiny_world, tmp_path, run_env
+):
+    """TL-Align and TokenMixup's HTM (their label paths and ScoreNets live in the model's forward and state):
+    ``tokenaug-train`` killed with -9 in the middle of epoch 1, resumed and killed again while its checkpoint of
+    epoch 1 is half written, then resumed to the end, gives the uninterrupted run's weights, optimizer, EMA-free
+    saver state and summary bit for bit; the half-written temporary is gone and ``last.pth.tar`` was never
+    anything but a whole checkpoint."""
+    from timm_plugin.train import run
+
+    data = tiny_world / 'imagenet'
+    run(train_cmd(data, tmp_path, 'whole', *MIXED, *method))
+    killed = ['tokenaug-train'] + train_cmd(data, tmp_path, 'killed', *MIXED, *method)
+    last = tmp_path / 'killed' / 'last.pth.tar'
+    _killed(killed, run_env, 'Train: 1 [')  # mid-epoch 1 (epoch 0 saved)
+    assert torch.load(last, weights_only=True)['epoch'] == 0
+    hook = tmp_path / 'hook'
+    hook.mkdir()
+    (hook / 'sitecustomize.py').write_text(_HALF_SAVE)
+    env = {**run_env, 'PYTHONPATH': f'{hook}{os.pathsep}{run_env["PYTHONPATH"]}', 'KILL_AT_SAVE': '1'}
+    _killed(killed + ['--resume', str(last)], env, 'TEST: half of the checkpoint written')  # mid-checkpoint
+    assert torch.load(last, weights_only=True)['epoch'] == 0  # still epoch 0's, whole
+    half = [p for p in (tmp_path / 'killed').iterdir() if p.name.endswith('.tmp')]
+    assert half, 'the half-written temporary'
+    res = subprocess.run(killed + ['--resume', str(last)], env=run_env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not any(p.exists() for p in half)
+    assert_same_run(tmp_path / 'whole', tmp_path / 'killed')
+
+
 # 10. command-line errors without tracebacks ---------------------------------------------------------------------
 @pytest.mark.parametrize('case', ['no-data-dir', 'unknown-model', 'garbage-resume'])
 def test_train_cli_errors_are_named_without_a_traceback(case, tiny_world, tmp_path, capsys):
