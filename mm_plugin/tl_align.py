@@ -44,6 +44,7 @@ from shared_core.tl_align import (
     check_captured,
     check_drop_path,
     check_layers,
+    check_transmix,
     compact_labels,
     kept_samples,
     residual_labels,
@@ -81,6 +82,9 @@ def _hook_drop(module: nn.Module, cap: LabelCapture, handles: list) -> None:
 
 class MMViTTracer:
     """mmpretrain ``VisionTransformer``: pre-norm ``TransformerEncoderLayer`` blocks, SDPA attention."""
+
+    #: the last block mixes its tokens by a self-attention (TransMix reads it)
+    attends = True
 
     def __init__(self, backbone: VisionTransformer):
         for i, layer in enumerate(backbone.layers):
@@ -151,6 +155,8 @@ class MMSwinTracer:
     (unless ``pad_small_map``), exactly as the token path does."""
 
     num_prefix_tokens = 0
+    #: the last block mixes its tokens by a self-attention (TransMix reads it)
+    attends = True
 
     def __init__(self, backbone: SwinTransformer):
         if tuple(backbone.out_indices) != (len(backbone.stages) - 1,):
@@ -323,11 +329,11 @@ class AlignedTargetClassifier(ImageClassifier):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._check_backbone()
         self.tracer = mm_tracer(self.backbone, self.neck)
+        self._check_tracer()
 
-    def _check_backbone(self) -> None:
-        """A method's own refusal of a backbone, before the tracer's (which lists what TL-Align supports)."""
+    def _check_tracer(self) -> None:
+        """A method's own refusal of a backbone TL-Align traces."""
 
     def _configure(self, cfg: dict) -> None:
         unknown = sorted(set(cfg) - set(self.config_keys))
@@ -416,12 +422,8 @@ class TransMixClassifier(AlignedTargetClassifier):
             raise ValueError(f'transmix.mode: expected one of {TRANSMIX_MODES}, got {self.transmix_mode!r}')
         self._configure(cfg)
 
-    def _check_backbone(self) -> None:
-        if type(self.backbone) is TIMMBackbone:
-            raise ValueError(
-                f'backbone: TransMix reads the attention of a ViT / Swin; the timm '
-                f'{type(self.backbone.timm_model).__name__} of this TIMMBackbone has none (use TLAlignClassifier)'
-            )
+    def _check_tracer(self) -> None:
+        check_transmix(self.tracer, getattr(self.backbone, 'timm_model', self.backbone), 'backbone')
 
     def _share(self, feats, captures, mix) -> torch.Tensor:
         return transmix_share(self.tracer, captures, feats, mix, self.transmix_mode)

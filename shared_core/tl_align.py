@@ -60,6 +60,7 @@ __all__ = [
     'check_captured',
     'LabelTracer',
     'capture_forward',
+    'check_transmix',
     'trace_labels',
     'tracer_for',
     'check_layers',
@@ -369,10 +370,14 @@ class LabelTracer(Protocol):
     - ``readout(labels, output)``: ``(B, K)`` the label of what the classifier reads;
     - ``class_attention(captures)``: ``(q_cls (B, H, 1, d), k (B, H, T, d), scale[, mask])`` of the last block (or
       the class token's attention probabilities ``(B, H, 1, T)`` themselves) for
-      TransMix's class-token rule, or ``None`` where the classifier reads no class token.
+      TransMix's class-token rule, or ``None`` where the classifier reads no class token;
+    - ``attends``: whether the last block, the one TransMix reads, mixes its tokens by a self-attention
+      (:func:`check_transmix`); where not, ``why_no_attention`` says what mixes them there.
     """
 
     num_prefix_tokens: int
+    attends: bool
+    why_no_attention: str
 
     @property
     def depth(self) -> int: ...
@@ -405,6 +410,16 @@ def tracer_for(model, supported: dict, name: str = 'model') -> LabelTracer:
     raise ValueError(
         f'{name}: TL-Align has no tracer for {type(model).__module__}.{type(model).__name__}; supported: {names}'
     )
+
+
+def check_transmix(tracer: LabelTracer, model, name: str = 'model') -> None:
+    """TransMix reads the last block's self-attention: refuse, naming the family and what mixes its tokens there,
+    a model whose tracer does not attend there (``tracer.attends``)."""
+    if not tracer.attends:
+        raise ValueError(
+            f"{name}: TransMix reads the last block's self-attention, and {type(model).__name__} has none there: "
+            f'{tracer.why_no_attention}; TL-Align traces it (TLAlign, --mixup-type tl_align)'
+        )
 
 
 def capture_forward(tracer: LabelTracer, forward: Callable[[], Any]) -> Tuple[Any, List[LabelCapture]]:

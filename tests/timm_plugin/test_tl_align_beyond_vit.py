@@ -2,6 +2,8 @@
 gMLP) and ConvNeXt against explicit per-position references, compact-vs-dense agreement, stochastic depth, the
 unchanged token path, the refusals, and tokenaug-train runs."""
 
+import re
+
 import pytest
 import timm
 import torch
@@ -294,7 +296,7 @@ def test_resnet_refusals():
         TLAlign(tiny_resnet(global_pool='max'))
     mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=16, carry_mix=True)
     xm, target = mixer(torch.randn(2, 3, 64, 64), torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match='ResNet has no rule here'):
+    with pytest.raises(ValueError, match='ResNet has none there: its blocks mix tokens by convolutions'):
         TransMix(tiny_resnet())  # nothing attends: TL-Align's rules, not TransMix's
     with pytest.raises(ValueError, match='16 token labels for 256 tokens'):
         TLAlign(tiny_resnet())(xm, target)  # the mix must be drawn on the stride-4 grid
@@ -370,3 +372,33 @@ def test_cnn_dropped_branch_training_logits_and_eval(name):
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     wrapped.eval()
     assert torch.equal(wrapped(x), model.eval()(x))
+
+
+def test_transmix_refuses_at_construction_every_model_whose_last_block_does_not_attend():
+    """TransMix reads the last block's self-attention; its eligibility is the tracer's ``attends``. PoolFormer
+    (which it once took, to end in a bare ``StopIteration`` at the first mixed batch), ConvFormer, ConvNeXt,
+    ResNet, MLP-Mixer and CaiT are refused when the wrapper is built, naming the family and what mixes the tokens
+    there; CAFormer, whose last stages attend, is taken and gives a share in [0, 1]."""
+    from .test_tl_align_metaformer import C as MC
+    from .test_tl_align_metaformer import tiny_metaformer
+
+    cait = timm.create_model('cait_xxs24_224', img_size=32, patch_size=8, depth=1, num_classes=C)
+    refused = {
+        'MetaFormer has none there: its last block mixes tokens by pooling (Pooling)': tiny_metaformer('poolformer'),
+        'MetaFormer has none there: its last block mixes tokens by a depthwise convolution (SepConv)': (
+            tiny_metaformer('convformer')
+        ),
+        'ConvNeXt has none there: its blocks mix tokens by depthwise convolutions': tiny_convnext(),
+        'ResNet has none there: its blocks mix tokens by convolutions': tiny_resnet(),
+        'MlpMixer has none there: its blocks mix tokens by an MLP across the tokens': tiny('mixer'),
+        'Cait has none there: its last blocks are class attention': cait,
+    }
+    for words, model in refused.items():
+        start = f"model: TransMix reads the last block's self-attention, and {words}"
+        with pytest.raises(ValueError, match='^' + re.escape(start)):
+            TransMix(model)
+        TLAlign(model)  # TL-Align traces each of them
+    mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=MC, patch_size=4, carry_mix=True)
+    xm, target = mixer(torch.randn(2, 3, 64, 64), torch.tensor([0, 1]))
+    _, aligned = TransMix(tiny_metaformer('caformer'))(xm, target)
+    assert aligned.shape == (2, MC) and torch.allclose(aligned.sum(1), torch.ones(2), atol=1e-5)

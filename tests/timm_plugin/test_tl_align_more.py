@@ -372,7 +372,7 @@ def test_eval_is_the_plain_model_and_training_logits_are_unchanged(name):
     assert torch.equal(out, model(xm))
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())  # nothing left
     if name == 'cait':  # TransMix has no CaiT rule (its class token lives in the class-attention stage)
-        with pytest.raises(ValueError, match='Cait has no rule'):
+        with pytest.raises(ValueError, match='Cait has none there: its last blocks are class attention'):
             TransMix(model)
         return
     for mode in ('paper', 'average'):  # PVT v2: TransMix's class-free extension, last block only

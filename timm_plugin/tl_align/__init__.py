@@ -64,6 +64,7 @@ from shared_core.tl_align import (
     capture_forward,
     check_drop_path,
     check_layers,
+    check_transmix,
     compact_labels,
     dense_labels,
     trace_labels,
@@ -358,12 +359,7 @@ class TransMix(_MixTargetWrapper):
         super().__init__(model, fused=fused)
         if mode not in self.MODES:
             raise ValueError(f'mode must be one of {self.MODES}, got {mode!r}')
-        if isinstance(self.tracer, (CaitTracer, MlpMixerTracer, ConvNeXtTracer, ResNetTracer)):
-            raise ValueError(
-                'model: TransMix is defined on the class token of a self-attention ViT (DeiT '
-                f'family; our extension: class-free ViT, Swin, PVT v2); {type(model).__name__} has no rule here '
-                '(CaiT: class attention; MLP-Mixer, ConvNeXt, ResNet: no attention to read; use tl_align)'
-            )
+        check_transmix(self.tracer, model)
         self.mode = mode
 
     def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):

@@ -30,6 +30,9 @@ class _ConvLabelGrid(StagedBlocks):
 
     num_prefix_tokens = 0
     _grid_module = 'the stem'
+    #: convolutions mix the tokens (TransMix has no attention to read)
+    attends = False
+    why_no_attention = 'its blocks mix tokens by convolutions'
 
     def _grid_hook(self, cap: LabelCapture):
         """A hook that sets ``cap.tokens`` to the ``(H, W)`` grid the label state starts on (default: the output
@@ -93,6 +96,8 @@ class ConvNeXtTracer(_ConvLabelGrid):
     Refused (a clear error): overlapping stems, ConvNeXt V2's global response norm (it rescales every token by
     statistics of all tokens), dilated or strided depthwise convs, a head pooling other than ``avg``.
     """
+
+    why_no_attention = 'its blocks mix tokens by depthwise convolutions'
 
     def __init__(self, model: ConvNeXt, pooled_outside: bool = False):
         pool = getattr(getattr(model.head, 'global_pool', None), 'pool_type', None)

@@ -39,6 +39,8 @@ class HieraTracer:
     """
 
     num_prefix_tokens = 0
+    #: the last block mixes its tokens by a self-attention (TransMix reads it)
+    attends = True
 
     def __init__(self, model: Hiera):
         for i, b in enumerate(model.blocks):

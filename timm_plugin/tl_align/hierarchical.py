@@ -49,6 +49,8 @@ class SwinTracer(StagedBlocks):
     ``q``, ``k`` and the shift mask and recomputes the label attention (fused on accelerators)."""
 
     num_prefix_tokens = 0
+    #: the last block mixes its tokens by a self-attention (TransMix reads it)
+    attends = True
     history: Optional[list] = None  # a list to append each block's (B, H', W', K) state to (tokenaug-viz)
 
     def __init__(self, model: SwinTransformer):
@@ -159,6 +161,8 @@ class PvtV2Tracer(StagedBlocks):
     """
 
     num_prefix_tokens = 0
+    #: the last block mixes its tokens by a self-attention (TransMix reads it)
+    attends = True
 
     def __init__(self, model: PyramidVisionTransformerV2):
         if model.global_pool != 'avg':

@@ -107,6 +107,20 @@ class MetaFormerTracer(_ConvLabelGrid):
     _stages = 'stages'
     _grid_module = 'the stem'
 
+    @property
+    def _last_mixer(self) -> nn.Module:
+        return self._blocks()[-1].token_mixer
+
+    @property
+    def attends(self) -> bool:
+        """CAFormer's last stages attend; PoolFormer's and ConvFormer's blocks pool or convolve."""
+        return type(self._last_mixer) is Attention
+
+    @property
+    def why_no_attention(self) -> str:
+        what = {Pooling: 'pooling', SepConv: 'a depthwise convolution'}.get(type(self._last_mixer), 'an identity')
+        return f'its last block mixes tokens by {what} ({type(self._last_mixer).__name__})'
+
     def register(self, captures: List[LabelCapture]) -> list:
         """``captures[0]`` keeps the stem's grid, then one per block: the samples its drop path kept and, for an
         attention mixer, its attention call."""

@@ -45,6 +45,8 @@ class MlpMixerTracer:
 
     num_prefix_tokens = 0
     BLOCKS = (MixerBlock, ResBlock, SpatialGatingBlock)
+    attends = False
+    why_no_attention = 'its blocks mix tokens by an MLP across the tokens (fixed weights, Table 9)'
 
     def __init__(self, model: MlpMixer):
         if model.global_pool != 'avg':

@@ -41,6 +41,9 @@ class MViTv2Tracer:
     ``token``.
     """
 
+    #: the last block mixes its tokens by a self-attention (TransMix reads it)
+    attends = True
+
     def __init__(self, model: MultiScaleVit):
         if model.global_pool not in ('avg', 'token'):
             raise ValueError(f'model: MViTv2 with global_pool={model.global_pool!r} has no TL-Align rule')

@@ -39,6 +39,8 @@ class _SdpaBlocksTracer:
     attn_types: tuple = ()
     parts: dict = {}
 
+    attends = True
+
     def __init__(self, model: nn.Module):
         bad = [
             i

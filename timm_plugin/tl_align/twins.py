@@ -43,6 +43,8 @@ class TwinsTracer:
     """
 
     num_prefix_tokens = 0
+    #: the last block mixes its tokens by a self-attention (TransMix reads it)
+    attends = True
 
     def __init__(self, model: Twins):
         if model.global_pool != 'avg':

@@ -33,6 +33,9 @@ from ._blocks import (
 class ViTTracer:
     """Label rules for timm's ``VisionTransformer`` (pre-norm blocks: attention residual, MLP residual)."""
 
+    #: the last block mixes its tokens by a self-attention (TransMix reads it)
+    attends = True
+
     def __init__(self, model: VisionTransformer):
         bad = [i for i, b in enumerate(model.blocks) if type(b) is not Block or type(b.attn) is not Attention]
         if bad:
@@ -102,7 +105,7 @@ class SharedAttentionViT:
 
     def __init__(self, base: ViTTracer, labels: torch.Tensor, layers, residual: bool, drop_path: str, history=None):
         self.base, self.layers, self.residual, self.drop_path = base, layers, residual, drop_path
-        self.num_prefix_tokens = base.num_prefix_tokens
+        self.num_prefix_tokens, self.attends = base.num_prefix_tokens, base.attends
         self._state = labels.detach().float()  # the unfused path's state (the attention materialised once)
         self.columns: Optional[LabelColumns] = None  # the fused path's state, built at the first aligned block
         self.history = history  # a list to append the state after each aligned block to (tokenaug-viz)
@@ -266,6 +269,11 @@ class CaitTracer:
     Block indices for ``layers``: ``blocks`` first, then ``blocks_token_only``."""
 
     num_prefix_tokens = 1
+    attends = False
+    why_no_attention = (
+        "its last blocks are class attention (the class token alone attends), which TransMix's rule, written for "
+        "a ViT's self-attention, does not cover"
+    )
 
     def __init__(self, model: Cait):
         if model.global_pool not in ('token', 'avg'):
@@ -364,6 +372,8 @@ class CCTTracer:
     the propagated state, which :meth:`readout` reads."""
 
     num_prefix_tokens = 0
+    #: the last block mixes its tokens by a self-attention (TransMix reads it)
+    attends = True
 
     def __init__(self, model):
         from ..cct import CCTBlock
