@@ -24,8 +24,7 @@ import torch.nn as nn
 from timm.models import create_model, is_model, load_checkpoint
 from timm.task import ClassificationEvaluator, ClassificationTask, create_classification_loss, evaluation_sample_limit
 
-from shared_core.options import TOKEN_LABELING_TYPES
-from tokenaug.train_args import resolve_method
+from shared_core.options import TARGET_METHODS, TOKEN_LABELING_TYPES
 
 from .checkpoints import read_state_dict
 from .mixup import MIX_KINDS, create_mixer
@@ -40,6 +39,7 @@ __all__ = [
     'build_model',
     'build_training',
     'resolve_flags',
+    'resolve_method',
     'attach_method_modules',
     'attach_modules_in',
     'load_initial_checkpoint',
@@ -260,8 +260,8 @@ def resolve_flags(args: argparse.Namespace) -> None:
     """Every flag that other flags or the launch decide, set in place, here and nowhere else (a second call
     changes nothing; :func:`build_training` makes the first):
 
-    - ``--method`` and the mixing kind under it (:func:`tokenaug.train_args.resolve_method`: ``--mixup-type
-      tl_align`` is ``--method tl_align --mixup-type cutmix``);
+    - ``--method`` and the mixing kind under it (:func:`resolve_method`: ``--mixup-type tl_align`` is ``--method
+      tl_align --mixup-type cutmix``);
     - ``--mixup-type tokenmix``: the paper's TokenMix (:func:`resolve_tokenmix`);
     - timm's ``--data``, the former name of ``--data-dir``;
     - the prefetcher (on unless ``--no-prefetcher``) and ``--grad-accum-steps`` of at least 1;
@@ -283,6 +283,21 @@ def resolve_flags(args: argparse.Namespace) -> None:
         args.lr = args.lr_base * ratio
     if getattr(args, 'distributed', False) and args.sync_bn:
         args.dist_bn = ''
+
+
+def resolve_method(args: argparse.Namespace) -> None:
+    """``--method`` and the mixing kind under it. ``--mixup-type tl_align`` (or ``transmix``) is the method over
+    the default kind, as ``--method tl_align``; ``--method METHOD --mixup-type KIND`` puts it over another kind.
+    With a method and no kind, the kind is ``cutmix`` (the MixUp/CutMix switch with ``--mixup > 0``)."""
+    if args.mixup_type in TARGET_METHODS:
+        if args.method not in (None, args.mixup_type):
+            raise ValueError(
+                f'--mixup-type {args.mixup_type}: a method, and --method {args.method} names one too; '
+                f'pass --method {args.method} --mixup-type KIND to put a method over another mixing kind'
+            )
+        args.method, args.mixup_type = args.mixup_type, None
+    if args.method is not None:
+        args.mixup_type = args.mixup_type or 'cutmix'
 
 
 def resolve_tokenmix(args) -> None:

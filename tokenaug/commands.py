@@ -1,6 +1,7 @@
-"""The console commands. Each answers ``-h`` / ``--help`` from its parser in this package, with neither torch,
-timm nor OpenMMLab imported (a fraction of a second where importing them takes seconds), and otherwise runs the
-module that does the work:
+"""The console commands: every console script tokenaug installs is a function of this module. The six that run
+the methods answer ``-h`` / ``--help`` from their parsers in this package, with neither torch, timm nor OpenMMLab
+imported (a fraction of a second where importing them takes seconds), and otherwise run the module that does the
+work:
 
 ========================= ==========================================================================
 command                   runs the ``main`` of
@@ -13,6 +14,11 @@ command                   runs the ``main`` of
 ``tokenaug-convert``      :mod:`mm_plugin.convert_cli`
 ``tokenaug-study``        :mod:`timm_plugin.tools.study_cli`
 ========================= ==========================================================================
+
+The four light ones run their module's own parser (numpy and the standard library only): ``tokenaug-data``
+(:mod:`shared_core.tools.world`), ``tokenaug-config`` and ``tokenaug-mim`` (:mod:`shared_core.tools.configs_cli`)
+and ``tokenaug-mmcv-wheel`` (:mod:`shared_core.tools.mmcv_wheel`, which also runs as a plain script before
+tokenaug is installed).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from .tool_args import (
 )
 from .train_args import parse_args
 
-__all__ = ['train', 'maps', 'occlusion', 'viz', 'convert', 'study']
+__all__ = ['train', 'maps', 'occlusion', 'viz', 'convert', 'study', 'data', 'config', 'mim', 'mmcv_wheel']
 
 #: the flags that ask for help
 HELP_FLAGS = ('-h', '--help')
@@ -87,7 +93,7 @@ def maps(argv: Sequence[str] | None = None) -> int:
     args = maps_parser().parse_args(argv)  # help: printed here, and exits
     if args.command != 'info':
         return _run('timm_plugin.tools.maps_cli', argv)
-    from shared_core.map_store import LabelMapError
+    from shared_core.map_format import LabelMapError
     from shared_core.tools.maps_info import print_info
 
     try:
@@ -107,3 +113,25 @@ def viz(argv: Sequence[str] | None = None) -> int:
     if argv[:1] and argv[0] in VIZ_COMMANDS and any(flag in argv[1:] for flag in HELP_FLAGS):
         parse_viz(argv[0], argv[1:])
     return _run('timm_plugin.tools.viz_cli', argv)
+
+
+def _light(module: str, function: str, doc: str):
+    """A light command: ``module.function(argv)`` (its own parser answers ``--help``), as an exit status."""
+
+    def command(argv: Sequence[str] | None = None) -> int:
+        return getattr(import_module(module), function)(_argv(argv)) or 0
+
+    command.__doc__ = doc
+    return command
+
+
+data = _light(
+    'shared_core.tools.world', 'main', '``tokenaug-data``: the synthetic world (classification, ADE20K, COCO).'
+)
+config = _light('shared_core.tools.configs_cli', 'main', "``tokenaug-config``: tokenaug's installed configs.")
+mim = _light(
+    'shared_core.tools.configs_cli', 'mim_main', "``tokenaug-mim``: an OpenMMLab package's own train.py / test.py."
+)
+mmcv_wheel = _light(
+    'shared_core.tools.mmcv_wheel', 'main', '``tokenaug-mmcv-wheel``: an mmcv 2.1.0 wheel for this Python.'
+)

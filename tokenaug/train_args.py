@@ -1,5 +1,5 @@
 """``tokenaug-train``'s arguments: every flag of timm's ``train.py`` with timm's default and help text
-(vendored in :mod:`tokenaug.timm_train_parser`), then the methods' flags, and their checks.
+(vendored in ``tokenaug/_vendor/timm_train_parser.py``), then the methods' flags, and their checks.
 
 One default differs: ``--device`` is ``cuda`` where CUDA is available and ``cpu`` elsewhere (timm's ``cuda``
 fails on a machine without one). Flags whose feature ``tokenaug-train`` does not provide are accepted at
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
-import warnings
 
 import yaml
 
@@ -43,7 +42,7 @@ from shared_core.options import (
     VTM_MEMORY,
 )
 
-from .timm_train_parser import HelpFormatter, ParseKwargs, add_timm_1031_args, add_timm_args, find_action
+from ._vendor.timm_train_parser import HelpFormatter, ParseKwargs, add_timm_1031_args, add_timm_args, find_action
 
 _logger = logging.getLogger('tokenaug.train')
 
@@ -154,7 +153,6 @@ def _add_mixing_args(g) -> None:
         'tl_align: TL-Align over cutmix (λ traced by attention)\n'
         'transmix: TransMix over cutmix (λ by class attention)',
     )
-    g.add_argument('--method-mix', default=None, choices=MIX_KINDS, help=argparse.SUPPRESS)  # see resolve_method
     g.add_argument(
         '--tl-align-layers',
         type=int,
@@ -435,44 +433,6 @@ def parse_args(argv=None, add=None, prog: str | None = None) -> argparse.Namespa
     if args.device is None:
         args.device = default_device()
     return args
-
-
-def check_one_kind(args: argparse.Namespace) -> None:
-    """Refuse two different mixing kinds under a method: ``--method-mix`` and ``--mixup-type``."""
-    if args.method_mix is not None and args.mixup_type not in (None, args.method_mix):
-        raise ValueError(
-            f'--method-mix {args.method_mix} and --mixup-type {args.mixup_type}: two mixing kinds under '
-            f'--method {args.method}; pass --mixup-type only'
-        )
-
-
-def resolve_method(args: argparse.Namespace) -> None:
-    """``--method`` and the mixing kind under it. ``--mixup-type tl_align`` (or ``transmix``) is the method over
-    the default kind, as ``--method tl_align``; ``--method METHOD --mixup-type KIND`` puts it over another kind.
-    With a method and no kind, the kind is ``cutmix`` (the MixUp/CutMix switch with ``--mixup > 0``).
-    ``--method-mix KIND``, the former way to name the kind under ``--mixup-type METHOD``, still parses and warns
-    (``FutureWarning``) with the spelling that replaces it."""
-    if args.mixup_type in TARGET_METHODS:
-        if args.method not in (None, args.mixup_type):
-            raise ValueError(
-                f'--mixup-type {args.mixup_type}: a method, and --method {args.method} names one too; '
-                f'pass --method {args.method} --mixup-type KIND to put a method over another mixing kind'
-            )
-        args.method, args.mixup_type = args.mixup_type, None
-    if args.method_mix is not None:
-        if args.method is None:
-            raise ValueError(f'--method-mix {args.method_mix}: it names the mixing kind under a --method; none given')
-        check_one_kind(args)
-        warnings.warn(
-            f'--method-mix is deprecated: use --method {args.method} --mixup-type {args.method_mix} '
-            '(--mixup-type names the mixing kind under --method)',
-            FutureWarning,
-            stacklevel=2,
-        )
-    if args.method is not None:
-        check_one_kind(args)
-        args.mixup_type = args.mixup_type or args.method_mix or 'cutmix'
-        args.method_mix = None
 
 
 def check_numbers(args: argparse.Namespace) -> None:

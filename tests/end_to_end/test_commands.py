@@ -90,12 +90,36 @@ def test_the_help_is_the_parser_the_command_runs_with(helps):
 
 
 def test_the_console_scripts_are_the_front_doors(run_env):
-    """The installed entry points of the five heavy commands are :mod:`tokenaug.commands`, and the installed
-    scripts answer ``--help``."""
+    """Every installed console script of tokenaug is a function of :mod:`tokenaug.commands` (the six heavy
+    commands and the four light ones), and the installed scripts answer ``--help``."""
     scripts = {e.name: e.value for e in entry_points(group='console_scripts') if e.name.startswith('tokenaug-')}
-    for name in HELPS:
-        assert scripts[f'tokenaug-{name}'] == f'tokenaug.commands:{name}'
+    names = [*HELPS, 'data', 'config', 'mim', 'mmcv_wheel']
+    assert sorted(scripts) == sorted(f'tokenaug-{n.replace("_", "-")}' for n in names)
+    for name in names:
+        assert scripts[f'tokenaug-{name.replace("_", "-")}'] == f'tokenaug.commands:{name}'
         assert callable(getattr(commands, name))
     assert (VENV_BIN / 'tokenaug-maps').is_file()
     res = subprocess.run(['tokenaug-maps', 'generate', '--help'], capture_output=True, text=True, env=run_env)
     assert res.returncode == 0 and res.stdout.startswith('usage: tokenaug-maps generate'), res.stderr
+
+
+def test_import_tokenaug_gives_the_timm_api_lazily():
+    """``import tokenaug`` imports none of the heavy libraries; ``tokenaug.TLAlign`` and the rest of
+    :data:`tokenaug.API` are :mod:`timm_plugin`'s own objects, imported on first use; the list is timm_plugin's
+    public names (it cannot drift)."""
+    code = (
+        'import json, sys; import tokenaug; before = sorted(m for m in sys.modules if m.split(".")[0] in '
+        f'{list(HEAVY)!r}); import timm_plugin; same = all(getattr(tokenaug, n) is getattr(timm_plugin, n) for n in '
+        'tokenaug.API); print(json.dumps(dict(before=before, same=same, api=list(tokenaug.API), '
+        'timm=[n for n in timm_plugin.__all__ if n != "__version__"], dir="TLAlign" in dir(tokenaug))))'
+    )
+    env = dict(os.environ, PYTHONPATH=f'{REPO}{os.pathsep}{os.environ.get("PYTHONPATH", "")}')
+    res = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert got['before'] == [] and got['same'] and got['dir']
+    assert sorted(got['api']) == sorted(got['timm'])
+    import tokenaug
+
+    with pytest.raises(AttributeError, match="has no attribute 'TLAlignn'"):
+        tokenaug.TLAlignn  # noqa: B018

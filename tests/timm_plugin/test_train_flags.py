@@ -262,34 +262,30 @@ def test_each_yaml_says_which_of_its_keys_timms_train_py_would_ignore():
 
 def _spellings():
     """Every spelling of a method over a kind, with the canonical one it must equal: ``--mixup-type METHOD``
-    (the promised spelling, the method over ``cutmix``), ``--method METHOD [--mixup-type KIND]``, the former
-    ``--method-mix KIND`` (warns), on the command line and from YAML."""
+    (the promised spelling, the method over ``cutmix``) and ``--method METHOD [--mixup-type KIND]``, on the command
+    line and from YAML."""
     from shared_core.samplers import MIX_KINDS
 
     for method in ('tl_align', 'transmix'):
         canonical = ['--method', method, '--mixup-type', 'cutmix']
-        yield ['--mixup-type', method], {'mixup_type': method}, canonical, False
-        yield ['--method', method], {'method': method}, canonical, False
-        yield ['--method', method, '--mixup-type', method], {'method': method, 'mixup_type': method}, canonical, False
+        yield ['--mixup-type', method], {'mixup_type': method}, canonical
+        yield ['--method', method], {'method': method}, canonical
+        yield ['--method', method, '--mixup-type', method], {'method': method, 'mixup_type': method}, canonical
         for kind in MIX_KINDS:
             canonical = ['--method', method, '--mixup-type', kind]
-            yield canonical, {'method': method, 'mixup_type': kind}, canonical, False
-            former = {'mixup_type': method, 'method_mix': kind}
-            yield ['--mixup-type', method, '--method-mix', kind], former, canonical, True
-            yield ['--method', method, '--method-mix', kind], {'method': method, 'method_mix': kind}, canonical, True
+            yield canonical, {'method': method, 'mixup_type': kind}, canonical
     for kind in ('mixup', 'cutmix', 'token_box', 'tokenmix', 'mixtoken'):
-        yield ['--mixup-type', kind], {'mixup_type': kind}, ['--mixup-type', kind], False
+        yield ['--mixup-type', kind], {'mixup_type': kind}, ['--mixup-type', kind]
 
 
 @pytest.mark.parametrize(
-    'argv, yaml_cfg, canonical, warns', [pytest.param(*case, id=' '.join(case[0])) for case in _spellings()]
+    'argv, yaml_cfg, canonical', [pytest.param(*case, id=' '.join(case[0])) for case in _spellings()]
 )
-def test_every_spelling_parses_to_its_canonical_arguments(tmp_path, argv, yaml_cfg, canonical, warns):
+def test_every_spelling_parses_to_its_canonical_arguments(tmp_path, argv, yaml_cfg, canonical):
     """``--mixup-type tl_align`` / ``transmix`` (the promised spelling) parse and resolve (``resolve_flags``, as
     ``build_training`` does) with no warning at all, from the command line and from YAML, into the method over
     ``cutmix``; every spelling resolves to exactly the arguments of its canonical ``--method METHOD --mixup-type
-    KIND`` (the whole namespace, not only the two fields); the former ``--method-mix`` still parses and warns with
-    its replacement."""
+    KIND`` (the whole namespace, not only the two fields)."""
     import warnings
 
     def resolved(argv):  # the arguments as the recipe reads them (build_training resolves them first)
@@ -308,27 +304,19 @@ def test_every_spelling_parses_to_its_canonical_arguments(tmp_path, argv, yaml_c
             got = resolved(args)
         got['config'] = ''
         assert got == want, args
-        if warns:
-            assert [str(w.message) for w in caught] == [
-                f'--method-mix is deprecated: use --method {want["method"]} --mixup-type {want["mixup_type"]} '
-                '(--mixup-type names the mixing kind under --method)'
-            ]
-        else:
-            assert not caught, [str(w.message) for w in caught]
+        assert not caught, [str(w.message) for w in caught]
 
 
 def test_contradictory_spellings_are_refused_by_name():
     with pytest.raises(ValueError, match='--mixup-type tl_align: a method, and --method transmix names one too'):
         resolve_flags(parse_args(['--mixup-type', 'tl_align', '--method', 'transmix']))
-    with pytest.raises(ValueError, match='two mixing kinds under --method tl_align'):
-        resolve_flags(parse_args(['--method', 'tl_align', '--mixup-type', 'mixup', '--method-mix', 'cutmix']))
-    with pytest.raises(ValueError, match='--method-mix cutmix: it names the mixing kind under a --method'):
-        resolve_flags(parse_args(['--method-mix', 'cutmix']))
+    with pytest.raises(SystemExit):  # --method-mix (0.1.0's kind under a method, deprecated since) is gone
+        parse_args(['--method', 'tl_align', '--method-mix', 'cutmix'])
 
 
 def test_help_lists_the_methods_among_the_mixing_kinds(capsys):
     """``tokenaug-train --help``: ``tl_align`` and ``transmix`` among ``--mixup-type``'s choices, each choice with
-    one line on what it does; the former ``--method-mix`` is not shown."""
+    one line on what it does."""
     with pytest.raises(SystemExit):
         parse_args(['--help'])
     text = capsys.readouterr().out

@@ -1,7 +1,7 @@
 """timm ``train.py``'s arguments, vendored: every flag with timm's default and help text.
 
 The argument definitions of timm's ``train.py`` (huggingface/pytorch-image-models, Apache-2.0, Ross Wightman),
-taken verbatim from the newest stored ``train.py`` (aa4b5850, timm 1.0.29.dev0), plus the flags timm 1.0.31's own
+taken verbatim from its ``train.py`` at commit aa4b5850 (timm 1.0.29.dev0), plus the flags timm 1.0.31's own
 tests drive (``--stop-epoch``, ``--save-epochs``, ``--resume auto``, ``--pretrained-cfg-overlay``, ``--task``,
 ``--lr-decay-fn``, ``--lr-stable-timescale``). ``tests/timm_plugin/test_train_flags.py`` diffs the parser against the flag
 table ``tests/data/timm_train_flags.json``. tokenaug's own flags and checks: :mod:`tokenaug.train_args`.
