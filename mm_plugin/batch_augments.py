@@ -9,8 +9,9 @@ Each class is registered in mmpretrain's ``BATCH_AUGMENTS`` and works two ways:
 - with :class:`mm_plugin.TokenAugDataPreprocessor`: the same call, and the preprocessor reads the mix it
   kept (``aug.last_mix``) and puts it on the data samples, where token-aware heads read it.
 
-The mixing itself (λ, boxes, masks, images, targets) lives in :mod:`shared_core.mixing`; these
-classes only translate config keys. As in timm, sample ``i`` is paired with ``B - 1 - i`` (the
+The mixing itself (λ, boxes, masks, images, targets) lives in the core (:mod:`shared_core.mix`,
+:mod:`shared_core.samplers`; one import for users: :mod:`shared_core.mixing`); these classes only translate
+config keys. As in timm, sample ``i`` is paired with ``B - 1 - i`` (the
 dataloader shuffles, so this is a random pairing) and λ is the share of the sample's own image.
 
 A bad argument (at build, or scores that are not ``(N, num_classes)``) raises

@@ -56,7 +56,8 @@ from shared_core.label_maps import (
     crop_box,
     normalised_affine,
 )
-from shared_core.map_store import LabelMapStore, MissingLabelMapError
+from shared_core.map_format import MissingLabelMapError
+from shared_core.map_store import LabelMapStore
 
 __all__ = [
     'GEOMETRIC',

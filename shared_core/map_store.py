@@ -54,9 +54,11 @@ over the other ``C - k`` classes (that is the consumer's job, not this module's)
 
 Public API: :class:`MapWriter` (``create``, ``resume``, ``write``, ``missing``, ``finalize``),
 :class:`LabelMapStore` (``open``, ``row``, ``lookup``, ``index_of``), :func:`read_store_paths`,
-:func:`remove_store`; from :mod:`shared_core.map_format` (and importable from here): :func:`normalize_path`,
-:func:`index_dtype`, :func:`new_meta`, :func:`compatibility_diff`, the errors :class:`LabelMapError`,
-:class:`IncompleteStoreError`, :class:`MissingLabelMapError` and the format's constants; the path index
+:func:`remove_store`. The format's names live in :mod:`shared_core.map_format` (import them from there):
+:func:`~shared_core.map_format.normalize_path`, :func:`~shared_core.map_format.index_dtype`,
+:func:`~shared_core.map_format.new_meta`, :func:`~shared_core.map_format.compatibility_diff`, the errors
+:class:`~shared_core.map_format.LabelMapError`, :class:`~shared_core.map_format.IncompleteStoreError`,
+:class:`~shared_core.map_format.MissingLabelMapError` and the format's constants; the path index
 :class:`~shared_core.map_paths.PathIndex`; a store's status and the merge of shards:
 :mod:`shared_core.map_status` (:func:`~shared_core.map_status.store_status`,
 :func:`~shared_core.map_status.merge_stores`).
@@ -74,19 +76,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from shared_core.map_format import (
-    CENTER_SQUARE,
     DONE_FILE,
-    FORMAT,
     INDICES_FILE,
     META_FILE,
     PATHS_FILE,
     REGION,
-    REGIONS,
     STORE_FILES,
     VALUES_DTYPE,
     VALUES_FILE,
-    VERSION,
-    VOLATILE_META_KEYS,
     IncompleteStoreError,
     LabelMapError,
     MissingLabelMapError,
@@ -101,36 +98,14 @@ from shared_core.map_format import (
     _unallocated,
     _write_json_atomic,
     _write_paths,
-    compatibility_diff,
     disk_writes,
-    index_dtype,
     new_meta,
     normalize_path,
     store_bytes,
 )
 from shared_core.map_paths import PATH_INDEX_FILE, PATH_OFFSETS_FILE, PathIndex
 
-__all__ = [
-    'FORMAT',
-    'VERSION',
-    'CENTER_SQUARE',
-    'REGION',
-    'REGIONS',
-    'STORE_FILES',
-    'VOLATILE_META_KEYS',
-    'LabelMapError',
-    'IncompleteStoreError',
-    'MissingLabelMapError',
-    'normalize_path',
-    'index_dtype',
-    'MapWriter',
-    'LabelMapStore',
-    'remove_store',
-    'compatibility_diff',
-    'new_meta',
-    'read_store_paths',
-    'PathIndex',
-]
+__all__ = ['MapWriter', 'LabelMapStore', 'read_store_paths', 'remove_store']
 
 
 # ------------------------------------------------------------------------------------------ writer

@@ -1,5 +1,5 @@
-"""The public mixing API in one import, the one users and the adapters' batch augments import (a facade; each part
-lives in its own module, whose layout may change):
+"""The public mixing API in one import, for users (a facade: tokenaug's own modules import each part from its
+module, whose layout may change):
 
 - :mod:`shared_core.mix` — the :class:`Mix` description, input checks, applying a mix (images, tokens,
   targets, :func:`mix_rows`);

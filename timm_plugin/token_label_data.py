@@ -51,7 +51,7 @@ from shared_core.label_maps import (
     register_center_square,
     token_targets_sparse,
 )
-from shared_core.map_store import CENTER_SQUARE, MissingLabelMapError
+from shared_core.map_format import CENTER_SQUARE, MissingLabelMapError
 from shared_core.mix import check_labels
 from shared_core.options import AA_ORDERS, GEOMETRIC_AA, MAP_REGIONS
 

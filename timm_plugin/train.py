@@ -48,7 +48,7 @@ from shared_core.checkpoint_io import (
     remove_stale_temporaries,
     save_checkpoint_file,
 )
-from shared_core.map_store import MissingLabelMapError
+from shared_core.map_format import MissingLabelMapError
 from shared_core.mix import check_labels
 from tokenaug.train_args import check_numbers, check_supported, parse_args
 

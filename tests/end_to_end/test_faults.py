@@ -660,7 +660,7 @@ def test_maps_info_opens_the_arrays_as_training_does(damage, tmp_path, capsys):
 
 
 def test_maps_resume_of_a_random_annotator_is_refused(tmp_path):
-    from shared_core.map_store import LabelMapError
+    from shared_core.map_format import LabelMapError
     from timm_plugin.tools import maps_cli
 
     args = maps_cli.parse_args(

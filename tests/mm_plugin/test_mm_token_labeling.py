@@ -17,7 +17,8 @@ from PIL import Image
 import mm_plugin  # noqa: F401
 from mm_plugin.token_label_transforms import GEOMETRIC_RAND_POLICIES, TokenLabelRandAugment
 from mm_plugin.token_labeling import TokenLabelingHead
-from shared_core.map_store import LabelMapStore, MissingLabelMapError
+from shared_core.map_format import MissingLabelMapError
+from shared_core.map_store import LabelMapStore
 from timm_plugin.token_label_data import TokenLabelTarget
 from timm_plugin.token_labeling import TokenLabelingLoss, TokenLabelingOutput
 

@@ -11,16 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared_core import map_format as F
 from shared_core import map_paths, map_status
 from shared_core import map_store as M
-from shared_core.map_store import (
-    IncompleteStoreError,
-    LabelMapError,
-    LabelMapStore,
-    MapWriter,
-    MissingLabelMapError,
-    normalize_path,
-)
+from shared_core.map_format import IncompleteStoreError, LabelMapError, MissingLabelMapError, normalize_path
+from shared_core.map_store import LabelMapStore, MapWriter
 
 PATHS = [f'{c:02d}_class/{i:06d}.jpg' for c in range(3) for i in range(4)]  # 12 images
 
@@ -81,7 +76,7 @@ def test_round_trip_values_indices_dtypes(tmp_path):
 
 def test_more_than_65535_classes_use_int32(tmp_path):
     c = 70_000
-    assert M.index_dtype(65536) == np.uint16 and M.index_dtype(65537) == np.int32
+    assert F.index_dtype(65536) == np.uint16 and F.index_dtype(65537) == np.int32
     values, indices = _random_rows(len(PATHS), num_classes=c)
     indices[0, 0, 0, 0] = c - 1  # the largest class survives
     with _create(tmp_path / 's', num_classes=c) as w:

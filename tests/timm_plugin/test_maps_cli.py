@@ -19,8 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from shared_core.map_format import LabelMapError
 from shared_core.map_status import store_status
-from shared_core.map_store import LabelMapError, LabelMapStore
+from shared_core.map_store import LabelMapStore
 from timm_plugin import annotator
 from timm_plugin.tools import maps_cli as maps
 

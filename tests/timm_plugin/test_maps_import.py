@@ -175,7 +175,7 @@ def test_the_logit_pooled_class_target_at_imagenet_scale():
 
 
 def test_a_missing_or_malformed_file_names_the_image_and_nothing_partial_is_readable(tiny_world, tmp_path, capsys):
-    from shared_core.map_store import IncompleteStoreError
+    from shared_core.map_format import IncompleteStoreError
 
     data = tiny_world / 'imagenet'
     public_label_files(data, tmp_path / 'labels')
@@ -235,7 +235,7 @@ def test_the_store_records_the_centre_square_and_training_registers_it_on_reques
     square (each sample's crop, flip and ops become a chain after the registration, ``register_center_square``)."""
     from timm.data import create_dataset, create_transform
 
-    from shared_core.map_store import CENTER_SQUARE
+    from shared_core.map_format import CENTER_SQUARE
     from timm_plugin.token_label_data import TokenLabelDataset
 
     data, _, store, _ = imported

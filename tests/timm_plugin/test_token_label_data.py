@@ -15,7 +15,8 @@ from timm.data import create_dataset, create_loader
 from timm.data.auto_augment import AugmentOp, AutoAugment, RandAugment, auto_augment_transform, rand_augment_transform
 from torchvision import transforms as T
 
-from shared_core.map_store import LabelMapStore, MissingLabelMapError
+from shared_core.map_format import MissingLabelMapError
+from shared_core.map_store import LabelMapStore
 from timm_plugin.token_label_data import (
     GEOMETRIC_RAND_OPS,
     TokenLabelCollate,

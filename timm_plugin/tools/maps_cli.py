@@ -60,19 +60,17 @@ from torch.utils.data import Dataset
 
 from shared_core.checkpoint_io import CheckpointError, load_checkpoint_file
 from shared_core.label_maps import rows_from_topk_logits
-from shared_core.map_format import DISK_ERRNOS
-from shared_core.map_status import merge_stores, store_status
-from shared_core.map_store import (
+from shared_core.map_format import (
     CENTER_SQUARE,
+    DISK_ERRNOS,
     VOLATILE_META_KEYS,
     LabelMapError,
-    MapWriter,
     compatibility_diff,
     new_meta,
     normalize_path,
-    read_store_paths,
-    remove_store,
 )
+from shared_core.map_status import merge_stores, store_status
+from shared_core.map_store import MapWriter, read_store_paths, remove_store
 from shared_core.options import IMPORT_SOURCES
 from shared_core.tools.maps_info import info, print_info, shard_dirs
 from tokenaug.tool_args import maps_parser
