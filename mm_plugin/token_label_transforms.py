@@ -24,7 +24,7 @@ device (:func:`shared_core.label_maps.token_targets_sparse`, one batched call)::
 - :class:`TokenLabelRandAugment` is mmpretrain's ``RandAugment`` whose geometric policies (``Rotate``,
   ``Shear``, ``Translate``) record the affine they applied in ``results['token_affines']``
   (``geometric='follow'``, the default and the public code's behaviour: the labels follow them, fill
-  outside the image a uniform label); ``geometric='drop'`` removes them instead (our earlier default). It
+  outside the image a uniform label); ``geometric='drop'`` removes them instead. It
   must come after ``RandomFlip``, before or after the crop. The stock ``RandAugment`` / ``AutoAugment`` must not
   be used with token labels (a pipeline cannot see what they did);
 - :class:`PackTokenLabelInputs` is ``PackInputs`` that also packs ``token_label_values``,

@@ -3,7 +3,8 @@ active for one forward and record, while a watched module runs, its one ``scaled
 (:class:`SdpaCapture`: ``q`` and ``k`` as the kernel saw them, the bias or mask, the scale) or its one softmax
 (:class:`SoftmaxCapture`: the attention probabilities of a model that computes them itself). The label rules then
 need no copy of the model's attention code: RoPE, relative position terms and biases are in what is recorded.
-Framework-free: the timm and mm tracers use both."""
+Framework-free: timm's tracers use both (EVA, BEiT, MetaFormer, Hiera, Twins: :class:`SdpaCapture`; MViTv2:
+:class:`SoftmaxCapture`), mm's softmax ViTs (EVA-02, BEiT) :class:`SoftmaxCapture`."""
 
 from __future__ import annotations
 

@@ -20,18 +20,14 @@ the token path's own attention call as extra value columns (one fused attention 
 device; ``fused=False`` materialises the attention once for both; ``TLAlign(model, shared=False)`` keeps the
 recomputing path described above).
 
-Supported: timm ``VisionTransformer`` (ViT / DeiT, class token or ``global_pool='avg'``, register
-tokens), ``VisionTransformerDistilled`` (DeiT distilled), ``SwinTransformer`` (shifted windows,
-patch merging, average pooling), ``Cait`` (talking-heads self-attention over the patches, then class
-attention) and ``PyramidVisionTransformerV2`` (overlapping patch embeddings, spatial-reduction
-attention, average pooling), ``MlpMixer`` (MLP-Mixer, ResMLP, gMLP), ``ConvNeXt`` and ``ResNet`` (TL-Align
-Appendix A's rules beyond ViTs); see :class:`CaitTracer`, :class:`PvtV2Tracer`, :class:`MlpMixerTracer`,
-:class:`ConvNeXtTracer` and :class:`ResNetTracer` for their rules.
-Others raise an error listing these.
+Supported: the model classes of :data:`SUPPORTED_MODELS`, each with its tracer, whose docstring gives its rules;
+``docs/methods/tl_align_zoo.md`` lists every timm family with its status. Families whose token mixer no rule
+covers are refused with the reason (``NO_RULE``); other models raise an error listing the supported classes.
 
 This package: the wrappers and the model -> tracer table here; the tracers by model family in :mod:`.vit` (ViT,
-DeiT, CaiT, CCT), :mod:`.hierarchical` (Swin, PVT v2), :mod:`.mlp_mixer` and :mod:`.cnn` (ConvNeXt, ResNet), the
-parts they share in :mod:`._blocks`.
+DeiT, CaiT, CCT), :mod:`.hierarchical` (Swin, PVT v2), :mod:`.sdpa` (EVA, BEiT), :mod:`.metaformer`
+(PoolFormer, ConvFormer, CAFormer), :mod:`.hiera`, :mod:`.twins`, :mod:`.mvitv2`, :mod:`.mlp_mixer` and
+:mod:`.cnn` (ConvNeXt, ResNet), the parts they share in :mod:`._blocks`.
 """
 
 from __future__ import annotations
