@@ -26,6 +26,7 @@ from common import OpCounter, interleaved_times, pair_ratios
 from timm.loss import SoftTargetCrossEntropy
 
 import shared_core.label_attention as label_attention
+from shared_core.label_maps import CropMaps
 from shared_core.token_labeling import token_labeling_loss
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign, TransMix
@@ -115,13 +116,15 @@ def make_steps(model_name: str, x, y, xm, target, num_classes: int, **kwargs):
 def token_label_target(y: torch.Tensor, num_classes: int, k: int = 5) -> TokenLabelTarget:
     """Sparse token-label rows (``k`` of 14x14) as the map store gives them."""
     B = y.shape[0]
-    return TokenLabelTarget.wrap(
+    return TokenLabelTarget.of(
         y,
-        torch.rand(B, k, 14, 14).softmax(1).half(),
-        torch.randint(0, num_classes, (B, k, 14, 14)),
-        torch.tensor([[0.1, 0.1, 0.9, 0.9]]).repeat(B, 1),
-        torch.zeros(B, dtype=torch.bool),
-        num_classes,
+        CropMaps(
+            torch.rand(B, k, 14, 14).softmax(1).half(),
+            torch.randint(0, num_classes, (B, k, 14, 14)),
+            num_classes,
+            torch.tensor([[0.1, 0.1, 0.9, 0.9]]).repeat(B, 1),
+            torch.zeros(B, dtype=torch.bool),
+        ),
     )
 
 

@@ -143,8 +143,8 @@ def main():
         sync = device_sync(args.device)
         moved = (
             0
-            if target.affines is None
-            else int((target.affines != torch.eye(3)[:2].to(dev)).any(-1).any(-1).any(-1).sum())
+            if target.maps.affines is None
+            else int((target.maps.affines != torch.eye(3)[:2].to(dev)).any(-1).any(-1).any(-1).sum())
         )
         t_build = {}
         geometry = {'crop only': replace(target.maps, affines=None, extent=None), 'with affines': target.maps}

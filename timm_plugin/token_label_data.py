@@ -11,7 +11,7 @@ dataset; the dataset splits it into the geometry it must record and the rest:
   and each records the affine it applied (``geometric_aa='follow'``, the default and the public code's
   behaviour): the targets follow the image through them (:mod:`shared_core.label_maps`, fill outside
   the image a uniform label). AutoAugment policies record theirs the same way. ``geometric_aa='drop'``
-  removes these ops instead (our earlier default; AutoAugment is then refused). AugMix (blends of
+  removes these ops instead (AutoAugment is then refused). AugMix (blends of
   several chains) is refused, as are vertical flips and other crop modes;
 - everything after (colour jitter, RandAugment's other ops, to-tensor, normalise, random erasing) as built.
 
@@ -29,7 +29,6 @@ device in one batched call, kept sparse (:func:`shared_core.label_maps.token_tar
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -80,24 +79,10 @@ GEOMETRIC_RAND_OPS = ('Rotate', 'ShearX', 'ShearY', 'TranslateX', 'TranslateY', 
 class TokenLabelTarget(CarrierTensor):
     """The class indices ``(B,)`` of a batch carrying its label maps as ``.maps``, a
     :class:`~shared_core.label_maps.CropMaps` (the map rows, the crops, the flips, the geometric ops after them and,
-    where the collate built them, the sparse token targets); its fields read through as ``.values``, ``.crops``,
-    ... See :class:`~timm_plugin.carrier.CarrierTensor`."""
+    where the collate built them, the sparse token targets): ``target.maps.crops``, ... (a tensor's own
+    ``.values`` and ``.indices`` stay the tensor's). See :class:`~timm_plugin.carrier.CarrierTensor`."""
 
     _carried = ('maps',)
-
-    @staticmethod
-    def wrap(
-        labels: torch.Tensor,
-        values: torch.Tensor,
-        indices: torch.Tensor,
-        crops: torch.Tensor,
-        flips: torch.Tensor,
-        num_classes: int,
-        affines: Optional[torch.Tensor] = None,
-        extent: Optional[Tuple[float, float]] = None,
-    ) -> 'TokenLabelTarget':
-        """``labels`` carrying the maps these fields make (:class:`~shared_core.label_maps.CropMaps`)."""
-        return TokenLabelTarget.of(labels, CropMaps(values, indices, num_classes, crops, flips, affines, extent))
 
     @staticmethod
     def of(labels: torch.Tensor, maps: CropMaps) -> 'TokenLabelTarget':
@@ -120,14 +105,6 @@ class TokenLabelTarget(CarrierTensor):
     def crop_targets(self, smoothing: float = 0.0) -> torch.Tensor:
         """``(B, C)`` the annotator's pooled label over each crop (ReLabel)."""
         return crop_targets(self.maps, smoothing)
-
-
-def _read_through(name: str) -> property:
-    return property(lambda self: getattr(self.maps, name), doc=f'``.maps.{name}``')
-
-
-for _field in dataclasses.fields(CropMaps):  # (properties: a Tensor's own .values / .indices must not answer)
-    setattr(TokenLabelTarget, _field.name, _read_through(_field.name))
 
 
 def pil_op_affine(name: str, size: Tuple[int, int], args: tuple) -> np.ndarray:

@@ -17,12 +17,14 @@ from PIL import Image
 import mm_plugin  # noqa: F401
 from mm_plugin.token_label_transforms import GEOMETRIC_RAND_POLICIES, TokenLabelRandAugment
 from mm_plugin.token_labeling import TokenLabelingHead
+from shared_core.label_maps import CropMaps
 from shared_core.map_format import MissingLabelMapError
 from shared_core.map_store import LabelMapStore
 from timm_plugin.token_label_data import TokenLabelTarget
 from timm_plugin.token_labeling import TokenLabelingLoss, TokenLabelingOutput
 
-from ..helpers import COLOURS, mmpretrain_train, quadrant_image, write_store  # quadrant_data: conftest.py
+from ..helpers.data import COLOURS, quadrant_image, write_store
+from ..helpers.processes import mmpretrain_train  # quadrant_data: conftest.py
 
 C = 5
 
@@ -297,7 +299,7 @@ def test_loss_equals_timm_token_labeling_loss(cls_target, backbone):
     losses = model.head.loss(feats, samples, mix=mix, grid=grid)
     assert set(losses) == {'loss_cls', 'loss_token'}
     cls, aux = model.head.logits(feats, mix)
-    target = TokenLabelTarget.wrap(labels, torch.from_numpy(values), torch.from_numpy(indices), crops, flips, C)
+    target = TokenLabelTarget.of(labels, CropMaps(torch.from_numpy(values), torch.from_numpy(indices), C, crops, flips))
     ref = TokenLabelingLoss(C, dense_weight=0.5, cls_target=cls_target, cls_target_mix=0.3, smoothing=0.1)(
         TokenLabelingOutput(cls, aux, mix, grid), target
     )
@@ -350,7 +352,7 @@ def test_timm_cnn_and_mixer_backbones_match_the_timm_wrapper(family):
     torch.testing.assert_close(aux, out.aux, atol=1e-5, rtol=1e-4)
     labels, values, indices, crops, flips = batch()
     losses = model.head.loss(feats, packed_samples(labels, values, indices, crops, flips), mix=mix, grid=grid)
-    target = TokenLabelTarget.wrap(labels, torch.from_numpy(values), torch.from_numpy(indices), crops, flips, C)
+    target = TokenLabelTarget.of(labels, CropMaps(torch.from_numpy(values), torch.from_numpy(indices), C, crops, flips))
     ref = TokenLabelingLoss(C, dense_weight=0.5, smoothing=0.1)(out, target)
     torch.testing.assert_close(losses['loss_cls'] + losses['loss_token'], ref, atol=1e-5, rtol=1e-4)
     model.eval()
@@ -368,7 +370,7 @@ def test_relabel_is_the_annotators_pooled_class_target_without_dense_term():
     losses = model.head.loss(feats, packed_samples(labels, values, indices, crops, flips), mix=mix, grid=grid)
     assert set(losses) == {'loss_cls'}
     cls, _ = model.head.logits(feats)
-    target = TokenLabelTarget.wrap(labels, torch.from_numpy(values), torch.from_numpy(indices), crops, flips, C)
+    target = TokenLabelTarget.of(labels, CropMaps(torch.from_numpy(values), torch.from_numpy(indices), C, crops, flips))
     ref = TokenLabelingLoss(C, dense_weight=0.0, cls_target='annotator', smoothing=0.1)(
         TokenLabelingOutput(cls, None, mix, grid), target
     )

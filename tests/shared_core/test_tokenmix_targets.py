@@ -125,8 +125,8 @@ def test_the_mixer_uses_the_maps_and_refuses_plain_labels():
     B, C = 4, 6
     val, idx = random_rows(B, C)
     y = torch.tensor([0, 1, 2, 3])
-    target = TokenLabelTarget.wrap(
-        y, val, idx, torch.tensor([[0.0, 0.0, 1.0, 1.0]] * B), torch.zeros(B, dtype=torch.bool), C
+    target = TokenLabelTarget.of(
+        y, CropMaps(val, idx, C, torch.tensor([[0.0, 0.0, 1.0, 1.0]] * B), torch.zeros(B, dtype=torch.bool))
     )
     mixer = create_mixer(
         'tokenmix_block',

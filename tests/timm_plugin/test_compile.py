@@ -13,6 +13,7 @@ import torch
 from timm.loss import SoftTargetCrossEntropy
 from torch._dynamo.utils import counters
 
+from shared_core.label_maps import CropMaps
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign, TransMix
 from timm_plugin.token_label_data import TokenLabelTarget
@@ -126,13 +127,15 @@ def test_token_labeling_on_a_compiled_model():
     graphs = []
     for i in range(3):
         x, y = torch.randn(4, 3, 64, 64, generator=g), torch.randint(0, C, (4,), generator=g)
-        target = TokenLabelTarget.wrap(
+        target = TokenLabelTarget.of(
             y,
-            torch.rand(4, 3, 4, 4, generator=g).softmax(1).half(),
-            torch.randint(0, C, (4, 3, 4, 4), generator=g),
-            torch.tensor([[0.1, 0.0, 0.9, 1.0]]).repeat(4, 1),
-            torch.tensor([False, True, False, True]),
-            C,
+            CropMaps(
+                torch.rand(4, 3, 4, 4, generator=g).softmax(1).half(),
+                torch.randint(0, C, (4, 3, 4, 4), generator=g),
+                C,
+                torch.tensor([[0.1, 0.0, 0.9, 1.0]]).repeat(4, 1),
+                torch.tensor([False, True, False, True]),
+            ),
         )
         # the same MixToken box for both runs: two wrappers with equally seeded generators
         eager_w = TokenLabeling(model, generator=torch.Generator().manual_seed(i))

@@ -9,7 +9,7 @@ from timm.loss import SoftTargetCrossEntropy
 from timm.task import ClassificationTask, TrainingTask
 
 import timm_plugin  # noqa: F401  (registers lvvit_*)
-from shared_core.label_maps import dense_maps
+from shared_core.label_maps import CropMaps, dense_maps
 from timm_plugin import (
     MixTarget,
     TLAlign,
@@ -119,7 +119,7 @@ def label_maps_target(y, seed=0):
     probs = torch.rand(B, C, 4, 4, generator=g).softmax(1)
     values, indices = probs.topk(2, dim=1)
     boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0]] * B)
-    return TokenLabelTarget.wrap(y, values.half(), indices, boxes, torch.zeros(B, dtype=torch.bool), C)
+    return TokenLabelTarget.of(y, CropMaps(values.half(), indices, C, boxes, torch.zeros(B, dtype=torch.bool)))
 
 
 @pytest.mark.parametrize('name', ['vit', 'lvvit'])
@@ -143,7 +143,7 @@ def test_token_labeling_task_in_a_timm_loop(name):
     assert out.mix is not None and torch.allclose(result['output'], out.cls, atol=1e-5)
     assert torch.allclose(result['loss'], loss_fn(out, target), atol=1e-5)
     # an explicit check of the dense term: un-mixed aux logits against each sample's own dense maps
-    dense = dense_maps(target.values.float(), target.indices, C).flatten(2).transpose(1, 2) * 0.9 + 0.1 / C
+    dense = dense_maps(target.maps.values.float(), target.maps.indices, C).flatten(2).transpose(1, 2) * 0.9 + 0.1 / C
     ce = -(dense * out.aux.log_softmax(-1)).sum(-1).mean()
     cls_t = torch.nn.functional.one_hot(y, C) * 0.9 + 0.1 / C
     lam = out.mix.lam.view(-1, 1)

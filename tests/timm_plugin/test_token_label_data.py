@@ -15,6 +15,7 @@ from timm.data import create_dataset, create_loader
 from timm.data.auto_augment import AugmentOp, AutoAugment, RandAugment, auto_augment_transform, rand_augment_transform
 from torchvision import transforms as T
 
+from shared_core.label_maps import CropMaps
 from shared_core.map_format import MissingLabelMapError
 from shared_core.map_store import LabelMapStore
 from timm_plugin.token_label_data import (
@@ -25,7 +26,7 @@ from timm_plugin.token_label_data import (
     split_train_transform,
 )
 
-from ..helpers import COLOURS, quadrant_image  # quadrant_data: the fixture of conftest.py
+from ..helpers.data import COLOURS, quadrant_image  # quadrant_data: the fixture of conftest.py
 
 FILL = len(COLOURS)  # the class of black pixels: RandAugment's fill (img_mean of mean=0)
 
@@ -70,9 +71,9 @@ def test_token_targets_follow_crops_and_flips_through_timms_loader(quadrant_data
     checked = flipped = 0
     for _ in range(8):
         for x, target in loader(quadrant_data, prefetcher, aa_order=aa_order):
-            assert target.affines is None  # no op: the crop path, in either order
+            assert target.maps.affines is None  # no op: the crop path, in either order
             assert isinstance(target, TokenLabelTarget)
-            flipped += int(target.flips.sum())
+            flipped += int(target.maps.flips.sum())
             t = target.token_targets((4, 4)).dense()  # (B, 16, C)
             torch.testing.assert_close(t.sum(-1), torch.ones_like(t[..., 0]))
             pix = pixel_classes(x.float())  # (B, 64, 64)
@@ -96,10 +97,10 @@ def test_the_collate_builds_the_token_targets_in_the_workers(quadrant_data, pref
     collate = TokenLabelCollate(4, label_stride=16, smoothing=0.1)
     batches, ld = 0, loader(quadrant_data, prefetcher, input_size=(48, 64), collate=collate, workers=2)
     for x, target in ld:
-        assert target.token_grid == (3, 4) and target.token_smoothing == 0.1
+        assert target.maps.token_grid == (3, 4) and target.maps.token_smoothing == 0.1
         built = target.token_targets((3, 4), 0.1)
         for name in ('base', 'cls', 'weight'):
-            assert torch.equal(getattr(target.tokens, name), getattr(built, name)), name
+            assert torch.equal(getattr(target.maps.tokens, name), getattr(built, name)), name
         labels = target.as_tensor()
         y_cls, tokens = token_labeling_targets(labels, 4, 0.1, None, copy.deepcopy(target).maps, (3, 4))
         assert tokens.base.data_ptr() != built.base.data_ptr() and torch.equal(tokens.dense(), built.dense())
@@ -165,8 +166,8 @@ def test_token_targets_follow_each_geometric_op_through_timms_loader(
     for _ in range(10):
         for x, target in ld:
             L = 1 if aa_order == 'timm' else 2  # public: the op, then the crop (crop_after_ops)
-            assert target.affines is not None and target.affines.shape == (len(x), L, 2, 3)
-            assert not torch.allclose(target.affines, torch.eye(3)[:2].expand_as(target.affines))
+            assert target.maps.affines is not None and target.maps.affines.shape == (len(x), L, 2, 3)
+            assert not torch.allclose(target.maps.affines, torch.eye(3)[:2].expand_as(target.maps.affines))
             q, f = check_pure_tokens(x, target, grid)
             quad, fill = quad + q, fill + f
     assert quad > 60, quad
@@ -270,8 +271,11 @@ def test_dropped_ops_would_misalign_the_labels(quadrant_data):
     ld = loader(quadrant_data, False, auto_augment='rand-m9-n1')
     force_op(ld.dataset, 'TranslateXRel')
     x, target = next(iter(ld))
-    crop_only = TokenLabelTarget.wrap(
-        target.as_tensor(), target.values, target.indices, target.crops, target.flips, target.num_classes
+    crop_only = TokenLabelTarget.of(
+        target.as_tensor(),
+        CropMaps(
+            target.maps.values, target.maps.indices, target.maps.num_classes, target.maps.crops, target.maps.flips
+        ),
     )
     with pytest.raises(AssertionError):
         check_pure_tokens(x, crop_only, (4, 4))
@@ -292,7 +296,7 @@ def test_chains_of_two_ops_in_an_autoaugment_policy_follow_too(quadrant_data):
     quad = fill = 0
     for _ in range(10):
         for x, target in ld:
-            assert target.affines.shape == (len(x), 2, 2, 3)
+            assert target.maps.affines.shape == (len(x), 2, 2, 3)
             q, f = check_pure_tokens(x, target, (4, 4))
             quad, fill = quad + q, fill + f
     assert quad > 100 and fill > 0

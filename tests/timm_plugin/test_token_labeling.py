@@ -8,7 +8,7 @@ import timm
 import torch
 import torch.nn.functional as F
 
-from shared_core.label_maps import crop_logit_targets, dense_maps
+from shared_core.label_maps import CropMaps, crop_logit_targets, dense_maps
 from shared_core.mixing import Mix, MixSampler
 from shared_core.token_labeling import mix_dense_targets, token_labeling_loss, unmix_tokens
 from timm_plugin.token_label_data import TokenLabelTarget
@@ -141,7 +141,7 @@ def maps_target(labels, C, B, k=2, h=4, w=4, seed=0, crops=None, flips=None):
     idx = torch.from_numpy(order).permute(0, 3, 1, 2).contiguous()
     crops = torch.tensor([[0.0, 0.0, 1.0, 1.0]] * B) if crops is None else crops
     flips = torch.zeros(B, dtype=torch.bool) if flips is None else flips
-    return TokenLabelTarget.wrap(labels, val, idx, crops, flips, C)
+    return TokenLabelTarget.of(labels, CropMaps(val, idx, C, crops, flips))
 
 
 def test_loss_module_uses_the_maps_targets_and_the_class_target_choice():
@@ -165,7 +165,7 @@ def test_loss_module_uses_the_maps_targets_and_the_class_target_choice():
     # the annotator's label is the mean of its map over the crop (here the whole image), mixed by Eq. 7
     lossf = TokenLabelingLoss(C, dense_weight=0.5, cls_target='annotator', smoothing=0.0)
     y_cls, _ = lossf.targets(out, tgt)
-    pooled = dense_maps(tgt.values, tgt.indices, C).mean((2, 3))
+    pooled = dense_maps(tgt.maps.values, tgt.maps.indices, C).mean((2, 3))
     lam = out.mix.lam.view(-1, 1)
     torch.testing.assert_close(y_cls, lam * pooled + (1 - lam) * pooled[out.mix.partner], atol=1e-5, rtol=0)
     # cls_target_pool='logits': the softmax of the mean logit map (the public code), mixed the same way

@@ -79,16 +79,16 @@ def token_labels(argv) -> Path:
             files = dict(image=f'image{n}_draw{d}.png', targets=f'image{n}_draw{d}_targets.png')
             save_png(imgs[d], out / files['image'])
             save_png(pics[d], out / files['targets'])
-            flip = bool(target.flips[d])
-            moved = target.affines is not None and not torch.allclose(target.affines[d], torch.eye(3)[:2])
+            flip = bool(target.maps.flips[d])
+            moved = target.maps.affines is not None and not torch.allclose(target.maps.affines[d], torch.eye(3)[:2])
             tag = ('flip ' if flip else '') + ('+ geometric op' if moved else '')
             row += [(f'draw {d} {tag}', imgs[d]), ('targets', pics[d])]
             draws.append(
                 dict(
                     files=files,
-                    crop=target.crops[d].tolist(),
+                    crop=target.maps.crops[d].tolist(),
                     flip=flip,
-                    affines=target.affines[d].tolist() if target.affines is not None else [],
+                    affines=target.maps.affines[d].tolist() if target.maps.affines is not None else [],
                     top1=probs[d].argmax(-1).tolist(),
                     confidence=probs[d].max(-1).values.tolist(),
                 )
