@@ -24,7 +24,8 @@ if _workers > 1 and 'OMP_NUM_THREADS' not in os.environ:
 
 from shared_core.tools.world import generate_world  # noqa: E402
 
-from .helpers import REPO, write_quadrant_data  # noqa: E402
+from .helpers import REPO  # noqa: E402
+from .helpers.data import write_quadrant_data  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 

@@ -7,7 +7,7 @@ per page, in that folder.
 A shell snippet whose every line is one plain command (its words only: no operator, redirection, expansion,
 variable or assignment, no shell builtin) runs line by line, stopping at the first that fails, as bash would run it
 under ``set -e``: a ``tokenaug-*`` command by the function its console script calls, in this process (as
-``tests/helpers.py::call_main``: 3-5 s of imports less a command; ``end_to_end/test_commands.py`` checks that the
+``tests/helpers/processes.py::call_main``: 3-5 s of imports less a command; ``end_to_end/test_commands.py`` checks that the
 installed scripts are these functions, and the wheel test runs the install page's first run in bash), any other
 command (``tokenaug-mim``, which starts mim and the upstream tool) in bash. Any other snippet runs whole in bash.
 
@@ -33,7 +33,7 @@ import pytest
 
 from shared_core.tools.world import generate_world
 
-from ..helpers import call_main, run_tool
+from ..helpers.processes import call_main, run_tool
 from ..snippets import REPO, all_snippets
 
 #: the docs lane (make test-docs); make test runs every lane

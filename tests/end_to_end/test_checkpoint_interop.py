@@ -24,7 +24,7 @@ from timm.utils import CheckpointSaver, ModelEmaV3
 
 from ..conftest import REPO, VENV_BIN
 from ..end_to_end.test_faults import train_cmd
-from ..helpers import mmpretrain_train
+from ..helpers.processes import mmpretrain_train
 
 KW = dict(img_size=112, depth=2, num_classes=10)  # tests/end_to_end/test_faults.py's FAST model of the world config
 

@@ -19,7 +19,7 @@ from mm_plugin.convert_cli import convert_checkpoint
 from shared_core.checkpoint_io import CheckpointError, atomic_output, load_checkpoint_file, save_checkpoint_file
 from tokenaug import commands
 
-from ..helpers import call_main
+from ..helpers.processes import call_main
 
 
 def sha(path):
@@ -195,7 +195,7 @@ def test_token_label_samples_carry_the_map_of_the_image_actually_read(tiny_world
     from shared_core.map_store import LabelMapStore
     from timm_plugin.token_label_data import TokenLabelDataset
 
-    from ..helpers import write_store
+    from ..helpers.data import write_store
 
     data = copy_world(tiny_world, tmp_path / 'data')
     paths = sorted(str(p.relative_to(data / 'train')) for p in (data / 'train').rglob('*.jpg'))
@@ -633,7 +633,7 @@ def test_mmdet_refuses_an_mmseg_conversion(tmp_path, monkeypatch, own_scope):
 def small_store(tmp_path, n=4):
     import numpy as np
 
-    from ..helpers import write_store
+    from ..helpers.data import write_store
 
     rng = np.random.default_rng(0)
     values = (rng.dirichlet(np.ones(3), size=(n, 2, 2)).transpose(0, 3, 1, 2) * 0.9).astype(np.float16)

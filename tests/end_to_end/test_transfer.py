@@ -12,7 +12,7 @@ from shared_core.tools.world import generate_world
 from tokenaug import commands
 
 from ..conftest import REPO
-from ..helpers import call_main, upstream_tool
+from ..helpers.processes import call_main, upstream_tool
 
 SEG_TOOLS = Path(mmseg.__file__).parent / '.mim' / 'tools'
 DET_TOOLS = Path(mmdet.__file__).parent / '.mim' / 'tools'

@@ -10,7 +10,7 @@ import mm_plugin  # noqa: F401
 from mm_plugin.convert_cli import _timm_arch, build_backbone, convert_checkpoint
 from tokenaug import commands
 
-from ..helpers import call_main
+from ..helpers.processes import call_main
 
 
 def _loaded(to, model, dst, final_norm=False, **model_kwargs):

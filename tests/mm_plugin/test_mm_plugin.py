@@ -12,7 +12,7 @@ from mm_plugin import TokenAugDataPreprocessor, mix_from_samples
 from shared_core.mixing import mix_images
 
 from ..conftest import REPO
-from ..helpers import mmpretrain_train
+from ..helpers.processes import mmpretrain_train
 
 CONFIGS = REPO / 'configs' / 'mmpretrain'
 

@@ -13,7 +13,7 @@ from shared_core.mixing import MixSampler, mix_images, mix_target, one_hot
 from timm_plugin import MixTarget
 from timm_plugin.tl_align import TLAlign, TransMix
 
-from ..helpers import mmpretrain_train
+from ..helpers.processes import mmpretrain_train
 
 C = 6
 

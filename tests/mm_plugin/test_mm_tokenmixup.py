@@ -14,7 +14,7 @@ from mm_plugin.convert import timm_vit_to_mmpretrain
 from timm_plugin import TokenMixup
 
 from ..conftest import REPO
-from ..helpers import mmpretrain_train
+from ..helpers.processes import mmpretrain_train
 from ..shared_core.test_tokenmixup_core import tie_free
 
 C = 6

@@ -492,7 +492,7 @@ def test_maps_info_prints_a_store_without_importing_torch(tmp_path, run_env):
     commands go on to the annotation tools."""
     import json
 
-    from ..helpers import write_store
+    from ..helpers.data import write_store
 
     paths = [f'c{i % 2}/img{i}.png' for i in range(6)]
     values = np.full((6, 1, 2, 2), 0.5, np.float16)

@@ -15,9 +15,9 @@ from shared_core.tl_align import abs_row_norm, linear_token_mixing
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign, TransMix
 
-from ..helpers import check_compact_equals_dense
 from ..timm_plugin.test_tl_align import C, random_token_labels, sharpen
 from ..timm_plugin.test_tl_align_more import _window_mean
+from .tl_align_checks import check_compact_equals_dense
 
 # the block settings of timm's mixer_*, resmlp_* and gmlp_* entry points, at a tiny size
 ARCHS = {

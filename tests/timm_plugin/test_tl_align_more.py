@@ -13,8 +13,8 @@ from shared_core.tl_align import capture_forward
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign, TransMix
 
-from ..helpers import check_compact_equals_dense
 from ..timm_plugin.test_tl_align import C, random_token_labels
+from .tl_align_checks import check_compact_equals_dense
 
 
 def _sharpen(model, std=0.3):

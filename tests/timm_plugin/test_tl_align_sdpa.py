@@ -188,7 +188,7 @@ def test_tokenaug_train_refuses_every_refused_family_in_the_zoo_pages_words(tiny
     first stage" for five of them); TransMix the same."""
     from tokenaug import commands
 
-    from ..helpers import call_main
+    from ..helpers.processes import call_main
 
     refused = _zoo_refusals()
     assert len(refused) == 13, refused  # the page's count

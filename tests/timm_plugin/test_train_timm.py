@@ -12,7 +12,7 @@ import yaml
 from timm_plugin.train import run
 
 from ..conftest import REPO
-from ..helpers import write_store
+from ..helpers.data import write_store
 
 CONFIG = str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml')
 

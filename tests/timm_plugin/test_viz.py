@@ -187,7 +187,7 @@ def _token_label_agreement(out, grid, stride):
     the picture's colours. Returns (tokens checked, draws flipped, draws moved by a geometric op)."""
     from shared_core.viz import class_from_colour
 
-    from ..helpers import COLOURS
+    from ..helpers.data import COLOURS
 
     meta = json.loads((out / 'meta.json').read_text())
     assert meta['grid'] == list(grid) and meta['geometric_aa'] == 'follow'
@@ -296,7 +296,7 @@ def test_mix_pictures_show_tokenmix_activation_map_targets(quadrant_data, tmp_pa
     teacher map of class c is 1 exactly on quadrant c: each token the image shows whole in one quadrant colour
     has map 1 for its own class's colour and 0 for the others (the map follows the crop and flip), the map
     picture's grey is round(255 · map), and λ' and the target are Eq. 2 recomputed by explicit loops."""
-    from ..helpers import COLOURS
+    from ..helpers.data import COLOURS
 
     out = tmp_path / 'act'
     argv = ['mix', '--data-dir', str(quadrant_data), '--activation-map-dir', str(quadrant_data / 'maps')]

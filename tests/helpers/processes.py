@@ -1,5 +1,6 @@
-"""Helpers shared by the test modules: quadrant images and their label maps, map stores of given rows, and
-running an upstream tool (tools/train.py, tools/test.py, a console script) in a subprocess or in the test's process."""
+"""Running what a user runs: a console command's function in the test's process (:func:`call_main`), an upstream
+OpenMMLab tool as ``__main__`` with what a fresh interpreter has, or in one (:func:`upstream_tool`,
+:func:`mmpretrain_train`), and a subprocess whose failure shows its output (:func:`run_tool`)."""
 
 import contextlib
 import io
@@ -8,61 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-from PIL import Image
-
-from shared_core.map_store import MapWriter
-
-REPO = Path(__file__).resolve().parents[1]
-COLOURS = np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 255]], np.uint8)  # class c -> RGB colour
-
-
-def quadrant_image(h, w, layout):
-    """``layout`` (2x2 classes) painted as four quadrants of an h x w image."""
-    img = np.zeros((h, w, 3), np.uint8)
-    for qi in range(2):
-        for qj in range(2):
-            img[qi * h // 2 : (qi + 1) * h // 2, qj * w // 2 : (qj + 1) * w // 2] = COLOURS[layout[qi][qj]]
-    return img
-
-
-def write_quadrant_data(root):
-    """6 non-square images with different quadrant layouts (ImageFolder layout: root/train/c{0,1}/img{i}.png)
-    and, in root/maps, a store of 8x8 maps of the same layouts. Returns ``root``."""
-    rng = np.random.default_rng(0)
-    paths, layouts = [], []
-    for i in range(6):
-        layout = rng.permutation(4).reshape(2, 2)
-        h, w = (96, 64) if i % 2 else (64, 112)
-        cls_dir = root / 'train' / f'c{i % 2}'
-        cls_dir.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(quadrant_image(h, w, layout)).save(cls_dir / f'img{i}.png')
-        paths.append(f'c{i % 2}/img{i}.png')
-        layouts.append(layout)
-    indices = np.stack([np.kron(layout, np.ones((4, 4), int))[None] for layout in layouts]).astype(np.int64)
-    write_store(
-        root / 'maps',
-        paths,
-        np.ones((len(paths), 1, 8, 8), np.float16),
-        indices,
-        num_classes=4,
-        annotator='quadrants',
-        input_size=(64, 64),
-    )
-    return root
-
-
-def write_store(out, paths, values, indices, num_classes, annotator, input_size):
-    """A complete label-map store at ``out`` whose row r (image ``paths[r]``) is ``values[r]``,
-    ``indices[r]`` ((N, k, h, w) arrays: k and the grid come from their shape)."""
-    _, k, h, w = values.shape
-    writer = MapWriter.create(
-        out, paths, num_classes=num_classes, k=k, grid=(h, w), annotator=annotator, input_size=input_size
-    )
-    writer.write(np.arange(len(paths)), values, indices)
-    writer.finalize()
-    writer.close()
-    return out
+from . import REPO
 
 
 def run_tool(cmd, env, timeout=600, cwd=None):
@@ -202,33 +149,6 @@ def mmpretrain_train(config, work_dir, env, cwd, *args, max_epochs=1, fresh_proc
         cwd,
         fresh_process=fresh_process,
     )
-
-
-def check_compact_equals_dense(model, mixer, x, y, num_classes, smoothing=0.1, seed=5):
-    """TL-Align's training call on a mixed batch (compact partner-share labels) against ``trace`` with the same
-    labels written out densely per token: same logits (same stochastic-depth draws), same aligned target within
-    1e-6, a distribution per row, no gradient. Returns the wrapper, the mixed images and the aligned target."""
-    import torch
-
-    from shared_core.mixing import one_hot
-    from timm_plugin.tl_align import TLAlign
-
-    xm, target = mixer(x, y)
-    wrapped = TLAlign(model)
-    torch.manual_seed(seed)
-    out, aligned = wrapped(xm, target)
-    mix = target.mix
-    s = mix.token_share_flat()[..., None]
-    dense = (1 - s) * one_hot(y, num_classes, smoothing)[:, None] + s * one_hot(y[mix.partner], num_classes, smoothing)[
-        :, None
-    ]
-    torch.manual_seed(seed)
-    out_dense, label = wrapped.trace(xm, dense)
-    assert torch.equal(out, out_dense)
-    assert torch.allclose(aligned, label, atol=1e-6)
-    assert torch.allclose(aligned.sum(1), torch.ones(len(y)), atol=1e-6) and aligned.min() >= 0
-    assert not aligned.requires_grad
-    return wrapped, xm, aligned
 
 
 def call_main(command, argv, capsys):
