@@ -7,8 +7,8 @@ per page, in that folder.
 A shell snippet whose every line is one plain command (its words only: no operator, redirection, expansion,
 variable or assignment, no shell builtin) runs line by line, stopping at the first that fails, as bash would run it
 under ``set -e``: a ``tokenaug-*`` command by the function its console script calls, in this process (as
-``tests/helpers/processes.py::call_main``: 3-5 s of imports less a command; ``end_to_end/test_commands.py`` checks that the
-installed scripts are these functions, and the wheel test runs the install page's first run in bash), any other
+``tests/helpers/processes.py::call_main``: 3-5 s of imports less a command; ``end_to_end/test_commands.py`` checks
+that the installed scripts are these functions, and the wheel test runs the install page's first run in bash), any other
 command (``tokenaug-mim``, which starts mim and the upstream tool) in bash. Any other snippet runs whole in bash.
 
 Pages repeat a command where a reader starting on that page needs it (``tokenaug-train ... --mixup-type tl_align``
