@@ -30,6 +30,11 @@ myst_enable_extensions = ['colon_fence']
 myst_heading_anchors = 3
 
 autosummary_generate = True
+# autosummary writes api/generated/ (ignored by git) and never removes a page: a module that moved or went would
+# keep its stale page, which then fails to import; each build generates the folder afresh
+import shutil  # noqa: E402
+
+shutil.rmtree(Path(__file__).resolve().parent / 'api' / 'generated', ignore_errors=True)
 autosummary_imported_members = False
 # each object documented once, in the module that defines it (a package's facade and __all__ re-exports are not)
 autodoc_default_options = {
