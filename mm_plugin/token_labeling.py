@@ -37,21 +37,19 @@ from mmpretrain.registry import MODELS
 from mmpretrain.structures import DataSample
 
 from shared_core.checks import check_real
-from shared_core.mix import Mix, check_image_size, check_pairwise_batch, mix_images, to_2tuple
-from shared_core.options import CLS_TARGET_POOLS
+from shared_core.mix import Mix, check_image_size, check_pairwise_batch, to_2tuple
 from shared_core.token_labeling import (
     AUX_WEIGHT,
-    CLS_TARGETS,
     HEAD_RULES,
     TokenSwap,
+    TokenTargetSpec,
     check_head_rule,
     draw_mixtoken,
     inference_logits,
-    mix_patch_embed_output,
+    mixtoken_applied,
     mixtoken_sampler,
     soft_cross_entropy,
     token_labeling_targets,
-    token_swap,
     unmix_tokens,
 )
 
@@ -109,11 +107,6 @@ class TokenLabelingHead(BaseModule):
         cls_target_pool: str = 'distributions',
     ):
         super().__init__(init_cfg=init_cfg)
-        if cls_target_pool not in CLS_TARGET_POOLS:
-            raise ValueError(f'cls_target_pool: expected one of {CLS_TARGET_POOLS}, got {cls_target_pool!r}')
-        self.cls_target_pool = cls_target_pool
-        if not isinstance(num_classes, int) or num_classes <= 0:
-            raise ValueError(f'num_classes: expected a positive int, got {num_classes!r}')
         if relabel and dense_weight:
             raise ValueError(f'dense_weight: ReLabel (relabel=True) has no dense term, got {dense_weight}')
         if relabel and cls_target not in (None, 'annotator'):
@@ -122,18 +115,22 @@ class TokenLabelingHead(BaseModule):
         cls_target = ('annotator' if relabel else 'gt') if cls_target is None else cls_target
         head_rule = ('cls+aux' if dense_weight else 'cls') if head_rule is None else head_rule
         dense_weight = check_real(dense_weight, 'dense_weight', lo=0.0)  # NaN would poison the loss
-        if cls_target not in CLS_TARGETS:
-            raise ValueError(f'cls_target: expected one of {CLS_TARGETS}, got {cls_target!r}')
-        if not 0.0 <= cls_target_mix <= 1.0:
-            raise ValueError(f'cls_target_mix: expected a weight in [0, 1], got {cls_target_mix}')
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f'label_smoothing: expected [0, 1), got {label_smoothing}')
+        self.spec = spec = TokenTargetSpec(
+            num_classes,
+            label_smoothing,
+            cls_target,
+            cls_target_mix,
+            cls_target_pool,
+            dense=bool(dense_weight),
+            smoothing_name='label_smoothing',
+        )
         check_head_rule(head_rule)
         if head_rule == 'cls+aux' and not dense_weight:
             raise ValueError("head_rule: 'cls+aux' reads an aux head that dense_weight=0 never trains; use 'cls'")
-        self.num_classes, self.in_channels = num_classes, int(in_channels)
-        self.dense_weight, self.cls_target, self.cls_target_mix = dense_weight, cls_target, float(cls_target_mix)
-        self.label_smoothing, self.relabel, self.head_rule = float(label_smoothing), bool(relabel), head_rule
+        self.num_classes, self.in_channels = spec.num_classes, int(in_channels)
+        self.dense_weight, self.cls_target, self.cls_target_mix = dense_weight, cls_target, spec.cls_target_mix
+        self.cls_target_pool = cls_target_pool
+        self.label_smoothing, self.relabel, self.head_rule = spec.smoothing, bool(relabel), head_rule
         self.num_prefix_tokens = int(num_prefix_tokens)
         self.head = nn.Linear(self.in_channels, num_classes)
         self.aux_head = None if relabel else nn.Linear(self.in_channels, num_classes)
@@ -141,7 +138,7 @@ class TokenLabelingHead(BaseModule):
     @property
     def needs_maps(self) -> bool:
         """Whether the loss reads the label maps (dense term or an annotator class target)."""
-        return bool(self.dense_weight) or self.cls_target != 'gt'
+        return self.spec.needs_maps
 
     def tokens(self, feats: Tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The backbone's last output as ``(B, prefix + N, D)`` tokens; a CNN's ``(B, D, h, w)`` map (``TIMMBackbone``
@@ -195,19 +192,7 @@ class TokenLabelingHead(BaseModule):
         if labels.numel() != len(data_samples):
             raise ValueError('data_samples: token labeling needs exactly one gt_label per sample')
         maps = token_label_batch(data_samples, self.num_classes, device) if self.needs_maps else None
-        return token_labeling_targets(
-            labels,
-            self.num_classes,
-            self.label_smoothing,
-            mix,
-            maps,
-            grid,
-            self.cls_target,
-            self.cls_target_mix,
-            dense=bool(self.dense_weight),
-            name='gt_label',
-            cls_target_pool=self.cls_target_pool,
-        )
+        return token_labeling_targets(labels, self.spec, mix, maps, grid, name='gt_label')
 
     def loss(
         self,
@@ -374,17 +359,10 @@ class TokenLabelingClassifier(ImageClassifier):
         patch-embedding hook and the head's un-mixing."""
         grid = self.token_grid(inputs)
         mix = self.sample_mix(inputs)
-        if mix is None:
-            return self.extract_feat(inputs), None, grid, None
-        swap = token_swap(mix, inputs.device)
-        patch_embed = backbone_tokens(self.backbone)[0]  # not kept as an attribute: it would register twice
-        if patch_embed is None:
-            return self.extract_feat(mix_images(inputs, mix)), mix, grid, swap
-        handle = patch_embed.register_forward_hook(lambda m, i, out: mix_patch_embed_output(out, swap))
-        try:
-            feats = self.extract_feat(inputs)
-        finally:
-            handle.remove()
+        # not kept as an attribute: it would register twice
+        patch_embed = backbone_tokens(self.backbone)[0] if mix is not None else None
+        with mixtoken_applied(inputs, mix, patch_embed) as (images, swap):
+            feats = self.extract_feat(images)
         return feats, mix, grid, swap
 
     def loss(self, inputs: torch.Tensor, data_samples: List[DataSample]) -> dict:

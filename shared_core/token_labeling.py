@@ -18,13 +18,16 @@ crop (the public code's default; ReLabel, :func:`shared_core.label_maps.crop_tar
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
+from .checks import check_int, check_real
 from .label_maps import CropMaps, SparseTokenTargets, crop_logit_targets, crop_targets, token_targets_sparse
-from .mix import Mix, check_labels, mix_rows, one_hot, own_lam
+from .mix import Mix, check_labels, mix_images, mix_rows, one_hot, own_lam
 from .options import CLS_TARGET_POOLS, HEAD_RULES
 from .samplers import MixSampler
 
@@ -41,11 +44,13 @@ __all__ = [
     'mix_dense_targets',
     'mix_class_target',
     'class_target',
+    'TokenTargetSpec',
     'token_labeling_targets',
     'inference_logits',
     'check_head_rule',
     'mixtoken_sampler',
     'draw_mixtoken',
+    'mixtoken_applied',
     'mix_patch_embed_output',
     'soft_cross_entropy',
     'token_labeling_loss',
@@ -173,48 +178,83 @@ def class_target(
     return annotator * mix_weight + gt * (1.0 - mix_weight)
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenTargetSpec:
+    """What token labeling's targets are made of, checked once, where an adapter builds it (timm's
+    ``TokenLabelingLoss``, mm's ``TokenLabelingHead``): the one place these options are checked.
+
+    Attributes:
+        num_classes: C (at least 2).
+        smoothing: ε of the class and the token targets, ``(1 - ε) · p + ε / C``, in ``[0, 1)``.
+        cls_target: the class token's target: ``'gt'`` (the paper), ``'annotator'`` (the annotator's label pooled
+            over the crop, ReLabel) or ``'mix'`` (``cls_target_mix · annotator + (1 - cls_target_mix) · gt``).
+        cls_target_mix: the weight of ``'mix'``, in ``[0, 1]``.
+        cls_target_pool: how the annotator's class target pools the crop: ``'distributions'`` (their mean,
+            :func:`~shared_core.label_maps.crop_targets`, ReLabel) or ``'logits'`` (softmax of the mean logits, the
+            public code, :func:`~shared_core.label_maps.crop_logit_targets`).
+        dense: the per-token targets too (the dense term of Eq. 3 is on).
+        smoothing_name: how the adapter spells ``smoothing`` in its errors (mm's config key: ``label_smoothing``).
+    """
+
+    num_classes: int
+    smoothing: float = 0.0
+    cls_target: str = 'gt'
+    cls_target_mix: float = 0.5
+    cls_target_pool: str = 'distributions'
+    dense: bool = True
+    smoothing_name: str = 'smoothing'
+
+    def __post_init__(self):
+        if self.cls_target_pool not in CLS_TARGET_POOLS:
+            raise ValueError(f'cls_target_pool: expected one of {CLS_TARGET_POOLS}, got {self.cls_target_pool!r}')
+        if self.cls_target not in CLS_TARGETS:
+            raise ValueError(f'cls_target: expected one of {CLS_TARGETS}, got {self.cls_target!r}')
+        mix_weight = check_real(self.cls_target_mix, 'cls_target_mix', lo=0.0, hi=1.0)
+        smoothing = check_real(self.smoothing, self.smoothing_name, lo=0.0, hi=1.0, hi_open=True)
+        num_classes = check_int(self.num_classes, 'num_classes', lo=2)
+        for name, value in (('num_classes', num_classes), ('cls_target_mix', mix_weight), ('smoothing', smoothing)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, 'dense', bool(self.dense))
+
+    @property
+    def needs_maps(self) -> bool:
+        """Whether the targets read the label maps (dense targets or an annotator class target)."""
+        return self.dense or self.cls_target != 'gt'
+
+
 def token_labeling_targets(
     labels: torch.Tensor,
-    num_classes: int,
-    smoothing: float = 0.0,
+    spec: TokenTargetSpec,
     mix: Optional[Mix] = None,
     maps: Optional[CropMaps] = None,
     grid: Optional[Tuple[int, int]] = None,
-    cls_target: str = 'gt',
-    cls_target_mix: float = 0.5,
-    dense: bool = True,
     name: str = 'labels',
-    cls_target_pool: str = 'distributions',
 ):
-    """Token labeling's targets for a batch: ``(class target (B, C), per-token targets or None)``.
+    """Token labeling's targets for a batch by ``spec``: ``(class target (B, C), per-token targets or None)``.
 
-    One-hot (smoothed) ground truth → the annotator's label pooled over each crop where ``cls_target``
-    asks for it (ReLabel) → :func:`class_target` → Eq. 7's mix by the MixToken ``mix`` → with ``dense``,
+    One-hot (smoothed) ground truth → the annotator's label pooled over each crop where ``spec.cls_target``
+    asks for it (ReLabel) → :func:`class_target` → Eq. 7's mix by the MixToken ``mix`` → with ``spec.dense``,
     the sparse per-token targets of the crops on the token ``grid`` (Eq. 2;
     :class:`~shared_core.label_maps.SparseTokenTargets`, ``.dense()`` is ``(B, N, C)``). ``maps``: the batch's
-    :class:`~shared_core.label_maps.CropMaps` on the training device (needed for ``dense`` or a non-``'gt'`` class
-    target). ``cls_target_pool``: how the annotator's class target pools the crop, the mean of the distributions
-    (:func:`~shared_core.label_maps.crop_targets`, ReLabel) or the softmax of the mean logits (the public code,
-    :func:`~shared_core.label_maps.crop_logit_targets`).
+    :class:`~shared_core.label_maps.CropMaps` on the training device (needed where ``spec.needs_maps``).
     Every row sums to 1."""
+    num_classes, smoothing, cls_target = spec.num_classes, spec.smoothing, spec.cls_target
     check_labels(labels, num_classes, name, values=False)  # the range: one_hot's scatter below, on the CPU
-    if maps is None and (dense or cls_target != 'gt'):
+    if maps is None and spec.needs_maps:
         raise ValueError(
             'maps: token labeling needs the label maps of the batch (dense token targets or an '
             f'annotator class target, cls_target={cls_target!r}); none were given'
         )
     if maps is not None and maps.num_classes != num_classes:
         raise ValueError(f'maps: the label maps are for {maps.num_classes} classes, the targets for {num_classes}')
-    if cls_target_pool not in CLS_TARGET_POOLS:
-        raise ValueError(f'cls_target_pool: expected one of {CLS_TARGET_POOLS}, got {cls_target_pool!r}')
     annotator = None
     if cls_target != 'gt':  # ReLabel: the map's mean over the crop (of the distributions, or of the logits)
-        pool = crop_targets if cls_target_pool == 'distributions' else crop_logit_targets
+        pool = crop_targets if spec.cls_target_pool == 'distributions' else crop_logit_targets
         annotator = pool(maps, smoothing)
     gt = one_hot(labels, num_classes, smoothing, name)
-    y_cls = mix_class_target(class_target(gt, annotator, cls_target, cls_target_mix), mix)  # Eq. 7
+    y_cls = mix_class_target(class_target(gt, annotator, cls_target, spec.cls_target_mix), mix)  # Eq. 7
     tokens = None
-    if dense:
+    if spec.dense:
         if grid is None:
             raise ValueError('grid: dense token targets need the token grid (gh, gw)')
         tokens = _token_targets(maps, num_classes, tuple(grid), float(smoothing))
@@ -293,6 +333,27 @@ def draw_mixtoken(
     check_pairwise_swap(mix)
     device = torch.device(device)
     return mix.pin_memory().to(device, non_blocking=True) if device.type == 'cuda' else mix.to(device)
+
+
+@contextlib.contextmanager
+def mixtoken_applied(x: torch.Tensor, mix: Optional[Mix], patch_embed: Optional[torch.nn.Module]):
+    """MixToken's step around one forward of the token path, as both adapters run it: with the batch's ``mix``
+    (:func:`draw_mixtoken`; ``None``: not mixed), yields ``(images, swap)``, ``swap`` its :class:`TokenSwap` (one
+    mask for the mixing and the un-mixing of the token outputs, :func:`unmix_tokens`), or ``None``. The patch
+    tokens are mixed (Eq. 5) by a forward hook on ``patch_embed``, removed when the block ends however it ends;
+    without a patch embedding (CNNs) the images are mixed instead, in a box of whole final-stride cells."""
+    if mix is None:
+        yield x, None
+        return
+    swap = token_swap(mix, x.device)
+    if patch_embed is None:
+        yield mix_images(x, mix), swap
+        return
+    handle = patch_embed.register_forward_hook(lambda m, i, out: mix_patch_embed_output(out, swap))
+    try:
+        yield x, swap
+    finally:
+        handle.remove()
 
 
 def mix_patch_embed_output(out, mix: Union[Mix, TokenSwap]):

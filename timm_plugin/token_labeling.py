@@ -24,21 +24,19 @@ import torch
 import torch.nn as nn
 from timm.layers import trunc_normal_
 
-from shared_core.checks import check_int, check_real
+from shared_core.checks import check_real
 from shared_core.compiling import guard_module_hooks
-from shared_core.mix import Mix, check_image_size, mix_images
-from shared_core.options import CLS_TARGET_POOLS
+from shared_core.mix import Mix, check_image_size
 from shared_core.token_labeling import (
-    CLS_TARGETS,
     HEAD_RULES,
+    TokenTargetSpec,
     check_head_rule,
     draw_mixtoken,
     inference_logits,
-    mix_patch_embed_output,
+    mixtoken_applied,
     mixtoken_sampler,
     token_labeling_loss,
     token_labeling_targets,
-    token_swap,
     unmix_tokens,
 )
 
@@ -168,22 +166,19 @@ class TokenLabeling(nn.Module):
         aux head reads; their logits are un-mixed (Eq. 6)."""
         grid = self.grid(x)
         mix = draw_mixtoken(self.sampler, x.shape[0], tuple(x.shape[-2:]), x.device, self.generator)
-        swap = None if mix is None else token_swap(mix, x.device)  # one mask for the hook and the un-mixing
         kept = {}
-        handles = []
-        if mix is not None and self.cnn is None:
-            embed = patch_embedding(self.model)
-            handles.append(embed.register_forward_hook(lambda m, i, out: mix_patch_embed_output(out, swap)))
-        elif mix is not None:  # CNNs: MixToken in image space, a box of whole final-stride cells
-            x = mix_images(x, mix)
-        if self.aux:
-            feats = self.model.norm if self.cnn is None else self.cnn
-            handles.append(feats.register_forward_hook(lambda m, i, o: kept.__setitem__('feats', o)))
-        try:
-            cls = (self.model if forward is None else forward)(x)
-        finally:
-            for h in handles:
-                h.remove()
+        # CNNs: no patch embedding, the images are mixed
+        embed = patch_embedding(self.model) if mix is not None and self.cnn is None else None
+        with mixtoken_applied(x, mix, embed) as (x, swap):
+            handle = None
+            if self.aux:
+                feats = self.model.norm if self.cnn is None else self.cnn
+                handle = feats.register_forward_hook(lambda m, i, o: kept.__setitem__('feats', o))
+            try:
+                cls = (self.model if forward is None else forward)(x)
+            finally:
+                if handle is not None:
+                    handle.remove()
         if isinstance(cls, (tuple, list)):  # e.g. a distilled model's (cls, dist) training output
             cls = cls[0]
         aux = aux_logits(self.model, kept['feats'], self.num_prefix_tokens) if self.aux else None
@@ -234,42 +229,24 @@ class TokenLabelingLoss(nn.Module):
         cls_target_pool: str = 'distributions',
     ):
         super().__init__()
-        if cls_target_pool not in CLS_TARGET_POOLS:
-            raise ValueError(f'cls_target_pool: expected one of {CLS_TARGET_POOLS}, got {cls_target_pool!r}')
-        self.cls_target_pool = cls_target_pool
-        if cls_target not in CLS_TARGETS:
-            raise ValueError(f'cls_target: expected one of {CLS_TARGETS}, got {cls_target!r}')
-        if not 0.0 <= cls_target_mix <= 1.0:
-            raise ValueError(f'cls_target_mix: expected a weight in [0, 1], got {cls_target_mix}')
         dense_weight = check_real(dense_weight, 'dense_weight', lo=0.0)  # NaN would poison the loss
-        smoothing = check_real(smoothing, 'smoothing', lo=0.0, hi=1.0, hi_open=True)
-        num_classes = check_int(num_classes, 'num_classes', lo=2)
-        self.num_classes, self.dense_weight = int(num_classes), float(dense_weight)
-        self.cls_target, self.cls_target_mix, self.smoothing = cls_target, float(cls_target_mix), float(smoothing)
+        self.spec = spec = TokenTargetSpec(
+            num_classes, smoothing, cls_target, cls_target_mix, cls_target_pool, dense=bool(dense_weight)
+        )
+        self.num_classes, self.dense_weight, self.smoothing = spec.num_classes, dense_weight, spec.smoothing
+        self.cls_target, self.cls_target_mix, self.cls_target_pool = cls_target, spec.cls_target_mix, cls_target_pool
 
     def targets(self, output: TokenLabelingOutput, target: torch.Tensor):
         """``(class target (B, C), per-token targets or None)``, both summing to 1 per row (the token targets
         as :class:`SparseTokenTargets`; ``.dense()`` gives ``(B, N, C)``)."""
         labels = target.as_tensor() if isinstance(target, CarrierTensor) else target
         maps = target.maps if isinstance(target, TokenLabelTarget) else None
-        if maps is None and (self.dense_weight or self.cls_target != 'gt'):
+        if maps is None and self.spec.needs_maps:
             raise ValueError(
                 'target: token labeling needs the label maps (a TokenLabelTarget from '
                 'TokenLabelCollate); got plain labels'
             )
-        return token_labeling_targets(
-            labels,
-            self.num_classes,
-            self.smoothing,
-            output.mix,
-            maps,
-            output.grid,
-            self.cls_target,
-            self.cls_target_mix,
-            dense=bool(self.dense_weight),
-            name='target',
-            cls_target_pool=self.cls_target_pool,
-        )
+        return token_labeling_targets(labels, self.spec, output.mix, maps, output.grid, name='target')
 
     def forward(self, output: TokenLabelingOutput, target: torch.Tensor) -> torch.Tensor:
         y_cls, dense = self.targets(output, target)

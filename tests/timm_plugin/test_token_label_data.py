@@ -91,7 +91,7 @@ def test_the_collate_builds_the_token_targets_in_the_workers(quadrant_data, pref
     targets of its map rows on its images' token grid (equal, tensor by tensor, to the ones built from the rows),
     through the workers' pickling, the prefetcher's ``.to`` and a deepcopy; the loss's targets take them, and refuse
     them for another grid or smoothing."""
-    from shared_core.token_labeling import token_labeling_targets
+    from shared_core.token_labeling import TokenTargetSpec, token_labeling_targets
 
     torch.manual_seed(0)
     collate = TokenLabelCollate(4, label_stride=16, smoothing=0.1)
@@ -102,11 +102,13 @@ def test_the_collate_builds_the_token_targets_in_the_workers(quadrant_data, pref
         for name in ('base', 'cls', 'weight'):
             assert torch.equal(getattr(target.maps.tokens, name), getattr(built, name)), name
         labels = target.as_tensor()
-        y_cls, tokens = token_labeling_targets(labels, 4, 0.1, None, copy.deepcopy(target).maps, (3, 4))
+        y_cls, tokens = token_labeling_targets(
+            labels, TokenTargetSpec(4, 0.1), None, copy.deepcopy(target).maps, (3, 4)
+        )
         assert tokens.base.data_ptr() != built.base.data_ptr() and torch.equal(tokens.dense(), built.dense())
         for grid, smoothing in (((4, 4), 0.1), ((3, 4), 0.0)):
             with pytest.raises(ValueError, match='built in the loader for a 3x4 token grid, smoothing 0.1'):
-                token_labeling_targets(labels, 4, smoothing, None, target.maps, grid)
+                token_labeling_targets(labels, TokenTargetSpec(4, smoothing), None, target.maps, grid)
         batches += 1
     assert batches == len(ld) > 0
 
