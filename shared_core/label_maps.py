@@ -422,7 +422,7 @@ class SparseTokenTargets(NamedTuple):
     ``t[b, n] = base[b, n] + Σ_j weight[b, n, j] · onehot(cls[b, n, j])``. ``base (B, N)``,
     ``cls``/``weight (B, N, M)``; tokens in row-major grid order.
     :func:`shared_core.token_labeling.soft_cross_entropy` takes it without building the ``(B, N, C)``
-    tensor; :meth:`dense` builds it."""
+    tensor; its ``dense()`` builds it."""
 
     base: torch.Tensor
     cls: torch.Tensor
