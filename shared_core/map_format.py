@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -201,14 +201,16 @@ def _allocate(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def disk_writes(root: Path, done: int, total: int, then: str = 'rerun with --resume'):
+def disk_writes(root: Path, done: int | Callable[[], int], total: int, then: str = 'rerun with --resume'):
     """A write of the store at ``root`` that the disk or a file-size limit refuses (:data:`DISK_ERRNOS`) ends in
-    one :class:`LabelMapError` naming the file, the cause, the rows on disk and what to do (``then``)."""
+    one :class:`LabelMapError` naming the file, the cause, the rows on disk (``done``, or a function that counts
+    them, called only then) and what to do (``then``)."""
     try:
         yield
     except OSError as e:
         if e.errno not in DISK_ERRNOS:
             raise
+        done = done() if callable(done) else done
         where = f' {e.filename}' if e.filename else f' the store at {root}'
         if e.errno == errno.EFBIG:
             cause, fix = 'file-size limit', 'Raise the limit of this process (ulimit -f)'
@@ -272,20 +274,28 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
 
 
-def _write_json_atomic(path: Path, obj: Mapping[str, Any]) -> None:
+@contextlib.contextmanager
+def _replacing(path: Path):
+    """Yields the text file ``path.tmp`` to write; it replaces ``path`` when the block succeeds. A failed write
+    leaves ``path`` as it was and no temporary, and its ``OSError`` names ``path``."""
     tmp = path.with_name(path.name + '.tmp')
     try:
-        with open(tmp, 'w', encoding='utf-8') as f:
-            json.dump(obj, f, indent=1, sort_keys=False)
-            f.write('\n')
-            f.flush()
-            os.fsync(f.fileno())
+        with open(tmp, 'w', encoding='utf-8', newline='\n') as f:
+            yield f
         os.replace(tmp, path)
-    except OSError as e:  # no half-written temporary left beside the file (it stays as it was)
+    except OSError as e:
         tmp.unlink(missing_ok=True)
         if e.filename is None:
             e.filename = str(path)
         raise
+
+
+def _write_json_atomic(path: Path, obj: Mapping[str, Any]) -> None:
+    with _replacing(path) as f:
+        json.dump(obj, f, indent=1, sort_keys=False)
+        f.write('\n')
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _read_meta(root: Path) -> dict:
@@ -377,17 +387,9 @@ def _index_paths(paths: Sequence[str], where: os.PathLike | str) -> dict[str, in
 
 
 def _write_paths(root: Path, paths: Sequence[str]) -> None:
-    tmp = root / (PATHS_FILE + '.tmp')
-    try:
-        with open(tmp, 'w', encoding='utf-8', newline='\n') as f:
-            for p in paths:
-                f.write(p + '\n')
-        os.replace(tmp, root / PATHS_FILE)
-    except OSError as e:  # no half-written temporary left
-        tmp.unlink(missing_ok=True)
-        if e.filename is None:
-            e.filename = str(root / PATHS_FILE)
-        raise
+    with _replacing(root / PATHS_FILE) as f:
+        for p in paths:
+            f.write(p + '\n')
 
 
 def compatibility_diff(

@@ -204,7 +204,6 @@ class MapWriter:
         left = store_bytes(n, _row_shape(meta), np.dtype(meta['indices_dtype']).itemsize, [], meta)
         for name in (VALUES_FILE, INDICES_FILE, DONE_FILE):  # what of the arrays is not on disk yet
             left[name] = _unallocated(root / name)
-        left[PATHS_FILE] = 0
         _check_space(root, left, done, n)
         with disk_writes(root, done, n):
             for name in (VALUES_FILE, INDICES_FILE, DONE_FILE):  # a store created sparse: its blocks now
@@ -247,7 +246,7 @@ class MapWriter:
         if len(rows) == 0:
             return
         where = self._as_slice(rows)
-        with disk_writes(self.root, self.num_done(), self.num_images):
+        with disk_writes(self.root, self.num_done, self.num_images):  # counted only if a write fails
             self._values[where] = values
             self._indices[where] = indices
             self._values.flush()
