@@ -310,8 +310,6 @@ class LabelColumns:
         d = self.head_dim
         if self.kernel:
             q, k, v = qkv.unbind(0)
-            if attn_mask is not None:
-                refuse_unrun_kernel(None, 'the block is given an attention mask, which the kernel does not take')
             if attn_mask is None:  # one Triton kernel: the labels at one multiply-add per probability
                 from .label_kernel import label_attention
 
@@ -324,7 +322,9 @@ class LabelColumns:
                     if _choice() == 'triton' or torch.compiler.is_compiling():
                         raise
                     _kernel_failed(e)
-            out, branch = shared_attention(q, k, v, self.z, scale, attn_mask, fused=False)  # a mask: materialised
+            else:  # a mask: the attention materialised once (a forced kernel is refused, never replaced)
+                refuse_unrun_kernel(None, 'the block is given an attention mask, which the kernel does not take')
+            out, branch = shared_attention(q, k, v, self.z, scale, attn_mask, fused=False)
             return out, branch.mul_(self.num_heads)
         if _cpu_shared_attention(qkv, attn_mask):  # the backward at the head dim (the plain one)
             out, lab = _CPUSharedAttention.apply(qkv, self.ext, scale, self.width)
