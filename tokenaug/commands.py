@@ -48,9 +48,9 @@ def _argv(argv: Sequence[str] | None) -> list[str]:
     return list(sys.argv[1:] if argv is None else argv)
 
 
-def _run(module: str, argv: list[str]) -> int:
-    """``module.main(argv)`` (imported now), as an exit status."""
-    return import_module(module).main(argv) or 0
+def _run(module: str, argv: list[str], function: str = 'main') -> int:
+    """``module.function(argv)`` (imported now), as an exit status."""
+    return getattr(import_module(module), function)(argv) or 0
 
 
 def _command(module: str, show_help: Callable[[list[str]], object], doc: str):
@@ -119,7 +119,7 @@ def _light(module: str, function: str, doc: str):
     """A light command: ``module.function(argv)`` (its own parser answers ``--help``), as an exit status."""
 
     def command(argv: Sequence[str] | None = None) -> int:
-        return getattr(import_module(module), function)(_argv(argv)) or 0
+        return _run(module, _argv(argv), function)
 
     command.__doc__ = doc
     return command
