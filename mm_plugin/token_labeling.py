@@ -115,7 +115,7 @@ class TokenLabelingHead(BaseModule):
         cls_target = ('annotator' if relabel else 'gt') if cls_target is None else cls_target
         head_rule = ('cls+aux' if dense_weight else 'cls') if head_rule is None else head_rule
         dense_weight = check_real(dense_weight, 'dense_weight', lo=0.0)  # NaN would poison the loss
-        self.spec = spec = TokenTargetSpec(
+        self.spec = TokenTargetSpec(
             num_classes,
             label_smoothing,
             cls_target,
@@ -127,13 +127,17 @@ class TokenLabelingHead(BaseModule):
         check_head_rule(head_rule)
         if head_rule == 'cls+aux' and not dense_weight:
             raise ValueError("head_rule: 'cls+aux' reads an aux head that dense_weight=0 never trains; use 'cls'")
-        self.num_classes, self.in_channels = spec.num_classes, int(in_channels)
-        self.dense_weight, self.cls_target, self.cls_target_mix = dense_weight, cls_target, spec.cls_target_mix
-        self.cls_target_pool = cls_target_pool
-        self.label_smoothing, self.relabel, self.head_rule = spec.smoothing, bool(relabel), head_rule
+        self.in_channels, self.dense_weight = int(in_channels), dense_weight
+        self.relabel, self.head_rule = bool(relabel), head_rule
         self.num_prefix_tokens = int(num_prefix_tokens)
         self.head = nn.Linear(self.in_channels, num_classes)
         self.aux_head = None if relabel else nn.Linear(self.in_channels, num_classes)
+
+    num_classes = property(lambda self: self.spec.num_classes, doc='C (``spec``).')
+    label_smoothing = property(lambda self: self.spec.smoothing, doc='ε of the targets (``spec``).')
+    cls_target = property(lambda self: self.spec.cls_target, doc="The class token's target (``spec``).")
+    cls_target_mix = property(lambda self: self.spec.cls_target_mix, doc="The weight of ``'mix'`` (``spec``).")
+    cls_target_pool = property(lambda self: self.spec.cls_target_pool, doc='The crop pooling (``spec``).')
 
     @property
     def needs_maps(self) -> bool:

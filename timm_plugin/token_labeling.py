@@ -230,11 +230,16 @@ class TokenLabelingLoss(nn.Module):
     ):
         super().__init__()
         dense_weight = check_real(dense_weight, 'dense_weight', lo=0.0)  # NaN would poison the loss
-        self.spec = spec = TokenTargetSpec(
+        self.dense_weight = dense_weight
+        self.spec = TokenTargetSpec(
             num_classes, smoothing, cls_target, cls_target_mix, cls_target_pool, dense=bool(dense_weight)
         )
-        self.num_classes, self.dense_weight, self.smoothing = spec.num_classes, dense_weight, spec.smoothing
-        self.cls_target, self.cls_target_mix, self.cls_target_pool = cls_target, spec.cls_target_mix, cls_target_pool
+
+    num_classes = property(lambda self: self.spec.num_classes, doc='C (``spec``).')
+    smoothing = property(lambda self: self.spec.smoothing, doc='ε of the targets (``spec``).')
+    cls_target = property(lambda self: self.spec.cls_target, doc="The class token's target (``spec``).")
+    cls_target_mix = property(lambda self: self.spec.cls_target_mix, doc="The weight of ``'mix'`` (``spec``).")
+    cls_target_pool = property(lambda self: self.spec.cls_target_pool, doc='The crop pooling (``spec``).')
 
     def targets(self, output: TokenLabelingOutput, target: torch.Tensor):
         """``(class target (B, C), per-token targets or None)``, both summing to 1 per row (the token targets
