@@ -5,8 +5,9 @@ Config: ``model = dict(type='TLAlignClassifier', backbone=..., neck=..., head=..
 with ``data_preprocessor = dict(type='TokenAugDataPreprocessor', ...)``, which puts the batch's mix on the
 data samples. In ``loss`` the classifier runs the backbone with hooks that keep what each block's token
 path computed (``q``/``k`` of mmpretrain's ``MultiheadAttention``, the softmax of ``WindowMSA``), traces
-the compact label state with the driver and rules of :mod:`shared_core.tl_align` (the same driver as the timm
-adapter, :mod:`timm_plugin.tl_align`; only the tracers here are mm's), and replaces each sample's
+the compact label state with the driver of :mod:`shared_core.tracer` and the rules of
+:mod:`shared_core.tl_align` (the same driver as the timm adapter, :mod:`timm_plugin.tl_align`; only the tracers
+here are mm's), and replaces each sample's
 ``gt_score`` by its aligned target before the head's loss (which applies its own label smoothing, as
 for the stock mixed scores). Prediction and batches without a mix are the stock ``ImageClassifier``.
 
@@ -35,26 +36,19 @@ from mmpretrain.models.necks import GlobalAveragePooling
 from mmpretrain.models.utils.attention import MultiheadAttention, ShiftWindowMSA, WindowMSA
 from mmpretrain.registry import MODELS
 
+from shared_core.capture import Captures, LabelCapture, SoftmaxCapture
+from shared_core.checks import check_layers
 from shared_core.label_attention import check_choice, fused_label_attn, refuse_unrun_kernel
 from shared_core.tl_align import (
     TRANSMIX_MODES,
-    LabelCapture,
     aligned_target,
-    capture_forward,
-    check_captured,
-    check_drop_path,
-    check_layers,
-    check_transmix,
+    attention_labels,
     compact_labels,
-    kept_samples,
-    residual_labels,
-    self_attention_labels,
-    swin_labels,
-    trace_labels,
-    tracer_for,
+    merge_2x2_labels,
     transmix_share,
     window_labels,
 )
+from shared_core.tracer import Tracer, check_drop_path, check_transmix, tracer_for
 
 from .attention import attention_scale, split_qk
 from .data_preprocessor import mix_from_samples
@@ -68,23 +62,11 @@ _NO_KERNEL = (
 )
 
 
-def _hook_drop(module: nn.Module, cap: LabelCapture, handles: list) -> None:
-    """mmcv's DropPath (``drop_prob``) zeroes whole samples of a residual branch; the samples its first call kept
-    (the attention branch's, where a layer's one DropPath serves its MLP branch too)."""
-
-    def hook(m, i, o, c=cap):
-        if c.keep is None:
-            c.keep = kept_samples(i[0], o)
-
-    if getattr(module, 'drop_prob', 0.0) > 0 and module.training:
-        handles.append(module.register_forward_hook(hook))
-
-
-class MMViTTracer:
+class MMViTTracer(Tracer):
     """mmpretrain ``VisionTransformer``: pre-norm ``TransformerEncoderLayer`` blocks, SDPA attention."""
 
-    #: the last block mixes its tokens by a self-attention (TransMix reads it)
-    attends = True
+    needs = ('q', 'k')
+    why_missing = 'its attention did not run its qkv projection (a replaced forward?)'
 
     def __init__(self, backbone: VisionTransformer):
         for i, layer in enumerate(backbone.layers):
@@ -108,55 +90,46 @@ class MMViTTracer:
             raise ValueError(
                 f"backbone: out_type={backbone.out_type!r} has no TL-Align rule; use 'cls_token' or 'avg_featmap'"
             )
-        self.backbone = backbone
+        super().__init__(backbone)
         self.num_prefix_tokens = backbone.num_extra_tokens
+        self.readout = 'cls' if backbone.out_type == 'cls_token' else 'mean'
 
-    def register(self, captures: List[LabelCapture]) -> list:
-        handles = []
-        for layer in self.backbone.layers:
-            cap = LabelCapture()
-            captures.append(cap)
-            a = layer.attn
-            handles.append(a.qkv.register_forward_hook(lambda m, i, o, c=cap, a=a: _set_qk(c, o.detach(), a)))
-            _hook_drop(a.out_drop, cap, handles)
-        return handles
+    def blocks(self):
+        return self.model.layers
 
-    def num_tokens(self, captures: List[LabelCapture]) -> int:
+    def drop_path(self, layer: nn.Module) -> nn.Module:
+        return layer.attn.out_drop  # mmcv's DropPath of the attention branch
+
+    def watch(self, layer: nn.Module, cap: LabelCapture, handles: list) -> None:
+        a = layer.attn
+        handles.append(a.qkv.register_forward_hook(lambda m, i, o, c=cap, a=a: _set_qk(c, o.detach(), a)))
+
+    def tokens(self, captures: Captures) -> int:
         return captures[0].q.shape[2]
 
-    def propagate(self, captures, labels, layers, residual):
-        blocks = ((c.q, c.k, attention_scale(layer.attn), c.keep) for c, layer in zip(captures, self.backbone.layers))
-        return self_attention_labels(blocks, labels, layers, residual)
+    def branch(self, layer: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        return attention_labels(cap.q, cap.k, Y, scale=attention_scale(layer.attn))  # Eq. 9
 
-    def readout(self, labels: torch.Tensor, output=None) -> torch.Tensor:
-        if self.backbone.out_type == 'cls_token':
-            return labels[:, 0]
-        return labels[:, self.num_prefix_tokens :].mean(1)
-
-    def class_attention(self, captures: List[LabelCapture]):
-        if self.backbone.out_type != 'cls_token':
+    def class_attention(self, captures: Captures):
+        if self.model.out_type != 'cls_token':
             return None
         last = captures[-1]
-        return last.q[:, :, :1], last.k, attention_scale(self.backbone.layers[-1].attn)
-
-    @property
-    def depth(self) -> int:
-        return len(self.backbone.layers)
+        return last.q[:, :, :1], last.k, attention_scale(self.model.layers[-1].attn)
 
 
 def _set_qk(cap: LabelCapture, qkv: torch.Tensor, attn: MultiheadAttention) -> None:
     cap.q, cap.k = split_qk(attn, qkv)
 
 
-class MMSwinTracer:
+class MMSwinTracer(Tracer):
     """mmpretrain ``SwinTransformer``: ``ShiftWindowMSA`` blocks (materialised ``WindowMSA`` softmax),
     ``PatchMerging`` at the *end* of a stage, average pooling of the last stage. mmpretrain keeps the
     cyclic shift when a stage's map is larger than its window and drops it when it equals the window
     (unless ``pad_small_map``), exactly as the token path does."""
 
-    num_prefix_tokens = 0
-    #: the last block mixes its tokens by a self-attention (TransMix reads it)
-    attends = True
+    layout = 'grid'
+    needs = ('attn', 'tokens')
+    why_missing = 'its window attention computed no softmax'
 
     def __init__(self, backbone: SwinTransformer):
         if tuple(backbone.out_indices) != (len(backbone.stages) - 1,):
@@ -174,22 +147,24 @@ class MMSwinTracer:
                     raise ValueError(
                         f'backbone: TL-Align traces SwinBlock/ShiftWindowMSA/WindowMSA, got {type(blk).__name__}'
                     )
-        self.backbone = backbone
+        super().__init__(backbone)
 
-    def register(self, captures: List[LabelCapture]) -> list:
-        handles = []
-        for stage in self.backbone.stages:
-            for blk in stage.blocks:
-                cap = LabelCapture()
-                captures.append(cap)
-                handles.append(
-                    blk.attn.register_forward_pre_hook(lambda m, a, c=cap: setattr(c, 'tokens', tuple(a[1])))
-                )
-                handles.append(
-                    blk.attn.w_msa.softmax.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'attn', o.detach()))
-                )
-                _hook_drop(blk.attn.drop, cap, handles)
-        return handles
+    def stages(self):
+        return [(stage, stage.blocks) for stage in self.model.stages]
+
+    def drop_path(self, blk: nn.Module) -> nn.Module:
+        return blk.attn.drop
+
+    def watch(self, blk: nn.Module, cap: LabelCapture, handles: list) -> None:
+        """The grid the block runs on (``hw_shape``) and its window attention's probabilities."""
+        handles.append(blk.attn.register_forward_pre_hook(lambda m, a, c=cap: setattr(c, 'tokens', tuple(a[1]))))
+        softmax = blk.attn.w_msa.softmax
+        handles.append(softmax.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'attn', o.detach())))
+
+    def watch_model(self, captures: Captures, handles: list) -> None:
+        """The first token grid: the first block's ``hw_shape``."""
+        first = self.blocks()[0].attn
+        handles.append(first.register_forward_pre_hook(lambda m, a: setattr(captures, 'grid', tuple(a[1]))))
 
     @staticmethod
     def _shift(attn: ShiftWindowMSA, H: int, W: int) -> int:
@@ -200,37 +175,12 @@ class MMSwinTracer:
             return 0
         return attn.shift_size
 
-    def num_tokens(self, captures: List[LabelCapture]) -> int:
-        H, W = captures[0].tokens
-        return H * W
+    def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        s = self._shift(blk.attn, *cap.tokens)
+        return window_labels(Y, (blk.attn.window_size,) * 2, (s, s), attn=cap.attn)
 
-    def _window_labels(self, attn: ShiftWindowMSA, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
-        s = self._shift(attn, *cap.tokens)
-        return window_labels(Y, (attn.window_size,) * 2, (s, s), attn=cap.attn)
-
-    def propagate(self, captures, labels, layers, residual):
-        attns = [blk.attn for stage in self.backbone.stages for blk in stage.blocks]
-        stages = [(len(stage.blocks), stage.downsample is not None) for stage in self.backbone.stages]
-        return swin_labels(
-            labels,
-            captures[0].tokens,
-            stages,
-            lambda idx, Y: self._window_labels(attns[idx], captures[idx], Y),
-            [c.keep for c in captures],
-            merge_at='end',
-            layers=layers,
-            residual=residual,
-        )
-
-    def readout(self, labels: torch.Tensor, output=None) -> torch.Tensor:
-        return labels.mean(1)
-
-    def class_attention(self, captures: List[LabelCapture]):
-        return None
-
-    @property
-    def depth(self) -> int:
-        return sum(len(s.blocks) for s in self.backbone.stages)
+    def leave(self, stage, Y: torch.Tensor) -> torch.Tensor:
+        return Y if stage.downsample is None else merge_2x2_labels(Y)  # mmpretrain: at a stage's end
 
 
 class MMSoftmaxViTTracer(MMViTTracer):
@@ -238,6 +188,10 @@ class MMSoftmaxViTTracer(MMViTTracer):
     attention computes its probabilities itself, so the label rule reads them at its softmax
     (:class:`shared_core.capture.SoftmaxCapture`: RoPE and the bias are in them) and applies Eq. 9/11; the layer's
     one drop path (called for the attention branch, then the MLP's) gives the kept samples of its first call."""
+
+    capture_mode = SoftmaxCapture
+    needs = ('attn',)
+    why_missing = 'its attention computed no softmax'
 
     def __init__(self, backbone: nn.Module):
         from mmpretrain.models.backbones.beit import BEiTAttention, BEiTTransformerEncoderLayer
@@ -256,32 +210,20 @@ class MMSoftmaxViTTracer(MMViTTracer):
                 )
         self._classification_output(backbone)
 
-    def register(self, captures: List[LabelCapture]) -> list:
-        from shared_core.capture import SoftmaxCapture
+    def drop_path(self, layer: nn.Module) -> nn.Module:
+        return layer.drop_path
 
-        handles: list = []
-        mode = SoftmaxCapture()
-        for layer in self.backbone.layers:
-            cap = LabelCapture()
-            captures.append(cap)
-            mode.watch(layer.attn, cap, handles)
-            _hook_drop(layer.drop_path, cap, handles)
-        mode.start(handles)
-        return handles
+    def watch(self, layer: nn.Module, cap: LabelCapture, handles: list) -> None:
+        """Nothing beyond the softmax the capture mode records."""
 
-    def num_tokens(self, captures: List[LabelCapture]) -> int:
-        check_captured(captures, ('attn',), 'its attention computed no softmax')
+    def tokens(self, captures: Captures) -> int:
         return captures[0].attn.shape[-1]
 
-    def propagate(self, captures, labels, layers, residual):
-        for idx, c in enumerate(captures):
-            if layers is not None and idx not in layers:
-                continue
-            labels = residual_labels(labels, c.attn.float().mean(1) @ labels.float(), c.keep, residual)
-        return labels
+    def branch(self, layer: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        return cap.attn.float().mean(1) @ Y.float()
 
-    def class_attention(self, captures: List[LabelCapture]):
-        if self.backbone.out_type != 'cls_token':
+    def class_attention(self, captures: Captures):
+        if self.model.out_type != 'cls_token':
             return None
         return captures[-1].attn[:, :, :1]  # the class token's attention probabilities
 
@@ -355,7 +297,7 @@ class AlignedTargetClassifier(ImageClassifier):
         if mix is None:
             return self.extract_feat(inputs), None
         refuse_unrun_kernel(self.align_fused, _NO_KERNEL, f'{self.config_key}.fused')
-        feats, captures = capture_forward(self.tracer, lambda: self.extract_feat(inputs))
+        feats, captures = self.tracer.capture(lambda: self.extract_feat(inputs))
         with fused_label_attn(self.align_fused):
             share = self._share(feats, captures, mix.to(inputs.device))
         labels = torch.cat([s.gt_label for s in data_samples]).to(share.device)
@@ -393,8 +335,8 @@ class TLAlignClassifier(AlignedTargetClassifier):
 
     def _share(self, feats, captures, mix) -> torch.Tensor:
         labels0 = compact_labels(mix, self.tracer.num_prefix_tokens)
-        return trace_labels(
-            self.tracer, captures, feats, labels0, self.align_layers, self.align_residual, self.align_drop_path
+        return self.tracer.label_path(
+            captures, feats, labels0, self.align_layers, self.align_residual, self.align_drop_path
         )[:, 0]
 
 

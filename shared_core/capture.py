@@ -1,23 +1,117 @@
-"""What a block's attention computed, read where the token path computes it: torch function modes that are
-active for one forward and record, while a watched module runs, its one ``scaled_dot_product_attention`` call
-(:class:`SdpaCapture`: ``q`` and ``k`` as the kernel saw them, the bias or mask, the scale) or its one softmax
-(:class:`SoftmaxCapture`: the attention probabilities of a model that computes them itself). The label rules then
-need no copy of the model's attention code: RoPE, relative position terms and biases are in what is recorded.
-Framework-free: timm's tracers use both (EVA, BEiT, MetaFormer, Hiera, Twins: :class:`SdpaCapture`; MViTv2:
-:class:`SoftmaxCapture`), mm's softmax ViTs (EVA-02, BEiT) :class:`SoftmaxCapture`."""
+"""What the token path leaves for TL-Align's label path, and the hooks that record it.
+
+- :class:`LabelCapture`: one block's record (``q``/``k``, attention probabilities, mask, scale, the samples its
+  token-mixing branch kept); :class:`Captures`: one per block, in the order ``layers`` indexes, and the first
+  token ``grid`` (and the readout's pooling weights where a model pools by learnt weights).
+- The stochastic-depth hooks (:func:`hook_drop_path`: the samples a drop path kept at its first call) and
+  :func:`watch_blocks` (a capture per block: its attention call and its drop path): timm's and mm's tracers both
+  use them through :class:`shared_core.tracer.Tracer`.
+- Torch function modes that are active for one forward and record, while a watched module runs, its one
+  ``scaled_dot_product_attention`` call (:class:`SdpaCapture`: ``q`` and ``k`` as the kernel saw them, the bias or
+  mask, the scale) or its one softmax (:class:`SoftmaxCapture`: the attention probabilities of a model that computes
+  them itself). The label rules then need no copy of the model's attention code: RoPE, relative position terms
+  and biases are in what is recorded. timm's EVA, BEiT, MetaFormer, Hiera and Twins tracers use
+  :class:`SdpaCapture`; MViTv2 and mm's softmax ViTs (EVA-02, BEiT) :class:`SoftmaxCapture`.
+
+Framework-free.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .tl_align import LabelCapture
+__all__ = [
+    'LabelCapture',
+    'Captures',
+    'check_captured',
+    'kept_samples',
+    'hook_drop_path',
+    'watch_blocks',
+    'SdpaCapture',
+    'SoftmaxCapture',
+]
 
-__all__ = ['SdpaCapture', 'SoftmaxCapture']
+
+class LabelCapture:
+    """What one block's token path left for the label path (each tracer fills the fields it needs):
+    ``q``/``k`` ``(B, H, T, d)`` (or the projections they are split from), ``keep`` the samples whose
+    token-mixing branch ran, ``attn`` materialised attention probabilities, ``mask`` an attention mask,
+    ``tokens`` the token grid or count the block saw, ``scale`` the attention's scale."""
+
+    __slots__ = ('q', 'k', 'keep', 'attn', 'mask', 'tokens', 'scale')
+
+    def __init__(self):
+        self.q = self.k = self.keep = self.attn = self.mask = self.tokens = self.scale = None
+
+
+class Captures(list):
+    """One :class:`LabelCapture` per block (the blocks ``layers`` indexes, in order), and what the model's other
+    parts left: ``grid``, the first token grid ``(H, W)`` (or the patch count of a model whose tokens are no grid
+    when the label path starts), and ``pool``, the weights of a learnt pooling the classifier reads (CCT's
+    SeqPool)."""
+
+    def __init__(self):
+        super().__init__()
+        self.grid = None
+        self.pool = None
+
+
+def check_captured(captures: List[LabelCapture], fields, why: str) -> None:
+    """Refuse a forward after which a block's capture lacks a field the rule reads (``why``: the likely cause)."""
+    for i, c in enumerate(captures):
+        if any(getattr(c, f) is None for f in fields):
+            raise ValueError(f'model: block {i} left no {"/".join(fields)} for the label path: {why}')
+
+
+def kept_samples(inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` bool: the samples whose residual branch survived DropPath (it zeroes whole samples; a
+    branch input that is all zero counts as kept), from a drop-path module's input and output."""
+    return (out.flatten(1) != 0).any(1) | (inp.flatten(1) == 0).all(1)
+
+
+def hook_drop_path(
+    module: Optional[nn.Module], cap: LabelCapture, handles: list, kept: Optional[Callable] = None
+) -> bool:
+    """Where the drop path ``module`` (timm's or mmcv's ``DropPath``: ``drop_prob``) may drop samples in this
+    forward, a hook that gives the samples its first call kept (:func:`kept_samples`; a block that calls one drop
+    path for its token-mixing branch, then its MLP's, is read at the token mixing) to ``kept(keep)`` (default:
+    kept as ``cap.keep``); whether it did."""
+    if module is None or not (getattr(module, 'drop_prob', 0.0) > 0 and module.training):
+        return False
+
+    def hook(m, i, o, c=cap):
+        if kept is not None:
+            kept(kept_samples(i[0], o))
+        elif c.keep is None:
+            c.keep = kept_samples(i[0], o)
+
+    handles.append(module.register_forward_hook(hook))
+    return True
+
+
+def watch_blocks(
+    blocks, captures: List[LabelCapture], mode=None, attention=lambda blk: blk.attn, drop_path=None
+) -> list:
+    """One capture per block: the call of its attention module (``attention(blk)``; ``None``: no attention) recorded
+    by ``mode`` (:class:`SdpaCapture` or :class:`SoftmaxCapture`; ``None``: none), and the samples its token-mixing
+    branch's drop path (``drop_path(blk)``) kept. Returns the handles, the mode's among them."""
+    handles: list = []
+    for blk in blocks:
+        cap = LabelCapture()
+        captures.append(cap)
+        module = attention(blk) if mode is not None else None
+        if module is not None:
+            mode.watch(module, cap, handles)
+        if drop_path is not None:
+            hook_drop_path(drop_path(blk), cap, handles)
+    if mode is not None:
+        mode.start(handles)
+    return handles
 
 
 class _WatchingMode(TorchFunctionMode):

@@ -8,7 +8,8 @@ A *label state* is a tensor ``(B, T, K)`` beside the ``T`` tokens of a model:
   sum to 1, so the dense state is always ``(1 - s) · y_own + s · y_partner`` and carrying ``s`` gives
   the same target at ``1/C`` of the cost.
 
-The rules (each a function here, used by every architecture's tracer):
+The rules (each a function here, used by every architecture's tracer; the driver that runs them is
+:class:`shared_core.tracer.Tracer`):
 
 - attention (Eq. 9): ``Y ← mean_h softmax(q_h k_hᵀ · scale + bias) · Y`` — computed with the same fused
   ``scaled_dot_product_attention`` call the token path uses, with the labels as values, so the
@@ -25,17 +26,14 @@ The rules (each a function here, used by every architecture's tracer):
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-from .checks import check_layers
-from .label_attention import (
-    use_fused_label_attn,
-)
+from .label_attention import use_fused_label_attn
 from .mix import Mix, partner_target
-from .options import DROP_PATH_LABELS, TRANSMIX_MODES
+from .options import TRANSMIX_MODES
 
 __all__ = [
     'abs_row_norm',
@@ -48,22 +46,9 @@ __all__ = [
     'merge_labels',
     'merge_2x2_labels',
     'window_labels',
-    'self_attention_labels',
-    'swin_labels',
     'talking_heads_labels',
     'conv_pool_labels',
     'aligned_target',
-    'kept_samples',
-    'DROP_PATH_LABELS',
-    'check_drop_path',
-    'LabelCapture',
-    'check_captured',
-    'LabelTracer',
-    'capture_forward',
-    'check_transmix',
-    'trace_labels',
-    'tracer_for',
-    'check_layers',
     'TRANSMIX_MODES',
     'transmix_share',
     'nearest_token_share',
@@ -156,54 +141,6 @@ def merge_labels(labels: torch.Tensor) -> torch.Tensor:
     """Spatial aggregation (patch merging): ``Norm(Σ merged labels)`` over the last-but-one dim of a
     ``(..., M, K)`` group of merged tokens. For labels that already sum to 1 this is their mean."""
     return labels.mean(-2)
-
-
-def self_attention_labels(
-    blocks, labels: torch.Tensor, layers: Optional[set] = None, residual: bool = True
-) -> torch.Tensor:
-    """A stack of pre-norm transformer blocks (attention residual, then MLP residual, which leaves labels
-    as they are): ``blocks`` yields ``(q, k, scale, keep)`` per block, ``keep`` the samples whose
-    attention branch stochastic depth kept (``None``: all). ``layers``: align only at these indices."""
-    for idx, (q, k, scale, keep) in enumerate(blocks):
-        if layers is not None and idx not in layers:
-            continue  # not aligned here: the labels pass unchanged
-        labels = residual_labels(labels, attention_labels(q, k, labels, scale=scale), keep, residual)
-    return labels
-
-
-def swin_labels(
-    labels: torch.Tensor,
-    grid: Tuple[int, int],
-    stages: Sequence[Tuple[int, bool]],
-    block_branch: Callable[[int, torch.Tensor], torch.Tensor],
-    keeps: Sequence[Optional[torch.Tensor]],
-    merge_at: str,
-    layers: Optional[set] = None,
-    residual: bool = True,
-    history: Optional[list] = None,
-) -> torch.Tensor:
-    """Swin's stage rule on the ``(B, H·W, K)`` labels of the first token grid ``grid``: per stage of
-    ``(num_blocks, merges)``, a 2x2 patch merging (:func:`merge_2x2_labels`) at the ``'start'`` of the
-    stage (timm) or its ``'end'`` (mmpretrain), and per block ``Y ← Norm(Y + block_branch(idx, Y))``
-    (Eq. 9/11; ``block_branch`` the block's window-attention labels, :func:`window_labels`) for the
-    samples whose branch ``keeps[idx]`` kept. Returns the last grid's labels ``(B, H'·W', K)``; ``history``
-    (a list) gets each block's state on its grid, ``(B, H', W', K)``, after the block (tokenaug-viz)."""
-    if merge_at not in ('start', 'end'):
-        raise ValueError(f"merge_at: expected 'start' or 'end', got {merge_at!r}")
-    Y = labels.view(labels.shape[0], grid[0], grid[1], labels.shape[-1])
-    idx = 0
-    for num_blocks, merges in stages:
-        if merges and merge_at == 'start':
-            Y = merge_2x2_labels(Y)
-        for _ in range(num_blocks):
-            if layers is None or idx in layers:
-                Y = residual_labels(Y, block_branch(idx, Y), keeps[idx], residual)
-            if history is not None:
-                history.append(Y.clone())
-            idx += 1
-        if merges and merge_at == 'end':
-            Y = merge_2x2_labels(Y)
-    return Y.flatten(1, 2)
 
 
 def talking_heads_labels(attn: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -329,143 +266,6 @@ def aligned_target(
     return partner_target(labels, mix.partner, share, num_classes, smoothing, reversed_pairs=mix.reversed_pairs)
 
 
-# ----------------------------------------------------------------------------------------------
-# The driver: what every adapter runs (hooks -> forward -> label path -> readout)
-# ----------------------------------------------------------------------------------------------
-
-
-def kept_samples(inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``(B,)`` bool: the samples whose residual branch survived DropPath (it zeroes whole samples; a
-    branch input that is all zero counts as kept), from a drop-path module's input and output."""
-    return (out.flatten(1) != 0).any(1) | (inp.flatten(1) == 0).all(1)
-
-
-class LabelCapture:
-    """What one block's token path left for the label path (each tracer fills the fields it needs):
-    ``q``/``k`` ``(B, H, T, d)`` (or the projections they are split from), ``keep`` the samples whose
-    attention branch ran, ``attn`` materialised attention probabilities, ``mask`` an attention mask,
-    ``tokens`` the token grid or count the block saw, ``scale`` the attention's scale."""
-
-    __slots__ = ('q', 'k', 'keep', 'attn', 'mask', 'tokens', 'scale')
-
-    def __init__(self):
-        self.q = self.k = self.keep = self.attn = self.mask = self.tokens = self.scale = None
-
-
-def check_captured(captures: List[LabelCapture], fields, why: str) -> None:
-    """Refuse a forward after which a block's capture lacks a field the rule reads (``why``: the likely cause)."""
-    for i, c in enumerate(captures):
-        if any(getattr(c, f) is None for f in fields):
-            raise ValueError(f'model: block {i} left no {"/".join(fields)} for the label path: {why}')
-
-
-class LabelTracer(Protocol):
-    """The rules of one architecture (one per framework and model family; see the adapters).
-
-    - ``num_prefix_tokens``: leading non-patch tokens of the label state (class, distillation, register);
-    - ``depth``: the number of blocks that ``layers`` indexes;
-    - ``register(captures)``: forward hooks that append/fill :class:`LabelCapture` records; returns handles;
-    - ``num_tokens(captures)``: tokens of the label state for the captured forward (prefix + patches);
-    - ``propagate(captures, labels, layers, residual)``: the label state through every block (no grad);
-    - ``readout(labels, output)``: ``(B, K)`` the label of what the classifier reads;
-    - ``class_attention(captures)``: ``(q_cls (B, H, 1, d), k (B, H, T, d), scale[, mask])`` of the last block (or
-      the class token's attention probabilities ``(B, H, 1, T)`` themselves) for
-      TransMix's class-token rule, or ``None`` where the classifier reads no class token;
-    - ``attends``: whether the last block, the one TransMix reads, mixes its tokens by a self-attention
-      (:func:`check_transmix`); where not, ``why_no_attention`` says what mixes them there.
-    """
-
-    num_prefix_tokens: int
-    attends: bool
-    why_no_attention: str
-
-    @property
-    def depth(self) -> int: ...
-
-    def register(self, captures: List[LabelCapture]) -> list: ...
-
-    def num_tokens(self, captures: List[LabelCapture]) -> int: ...
-
-    def propagate(
-        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
-    ) -> torch.Tensor: ...
-
-    def readout(self, labels: torch.Tensor, output: Any) -> torch.Tensor: ...
-
-    def class_attention(self, captures: List[LabelCapture]) -> Optional[tuple]: ...
-
-
-def tracer_for(model, supported: dict, name: str = 'model') -> LabelTracer:
-    """The tracer of ``model`` from ``{model class: tracer class}`` (most specific first); an error
-    listing the supported classes otherwise."""
-    if hasattr(model, '_orig_mod'):  # torch.compile's OptimizedModule: its hooks would not see the graph
-        raise ValueError(
-            f"{name}: a torch.compile'd model; wrap the plain model first and compile the wrapper "
-            '(torch.compile(TLAlign(model)))'
-        )
-    for cls, tracer in supported.items():
-        if isinstance(model, cls):
-            return tracer(model)
-    names = ', '.join(f'{c.__module__}.{c.__name__}' for c in supported)
-    raise ValueError(
-        f'{name}: TL-Align has no tracer for {type(model).__module__}.{type(model).__name__}; supported: {names}'
-    )
-
-
-def check_transmix(tracer: LabelTracer, model, name: str = 'model') -> None:
-    """TransMix reads the last block's self-attention: refuse, naming the family and what mixes its tokens there,
-    a model whose tracer does not attend there (``tracer.attends``)."""
-    if not tracer.attends:
-        raise ValueError(
-            f"{name}: TransMix reads the last block's self-attention, and {type(model).__name__} has none there: "
-            f'{tracer.why_no_attention}; TL-Align traces it (TLAlign, --mixup-type tl_align)'
-        )
-
-
-def capture_forward(tracer: LabelTracer, forward: Callable[[], Any]) -> Tuple[Any, List[LabelCapture]]:
-    """Run ``forward()`` (the token path, unchanged) with the tracer's hooks; returns its output and the
-    captures. The hooks are removed whatever happens."""
-    captures: List[LabelCapture] = []
-    handles = tracer.register(captures)
-    try:
-        output = forward()
-    finally:
-        for h in handles:
-            h.remove()
-    return output, captures
-
-
-def check_drop_path(drop_path: str, name: str = 'drop_path') -> str:
-    if drop_path not in DROP_PATH_LABELS:
-        raise ValueError(f'{name}: expected one of {DROP_PATH_LABELS}, got {drop_path!r}')
-    return drop_path
-
-
-def trace_labels(
-    tracer: LabelTracer,
-    captures: List[LabelCapture],
-    output: Any,
-    labels: torch.Tensor,
-    layers: Optional[set] = None,
-    residual: bool = True,
-    drop_path: str = 'kept',
-) -> torch.Tensor:
-    """The label path after a captured forward: the initial state ``labels`` ``(B, T, K)`` through every
-    block (no gradients, fp32 whatever autocast the token path ran under), read out as ``(B, K)``.
-    ``drop_path`` (:data:`DROP_PATH_LABELS`): ``'public'`` ignores which samples stochastic depth dropped."""
-    if check_drop_path(drop_path) == 'public':
-        for c in captures:
-            c.keep = None
-    if tracer.num_tokens(captures) != labels.shape[1]:
-        raise ValueError(
-            f'labels: {labels.shape[1]} token labels for {tracer.num_tokens(captures)} tokens '
-            f'(prefix {tracer.num_prefix_tokens} + patches): the patch grid of x does not match'
-        )
-    with torch.no_grad(), torch.autocast(device_type=labels.device.type, enabled=False):
-        state = tracer.propagate(captures, labels.float(), layers, residual)
-        return tracer.readout(state, output)
-
-
 def nearest_token_share(mix: Mix) -> torch.Tensor:
     """``(B, gh, gw)`` the partner share of each patch's top-left pixel: the nearest-neighbour downsampling of
     the pixel mask that the public TransMix code uses (``nn.Upsample(mode='nearest')`` to the patch grid). Equal
@@ -474,10 +274,9 @@ def nearest_token_share(mix: Mix) -> torch.Tensor:
     return mix.pixel_share()[:, 0, ::ph, ::pw]
 
 
-def transmix_share(
-    tracer: LabelTracer, captures: List[LabelCapture], output: Any, mix: Mix, mode: str = 'paper'
-) -> torch.Tensor:
-    """TransMix's ``(B,)`` partner share of the target from the last block's attention.
+def transmix_share(tracer, captures: list, output: Any, mix: Mix, mode: str = 'paper') -> torch.Tensor:
+    """TransMix's ``(B,)`` partner share of the target from the last block's attention, after a forward captured
+    by ``tracer`` (a :class:`shared_core.tracer.Tracer` whose last block attends: ``tracer.attends``).
 
     Class-token models (``tracer.class_attention``): ``λ_partner = A · M``, ``A`` the head-mean attention of
     the class token to the patch tokens in the last block, renormalised over the patches, ``M`` the partner
@@ -507,7 +306,7 @@ def transmix_share(
         else:
             labels = compact_labels(mix, tracer.num_prefix_tokens)
             dev = next(t for c in captures[::-1] for t in (c.q, c.k, c.attn) if t is not None).device
-            share = trace_labels(tracer, captures, output, labels.to(dev), {tracer.depth - 1}, False)[:, 0]
+            share = tracer.label_path(captures, output, labels.to(dev), {tracer.depth - 1}, False)[:, 0]
     if mode == 'average':
         share = 0.5 * share + 0.5 * (1.0 - mix.lam.to(share.device))
     return share

@@ -4,7 +4,7 @@ method by changing its task line (docs: the timm guide, "With timm's own train.p
 
 - :class:`TLAlignTask`, :class:`TransMixTask`: the target of a token-aware mixer (a
   :class:`~timm_plugin.carrier.MixTarget`, ``create_mixer(mix_kind, method=...)``) is re-weighted by the
-  attention (:func:`shared_core.tl_align.trace_labels` / :func:`~shared_core.tl_align.transmix_share`)
+  attention (:meth:`shared_core.tracer.Tracer.label_path` / :func:`~shared_core.tl_align.transmix_share`)
   before the criterion; the logits are the model's own. A plain target (mixing off) is the
   ``ClassificationTask`` step.
 - :class:`TokenLabelingTask`: MixToken on the patch embedding, the aux head's un-mixed token logits and

@@ -9,8 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared_core.capture import SdpaCapture, SoftmaxCapture
-from shared_core.tl_align import LabelCapture
+from shared_core.capture import LabelCapture, SdpaCapture, SoftmaxCapture
 
 
 class _Sdpa(nn.Module):

@@ -20,7 +20,6 @@ from shared_core.tl_align import (
     linear_token_mixing,
     merge_2x2_labels,
     residual_labels,
-    self_attention_labels,
     talking_heads_labels,
     window_labels,
 )
@@ -80,18 +79,6 @@ def test_eq11_residual_labels_average_with_the_branch_for_the_kept_samples_only(
         assert torch.allclose(got[b], want, atol=1e-7)
     assert torch.equal(residual_labels(Y, branch, None, residual=False), branch)  # Table 8: no residual
     assert torch.equal(residual_labels(Y, branch, keep, residual=False)[1], Y[1])  # a dropped branch: kept
-
-
-def test_self_attention_labels_align_at_the_chosen_layers_only():
-    g = torch.Generator().manual_seed(2)
-    blocks = [(torch.randn(1, 2, 6, 4, generator=g), torch.randn(1, 2, 6, 4, generator=g), 0.5, None) for _ in range(3)]
-    Y = _labels(1, 6, 2, g)
-    want = Y.double()
-    for i, (q, k, scale, _) in enumerate(blocks):
-        if i != 1:  # layers = {0, 2}
-            want = (want + _eq9_loop(q, k, want.float(), scale)) / 2
-    got = self_attention_labels(iter(blocks), Y, layers={0, 2})
-    assert (got.double() - want).abs().max() < 1e-5
 
 
 def test_table9_linear_token_mixing_is_the_product_of_the_normalised_magnitudes():

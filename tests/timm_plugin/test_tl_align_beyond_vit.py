@@ -358,7 +358,7 @@ def test_cnn_dropped_branch_training_logits_and_eval(name):
     make, reference, _, _ = CNNS[name]
     model = make()
     wrapped = TLAlign(model).train()
-    wrapped.tracer._blocks()[1].drop_path = timm.layers.DropPath(1.0)  # block 1: every sample's branch dropped
+    wrapped.tracer.blocks()[1].drop_path = timm.layers.DropPath(1.0)  # block 1: every sample's branch dropped
     g = torch.Generator().manual_seed(2)
     x, Y = torch.randn(3, 3, 64, 64, generator=g), random_token_labels(3, 256, g)
     _, label = wrapped.trace(x, Y)

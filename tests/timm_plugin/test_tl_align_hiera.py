@@ -90,7 +90,7 @@ def test_the_tracer_is_the_reference_in_image_coordinates(img):
 def test_hiera_refusals():
     model = timm.create_model('hiera_tiny_224', img_size=(32, 32), num_classes=C, stages=(1, 1, 1, 1))
     model.blocks[0].attn.fused_attn = False
-    with pytest.raises(ValueError, match='block 0 computes its attention without scaled_dot_product_attention'):
+    with pytest.raises(ValueError, match=r'blocks \[0\] compute their attention without scaled_dot_product_attention'):
         TLAlign(model)
     model = timm.create_model('hiera_tiny_224', img_size=(32, 32), num_classes=C, stages=(1, 1, 1, 1))
     model.patch_drop_rate = 0.5

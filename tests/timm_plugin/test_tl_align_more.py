@@ -9,7 +9,6 @@ from timm.models.cait import Cait
 from timm.models.pvt_v2 import PyramidVisionTransformerV2
 
 from shared_core.mixing import mix_target, one_hot
-from shared_core.tl_align import capture_forward
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign, TransMix
 
@@ -178,7 +177,7 @@ def test_cait_stochastic_depth_uses_the_attention_branch_call():
     ]
     wrapped = TLAlign(model)
     torch.manual_seed(11)
-    _, captures = capture_forward(wrapped.tracer, lambda: model(torch.randn(16, 3, 32, 32)))
+    _, captures = wrapped.tracer.capture(lambda: model(torch.randn(16, 3, 32, 32)))
     for h in hooks:
         h.remove()
     assert any(not torch.equal(calls[id(b)][0], calls[id(b)][1]) for b in blocks)  # the two calls differ
@@ -194,10 +193,10 @@ def test_cait_stochastic_depth_uses_the_attention_branch_call():
     keeps = [cap.keep for cap in captures[: len(blocks)]] + [torch.arange(16) % 2 == 0]  # and there
     assert all(not k.all() for k in keeps)
     wrapped = TLAlign(model)
-    _, caps = capture_forward(wrapped.tracer, lambda: model(x))
+    _, caps = wrapped.tracer.capture(lambda: model(x))
     for cap, keep in zip(caps, keeps):
         cap.keep = keep
-    label = wrapped.tracer.readout(wrapped.tracer.propagate(caps, Y0, None, True), None)
+    label = wrapped.tracer.label_path(caps, None, Y0)
     _, ref = cait_reference(model, x, Y0, keeps=keeps)
     assert torch.allclose(label, ref, atol=1e-6)
 

@@ -177,8 +177,15 @@ def test_tl_align_pictures_read_back_and_start_from_the_mix(tiny_world, tmp_path
         viz_cli.tl_align(
             [*common[:-3], '--model', 'efficientnet_b0', '--model-kwargs', '--viz-dir', str(tmp_path / 'r')]
         )
-    with pytest.raises(ValueError, match='draws timm ViT / DeiT and Swin models, got ResNet'):  # traced, not drawn
-        viz_cli.tl_align([*common[:-3], '--model', 'resnet18', '--model-kwargs', '--viz-dir', str(tmp_path / 'r')])
+    # any family whose label states lie on a grid: a ResNet's on its stages' grids (stride 4, then coarser)
+    res = tmp_path / 'resnet'
+    argv = ['tl-align', *common[:-3], '--model', 'resnet18', '--model-kwargs', '--mixup-type', 'tl_align']
+    assert viz_cli.main([*argv, '--viz-dir', str(res)]) == 0  # the mixer on the ResNet's first grid (stride 4)
+    grids = json.loads((res / 'meta.json').read_text())['block_grids']
+    assert grids[0] == [28, 28] and grids[-1] == [4, 4] and len(grids) == 8  # 112-pixel images, 8 blocks
+    with pytest.raises(ValueError, match='draws label states on a token grid; Hiera keeps its tokens in another'):
+        viz_cli.tl_align([*common[:-3], '--model', 'hiera_tiny_224', '--model-kwargs', 'img_size=[128,128]',
+                          '--input-size', '3', '128', '128', '--viz-dir', str(tmp_path / 'r')])  # fmt: skip
 
 
 def _token_label_agreement(out, grid, stride):

@@ -51,22 +51,12 @@ from timm.models.swin_transformer import SwinTransformer
 from timm.models.twins import Twins
 from timm.models.vision_transformer import VisionTransformer
 
+from shared_core.checks import check_layers
 from shared_core.compiling import guard_module_hooks
 from shared_core.label_attention import check_choice, fused_label_attn, refuse_unrun_kernel
 from shared_core.mix import Mix
-from shared_core.tl_align import (
-    TRANSMIX_MODES,
-    aligned_target,
-    capture_forward,
-    check_drop_path,
-    check_layers,
-    check_transmix,
-    compact_labels,
-    dense_labels,
-    trace_labels,
-    tracer_for,
-    transmix_share,
-)
+from shared_core.tl_align import TRANSMIX_MODES, aligned_target, compact_labels, dense_labels, transmix_share
+from shared_core.tracer import check_drop_path, check_transmix, tracer_for
 
 from ..carrier import MixTarget
 from ..cct import CCT
@@ -237,7 +227,7 @@ class _MixTargetWrapper(nn.Module):
 
 class TLAlign(_MixTargetWrapper):
     """Token-label alignment around a timm model (see the module docstring); the label path is
-    :func:`shared_core.tl_align.trace_labels` with this model's tracer. :class:`timm_plugin.TLAlignTask` is
+    :meth:`shared_core.tracer.Tracer.label_path` of this model's tracer. :class:`timm_plugin.TLAlignTask` is
     the same as a timm ``TrainingTask``.
 
     Args:
@@ -275,7 +265,7 @@ class TLAlign(_MixTargetWrapper):
         self.residual = residual
         self.drop_path = check_drop_path(drop_path)
 
-    def _run(self, x: torch.Tensor, labels: torch.Tensor, forward=None, history: Optional[list] = None):
+    def _run(self, x: torch.Tensor, labels: torch.Tensor, forward=None, observe=None):
         labels = labels.to(x.device)
         tracer = self.tracer
         if self.shared:
@@ -283,22 +273,15 @@ class TLAlign(_MixTargetWrapper):
         else:
             why_not = "shared=False keeps the model's own attention and recomputes the labels in a call of their own"
         refuse_unrun_kernel(self.fused, why_not)  # the kernel runs in the shared path only
+        shared = None
         if why_not is None:
-            tracer = SharedAttentionViT(tracer, labels, self.layers, self.residual, self.drop_path, history=history)
-        elif history is not None:
-            if not hasattr(tracer, 'history'):
-                raise ValueError(
-                    f'model: the label states after each block are kept for timm ViTs (shared path) and Swin, not '
-                    f'for {type(self.model).__name__}'
-                )
-            tracer.history = history
-        try:
-            with fused_label_attn(self.fused):
-                output, captures = capture_forward(tracer, forward or (lambda: self.model(x)))
-                share = trace_labels(tracer, captures, output, labels, self.layers, self.residual, self.drop_path)
-        finally:
-            if history is not None and tracer is self.tracer:
-                tracer.history = None
+            shared = SharedAttentionViT(tracer, labels, self.layers, self.residual, self.drop_path, observe)
+        with fused_label_attn(self.fused):
+            output, captures = tracer.capture(forward or (lambda: self.model(x)), shared)
+            state = None if shared is None else shared.state(captures)
+            share = tracer.label_path(
+                captures, output, labels, self.layers, self.residual, self.drop_path, observe, state
+            )
         return output, share
 
     def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):
@@ -310,11 +293,16 @@ class TLAlign(_MixTargetWrapper):
     def label_states(self, x: torch.Tensor, target: torch.Tensor) -> tuple:
         """What :meth:`align` computes, and the label state after each block: ``(output, share, states)`` with
         ``share`` the ``(B, K)`` aligned label of what the classifier reads (column 0: the partner's share) and
-        ``states`` one ``(B, T, K)`` tensor per block for a ViT (prefix tokens first), one ``(B, H', W', K)`` per
-        block on its stage's grid for Swin (``tokenaug-viz tl-align`` draws them). Other models: ``ValueError``."""
+        ``states`` one ``(labels, grid)`` per block: the ``(B, T, K)`` label rows after it (prefix tokens first)
+        and the ``(H', W')`` grid its patch tokens lie on, or ``None`` where the tracer knows of none (a ViT's are
+        on the mix's patch grid; Hiera's are unrolled). ``tokenaug-viz tl-align`` draws them."""
         mix = self._check_target(x, target)
         states: list = []
-        output, share = self._run(x, compact_labels(mix, self.num_prefix_tokens), history=states)
+        output, share = self._run(
+            x,
+            compact_labels(mix, self.num_prefix_tokens),
+            observe=lambda i, labels, grid: states.append((labels, grid)),
+        )
         return output, share, states
 
     def trace(self, x: torch.Tensor, token_labels: torch.Tensor, cls_label: Optional[torch.Tensor] = None):
@@ -361,7 +349,7 @@ class TransMix(_MixTargetWrapper):
     def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):
         mix = self._check_target(x, target)
         refuse_unrun_kernel(self.fused, "TransMix reads the last block's attention in a call of its own")
-        output, captures = capture_forward(self.tracer, forward or (lambda: self.model(x)))
+        output, captures = self.tracer.capture(forward or (lambda: self.model(x)))
         with fused_label_attn(self.fused):
             share = transmix_share(self.tracer, captures, output, mix.to(x.device), self.mode)
         return output, aligned_target(share, target.labels, mix, target.num_classes, target.smoothing)

@@ -3,8 +3,6 @@ the convolutions' grid."""
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -12,66 +10,35 @@ from timm.layers import Mlp
 from timm.models.convnext import ConvNeXt, ConvNeXtBlock, ConvNeXtStage
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 
-from shared_core.tl_align import (
-    LabelCapture,
-    conv_stencil_labels,
-    residual_labels,
-)
+from shared_core.capture import Captures, LabelCapture
+from shared_core.tl_align import conv_stencil_labels
+from shared_core.tracer import Tracer, check_pool
 
-from ._blocks import StagedBlocks, check_captured, hook_first_drop_path, pool_like
+from ._blocks import pool_like, stencil
 
 # ---------------------------------------------------------------------------------------------- ConvNeXt
 
 
-class _ConvLabelGrid(StagedBlocks):
-    """What the CNN tracers share: the label state starts on the grid one module reports (:meth:`_grid_hook`), one
-    capture per block keeps the samples its (first) drop path kept, convs mix labels by their fixed stencil
-    ``mean |K|`` over the channel dims, and global average pooling reads the mean label."""
+class _ConvLabelGrid(Tracer):
+    """What the CNN tracers share: the label state is a ``(B, K, H, W)`` map on the grid one module reports
+    (:meth:`watch_model`, default the output grid of ``model.stem``), each block's samples its (first) drop path
+    kept, convs mix labels by their fixed stencil ``mean |K|`` over the channel dims (:func:`._blocks.stencil`),
+    and global average pooling reads the mean label. ``pooled_outside``: the model's own head pooling is off and
+    its final map is average-pooled outside it (mmpretrain's ``TIMMBackbone`` with a ``GlobalAveragePooling``
+    neck): the head's pooling is not checked, the readout is the same mean."""
 
-    num_prefix_tokens = 0
-    _grid_module = 'the stem'
+    layout = 'map'
+    grid_module = 'the stem'
     #: convolutions mix the tokens (TransMix has no attention to read)
     attends = False
     why_no_attention = 'its blocks mix tokens by convolutions'
 
-    def _grid_hook(self, cap: LabelCapture):
-        """A hook that sets ``cap.tokens`` to the ``(H, W)`` grid the label state starts on (default: the output
-        grid of ``model.stem``); returns its handle."""
-        return self.model.stem.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'tokens', tuple(o.shape[-2:])))
+    def watch_model(self, captures: Captures, handles: list) -> None:
+        stem = self.model.stem
+        handles.append(stem.register_forward_hook(lambda m, i, o: setattr(captures, 'grid', tuple(o.shape[-2:]))))
 
-    def register(self, captures: List[LabelCapture]) -> list:
-        """``captures[0]`` keeps the first grid, then one per block (the samples its drop_path kept)."""
-        stem = LabelCapture()
-        captures.append(stem)
-        handles = [self._grid_hook(stem)]
-        for blk in self._blocks():
-            cap = LabelCapture()
-            captures.append(cap)
-            hook_first_drop_path(blk, cap, handles)
-        return handles
-
-    def num_tokens(self, captures: List[LabelCapture]) -> int:
-        check_captured(captures[:1], ('tokens',), f'{self._grid_module} did not run (a replaced forward?)')
-        H, W = captures[0].tokens
-        return H * W
-
-    @staticmethod
-    def _label_map(captures: List[LabelCapture], labels: torch.Tensor) -> torch.Tensor:
-        """The ``(B, N, K)`` labels as a channels-first ``(B, K, H, W)`` map on the first grid, for the conv ops."""
-        H, W = captures[0].tokens
-        return labels.transpose(1, 2).reshape(labels.shape[0], labels.shape[2], H, W)
-
-    @staticmethod
-    def stencil(conv: nn.Conv2d) -> torch.Tensor:
-        """``S = mean |K|`` ``(k, k)`` fp32 over a conv's output and input channel dims (a depthwise conv: over its
-        channels' kernels)."""
-        return conv.weight.detach().float().abs().mean((0, 1))
-
-    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
-        return labels.mean(1)
-
-    def class_attention(self, captures: List[LabelCapture]):
-        return None
+    def drop_path(self, blk: nn.Module):
+        return getattr(blk, 'drop_path', None)  # (ResNet's: None without stochastic depth)
 
 
 class ConvNeXtTracer(_ConvLabelGrid):
@@ -100,9 +67,9 @@ class ConvNeXtTracer(_ConvLabelGrid):
     why_no_attention = 'its blocks mix tokens by depthwise convolutions'
 
     def __init__(self, model: ConvNeXt, pooled_outside: bool = False):
-        pool = getattr(getattr(model.head, 'global_pool', None), 'pool_type', None)
-        if pool != 'avg' and not pooled_outside:
-            raise ValueError(f"model: ConvNeXt with head pooling {pool!r} has no TL-Align rule; use 'avg'")
+        if not pooled_outside:
+            pool = getattr(getattr(model.head, 'global_pool', None), 'pool_type', None)
+            check_pool(pool, ('avg',), 'ConvNeXt', 'head pooling ')
         stem = model.stem[0] if isinstance(model.stem, nn.Sequential) and len(model.stem) == 2 else None
         if type(stem) is not nn.Conv2d or stem.kernel_size != stem.stride or stem.padding != (0, 0):
             raise ValueError(
@@ -130,25 +97,17 @@ class ConvNeXtTracer(_ConvLabelGrid):
                         f'{type(b.shortcut).__name__} has no TL-Align rule (ConvNeXt V2 global response norm '
                         'mixes all tokens)'
                     )
-        self.model = model
+        super().__init__(model)
 
-    def propagate(
-        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
-    ) -> torch.Tensor:
-        Y = self._label_map(captures, labels)
-        caps = iter(captures[1:])
-        idx = 0
-        for stage in self.model.stages:
-            if not isinstance(stage.downsample, nn.Identity):
-                Y = pool_like(Y, stage.downsample[-1])
-            for blk in stage.blocks:
-                keep = next(caps).keep
-                if layers is None or idx in layers:
-                    dw = blk.conv_dw
-                    branch = conv_stencil_labels(Y, self.stencil(dw), dw.padding)
-                    Y = residual_labels(Y, branch, keep, residual)
-                idx += 1
-        return Y.flatten(2).transpose(1, 2)
+    def stages(self):
+        return [(stage, stage.blocks) for stage in self.model.stages]
+
+    def enter(self, stage, Y: torch.Tensor) -> torch.Tensor:
+        return Y if isinstance(stage.downsample, nn.Identity) else pool_like(Y, stage.downsample[-1])
+
+    def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        dw = blk.conv_dw
+        return conv_stencil_labels(Y, stencil(dw), dw.padding)
 
 
 # ---------------------------------------------------------------------------------------------- ResNet
@@ -181,12 +140,10 @@ class ResNetTracer(_ConvLabelGrid):
     """
 
     def __init__(self, model: ResNet, pooled_outside: bool = False):
-        if model.global_pool.pool_type != 'avg' and not pooled_outside:
-            raise ValueError(
-                f"model: ResNet with global_pool={model.global_pool.pool_type!r} has no TL-Align rule; use 'avg'"
-            )
-        self.model = model
-        for i, blk in enumerate(self._blocks()):
+        if not pooled_outside:
+            check_pool(model.global_pool.pool_type, ('avg',), 'ResNet')
+        super().__init__(model)
+        for i, blk in enumerate(self.blocks()):
             convs = self._spatial_convs(blk)
             if type(blk) not in (BasicBlock, Bottleneck) or convs is None:
                 raise ValueError(
@@ -202,9 +159,9 @@ class ResNetTracer(_ConvLabelGrid):
                 )
             self._shortcut(blk)  # checks the downsample
 
-    _grid_module = 'layer1'
+    grid_module = 'layer1'
 
-    def _blocks(self) -> list:
+    def blocks(self) -> list:
         m = self.model
         return [b for layer in (m.layer1, m.layer2, m.layer3, m.layer4) for b in layer]
 
@@ -238,23 +195,16 @@ class ResNetTracer(_ConvLabelGrid):
             )
         raise ValueError(f'model: ResNet downsample {ds} has no TL-Align rule')
 
-    def _grid_hook(self, cap: LabelCapture):
-        return self.model.layer1.register_forward_pre_hook(
-            lambda m, a, c=cap: setattr(c, 'tokens', tuple(a[0].shape[-2:]))
-        )
+    def watch_model(self, captures: Captures, handles: list) -> None:
+        """The grid the first stage runs on (``layer1``'s input)."""
+        layer1 = self.model.layer1
+        handles.append(layer1.register_forward_pre_hook(lambda m, a: setattr(captures, 'grid', tuple(a[0].shape[-2:]))))
 
-    def propagate(
-        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
-    ) -> torch.Tensor:
-        Y = self._label_map(captures, labels)
-        for idx, (blk, cap) in enumerate(zip(self._blocks(), captures[1:])):
-            shortcut = self._shortcut(blk)
-            short = Y if shortcut is None else shortcut(Y)
-            if layers is None or idx in layers:
-                branch = Y
-                for conv in self._spatial_convs(blk):
-                    branch = conv_stencil_labels(branch, self.stencil(conv), conv.padding, conv.stride)
-                Y = residual_labels(short, branch, cap.keep, residual)
-            else:
-                Y = short
-        return Y.flatten(2).transpose(1, 2)
+    def shortcut(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        op = self._shortcut(blk)
+        return Y if op is None else op(Y)
+
+    def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        for conv in self._spatial_convs(blk):
+            Y = conv_stencil_labels(Y, stencil(conv), conv.padding, conv.stride)
+        return Y

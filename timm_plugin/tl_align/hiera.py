@@ -3,21 +3,21 @@ Table 9 for the pooling)."""
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import torch
+import torch.nn as nn
 from timm.layers import Mlp
 from timm.models.hiera import Hiera, HieraBlock, MaskUnitAttention
 
-from shared_core.capture import SdpaCapture
-from shared_core.tl_align import LabelCapture, attention_labels, residual_labels
+from shared_core.capture import Captures, LabelCapture, SdpaCapture
+from shared_core.tl_align import attention_labels
+from shared_core.tracer import Tracer, check_block_parts, check_fused_sdpa, check_pool, check_types
 
-from ._blocks import NORMS, check_captured, watch_blocks
+from ._blocks import NORMS
 
 __all__ = ['HieraTracer']
 
 
-class HieraTracer:
+class HieraTracer(Tracer):
     """Label rules for timm's ``Hiera`` (``hiera_*``):
 
     - Initial labels: one per patch of the patch embedding (stride 4; its overlapping 7x7 windows are not
@@ -38,53 +38,39 @@ class HieraTracer:
     without SDPA (``fused_attn`` off).
     """
 
-    num_prefix_tokens = 0
-    #: the last block mixes its tokens by a self-attention (TransMix reads it)
-    attends = True
+    capture_mode = SdpaCapture
+    needs = ('q', 'k')
+    why_missing = 'its attention made no scaled_dot_product_attention call'
 
     def __init__(self, model: Hiera):
-        for i, b in enumerate(model.blocks):
-            if type(b) is not HieraBlock or type(b.attn) is not MaskUnitAttention:
-                raise ValueError(f'model: TL-Align traces HieraBlock with MaskUnitAttention; block {i} is {b}')
-            for name, obj, types in (
-                ('norm1', b.norm1, NORMS),
-                ('norm2', b.norm2, NORMS),
-                ('mlp', b.mlp, (Mlp,)),
-            ):
-                if type(obj) not in types:
-                    raise ValueError(f'model: Hiera block {i}: {name} is a {type(obj).__name__}; no TL-Align rule')
-            if not b.attn.fused_attn:
-                raise ValueError(
-                    f'model: Hiera block {i} computes its attention without scaled_dot_product_attention (fused_attn '
-                    'off); TL-Align reads the attention at that call'
-                )
-        if getattr(model.head, 'pool_type', None) != 'avg':
-            raise ValueError(
-                f'model: Hiera with head pooling {getattr(model.head, "pool_type", None)!r} has no TL-Align rule; '
-                "use 'avg'"
-            )
+        check_types(model.blocks, (HieraBlock,), (MaskUnitAttention,), 'Hiera')
+        check_block_parts(model.blocks, {'norm1': NORMS, 'norm2': NORMS, 'mlp': (Mlp,)})
+        check_fused_sdpa(model.blocks)
+        check_pool(getattr(model.head, 'pool_type', None), ('avg',), 'Hiera', 'head pooling ')
         if model.patch_drop_rate > 0:
             raise ValueError('model: mask-unit patch dropout removes tokens; TL-Align does not trace it')
-        self.model = model
+        super().__init__(model)
 
-    @property
-    def depth(self) -> int:
-        return len(self.model.blocks)
+    def blocks(self):
+        return self.model.blocks
 
-    def register(self, captures: List[LabelCapture]) -> list:
-        """``captures[0]`` keeps the patch count, then one per block (its attention call, the kept samples)."""
-        embed = LabelCapture()
-        captures.append(embed)
-        handle = self.model.patch_embed.register_forward_hook(lambda m, i, o: setattr(embed, 'tokens', o.shape[1]))
-        return [handle] + watch_blocks(self.model.blocks, captures, SdpaCapture())
+    def watch_model(self, captures: Captures, handles: list) -> None:
+        """The patch count (``captures.grid``): the tokens are unrolled, no grid."""
+        embed = self.model.patch_embed
+        handles.append(embed.register_forward_hook(lambda m, i, o: setattr(captures, 'grid', o.shape[1])))
 
-    def num_tokens(self, captures: List[LabelCapture]) -> int:
-        check_captured(captures[:1], ('tokens',), 'the patch embedding did not run')
-        check_captured(captures[1:], ('q', 'k'), 'its attention made no scaled_dot_product_attention call')
-        return captures[0].tokens
+    def to_layout(self, labels: torch.Tensor, captures: Captures) -> torch.Tensor:
+        """The rows in the order of the model's own ``unroll`` (a permutation of the tokens: no grid)."""
+        return self.model.unroll(labels)
 
-    @staticmethod
-    def _branch(attn: MaskUnitAttention, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+    def grid_of(self, Y: torch.Tensor, captures: Captures):
+        return None
+
+    def shortcut(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        s = blk.attn.q_stride
+        return Y.view(Y.shape[0], s, -1, Y.shape[-1]).mean(1) if s > 1 else Y  # the pooled shortcut
+
+    def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
         """Eq. 9 for one block: ``Y`` ``(B, N, K)`` in the block's token order -> ``(B, N / s, K)``."""
         B, N, K = Y.shape
         if cap.q.dim() == 4:  # global attention over every token
@@ -95,22 +81,3 @@ class HieraTracer:
         k = cap.k.transpose(1, 2).flatten(0, 1)
         out = attention_labels(q, k, Yw.flatten(0, 1), scale=cap.scale)  # (B * nw, T_q, K)
         return out.view(B, nw, -1, K).transpose(1, 2).reshape(B, -1, K)  # token tq * nw + w
-
-    def propagate(
-        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
-    ) -> torch.Tensor:
-        Y = self.model.unroll(labels)
-        for idx, (blk, cap) in enumerate(zip(self.model.blocks, captures[1:])):
-            s = blk.attn.q_stride
-            short = Y.view(Y.shape[0], s, -1, Y.shape[-1]).mean(1) if s > 1 else Y  # the pooled shortcut
-            if layers is None or idx in layers:
-                Y = residual_labels(short, self._branch(blk.attn, cap, Y), cap.keep, residual)
-            else:
-                Y = short
-        return Y
-
-    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
-        return labels.mean(1)
-
-    def class_attention(self, captures: List[LabelCapture]):
-        return None

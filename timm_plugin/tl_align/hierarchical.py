@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -26,18 +24,14 @@ from timm.models.swin_transformer import (
     WindowAttention,
 )
 
-from shared_core.tl_align import (
-    LabelCapture,
-    attention_labels,
-    residual_labels,
-    swin_labels,
-    window_labels,
-)
+from shared_core.capture import Captures, LabelCapture
+from shared_core.tl_align import attention_labels, merge_2x2_labels, window_labels
+from shared_core.tracer import Tracer, check_pool
 
-from ._blocks import StagedBlocks, hook_drop_path, pool_like, set_qk
+from ._blocks import pool_like, set_qk
 
 
-class SwinTracer(StagedBlocks):
+class SwinTracer(Tracer):
     """Label rules for timm's ``SwinTransformer``: per block, the labels take the block's cyclic shift,
     window partition, head-mean window attention (relative-position bias and shift mask included: the
     attention the token path used), window reverse and shift back, then the residual average; each
@@ -48,14 +42,8 @@ class SwinTracer(StagedBlocks):
     hook then takes the attention probabilities the token path computed; with fused attention it takes
     ``q``, ``k`` and the shift mask and recomputes the label attention (fused on accelerators)."""
 
-    num_prefix_tokens = 0
-    #: the last block mixes its tokens by a self-attention (TransMix reads it)
-    attends = True
-    history: Optional[list] = None  # a list to append each block's (B, H', W', K) state to (tokenaug-viz)
-
     def __init__(self, model: SwinTransformer):
-        if model.global_pool != 'avg':
-            raise ValueError(f"model: Swin with global_pool={model.global_pool!r} has no TL-Align rule; use 'avg'")
+        check_pool(model.global_pool, ('avg',), 'Swin')
         for stage in model.layers:
             if not isinstance(stage.downsample, (nn.Identity, PatchMerging)):
                 raise ValueError(f'model: Swin downsample {type(stage.downsample).__name__} has no TL-Align rule')
@@ -64,42 +52,43 @@ class SwinTracer(StagedBlocks):
                     raise ValueError(
                         f'model: TL-Align traces timm SwinTransformerBlock/WindowAttention, got {type(blk).__name__}'
                     )
-        self.model = model
+        super().__init__(model)
 
-    _stages = 'layers'
+    def stages(self):
+        return [(stage, stage.blocks) for stage in self.model.layers]
 
-    def register(self, captures: List[LabelCapture]) -> list:
-        handles = []
-        for blk in self._blocks():
-            cap = LabelCapture()
-            captures.append(cap)
+    layout = 'grid'
+
+    def watch_model(self, captures: Captures, handles: list) -> None:
+        """The first token grid: the first block's input."""
+        first = self.blocks()[0]
+        handles.append(first.register_forward_pre_hook(lambda m, i: setattr(captures, 'grid', tuple(i[0].shape[1:3]))))
+
+    def watch(self, blk: nn.Module, cap: LabelCapture, handles: list) -> None:
+        """Its attention's ``q``, ``k`` and shift mask (fused attention), else the attention probabilities of its
+        softmax."""
+        if blk.attn.fused_attn:
             handles.append(
-                blk.register_forward_pre_hook(lambda m, i, c=cap: setattr(c, 'tokens', tuple(i[0].shape[1:3])))
+                blk.attn.register_forward_pre_hook(
+                    lambda m, a, kw, c=cap: setattr(c, 'mask', kw.get('mask', a[1] if len(a) > 1 else None)),
+                    with_kwargs=True,
+                )
             )
-            if blk.attn.fused_attn:
-                handles.append(
-                    blk.attn.register_forward_pre_hook(
-                        lambda m, a, kw, c=cap: setattr(c, 'mask', kw.get('mask', a[1] if len(a) > 1 else None)),
-                        with_kwargs=True,
-                    )
+            handles.append(
+                blk.attn.qkv.register_forward_hook(
+                    lambda m, i, o, c=cap, a=blk.attn: set_qk(c, o.detach(), a.num_heads)
                 )
-                handles.append(
-                    blk.attn.qkv.register_forward_hook(
-                        lambda m, i, o, c=cap, a=blk.attn: set_qk(c, o.detach(), a.num_heads)
-                    )
-                )
-            else:
-                handles.append(
-                    blk.attn.softmax.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'attn', o.detach()))
-                )
-            hook_drop_path(blk, cap, handles)
-        return handles
+            )
+        else:
+            handles.append(
+                blk.attn.softmax.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'attn', o.detach()))
+            )
 
-    def num_tokens(self, captures: List[LabelCapture]) -> int:
-        H, W = captures[0].tokens
-        return H * W
+    def enter(self, stage, Y: torch.Tensor) -> torch.Tensor:
+        return merge_2x2_labels(Y) if isinstance(stage.downsample, PatchMerging) else Y  # timm: at a stage's start
 
-    def _window_labels(self, blk: SwinTransformerBlock, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+    def branch(self, blk: SwinTransformerBlock, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        """Eq. 9 for the block's (shifted) window attention on the ``(B, H, W, K)`` labels."""
         if cap.attn is not None:  # the token path's own attention probabilities
             return window_labels(Y, blk.window_size, blk.shift_size, attn=cap.attn)
         a = blk.attn
@@ -111,34 +100,11 @@ class SwinTracer(StagedBlocks):
             bias = bias + mask.reshape(-1, a.num_heads, N, N)
         return window_labels(Y, blk.window_size, blk.shift_size, q=cap.q, k=cap.k, bias=bias, scale=a.scale)
 
-    def propagate(
-        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
-    ) -> torch.Tensor:
-        blocks = self._blocks()
-        stages = [(len(stage.blocks), isinstance(stage.downsample, PatchMerging)) for stage in self.model.layers]
-        return swin_labels(
-            labels,
-            captures[0].tokens,
-            stages,
-            lambda idx, Y: self._window_labels(blocks[idx], captures[idx], Y),
-            [c.keep for c in captures],
-            merge_at='start',
-            layers=layers,
-            residual=residual,
-            history=self.history,
-        )
-
-    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
-        return labels.mean(1)
-
-    def class_attention(self, captures: List[LabelCapture]):
-        return None
-
 
 # ---------------------------------------------------------------------------------------------- PVT v2
 
 
-class PvtV2Tracer(StagedBlocks):
+class PvtV2Tracer(Tracer):
     """Label rules for timm's ``PyramidVisionTransformerV2`` (the TL-Align paper, Eq. 9/11 and Table 9).
 
     - Initial labels: one per token of the first (overlapping, 7x7 stride-4) patch embedding, from the
@@ -160,13 +126,10 @@ class PvtV2Tracer(StagedBlocks):
     - Stage norms are point-wise; the target is the mean label of the last stage (global average pooling).
     """
 
-    num_prefix_tokens = 0
-    #: the last block mixes its tokens by a self-attention (TransMix reads it)
-    attends = True
+    layout = 'map'
 
     def __init__(self, model: PyramidVisionTransformerV2):
-        if model.global_pool != 'avg':
-            raise ValueError(f"model: PVT v2 with global_pool={model.global_pool!r} has no TL-Align rule; use 'avg'")
+        check_pool(model.global_pool, ('avg',), 'PVT v2')
         for stage in model.stages:
             if type(stage) is not PyramidVisionTransformerStage:
                 raise ValueError(
@@ -177,35 +140,26 @@ class PvtV2Tracer(StagedBlocks):
             for b in stage.blocks:
                 if type(b) is not PvtBlock or type(b.attn) is not PvtAttention:
                     raise ValueError(f'model: TL-Align traces PVT v2 Block/Attention, got {type(b).__name__}')
-        self.model = model
+        super().__init__(model)
 
-    def register(self, captures: List[LabelCapture]) -> list:
-        """``captures[0]`` keeps the first token grid (``patch_embed``'s output), then one per block
-        (its ``feat_size``, ``q``, the ``kv`` projection and the kept samples)."""
-        stem = LabelCapture()
-        captures.append(stem)
-        handles = [
-            self.model.patch_embed.register_forward_hook(
-                lambda m, i, o, c=stem: setattr(c, 'tokens', tuple(o.shape[1:3]))
-            )
-        ]
-        for blk in self._blocks():
-            cap = LabelCapture()
-            captures.append(cap)
-            handles.append(
-                blk.register_forward_pre_hook(
-                    lambda m, a, kw, c=cap: setattr(c, 'tokens', tuple(kw['feat_size'] if 'feat_size' in kw else a[1])),
-                    with_kwargs=True,
-                )
-            )
-            handles.append(blk.attn.q.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'q', o.detach())))
-            handles.append(blk.attn.kv.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'k', o.detach())))
-            hook_drop_path(blk, cap, handles)
-        return handles
+    def stages(self):
+        return [(stage, stage.blocks) for stage in self.model.stages]
 
-    def num_tokens(self, captures: List[LabelCapture]) -> int:
-        H, W = captures[0].tokens
-        return H * W
+    def watch_model(self, captures: Captures, handles: list) -> None:
+        """The first token grid: ``patch_embed``'s output."""
+        embed = self.model.patch_embed
+        handles.append(embed.register_forward_hook(lambda m, i, o: setattr(captures, 'grid', tuple(o.shape[1:3]))))
+
+    def watch(self, blk: nn.Module, cap: LabelCapture, handles: list) -> None:
+        """The block's grid (``feat_size``), ``q`` and the ``kv`` projection."""
+        handles.append(
+            blk.register_forward_pre_hook(
+                lambda m, a, kw, c=cap: setattr(c, 'tokens', tuple(kw['feat_size'] if 'feat_size' in kw else a[1])),
+                with_kwargs=True,
+            )
+        )
+        handles.append(blk.attn.q.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'q', o.detach())))
+        handles.append(blk.attn.kv.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'k', o.detach())))
 
     @staticmethod
     def _key_labels(a: PvtAttention, Y: torch.Tensor) -> torch.Tensor:
@@ -216,37 +170,19 @@ class PvtV2Tracer(StagedBlocks):
             Y = pool_like(Y, a.sr)
         return Y.flatten(2).transpose(1, 2)
 
-    def propagate(
-        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
-    ) -> torch.Tensor:
-        H, W = captures[0].tokens
-        B, _, K = labels.shape
-        with torch.autocast(device_type=labels.device.type, enabled=False):
-            Y = labels.float().transpose(1, 2).reshape(B, K, H, W)  # channels first, for the pooling ops
-            idx = 0
-            for stage in self.model.stages:
-                if stage.downsample is not None:
-                    Y = pool_like(Y, stage.downsample.proj)
-                for blk in stage.blocks:
-                    cap, a = captures[1 + idx], blk.attn
-                    if cap.tokens != tuple(Y.shape[-2:]):
-                        raise ValueError(
-                            f'model: PVT v2 block {idx} ran on a {cap.tokens} grid, the labels are '
-                            f'on {tuple(Y.shape[-2:])}'
-                        )
-                    if layers is None or idx in layers:
-                        N, Nk = Y.shape[-2] * Y.shape[-1], cap.k.shape[1]
-                        q = cap.q.reshape(B, N, a.num_heads, a.head_dim).transpose(1, 2)
-                        k = cap.k.reshape(B, Nk, 2, a.num_heads, a.head_dim)[:, :, 0].transpose(1, 2)
-                        flat = Y.flatten(2).transpose(1, 2)
-                        branch = attention_labels(q, k, self._key_labels(a, Y), scale=a.scale)
-                        flat = residual_labels(flat, branch, cap.keep, residual)  # MLP residual: Y
-                        Y = flat.transpose(1, 2).reshape(B, K, *Y.shape[-2:])
-                    idx += 1
-        return Y.flatten(2).transpose(1, 2)
+    def enter(self, stage, Y: torch.Tensor) -> torch.Tensor:
+        return Y if stage.downsample is None else pool_like(Y, stage.downsample.proj)
 
-    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
-        return labels.mean(1)
-
-    def class_attention(self, captures: List[LabelCapture]):
-        return None
+    def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        """Eq. 9 with spatial-reduction keys on the ``(B, K, H, W)`` labels."""
+        if cap.tokens != tuple(Y.shape[-2:]):
+            raise ValueError(
+                f'model: a PVT v2 block ran on a {cap.tokens} grid, the labels are on {tuple(Y.shape[-2:])}'
+            )
+        a = blk.attn
+        B, K = Y.shape[:2]
+        N, Nk = Y.shape[-2] * Y.shape[-1], cap.k.shape[1]
+        q = cap.q.reshape(B, N, a.num_heads, a.head_dim).transpose(1, 2)
+        k = cap.k.reshape(B, Nk, 2, a.num_heads, a.head_dim)[:, :, 0].transpose(1, 2)
+        branch = attention_labels(q, k, self._key_labels(a, Y), scale=a.scale)  # (B, N, K); MLP residual: Y
+        return branch.transpose(1, 2).reshape(B, K, *Y.shape[-2:])

@@ -3,8 +3,6 @@ paper, Eq. 9/11 and Table 9 of its appendix), the labels on the stages' token gr
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import torch
 import torch.nn as nn
 from timm.layers import GroupNorm1, LayerNorm, LayerNorm2d, Mlp
@@ -23,10 +21,11 @@ from timm.models.metaformer import (
     Stem,
 )
 
-from shared_core.capture import SdpaCapture
-from shared_core.tl_align import LabelCapture, attention_labels, conv_pool_labels, conv_stencil_labels, residual_labels
+from shared_core.capture import LabelCapture, SdpaCapture
+from shared_core.tl_align import attention_labels, conv_pool_labels, conv_stencil_labels
+from shared_core.tracer import check_block_parts, check_fused_sdpa, check_pool
 
-from ._blocks import watch_blocks
+from ._blocks import stencil
 from .cnn import _ConvLabelGrid
 
 __all__ = ['MetaFormerTracer']
@@ -34,6 +33,16 @@ __all__ = ['MetaFormerTracer']
 #: the norms MetaFormer blocks use: per token, or (GroupNorm with one group, as BatchNorm in a ResNet) with
 #: statistics shared by all tokens of a sample, which rescale every token alike and move no content between them
 _NORMS = (LayerNorm2d, LayerNorm2dNoBias, LayerNorm, LayerNormNoBias, nn.LayerNorm, GroupNorm1, GroupNorm1NoBias)
+
+#: the token mixers with a rule, and the block's other parts: per token (the labels pass them unchanged)
+_MIXERS = (Pooling, SepConv, Attention, nn.Identity)
+_PARTS = {
+    'norm1': _NORMS,
+    'norm2': _NORMS,
+    'mlp': (Mlp,),
+    'layer_scale1': (Scale, nn.Identity),
+    'res_scale1': (Scale, nn.Identity),
+}
 
 
 class MetaFormerTracer(_ConvLabelGrid):
@@ -65,9 +74,9 @@ class MetaFormerTracer(_ConvLabelGrid):
     """
 
     def __init__(self, model: MetaFormer, pooled_outside: bool = False):
-        pool = getattr(getattr(model.head, 'global_pool', None), 'pool_type', None)
-        if pool != 'avg' and not pooled_outside:
-            raise ValueError(f"model: MetaFormer with head pooling {pool!r} has no TL-Align rule; use 'avg'")
+        if not pooled_outside:
+            pool = getattr(getattr(model.head, 'global_pool', None), 'pool_type', None)
+            check_pool(pool, ('avg',), 'MetaFormer', 'head pooling ')
         if type(model.stem) is not Stem:
             raise ValueError(f"model: TL-Align traces MetaFormer's Stem; the stem is {type(model.stem).__name__}")
         for i, stage in enumerate(model.stages):
@@ -77,16 +86,8 @@ class MetaFormerTracer(_ConvLabelGrid):
             if not isinstance(ds, nn.Identity) and (type(ds) is not Downsampling or type(ds.conv) is not nn.Conv2d):
                 raise ValueError(f'model: MetaFormer stage {i} downsample {ds} has no TL-Align rule')
             for j, b in enumerate(stage.blocks):
-                parts = {
-                    'block': (b, (MetaFormerBlock,)),
-                    'token_mixer': (b.token_mixer, (Pooling, SepConv, Attention, nn.Identity)),
-                    'norm1': (b.norm1, _NORMS),
-                    'norm2': (b.norm2, _NORMS),
-                    'mlp': (b.mlp, (Mlp,)),
-                    'layer_scale1': (b.layer_scale1, (Scale, nn.Identity)),
-                    'res_scale1': (b.res_scale1, (Scale, nn.Identity)),
-                }
-                for name, (obj, types) in parts.items():
+                for name, types in (('block', (MetaFormerBlock,)), ('token_mixer', _MIXERS)):
+                    obj = b if name == 'block' else b.token_mixer
                     if type(obj) not in types:
                         raise ValueError(
                             f'model: MetaFormer stage {i} block {j}: {name} is a {type(obj).__name__}; TL-Align '
@@ -97,19 +98,26 @@ class MetaFormerTracer(_ConvLabelGrid):
                     dw = mixer.dwconv
                     if dw.groups != dw.in_channels or dw.stride != (1, 1) or dw.dilation != (1, 1):
                         raise ValueError(f'model: MetaFormer stage {i} block {j}: {dw} is not a plain depthwise conv')
-                if type(mixer) is Attention and not mixer.fused_attn:
-                    raise ValueError(
-                        f'model: MetaFormer stage {i} block {j} computes its attention without '
-                        'scaled_dot_product_attention (fused_attn off); TL-Align reads the attention at that call'
-                    )
-        self.model = model
+        super().__init__(model)
+        blocks = self.blocks()
+        check_block_parts(blocks, _PARTS)
+        check_fused_sdpa(blocks, self.attention)
 
-    _stages = 'stages'
-    _grid_module = 'the stem'
+    capture_mode = SdpaCapture
+
+    def stages(self):
+        return [(stage, stage.blocks) for stage in self.model.stages]
+
+    def attention(self, blk: nn.Module):
+        """An attention token mixer (CAFormer's last stages); pooling and convolution mixers have none."""
+        return blk.token_mixer if type(blk.token_mixer) is Attention else None
+
+    def drop_path(self, blk: nn.Module) -> nn.Module:
+        return blk.drop_path1
 
     @property
     def _last_mixer(self) -> nn.Module:
-        return self._blocks()[-1].token_mixer
+        return self.blocks()[-1].token_mixer
 
     @property
     def attends(self) -> bool:
@@ -121,27 +129,15 @@ class MetaFormerTracer(_ConvLabelGrid):
         what = {Pooling: 'pooling', SepConv: 'a depthwise convolution'}.get(type(self._last_mixer), 'an identity')
         return f'its last block mixes tokens by {what} ({type(self._last_mixer).__name__})'
 
-    def register(self, captures: List[LabelCapture]) -> list:
-        """``captures[0]`` keeps the stem's grid, then one per block: the samples its drop path kept and, for an
-        attention mixer, its attention call."""
-        stem = LabelCapture()
-        captures.append(stem)
-        mixers = watch_blocks(
-            self._blocks(),
-            captures,
-            SdpaCapture(),
-            lambda b: b.token_mixer if type(b.token_mixer) is Attention else None,
-        )
-        return [self._grid_hook(stem)] + mixers
-
-    def _branch(self, mixer: nn.Module, Y: torch.Tensor, cap: LabelCapture) -> torch.Tensor:
+    def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
         """The token mixer's labels on the ``(B, K, H, W)`` label map."""
+        mixer = blk.token_mixer
         if type(mixer) is Pooling:
             p = mixer.pool
             return conv_pool_labels(Y, p.kernel_size, p.stride, p.padding)
         if type(mixer) is SepConv:
             dw = mixer.dwconv
-            return conv_stencil_labels(Y, self.stencil(dw), dw.padding)
+            return conv_stencil_labels(Y, stencil(dw), dw.padding)
         if type(mixer) is Attention:
             if cap.q is None:
                 raise ValueError('model: a MetaFormer attention block made no scaled_dot_product_attention call')
@@ -150,19 +146,8 @@ class MetaFormerTracer(_ConvLabelGrid):
             return attention_labels(cap.q, cap.k, flat, scale=cap.scale).transpose(1, 2).reshape(B, K, H, W)
         return Y  # an identity mixer
 
-    def propagate(
-        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
-    ) -> torch.Tensor:
-        Y = self._label_map(captures, labels)
-        caps = iter(captures[1:])
-        idx = 0
-        for stage in self.model.stages:
-            if not isinstance(stage.downsample, nn.Identity):
-                conv = stage.downsample.conv
-                Y = conv_stencil_labels(Y, self.stencil(conv), conv.padding, conv.stride)
-            for blk in stage.blocks:
-                cap = next(caps)
-                if layers is None or idx in layers:
-                    Y = residual_labels(Y, self._branch(blk.token_mixer, Y, cap), cap.keep, residual)
-                idx += 1
-        return Y.flatten(2).transpose(1, 2)
+    def enter(self, stage, Y: torch.Tensor) -> torch.Tensor:
+        if isinstance(stage.downsample, nn.Identity):
+            return Y
+        conv = stage.downsample.conv
+        return conv_stencil_labels(Y, stencil(conv), conv.padding, conv.stride)

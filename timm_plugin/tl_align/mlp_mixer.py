@@ -3,25 +3,21 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import torch
 import torch.nn as nn
 from timm.layers import DropPath, Mlp
 from timm.models.mlp_mixer import Affine, MixerBlock, MlpMixer, ResBlock, SpatialGatingBlock, SpatialGatingUnit
 
-from shared_core.tl_align import (
-    LabelCapture,
-    linear_token_mixing,
-    residual_labels,
-)
+from shared_core.capture import Captures, LabelCapture
+from shared_core.tl_align import linear_token_mixing
+from shared_core.tracer import Tracer, check_block_parts, check_pool
 
-from ._blocks import NORMS, check_block_parts, check_captured, hook_first_drop_path
+from ._blocks import NORMS
 
 # ---------------------------------------------------------------------------------------------- MLP-Mixer family
 
 
-class MlpMixerTracer:
+class MlpMixerTracer(Tracer):
     """Label rules for timm's ``MlpMixer`` family, where the token mixing is a learnt linear map over the tokens
     (TL-Align Appendix A, Table 9: spatial mixing ``Y ← Norm(W^s) · Y``, point-wise and channel ops leave labels,
     residual ``Y ← Norm(Y + g(Y))``, global average pooling reads the mean label):
@@ -43,14 +39,13 @@ class MlpMixerTracer:
     dropped keeps its labels (the blocks' shared ``drop_path`` is read at its first call, the token branch).
     """
 
-    num_prefix_tokens = 0
     BLOCKS = (MixerBlock, ResBlock, SpatialGatingBlock)
+    grid_module = 'the stem'
     attends = False
     why_no_attention = 'its blocks mix tokens by an MLP across the tokens (fixed weights, Table 9)'
 
     def __init__(self, model: MlpMixer):
-        if model.global_pool != 'avg':
-            raise ValueError(f"model: MlpMixer with global_pool={model.global_pool!r} has no TL-Align rule; use 'avg'")
+        check_pool(model.global_pool, ('avg',), 'MlpMixer')
         for i, b in enumerate(model.blocks):
             if type(b) not in self.BLOCKS:
                 raise ValueError(
@@ -66,26 +61,17 @@ class MlpMixerTracer:
                 parts = {'norm': NORMS, 'mlp_channels.gate': (SpatialGatingUnit,)}
                 parts |= {'mlp_channels.gate.proj': (nn.Linear,), 'mlp_channels.gate.norm': NORMS}
             check_block_parts([b], parts | {'drop_path': (DropPath, nn.Identity)}, first=i)
-        self.model = model
+        super().__init__(model)
 
-    @property
-    def depth(self) -> int:
-        return len(self.model.blocks)
+    def blocks(self):
+        return self.model.blocks
 
-    def register(self, captures: List[LabelCapture]) -> list:
-        """``captures[0]`` keeps the stem's token count, then one per block (the kept samples)."""
-        stem = LabelCapture()
-        captures.append(stem)
-        handles = [self.model.stem.register_forward_hook(lambda m, i, o, c=stem: setattr(c, 'tokens', o.shape[1]))]
-        for blk in self.model.blocks:
-            cap = LabelCapture()
-            captures.append(cap)
-            hook_first_drop_path(blk, cap, handles)
-        return handles
+    def drop_path(self, blk: nn.Module) -> nn.Module:
+        return blk.drop_path  # called for the token-mixing branch, then the MLP's
 
-    def num_tokens(self, captures: List[LabelCapture]) -> int:
-        check_captured(captures[:1], ('tokens',), 'the stem did not run (a replaced forward?)')
-        return captures[0].tokens
+    def watch_model(self, captures: Captures, handles: list) -> None:
+        """The stem's token count (``captures.grid``)."""
+        handles.append(self.model.stem.register_forward_hook(lambda m, i, o: setattr(captures, 'grid', o.shape[1])))
 
     @staticmethod
     def mixing(blk: nn.Module) -> torch.Tensor:
@@ -97,16 +83,5 @@ class MlpMixerTracer:
         A = linear_token_mixing(blk.mlp_channels.gate.proj.weight)
         return (A + torch.eye(A.shape[0], device=A.device)) / 2
 
-    def propagate(
-        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
-    ) -> torch.Tensor:
-        for idx, (blk, cap) in enumerate(zip(self.model.blocks, captures[1:])):
-            if layers is None or idx in layers:
-                labels = residual_labels(labels, self.mixing(blk) @ labels, cap.keep, residual)
-        return labels
-
-    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
-        return labels.mean(1)
-
-    def class_attention(self, captures: List[LabelCapture]):
-        return None
+    def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        return self.mixing(blk) @ Y

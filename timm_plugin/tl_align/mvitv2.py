@@ -3,26 +3,23 @@ pooling (the TL-Align paper, Eq. 9/11; Table 9 for the pooling convs and the poo
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 from timm.layers import Mlp
 from timm.models.mvitv2 import MultiScaleAttention, MultiScaleBlock, MultiScaleVit, MultiScaleVitStage
 
-from shared_core.capture import SoftmaxCapture
-from shared_core.tl_align import LabelCapture, conv_pool_labels, conv_stencil_labels, residual_labels
+from shared_core.capture import Captures, LabelCapture, SoftmaxCapture
+from shared_core.tl_align import conv_pool_labels, conv_stencil_labels
+from shared_core.tracer import Tracer, check_block_parts, check_pool
 
-from ._blocks import NORMS, check_captured, watch_blocks
+from ._blocks import NORMS, stencil
 
 __all__ = ['MViTv2Tracer']
 
 
-def _stencil(conv: nn.Conv2d) -> torch.Tensor:
-    return conv.weight.detach().float().abs().mean((0, 1))
-
-
-class MViTv2Tracer:
+class MViTv2Tracer(Tracer):
     """Label rules for timm's ``MultiScaleVit`` (``mvitv2_*``, with or without a class token):
 
     - Initial labels: one per patch of the patch embedding (stride 4; its overlapping 7x7 windows are not traced,
@@ -41,12 +38,12 @@ class MViTv2Tracer:
     ``token``.
     """
 
-    #: the last block mixes its tokens by a self-attention (TransMix reads it)
-    attends = True
+    capture_mode = SoftmaxCapture
+    needs = ('attn',)
+    why_missing = 'its attention computed no softmax'
 
     def __init__(self, model: MultiScaleVit):
-        if model.global_pool not in ('avg', 'token'):
-            raise ValueError(f'model: MViTv2 with global_pool={model.global_pool!r} has no TL-Align rule')
+        check_pool(model.global_pool, ('avg', 'token'), 'MViTv2')
         for i, stage in enumerate(model.stages):
             if type(stage) is not MultiScaleVitStage:
                 raise ValueError(
@@ -58,36 +55,27 @@ class MViTv2Tracer:
                         f'model: TL-Align traces MultiScaleBlock with MultiScaleAttention (pool_first off); stage {i} '
                         f'block {j} is {type(b).__name__} with {type(b.attn).__name__}'
                     )
-                if type(b.mlp) is not Mlp or type(b.norm1) not in NORMS or type(b.norm2) not in NORMS:
-                    raise ValueError(f'model: MViTv2 stage {i} block {j} has parts without a TL-Align rule')
                 for name in ('pool_q', 'pool_k', 'pool_v'):
                     pool = getattr(b.attn, name)
                     ok = pool is None or isinstance(pool, (nn.MaxPool2d, nn.AvgPool2d))
                     ok = ok or (type(pool) is nn.Conv2d and pool.groups == pool.in_channels and pool.dilation == (1, 1))
                     if not ok:
                         raise ValueError(f'model: MViTv2 stage {i} block {j} {name} {pool} has no TL-Align rule')
-        self.model = model
+        super().__init__(model)
+        check_block_parts(self.blocks(), {'norm1': NORMS, 'norm2': NORMS, 'mlp': (Mlp,)})
         self.num_prefix_tokens = int(model.num_prefix_tokens)
+        self.readout = 'cls' if model.global_pool == 'token' else 'mean'
 
-    def _blocks(self):
-        return [b for stage in self.model.stages for b in stage.blocks]
+    def stages(self):
+        return [(stage, stage.blocks) for stage in self.model.stages]
 
-    @property
-    def depth(self) -> int:
-        return len(self._blocks())
+    def watch_model(self, captures: Captures, handles: list) -> None:
+        embed = self.model.patch_embed  # returns (tokens, feat_size)
+        handles.append(embed.register_forward_hook(lambda m, i, o: setattr(captures, 'grid', tuple(o[1]))))
 
-    def register(self, captures: List[LabelCapture]) -> list:
-        """``captures[0]`` keeps the first grid, then one per block (its attention probabilities, kept samples)."""
-        embed = LabelCapture()
-        captures.append(embed)
-        handle = self.model.patch_embed.register_forward_hook(lambda m, i, o: setattr(embed, 'tokens', tuple(o[1])))
-        return [handle] + watch_blocks(self._blocks(), captures, SoftmaxCapture())
-
-    def num_tokens(self, captures: List[LabelCapture]) -> int:
-        check_captured(captures[:1], ('tokens',), 'the patch embedding did not run')
-        check_captured(captures[1:], ('attn',), 'its attention computed no softmax')
-        H, W = captures[0].tokens
-        return self.num_prefix_tokens + H * W
+    def watch(self, blk: nn.Module, cap: LabelCapture, handles: list) -> None:
+        """The grid the block runs on (its ``feat_size``)."""
+        handles.append(blk.register_forward_pre_hook(lambda m, a, c=cap: setattr(c, 'tokens', tuple(a[1]))))
 
     @staticmethod
     def _pool(pool: Optional[nn.Module], Y: torch.Tensor) -> torch.Tensor:
@@ -95,41 +83,23 @@ class MViTv2Tracer:
         if pool is None:
             return Y
         if type(pool) is nn.Conv2d:
-            return conv_stencil_labels(Y, _stencil(pool), pool.padding, pool.stride)
+            return conv_stencil_labels(Y, stencil(pool), pool.padding, pool.stride)
         return conv_pool_labels(Y, pool.kernel_size, pool.stride, pool.padding)
 
-    def propagate(
-        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
-    ) -> torch.Tensor:
+    def _pooled(self, pool: Optional[nn.Module], cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        """The ``(B, P + N, K)`` rows (prefix tokens, then the block's grid) with the grid pooled by ``pool``; the
+        prefix tokens are never pooled."""
         P = self.num_prefix_tokens
-        H, W = captures[0].tokens
-        B, _, K = labels.shape
-        cls = labels[:, :P]
-        grid = labels[:, P:].transpose(1, 2).reshape(B, K, H, W)
+        grid = Y[:, P:].transpose(1, 2).reshape(Y.shape[0], Y.shape[2], *cap.tokens)
+        return torch.cat([Y[:, :P], self._pool(pool, grid).flatten(2).transpose(1, 2)], 1)
 
-        def tokens(cls_labels, grid_labels):
-            return torch.cat([cls_labels, grid_labels.flatten(2).transpose(1, 2)], 1)
+    def shortcut(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        return self._pooled(blk.shortcut_pool_attn, cap, Y)  # max-pooled at the stage starts
 
-        for idx, (blk, cap) in enumerate(zip(self._blocks(), captures[1:])):
-            attn = blk.attn
-            short = self._pool(blk.shortcut_pool_attn, grid)
-            if layers is not None and idx not in layers:
-                grid = short
-                continue
-            q_grid, v_grid = self._pool(attn.pool_q, grid), self._pool(attn.pool_v, grid)
-            A = cap.attn.float().mean(1)  # (B, T_q, T_kv), the head mean
-            branch = A @ tokens(cls, v_grid)  # Eq. 9 on the values' labels
-            if attn.residual_pooling:
-                branch = (branch + tokens(cls, q_grid)) / 2
-            new = residual_labels(tokens(cls, short), branch, cap.keep, residual)
-            cls = new[:, :P]
-            grid = new[:, P:].transpose(1, 2).reshape(B, K, *short.shape[-2:])
-        return tokens(cls, grid)
-
-    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
-        if self.model.global_pool == 'token':
-            return labels[:, 0]
-        return labels[:, self.num_prefix_tokens :].mean(1)
-
-    def class_attention(self, captures: List[LabelCapture]):
-        return None
+    def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        attn = blk.attn
+        A = cap.attn.float().mean(1)  # (B, T_q, T_kv), the head mean
+        branch = A @ self._pooled(attn.pool_v, cap, Y)  # Eq. 9 on the values' labels
+        if attn.residual_pooling:  # x = A v + q
+            branch = (branch + self._pooled(attn.pool_q, cap, Y)) / 2
+        return branch

@@ -3,7 +3,7 @@ the token path's attention, :class:`SharedAttentionViT`), DeiT distilled, CaiT a
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -11,30 +11,26 @@ from timm.layers import Attention
 from timm.models.cait import Cait, ClassAttn, LayerScaleBlock, LayerScaleBlockClassAttn, TalkingHeadAttn
 from timm.models.vision_transformer import Block, VisionTransformer
 
+from shared_core.capture import Captures, LabelCapture, hook_drop_path
 from shared_core.label_attention import LabelColumns, shared_attention, use_fused_label_attn, use_label_kernel
-from shared_core.tl_align import (
-    LabelCapture,
-    attention_labels,
-    residual_labels,
-    self_attention_labels,
-    talking_heads_labels,
-)
+from shared_core.tl_align import attention_labels, residual_labels, talking_heads_labels
+from shared_core.tracer import Tracer, check_block_parts, check_pool
 
-from ._blocks import (
-    VIT_BLOCK_PARTS,
-    RestoreForward,
-    check_block_parts,
-    check_captured,
-    hook_drop_path,
-    hook_first_drop_path,
-)
+from ._blocks import VIT_BLOCK_PARTS, RestoreForward
 
 
-class ViTTracer:
+def watch_qk_norm(blk: nn.Module, cap: LabelCapture, handles: list) -> None:
+    """Hooks on a timm ``Attention``'s ``q_norm`` / ``k_norm`` (identity modules unless qk-norm is on): the detached
+    ``q``, ``k`` its fused attention was fed."""
+    handles.append(blk.attn.q_norm.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'q', o.detach())))
+    handles.append(blk.attn.k_norm.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'k', o.detach())))
+
+
+class ViTTracer(Tracer):
     """Label rules for timm's ``VisionTransformer`` (pre-norm blocks: attention residual, MLP residual)."""
 
-    #: the last block mixes its tokens by a self-attention (TransMix reads it)
-    attends = True
+    needs = ('q', 'k')
+    why_missing = 'its attention did not run q_norm / k_norm (a replaced forward?)'
 
     def __init__(self, model: VisionTransformer):
         bad = [i for i, b in enumerate(model.blocks) if type(b) is not Block or type(b.attn) is not Attention]
@@ -46,49 +42,30 @@ class ViTTracer:
         check_block_parts(model.blocks, VIT_BLOCK_PARTS)
         if getattr(model, 'attn_pool', None) is not None:
             raise ValueError("model: global_pool='map' (attention pooling) has no TL-Align rule; use 'token' or 'avg'")
-        if model.global_pool not in ('token', 'avg'):
-            raise ValueError(f"model: global_pool={model.global_pool!r} has no TL-Align rule; use 'token' or 'avg'")
+        check_pool(model.global_pool, ('token', 'avg'), type(model).__name__)
         if getattr(model.patch_drop, 'prob', 0.0) > 0:
             raise ValueError('model: patch dropout changes the token set; TL-Align does not trace it')
-        self.model = model
+        super().__init__(model)
         self.num_prefix_tokens = model.num_prefix_tokens
+        self.readout = 'cls' if model.global_pool == 'token' else 'mean_all' if model.pool_include_prefix else 'mean'
 
-    @property
-    def depth(self) -> int:
-        return len(self.model.blocks)
+    def blocks(self):
+        return self.model.blocks
 
-    def register(self, captures: List[LabelCapture]) -> list:
-        handles = []
-        for blk in self.model.blocks:
-            cap = LabelCapture()
-            captures.append(cap)
-            handles.append(blk.attn.q_norm.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'q', o.detach())))
-            handles.append(blk.attn.k_norm.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'k', o.detach())))
-            hook_drop_path(blk, cap, handles)
-        return handles
+    def watch(self, blk: nn.Module, cap: LabelCapture, handles: list) -> None:
+        watch_qk_norm(blk, cap, handles)
 
-    def num_tokens(self, captures: List[LabelCapture]) -> int:
-        check_captured(captures, ('q', 'k'), 'its attention did not run q_norm / k_norm (a replaced forward?)')
+    def tokens(self, captures: Captures) -> int:
         return captures[0].q.shape[2]
 
-    def propagate(
-        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
-    ) -> torch.Tensor:
-        blocks = ((c.q, c.k, blk.attn.scale, c.keep) for blk, c in zip(self.model.blocks, captures))
-        return self_attention_labels(blocks, labels, layers, residual)  # Eq. 9, 11
+    def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        return attention_labels(cap.q, cap.k, Y, scale=blk.attn.scale)  # Eq. 9
 
-    def class_attention(self, captures: List[LabelCapture]):
+    def class_attention(self, captures: Captures):
         if self.model.global_pool != 'token':
             return None
         last = captures[-1]
         return last.q[:, :, :1], last.k, self.model.blocks[-1].attn.scale
-
-    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
-        """The label of what the classifier reads."""
-        if self.model.global_pool == 'token':
-            return labels[:, 0]
-        tokens = labels if self.model.pool_include_prefix else labels[:, self.num_prefix_tokens :]
-        return tokens.mean(1)
 
 
 #: the widest label state the shared attention carries as extra value columns (compact states are 1 wide;
@@ -97,18 +74,21 @@ SHARED_MAX_WIDTH = 8
 
 
 class SharedAttentionViT:
-    """:class:`ViTTracer`'s rules with the label path run inside the token path's attention: each
-    aligned block's ``Attention.forward`` is, for this forward only, timm's own forward with its attention call
-    replaced by :func:`shared_core.label_attention.shared_attention` (one attention for tokens and labels: ``V' =
-    [V | labels]`` fused, or the attention materialised once), and a hook after the block applies Eq. 11 to the
-    state. The token path computes what timm's does, up to the float rounding of another kernel."""
+    """:class:`ViTTracer`'s rules with the label path run inside the token path's attention, for one forward: the
+    watcher :meth:`shared_core.tracer.Tracer.capture` registers instead of the tracer's hooks, whose
+    :meth:`state` the driver reads out (``Tracer.label_path(..., state=...)``). Each aligned block's
+    ``Attention.forward`` is, for this forward only, timm's own forward with its attention call replaced by
+    :func:`shared_core.label_attention.shared_attention` (one attention for tokens and labels: ``V' = [V | labels]``
+    fused, or the attention materialised once), and Eq. 11 follows the call (or the drop path, where stochastic
+    depth may drop the branch). The token path computes what timm's does, up to the float rounding of another
+    kernel."""
 
-    def __init__(self, base: ViTTracer, labels: torch.Tensor, layers, residual: bool, drop_path: str, history=None):
+    def __init__(self, base: ViTTracer, labels: torch.Tensor, layers, residual: bool, drop_path: str, observe=None):
         self.base, self.layers, self.residual, self.drop_path = base, layers, residual, drop_path
-        self.num_prefix_tokens, self.attends = base.num_prefix_tokens, base.attends
+        self.num_prefix_tokens = base.num_prefix_tokens
         self._state = labels.detach().float()  # the unfused path's state (the attention materialised once)
         self.columns: Optional[LabelColumns] = None  # the fused path's state, built at the first aligned block
-        self.history = history  # a list to append the state after each aligned block to (tokenaug-viz)
+        self.observe = observe  # the driver's observer: observe(index, labels, grid) after each block
 
     @property
     def labels(self) -> torch.Tensor:
@@ -149,27 +129,25 @@ class SharedAttentionViT:
                 )
         return None
 
-    @property
-    def depth(self) -> int:
-        return self.base.depth
-
-    def register(self, captures: List[LabelCapture]) -> list:
+    def register(self, captures: Captures) -> list:
         handles = []
         for idx, blk in enumerate(self.base.model.blocks):
             cap = LabelCapture()
             captures.append(cap)
             if self.layers is not None and idx not in self.layers:
+                if self.observe is not None:  # the labels pass the block unchanged
+                    handles.append(blk.register_forward_hook(lambda m, i, o, j=idx: self._observe(j)))
                 continue
             handles.append(RestoreForward(blk.attn))
             # Eq. 11 right after the attention call (no hook per block: a launch-bound step pays for each), or,
             # where stochastic depth may drop the branch ('kept'), once its drop path has said for which samples
             after_drop_path = self.drop_path == 'kept' and hook_drop_path(
-                blk, cap, handles, lambda keep, c=cap: self._update(c, keep)
+                blk.drop_path1, cap, handles, lambda keep, c=cap, j=idx: self._update(c, j, keep)
             )
-            blk.attn.forward = self._attention(blk.attn, cap, update=not after_drop_path)
+            blk.attn.forward = self._attention(blk.attn, cap, idx, update=not after_drop_path)
         return handles
 
-    def _attention(self, attn: Attention, cap: LabelCapture, update: bool):
+    def _attention(self, attn: Attention, cap: LabelCapture, idx: int, update: bool):
         """timm 1.0.31's ``Attention.forward`` with the shared attention call (``update``: then Eq. 11)."""
 
         def forward(x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False):
@@ -196,7 +174,7 @@ class SharedAttentionViT:
                 q, k = attn.q_norm(q), attn.k_norm(k)
                 out, cap.attn = shared_attention(q, k, v, self._state, attn.scale, attn_mask, fused=False)
             if update:
-                self._update(cap)
+                self._update(cap, idx)
             x = out.transpose(1, 2).reshape(B, N, getattr(attn, 'attn_dim', C))
             x = attn.norm(x)
             if gate is not None:
@@ -205,29 +183,24 @@ class SharedAttentionViT:
 
         return forward
 
-    def _update(self, cap: LabelCapture, keep: Optional[torch.Tensor] = None) -> None:  # Eq. 11
+    def _update(self, cap: LabelCapture, idx: int, keep: Optional[torch.Tensor] = None) -> None:  # Eq. 11
         if self.columns is not None:
             self.columns.update(cap.attn, keep, self.residual)
         else:
             self._state = residual_labels(self._state, cap.attn, keep, self.residual)
         cap.attn, cap.tokens = None, True
-        if self.history is not None:
-            self.history.append(self.labels.clone())
+        self._observe(idx)
 
-    def num_tokens(self, captures: List[LabelCapture]) -> int:
+    def _observe(self, idx: int) -> None:
+        if self.observe is not None:
+            self.observe(idx, self.labels.clone(), None)
+
+    def state(self, captures: Captures) -> torch.Tensor:
+        """The label state after the blocks, once every aligned block ran its attention for the label path."""
         ran = [c.tokens for i, c in enumerate(captures) if self.layers is None or i in self.layers]
         if not all(ran):
             raise ValueError('model: a block did not run its attention for the label path (a replaced forward?)')
-        return self._state.shape[1]
-
-    def propagate(self, captures, labels, layers, residual) -> torch.Tensor:
-        return self.labels  # already through every block, during the forward
-
-    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
-        return self.base.readout(labels, output)
-
-    def class_attention(self, captures):
-        return None
+        return self.labels
 
 
 class DistilledViTTracer(ViTTracer):
@@ -235,16 +208,15 @@ class DistilledViTTracer(ViTTracer):
     (two outputs) the target is the class token's (the distillation head learns from the teacher);
     otherwise the two heads are averaged, and so are the two tokens' labels."""
 
-    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
-        if isinstance(output, (tuple, list)):
-            return labels[:, 0]
-        return (labels[:, 0] + labels[:, 1]) / 2
+    def __init__(self, model: VisionTransformer):
+        super().__init__(model)
+        self.readout = 'cls_dist'
 
 
 # ---------------------------------------------------------------------------------------------- CaiT
 
 
-class CaitTracer:
+class CaitTracer(Tracer):
     """Label rules for timm's ``Cait`` (the TL-Align paper, Eq. 9/11 and Table 9).
 
     Label state ``(B, 1 + N, K)``: the class token's label is carried as prefix token 0 from the start
@@ -276,10 +248,7 @@ class CaitTracer:
     )
 
     def __init__(self, model: Cait):
-        if model.global_pool not in ('token', 'avg'):
-            raise ValueError(
-                f"model: CaiT with global_pool={model.global_pool!r} has no TL-Align rule; use 'token' or 'avg'"
-            )
+        check_pool(model.global_pool, ('token', 'avg'), 'CaiT')
         if model.blocks_token_only is None or model.cls_token is None:
             raise ValueError('model: CaiT without its class-attention stage (pruned) has no TL-Align rule')
         if model.global_pool == 'token' and not len(model.blocks_token_only):
@@ -299,81 +268,54 @@ class CaitTracer:
                     f'model: TL-Align traces CaiT LayerScaleBlockClassAttn/ClassAttn blocks, got '
                     f'{type(b).__name__}/{type(b.attn).__name__}'
                 )
-        self.model = model
+        super().__init__(model)
+        self.readout = 'cls' if model.global_pool == 'token' else 'mean'
 
-    @property
-    def depth(self) -> int:
-        return len(self.model.blocks) + len(self.model.blocks_token_only)
+    def blocks(self):
+        return list(self.model.blocks) + list(self.model.blocks_token_only)
 
-    def register(self, captures: List[LabelCapture]) -> list:
-        """One capture per block (``blocks``, then ``blocks_token_only``); the first also keeps the
-        number of patch tokens (``tokens``) from ``patch_embed``."""
-        handles = []
-        for i, blk in enumerate(list(self.model.blocks) + list(self.model.blocks_token_only)):
-            cap = LabelCapture()
-            captures.append(cap)
-            if i < len(self.model.blocks):
-                handles.append(
-                    blk.attn.proj_w.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'attn', o.detach()))
-                )
-            else:
-                handles.append(blk.attn.q.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'q', o.detach())))
-                handles.append(blk.attn.k.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'k', o.detach())))
-            hook_first_drop_path(blk, cap, handles)
-        if not captures:
-            captures.append(LabelCapture())
+    def drop_path(self, blk: nn.Module) -> nn.Module:
+        return blk.drop_path  # called for the attention branch, then the MLP's
+
+    def watch_model(self, captures: Captures, handles: list) -> None:
+        """The number of patch tokens (``captures.grid``) from ``patch_embed``."""
         handles.append(
-            self.model.patch_embed.register_forward_hook(
-                lambda m, i, o, c=captures[0]: setattr(c, 'tokens', o.shape[1])
-            )
+            self.model.patch_embed.register_forward_hook(lambda m, i, o: setattr(captures, 'grid', o.shape[1]))
         )
-        return handles
 
-    def num_tokens(self, captures: List[LabelCapture]) -> int:
-        return 1 + captures[0].tokens
+    def watch(self, blk: nn.Module, cap: LabelCapture, handles: list) -> None:
+        if type(blk) is LayerScaleBlock:  # talking heads: the attention that multiplies v
+            handles.append(blk.attn.proj_w.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'attn', o.detach())))
+        else:  # class attention: its projections
+            handles.append(blk.attn.q.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'q', o.detach())))
+            handles.append(blk.attn.k.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'k', o.detach())))
 
-    def propagate(
-        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
-    ) -> torch.Tensor:
-        labels = labels.float()
-        cls, patches = labels[:, :1], labels[:, 1:]
-        n_sa = len(self.model.blocks)
-        for idx, cap in enumerate(captures[:n_sa]):
-            if layers is not None and idx not in layers:
-                continue
-            patches = residual_labels(patches, talking_heads_labels(cap.attn, patches), cap.keep, residual)
-        for j, blk in enumerate(self.model.blocks_token_only):
-            idx, cap, a = n_sa + j, captures[n_sa + j], blk.attn
-            if layers is not None and idx not in layers:
-                continue
-            B, T, D = cap.k.shape
-            q = cap.q.reshape(B, 1, a.num_heads, D // a.num_heads).transpose(1, 2)
-            k = cap.k.reshape(B, T, a.num_heads, D // a.num_heads).transpose(1, 2)
-            branch = attention_labels(q, k, torch.cat([cls, patches], 1), scale=a.scale)  # (B, 1, K)
-            cls = residual_labels(cls, branch, cap.keep, residual)
-        return torch.cat([cls, patches], 1)
-
-    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
-        return labels[:, 0] if self.model.global_pool == 'token' else labels[:, 1:].mean(1)
-
-    def class_attention(self, captures: List[LabelCapture]):
-        return None  # TransMix is not defined for CaiT (refused by TransMix)
+    def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        """Self-attention blocks mix the patch tokens (the class token keeps its label: the branch gives it its own,
+        and Eq. 11 leaves it); class-attention blocks mix the class token alone."""
+        cls, patches = Y[:, :1], Y[:, 1:]
+        if type(blk) is LayerScaleBlock:
+            return torch.cat([cls, talking_heads_labels(cap.attn, patches)], 1)
+        a = blk.attn
+        B, T, D = cap.k.shape
+        q = cap.q.reshape(B, 1, a.num_heads, D // a.num_heads).transpose(1, 2)
+        k = cap.k.reshape(B, T, a.num_heads, D // a.num_heads).transpose(1, 2)
+        return torch.cat([attention_labels(q, k, Y, scale=a.scale), patches], 1)  # (B, 1, K): the class token's
 
 
 # ---------------------------------------------------------------------------------------------- CCT
 
 
-class CCTTracer:
+class CCTTracer(Tracer):
     """Label rules for tokenaug's CCT (:mod:`timm_plugin.cct`): timm ``Attention`` blocks whose residual stream is
     renormalised after the attention residual (a point-wise norm: labels unchanged, Table 9), so the ViT rule per
     block (Eq. 9/11, the MLP residual leaves labels); no class token. The classifier reads SeqPool's weighted
     mean ``Σ_t w_t x_t`` with ``w = softmax(attention_pool(x))``: the target is ``Σ_t w_t Y_t`` with the weights
-    the token path computed (a hook on ``attention_pool``). The pooled label is returned as a leading token of
-    the propagated state, which :meth:`readout` reads."""
+    the token path computed (a hook on ``attention_pool``; readout ``'pool'``)."""
 
-    num_prefix_tokens = 0
-    #: the last block mixes its tokens by a self-attention (TransMix reads it)
-    attends = True
+    readout = 'pool'
+    needs = ViTTracer.needs
+    why_missing = ViTTracer.why_missing
 
     def __init__(self, model):
         from ..cct import CCTBlock
@@ -381,35 +323,17 @@ class CCTTracer:
         bad = [i for i, b in enumerate(model.blocks) if type(b) is not CCTBlock or type(b.attn) is not Attention]
         if bad:
             raise ValueError(f'model: TL-Align traces CCT blocks of type CCTBlock with Attention; blocks {bad} are not')
-        self.model = model
+        super().__init__(model)
 
-    @property
-    def depth(self) -> int:
-        return len(self.model.blocks)
+    def blocks(self):
+        return self.model.blocks
 
-    def register(self, captures: List[LabelCapture]) -> list:
-        handles = ViTTracer.register(self, captures)
-        pool = LabelCapture()
-        captures.append(pool)
-        handles.append(
-            self.model.attention_pool.register_forward_hook(lambda m, i, o, c=pool: setattr(c, 'attn', o.detach()))
-        )
-        return handles
+    def watch(self, blk: nn.Module, cap: LabelCapture, handles: list) -> None:
+        watch_qk_norm(blk, cap, handles)
 
-    def num_tokens(self, captures: List[LabelCapture]) -> int:
-        check_captured(captures[:-1], ('q', 'k'), 'its attention did not run q_norm / k_norm (a replaced forward?)')
-        return captures[0].q.shape[2]
+    def watch_model(self, captures: Captures, handles: list) -> None:
+        pool = self.model.attention_pool
+        handles.append(pool.register_forward_hook(lambda m, i, o: setattr(captures, 'pool', o.detach())))
 
-    def propagate(
-        self, captures: List[LabelCapture], labels: torch.Tensor, layers: Optional[set], residual: bool
-    ) -> torch.Tensor:
-        blocks = ((c.q, c.k, blk.attn.scale, c.keep) for blk, c in zip(self.model.blocks, captures))
-        state = self_attention_labels(blocks, labels, layers, residual)
-        w = captures[-1].attn.float().softmax(1)  # (B, N, 1): SeqPool's weights
-        return torch.cat([(w * state).sum(1, keepdim=True), state], 1)
-
-    def readout(self, labels: torch.Tensor, output) -> torch.Tensor:
-        return labels[:, 0]
-
-    def class_attention(self, captures: List[LabelCapture]):
-        return None
+    tokens = ViTTracer.tokens
+    branch = ViTTracer.branch

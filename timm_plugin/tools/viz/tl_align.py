@@ -23,7 +23,7 @@ def tl_align(argv) -> Path:
     ``--initial-checkpoint``): inputs, mixed image, the initial label embedding (partner share per token) and the
     aligned one after the last block (or after each block), the area λ against the aligned λ."""
     from shared_core.tl_align import compact_labels
-    from timm_plugin.tl_align import SharedAttentionViT, SwinTracer, TLAlign
+    from timm_plugin.tl_align import TLAlign
 
     args = parse_viz('tl-align', argv)
     count = check_count(args.count)
@@ -34,16 +34,19 @@ def tl_align(argv) -> Path:
     wrapped = TLAlign(model)
     P = wrapped.num_prefix_tokens
     labels0 = compact_labels(m, P)
-    vit = SharedAttentionViT.applies(wrapped.tracer, labels0, None)
-    if not (vit or isinstance(wrapped.tracer, SwinTracer)):
-        raise ValueError(
-            f'--model: tokenaug-viz tl-align draws timm ViT / DeiT and Swin models, got {type(model).__name__}'
-        )
-    with torch.no_grad():  # the label path of training: shared attention (ViT), window attention and merges (Swin)
-        _, share, history = wrapped.label_states(xm, target)
+    with torch.no_grad():  # the label path of training, observed after each block
+        _, share, observed = wrapped.label_states(xm, target)
     aligned = share[:, 0]  # the partner's share of what the classifier reads
-    # the partner share after each block: (B, T, K) states of a ViT on its token grid, Swin's on each stage's grid
-    states = [h[:, P:, 0].reshape(-1, *m.grid_size) for h in history] if vit else [h[..., 0] for h in history]
+    # the partner share after each block on its grid (a ViT's: the mix's patch grid; later stages: coarser)
+    states = []
+    for labels, grid in observed:
+        grid = grid or (m.grid_size if labels.shape[1] == P + m.num_tokens else None)
+        if grid is None:
+            raise ValueError(
+                f'--model: tokenaug-viz tl-align draws label states on a token grid; {type(model).__name__} '
+                'keeps its tokens in another order (TLAlign.label_states gives them as rows)'
+            )
+        states.append(labels[:, P:, 0].reshape(-1, *grid))
     initial_state = labels0[:, P:, 0].reshape(-1, *m.grid_size)
 
     def picture(state):  # each grid over the whole image (Swin's later stages: coarser tokens)
