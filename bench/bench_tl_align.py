@@ -26,7 +26,7 @@ import statistics
 import torch
 from common import device_sync, interleaved_times, optimizer_step, pair_ratios, profile_table
 
-from shared_core.label_attention import fused_label_attn, use_fused_label_attn, use_label_kernel
+from shared_core.label_attention import LabelBackend
 from timm_plugin.recipe import build_training
 from timm_plugin.tl_align import TLAlign, TransMix
 from tokenaug.train_args import parse_args
@@ -119,12 +119,10 @@ def main():
 FUSED = {'default': None, 'triton': 'triton', 'sdpa': True, 'off': False}
 
 
-def label_path(fused, dev: torch.device) -> str:
-    """Which label attention the ViT shared path runs with this choice on this device."""
-    with fused_label_attn(fused):
-        if use_label_kernel(dev):
-            return 'Triton kernel'
-        return 'SDPA with label columns' if use_fused_label_attn(dev, shared=True) else 'materialised'
+def label_path(fused, dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Which label attention the ViT shared path runs with this choice on this device (the wrappers' backend)."""
+    shared = LabelBackend(fused).path(dev, dtype).shared
+    return {'kernel': 'Triton kernel', 'columns': 'SDPA with label columns', 'materialised': 'materialised'}[shared]
 
 
 if __name__ == '__main__':

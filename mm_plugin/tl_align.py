@@ -38,7 +38,7 @@ from mmpretrain.registry import MODELS
 
 from shared_core.capture import Captures, LabelCapture, SoftmaxCapture
 from shared_core.checks import check_layers
-from shared_core.label_attention import check_choice, fused_label_attn, refuse_unrun_kernel
+from shared_core.label_attention import LabelBackend, compute_dtype
 from shared_core.tl_align import (
     TRANSMIX_MODES,
     aligned_target,
@@ -283,8 +283,8 @@ class AlignedTargetClassifier(ImageClassifier):
             raise ValueError(f'{self.config_key}: unknown keys {unknown} (expected {", ".join(self.config_keys)})')
         self.align_layers = check_layers(cfg.get('layers'), self.tracer.depth, f'{self.config_key}.layers')
         self.align_residual = bool(cfg.get('residual', True))
-        self.align_fused = check_choice(f'{self.config_key}.fused', cfg.get('fused', None))
-        refuse_unrun_kernel(self.align_fused, _NO_KERNEL, f'{self.config_key}.fused')
+        self.align_backend = LabelBackend(cfg.get('fused', None), f'{self.config_key}.fused')
+        self.align_backend.refuse_unrun_kernel(_NO_KERNEL)
         self.align_drop_path = check_drop_path(cfg.get('drop_path', 'kept'), f'{self.config_key}.drop_path')
 
     def _share(self, feats, captures, mix) -> torch.Tensor:
@@ -296,9 +296,9 @@ class AlignedTargetClassifier(ImageClassifier):
         mix = mix_from_samples(data_samples)
         if mix is None:
             return self.extract_feat(inputs), None
-        refuse_unrun_kernel(self.align_fused, _NO_KERNEL, f'{self.config_key}.fused')
+        self.align_backend.refuse_unrun_kernel(_NO_KERNEL)
         feats, captures = self.tracer.capture(lambda: self.extract_feat(inputs))
-        with fused_label_attn(self.align_fused):
+        with self.align_backend.applied(self.align_backend.path(inputs.device, compute_dtype(inputs))):
             share = self._share(feats, captures, mix.to(inputs.device))
         labels = torch.cat([s.gt_label for s in data_samples]).to(share.device)
         # the preprocessor's num_classes sized the stock scores; label smoothing stays with the head's loss

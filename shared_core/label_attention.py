@@ -1,8 +1,9 @@
-"""TL-Align's label attention as the token path runs it: the one switch between a fused
-``scaled_dot_product_attention`` call and a transient softmax for the labels (:func:`use_fused_label_attn`,
-``$TOKENAUG_FUSED_LABEL_ATTN``, :func:`set_fused_label_attn`, :func:`fused_label_attn`), and the labels riding in
-the token path's own attention as extra value columns (:func:`shared_attention`, :class:`LabelColumns`; on the
-CPU an autograd function over PyTorch's fused CPU attention whose backward is the plain attention's).
+"""TL-Align's label attention as the token path runs it: the choice (a wrapper's ``fused=``, else the process's:
+:func:`fused_label_attn`, :func:`set_fused_label_attn`, ``$TOKENAUG_FUSED_LABEL_ATTN``), the one backend object of
+each wrapper that resolves it to a path once per device and dtype (:class:`LabelBackend`, :class:`LabelPath`), and
+the paths: the labels riding in the token path's own attention as extra value columns (:func:`shared_attention`,
+:class:`LabelColumns`; on the CPU an autograd function over PyTorch's fused CPU attention whose backward is the
+plain attention's), through the Triton kernel, or in a label-only call (fused or a transient softmax).
 
 The rule these compute is Eq. 9 of the TL-Align paper (:func:`shared_core.tl_align.attention_labels` is the
 label-only form); this module holds only how it runs.
@@ -14,6 +15,7 @@ import contextlib
 import importlib.util
 import os
 import warnings
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple, Union
 
 import torch
@@ -25,8 +27,11 @@ __all__ = [
     'set_fused_label_attn',
     'fused_label_attn',
     'use_label_kernel',
-    'refuse_unrun_kernel',
     'check_choice',
+    'SHARED_PATHS',
+    'LabelPath',
+    'LabelBackend',
+    'compute_dtype',
     'shared_attention',
     'LabelColumns',
 ]
@@ -114,18 +119,6 @@ def _choice() -> Choice:
     return _FUSED_SCOPE if _FUSED_SCOPE is not None else _FUSED
 
 
-def refuse_unrun_kernel(enable: Choice, why_not: Optional[str], name: str = 'fused') -> None:
-    """A forced ``'triton'`` is honoured or refused, never replaced: where the kernel would not run (``why_not``,
-    ``None`` where it runs), a ValueError naming the choice (``enable``, a wrapper's ``name=`` argument, else the
-    process's: the innermost :func:`fused_label_attn` scope, :func:`set_fused_label_attn` or
-    ``$TOKENAUG_FUSED_LABEL_ATTN``) and why."""
-    forced = enable if enable is not None else _choice()
-    if forced != 'triton' or why_not is None:
-        return
-    source = f"{name}='triton'" if enable is not None else f"'triton' (${FUSED_ENV} or set_fused_label_attn)"
-    raise ValueError(f'{source}: the Triton label kernel does not run here: {why_not}')
-
-
 def use_label_kernel(device: torch.device) -> bool:
     """Whether the shared path runs through the Triton kernel (:mod:`shared_core.label_kernel`): forced by the
     choice ``'triton'`` (any device: CPU tensors need ``TRITON_INTERPRET=1``), else by default on CUDA where
@@ -152,6 +145,100 @@ def _kernel_failed(error: Exception) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# The backend: one wrapper's label-attention path, chosen once per device, dtype and process choice
+# ----------------------------------------------------------------------------------------------
+
+#: how the shared attention of timm ViTs carries the labels: ``'kernel'`` (the Triton kernel), ``'columns'`` (label
+#: columns in the token path's fused SDPA call), ``'materialised'`` (the attention materialised once for both)
+SHARED_PATHS = ('kernel', 'columns', 'materialised')
+
+
+@dataclass(frozen=True)
+class LabelPath:
+    """The label attention's path for one (device, dtype): ``shared`` (:data:`SHARED_PATHS`) for the shared
+    attention of timm ViTs, ``separate`` for a label-only call (the recomputing path, TransMix): a fused SDPA call
+    (``True``) or a transient softmax; ``forced`` names a forced ``'triton'`` (honoured or refused, never
+    replaced), else ``None``."""
+
+    shared: str
+    separate: bool
+    forced: Optional[str] = None
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the attention of a forward on ``x`` computes in: autocast's where it is on, else ``x``'s."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class LabelBackend:
+    """The label-attention backend of one wrapper (``TLAlign(fused=...)``, ``TransMix``, mm's classifiers): its
+    choice (the wrapper's ``fused``, else the process's: the innermost :func:`fused_label_attn` scope,
+    :func:`set_fused_label_attn`, ``$TOKENAUG_FUSED_LABEL_ATTN``) resolved to a :class:`LabelPath` once per device,
+    dtype and process choice (:meth:`path`), at the first forward that meets them; the blocks read that path, never
+    the choice. A kernel that fails to build or launch moves this backend (and the process's default) to the SDPA
+    label columns after one warning (:meth:`kernel_failed`); a forced one raises instead."""
+
+    def __init__(self, choice: Choice = None, name: str = 'fused'):
+        self.choice, self.name = check_choice(name, choice), name
+        self._paths: dict = {}
+
+    def _forced(self, choice: Choice) -> Optional[str]:
+        if choice != 'triton':
+            return None
+        return (
+            f"{self.name}='triton'" if self.choice is not None else f"'triton' (${FUSED_ENV} or set_fused_label_attn)"
+        )
+
+    def path(self, device, dtype: torch.dtype) -> LabelPath:
+        """The path for tensors of ``dtype`` on ``device`` (a dict lookup after the first call)."""
+        choice = self.choice if self.choice is not None else _choice()
+        key = (torch.device(device), dtype, choice)
+        path = self._paths.get(key)
+        if path is None:
+            device = torch.device(device)
+            if choice is None:  # the defaults (the process chose nothing either)
+                shared = 'kernel' if use_label_kernel(device) else 'columns'
+                separate = use_fused_label_attn(device)
+            else:
+                shared = 'kernel' if choice == 'triton' else 'columns' if choice else 'materialised'
+                separate = bool(choice)
+            path = self._paths[key] = LabelPath(shared, separate, self._forced(choice))
+        return path
+
+    def refuse_unrun_kernel(self, why_not: Optional[str]) -> None:
+        """A forced ``'triton'`` where the kernel would not run (``why_not``; ``None``: it runs): a ValueError
+        naming the choice and why."""
+        forced = self._forced(self.choice if self.choice is not None else _choice())
+        if forced is not None and why_not is not None:
+            raise ValueError(f'{forced}: the Triton label kernel does not run here: {why_not}')
+
+    @contextlib.contextmanager
+    def applied(self, path: LabelPath):
+        """The label-only calls inside (:func:`shared_core.tl_align.attention_labels` without ``fused``) follow
+        ``path.separate``."""
+        with fused_label_attn(path.separate):
+            yield
+
+    def kernel_failed(self, path: LabelPath, error: Exception) -> None:
+        """The kernel did not build or launch (:func:`_fail`); this backend then goes on with the SDPA label
+        columns where it had chosen the kernel."""
+        _fail(path, error)
+        for key, p in list(self._paths.items()):
+            if p == path:
+                self._paths[key] = replace(p, shared='columns')
+
+
+def _fail(path: Optional[LabelPath], error: Exception) -> None:
+    """The kernel did not build or launch: a forced one (or one inside a compiled graph) raises the error;
+    otherwise one warning, and the process's default goes on with the SDPA label columns."""
+    if (path is not None and path.forced is not None) or torch.compiler.is_compiling():
+        raise error
+    _kernel_failed(error)
 
 
 def shared_attention(
@@ -258,17 +345,28 @@ class LabelColumns:
     rounding error), whose sum keeps fp32-like precision; the heads are summed in fp32. The label columns carry
     no gradient (the buffer does not require one), so the gradients of ``qkv`` are the plain attention's.
 
-    ``kernel=True`` (:func:`use_label_kernel`): no columns; ``Z`` ``(B, T, K)`` fp32 is read as it is by the
-    Triton kernel of :mod:`shared_core.label_kernel`, which computes the attention at the plain head dim and
-    ``Σ_h A_h Z`` beside it (a block given a mask: the attention materialised once).
+    ``path`` (the wrapper's :class:`LabelPath`; default the columns) with ``shared='kernel'``: no columns; ``Z``
+    ``(B, T, K)`` fp32 is read as it is by the Triton kernel of :mod:`shared_core.label_kernel`, which computes the
+    attention at the plain head dim and ``Σ_h A_h Z`` beside it (a block given a mask: the attention materialised
+    once, unless the kernel was forced). A kernel that fails to build or launch: ``backend`` (the wrapper's
+    :class:`LabelBackend`) is told, and this forward goes on with the materialised attention.
     """
 
-    def __init__(self, labels: torch.Tensor, num_heads: int, head_dim: int, dtype: torch.dtype, kernel: bool = False):
+    def __init__(
+        self,
+        labels: torch.Tensor,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        path: Optional[LabelPath] = None,
+        backend: Optional[LabelBackend] = None,
+    ):
         labels = labels.float()
         if labels.requires_grad:
             labels = labels.detach()
         B, T, K = labels.shape
-        self.num_heads, self.head_dim, self.kernel = num_heads, head_dim, kernel
+        kernel = path is not None and path.shared == 'kernel'
+        self.num_heads, self.head_dim, self.kernel, self.path, self.backend = num_heads, head_dim, kernel, path, backend
         self.scale: Union[float, torch.Tensor] = 1.0  # c: a float while every sample doubles, else (B, 1, 1)
         if kernel:  # Z read by the Triton kernel as it is, fp32: no columns to write
             self.split, self.width = False, K
@@ -319,11 +417,15 @@ class LabelColumns:
                 except ValueError:
                     raise
                 except Exception as e:  # the kernel does not build or launch here: warn once, go on without it
-                    if _choice() == 'triton' or torch.compiler.is_compiling():
-                        raise
-                    _kernel_failed(e)
-            else:  # a mask: the attention materialised once (a forced kernel is refused, never replaced)
-                refuse_unrun_kernel(None, 'the block is given an attention mask, which the kernel does not take')
+                    if self.backend is not None:
+                        self.backend.kernel_failed(self.path, e)
+                    else:
+                        _fail(self.path, e)
+            elif self.path.forced is not None:  # a mask: a forced kernel is refused, never replaced
+                raise ValueError(
+                    f'{self.path.forced}: the Triton label kernel does not run here: the block is given an attention '
+                    'mask, which the kernel does not take'
+                )
             out, branch = shared_attention(q, k, v, self.z, scale, attn_mask, fused=False)
             return out, branch.mul_(self.num_heads)
         if _cpu_shared_attention(qkv, attn_mask):  # the backward at the head dim (the plain one)

@@ -99,7 +99,8 @@ def attention_labels(
     ``labels``: ``(B, T_k, K)``; ``attn_mask``: an additive float bias or a boolean mask broadcastable
     to ``(B, H, T_q, T_k)``. Returns ``(B, T_q, K)`` in fp32.
 
-    ``fused`` (default: :func:`use_fused_label_attn`) computes it with ``scaled_dot_product_attention`` and
+    ``fused`` (default: :func:`use_fused_label_attn`, which inside a wrapper's forward is the path its
+    :class:`~shared_core.label_attention.LabelBackend` chose) computes it with ``scaled_dot_product_attention`` and
     the labels as values, never materialising the attention; otherwise one transient ``softmax(q kᵀ)`` per
     call. Either way the token path is untouched.
     """

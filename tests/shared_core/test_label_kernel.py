@@ -18,7 +18,15 @@ import torch.nn.functional as F
 from timm.loss import SoftTargetCrossEntropy
 
 from shared_core import label_kernel
-from shared_core.label_attention import FUSED_ENV, LabelColumns, _env_choice, fused_label_attn, use_label_kernel
+from shared_core.label_attention import (
+    FUSED_ENV,
+    LabelBackend,
+    LabelColumns,
+    LabelPath,
+    _env_choice,
+    fused_label_attn,
+    use_label_kernel,
+)
 from shared_core.label_kernel import label_attention
 from timm_plugin.tl_align import TLAlign
 
@@ -160,8 +168,12 @@ def test_one_graph_under_torch_compile():
     assert torch.allclose(compiled_qkv.grad, eager_qkv.grad, atol=1e-5)
 
 
+#: the path of the kernel, not forced (the default on CUDA)
+KERNEL = LabelPath('kernel', True)
+
+
 def test_the_kernel_columns_keep_the_state_in_fp32_without_a_buffer():
-    columns = LabelColumns(torch.rand(2, 17, 1), num_heads=4, head_dim=8, dtype=torch.bfloat16, kernel=True)
+    columns = LabelColumns(torch.rand(2, 17, 1), num_heads=4, head_dim=8, dtype=torch.bfloat16, path=KERNEL)
     assert columns.kernel and not columns.split and columns.z.dtype == torch.float32
     assert not hasattr(columns, 'buf')
 
@@ -233,10 +245,14 @@ def test_a_forced_kernel_is_honoured_or_refused_never_replaced(monkeypatch):
 
 
 def test_a_forced_kernel_refuses_a_block_given_an_attention_mask():
-    columns = LabelColumns(torch.rand(1, 5, 1), num_heads=2, head_dim=8, dtype=torch.float32, kernel=True)
-    qkv, mask = torch.randn(3, 1, 2, 5, 8), torch.ones(5, 5, dtype=torch.bool)
-    with fused_label_attn('triton'), pytest.raises(ValueError, match='given an attention mask'):
+    labels, qkv, mask = torch.rand(1, 5, 1), torch.randn(3, 1, 2, 5, 8), torch.ones(5, 5, dtype=torch.bool)
+    forced = LabelBackend('triton').path('cpu', torch.float32)
+    columns = LabelColumns(labels, num_heads=2, head_dim=8, dtype=torch.float32, path=forced)
+    with pytest.raises(
+        ValueError, match="^fused='triton': the Triton label kernel does not run here: .*attention mask"
+    ):
         columns.attend(qkv, 0.3, mask)
+    columns = LabelColumns(labels, num_heads=2, head_dim=8, dtype=torch.float32, path=KERNEL)
     out, heads = columns.attend(qkv, 0.3, mask)  # the default: the attention materialised once
     assert out.shape == (1, 2, 5, 8) and heads.shape == (1, 5, 1)
 
@@ -256,16 +272,23 @@ def test_a_kernel_that_fails_here_warns_once_and_the_default_goes_on_without_it(
     monkeypatch.setattr(la, '_KERNEL_FAILED', None)
     monkeypatch.setattr(label_kernel, '_forward', lambda *a: (_ for _ in ()).throw(RuntimeError('no kernel here')))
     qkv, labels = _inputs(2, 2, 17, 16, 1, torch.float32, seed=2)
-    columns = LabelColumns(labels, num_heads=2, head_dim=16, dtype=torch.float32, kernel=True)
+    backend = LabelBackend()
+    monkeypatch.setattr(la, '_TRITON', True)
+    path = backend.path('cuda', torch.float32)  # the default on CUDA: the kernel (these tensors are the CPU's)
+    assert path == KERNEL
+    columns = LabelColumns(labels, num_heads=2, head_dim=16, dtype=torch.float32, path=path, backend=backend)
     with pytest.warns(RuntimeWarning, match='kernel failed here .RuntimeError: no kernel here.*SDPA label columns'):
         out, heads = columns.attend(qkv, 0.25)
+    assert backend.path('cuda', torch.float32).shared == 'columns'  # this wrapper's next forwards
     _, _, ref_heads = _reference(*qkv.unbind(0), labels, 0.25)
     assert torch.allclose(out, F.scaled_dot_product_attention(*qkv.unbind(0), scale=0.25), atol=1e-5)
     assert (heads.double() - ref_heads).abs().max() < 1e-5
-    monkeypatch.setattr(la, '_TRITON', True)
     assert not use_label_kernel('cuda')  # the rest of the process: the SDPA columns
-    with fused_label_attn('triton'), pytest.raises(RuntimeError, match='no kernel here'):
-        LabelColumns(labels, num_heads=2, head_dim=16, dtype=torch.float32, kernel=True).attend(qkv, 0.25)
+    assert LabelBackend().path('cuda', torch.float32).shared == 'columns'  # other wrappers' too
+    forced = LabelBackend('triton')
+    path = forced.path('cpu', torch.float32)
+    with pytest.raises(RuntimeError, match='no kernel here'):
+        LabelColumns(labels, 2, 16, torch.float32, path=path, backend=forced).attend(qkv, 0.25)
 
 
 def test_a_flash_backward_that_refuses_falls_back_to_the_recomputed_one(monkeypatch):

@@ -53,7 +53,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from shared_core.checks import check_layers
 from shared_core.compiling import guard_module_hooks
-from shared_core.label_attention import check_choice, fused_label_attn, refuse_unrun_kernel
+from shared_core.label_attention import LabelBackend, compute_dtype
 from shared_core.mix import Mix
 from shared_core.tl_align import TRANSMIX_MODES, aligned_target, compact_labels, dense_labels, transmix_share
 from shared_core.tracer import check_drop_path, check_transmix, tracer_for
@@ -185,11 +185,16 @@ class _MixTargetWrapper(nn.Module):
 
     def __init__(self, model: nn.Module, fused: Union[bool, str, None] = None):
         super().__init__()
-        fused = check_choice('fused', fused)
+        backend = LabelBackend(fused)  # the label attention's path, chosen once per device and dtype
         self.tracer = timm_tracer(model)
         guard_module_hooks()  # per-call hooks under torch.compile
         self.model = model
-        self.fused = fused
+        self.backend = backend
+
+    @property
+    def fused(self) -> Union[bool, str, None]:
+        """The wrapper's choice of label attention (``None``: the process's)."""
+        return self.backend.choice
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -236,9 +241,11 @@ class TLAlign(_MixTargetWrapper):
         residual: ``False`` drops the residual from the label path (Table 8, "normalization disabled").
         fused: the label attention as a fused SDPA call (``True``), a transient softmax (``False``) or, for the
             shared path, the Triton kernel (``'triton'``, :mod:`shared_core.label_kernel`) for this wrapper;
-            default :func:`shared_core.label_attention.use_fused_label_attn` (``$TOKENAUG_FUSED_LABEL_ATTN``,
-            else the shared path fused on every device, through the Triton kernel on CUDA, the recomputing path
-            fused on accelerators). With ``shared=False`` the token path is the model's own either way.
+            default the process's choice (``$TOKENAUG_FUSED_LABEL_ATTN``,
+            :func:`~shared_core.label_attention.set_fused_label_attn`), else the shared path fused on every device,
+            through the Triton kernel on CUDA, the recomputing path fused on accelerators. The wrapper's
+            :class:`~shared_core.label_attention.LabelBackend` (``backend``) resolves it once per device and dtype.
+            With ``shared=False`` the token path is the model's own either way.
         drop_path: ``'kept'`` (a sample whose attention branch stochastic depth dropped keeps its labels) or
             ``'public'`` (the public code: they update anyway).
         shared: timm ViTs: one attention per block for tokens and labels (:class:`SharedAttentionViT`);
@@ -272,11 +279,13 @@ class TLAlign(_MixTargetWrapper):
             why_not = SharedAttentionViT.why_not(tracer, labels, self.layers)
         else:
             why_not = "shared=False keeps the model's own attention and recomputes the labels in a call of their own"
-        refuse_unrun_kernel(self.fused, why_not)  # the kernel runs in the shared path only
+        self.backend.refuse_unrun_kernel(why_not)  # the kernel runs in the shared path only
+        path = self.backend.path(x.device, compute_dtype(x))
         shared = None
         if why_not is None:
-            shared = SharedAttentionViT(tracer, labels, self.layers, self.residual, self.drop_path, observe)
-        with fused_label_attn(self.fused):
+            args = (labels, self.layers, self.residual, self.drop_path, path, self.backend, observe)
+            shared = SharedAttentionViT(tracer, *args)
+        with self.backend.applied(path):
             output, captures = tracer.capture(forward or (lambda: self.model(x)), shared)
             state = None if shared is None else shared.state(captures)
             share = tracer.label_path(
@@ -348,8 +357,8 @@ class TransMix(_MixTargetWrapper):
 
     def align(self, x: torch.Tensor, target: torch.Tensor, forward=None):
         mix = self._check_target(x, target)
-        refuse_unrun_kernel(self.fused, "TransMix reads the last block's attention in a call of its own")
+        self.backend.refuse_unrun_kernel("TransMix reads the last block's attention in a call of its own")
         output, captures = self.tracer.capture(forward or (lambda: self.model(x)))
-        with fused_label_attn(self.fused):
+        with self.backend.applied(self.backend.path(x.device, compute_dtype(x))):
             share = transmix_share(self.tracer, captures, output, mix.to(x.device), self.mode)
         return output, aligned_target(share, target.labels, mix, target.num_classes, target.smoothing)

@@ -12,7 +12,7 @@ from timm.models.cait import Cait, ClassAttn, LayerScaleBlock, LayerScaleBlockCl
 from timm.models.vision_transformer import Block, VisionTransformer
 
 from shared_core.capture import Captures, LabelCapture, hook_drop_path
-from shared_core.label_attention import LabelColumns, shared_attention, use_fused_label_attn, use_label_kernel
+from shared_core.label_attention import LabelBackend, LabelColumns, LabelPath, shared_attention
 from shared_core.tl_align import attention_labels, residual_labels, talking_heads_labels
 from shared_core.tracer import Tracer, check_block_parts, check_pool
 
@@ -83,8 +83,19 @@ class SharedAttentionViT:
     depth may drop the branch). The token path computes what timm's does, up to the float rounding of another
     kernel."""
 
-    def __init__(self, base: ViTTracer, labels: torch.Tensor, layers, residual: bool, drop_path: str, observe=None):
+    def __init__(
+        self,
+        base: ViTTracer,
+        labels: torch.Tensor,
+        layers,
+        residual: bool,
+        drop_path: str,
+        path: LabelPath,
+        backend: Optional[LabelBackend] = None,
+        observe=None,
+    ):
         self.base, self.layers, self.residual, self.drop_path = base, layers, residual, drop_path
+        self.path, self.backend = path, backend  # how the labels ride (the wrapper's backend chose it)
         self.num_prefix_tokens = base.num_prefix_tokens
         self._state = labels.detach().float()  # the unfused path's state (the attention materialised once)
         self.columns: Optional[LabelColumns] = None  # the fused path's state, built at the first aligned block
@@ -161,13 +172,13 @@ class SharedAttentionViT:
                 )
             gate = attn.gate(x).sigmoid() if getattr(attn, 'gate', None) is not None else None
             qkv = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-            if use_fused_label_attn(x.device, shared=True):  # one call: [q | 0], [k | 0], [v | labels]
+            if self.path.shared != 'materialised':  # one call: [q | 0], [k | 0], [v | labels], or the kernel
                 if not (isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)):
                     q, k, v = qkv.unbind(0)
                     qkv = torch.stack([attn.q_norm(q), attn.k_norm(k), v])
                 if self.columns is None:
-                    kernel = use_label_kernel(x.device)  # the Triton kernel (CUDA), else an SDPA call
-                    self.columns = LabelColumns(self.labels, attn.num_heads, attn.head_dim, qkv.dtype, kernel)
+                    heads, dim = attn.num_heads, attn.head_dim
+                    self.columns = LabelColumns(self.labels, heads, dim, qkv.dtype, self.path, self.backend)
                 out, cap.attn = self.columns.attend(qkv, attn.scale, attn_mask)
             else:  # the attention materialised once for both paths
                 q, k, v = qkv.unbind(0)

@@ -1,0 +1,60 @@
+"""The label-attention backend (``shared_core.label_attention.LabelBackend``): one object per wrapper resolves the
+choice to a path once per device, dtype and process choice, and the blocks read that path, not the choice."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+
+import shared_core.label_attention as la
+from shared_core.label_attention import LabelBackend, LabelPath, compute_dtype, fused_label_attn, set_fused_label_attn
+from timm_plugin import create_mixer
+from timm_plugin.tl_align import TLAlign
+
+
+def test_each_choice_resolves_to_its_path_on_each_device(monkeypatch):
+    monkeypatch.setattr(la, '_TRITON', True)
+    monkeypatch.setattr(la, '_KERNEL_FAILED', None)
+    f32 = torch.float32
+    assert LabelBackend().path('cpu', f32) == LabelPath('columns', False)  # shared fused, label-only calls unfused
+    assert LabelBackend().path('cuda', f32) == LabelPath('kernel', True)
+    assert LabelBackend(True).path('cuda', f32) == LabelPath('columns', True)
+    assert LabelBackend(False).path('cuda', f32) == LabelPath('materialised', False)
+    assert LabelBackend('Triton').path('cpu', f32) == LabelPath('kernel', True, "fused='triton'")
+    assert LabelBackend('triton', 'tl_align.fused').path('cpu', f32).forced == "tl_align.fused='triton'"
+    with fused_label_attn('triton'):  # the process's choice, where the wrapper makes none
+        assert LabelBackend().path('cpu', f32).forced == "'triton' ($TOKENAUG_FUSED_LABEL_ATTN or set_fused_label_attn)"
+        assert LabelBackend(False).path('cpu', f32).shared == 'materialised'  # the wrapper's own comes first
+    with pytest.raises(ValueError, match="fused: expected True, False, 'triton' or None"):
+        LabelBackend('cuda')
+    with pytest.raises(ValueError, match="^fused='triton': the Triton label kernel does not run here: no kernel"):
+        LabelBackend('triton').refuse_unrun_kernel('no kernel')
+    LabelBackend(True).refuse_unrun_kernel('no kernel')  # only a forced kernel is refused
+
+
+def test_the_path_is_chosen_once_per_device_dtype_and_process_choice_not_per_block(monkeypatch):
+    """A depth-6 ViT's forwards resolve the choice once (the blocks read the path); a new process choice or another
+    dtype resolves it again."""
+    calls = []
+    resolve = la.use_label_kernel
+    monkeypatch.setattr(la, 'use_label_kernel', lambda device: calls.append(device) or resolve(device))
+    model = timm.create_model('vit_tiny_patch16_224', img_size=32, patch_size=8, depth=6, num_classes=4).eval()
+    mixer = create_mixer('cutmix', cutmix_alpha=1.0, num_classes=4, patch_size=8, carry_mix=True)
+    xm, target = mixer(torch.randn(2, 3, 32, 32), torch.arange(2))
+    wrapped = TLAlign(model)
+    for _ in range(3):
+        wrapped(xm, target)
+    assert len(calls) == 1
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        assert compute_dtype(xm) == torch.bfloat16
+        wrapped(xm, target)
+    assert len(calls) == 2
+    set_fused_label_attn(False)
+    try:
+        wrapped(xm, target)  # the process chose: no default to resolve, the materialised path
+        assert wrapped.backend.path(xm.device, xm.dtype).shared == 'materialised'
+    finally:
+        set_fused_label_attn(None)
+    wrapped(xm, target)
+    assert len(calls) == 2  # the default's path was kept
