@@ -27,6 +27,7 @@ mixed input (``vtm_memory='public'``).
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from typing import Callable, Optional, Protocol, Sequence, Tuple
 
@@ -341,13 +342,23 @@ class TokenMixupHooks:
         self.rho, self.tau, self.kappa = float(rho), float(tau), kappa
         self.scorenet_weight, self.scorenet_stopgrad = float(scorenet_weight), scorenet_stopgrad
         self.vtm_stopgrad, self.difficulty_scale = vtm_stopgrad, float(difficulty_scale)
-        #: a dict to keep each HTM block's saliency ``(B, N)``, difficulty ``(B,)`` and easy rows in
-        #: (``tokenaug-viz tokenmixup``)
-        self.record: Optional[dict] = None
+
+        self._observe: Optional[Callable] = None
+
+    @contextlib.contextmanager
+    def observing(self, observe: Callable):
+        """Inside the ``with`` block, ``observe(index, saliency, easy, difficulty)`` after each HTM block's plan of
+        every forward (its saliency ``(B, N)``, easy rows ``(B,)`` and difficulty ``(B,)``, detached on the CPU):
+        what ``tokenaug-viz tokenmixup`` draws, from any adapter's forward (a timm wrapper's, mm's ``loss``)."""
+        outer, self._observe = self._observe, observe
+        try:
+            yield
+        finally:
+            self._observe = outer
 
     def run(self, y: torch.Tensor, forward: Callable[[], torch.Tensor]):
         """``(output, target (B, C), aux_loss, stats, mixes)`` of one training forward with soft target ``y``."""
-        state = dict(y=y, aux=[], stats={}, mixes=[], inputs={}, qk={}, premix={}, undo=[])
+        state = dict(y=y, aux=[], stats={}, mixes=[], inputs={}, qk={}, premix={}, undo=[], observe=self._observe)
         handles = []
         need_memory = set(range(self.vtm_layers[-1])) if self.vtm_layers else set()
         for idx, blk in enumerate(self.adapter.blocks):
@@ -390,10 +401,8 @@ class TokenMixupHooks:
             partner, swap, lam = htm_plan(S, easy, self.rho)
             if keep_premix:  # VTM's memory of this block, chosen as the public code does
                 state['premix'][idx] = S
-            if self.record is not None:
-                self.record[idx] = dict(
-                    saliency=S.detach().float().cpu(), easy=easy.detach().cpu(), difficulty=hardness.detach().cpu()
-                )
+            if state['observe'] is not None:
+                state['observe'](idx, S.detach().float().cpu(), easy.detach().cpu(), hardness.detach().cpu())
             mix = htm_mix(partner, swap, lam, (1, S.shape[1]))
             state['mixes'].append(mix)
             mixed = swap.any(1)

@@ -14,6 +14,7 @@ from mm_plugin.convert import timm_vit_to_mmpretrain
 from timm_plugin import TokenMixup
 
 from ..conftest import REPO
+from ..helpers.observers import record_into
 from ..helpers.processes import mmpretrain_train
 from ..shared_core.test_tokenmixup_core import tie_free
 
@@ -53,9 +54,9 @@ def test_timm_and_mmpretrain_make_the_same_plan_targets_and_logits():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 3, 32, 32, generator=g)
     y = torch.rand(5, C, generator=g).softmax(-1)
-    tm.hooks.record = {}
-    logits, target = tm.mix_forward(x, y)
-    seen = tm.hooks.record[3]
+    with tm.hooks.observing(record_into(record := {})):
+        logits, target = tm.mix_forward(x, y)
+    seen = record[3]
     assert tie_free(seen['saliency'], seen['easy'].tolist(), TM['rho'], tol=1e-4, margin=1e-3)  # one plan to find
     feats, mm_y, aux, stats, mixes = mm.tokenmixup.run(y, lambda: mm.extract_feat(x))
     assert target.stats['htm3']['mixed'] > 0 and stats == target.stats
@@ -86,18 +87,19 @@ def test_mmpretrain_judges_difficulty_on_the_smoothed_target_as_timm():
             net.fc.weight.normal_(0, 0.5)
     x = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     tm = TokenMixup(timm_model, **dict(TM, smoothing=eps))
-    tm.hooks.record = {}
-    tm.mix_forward(x, labels)
-    smoothed = tm.hooks.record[3]['difficulty']
-    tm.smoothing = 0.0
-    tm.mix_forward(x, labels)
-    plain = tm.hooks.record[3]['difficulty']
+    with tm.hooks.observing(record_into(record := {})):
+        tm.mix_forward(x, labels)
+        smoothed = record[3]['difficulty']
+        tm.smoothing = 0.0
+        tm.mix_forward(x, labels)
+        plain = record[3]['difficulty']
     k = int((smoothed - plain).abs().argmax())
     tau = float(smoothed[k] + plain[k]) / 2
     assert (smoothed <= tau).tolist() != (plain <= tau).tolist()  # the two judgements differ
     tm.hooks.tau, tm.smoothing = tau, eps
-    logits, target = tm.mix_forward(x, labels)
-    seen = tm.hooks.record[3]
+    with tm.hooks.observing(record_into(record := {})):
+        logits, target = tm.mix_forward(x, labels)
+    seen = record[3]
     assert seen['easy'].tolist() == (smoothed <= tau).tolist()
 
     mm = MODELS.build(
@@ -120,11 +122,11 @@ def test_mmpretrain_judges_difficulty_on_the_smoothed_target_as_timm():
     )
     nets = {k: v for k, v in timm_model.state_dict().items() if k.startswith('tokenmixup_scorenet.')}
     mm.load_state_dict(dict(state, **nets), strict=True)
-    mm.tokenmixup.record = {}
     samples = [DataSample().set_gt_label(int(i)) for i in labels]
-    losses = mm.loss(x, samples)
-    assert mm.tokenmixup.record[3]['easy'].tolist() == seen['easy'].tolist()
-    assert torch.allclose(mm.tokenmixup.record[3]['difficulty'], seen['difficulty'], atol=1e-5)
+    with mm.tokenmixup.observing(record_into(mm_record := {})):
+        losses = mm.loss(x, samples)
+    assert mm_record[3]['easy'].tolist() == seen['easy'].tolist()
+    assert torch.allclose(mm_record[3]['difficulty'], seen['difficulty'], atol=1e-5)
     assert torch.allclose(losses['loss_scorenet'], target.aux_loss, atol=1e-6)
     scores = torch.stack([s.gt_score for s in samples])
     assert torch.allclose(scores.sum(1), torch.ones(5), atol=1e-6)

@@ -20,6 +20,7 @@ from timm_plugin.token_label_data import TokenLabelTarget
 from timm_plugin.token_labeling import TokenLabeling, TokenLabelingLoss, attach_aux_head
 from timm_plugin.tokenmixup import TokenMixup
 
+from ..helpers.observers import record_into
 from ..shared_core.test_tokenmixup_core import tie_free
 
 C = 10
@@ -180,9 +181,9 @@ def test_tokenmixup_on_a_compiled_model_is_one_graph(vtm):
             torch.manual_seed(11)
             return fn()
 
-        method.hooks.record = {}
-        same_step(lambda: seeded(step), lambda: seeded(lambda: step(lambda: compiled(xm))), model, atol=1e-5)
-        seen = method.hooks.record[1]  # the case has one plan, whatever float noise the two paths have
+        with method.hooks.observing(record_into(record := {})):
+            same_step(lambda: seeded(step), lambda: seeded(lambda: step(lambda: compiled(xm))), model, atol=1e-5)
+        seen = record[1]  # the case has one plan, whatever float noise the two paths have
         assert tie_free(seen['saliency'], seen['easy'].tolist(), method.hooks.rho, tol=1e-4, margin=1e-3)
         easy.append(int(seen['easy'].sum()))
         graphs.append(compiled_frames())

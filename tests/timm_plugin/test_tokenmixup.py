@@ -13,6 +13,7 @@ from timm.loss import SoftTargetCrossEntropy
 import timm_plugin  # noqa: F401  (registers cct_*)
 from timm_plugin import TokenMixup, TokenMixupTask, create_mixer
 
+from ..helpers.observers import record_into
 from ..shared_core.test_tokenmixup_core import ref_plan, token_margin
 
 C = 5
@@ -419,13 +420,12 @@ def test_bf16_autocast_gives_the_fp32_decisions():
     tm = TokenMixup(model, htm_layers=(0,), rho=rho, tau=float('inf'))
     for seed in range(4):
         x, y = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(seed)), soft(torch.arange(6) % C)
-        tm.hooks.record = {}
-        _, t32 = tm(x, y)
-        S32 = tm.hooks.record[0]['saliency']
-        tm.hooks.record = {}
-        with torch.autocast('cpu', dtype=torch.bfloat16):
-            logits16, t16 = tm(x, y)
-        S16, easy = tm.hooks.record[0]['saliency'], tm.hooks.record[0]['easy']
+        with tm.hooks.observing(record_into(record := {})):
+            _, t32 = tm(x, y)
+            S32 = record[0]['saliency']
+            with torch.autocast('cpu', dtype=torch.bfloat16):
+                logits16, t16 = tm(x, y)
+            S16, easy = record[0]['saliency'], record[0]['easy']
         assert logits16.dtype == torch.bfloat16 and S16.dtype == torch.float32 and t32.stats['htm0']['mixed'] > 0
         noise = (S16 - S32).abs()
         assert float(noise.max()) < 1e-3  # the patch embedding's rounding only (measured: 1.8e-4 at most)

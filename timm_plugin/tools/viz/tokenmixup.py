@@ -81,11 +81,13 @@ def tokenmixup(argv) -> Path:
     x = torch.stack([s[0] for s in samples])
     y = torch.as_tensor([int(s[1]) for s in samples])
     record = {}
-    tm.hooks.record = record
+
+    def observe(idx, saliency, easy, difficulty):
+        record[idx] = dict(saliency=saliency, easy=easy, difficulty=difficulty)
+
     tm.train()
-    with torch.no_grad():
+    with torch.no_grad(), tm.hooks.observing(observe):
         _, target = tm(x, y)
-    tm.hooks.record = None
     layer = tm.hooks.htm_layers[0]
     mix = target.mixes[0]
     S, easy = record[layer]['saliency'], record[layer]['easy']
