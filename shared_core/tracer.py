@@ -37,7 +37,9 @@ mmpretrain's in :mod:`mm_plugin.tl_align`). It derives from :class:`Tracer`, and
 - ``readout`` (one of :data:`READOUTS`), ``num_prefix_tokens``, ``attends`` (and ``why_no_attention`` where not),
   and, where a class token attends in the last block, :meth:`~Tracer.class_attention` for TransMix.
 
-A tracer holds no state of a forward: everything a forward leaves is in its captures. ``docs/development.md``
+A tracer whose model another framework may pool outside it (a timm CNN as mmpretrain's ``TIMMBackbone`` with a
+``GlobalAveragePooling`` neck) takes ``pooled_outside=True``: the head's own pooling is then not checked, and the
+readout is the same mean. A tracer holds no state of a forward: everything a forward leaves is in its captures. ``docs/development.md``
 ("Adding a family to TL-Align") has a worked example.
 """
 
