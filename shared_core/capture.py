@@ -3,9 +3,9 @@
 - :class:`LabelCapture`: one block's record (``q``/``k``, attention probabilities, mask, scale, the samples its
   token-mixing branch kept); :class:`Captures`: one per block, in the order ``layers`` indexes, and the first
   token ``grid`` (and the readout's pooling weights where a model pools by learnt weights).
-- The stochastic-depth hooks (:func:`hook_drop_path`: the samples a drop path kept at its first call) and
-  :func:`watch_blocks` (a capture per block: its attention call and its drop path): timm's and mm's tracers both
-  use them through :class:`shared_core.tracer.Tracer`.
+- The stochastic-depth hook (:func:`hook_drop_path`: the samples a drop path kept at its first call), which
+  :meth:`shared_core.tracer.Tracer.register` puts on every block of timm's and mm's tracers alike (and timm ViTs'
+  shared attention pass on its own).
 - Torch function modes that are active for one forward and record, while a watched module runs, its one
   ``scaled_dot_product_attention`` call (:class:`SdpaCapture`: ``q`` and ``k`` as the kernel saw them, the bias or
   mask, the scale) or its one softmax (:class:`SoftmaxCapture`: the attention probabilities of a model that computes
@@ -31,7 +31,6 @@ __all__ = [
     'check_captured',
     'kept_samples',
     'hook_drop_path',
-    'watch_blocks',
     'SdpaCapture',
     'SoftmaxCapture',
 ]
@@ -92,26 +91,6 @@ def hook_drop_path(
 
     handles.append(module.register_forward_hook(hook))
     return True
-
-
-def watch_blocks(
-    blocks, captures: List[LabelCapture], mode=None, attention=lambda blk: blk.attn, drop_path=None
-) -> list:
-    """One capture per block: the call of its attention module (``attention(blk)``; ``None``: no attention) recorded
-    by ``mode`` (:class:`SdpaCapture` or :class:`SoftmaxCapture`; ``None``: none), and the samples its token-mixing
-    branch's drop path (``drop_path(blk)``) kept. Returns the handles, the mode's among them."""
-    handles: list = []
-    for blk in blocks:
-        cap = LabelCapture()
-        captures.append(cap)
-        module = attention(blk) if mode is not None else None
-        if module is not None:
-            mode.watch(module, cap, handles)
-        if drop_path is not None:
-            hook_drop_path(drop_path(blk), cap, handles)
-    if mode is not None:
-        mode.start(handles)
-    return handles
 
 
 class _WatchingMode(TorchFunctionMode):
