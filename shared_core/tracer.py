@@ -39,8 +39,8 @@ mmpretrain's in :mod:`mm_plugin.tl_align`). It derives from :class:`Tracer`, and
 
 A tracer whose model another framework may pool outside it (a timm CNN as mmpretrain's ``TIMMBackbone`` with a
 ``GlobalAveragePooling`` neck) takes ``pooled_outside=True``: the head's own pooling is then not checked, and the
-readout is the same mean. A tracer holds no state of a forward: everything a forward leaves is in its captures. ``docs/development.md``
-("Adding a family to TL-Align") has a worked example.
+readout is the same mean. A tracer holds no state of a forward: everything a forward leaves is in its captures.
+``docs/development.md`` ("Adding a family to TL-Align") has a worked example.
 """
 
 from __future__ import annotations
