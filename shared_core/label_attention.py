@@ -29,6 +29,8 @@ __all__ = [
     'use_label_kernel',
     'check_choice',
     'SHARED_PATHS',
+    'SEPARATE_PATHS',
+    'separate_path',
     'LabelPath',
     'LabelBackend',
     'compute_dtype',
@@ -43,33 +45,36 @@ __all__ = [
 
 #: environment override: ``TOKENAUG_FUSED_LABEL_ATTN=1`` (always fused: an SDPA call), ``0`` (never), ``triton``
 #: (the shared path through the Triton kernel, :mod:`shared_core.label_kernel`, on any device: on the CPU under
-#: ``TRITON_INTERPRET=1``); unset: by device and path
+#: ``TRITON_INTERPRET=1``), ``labels`` (the token attention left to the model, the labels from the label-only
+#: kernel beside it); unset: by device and path
 FUSED_ENV = 'TOKENAUG_FUSED_LABEL_ATTN'
-#: what a choice may be: ``True`` / ``False`` / ``'triton'`` (``None``: the default)
+#: what a choice may be: ``True`` / ``False`` / ``'triton'`` / ``'labels'`` (``None``: the default)
 Choice = Union[bool, str, None]
+#: the choices spelled as words
+_WORDS = ('triton', 'labels')
 
 
 def _env_choice() -> Choice:
     value = os.environ.get(FUSED_ENV, '').strip().lower()
     if value == '':
         return None
-    if value == 'triton':
-        return 'triton'
+    if value in _WORDS:
+        return value
     if value in ('0', 'false'):
         return False
     if value in ('1', 'true'):
         return True
-    raise ValueError(f'${FUSED_ENV}: expected 1, 0 or triton (or unset), got {os.environ[FUSED_ENV]!r}')
+    raise ValueError(f'${FUSED_ENV}: expected 1, 0, triton or labels (or unset), got {os.environ[FUSED_ENV]!r}')
 
 
 def check_choice(name: str, enable: Choice) -> Choice:
-    """``enable`` if it is a choice (``True``, ``False``, ``'triton'`` in any case, as
-    ``$TOKENAUG_FUSED_LABEL_ATTN`` takes it, or ``None``), else a ValueError naming ``name``."""
+    """``enable`` if it is a choice (``True``, ``False``, ``'triton'`` or ``'labels'`` in any case, as
+    ``$TOKENAUG_FUSED_LABEL_ATTN`` takes them, or ``None``), else a ValueError naming ``name``."""
     if enable is None or isinstance(enable, bool):
         return enable
-    if isinstance(enable, str) and enable.strip().lower() == 'triton':
-        return 'triton'
-    raise ValueError(f"{name}: expected True, False, 'triton' or None (the default), got {enable!r}")
+    if isinstance(enable, str) and enable.strip().lower() in _WORDS:
+        return enable.strip().lower()
+    raise ValueError(f"{name}: expected True, False, 'triton', 'labels' or None (the default), got {enable!r}")
 
 
 _FUSED: Choice = _env_choice()
@@ -82,7 +87,8 @@ _FUSED_SCOPE: Choice = None
 
 def set_fused_label_attn(enable: Choice) -> None:
     """Process-wide choice (as timm's ``set_fused_attn``): ``True`` (an SDPA call), ``False`` (a transient
-    softmax), ``'triton'`` (the Triton kernel for the shared path), or ``None`` for the default."""
+    softmax), ``'triton'`` (the Triton kernel for the shared path), ``'labels'`` (the label-only kernel beside the
+    model's own attention), or ``None`` for the default."""
     global _FUSED
     _FUSED = check_choice('enable', enable)
 
@@ -119,6 +125,19 @@ def _choice() -> Choice:
     return _FUSED_SCOPE if _FUSED_SCOPE is not None else _FUSED
 
 
+#: how a label-only call computes Eq. 9 (the recomputing path, TransMix): the label-only Triton kernel
+#: (``'labels'``), a fused SDPA call with the labels as values (``'sdpa'``), or a transient softmax (``'softmax'``)
+SEPARATE_PATHS = ('labels', 'sdpa', 'softmax')
+
+
+def separate_path(device: torch.device) -> str:
+    """How a label-only call runs now (:data:`SEPARATE_PATHS`): the label-only kernel where the choice is
+    ``'labels'`` (inside a wrapper's forward: its backend's path), else :func:`use_fused_label_attn`'s."""
+    if _choice() == 'labels':
+        return 'labels'
+    return 'sdpa' if use_fused_label_attn(device) else 'softmax'
+
+
 def use_label_kernel(device: torch.device) -> bool:
     """Whether the shared path runs through the Triton kernel (:mod:`shared_core.label_kernel`): forced by the
     choice ``'triton'`` (any device: CPU tensors need ``TRITON_INTERPRET=1``), else by default on CUDA where
@@ -152,19 +171,19 @@ def _kernel_failed(error: Exception) -> None:
 # ----------------------------------------------------------------------------------------------
 
 #: how the shared attention of timm ViTs carries the labels: ``'kernel'`` (the Triton kernel), ``'columns'`` (label
-#: columns in the token path's fused SDPA call), ``'materialised'`` (the attention materialised once for both)
-SHARED_PATHS = ('kernel', 'columns', 'materialised')
+#: columns in the token path's fused SDPA call), ``'materialised'`` (the attention materialised once for both),
+#: ``'apart'`` (no shared attention: the model's own, the labels in label-only calls beside it)
+SHARED_PATHS = ('kernel', 'columns', 'materialised', 'apart')
 
 
 @dataclass(frozen=True)
 class LabelPath:
     """The label attention's path for one (device, dtype): ``shared`` (:data:`SHARED_PATHS`) for the shared
-    attention of timm ViTs, ``separate`` for a label-only call (the recomputing path, TransMix): a fused SDPA call
-    (``True``) or a transient softmax; ``forced`` names a forced ``'triton'`` (honoured or refused, never
-    replaced), else ``None``."""
+    attention of timm ViTs, ``separate`` (:data:`SEPARATE_PATHS`) for a label-only call (the recomputing path,
+    TransMix); ``forced`` names a forced ``'triton'`` (honoured or refused, never replaced), else ``None``."""
 
     shared: str
-    separate: bool
+    separate: str
     forced: Optional[str] = None
 
 
@@ -203,10 +222,12 @@ class LabelBackend:
             device = torch.device(device)
             if choice is None:  # the defaults (the process chose nothing either)
                 shared = 'kernel' if use_label_kernel(device) else 'columns'
-                separate = use_fused_label_attn(device)
+                separate = 'sdpa' if use_fused_label_attn(device) else 'softmax'
+            elif choice == 'labels':
+                shared, separate = 'apart', 'labels'
             else:
                 shared = 'kernel' if choice == 'triton' else 'columns' if choice else 'materialised'
-                separate = bool(choice)
+                separate = 'sdpa' if choice else 'softmax'
             path = self._paths[key] = LabelPath(shared, separate, self._forced(choice))
         return path
 
@@ -221,7 +242,7 @@ class LabelBackend:
     def applied(self, path: LabelPath):
         """The label-only calls inside (:func:`shared_core.tl_align.attention_labels` without ``fused``) follow
         ``path.separate``."""
-        with fused_label_attn(path.separate):
+        with fused_label_attn({'labels': 'labels', 'sdpa': True, 'softmax': False}[path.separate]):
             yield
 
     def kernel_failed(self, path: LabelPath, error: Exception) -> None:

@@ -1,7 +1,13 @@
-"""TL-Align's label attention inside one fused attention forward: a Triton flash-attention kernel at the token
-path's own head dim that also accumulates, per query row, ``Σ_h P_h · Y`` (the labels ``Y`` detached, fp32), and
-a ``torch.library`` custom op around it (``tokenaug::label_attention``, with a fake implementation, so
-``torch.compile`` keeps one graph) whose backward is the plain attention's.
+"""TL-Align's label attention as Triton kernels, two of them.
+
+- :func:`label_attention`: inside one fused attention forward, a flash-attention kernel at the token path's own
+  head dim that also accumulates, per query row, ``Σ_h P_h · Y`` (the labels ``Y`` detached, fp32), and a
+  ``torch.library`` custom op around it (``tokenaug::label_attention``, with a fake implementation, so
+  ``torch.compile`` keeps one graph) whose backward is the plain attention's.
+- :func:`label_only_attention` (``fused='labels'``): the labels alone, beside the token path's own attention call,
+  which it leaves to the model (PyTorch picks cuDNN, flash or efficient as it would without TL-Align): a
+  forward-only kernel with its own online max over (sample × head, query tile) programs, no ``P · V``, nothing
+  kept for autograd; the heads summed by atomic adds (``tokenaug::label_only_attention``).
 
 Why the labels cost one multiply-add per probability: the kernel computes each block of probabilities ``P = exp(S
 - m)`` once, in fp32, for ``P · V``; the same unrounded ``P`` times the block's label rows is added into a
@@ -23,11 +29,11 @@ import functools
 import math
 import os
 import warnings
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
-__all__ = ['label_attention', 'interpreting']
+__all__ = ['label_attention', 'label_only_attention', 'interpreting']
 
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
@@ -304,3 +310,163 @@ def label_attention(
     if labels.requires_grad:
         labels = labels.detach()
     return _label_attention_op(q, k, v, labels, float(scale))
+
+
+# ----------------------------------------------------------------------------------------------
+# The label-only kernel: Eq. 9 beside the token path's own attention call, forward only
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _label_only_kernel():
+    """The label-only Triton kernel, compiled on first use."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def label_only_fwd(
+        Q, K, Y, BIAS, HEADS,
+        sqb, sqh, sqt, skb, skh, skt, syb, syt, sbb, sbh, sbm, sbn, shb, sht,
+        H, TQ, TK, qk_scale,
+        D: tl.constexpr, KY: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        # one program: BLOCK_M query rows of one (sample, head); its share of Σ_h added into HEADS atomically
+        bh = tl.program_id(0).to(tl.int64)
+        b, h = bh // H, bh % H
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_k = tl.arange(0, BLOCK_K)
+        row_ok = offs_m < TQ
+        d_ok = offs_d < D
+        k_ok = offs_k < KY
+        q = tl.load(
+            Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc_y = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for start_n in range(0, TK, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < TK
+            kt = tl.load(
+                K + b * skb + h * skh + offs_n[None, :] * skt + offs_d[:, None],
+                mask=col_ok[None, :] & d_ok[:, None],
+                other=0.0,
+            )
+            if DOT_F32:  # the interpreter: its 16-bit dots are wrong; the same products, exact in fp32
+                s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision='ieee') * qk_scale
+            else:
+                s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # log2 units
+            if HAS_BIAS:  # an additive bias (log2 units), broadcast by its strides
+                bias = tl.load(
+                    BIAS + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
+                    mask=row_ok[:, None] & col_ok[None, :],
+                    other=0.0,
+                )
+                s += bias * 1.4426950408889634
+            s = tl.where(col_ok[None, :], s, float('-inf'))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)  # a row masked so far: no NaN
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            y = tl.load(
+                Y + b * syb + offs_n[:, None] * syt + offs_k[None, :],
+                mask=col_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            if BLOCK_K == 1:  # the compact state: one multiply-add per probability
+                acc_y = acc_y * alpha[:, None] + tl.sum(p * tl.reshape(y, [1, BLOCK_N]), 1)[:, None]
+            else:
+                acc_y = acc_y * alpha[:, None] + tl.dot(p, y, input_precision='ieee')
+            m_i = m_new
+        tl.atomic_add(
+            HEADS + b * shb + offs_m[:, None] * sht + offs_k[None, :],
+            acc_y / l_i[:, None],
+            mask=row_ok[:, None] & k_ok[None, :],
+        )
+
+    return label_only_fwd
+
+
+def _label_only_forward(q, k, labels, bias, scale: float):
+    """The label-only kernel's launch: ``Σ_h softmax(q_h k_hᵀ · scale + bias) · labels`` ``(B, T_q, K)`` fp32."""
+    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f'q, k: expected (B, H, T_q, d) and (B, H, T_k, d), got {tuple(q.shape)}, {tuple(k.shape)}')
+    B, H, TQ, D = q.shape
+    TK = k.shape[2]
+    if labels.dim() != 3 or labels.shape[:2] != (B, TK) or labels.dtype != torch.float32:
+        raise ValueError(
+            f'labels: expected (B, T_k, K) = ({B}, {TK}, K) fp32, got {tuple(labels.shape)} {labels.dtype}'
+        )
+    if q.device.type == 'cpu' and not interpreting():
+        raise RuntimeError(
+            "the Triton label-only kernel runs on CUDA tensors, or on CPU tensors under Triton's interpreter "
+            '(TRITON_INTERPRET=1, set before Triton is imported)'
+        )
+    q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
+    labels = labels if labels.stride(-1) == 1 else labels.contiguous()
+    KY = labels.shape[-1]
+    heads = torch.zeros(B, TQ, KY, dtype=torch.float32, device=q.device)
+    if bias is None:
+        bias_t, strides = heads, (0, 0, 0, 0)  # not read
+    else:
+        bias_t = bias.expand(B, H, TQ, TK)
+        strides = bias_t.stride()
+    BM, BN, warps, stages = _blocks(TQ, D, q.device)
+    BK = 1 if KY == 1 else max(16, _next_pow2(KY))
+    _label_only_kernel()[(B * H, -(-TQ // BM))](
+        q, k, labels, bias_t, heads,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        labels.stride(0), labels.stride(1), *strides, heads.stride(0), heads.stride(1),
+        H, TQ, TK, scale * _LOG2E,
+        D=D, KY=KY, HAS_BIAS=bias is not None,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=max(16, _next_pow2(D)), BLOCK_K=BK,
+        PRECISION='ieee' if q.dtype == torch.float32 else 'tf32', DOT_F32=q.device.type != 'cuda',
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return heads
+
+
+@torch.library.custom_op('tokenaug::label_only_attention', mutates_args=())
+def _label_only_op(
+    q: torch.Tensor, k: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor], scale: float
+) -> torch.Tensor:
+    return _label_only_forward(q, k, labels, bias, scale)
+
+
+@_label_only_op.register_fake
+def _(q, k, labels, bias, scale):
+    return q.new_empty(q.shape[0], q.shape[2], labels.shape[-1], dtype=torch.float32)
+
+
+def label_only_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    labels: torch.Tensor,
+    scale: float,
+    attn_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``Σ_h softmax(q_h k_hᵀ · scale + attn_mask) · labels`` ``(B, T_q, K)`` fp32 for ``q`` ``(B, H, T_q, d)``, ``k``
+    ``(B, H, T_k, d)`` (any float dtype: the products in fp32) and ``labels`` ``(B, T_k, K)``; ``attn_mask`` an
+    additive bias or a boolean mask broadcastable to ``(B, H, T_q, T_k)``. Forward only, nothing kept for
+    autograd: the token path's attention is the model's own call. One Triton kernel over (sample × head, query
+    tile), the heads summed by atomic adds into fp32 (their order is the GPU's: equal to a serial sum up to the
+    rounding of ``H`` additions)."""
+    q, k, labels = q.detach(), k.detach(), labels.detach().float()
+    bias = None
+    if attn_mask is not None:
+        attn_mask = attn_mask.detach()
+        if attn_mask.dtype == torch.bool:
+            bias = torch.zeros(attn_mask.shape, dtype=torch.float32, device=q.device).masked_fill_(
+                ~attn_mask, -math.inf
+            )
+        else:
+            bias = attn_mask.float()
+        while bias.dim() < 4:
+            bias = bias.unsqueeze(0)
+    return _label_only_op(q, k, labels, bias, float(scale))

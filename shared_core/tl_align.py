@@ -26,12 +26,12 @@ The rules (each a function here, used by every architecture's tracer; the driver
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
-from .label_attention import use_fused_label_attn
+from .label_attention import separate_path
 from .mix import Mix, partner_target
 from .options import TRANSMIX_MODES
 
@@ -90,7 +90,7 @@ def attention_labels(
     labels: torch.Tensor,
     attn_mask: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
-    fused: Optional[bool] = None,
+    fused: Union[bool, str, None] = None,
 ) -> torch.Tensor:
     """Eq. 9: the head-mean of the attention ``softmax(q kᵀ · scale + attn_mask)`` applied to the labels.
 
@@ -99,18 +99,24 @@ def attention_labels(
     ``labels``: ``(B, T_k, K)``; ``attn_mask``: an additive float bias or a boolean mask broadcastable
     to ``(B, H, T_q, T_k)``. Returns ``(B, T_q, K)`` in fp32.
 
-    ``fused`` (default: :func:`use_fused_label_attn`, which inside a wrapper's forward is the path its
-    :class:`~shared_core.label_attention.LabelBackend` chose) computes it with ``scaled_dot_product_attention`` and
-    the labels as values, never materialising the attention; otherwise one transient ``softmax(q kᵀ)`` per
-    call. Either way the token path is untouched.
+    ``fused`` (default :func:`~shared_core.label_attention.separate_path`, which inside a wrapper's forward is the
+    path its :class:`~shared_core.label_attention.LabelBackend` chose): ``'labels'`` the label-only Triton kernel
+    (:func:`shared_core.label_kernel.label_only_attention`: the products of ``q`` and ``k`` in fp32 from their own
+    dtype, nothing materialised); ``True`` a fused ``scaled_dot_product_attention`` call with the labels as
+    values, never materialising the attention; ``False`` one transient ``softmax(q kᵀ)`` per call. Either way the
+    token path is untouched.
     """
-    if fused is None:
-        fused = use_fused_label_attn(q.device)
+    path = separate_path(q.device) if fused is None else 'labels' if fused == 'labels' else 'sdpa' if fused else ''
     with torch.autocast(device_type=q.device.type, enabled=False):
+        if path == 'labels':
+            from .label_kernel import label_only_attention
+
+            kernel_scale = q.shape[-1] ** -0.5 if scale is None else scale
+            return label_only_attention(q, k, labels, kernel_scale, attn_mask).div_(q.shape[1])
         q, k, v = q.detach().float(), k.detach().float(), labels.float().unsqueeze(1)
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             attn_mask = attn_mask.float()
-        if fused:
+        if path == 'sdpa':
             # pad the (1- or 2-wide) label values to 8 columns: fp32 memory-efficient kernels need aligned
             # head dims, and a misaligned call falls back to the materialising math kernel
             width = v.shape[-1]

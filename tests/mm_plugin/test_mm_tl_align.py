@@ -296,3 +296,33 @@ def test_timm_cnn_through_timm_backbone_gives_timm_plugins_aligned_target(name):
         MODELS.build(dict(cfg, type='TransMixClassifier'))
     with pytest.raises(ValueError, match='backbone: TL-Align has no tracer for .*EfficientNet'):
         MODELS.build(dict(cfg, backbone=dict(type='TIMMBackbone', model_name='efficientnet_b0')))
+
+
+def test_fused_labels_runs_the_label_only_kernel_beside_mmpretrains_attention(monkeypatch):
+    """``tl_align=dict(fused='labels')``: the label-only kernel (under Triton's interpreter here), once per layer,
+    beside the backbone's own attention gives the transient softmax's targets."""
+    from shared_core import label_kernel
+
+    launches = []
+    forward = label_kernel._label_only_forward
+    monkeypatch.setattr(label_kernel, '_label_only_forward', lambda *a: launches.append(1) or forward(*a))
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    mix = MixSampler('cutmix', mode='elem', patch_size=8, mixup_alpha=0.0, cutmix_alpha=1.0).sample(4, 32, g)
+    y = torch.tensor([0, 1, 2, 3])
+    x = mix_images(torch.randn(4, 3, 32, 32, generator=g), mix)
+    targets = {}
+    for fused in ('labels', False):
+        torch.manual_seed(0)
+        model = MODELS.build(
+            dict(
+                type='TLAlignClassifier',
+                backbone=dict(type='VisionTransformer', arch='deit-tiny', img_size=32, patch_size=8),
+                neck=None,
+                head=dict(type='VisionTransformerClsHead', num_classes=C, in_channels=192),
+                tl_align=dict(fused=fused),
+            )
+        ).eval()
+        _, targets[fused] = model.extract_feat_aligned(x, samples_with_mix(y, mix))
+    assert len(launches) == 12  # deit-tiny's layers, in the 'labels' run only
+    assert torch.allclose(targets['labels'], targets[False], atol=1e-5, rtol=0)

@@ -17,16 +17,17 @@ def test_each_choice_resolves_to_its_path_on_each_device(monkeypatch):
     monkeypatch.setattr(la, '_TRITON', True)
     monkeypatch.setattr(la, '_KERNEL_FAILED', None)
     f32 = torch.float32
-    assert LabelBackend().path('cpu', f32) == LabelPath('columns', False)  # shared fused, label-only calls unfused
-    assert LabelBackend().path('cuda', f32) == LabelPath('kernel', True)
-    assert LabelBackend(True).path('cuda', f32) == LabelPath('columns', True)
-    assert LabelBackend(False).path('cuda', f32) == LabelPath('materialised', False)
-    assert LabelBackend('Triton').path('cpu', f32) == LabelPath('kernel', True, "fused='triton'")
+    assert LabelBackend().path('cpu', f32) == LabelPath('columns', 'softmax')  # shared fused, label-only calls unfused
+    assert LabelBackend().path('cuda', f32) == LabelPath('kernel', 'sdpa')
+    assert LabelBackend(True).path('cuda', f32) == LabelPath('columns', 'sdpa')
+    assert LabelBackend(False).path('cuda', f32) == LabelPath('materialised', 'softmax')
+    assert LabelBackend('Triton').path('cpu', f32) == LabelPath('kernel', 'sdpa', "fused='triton'")
     assert LabelBackend('triton', 'tl_align.fused').path('cpu', f32).forced == "tl_align.fused='triton'"
+    assert LabelBackend(' LABELS ').path('cuda', f32) == LabelPath('apart', 'labels')  # the model's own attention
     with fused_label_attn('triton'):  # the process's choice, where the wrapper makes none
         assert LabelBackend().path('cpu', f32).forced == "'triton' ($TOKENAUG_FUSED_LABEL_ATTN or set_fused_label_attn)"
         assert LabelBackend(False).path('cpu', f32).shared == 'materialised'  # the wrapper's own comes first
-    with pytest.raises(ValueError, match="fused: expected True, False, 'triton' or None"):
+    with pytest.raises(ValueError, match="fused: expected True, False, 'triton', 'labels' or None"):
         LabelBackend('cuda')
     with pytest.raises(ValueError, match="^fused='triton': the Triton label kernel does not run here: no kernel"):
         LabelBackend('triton').refuse_unrun_kernel('no kernel')

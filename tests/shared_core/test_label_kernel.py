@@ -27,11 +27,12 @@ from shared_core.label_attention import (
     fused_label_attn,
     use_label_kernel,
 )
-from shared_core.label_kernel import label_attention
+from shared_core.label_kernel import label_attention, label_only_attention
+from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign
 
 from ..timm_plugin.test_tl_align import tiny_vit
-from ..timm_plugin.test_tl_align_shared import KINDS, _batch, _reference_target
+from ..timm_plugin.test_tl_align_shared import KINDS, C, _batch, _reference_target
 
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
 
@@ -169,7 +170,7 @@ def test_one_graph_under_torch_compile():
 
 
 #: the path of the kernel, not forced (the default on CUDA)
-KERNEL = LabelPath('kernel', True)
+KERNEL = LabelPath('kernel', 'sdpa')
 
 
 def test_the_kernel_columns_keep_the_state_in_fp32_without_a_buffer():
@@ -188,14 +189,14 @@ def test_dispatch_the_kernel_on_cuda_by_default_and_forced_by_the_variable(monke
         monkeypatch.setenv(FUSED_ENV, value)
         assert _env_choice() == expected, value
     monkeypatch.setenv(FUSED_ENV, 'fast')
-    with pytest.raises(ValueError, match=f'\\${FUSED_ENV}: expected 1, 0 or triton'):
+    with pytest.raises(ValueError, match=f'\\${FUSED_ENV}: expected 1, 0, triton or labels'):
         _env_choice()
     # the variable as a process reads it at import
     code = 'from shared_core.label_attention import use_label_kernel as u; print(u("cpu"), u("cuda"))'
     env = {**os.environ, FUSED_ENV: 'triton'}
     out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == 'True True', (out.stdout, out.stderr)
-    with pytest.raises(ValueError, match="fused: expected True, False, 'triton' or None"):
+    with pytest.raises(ValueError, match="fused: expected True, False, 'triton', 'labels' or None"):
         TLAlign(tiny_vit(depth=1), fused='cuda')
 
 
@@ -304,3 +305,111 @@ def test_a_flash_backward_that_refuses_falls_back_to_the_recomputed_one(monkeypa
         (mine,) = torch.autograd.grad(out, qkv, grad)
     (theirs,) = torch.autograd.grad(F.scaled_dot_product_attention(*qkv.unbind(0), scale=32**-0.5), qkv, grad)
     assert torch.allclose(mine, theirs, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- the label-only kernel
+
+
+def _reference_label_sum(q, k, labels, scale, mask=None):
+    """Eq. 9's sum over heads as an explicit loop, the attention materialised in float64 (``mask``: an additive bias
+    or a boolean mask, broadcast to ``(B, H, T_q, T_k)``)."""
+    logits = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else logits + mask.double()
+    A = logits.softmax(-1)
+    return sum(A[:, h] @ labels.double() for h in range(q.shape[1]))
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    'TQ, TK, D, K',
+    [(197, 197, 64, 1), (197, 197, 32, 1), (50, 50, 64, 10), (65, 65, 32, 1), (1, 65, 32, 2), (65, 17, 64, 1)],
+)
+def test_the_label_only_kernel_is_the_label_rule(TQ, TK, D, K, dtype):
+    """``label_only_attention``: the token counts of DeiT (197), a 7x7 grid with a class token (50) and an odd one
+    (65), one query row (TransMix's class token), spatial-reduction keys (17), head dims 32 and 64, the compact
+    state and dense labels, fp32 and bf16 ``q``/``k``: the rule's sum over heads in fp32 (the products of the bf16
+    values are exact in fp32; measured max |d| 2e-7)."""
+    g = torch.Generator().manual_seed(TQ + TK + D + K)
+    q = (torch.randn(2, 2, TQ, D, generator=g) * 1.5).to(DEVICE, dtype)
+    k = (torch.randn(2, 2, TK, D, generator=g) * 1.5).to(DEVICE, dtype)
+    labels = torch.softmax(torch.randn(2, TK, K, generator=g) * 2, -1).to(DEVICE)
+    heads = label_only_attention(q, k, labels, D**-0.5)
+    assert heads.shape == (2, TQ, K) and heads.dtype == torch.float32
+    assert (heads.double() - _reference_label_sum(q, k, labels, D**-0.5)).abs().max() < 1e-5
+
+
+def test_the_label_only_kernel_takes_a_bias_or_a_mask():
+    """An additive bias broadcast over the batch (a relative position bias) and a boolean mask (Swin's shifted
+    windows): in the logits as the token path adds them."""
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(4, 2, 49, 32, generator=g).to(DEVICE) for _ in range(2))
+    labels = torch.softmax(torch.randn(4, 49, 1, generator=g), -1).to(DEVICE)
+    bias = (torch.randn(1, 2, 49, 49, generator=g) * 2).to(DEVICE)
+    mask = (torch.rand(49, 49, generator=g) > 0.3) | torch.eye(49, dtype=torch.bool)
+    for m in (bias, mask.to(DEVICE)):
+        heads = label_only_attention(q, k, labels, 0.2, m)
+        assert (heads.double() - _reference_label_sum(q, k, labels, 0.2, m)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize('kind', ['cls', 'qk-norm', 'avg-no-cls'])
+def test_fused_labels_leaves_the_token_path_to_the_model(kind, monkeypatch):
+    """``TLAlign(model, fused='labels')``: the model's own forward (its logits and gradients bit for bit: no
+    attention replaced), one label-only launch per block, and the explicit reference's target."""
+    model = tiny_vit(depth=3, **KINDS[kind]).to(DEVICE).eval()
+    (xm, target), y = _batch(14)
+    xm, target, y = xm.to(DEVICE), target.to(DEVICE), y.to(DEVICE)
+    ref = _reference_target(model, xm, target, y)
+    launches = []
+    forward = label_kernel._label_only_forward
+    monkeypatch.setattr(label_kernel, '_label_only_forward', lambda *a: launches.append(1) or forward(*a))
+    out, aligned = TLAlign(model, fused='labels')(xm, target)
+    assert len(launches) == 3 and torch.equal(out, model(xm))
+    assert torch.allclose(aligned, ref, atol=1e-5, rtol=0)
+
+    def grads(fn):
+        model.zero_grad(set_to_none=True)
+        SoftTargetCrossEntropy()(fn(), ref).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain, labels_only = grads(lambda: model(xm)), grads(lambda: TLAlign(model, fused='labels')(xm, target)[0])
+    assert all(torch.equal(a, b) for a, b in zip(plain, labels_only, strict=True))
+
+
+def test_fused_labels_on_the_recomputing_families(monkeypatch):
+    """Every family whose rule recomputes an attention takes ``'labels'``: EVA (RoPE, read at its SDPA call), Swin
+    with fused window attention (relative position bias and shift mask) and PVT v2 (spatial-reduction keys) give
+    the transient softmax's targets, with their own logits; the variable spells it ``labels``."""
+    import timm
+
+    models = [
+        (timm.create_model('vit_small_patch16_rope_224', img_size=32, patch_size=8, depth=2, num_classes=C), 32, 8),
+        (
+            timm.create_model(
+                'swin_tiny_patch4_window7_224',
+                img_size=56,
+                window_size=7,
+                depths=(2,),
+                num_heads=(2,),
+                embed_dim=32,
+                num_classes=C,
+            ),
+            56,
+            4,
+        ),  # fmt: skip
+        (timm.create_model('pvt_v2_b0', num_classes=C, depths=(1, 1, 1, 1)), 64, 4),
+    ]
+    for model, img, patch in models:
+        model = model.to(DEVICE).eval()
+        for m in model.modules():
+            if hasattr(m, 'fused_attn'):
+                m.fused_attn = True
+        mixer = create_mixer('cutmix', cutmix_alpha=1.0, num_classes=C, patch_size=patch, carry_mix=True)
+        xm, target = mixer(torch.randn(2, 3, img, img, generator=torch.Generator().manual_seed(1)), torch.arange(2))
+        xm, target = xm.to(DEVICE), target.to(DEVICE)
+        out, aligned = TLAlign(model, fused='labels')(xm, target)
+        assert torch.equal(out, model(xm)), type(model).__name__
+        _, softmax = TLAlign(model, fused=False)(xm, target)
+        assert torch.allclose(aligned, softmax, atol=1e-5, rtol=0), type(model).__name__
+    monkeypatch.setenv(FUSED_ENV, ' Labels ')
+    assert _env_choice() == 'labels'

@@ -239,8 +239,10 @@ class TLAlign(_MixTargetWrapper):
         model: a supported timm model.
         layers: align only at these block indices (Table 8 ablation); ``None``: every block.
         residual: ``False`` drops the residual from the label path (Table 8, "normalization disabled").
-        fused: the label attention as a fused SDPA call (``True``), a transient softmax (``False``) or, for the
-            shared path, the Triton kernel (``'triton'``, :mod:`shared_core.label_kernel`) for this wrapper;
+        fused: the label attention as a fused SDPA call (``True``), a transient softmax (``False``), for the
+            shared path the Triton kernel (``'triton'``, :mod:`shared_core.label_kernel`), or the model's own
+            attention left as it is with the labels from the label-only kernel beside it (``'labels'``, every
+            family whose rule recomputes an attention) for this wrapper;
             default the process's choice (``$TOKENAUG_FUSED_LABEL_ATTN``,
             :func:`~shared_core.label_attention.set_fused_label_attn`), else the shared path fused on every device,
             through the Triton kernel on CUDA, the recomputing path fused on accelerators. The wrapper's
@@ -275,12 +277,14 @@ class TLAlign(_MixTargetWrapper):
     def _run(self, x: torch.Tensor, labels: torch.Tensor, forward=None, observe=None):
         labels = labels.to(x.device)
         tracer = self.tracer
-        if self.shared:
+        path = self.backend.path(x.device, compute_dtype(x))
+        if path.shared == 'apart':  # fused='labels': the model's own attention, the labels beside it
+            why_not = "fused='labels' keeps the model's own attention and computes the labels in calls of their own"
+        elif self.shared:
             why_not = SharedAttentionViT.why_not(tracer, labels, self.layers)
         else:
             why_not = "shared=False keeps the model's own attention and recomputes the labels in a call of their own"
         self.backend.refuse_unrun_kernel(why_not)  # the kernel runs in the shared path only
-        path = self.backend.path(x.device, compute_dtype(x))
         shared = None
         if why_not is None:
             args = (labels, self.layers, self.residual, self.drop_path, path, self.backend, observe)
