@@ -283,7 +283,7 @@ class AlignedTargetClassifier(ImageClassifier):
             raise ValueError(f'{self.config_key}: unknown keys {unknown} (expected {", ".join(self.config_keys)})')
         self.align_layers = check_layers(cfg.get('layers'), self.tracer.depth, f'{self.config_key}.layers')
         self.align_residual = bool(cfg.get('residual', True))
-        self.align_backend = LabelBackend(cfg.get('fused', None), f'{self.config_key}.fused')
+        self.align_backend = LabelBackend(cfg.get('fused', None), f'{self.config_key}.fused', self.tracer.head_dims())
         self.align_backend.refuse_unrun_kernel(_NO_KERNEL)
         self.align_drop_path = check_drop_path(cfg.get('drop_path', 'kept'), f'{self.config_key}.drop_path')
 

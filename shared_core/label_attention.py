@@ -16,7 +16,7 @@ import importlib.util
 import os
 import warnings
 from dataclasses import dataclass, replace
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -202,20 +202,24 @@ class LabelBackend:
     the choice. A kernel that fails to build or launch moves this backend (and the process's default) to the SDPA
     label columns after one warning (:meth:`kernel_failed`); a forced one raises instead."""
 
-    def __init__(self, choice: Choice = None, name: str = 'fused'):
+    def __init__(self, choice: Choice = None, name: str = 'fused', head_dims: Sequence[int] = ()):
         self.choice, self.name = check_choice(name, choice), name
+        #: the head dims the model's attention runs at, which a kernel's self-check covers (none known: 64)
+        self.head_dims = tuple(sorted(set(head_dims))) or (64,)
         self._paths: dict = {}
 
+    def _source(self, choice: Choice) -> str:
+        """How the choice was made, for a message: the wrapper's argument or the process's."""
+        if self.choice is not None:
+            return f'{self.name}={choice!r}'
+        return f'{choice!r} (${FUSED_ENV} or set_fused_label_attn)'
+
     def _forced(self, choice: Choice) -> Optional[str]:
-        if choice != 'triton':
-            return None
-        return (
-            f"{self.name}='triton'" if self.choice is not None else f"'triton' (${FUSED_ENV} or set_fused_label_attn)"
-        )
+        return self._source(choice) if choice == 'triton' else None
 
     def path(self, device, dtype: torch.dtype) -> LabelPath:
         """The path for tensors of ``dtype`` on ``device`` (a dict lookup after the first call)."""
-        choice = self.choice if self.choice is not None else _choice()
+        choice = self.choice_now()
         key = (torch.device(device), dtype, choice)
         path = self._paths.get(key)
         if path is None:
@@ -228,13 +232,47 @@ class LabelBackend:
             else:
                 shared = 'kernel' if choice == 'triton' else 'columns' if choice else 'materialised'
                 separate = 'sdpa' if choice else 'softmax'
-            path = self._paths[key] = LabelPath(shared, separate, self._forced(choice))
+            path = self._paths[key] = self._checked(
+                LabelPath(shared, separate, self._forced(choice)), device, dtype, choice
+            )
         return path
+
+    def _checked(self, path: LabelPath, device: torch.device, dtype: torch.dtype, choice: Choice) -> LabelPath:
+        """``path`` once each kernel it runs has passed its self-check here (:func:`shared_core.label_kernel.
+        self_check`, for every head dim of the model); a kernel that fails it: a chosen one (``'triton'``,
+        ``'labels'``) raises, a default one gives one warning naming what differed and goes on with the SDPA label
+        columns."""
+        kinds = [k for k, runs in (('fused', path.shared == 'kernel'), ('labels', path.separate == 'labels')) if runs]
+        if not kinds:
+            return path
+        from .label_kernel import self_check
+
+        for kind in kinds:
+            for head_dim in self.head_dims:
+                failed = self_check(kind, device, dtype, head_dim)
+                if failed is None:
+                    continue
+                what = 'the Triton label kernel' if kind == 'fused' else 'the label-only Triton kernel'
+                where = f'on {device} in {str(dtype).removeprefix("torch.")} at head dim {head_dim}'
+                if choice is not None:
+                    raise RuntimeError(f'{self._source(choice)}: {what} failed its self-check {where}: {failed}')
+                warnings.warn(
+                    f'{what} failed its self-check {where} ({failed}); TL-Align goes on with the SDPA label columns '
+                    f'(set {FUSED_ENV}=triton to raise instead, =1 to choose the SDPA path)',
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                return replace(path, shared='columns')
+        return path
+
+    def choice_now(self) -> Choice:
+        """The choice in force: the wrapper's, else the process's."""
+        return self.choice if self.choice is not None else _choice()
 
     def refuse_unrun_kernel(self, why_not: Optional[str]) -> None:
         """A forced ``'triton'`` where the kernel would not run (``why_not``; ``None``: it runs): a ValueError
         naming the choice and why."""
-        forced = self._forced(self.choice if self.choice is not None else _choice())
+        forced = self._forced(self.choice_now())
         if forced is not None and why_not is not None:
             raise ValueError(f'{forced}: the Triton label kernel does not run here: {why_not}')
 

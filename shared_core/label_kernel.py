@@ -32,8 +32,9 @@ import warnings
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ['label_attention', 'label_only_attention', 'interpreting']
+__all__ = ['label_attention', 'label_only_attention', 'self_check', 'interpreting']
 
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
@@ -470,3 +471,61 @@ def label_only_attention(
         while bias.dim() < 4:
             bias = bias.unsqueeze(0)
     return _label_only_op(q, k, labels, bias, float(scale))
+
+
+# ----------------------------------------------------------------------------------------------
+# The self-check: a kernel runs for training only once it agrees with SDPA and the rule on this device
+# ----------------------------------------------------------------------------------------------
+
+#: what each (kernel, device, dtype, head dim) self-check found: ``None`` (it agrees) or what differed
+_CHECKS: dict = {}
+#: the self-check's bounds, relative to the largest reference value: the output and gradients of a bf16/fp16
+#: kernel (``P`` rounded to the input's dtype before ``P · V``, as flash kernels do) within a few of the dtype's ulps,
+#: fp32 ones within 1e-4; the labels (fp32 from the unrounded probabilities) within 1e-4 in every dtype
+_BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 2**-5, torch.float16: 2**-8}
+
+
+def self_check(kind: str, device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """Whether the ``kind`` kernel (``'fused'``: :func:`label_attention`; ``'labels'``: :func:`label_only_attention`)
+    agrees here, checked once per (device, dtype, head dim) on a small fixed problem (2 samples, 2 heads, 37 tokens,
+    seeds fixed) as it will run: the output and its gradients against ``scaled_dot_product_attention`` in fp32, the
+    labels against the rule in float64. ``None`` where it agrees; else what differed and by how much (or why it did
+    not build or launch)."""
+    key = (kind, torch.device(device), dtype, int(head_dim))
+    if key not in _CHECKS:
+        _CHECKS[key] = _run_check(*key)
+    return _CHECKS[key]
+
+
+@torch.compiler.disable
+def _run_check(kind: str, device: torch.device, dtype: torch.dtype, D: int) -> Optional[str]:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 37, D, generator=g) for _ in range(3))
+    labels = torch.softmax(torch.randn(2, 37, 1, generator=g) * 2, -1)
+    w = torch.randn(2, 2, 37, D, generator=g)
+    scale = D**-0.5
+    bound = _BOUNDS.get(dtype, 2**-5)
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        try:
+            q, k, v = (t.to(device, dtype) for t in (q, k, v))
+            labels, w = labels.to(device), w.to(device)
+            if kind == 'fused':
+                qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+                out, _, heads = label_attention(qg, kg, vg, labels, scale)
+                grads = torch.autograd.grad((out.float() * w).sum(), (qg, kg, vg))
+            else:
+                heads = label_only_attention(q, k, labels, scale)
+        except Exception as e:  # it does not build or launch here
+            return f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
+        logits = (q.double() @ k.double().transpose(-1, -2)) * scale
+        rule = sum(logits.softmax(-1)[:, h] @ labels.double() for h in range(2))
+        found = [('labels', (heads.double() - rule).abs().max().item(), 1e-4)]
+        if kind == 'fused':
+            qr, kr, vr = (t.float().requires_grad_() for t in (q, k, v))
+            ref = F.scaled_dot_product_attention(qr, kr, vr, scale=scale)
+            ref_grads = torch.autograd.grad((ref * w).sum(), (qr, kr, vr))
+            found.append(('output', (out.float() - ref).abs().max().item(), bound * ref.abs().max().item()))
+            for name, a, b in zip(('dq', 'dk', 'dv'), grads, ref_grads):
+                found.append((name, (a.float() - b).abs().max().item(), bound * b.abs().max().item()))
+    bad = [f'{name} by {d:.3g} (allowed {allowed:.3g})' for name, d, allowed in found if not d <= allowed]
+    return None if not bad else 'differs from SDPA and the rule: ' + ', '.join(bad)

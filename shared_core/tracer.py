@@ -192,6 +192,17 @@ class Tracer:
         """The number of blocks ``layers`` indexes."""
         return len(self.blocks())
 
+    def head_dims(self) -> Tuple[int, ...]:
+        """The head dims the model's attention modules run at (their ``head_dim``, mmpretrain's ``head_dims``, else
+        their ``q`` or ``qkv`` projection's width over ``num_heads``): what a label kernel's self-check covers."""
+        dims = set()
+        for m in self.model.modules():
+            dims |= {getattr(m, a, None) for a in ('head_dim', 'head_dims')}
+            heads, proj = getattr(m, 'num_heads', None), getattr(m, 'q', None) or getattr(m, 'qkv', None)
+            if isinstance(heads, int) and heads > 0 and isinstance(proj, nn.Linear):
+                dims.add(proj.out_features // heads // (3 if proj is getattr(m, 'qkv', None) else 1))
+        return tuple(sorted(d for d in dims if isinstance(d, int) and not isinstance(d, bool) and d > 0))
+
     def register(self, captures: Captures) -> list:
         """The hooks of one forward (one capture per block appended to ``captures``); returns their handles."""
         handles: list = []

@@ -303,6 +303,7 @@ def test_fused_labels_runs_the_label_only_kernel_beside_mmpretrains_attention(mo
     beside the backbone's own attention gives the transient softmax's targets."""
     from shared_core import label_kernel
 
+    assert label_kernel.self_check('labels', 'cpu', torch.float32, 64) is None  # its own launch, before the count
     launches = []
     forward = label_kernel._label_only_forward
     monkeypatch.setattr(label_kernel, '_label_only_forward', lambda *a: launches.append(1) or forward(*a))

@@ -37,6 +37,13 @@ from ..timm_plugin.test_tl_align_shared import KINDS, C, _batch, _reference_targ
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
 
 
+def checked(kind, *head_dims, dtype=torch.float32):
+    """Run the kernel's self-check for these head dims now (once per process), so that a test counting the kernel's
+    launches counts the training's only."""
+    for head_dim in head_dims:
+        assert label_kernel.self_check(kind, DEVICE, dtype, head_dim) is None
+
+
 def _inputs(B, H, T, D, K, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     # a stacked qkv, as a timm block makes it: the kernel reads views with strides
@@ -117,6 +124,7 @@ def test_a_tl_align_step_with_the_kernel_forced_is_the_reference(kind, monkeypat
     (xm, target), y = _batch(11)
     xm, target, y = xm.to(DEVICE), target.to(DEVICE), y.to(DEVICE)
     ref = _reference_target(model, xm, target, y)
+    checked('fused', 8)  # the self-check's own launch, before the count
     launches = []
     forward = label_kernel._forward
     monkeypatch.setattr(label_kernel, '_forward', lambda *a: launches.append(1) or forward(*a))
@@ -209,6 +217,7 @@ def test_a_forced_kernel_is_honoured_or_refused_never_replaced(monkeypatch):
 
     from timm_plugin.tl_align import TransMix
 
+    checked('fused', 8)  # the self-check's own launch, before the count
     launches = []
     forward = label_kernel._forward
     monkeypatch.setattr(label_kernel, '_forward', lambda *a: launches.append(1) or forward(*a))
@@ -275,6 +284,7 @@ def test_a_kernel_that_fails_here_warns_once_and_the_default_goes_on_without_it(
     qkv, labels = _inputs(2, 2, 17, 16, 1, torch.float32, seed=2)
     backend = LabelBackend()
     monkeypatch.setattr(la, '_TRITON', True)
+    monkeypatch.setattr(label_kernel, 'self_check', lambda *a: None)  # it passed, as on a GPU where it builds
     path = backend.path('cuda', torch.float32)  # the default on CUDA: the kernel (these tensors are the CPU's)
     assert path == KERNEL
     columns = LabelColumns(labels, num_heads=2, head_dim=16, dtype=torch.float32, path=path, backend=backend)
@@ -360,6 +370,7 @@ def test_fused_labels_leaves_the_token_path_to_the_model(kind, monkeypatch):
     (xm, target), y = _batch(14)
     xm, target, y = xm.to(DEVICE), target.to(DEVICE), y.to(DEVICE)
     ref = _reference_target(model, xm, target, y)
+    checked('labels', 8)  # the self-check's own launch, before the count
     launches = []
     forward = label_kernel._label_only_forward
     monkeypatch.setattr(label_kernel, '_label_only_forward', lambda *a: launches.append(1) or forward(*a))
@@ -413,3 +424,44 @@ def test_fused_labels_on_the_recomputing_families(monkeypatch):
         assert torch.allclose(aligned, softmax, atol=1e-5, rtol=0), type(model).__name__
     monkeypatch.setenv(FUSED_ENV, ' Labels ')
     assert _env_choice() == 'labels'
+
+
+# ---------------------------------------------------------------------------------------------- the self-check
+
+
+@pytest.mark.parametrize('kind', ['fused', 'labels'])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_the_self_check_passes_for_the_real_kernels(kind, dtype, monkeypatch):
+    monkeypatch.setattr(label_kernel, '_CHECKS', {})
+    for head_dim in (32, 64):
+        assert label_kernel.self_check(kind, DEVICE, dtype, head_dim) is None
+
+
+def test_a_wrong_kernel_is_caught_warned_and_never_trained_on(monkeypatch):
+    """A test double of the fused kernel whose labels are off by 0.01: the default path (here made the kernel, as on
+    CUDA) warns once, naming what differed and by how much, and the step runs on the SDPA label columns, which give
+    the explicit reference's target; a chosen kernel raises instead. The label-only kernel likewise."""
+    import shared_core.label_attention as la
+
+    monkeypatch.setattr(label_kernel, '_CHECKS', {})
+    monkeypatch.setattr(la, 'use_label_kernel', lambda device: True)  # the default: the kernel, on any device
+    forward = label_kernel._forward
+    monkeypatch.setattr(
+        label_kernel, '_forward', lambda *a: (lambda out, lse, heads: (out, lse, heads + 0.01))(*forward(*a))
+    )
+    model = tiny_vit(depth=2).to(DEVICE).eval()
+    (xm, target), y = _batch(15)
+    xm, target, y = xm.to(DEVICE), target.to(DEVICE), y.to(DEVICE)
+    wrapped = TLAlign(model)
+    with pytest.warns(RuntimeWarning, match=r'failed its self-check on cpu in float32 at head dim 8 .differs from '
+                                            r'SDPA and the rule: labels by 0.01 .allowed 0.0001.'):  # fmt: skip
+        out, aligned = wrapped(xm, target)
+    assert wrapped.backend.path(xm.device, xm.dtype).shared == 'columns'
+    # the columns' target, the reference's (the wrong kernel's labels would be 0.01 off in every block)
+    assert torch.allclose(aligned, _reference_target(model, xm, target, y), atol=1e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="^fused='triton': the Triton label kernel failed its self-check on cpu"):
+        TLAlign(model, fused='triton')(xm, target)
+    only = label_kernel._label_only_forward
+    monkeypatch.setattr(label_kernel, '_label_only_forward', lambda *a: only(*a) * 1.01)
+    with pytest.raises(RuntimeError, match="^fused='labels': the label-only Triton kernel failed its self-check"):
+        TLAlign(model, fused='labels')(xm, target)

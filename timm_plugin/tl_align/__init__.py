@@ -53,7 +53,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from shared_core.checks import check_layers
 from shared_core.compiling import guard_module_hooks
-from shared_core.label_attention import LabelBackend, compute_dtype
+from shared_core.label_attention import LabelBackend, check_choice, compute_dtype
 from shared_core.mix import Mix
 from shared_core.tl_align import TRANSMIX_MODES, aligned_target, compact_labels, dense_labels, transmix_share
 from shared_core.tracer import check_drop_path, check_transmix, tracer_for
@@ -185,8 +185,10 @@ class _MixTargetWrapper(nn.Module):
 
     def __init__(self, model: nn.Module, fused: Union[bool, str, None] = None):
         super().__init__()
-        backend = LabelBackend(fused)  # the label attention's path, chosen once per device and dtype
+        check_choice('fused', fused)
         self.tracer = timm_tracer(model)
+        # the label attention's path, chosen once per device and dtype (a kernel once it passed its self-check)
+        backend = LabelBackend(fused, head_dims=self.tracer.head_dims())
         guard_module_hooks()  # per-call hooks under torch.compile
         self.model = model
         self.backend = backend
@@ -277,14 +279,14 @@ class TLAlign(_MixTargetWrapper):
     def _run(self, x: torch.Tensor, labels: torch.Tensor, forward=None, observe=None):
         labels = labels.to(x.device)
         tracer = self.tracer
-        path = self.backend.path(x.device, compute_dtype(x))
-        if path.shared == 'apart':  # fused='labels': the model's own attention, the labels beside it
+        if self.backend.choice_now() == 'labels':  # the model's own attention, the labels beside it
             why_not = "fused='labels' keeps the model's own attention and computes the labels in calls of their own"
         elif self.shared:
             why_not = SharedAttentionViT.why_not(tracer, labels, self.layers)
         else:
             why_not = "shared=False keeps the model's own attention and recomputes the labels in a call of their own"
         self.backend.refuse_unrun_kernel(why_not)  # the kernel runs in the shared path only
+        path = self.backend.path(x.device, compute_dtype(x))  # (a kernel: once it passed its self-check here)
         shared = None
         if why_not is None:
             args = (labels, self.layers, self.residual, self.drop_path, path, self.backend, observe)
