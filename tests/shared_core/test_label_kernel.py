@@ -309,7 +309,7 @@ def test_a_flash_backward_that_refuses_falls_back_to_the_recomputed_one(monkeypa
     monkeypatch.setattr(label_kernel, '_FLASH_BACKWARD_WARNED', False)
     qkv, labels = _inputs(1, 2, 50, 32, 1, torch.float32, seed=8)
     qkv.requires_grad_(True)
-    grad = torch.randn(1, 2, 50, 32, generator=torch.Generator().manual_seed(2))
+    grad = torch.randn(1, 2, 50, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     out, _, _ = label_attention(*qkv.unbind(0), labels, 32**-0.5)
     with pytest.warns(RuntimeWarning, match='flash attention backward refused'):
         (mine,) = torch.autograd.grad(out, qkv, grad)
