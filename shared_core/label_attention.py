@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
+import statistics
+import time
 import warnings
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Tuple, Union
@@ -46,12 +49,13 @@ __all__ = [
 #: environment override: ``TOKENAUG_FUSED_LABEL_ATTN=1`` (always fused: an SDPA call), ``0`` (never), ``triton``
 #: (the shared path through the Triton kernel, :mod:`shared_core.label_kernel`, on any device: on the CPU under
 #: ``TRITON_INTERPRET=1``), ``labels`` (the token attention left to the model, the labels from the label-only
-#: kernel beside it); unset: by device and path
+#: kernel beside it), ``auto`` (the fastest of those that passed their self-check, timed once per shape: the
+#: default on CUDA where Triton imports); unset: by device and path
 FUSED_ENV = 'TOKENAUG_FUSED_LABEL_ATTN'
 #: what a choice may be: ``True`` / ``False`` / ``'triton'`` / ``'labels'`` (``None``: the default)
 Choice = Union[bool, str, None]
 #: the choices spelled as words
-_WORDS = ('triton', 'labels')
+_WORDS = ('triton', 'labels', 'auto')
 
 
 def _env_choice() -> Choice:
@@ -64,17 +68,17 @@ def _env_choice() -> Choice:
         return False
     if value in ('1', 'true'):
         return True
-    raise ValueError(f'${FUSED_ENV}: expected 1, 0, triton or labels (or unset), got {os.environ[FUSED_ENV]!r}')
+    raise ValueError(f'${FUSED_ENV}: expected 1, 0, triton, labels or auto (or unset), got {os.environ[FUSED_ENV]!r}')
 
 
 def check_choice(name: str, enable: Choice) -> Choice:
-    """``enable`` if it is a choice (``True``, ``False``, ``'triton'`` or ``'labels'`` in any case, as
+    """``enable`` if it is a choice (``True``, ``False``, ``'triton'``, ``'labels'`` or ``'auto'`` in any case, as
     ``$TOKENAUG_FUSED_LABEL_ATTN`` takes them, or ``None``), else a ValueError naming ``name``."""
     if enable is None or isinstance(enable, bool):
         return enable
     if isinstance(enable, str) and enable.strip().lower() in _WORDS:
         return enable.strip().lower()
-    raise ValueError(f"{name}: expected True, False, 'triton', 'labels' or None (the default), got {enable!r}")
+    raise ValueError(f"{name}: expected True, False, 'triton', 'labels', 'auto' or None (the default), got {enable!r}")
 
 
 _FUSED: Choice = _env_choice()
@@ -194,6 +198,80 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+#: the label paths that run a Triton kernel (self-checked before they are timed)
+_KERNELS = ('kernel', 'labels')
+_LOG = logging.getLogger('tokenaug.label_attention')
+
+
+@torch.compiler.disable
+def time_label_paths(candidates, device: torch.device, dtype: torch.dtype, shape, repeats: int = 5) -> dict:
+    """``{path: seconds}``: the median time of one block's attention forward and backward with its labels at
+    ``shape`` ``(B, H, T, d)`` on each path (``'columns'`` the SDPA label columns, ``'kernel'`` the fused kernel,
+    ``'labels'`` plain SDPA plus the label-only kernel, ``'sdpa'`` plain SDPA plus the label-only SDPA call), after
+    two warm-up calls, ``repeats`` times interleaved (CUDA events on a GPU); ``None`` for a path that raised. About
+    ``7 · len(candidates)`` block attentions: milliseconds at DeiT-S batch 128, once per shape."""
+    from .label_kernel import label_attention, label_only_attention
+
+    B, H, T, d = shape
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(3, B, H, T, d, generator=g).to(device, dtype).requires_grad_()
+    grad = torch.randn(B, H, T, d, generator=g).to(device, dtype)
+    labels = torch.rand(B, T, 1, generator=g).to(device)
+    scale = d**-0.5
+
+    def columns():
+        out, _ = LabelColumns(labels, H, d, dtype).attend(qkv, scale)
+        out.backward(grad)
+
+    def kernel():
+        out, _, _ = label_attention(*qkv.unbind(0), labels, scale)
+        out.backward(grad)
+
+    def apart(label_call):
+        def run():
+            q, k, v = qkv.unbind(0)
+            F.scaled_dot_product_attention(q, k, v, scale=scale).backward(grad)
+            label_call(q.detach(), k.detach())
+
+        return run
+
+    def sdpa_labels(q, k):
+        values = F.pad(labels.unsqueeze(1), (0, 7)).expand(-1, H, -1, -1)
+        F.scaled_dot_product_attention(q.float(), k.float(), values, scale=scale)
+
+    runs = {
+        'columns': columns,
+        'kernel': kernel,
+        'labels': apart(lambda q, k: label_only_attention(q, k, labels, scale)),
+        'sdpa': apart(sdpa_labels),
+    }
+    cuda = device.type == 'cuda'
+    samples: dict = {c: [] for c in candidates}
+    for i in range(2 + repeats):
+        for c in candidates:
+            if samples[c] is None:
+                continue
+            try:
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    runs[c]()
+                    end.record()
+                    end.synchronize()
+                    elapsed = start.elapsed_time(end) / 1e3
+                else:
+                    t0 = time.perf_counter()
+                    runs[c]()
+                    elapsed = time.perf_counter() - t0
+            except Exception:  # the path does not run here: it is not chosen
+                samples[c] = None
+                continue
+            qkv.grad = None
+            if i >= 2:
+                samples[c].append(elapsed)
+    return {c: (statistics.median(t) if t else None) for c, t in samples.items()}
+
+
 class LabelBackend:
     """The label-attention backend of one wrapper (``TLAlign(fused=...)``, ``TransMix``, mm's classifiers): its
     choice (the wrapper's ``fused``, else the process's: the innermost :func:`fused_label_attn` scope,
@@ -207,6 +285,7 @@ class LabelBackend:
         #: the head dims the model's attention runs at, which a kernel's self-check covers (none known: 64)
         self.head_dims = tuple(sorted(set(head_dims))) or (64,)
         self._paths: dict = {}
+        self._auto_of: dict = {}
 
     def _source(self, choice: Choice) -> str:
         """How the choice was made, for a message: the wrapper's argument or the process's."""
@@ -217,53 +296,94 @@ class LabelBackend:
     def _forced(self, choice: Choice) -> Optional[str]:
         return self._source(choice) if choice == 'triton' else None
 
-    def path(self, device, dtype: torch.dtype) -> LabelPath:
-        """The path for tensors of ``dtype`` on ``device`` (a dict lookup after the first call)."""
+    def path(self, device, dtype: torch.dtype, shape: Optional[Tuple[int, int, int, int]] = None, shared_ok=True):
+        """The :class:`LabelPath` for tensors of ``dtype`` on ``device`` (a dict lookup after the first call).
+        ``'auto'`` (the default on CUDA where Triton imports) times the paths once per ``shape`` ``(B, H, T, d)`` of
+        the model's attention (:meth:`_auto`; ``shared_ok``: whether the shared attention of timm ViTs can run)."""
         choice = self.choice_now()
-        key = (torch.device(device), dtype, choice)
+        base = (torch.device(device), dtype, choice)
+        auto = self._auto_of.get(base)
+        if auto is None:  # decided once: 'auto', or the default where a kernel may run
+            auto = self._auto_of[base] = choice == 'auto' or (choice is None and use_label_kernel(base[0]))
+        device = base[0]
+        key = base + ((shape, bool(shared_ok)) if auto else ())
         path = self._paths.get(key)
         if path is None:
-            device = torch.device(device)
-            if choice is None:  # the defaults (the process chose nothing either)
-                shared = 'kernel' if use_label_kernel(device) else 'columns'
-                separate = 'sdpa' if use_fused_label_attn(device) else 'softmax'
-            elif choice == 'labels':
-                shared, separate = 'apart', 'labels'
+            if auto:
+                path = self._auto(device, dtype, shape, shared_ok)
             else:
-                shared = 'kernel' if choice == 'triton' else 'columns' if choice else 'materialised'
-                separate = 'sdpa' if choice else 'softmax'
-            path = self._paths[key] = self._checked(
-                LabelPath(shared, separate, self._forced(choice)), device, dtype, choice
-            )
+                if choice is None:  # the defaults where no kernel runs
+                    shared, separate = 'columns', 'sdpa' if use_fused_label_attn(device) else 'softmax'
+                elif choice == 'labels':
+                    shared, separate = 'apart', 'labels'
+                else:
+                    shared = 'kernel' if choice == 'triton' else 'columns' if choice else 'materialised'
+                    separate = 'sdpa' if choice else 'softmax'
+                path = self._checked(LabelPath(shared, separate, self._forced(choice)), device, dtype, choice)
+            self._paths[key] = path
         return path
+
+    def _self_check_fails(self, kind: str, device: torch.device, dtype: torch.dtype) -> Optional[Tuple[str, str]]:
+        """Where the ``kind`` kernel fails its self-check here at one of the model's head dims: what failed."""
+        from .label_kernel import self_check
+
+        for head_dim in self.head_dims:
+            failed = self_check(kind, device, dtype, head_dim)
+            if failed is not None:
+                what = 'the Triton label kernel' if kind == 'fused' else 'the label-only Triton kernel'
+                where = f'on {device} in {str(dtype).removeprefix("torch.")} at head dim {head_dim}'
+                return f'{what} failed its self-check {where}', failed
+        return None
 
     def _checked(self, path: LabelPath, device: torch.device, dtype: torch.dtype, choice: Choice) -> LabelPath:
         """``path`` once each kernel it runs has passed its self-check here (:func:`shared_core.label_kernel.
-        self_check`, for every head dim of the model); a kernel that fails it: a chosen one (``'triton'``,
-        ``'labels'``) raises, a default one gives one warning naming what differed and goes on with the SDPA label
-        columns."""
-        kinds = [k for k, runs in (('fused', path.shared == 'kernel'), ('labels', path.separate == 'labels')) if runs]
-        if not kinds:
-            return path
-        from .label_kernel import self_check
+        self_check`, for every head dim of the model); a chosen kernel (``'triton'``, ``'labels'``) that fails it
+        raises."""
+        for kind, runs in (('fused', path.shared == 'kernel'), ('labels', path.separate == 'labels')):
+            failed = self._self_check_fails(kind, device, dtype) if runs else None
+            if failed is not None:
+                raise RuntimeError(f'{self._source(choice)}: {failed[0]}: {failed[1]}')
+        return path
 
-        for kind in kinds:
-            for head_dim in self.head_dims:
-                failed = self_check(kind, device, dtype, head_dim)
-                if failed is None:
-                    continue
-                what = 'the Triton label kernel' if kind == 'fused' else 'the label-only Triton kernel'
-                where = f'on {device} in {str(dtype).removeprefix("torch.")} at head dim {head_dim}'
-                if choice is not None:
-                    raise RuntimeError(f'{self._source(choice)}: {what} failed its self-check {where}: {failed}')
+    def _auto(self, device: torch.device, dtype: torch.dtype, shape, shared_ok: bool) -> LabelPath:
+        """The fastest path that passed its self-check, timed on the model's attention shape (:func:
+        `time_label_paths`: forward and backward of one block's attention with its labels, interleaved repeats,
+        medians); logged once. Candidates: the SDPA label columns, the fused kernel and the label-only kernel where
+        the shared attention runs, else the label-only SDPA call and the label-only kernel. A kernel that fails its
+        self-check is left out after one warning naming what differed. Without a shape (TransMix's one call, mm's
+        classifiers) nothing is timed: the SDPA label call."""
+        paths = {
+            'columns': LabelPath('columns', 'sdpa'),
+            'kernel': LabelPath('kernel', 'sdpa'),
+            'labels': LabelPath('apart', 'labels'),
+            'sdpa': LabelPath('columns', 'sdpa'),
+        }
+        if shape is None:
+            return paths['sdpa']
+        candidates = ['columns', 'kernel', 'labels'] if shared_ok else ['sdpa', 'labels']
+        tested = []
+        for c in candidates:
+            failed = self._self_check_fails({'kernel': 'fused'}.get(c, c), device, dtype) if c in _KERNELS else None
+            if failed is None:
+                tested.append(c)
+            else:
                 warnings.warn(
-                    f'{what} failed its self-check {where} ({failed}); TL-Align goes on with the SDPA label columns '
-                    f'(set {FUSED_ENV}=triton to raise instead, =1 to choose the SDPA path)',
+                    f'{failed[0]} ({failed[1]}); TL-Align leaves it out and times the other label paths',
                     RuntimeWarning,
                     stacklevel=4,
                 )
-                return replace(path, shared='columns')
-        return path
+        times = {c: t for c, t in time_label_paths(tested, device, dtype, shape).items() if t is not None}
+        best = min(times, key=times.get) if times else candidates[0]
+        spelled = ', '.join(f'{c} {1e3 * t:.3f} ms' for c, t in times.items())
+        _LOG.info(
+            'TL-Align label attention on %s in %s at (B, H, T, d) = %s: %s (%s)',
+            device,
+            str(dtype).removeprefix('torch.'),
+            tuple(shape),
+            best,
+            spelled,
+        )
+        return paths[best]
 
     def choice_now(self) -> Choice:
         """The choice in force: the wrapper's, else the process's."""

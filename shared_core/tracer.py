@@ -192,16 +192,29 @@ class Tracer:
         """The number of blocks ``layers`` indexes."""
         return len(self.blocks())
 
-    def head_dims(self) -> Tuple[int, ...]:
-        """The head dims the model's attention modules run at (their ``head_dim``, mmpretrain's ``head_dims``, else
-        their ``q`` or ``qkv`` projection's width over ``num_heads``): what a label kernel's self-check covers."""
-        dims = set()
+    def _attention_geometry(self):
+        """``(num_heads, head_dim)`` of each attention module of the model (its ``head_dim``, mmpretrain's
+        ``head_dims``, else its ``q`` or ``qkv`` projection's width over ``num_heads``)."""
         for m in self.model.modules():
-            dims |= {getattr(m, a, None) for a in ('head_dim', 'head_dims')}
-            heads, proj = getattr(m, 'num_heads', None), getattr(m, 'q', None) or getattr(m, 'qkv', None)
-            if isinstance(heads, int) and heads > 0 and isinstance(proj, nn.Linear):
-                dims.add(proj.out_features // heads // (3 if proj is getattr(m, 'qkv', None) else 1))
-        return tuple(sorted(d for d in dims if isinstance(d, int) and not isinstance(d, bool) and d > 0))
+            heads = getattr(m, 'num_heads', None)
+            dim = next((d for d in (getattr(m, 'head_dim', None), getattr(m, 'head_dims', None)) if _count(d)), None)
+            qkv, q = getattr(m, 'qkv', None), getattr(m, 'q', None)
+            if dim is None and _count(heads):
+                if isinstance(q, nn.Linear):
+                    dim = q.out_features // heads
+                elif isinstance(qkv, nn.Linear):
+                    dim = qkv.out_features // 3 // heads
+            if _count(dim):
+                yield (heads if _count(heads) else None), dim
+
+    def head_dims(self) -> Tuple[int, ...]:
+        """The head dims the model's attention modules run at: what a label kernel's self-check covers."""
+        return tuple(sorted({d for _, d in self._attention_geometry()}))
+
+    def attention_shape(self) -> Optional[Tuple[int, int]]:
+        """``(num_heads, head_dim)`` of the model's first attention, for timing the label paths at its shape
+        (``None``: none found)."""
+        return next(((h, d) for h, d in self._attention_geometry() if h is not None), None)
 
     def register(self, captures: Captures) -> list:
         """The hooks of one forward (one capture per block appended to ``captures``); returns their handles."""
@@ -312,6 +325,10 @@ class Tracer:
                     )
                 state = self.propagate(captures, labels.float(), layers, residual, observe)
             return self.read(state, output, captures)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 # ---------------------------------------------------------------------------------------------- the shared checks

@@ -197,14 +197,14 @@ def test_dispatch_the_kernel_on_cuda_by_default_and_forced_by_the_variable(monke
         monkeypatch.setenv(FUSED_ENV, value)
         assert _env_choice() == expected, value
     monkeypatch.setenv(FUSED_ENV, 'fast')
-    with pytest.raises(ValueError, match=f'\\${FUSED_ENV}: expected 1, 0, triton or labels'):
+    with pytest.raises(ValueError, match=f'\\${FUSED_ENV}: expected 1, 0, triton, labels or auto'):
         _env_choice()
     # the variable as a process reads it at import
     code = 'from shared_core.label_attention import use_label_kernel as u; print(u("cpu"), u("cuda"))'
     env = {**os.environ, FUSED_ENV: 'triton'}
     out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == 'True True', (out.stdout, out.stderr)
-    with pytest.raises(ValueError, match="fused: expected True, False, 'triton', 'labels' or None"):
+    with pytest.raises(ValueError, match="fused: expected True, False, 'triton', 'labels', 'auto' or None"):
         TLAlign(tiny_vit(depth=1), fused='cuda')
 
 
@@ -285,17 +285,19 @@ def test_a_kernel_that_fails_here_warns_once_and_the_default_goes_on_without_it(
     backend = LabelBackend()
     monkeypatch.setattr(la, '_TRITON', True)
     monkeypatch.setattr(label_kernel, 'self_check', lambda *a: None)  # it passed, as on a GPU where it builds
-    path = backend.path('cuda', torch.float32)  # the default on CUDA: the kernel (these tensors are the CPU's)
+    monkeypatch.setattr(la, 'time_label_paths', lambda c, *a: {p: 1.0 if p == 'kernel' else 2.0 for p in c})
+    shape = (2, 2, 17, 16)
+    path = backend.path('cuda', torch.float32, shape)  # the default on CUDA: auto, here the kernel (CPU tensors)
     assert path == KERNEL
     columns = LabelColumns(labels, num_heads=2, head_dim=16, dtype=torch.float32, path=path, backend=backend)
     with pytest.warns(RuntimeWarning, match='kernel failed here .RuntimeError: no kernel here.*SDPA label columns'):
         out, heads = columns.attend(qkv, 0.25)
-    assert backend.path('cuda', torch.float32).shared == 'columns'  # this wrapper's next forwards
+    assert backend.path('cuda', torch.float32, shape).shared == 'columns'  # this wrapper's next forwards
     _, _, ref_heads = _reference(*qkv.unbind(0), labels, 0.25)
     assert torch.allclose(out, F.scaled_dot_product_attention(*qkv.unbind(0), scale=0.25), atol=1e-5)
     assert (heads.double() - ref_heads).abs().max() < 1e-5
     assert not use_label_kernel('cuda')  # the rest of the process: the SDPA columns
-    assert LabelBackend().path('cuda', torch.float32).shared == 'columns'  # other wrappers' too
+    assert LabelBackend().path('cuda', torch.float32, shape).shared == 'columns'  # other wrappers' too: no auto
     forced = LabelBackend('triton')
     path = forced.path('cpu', torch.float32)
     with pytest.raises(RuntimeError, match='no kernel here'):
@@ -438,9 +440,10 @@ def test_the_self_check_passes_for_the_real_kernels(kind, dtype, monkeypatch):
 
 
 def test_a_wrong_kernel_is_caught_warned_and_never_trained_on(monkeypatch):
-    """A test double of the fused kernel whose labels are off by 0.01: the default path (here made the kernel, as on
-    CUDA) warns once, naming what differed and by how much, and the step runs on the SDPA label columns, which give
-    the explicit reference's target; a chosen kernel raises instead. The label-only kernel likewise."""
+    """A test double of the fused kernel whose labels are off by 0.01: the default path (here auto, as on CUDA, with
+    timings that make the kernel the fastest) warns once, naming what differed and by how much, leaves it out, and
+    the step runs on the SDPA label columns, which give the explicit reference's target; a chosen kernel raises
+    instead. The label-only kernel likewise."""
     import shared_core.label_attention as la
 
     monkeypatch.setattr(label_kernel, '_CHECKS', {})
@@ -449,12 +452,15 @@ def test_a_wrong_kernel_is_caught_warned_and_never_trained_on(monkeypatch):
     monkeypatch.setattr(
         label_kernel, '_forward', lambda *a: (lambda out, lse, heads: (out, lse, heads + 0.01))(*forward(*a))
     )
+    # the default (auto) would time the kernel fastest, the columns next
+    monkeypatch.setattr(la, 'time_label_paths', lambda c, *a: {p: {'kernel': 1, 'columns': 2}.get(p, 3) for p in c})
     model = tiny_vit(depth=2).to(DEVICE).eval()
     (xm, target), y = _batch(15)
     xm, target, y = xm.to(DEVICE), target.to(DEVICE), y.to(DEVICE)
     wrapped = TLAlign(model)
     with pytest.warns(RuntimeWarning, match=r'failed its self-check on cpu in float32 at head dim 8 .differs from '
-                                            r'SDPA and the rule: labels by 0.01 .allowed 0.0001.'):  # fmt: skip
+                                            r'SDPA and the rule: labels by 0.01 .allowed 0.0001..; TL-Align leaves it '
+                                            r'out'):  # fmt: skip
         out, aligned = wrapped(xm, target)
     assert wrapped.backend.path(xm.device, xm.dtype).shared == 'columns'
     # the columns' target, the reference's (the wrong kernel's labels would be 0.01 off in every block)
@@ -463,5 +469,6 @@ def test_a_wrong_kernel_is_caught_warned_and_never_trained_on(monkeypatch):
         TLAlign(model, fused='triton')(xm, target)
     only = label_kernel._label_only_forward
     monkeypatch.setattr(label_kernel, '_label_only_forward', lambda *a: only(*a) * 1.01)
+    monkeypatch.setattr(label_kernel, '_CHECKS', {})  # (auto checked the real label-only kernel above)
     with pytest.raises(RuntimeError, match="^fused='labels': the label-only Triton kernel failed its self-check"):
         TLAlign(model, fused='labels')(xm, target)

@@ -227,3 +227,25 @@ def test_a_plain_step_compiled_first_does_not_hide_the_methods_hooks():
         mixed += a.mix is not None
         graphs.append(compiled_frames())
     assert 0 < mixed < 6 and graphs[-1] == graphs[2], graphs  # both kinds of step seen, then no new graphs
+
+
+@pytest.mark.parametrize('fastest', ['columns', 'labels'])
+def test_auto_chooses_before_the_compiled_forward_and_breaks_no_graph(fastest, monkeypatch):
+    """``fused='auto'`` (injected timings): the path is chosen before the compiled model runs, once, and stays a
+    constant of the graph: no break, the graph reused batch after batch, the eager step's targets."""
+    import shared_core.label_attention as la
+    from shared_core import label_kernel
+
+    monkeypatch.setattr(label_kernel, 'self_check', lambda *a: None)
+    timed = []
+    monkeypatch.setattr(
+        la, 'time_label_paths', lambda c, *a: timed.append(c) or {p: 1.0 if p == fastest else 2.0 for p in c}
+    )
+    torch._dynamo.reset()
+    counters.clear()
+    model = vit()
+    wrapper = TLAlign(model, fused='auto')
+    compiled = torch.compile(model, backend='aot_eager')
+    graphs = aligned_steps(wrapper, model, compiled, 'tl_align', 3, 3, 1e-5)
+    assert len(timed) == 1 and graphs[-1] == graphs[0] >= 1, (timed, graphs)
+    assert sum(counters['graph_break'].values()) == 0, dict(counters['graph_break'])

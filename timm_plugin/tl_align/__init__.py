@@ -279,16 +279,17 @@ class TLAlign(_MixTargetWrapper):
     def _run(self, x: torch.Tensor, labels: torch.Tensor, forward=None, observe=None):
         labels = labels.to(x.device)
         tracer = self.tracer
-        if self.backend.choice_now() == 'labels':  # the model's own attention, the labels beside it
-            why_not = "fused='labels' keeps the model's own attention and computes the labels in calls of their own"
-        elif self.shared:
+        if self.shared:
             why_not = SharedAttentionViT.why_not(tracer, labels, self.layers)
         else:
             why_not = "shared=False keeps the model's own attention and recomputes the labels in a call of their own"
         self.backend.refuse_unrun_kernel(why_not)  # the kernel runs in the shared path only
-        path = self.backend.path(x.device, compute_dtype(x))  # (a kernel: once it passed its self-check here)
+        geometry = tracer.attention_shape()  # 'auto' times the label paths at this block attention's shape
+        shape = None if geometry is None else (x.shape[0], geometry[0], labels.shape[1], geometry[1])
+        # (a kernel: once it passed its self-check here; 'labels' or auto's choice may leave the attention apart)
+        path = self.backend.path(x.device, compute_dtype(x), shape, shared_ok=why_not is None)
         shared = None
-        if why_not is None:
+        if why_not is None and path.shared != 'apart':
             args = (labels, self.layers, self.residual, self.drop_path, path, self.backend, observe)
             shared = SharedAttentionViT(tracer, *args)
         with self.backend.applied(path):
