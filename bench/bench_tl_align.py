@@ -15,6 +15,9 @@ TL-Align columns ``-``), so that more rounds fit in the same time where the per-
 
 ``--profile``: after the timing, each step's host op time and kernel time (``common.profile_table``): whether the
 step is launch-bound, and the methods' kernel-time ratio apart from their launches.
+
+``--paths auto,triton,labels,sdpa``: TL-Align's label paths against the plain step in the same rounds, one row
+each (``auto``: the row names the path it picked), instead of the methods' table.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ def main():
         help='the label attention of the TL-Align/TransMix columns: the default (the Triton kernel on CUDA where '
         "Triton is installed, else SDPA with label columns), 'triton', 'sdpa' (label columns) or 'off'",
     )
+    p.add_argument(
+        '--paths', default=None, help='comma-separated label paths to compare (auto, triton, labels, sdpa, off)'
+    )
     args = p.parse_args()
     dev = torch.device(args.device)
     torch.manual_seed(0)
@@ -68,6 +74,8 @@ def main():
 
     run = torch.compile(model, backend=args.compile) if args.compile else model
     plain = optimizer_step(lambda: loss_fn(run(xm), target), opt, autocast)
+    if args.paths:
+        return compare_paths(args, model, run, plain, loss_fn, opt, autocast, xm, target, dev)
     fused = FUSED[args.fused]
     wrappers = [TLAlign(model, fused=fused)]  # one attention per block for tokens and labels (the default)
     try:  # TransMix reads the class token's attention: ViTs (DeiT family, Swin, PVT v2) only
@@ -115,8 +123,37 @@ def main():
         profile_table(steps, [n for n, w in zip(names, [plain] + wrappers) if w is not None], dev, kernels=args.kernels)
 
 
-#: --fused: the wrappers' ``fused`` argument
-FUSED = {'default': None, 'triton': 'triton', 'sdpa': True, 'off': False}
+#: --fused, --paths: the wrappers' ``fused`` argument
+FUSED = {'default': None, 'auto': 'auto', 'triton': 'triton', 'labels': 'labels', 'sdpa': True, 'off': False}
+#: a resolved path's name in the tables
+PATH_NAMES = {'kernel': 'triton', 'columns': 'sdpa', 'apart': 'labels', 'materialised': 'off'}
+
+
+def compare_paths(args, model, run, plain, loss_fn, opt, autocast, xm, target, dev):
+    """One row per label path (``--paths``): its TL-Align step against the plain step, interleaved, medians."""
+    paths = [p.strip() for p in args.paths.split(',')]
+    unknown = [p for p in paths if p not in FUSED or p == 'default']
+    if unknown:
+        raise SystemExit(f'--paths: unknown {unknown}; expected some of auto, triton, labels, sdpa, off')
+    wrappers = [TLAlign(model, fused=FUSED[p]) for p in paths]
+
+    def aligned(w):
+        return optimizer_step(lambda: loss_fn(*w.align(xm, target, lambda: run(xm))), opt, autocast)
+
+    times = interleaved_times([plain] + [aligned(w) for w in wrappers], args.repeats, warmup=2, sync=device_sync(dev))
+    b = statistics.median(times[0])
+    name = torch.cuda.get_device_name(dev) if dev.type == 'cuda' else (platform.processor() or platform.machine())
+    print(
+        f'# {args.model}, device {dev} ({name}), amp={args.amp}, torch {torch.__version__}, median of {args.repeats}'
+        + (f', torch.compile backend {args.compile}' if args.compile else ', eager')
+    )
+    print('| label path | batch | plain ms | TL-Align ms | ratio of medians | per-round ratio median [q1, q3] |')
+    print('|---|---|---|---|---|---|')
+    for p, w, t in zip(paths, wrappers, times[1:]):
+        picked = {PATH_NAMES[r.shared] if r.separate != 'labels' else 'labels' for r in w.backend.resolved.values()}
+        label = f'auto (picked {", ".join(sorted(picked))})' if p == 'auto' else p
+        m = statistics.median(t)
+        print(f'| {label} | {args.batch} | {b * 1e3:.1f} | {m * 1e3:.1f} | {m / b:.3f} | {pair_ratios(t, times[0])} |')
 
 
 def label_path(fused, dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:

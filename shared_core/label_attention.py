@@ -385,6 +385,12 @@ class LabelBackend:
         )
         return paths[best]
 
+    @property
+    def resolved(self) -> dict:
+        """The paths resolved so far: ``{(device, dtype, choice[, shape, shared_ok]): LabelPath}`` (what ``auto``
+        picked, for a benchmark's table)."""
+        return dict(self._paths)
+
     def choice_now(self) -> Choice:
         """The choice in force: the wrapper's, else the process's."""
         return self.choice if self.choice is not None else _choice()
