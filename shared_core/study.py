@@ -23,10 +23,12 @@ __all__ = [
     'interval',
     'excludes_zero',
     'verdict',
+    'same_difference',
     'BOUND',
+    'MIN_PAIRS',
 ]
 
-#: the half-width under which an interval that includes 0 counts as a bound (points of top-1)
+#: the bound of the equivalence verdict: an interval inside ``[−BOUND, +BOUND]`` is "bounded" (points of top-1)
 BOUND = 0.3
 
 
@@ -67,16 +69,40 @@ def excludes_zero(d: dict) -> str:
     return 'n/a' if len(d['diffs']) < 2 else 'yes' if d['excludes_zero'] else 'no'
 
 
+#: the fewest complete pairs a verdict word is given for (below: the interval only, "too few seeds")
+MIN_PAIRS = 3
+
+
+def same_difference(d: dict) -> bool:
+    """Whether every seed of a :func:`paired` difference gave the same difference (a spread of 0, up to float
+    rounding): its interval has zero width and says nothing about the seed-to-seed noise."""
+    return len(d['diffs']) > 1 and d['sd'] <= 1e-9 * max(1.0, abs(d['mean']))
+
+
 def verdict(d: dict, bound: float = BOUND) -> str:
-    """The verdict on a :func:`paired` difference, in the size study's words: resolved better / worse (the
-    interval excludes 0), bounded (it includes 0 and is narrower than ``±bound``), or neither."""
-    if len(d['diffs']) < 2:
+    """The verdict on a :func:`paired` difference:
+
+    - ``resolved: better / worse`` where the 95 % interval excludes 0;
+    - ``bounded within ±bound`` where the whole interval lies inside ``[−bound, +bound]`` (an equivalence test:
+      whatever the effect, it is smaller than ``bound``);
+    - ``neither resolved nor bounded`` otherwise.
+
+    None of these for a set of differences that cannot carry one: one seed (``n/a``), every seed the same
+    difference (``not resolvable``: no spread to weigh it against), or fewer than :data:`MIN_PAIRS` pairs (``too
+    few seeds``; the interval is still printed)."""
+    n = len(d['diffs'])
+    if n < 2:
         return 'n/a (1 seed)'
+    if same_difference(d):
+        return 'not resolvable: every seed gave the same difference, so there is no spread to weigh it against'
+    if n < MIN_PAIRS:
+        return f'too few seeds ({n} pairs; a verdict needs {MIN_PAIRS})'
     if d['excludes_zero']:
         return f'resolved: {"better" if d["mean"] > 0 else "worse"} (the interval excludes 0)'
-    if d['half'] < bound:
-        return f'bounded: the interval includes 0 and is ±{d["half"]:.2f} wide, narrower than ±{bound:g}'
-    return f'neither resolved nor bounded: the interval includes 0 and is ±{d["half"]:.2f} wide'
+    lo, hi = d['mean'] - d['half'], d['mean'] + d['half']
+    if -bound <= lo and hi <= bound:
+        return f'bounded within ±{bound:g}: the whole interval lies inside [{-bound:g}, +{bound:g}]'
+    return f'neither resolved nor bounded: the interval includes 0 and reaches beyond ±{bound:g}'
 
 
 class Step:

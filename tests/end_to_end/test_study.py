@@ -208,14 +208,16 @@ def test_object_share_of_a_cutmix_box_by_hand():
     [
         ([71.0, 72.0, 73.0, 74.0], [70.0, 70.8, 72.1, 72.9], 'resolved: better (the interval excludes 0)'),
         # differences +0.2 / -0.1 / +0.1 / -0.2 over 8 seeds: mean 0, sd 0.17, half-width 2.36 * 0.17 / √8 = 0.14
-        ([70.2, 69.9, 70.1, 69.8] * 2, [70.0] * 8, 'bounded: the interval includes 0 and is ±0.14 wide, narrower'),
-        ([71.0, 69.0, 70.5], [70.0, 70.0, 70.0], 'neither resolved nor bounded: the interval includes 0 and is ±'),
+        ([70.2, 69.9, 70.1, 69.8] * 2, [70.0] * 8, 'bounded within ±0.3: the whole interval lies inside [-0.3, +0.3]'),
+        ([71.0, 69.0, 70.5], [70.0, 70.0, 70.0], 'neither resolved nor bounded: the interval includes 0 and reaches'),
+        ([71.0, 72.0, 73.0], [70.0, 71.0, 72.0], 'not resolvable: every seed gave the same difference'),
         ([71.0], [70.0], 'n/a (1 seed)'),
     ],
 )
 def test_size_study_says_whether_tl_align_is_resolved_or_bounded(tl_align, cutmix, verdict):
-    """The TL-Align line of study_size.md, by the issue's rule: resolved where the 95 % interval excludes 0,
-    bounded where it includes 0 and is narrower than ±0.3, neither otherwise; no interval for one seed."""
+    """The TL-Align line of study_size.md: resolved where the 95 % interval excludes 0, bounded where the whole
+    interval lies inside ±0.3, neither otherwise; not resolvable where every seed gave the same difference; no
+    interval for one seed."""
     size, study = _size_study(), _bench('study')
     knob = dict(coverage=0.06, share_off=0.5, mean_error=0.2, invisible=0)
     seeds = list(range(len(tl_align)))

@@ -95,8 +95,9 @@ def test_gradients_are_the_backward_of_the_exact_attention_within_what_the_forwa
     flash kernels do): to first order ``δdS = −P ∘ ((dP − D) δlse + δD)`` with ``δD = rowsum(dO ∘ δO)``, so
     ``|δdQ| ≤ |δdS| |K| · scale``, ``|δdK| ≤ |δdS|ᵀ |Q| · scale``, ``|δdV| ≤ (P |δlse|)ᵀ |dO|``; the bound is twice
     that, plus each side's backward rounding ``P`` and ``dS`` to the dtype before its matmuls (``2 u`` of the same
-    sums of magnitudes each) and its results (``u``). It holds on any input: ``'growing'`` key norms along the tokens (peaked rows,
-    where a bound relative to the largest gradient held only for its seeds). fp32: equal to SDPA's to 1e-5."""
+    sums of magnitudes each) and its results (``u``). It holds on any input: ``'growing'`` key norms along the
+    tokens (peaked rows, where a bound relative to the largest gradient held only for its seeds). fp32: equal to
+    SDPA's to 1e-5."""
     qkv, labels = _inputs(2, 2, T, D, 1, dtype, seed=7)
     if keys == 'growing':
         ramp = torch.linspace(0.2, 3.0, T, device=qkv.device)[:, None]

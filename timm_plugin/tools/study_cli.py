@@ -6,7 +6,8 @@ split (:mod:`timm_plugin.tools.study_eval`: the model as the training built it, 
 final val top-1), or, without a test split, the training's own final val top-1 is used and the results say so.
 Each method is compared with ``--baseline`` seed by seed (same seed: same data order, same initialisation draw):
 the mean and the 95 % Student-t interval of the paired differences, and a verdict (resolved better / worse,
-bounded within ``±--bound``, or neither).
+bounded within ``±--bound`` where the whole interval lies inside it, or neither; not resolvable where every seed
+gave the same difference; no verdict word below 3 paired seeds).
 
 The runs that read label maps (``tokenmix``, ``mixtoken``) take a store (``--label-maps``), or, without one, the
 study trains an annotator from the same recipe (seed 0, MixUp/CutMix with average pooling, so its head reads every
@@ -500,6 +501,12 @@ class Study:
                 lines.append(f'| {name} | – | – | none | {c["verdict"]} |')
             else:
                 lines.append(f'| {name} | {c["mean"]:+.2f} | {c["interval"]} | {len(c["seeds"])} | {c["verdict"]} |')
+        lines += [
+            '',
+            'Verdicts: resolved where the interval excludes 0; bounded within ±b (`--bound`) only where the whole '
+            'interval lies inside [−b, +b], an equivalence test; not resolvable where every seed gave the same '
+            'difference (a zero-width interval); no verdict below 3 paired seeds.',
+        ]
         if r['failed_or_missing']:
             lines += ['', f'Failed or not run (logs under {self.out / "logs"}): {", ".join(r["failed_or_missing"])}.']
         return '\n'.join(lines)
