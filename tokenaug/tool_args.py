@@ -333,6 +333,7 @@ def study_parser() -> argparse.ArgumentParser:
                    help='write one command per line (a cluster array job) instead of running them')  # fmt: skip
     p.add_argument('--collect', action='store_true', help='evaluate and tabulate what the runs wrote; train nothing')
     p.add_argument('--run-step', default=None, metavar='NAME', help=argparse.SUPPRESS)  # one emitted job
-    p.add_argument('--bound', type=float, default=0.3, help='half-width under which an interval bounds an effect')
+    p.add_argument('--bound', type=float, default=0.3,
+                   help='the equivalence bound: an interval inside [-b, +b] is "bounded" (default 0.3)')  # fmt: skip
     p.add_argument('--device', default=None, help='evaluation device (default: cuda when available)')
     return p

@@ -214,6 +214,12 @@ def test_without_a_test_split_the_val_split_is_used_and_said(data, tmp_path):
         (lambda a: a.extend(['--baseline', 'mixup']), '--baseline: mixup is not among --runs'),
         (lambda a: a.__setitem__(a.index('--seeds') + 1, '0'), '--seeds: expected >= 1, got 0'),
         (lambda a: a.extend(['--label-maps', '/nope']), '--label-maps: /nope is not a store folder'),
+        (lambda a: a.extend(['--bound', 'nan']), '--bound: expected a finite number > 0, got nan'),
+        (lambda a: a.extend(['--bound', '-1']), '--bound: expected a finite number > 0, got -1'),
+        (lambda a: a.extend(['--nproc-per-node', '0']), '--nproc-per-node: expected >= 1, got 0'),
+        (lambda a: a.extend(['--train-args', '--seed', '3']), '--train-args: --seed is set by the study itself'),
+        (lambda a: a.extend(['--train-args', '--output=/tmp/x']), '--train-args: --output is set by the study'),
+        (lambda a: a.extend(['--train-args', '--mixup-type', 'mixup']), '--train-args: --mixup-type is set by'),
         (
             lambda a: (a.__setitem__(a.index('--runs') + 2, 'tokenmix'), a.extend(['--train-args', '--no-such'])),
             "-c/--config .* with --train-args: the annotator's command does not parse",
@@ -254,3 +260,16 @@ def test_forked_commands_run_as_their_console_scripts_in_a_fresh_process(quadran
     assert code == 0 and 'classes' in (tmp_path / 'after.log').read_text()
     code, _ = run_logged(['bash', '-c', 'echo "$COLUMNS"; exit 3'], tmp_path / 'bash.log')
     assert code == 3 and (tmp_path / 'bash.log').read_text().endswith('72\n')
+
+
+def test_a_recipe_that_sets_a_seed_is_overridden_by_each_runs_seed_and_says_so(data, tmp_path, capsys):
+    """A -c YAML with ``seed: 7``: the command line beats the YAML in tokenaug-train, so each run's own
+    ``--seed s`` applies (the dry run shows it), and the study says so before it starts."""
+    recipe = tmp_path / 'seeded.yaml'
+    recipe.write_text(Path(CONFIG).read_text() + '\nseed: 7\n')
+    a = argv(data, tmp_path / 'o', '--dry-run', train=[])
+    a[a.index('-c') + 1] = str(recipe)
+    assert study(a) == 0
+    out, err = capsys.readouterr()
+    assert "sets seed: 7; each run's own --seed (0 .. 1) overrides it" in err
+    assert out.count('--seed 0') == 2 and out.count('--seed 1') == 2 and '--seed 7' not in out

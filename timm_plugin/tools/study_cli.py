@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import shlex
 import shutil
@@ -217,6 +218,26 @@ class Study:
             raise StudyError(f'--seeds: expected >= 1, got {args.seeds}')
         if args.parallel < 1:
             raise StudyError(f'--parallel: expected >= 1, got {args.parallel}')
+        if args.nproc_per_node < 1:
+            raise StudyError(f'--nproc-per-node: expected >= 1, got {args.nproc_per_node}')
+        if not (math.isfinite(args.bound) and args.bound > 0):
+            raise StudyError(f'--bound: expected a finite number > 0, got {args.bound}')
+        # the flags the study sets on every run itself: given again, the later one would win and every "seed" train
+        # the same model, or the runs write over each other
+        own = {'--seed', '--output', '--experiment', '--resume', '--data-dir', '--train-split', '--val-split', '-c'}
+        own |= {'--config'} | {f for r in args.runs for f in STUDY_RUNS[r][1] if f.startswith('-')}
+        given = sorted({str(t).split('=')[0] for t in args.train_args} & own)
+        if given:
+            raise StudyError(
+                f'--train-args: {", ".join(given)} is set by the study itself for every run (the seed, the run '
+                "folder, the data and the runs' method flags); leave it out"
+            )
+        if 'seed' in cfg:
+            print(
+                f"tokenaug-study: -c/--config sets seed: {cfg['seed']}; each run's own --seed (0 .. {args.seeds - 1}) "
+                'overrides it',
+                file=sys.stderr,
+            )
         if args.label_maps and not Path(args.label_maps).is_dir():
             raise StudyError(f'--label-maps: {args.label_maps} is not a store folder')
         self.out = Path(args.out).resolve()
