@@ -215,6 +215,11 @@ def test_without_a_test_split_the_val_split_is_used_and_said(data, tmp_path):
         (lambda a: a.__setitem__(a.index('--seeds') + 1, '0'), '--seeds: expected >= 1, got 0'),
         (lambda a: a.extend(['--label-maps', '/nope']), '--label-maps: /nope is not a store folder'),
         (lambda a: a.extend(['--bound', 'nan']), '--bound: expected a finite number > 0, got nan'),
+        (lambda a: a.__setitem__(a.index('--out') + 1, str(REPO / 'README.md')), '--out: .*README.md is a file'),
+        (
+            lambda a: a.__setitem__(a.index('--out') + 1, str(REPO / 'README.md' / 'study')),
+            '--out: cannot make the folder .*README.md/study: .*README.md is a file',
+        ),
         (lambda a: a.extend(['--bound', '-1']), '--bound: expected a finite number > 0, got -1'),
         (lambda a: a.extend(['--nproc-per-node', '0']), '--nproc-per-node: expected >= 1, got 0'),
         (lambda a: a.extend(['--train-args', '--seed', '3']), '--train-args: --seed is set by the study itself'),

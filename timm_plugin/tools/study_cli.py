@@ -241,6 +241,13 @@ class Study:
         if args.label_maps and not Path(args.label_maps).is_dir():
             raise StudyError(f'--label-maps: {args.label_maps} is not a store folder')
         self.out = Path(args.out).resolve()
+        if self.out.exists() and not self.out.is_dir():
+            raise StudyError(f'--out: {args.out} is a file; give a folder for the study (new or one to resume)')
+        there = next(p for p in (self.out, *self.out.parents) if p.exists())  # what exists of it (nothing made yet)
+        if not there.is_dir():
+            raise StudyError(f'--out: cannot make the folder {args.out}: {there} is a file')
+        if not os.access(there, os.W_OK | os.X_OK):
+            raise StudyError(f'--out: {there} is not writable, so the study cannot write {args.out}')
         self.seeds = list(range(args.seeds))
         #: the annotator and its maps (``{'annotator': Step, 'maps': Step}``) where a run reads maps and no
         #: --label-maps store is given; else empty
