@@ -34,6 +34,7 @@ __all__ = [
     'SHARED_PATHS',
     'SEPARATE_PATHS',
     'separate_path',
+    'sdpa_labels',
     'LabelPath',
     'LabelBackend',
     'compute_dtype',
@@ -198,6 +199,24 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def sdpa_labels(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    labels: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Eq. 9's head mean from one fused ``scaled_dot_product_attention`` call with the labels ``(B, T_k, K)`` as
+    values (the attention never materialised): ``(B, T_q, K)``, ``q``/``k`` and the result in fp32."""
+    v = labels.float().unsqueeze(1)
+    # pad the (1- or 2-wide) label values to 8 columns: fp32 memory-efficient kernels need aligned head dims, and a
+    # misaligned call falls back to the materialising math kernel
+    width = v.shape[-1]
+    v = F.pad(v, (0, -width % 8)).expand(-1, q.shape[1], -1, -1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+    return out[..., :width].mean(1)
+
+
 #: the label paths that run a Triton kernel (self-checked before they are timed)
 _KERNELS = ('kernel', 'labels')
 _LOG = logging.getLogger('tokenaug.label_attention')
@@ -235,15 +254,11 @@ def time_label_paths(candidates, device: torch.device, dtype: torch.dtype, shape
 
         return run
 
-    def sdpa_labels(q, k):
-        values = F.pad(labels.unsqueeze(1), (0, 7)).expand(-1, H, -1, -1)
-        F.scaled_dot_product_attention(q.float(), k.float(), values, scale=scale)
-
     runs = {
         'columns': columns,
         'kernel': kernel,
         'labels': apart(lambda q, k: label_only_attention(q, k, labels, scale)),
-        'sdpa': apart(sdpa_labels),
+        'sdpa': apart(lambda q, k: sdpa_labels(q.float(), k.float(), labels, scale=scale)),
     }
     cuda = device.type == 'cuda'
     samples: dict = {c: [] for c in candidates}

@@ -31,7 +31,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from .label_attention import separate_path
+from .label_attention import sdpa_labels, separate_path
 from .mix import Mix, partner_target
 from .options import TRANSMIX_MODES
 
@@ -113,16 +113,11 @@ def attention_labels(
 
             kernel_scale = q.shape[-1] ** -0.5 if scale is None else scale
             return label_only_attention(q, k, labels, kernel_scale, attn_mask).div_(q.shape[1])
-        q, k, v = q.detach().float(), k.detach().float(), labels.float().unsqueeze(1)
+        q, k = q.detach().float(), k.detach().float()
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             attn_mask = attn_mask.float()
         if path == 'sdpa':
-            # pad the (1- or 2-wide) label values to 8 columns: fp32 memory-efficient kernels need aligned
-            # head dims, and a misaligned call falls back to the materialising math kernel
-            width = v.shape[-1]
-            v = F.pad(v, (0, -width % 8)).expand(-1, q.shape[1], -1, -1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
-            return out[..., :width].mean(1)
+            return sdpa_labels(q, k, labels, attn_mask, scale)
         logits = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
         if attn_mask is not None:
             logits = (

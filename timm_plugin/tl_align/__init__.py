@@ -189,6 +189,8 @@ class _MixTargetWrapper(nn.Module):
         self.tracer = timm_tracer(model)
         # the label attention's path, chosen once per device and dtype (a kernel once it passed its self-check)
         backend = LabelBackend(fused, head_dims=self.tracer.head_dims())
+        #: (heads, head dim) of the model's first attention, at which 'auto' times the label paths (fixed with it)
+        self._attention_shape = self.tracer.attention_shape()
         guard_module_hooks()  # per-call hooks under torch.compile
         self.model = model
         self.backend = backend
@@ -284,7 +286,7 @@ class TLAlign(_MixTargetWrapper):
         else:
             why_not = "shared=False keeps the model's own attention and recomputes the labels in a call of their own"
         self.backend.refuse_unrun_kernel(why_not)  # the kernel runs in the shared path only
-        geometry = tracer.attention_shape()  # 'auto' times the label paths at this block attention's shape
+        geometry = self._attention_shape  # 'auto' times the label paths at this block attention's shape
         shape = None if geometry is None else (x.shape[0], geometry[0], labels.shape[1], geometry[1])
         # (a kernel: once it passed its self-check here; 'labels' or auto's choice may leave the attention apart)
         path = self.backend.path(x.device, compute_dtype(x), shape, shared_ok=why_not is None)
