@@ -10,25 +10,8 @@
 # flash's, one block's forward and backward apart on each path with CUDA events; then the kernels' tests on CUDA
 # tensors where pytest is installed); tl_align.txt (bench/bench_tl_align.py --paths: TL-Align on DeiT-S bf16 against
 # the CutMix step for each label path, auto naming what it picked, eager at batch 32, 128 and 256, compiled at 128).
-set -o pipefail
-OUT=${OUT:-bench_out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-fi
-export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
-start=$SECONDS
-bench() {  # bench FILE LIMIT_S SCRIPT ARGS...: one benchmark, appended to $OUT/FILE, stopped after LIMIT_S
-  local file=$1 limit=$2; shift 2
-  echo "## python3 $* (limit ${limit}s, at ${SECONDS}s)" | tee -a "$OUT/$file"
-  timeout "$limit" python3 "$@" 2>&1 | grep -v -e '^W[0-9]' -e 'UserWarning' -e '^  warnings.warn' | tee -a "$OUT/$file"
-  echo "## exit ${PIPESTATUS[0]} after $((SECONDS - start))s" | tee -a "$OUT/$file"
-}
-{ python3 -c "import torch, timm, torchvision, triton; print('torch', torch.__version__, 'timm', timm.__version__, 'torchvision', torchvision.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; nproc; } 2>&1 | tee "$OUT/env.txt"
-if ! python3 -c "import timm, sys; sys.exit(timm.__version__ != '1.0.31')"; then
-  echo "timm $(python3 -c 'import timm; print(timm.__version__)'): device_bench.sh is written for timm 1.0.31 (put its wheel in .whl/)" | tee -a "$OUT/env.txt"
-  exit 2
-fi
+source bench/device_common.sh
+check_stack env.txt
 # the label kernels: are they right on this GPU, and what does each path add to one block's attention
 bench kernel.txt 60 bench/kernel_check.py --batch 128 --rounds 7 --iters 20
 if python3 -c "import pytest, hypothesis" 2>/dev/null; then

@@ -2,24 +2,8 @@
 # The second GPU slot: TokenMixup, token labeling and the mixers on a machine with a CUDA GPU (after
 # bench/device_bench.sh, the kernels and TL-Align). Same install, stack check and per-line limits (470 s in all).
 #   bash bench/device_bench_methods.sh      (writes tokenmixup.txt, token_labels.txt, mixers.txt to $OUT)
-set -o pipefail
-OUT=${OUT:-bench_out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-fi
-export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
-start=$SECONDS
-bench() {  # bench FILE LIMIT_S SCRIPT ARGS...: one benchmark, appended to $OUT/FILE, stopped after LIMIT_S
-  local file=$1 limit=$2; shift 2
-  echo "## python3 $* (limit ${limit}s, at ${SECONDS}s)" | tee -a "$OUT/$file"
-  timeout "$limit" python3 "$@" 2>&1 | grep -v -e '^W[0-9]' -e 'UserWarning' -e '^  warnings.warn' | tee -a "$OUT/$file"
-  echo "## exit ${PIPESTATUS[0]} after $((SECONDS - start))s" | tee -a "$OUT/$file"
-}
-if ! python3 -c "import timm, sys; sys.exit(timm.__version__ != '1.0.31')"; then
-  echo "timm $(python3 -c 'import timm; print(timm.__version__)'): written for timm 1.0.31 (put its wheel in .whl/)"
-  exit 2
-fi
+source bench/device_common.sh
+check_stack env.txt
 # TokenMixup: HTM at τ 100 (all easy) and the public 0.2; the plan; compiled
 bench tokenmixup.txt 50 bench/bench_tokenmixup.py --device cuda --model cct_7_3x1_32 --batch 128 --repeats 20 --amp
 bench tokenmixup.txt 50 bench/bench_tokenmixup.py --device cuda --model cct_7_3x1_32 --batch 128 --repeats 20 --amp --tau 0.2
