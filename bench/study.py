@@ -183,8 +183,13 @@ def mm_env(world: Path) -> dict:
 
 
 class Study:
-    def __init__(self, out: Path, preset: dict, mmpretrain: bool, runs=None):
+    def __init__(self, out: Path, preset: dict, mmpretrain: bool, runs=None, runner=None):
+        """``runner(cmd, log)`` runs each training (``tokenaug-study``'s :func:`~timm_plugin.tools.study_cli.run_logged`
+        by default, a subprocess; the tests inject an in-process one)."""
+        from timm_plugin.tools.study_cli import run_logged
+
         self.out, self.p, self.mmpretrain = out, preset, mmpretrain
+        self.runner = runner or run_logged
         every = list(RUNS) + list(MM_RUNS)
         runs = GRID if runs is None else every if list(runs) == ['all'] else runs
         self.runs = [n for n in every if n in runs]  # the runs this study trains
@@ -281,7 +286,7 @@ class Study:
 
         skipped = step.done() is not None
         log = self.logs / f'{name.replace(" ", "_")}.log'
-        rec = train_step(name, step, log)
+        rec = train_step(name, step, log, self.runner)
         if rec is None:
             sys.exit(f'{name} failed: see {log}')
         self.count(rec, skipped)
@@ -518,7 +523,7 @@ def table(
     return '\n'.join(lines)
 
 
-def main(argv=None):
+def main(argv=None, runner=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--preset', choices=sorted(PRESETS), default='cpu_small')
     p.add_argument('--out', type=Path, default=REPO / 'study_out')
@@ -545,7 +550,7 @@ def main(argv=None):
             preset[key] = value
     seeds = list(range(preset['seeds']))
     out = args.out.resolve()
-    study = Study(out, preset, mmpretrain=not args.no_mmpretrain, runs=args.runs)
+    study = Study(out, preset, mmpretrain=not args.no_mmpretrain, runs=args.runs, runner=runner)
     t0 = time.time()
     timm_runs = [n for n in RUNS if n in study.runs]
     print(f'== study, preset {args.preset}: {len(seeds)} seeds x {len(timm_runs)} timm runs, out {out}', flush=True)

@@ -130,10 +130,12 @@ def area_label_error(world: Path, pairs: int = KNOB_PAIRS, seed: int = KNOB_SEED
 class SizeStudy:
     """One :class:`study.Study` per size, and the knob's steps."""
 
-    def __init__(self, out: Path, preset: dict, sizes: list[str], runs: list[str]):
+    def __init__(self, out: Path, preset: dict, sizes: list[str], runs: list[str], runner=None):
         self.out, self.sizes = out, sizes
         self.studies = {
-            size: Study(out / size, dict(preset, area=SIZES[size], world_formats='imagenet,ade20k'), False, runs)
+            size: Study(
+                out / size, dict(preset, area=SIZES[size], world_formats='imagenet,ade20k'), False, runs, runner
+            )
             for size in sizes
         }
 
@@ -250,7 +252,7 @@ def plot(record: dict, path: Path) -> Path:
     return path
 
 
-def main(argv=None):
+def main(argv=None, runner=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--preset', choices=sorted(PRESETS), default='cpu_small')
     p.add_argument('--out', type=Path, default=REPO / 'study_size_out')
@@ -279,7 +281,7 @@ def main(argv=None):
     sizes = [s for s in SIZES if s in args.sizes]
     runs = [n for n in SIZE_RUNS if n in args.runs]
     t0 = time.time()
-    ss = SizeStudy(out, preset, sizes, runs)
+    ss = SizeStudy(out, preset, sizes, runs, runner)
     print(f'== size study, preset {args.preset}: sizes {", ".join(sizes)}, runs {", ".join(runs)}, out {out}')
     worlds = {s: ss.studies[s].make_world() for s in sizes}
     knob = {s: ss.knob(s, worlds[s]) for s in sizes}

@@ -26,6 +26,8 @@ __all__ = [
     'same_difference',
     'BOUND',
     'MIN_PAIRS',
+    'read_json',
+    'write_json',
 ]
 
 #: the bound of the equivalence verdict: an interval inside ``[−BOUND, +BOUND]`` is "bounded" (points of top-1)
@@ -107,47 +109,88 @@ def verdict(d: dict, bound: float = BOUND) -> str:
 
 class Step:
     """One resumable step: done when ``dir/study_step.json`` records the same key (the command and its inputs'
-    keys). A rerun skips a done step and runs again one whose command changed."""
+    keys). A rerun skips a done step and runs again one whose command changed, after moving the old folder aside
+    (:meth:`start`: nothing a key mismatch alone condemns is deleted).
 
-    def __init__(self, directory: Path, cmd: list, inputs: Sequence[str] = ()):
+    ``key_cmd`` is the command as keyed, where it differs from the command run: ``tokenaug-study`` keys its steps
+    with the study folder and the programs' folder written as placeholders, so that a study folder moved or copied
+    keeps its finished steps."""
+
+    def __init__(self, directory: Path, cmd: list, inputs: Sequence[str] = (), key_cmd: Optional[list] = None):
         self.dir = Path(directory)
         self.cmd = [str(c) for c in cmd]
-        self.key = hashlib.sha256(json.dumps([self.cmd, list(inputs)]).encode()).hexdigest()[:16]
+        keyed = self.cmd if key_cmd is None else [str(c) for c in key_cmd]
+        self.key = hashlib.sha256(json.dumps([keyed, list(inputs)]).encode()).hexdigest()[:16]
 
     @property
     def record(self) -> Path:
         return self.dir / 'study_step.json'
 
+    @property
+    def marker(self) -> Path:
+        return self.dir / 'study_started.json'
+
     def done(self) -> Optional[dict]:
-        """The step's record if it finished with this key, else ``None``."""
-        if self.record.is_file():
-            try:
-                rec = json.loads(self.record.read_text())
-            except json.JSONDecodeError:  # a record cut short: not done
-                return None
-            if rec.get('key') == self.key:
-                return rec
-        return None
+        """The step's record if it finished with this key, else ``None`` (a record cut short is not done)."""
+        rec = read_json(self.record)
+        return rec if rec is not None and rec.get('key') == self.key else None
 
     def started(self) -> bool:
         """Whether an attempt of this same command began here and did not finish (its marker holds this key):
-        what it left may be resumed."""
-        marker = self.dir / 'study_started.json'
-        return marker.is_file() and json.loads(marker.read_text()).get('key') == self.key
+        what it left may be resumed. A marker cut short is no attempt of this command."""
+        mark = read_json(self.marker)
+        return mark is not None and mark.get('key') == self.key
 
-    def start(self) -> None:
-        """A fresh attempt: the folder emptied, then marked with this key (:meth:`started`)."""
-        shutil.rmtree(self.dir, ignore_errors=True)
+    def start(self) -> Optional[Path]:
+        """A fresh attempt: the folder emptied, then marked with this key (:meth:`started`). Only what an attempt
+        of this same command left is removed; a folder that holds anything else (another command's run, a marker
+        or record cut short, files of unknown origin) is moved aside to ``DIR.replaced-KEY`` and that path
+        returned."""
+        moved = None
+        if self.dir.exists():
+            if self.started():
+                shutil.rmtree(self.dir)
+            else:
+                old = (read_json(self.record) or read_json(self.marker) or {}).get('key') or 'unknown'
+                base = self.dir.with_name(f'{self.dir.name}.replaced-{old}')
+                moved = next(p for p in (Path(f'{base}{f".{i}" if i else ""}') for i in range(10**6)) if not p.exists())
+                self.dir.rename(moved)
         self.dir.mkdir(parents=True)
-        (self.dir / 'study_started.json').write_text(json.dumps(dict(key=self.key)) + '\n')
+        self.marker.write_text(json.dumps(dict(key=self.key)) + '\n')
+        return moved
 
     def finish(self, **result) -> dict:
         """Write the record (atomically: a kill leaves the old one or none)."""
         rec = dict(key=self.key, cmd=self.cmd, **result)
-        tmp = self.record.with_suffix('.tmp')
-        tmp.write_text(json.dumps(rec, indent=1) + '\n')
-        tmp.replace(self.record)
+        write_json(self.record, rec)
         return rec
+
+    def fail(self, **why) -> None:
+        """Record that this command's attempt failed (``study_failed.json``, with the key): :meth:`failure` reads
+        it back, so that a later collection names the reason."""
+        write_json(self.dir / 'study_failed.json', dict(key=self.key, **why))
+
+    def failure(self) -> Optional[dict]:
+        """What :meth:`fail` recorded for this command, if it is the last word on it (no record since)."""
+        rec = read_json(self.dir / 'study_failed.json')
+        return rec if rec is not None and rec.get('key') == self.key and self.done() is None else None
+
+
+def read_json(path: Path) -> Optional[dict]:
+    """A JSON object file, or ``None`` where there is none or it is cut short (a kill midway through a write)."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def write_json(path: Path, value) -> None:
+    """Write a JSON file atomically (a kill leaves the old file or none)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + '.tmp')
+    tmp.write_text(json.dumps(value, indent=1) + '\n')
+    tmp.replace(path)
 
 
 def summary(values: Dict[int, float]) -> dict:

@@ -21,6 +21,7 @@ import csv
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -50,7 +51,7 @@ from shared_core.checkpoint_io import (
 )
 from shared_core.map_format import MissingLabelMapError
 from shared_core.mix import check_labels
-from tokenaug.train_args import check_numbers, check_supported, parse_args
+from tokenaug.train_args import DIVERGED, check_numbers, check_supported, parse_args
 
 from .image_data import UnreadableImageError
 from .recipe import build_training
@@ -250,16 +251,23 @@ def resolve_resume(args) -> str:
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, UnreadableImageError, MissingLabelMapError)
 
 
+class DivergedError(RuntimeError):
+    """A training step's loss was not finite (NaN or infinite): ``tokenaug-train`` stops the run (exit status
+    :data:`DIVERGED`) unless ``--allow-nonfinite-loss``."""
+
+
 def main(argv=None) -> None:
     """Console entry point (``tokenaug-train``): a user error (a bad argument, file or dataset) is printed as
-    ``tokenaug-train: error: ...`` with exit status 2 (``TOKENAUG_TRACEBACK=1`` shows the traceback)."""
+    ``tokenaug-train: error: ...`` with exit status 2, a diverged run (:class:`DivergedError`) as
+    ``tokenaug-train: diverged: ...`` with exit status 3 (``TOKENAUG_TRACEBACK=1`` shows the traceback)."""
     try:
         run(argv)
-    except USER_ERRORS as e:
+    except (*USER_ERRORS, DivergedError) as e:
         if os.environ.get('TOKENAUG_TRACEBACK'):
             raise
-        print(f'tokenaug-train: error: {e}', file=sys.stderr)
-        raise SystemExit(2) from None
+        diverged = isinstance(e, DivergedError)
+        print(f'tokenaug-train: {"diverged" if diverged else "error"}: {e}', file=sys.stderr)
+        raise SystemExit(DIVERGED if diverged else 2) from None
 
 
 def run(argv=None) -> dict:
@@ -690,7 +698,14 @@ def train_one_epoch(
                 if args.clip_grad is not None:
                     utils.dispatch_clip_grad(task.get_clip_parameters(), value=args.clip_grad, mode=args.clip_mode)
                 optimizer.step()
-        losses_m.update(loss.item() * accum, x.size(0))
+        value = loss.item() * accum  # (timm reads it here too: no extra sync)
+        if not math.isfinite(value) and not args.allow_nonfinite_loss:
+            raise DivergedError(
+                f'the loss is {value} at epoch {epoch}, batch {batch_idx}: the run diverged, and every later step '
+                'would train on NaN weights; lower --lr (or --warmup-lr, or clip with --clip-grad), or pass '
+                "--allow-nonfinite-loss to go on as timm's train.py does"
+            )
+        losses_m.update(value, x.size(0))
         if not need_update:
             data_start = time.time()
             continue

@@ -303,9 +303,9 @@ def study_parser() -> argparse.ArgumentParser:
         prog='tokenaug-study',
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description='Does a method help on my data? Each run trains once per seed with the same recipe (one\n'
-        'tokenaug-train command each); the final checkpoints are evaluated on the test split (else the val\n'
-        'split), and each method is compared with the baseline seed by seed: the mean and 95 % t interval of\n'
-        'the paired differences, and a verdict.',
+        'tokenaug-train command each); the final checkpoints are evaluated on the test split (--test-split\n'
+        'none: the val split), and each method is compared with the baseline seed by seed: the mean and 95 %\n'
+        't interval of the paired differences, and a verdict.',
         epilog=f'runs:\n{runs}\n\nThe label maps: --label-maps STORE, or without it an annotator trained from the\n'
         'recipe (seed 0, MixUp/CutMix, average pooling) and its maps of the training split.\n\n'
         'A rerun skips the steps that are done and runs again a step whose command\n'
@@ -314,8 +314,8 @@ def study_parser() -> argparse.ArgumentParser:
     p.add_argument('--data-dir', required=True, help='an ImageFolder root with the splits as folders')
     p.add_argument('--train-split', default='train')
     p.add_argument('--val-split', default='val')
-    p.add_argument('--test-split', default='test', help='the split the final checkpoints are evaluated on '
-                   '(absent: the val split, and the results say so)')  # fmt: skip
+    p.add_argument('--test-split', default='test', help='the split the final checkpoints are evaluated on (a folder '
+                   "that must exist; 'none': the trainings' own final val top-1, and the results say so)")  # fmt: skip
     p.add_argument('-c', '--config', required=True, help='a tokenaug-train YAML: the model and the recipe')
     p.add_argument('--runs', nargs='+', required=True, metavar='RUN', help=f'runs to train: {", ".join(STUDY_RUNS)}')
     p.add_argument('--baseline', default='cutmix', help='the run every other run is compared with (default cutmix)')

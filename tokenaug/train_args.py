@@ -89,6 +89,11 @@ REFUSED = {
 }
 
 
+#: ``tokenaug-train``'s exit status for a run stopped on a non-finite loss (:class:`timm_plugin.train.DivergedError`;
+#: 2 is a user error)
+DIVERGED = 3
+
+
 def default_device() -> str:
     """``--device``'s default: ``cuda`` where CUDA is available, else ``cpu`` (timm's ``cuda`` fails there)."""
     import torch
@@ -128,6 +133,12 @@ def add_tokenaug_args(parser: argparse.ArgumentParser) -> None:
     _add_mixing_args(g)
     _add_token_labeling_args(g)
     _add_tokenmixup_args(parser)
+    parser.add_argument_group('tokenaug: training checks').add_argument(
+        '--allow-nonfinite-loss',
+        action='store_true',
+        help="go on training when a step's loss is NaN or infinite, as timm's train.py does (default: stop the run "
+        'with exit status 3, naming the epoch and batch)',
+    )
 
 
 def _add_mixing_args(g) -> None:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from ..helpers.processes import run_in_process
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -47,9 +49,9 @@ def test_paired_difference_and_its_interval_by_hand():
 
 
 def _run(out: Path, *extra) -> dict:
-    """bench/study.py's main on its tiny preset, in this process (its steps are subprocesses either way); its
-    record."""
-    _study().main(['--preset', 'tiny', '--out', str(out), *extra])
+    """bench/study.py's main on its tiny preset, in this process, its trainings too (``run_in_process``; the other
+    steps are subprocesses); its record."""
+    _study().main(['--preset', 'tiny', '--out', str(out), *extra], runner=run_in_process)
     return json.loads((out / 'study.json').read_text())
 
 
@@ -242,7 +244,7 @@ def test_size_study_runs_its_grid_on_two_worlds_and_resumes(tmp_path, monkeypatc
     monkeypatch.chdir(REPO)
     out = tmp_path / 'size'
     argv = ['--preset', 'tiny', '--out', str(out), '--sizes', 'small', 'large', '--runs', 'cutmix', 'tl_align']
-    record = size.main([*argv, '--seeds', '1', '--tl-align-seeds', '2'])
+    record = size.main([*argv, '--seeds', '1', '--tl-align-seeds', '2'], runner=run_in_process)
     # the worlds differ in their main object's coverage only: the same scenes' classes, the knob turned
     for s, (lo, hi) in (('small', (0.03, 0.10)), ('large', (0.30, 0.70))):
         meta = json.loads((out / s / 'world' / 'world.json').read_text())
@@ -265,5 +267,5 @@ def test_size_study_runs_its_grid_on_two_worlds_and_resumes(tmp_path, monkeypatc
     assert f'over 2 seeds: **{d["mean"]:+.2f} [{d["mean"] - d["half"]:+.2f}, {d["mean"] + d["half"]:+.2f}]**' in table
     assert (out / 'study_size.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     assert json.loads((out / 'study_size.json').read_text())['knob'] == record['knob']
-    again = size.main([*argv, '--seeds', '1', '--tl-align-seeds', '2'])
+    again = size.main([*argv, '--seeds', '1', '--tl-align-seeds', '2'], runner=run_in_process)
     assert again['steps_run'] == 0 and again['test'] == record['test']

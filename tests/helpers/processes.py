@@ -169,3 +169,53 @@ def call_main(command, argv, capsys):
         logging.root.handlers = handlers
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def run_in_process(cmd, log):
+    """``tokenaug-study``'s runner for the tests (``main(argv, runner=run_in_process)``): ``tokenaug-train`` or
+    ``tokenaug-maps`` run in this process as a fresh process would run them (:func:`_as_a_fresh_process`), the
+    command line and then its output appended to ``log``; ``(exit status, CPU seconds)``, as the product's
+    :func:`timm_plugin.tools.study_cli.run_logged` gives for its subprocess, less an interpreter start-up (3-5 s of
+    imports a training). The product's own runner keeps its subprocess tests (a killed study, a failed run, jobs
+    then collect: tests/timm_plugin/test_study_cli.py)."""
+    import shlex
+    import time
+    import traceback
+
+    from tokenaug import commands
+
+    cmd = [str(c) for c in cmd]
+    command = {'tokenaug-train': commands.train, 'tokenaug-maps': commands.maps}[Path(cmd[0]).name]
+    with open(log, 'a') as f:
+        f.write(f'$ {shlex.join(cmd)}\n')
+        f.flush()
+        cpu = time.process_time()
+        with _as_a_fresh_process(cmd, dict(os.environ), os.getcwd(), f):
+            try:
+                code = command(cmd[1:]) or 0
+            except SystemExit as e:  # as the interpreter ends on it: a message is printed, with status 1
+                code = e.code if isinstance(e.code, int) or e.code is None else 1
+                if not isinstance(e.code, int) and e.code is not None:
+                    print(e.code, file=sys.stderr)
+                code = code or 0
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    return code, round(time.process_time() - cpu, 1)
+
+
+def children(pid: int) -> list:
+    """The live child processes of ``pid`` (Linux's /proc): ``(pid, command line)`` each."""
+    found = []
+    for entry in Path('/proc').iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / 'stat').read_text()
+            cmdline = (entry / 'cmdline').read_bytes().decode(errors='replace').split('\0')
+        except OSError:  # ended meanwhile
+            continue
+        fields = stat.rsplit(')', 1)[1].split()  # after the command name, which may hold spaces and brackets
+        if int(fields[1]) == pid and fields[0] != 'Z':
+            found.append((int(entry.name), [c for c in cmdline if c]))
+    return found

@@ -1,7 +1,13 @@
 """``tokenaug-study`` end to end on a small world: 2 runs x 2 seeds x 1 epoch with the table, paired intervals and
-verdicts; a rerun that skips every step; ``--dry-run``; ``--emit-jobs`` then ``--collect`` giving the local table;
-a training killed with SIGKILL resumed through ``tokenaug-train --resume`` to the uninterrupted run's result; a
-failed run reported by name, never as a number; bad input named."""
+verdicts; a rerun that skips every step, and a copied study that retrains nothing; ``--dry-run``; ``--emit-jobs``
+then ``--collect`` giving the local table; a training killed with SIGKILL resumed through ``tokenaug-train
+--resume`` to the uninterrupted run's result; a failed and a diverged run reported by name, never as a number;
+one study per ``--out``, and a stopped study whose trainings end; a bad recipe refused once before any run; bad
+input named.
+
+Most studies here run their trainings in this process (``study``: ``main(argv, runner=run_in_process)``); the
+product's runner, a subprocess per command, keeps its own tests (``study_subprocess``: a killed study resumed,
+a failed run, jobs then collect, a stopped study)."""
 
 import json
 import os
@@ -16,9 +22,10 @@ from pathlib import Path
 import pytest
 
 from shared_core.tools.world import generate_world
-from timm_plugin.tools.study_cli import main as study
+from timm_plugin.tools.study_cli import main as study_subprocess
 
 from ..helpers import REPO
+from ..helpers.processes import run_in_process
 
 CONFIG = str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml')
 TRAIN = ['--train-args', '--epochs', '1', '-b', '8', '--num-classes', '4', '--workers', '0']
@@ -41,6 +48,11 @@ def local_study(data, tmp_path_factory):
     out = tmp_path_factory.mktemp('local') / 'study'
     assert study(argv(data, out)) == 0
     return out
+
+
+def study(argv) -> int:
+    """``tokenaug-study`` with its trainings in this process."""
+    return study_subprocess(argv, runner=run_in_process)
 
 
 def argv(data, out, *more, runs=('cutmix', 'tl_align'), seeds=2, train=TRAIN):
@@ -142,17 +154,17 @@ def test_emitted_jobs_then_collect_give_the_local_table(data, local_study, tmp_p
     for line in lines:  # what a scheduler's array job runs, one line each: the console script's main, here
         job = shlex.split(line)
         assert Path(job[0]).name == 'tokenaug-study' and Path(job[0]).is_file()
-        assert study(job[1:]) == 0
-    assert study(argv(data, jobs, '--collect', seeds=2)) == 0
+        assert study_subprocess(job[1:]) == 0  # (its trainings subprocesses: the same numbers as in process)
+    assert study_subprocess(argv(data, jobs, '--collect', seeds=2)) == 0
     a, b = (json.loads((d / 'results.json').read_text()) for d in (local, jobs))
     assert a['runs'] == b['runs'] and a['comparisons'] == b['comparisons']
 
 
 @pytest.mark.slow
-def test_a_killed_training_resumes_to_the_uninterrupted_result(data, tmp_path, run_env):
+def test_a_killed_training_resumes_to_the_uninterrupted_result(data, tmp_path, run_env, capsys):
     train = ['--train-args', '--epochs', '3', '-b', '8', '--num-classes', '4', '--workers', '0']
     whole, killed = tmp_path / 'whole', tmp_path / 'killed'
-    assert study(argv(data, whole, runs=('cutmix',), seeds=1, train=train)) == 0
+    assert study_subprocess(argv(data, whole, runs=('cutmix',), seeds=1, train=train)) == 0
     cmd = [sys.executable, '-m', 'timm_plugin.tools.study_cli', *argv(data, killed, runs=('cutmix',), seeds=1,
                                                                         train=train)]  # fmt: skip
     proc = subprocess.Popen(
@@ -166,7 +178,9 @@ def test_a_killed_training_resumes_to_the_uninterrupted_result(data, tmp_path, r
     os.killpg(proc.pid, signal.SIGKILL)  # the study and its tokenaug-train
     proc.wait()
     assert not (killed / 'runs' / 'cutmix' / 'seed0' / 'study_step.json').exists()
-    assert study(argv(data, killed, runs=('cutmix',), seeds=1, train=train)) == 0
+    assert study_subprocess(argv(data, killed, runs=('cutmix',), seeds=1, train=train)) == 0
+    # the killed study's lock: free (the kernel released it), its pid taken over and said so
+    assert f'took over the lock of {killed} from pid {proc.pid}' in capsys.readouterr().out
     rec = json.loads((killed / 'runs' / 'cutmix' / 'seed0' / 'study_step.json').read_text())
     assert rec['resumed'] is True and '--resume' in (killed / 'logs' / 'cutmix_seed_0.log').read_text()
     ref = json.loads((whole / 'runs' / 'cutmix' / 'seed0' / 'study_step.json').read_text())
@@ -180,10 +194,10 @@ def test_a_failed_run_is_reported_by_name_and_never_as_a_number(data, tmp_path):
     empty = tmp_path / 'no_maps'
     empty.mkdir()
     out = tmp_path / 'failed'
-    rc = study(argv(data, out, '--label-maps', str(empty), runs=('cutmix', 'mixtoken'), seeds=1))
+    rc = study_subprocess(argv(data, out, '--label-maps', str(empty), runs=('cutmix', 'mixtoken'), seeds=1))
     assert rc == 1
     result = json.loads((out / 'results.json').read_text())
-    assert result['failed_or_missing'] == ['mixtoken seed 0']
+    assert result['failed_or_missing'] == ["mixtoken seed 0 (refused: tokenaug-train's error is in its log)"]
     assert result['runs']['mixtoken']['mean'] is None and result['runs']['mixtoken']['missing_seeds'] == [0]
     assert result['comparisons']['mixtoken']['verdict'] == 'no seed where both runs finished'
     text = (out / 'results.md').read_text()
@@ -194,11 +208,33 @@ def test_without_a_test_split_the_val_split_is_used_and_said(data, tmp_path):
     from timm_plugin.tools.study_cli import Study
     from tokenaug.tool_args import study_parser
 
-    args = study_parser().parse_args(argv(data, tmp_path / 'o', '--test-split', 'holdout', runs=('cutmix',), seeds=1))
+    args = study_parser().parse_args(argv(data, tmp_path / 'o', '--test-split', 'none', runs=('cutmix',), seeds=1))
     s = Study(args, [])
     assert s.test_split is None
     text = s.markdown(s.results({'cutmix': {0: 50.0}}, []))
-    assert 'no holdout split under --data-dir' in text and "training's own final val top-1" in text
+    assert '--test-split none' in text and "training's own final val top-1" in text
+
+
+def test_the_results_say_what_the_split_can_resolve(data, tmp_path):
+    """8 val images: one image is 12.5 points, more than the bound; differences of whole images that take one or two
+    values are said to say little about an effect smaller than an image."""
+    from timm_plugin.tools.study_cli import Study
+    from tokenaug.tool_args import study_parser
+
+    args = study_parser().parse_args(argv(data, tmp_path / 'o', '--test-split', 'none', runs=('cutmix', 'tl_align'),
+                                          seeds=3))  # fmt: skip
+    s = Study(args, [])
+    r = s.results({'cutmix': {0: 50.0, 1: 50.0, 2: 62.5}, 'tl_align': {0: 62.5, 1: 50.0, 2: 62.5}}, [])
+    assert r['resolution']['images'] == 8 and r['resolution']['image_points'] == 12.5
+    c = r['comparisons']['tl_align']
+    assert c['diffs'] == [12.5, 0.0, 0.0] and c['verdict'].endswith('; the split cannot resolve ±0.3 (below)')
+    text = s.markdown(r)
+    assert 'Resolution: one image of the 8-image evaluation split is 12.5 points of top-1, more than the bound' in text
+    assert 'It would need 334 images or more (41.8x as many)' in text
+    assert 'the 3 paired differences of tl_align take 2 values only (+0, +12.5' in text
+    r = s.results({'cutmix': {0: 50.0, 1: 50.0, 2: 50.0}, 'tl_align': {0: 25.0, 1: 12.5, 2: 0.0}}, [])
+    assert r['comparisons']['tl_align']['verdict'].startswith('resolved: worse')  # no note: it is resolved
+    assert len(r['resolution']['notes']) == 1
 
 
 @pytest.mark.parametrize(
@@ -227,7 +263,7 @@ def test_without_a_test_split_the_val_split_is_used_and_said(data, tmp_path):
         (lambda a: a.extend(['--train-args', '--mixup-type', 'mixup']), '--train-args: --mixup-type is set by'),
         (
             lambda a: (a.__setitem__(a.index('--runs') + 2, 'tokenmix'), a.extend(['--train-args', '--no-such'])),
-            "-c/--config .* with --train-args: the annotator's command does not parse",
+            "-c/--config .* with --train-args: the recipe's command does not parse",
         ),
     ],
 )
@@ -240,31 +276,29 @@ def test_bad_input_is_named(data, tmp_path, capsys, change, message):
     assert re.search(message, capsys.readouterr().err)
 
 
-def test_forked_commands_run_as_their_console_scripts_in_a_fresh_process(quadrant_data, tmp_path, monkeypatch):
-    """run_logged's fork server (tokenaug-maps, tokenaug-train) against the console script as a subprocess: the
-    same exit status and the same log, in the caller's folder (a relative path) and environment; a command the
-    server does not run (any other program) is a subprocess; a server that died fails its command, named in the log,
-    and is started again for the next."""
-    from timm_plugin.tools.study_cli import BIN, _Forker, run_logged
+def test_run_logged_runs_a_subprocess_in_the_callers_folder_and_environment(quadrant_data, tmp_path, monkeypatch):
+    """The product's runner against the console script run by hand: the same exit status and output, in the
+    caller's folder (a relative path) and environment; a stopping study starts nothing."""
+    from timm_plugin.tools import study_cli
+    from timm_plugin.tools.study_cli import BIN, run_logged
 
     monkeypatch.chdir(quadrant_data)
-    for i, argv in enumerate((['info', 'maps'], ['info', 'no_store'], ['inf0', 'maps'])):
+    for i, args in enumerate((['info', 'maps'], ['info', 'no_store'], ['inf0', 'maps'])):
         monkeypatch.setenv('COLUMNS', str(50 + 11 * i))  # argparse wraps to it: the child has the caller's environment
-        cmd = [str(BIN / 'tokenaug-maps'), *argv]
-        forked, own = tmp_path / f'forked{i}.log', subprocess.run(cmd, capture_output=True, text=True)
-        code, cpu = run_logged(cmd, forked)
+        cmd = [str(BIN / 'tokenaug-maps'), *args]
+        log, own = tmp_path / f'run{i}.log', subprocess.run(cmd, capture_output=True, text=True)
+        code, cpu = run_logged(cmd, log)
         assert code == own.returncode and cpu >= 0
-        assert forked.read_text() == f'$ {shlex.join(cmd)}\n' + own.stdout + own.stderr, argv
-    assert code == 2 and "invalid choice: 'inf0'" in forked.read_text()
-    server = _Forker.here()
-    server.proc.kill()
-    server.proc.wait()
-    assert server.run([str(BIN / 'tokenaug-maps'), 'info', 'maps'], tmp_path / 'killed.log') == (-9, 0.0)
-    assert 'the fork server of this command ended (exit -9)' in (tmp_path / 'killed.log').read_text()
-    code, _ = run_logged([str(BIN / 'tokenaug-maps'), 'info', 'maps'], tmp_path / 'after.log')
-    assert code == 0 and 'classes' in (tmp_path / 'after.log').read_text()
+        assert log.read_text() == f'$ {shlex.join(cmd)}\n' + own.stdout + own.stderr, args
+    assert code == 2 and "invalid choice: 'inf0'" in log.read_text()
     code, _ = run_logged(['bash', '-c', 'echo "$COLUMNS"; exit 3'], tmp_path / 'bash.log')
     assert code == 3 and (tmp_path / 'bash.log').read_text().endswith('72\n')
+    study_cli._STOPPING.set()
+    try:
+        assert run_logged(['bash', '-c', 'touch ran'], tmp_path / 'stopping.log') == (-signal.SIGTERM, 0.0)
+    finally:
+        study_cli._STOPPING.clear()
+    assert not (quadrant_data / 'ran').exists() and 'not started' in (tmp_path / 'stopping.log').read_text()
 
 
 def test_a_recipe_that_sets_a_seed_is_overridden_by_each_runs_seed_and_says_so(data, tmp_path, capsys):
@@ -278,3 +312,172 @@ def test_a_recipe_that_sets_a_seed_is_overridden_by_each_runs_seed_and_says_so(d
     out, err = capsys.readouterr()
     assert "sets seed: 7; each run's own --seed (0 .. 1) overrides it" in err
     assert out.count('--seed 0') == 2 and out.count('--seed 1') == 2 and '--seed 7' not in out
+
+
+@pytest.mark.slow
+def test_a_copied_study_rerun_from_another_folder_retrains_nothing(data, local_study, tmp_path, monkeypatch, capsys):
+    """The step keys hold no path of the study folder: a copy, rerun from elsewhere, skips every step and keeps its
+    evaluations; an evaluation record cut short is evaluated again, to the same number."""
+    copy = tmp_path / 'moved' / 'study'
+    shutil.copytree(local_study, copy)
+    record = copy / 'runs' / 'tl_align' / 'seed1' / 'study_eval.json'
+    record.write_text(record.read_text()[:20])
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert study(argv(data, copy)) == 0
+    printed = capsys.readouterr().out
+    assert printed.count('done before, skipped') == 4 and 'val top-1' not in printed and 'moved aside' not in printed
+    a, b = (json.loads((d / 'results.json').read_text()) for d in (local_study, copy))
+    assert a['runs'] == b['runs'] and a['comparisons'] == b['comparisons']
+    assert json.loads(record.read_text())['result']['images'] == 8
+
+
+@pytest.mark.slow
+def test_a_diverged_run_stops_and_is_listed_as_failed_by_name(data, tmp_path):
+    """``--lr 1e30`` without warmup: the second step's loss is NaN. tokenaug-train stops with exit status 3 and a
+    line naming the epoch and batch; the study lists the run as diverged, never as a number; with
+    ``--allow-nonfinite-loss`` the training goes on to its end, as timm's train.py does."""
+    train = [*TRAIN, '--lr', '1e30', '--warmup-epochs', '0']
+    out = tmp_path / 'diverged'
+    assert study(argv(data, out, runs=('cutmix',), seeds=1, train=train)) == 1
+    result = json.loads((out / 'results.json').read_text())
+    assert result['failed_or_missing'] == ['cutmix seed 0 (diverged: a loss was not finite)']
+    assert result['runs']['cutmix']['mean'] is None
+    assert 'cutmix seed 0 (diverged: a loss was not finite)' in (out / 'results.md').read_text()
+    log = (out / 'logs' / 'cutmix_seed_0.log').read_text()
+    assert 'tokenaug-train: diverged: the loss is nan at epoch 0, batch 1: the run diverged' in log
+    cmd = json.loads((out / 'plan.json').read_text())['cutmix seed 0']['cmd']
+    cmd[cmd.index('--output') + 1] = str(tmp_path / 'allowed')
+    code, _ = run_in_process([*cmd, '--allow-nonfinite-loss'], tmp_path / 'allowed.log')
+    assert code == 0 and json.loads((tmp_path / 'allowed' / 'seed0' / 'results.json').read_text())['final']
+
+
+@pytest.mark.slow
+def test_one_study_per_out_and_a_stopped_study_ends_its_trainings(data, tmp_path, run_env, capsys):
+    """A study running (a subprocess, its training a subprocess of it): a second study on the same --out is refused
+    with the first's pid; SIGTERM to the study alone ends its training too, records no failure, exits 143."""
+    from ..helpers.processes import children
+
+    train = ['--train-args', '--epochs', '20', '-b', '8', '--num-classes', '4', '--workers', '0']
+    out = tmp_path / 'busy'
+    cmd = [sys.executable, '-m', 'timm_plugin.tools.study_cli', *argv(data, out, runs=('cutmix',), seeds=1,
+                                                                        train=train)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline, trainings = time.time() + 120, []
+        while not trainings and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            trainings = [c for c in children(proc.pid) if 'tokenaug-train' in ' '.join(c[1])]
+        assert trainings, 'the study started no training'
+        capsys.readouterr()
+        assert study(argv(data, out, runs=('cutmix',), seeds=1, train=train)) == 2
+        assert f'--out: another tokenaug-study is running on {out} (pid {proc.pid})' in capsys.readouterr().err
+        proc.send_signal(signal.SIGTERM)  # the study only, not its process group
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143 and 'stopped by signal 15' in err
+    assert not Path(f'/proc/{trainings[0][0]}').exists()  # ended, and reaped by the study
+    run = out / 'runs' / 'cutmix' / 'seed0'
+    assert not (run / 'study_step.json').exists() and not (run / 'study_failed.json').exists()
+    assert (out / 'study.lock').read_text() == ''  # released as it ended
+
+
+def test_the_lock_of_an_out_folder(data, tmp_path, capsys):
+    """Exclusive for a study here, shared among jobs; refused naming the holder; a dead holder's pid taken over."""
+    from timm_plugin.tools.study_cli import Study, StudyError
+    from tokenaug.tool_args import study_parser
+
+    s = Study(study_parser().parse_args(argv(data, tmp_path / 'o', runs=('cutmix',), seeds=1)), [])
+    held = s.lock(shared=False)
+    assert (s.out / 'study.lock').read_text() == f'{os.getpid()}\n'
+    for shared in (False, True):
+        with pytest.raises(StudyError, match=f'another tokenaug-study is running on .* \\(pid {os.getpid()}\\)'):
+            s.lock(shared)
+    held.close()  # as a process killed with SIGKILL leaves it: free, with its pid
+    capsys.readouterr()
+    s.lock(shared=False).close()
+    printed = capsys.readouterr().out
+    assert f'took over the lock of {s.out} from pid {os.getpid()}, which is no longer running' in printed
+    jobs = [s.lock(shared=True), s.lock(shared=True)]
+    with pytest.raises(StudyError, match=r'\(its jobs \(--run-step\)\)'):
+        s.lock(shared=False)
+    for job in jobs:
+        job.close()
+
+
+def test_a_bad_recipe_is_refused_once_before_any_run(data, tmp_path, capsys):
+    """A YAML key one typo from a flag, a value tokenaug-train refuses, a training split of one class, an empty val
+    split, a missing --test-split: refused before anything is made, in one line."""
+    typo = tmp_path / 'typo.yaml'
+    typo.write_text(Path(CONFIG).read_text() + '\nmixup_typ: tl_align\n')
+    bad_lr = tmp_path / 'bad_lr.yaml'
+    bad_lr.write_text(Path(CONFIG).read_text().replace('lr: 1.0e-3', 'lr: .nan'))
+    one = tmp_path / 'one_class'
+    shutil.copytree(data / 'train' / sorted(p.name for p in (data / 'train').iterdir())[0],
+                    one / 'train' / 'only')  # fmt: skip
+    shutil.copytree(data / 'val', one / 'val')
+    empty = tmp_path / 'empty_val'
+    shutil.copytree(data / 'train', empty / 'train')
+    for c in (data / 'val').iterdir():
+        (empty / 'val' / c.name).mkdir(parents=True)
+    cases = [
+        (['-c', str(typo)], 'does not parse', 'mixup_typ: not an argument of tokenaug-train; did you mean mixup_type?'),
+        (['-c', str(bad_lr)], '--lr: expected', None),
+        (['--data-dir', str(one), '--test-split', 'none'], 'has images of one class only', None),
+        (['--data-dir', str(empty), '--test-split', 'none'], 'the val split .* holds no images', None),
+        (['--test-split', 'holdout'], 'holdout is not a folder of class folders; pass --test-split none', None),
+    ]
+    import re
+
+    for change, message, argparse_said in cases:
+        a = argv(data, tmp_path / 'never', runs=('cutmix', 'tl_align'))
+        for flag, value in zip(change[::2], change[1::2]):
+            if flag in a:
+                a[a.index(flag) + 1] = value
+            else:
+                a[a.index('--train-args') : a.index('--train-args')] = [flag, value]
+        assert study(a) == 2, change
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith('tokenaug-study: error:')]
+        assert len(lines) == 1 and re.search(message, lines[0]), err
+        assert argparse_said is None or argparse_said in err
+        assert not (tmp_path / 'never').exists()
+
+
+def test_a_short_recipe_warmup_is_said_and_installed_recipes_are_taken_by_name(data, tmp_path, capsys):
+    from shared_core.configs import resolve_config_arg
+
+    a = argv(data, tmp_path / 'o', '--dry-run', train=['--train-args', '--epochs', '2'])
+    a[a.index('-c') + 1] = 'tokenaug::timm/world_vit-tiny.yaml'
+    assert study(a) == 0
+    out, err = capsys.readouterr()
+    assert 'the recipe warms up for 1 of its 2 epochs (from lr 1e-05)' in err
+    assert '--train-args --epochs 2 --warmup-epochs 0' in err
+    commands = [shlex.split(line) for line in out.splitlines() if not line.startswith('#')]
+    installed = str(Path(resolve_config_arg('tokenaug::timm/world_vit-tiny.yaml')).resolve())
+    assert len(commands) == 4 and all(c[c.index('-c') + 1] == installed for c in commands)
+    assert study(argv(data, tmp_path / 'o', '--dry-run', train=[])) == 0  # the recipe's own 4 epochs: 1 of 4
+    assert 'warms up' not in capsys.readouterr().err
+    a[a.index('-c') + 1] = 'tokenaug::timm/no_such.yaml'
+    assert study(a) == 2 and '-c/--config: ' in capsys.readouterr().err
+
+
+def test_a_training_whose_results_are_cut_short_fails_naming_the_file(tmp_path, capsys):
+    """The runner returned 0 but the run's results.json is cut short: the step fails, naming the file, with the
+    reason kept; it is never done."""
+    from shared_core.study import Step
+    from timm_plugin.tools.study_cli import train_step
+
+    step = Step(tmp_path / 'runs' / 'cutmix' / 'seed0', ['tokenaug-train', '--experiment', 'seed0'])
+
+    def runner(cmd, log):  # a training that wrote half its results (a full disk, a kill between two writes)
+        (step.dir / 'results.json').write_text('{"final": {"top1": 5')
+        return 0, 0.0
+
+    assert train_step('cutmix seed 0', step, tmp_path / 'log', runner) is None
+    printed = capsys.readouterr().out
+    assert f'cutmix seed 0: FAILED ({step.dir / "results.json"} is missing or cut short)' in printed
+    assert step.done() is None and 'cut short' in step.failure()['reason']

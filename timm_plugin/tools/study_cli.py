@@ -14,14 +14,18 @@ study trains an annotator from the same recipe (seed 0, MixUp/CutMix with averag
 token, as the bench study does) and writes its maps of the training split with ``tokenaug-maps generate``: two
 more steps, ``annotator`` and ``maps``, that every run reading the maps waits for.
 
-The trainings and the maps run as processes of their own forked from one that imported torch and timm once
-(:func:`run_logged`), so a study of many short runs does not pay those imports per run.
+Each training and the maps run as a subprocess in the study's process group (:func:`run_logged`); a SIGTERM or
+SIGINT to the study ends them and exits (a rerun resumes). One study runs per ``--out`` (``OUT/study.lock``).
 
-Every step keeps its command (:class:`shared_core.study.Step`): a rerun skips the steps that are done and runs again
-a step whose command changed; an interrupted training resumes through ``tokenaug-train --resume``. A failed run is
-reported by name and never becomes a number in the table. ``--dry-run`` prints the commands, ``--parallel P`` runs P
-at once, ``--launcher torchrun`` runs each under torchrun, ``--emit-jobs FILE`` writes one job per line for a
-cluster scheduler and ``--collect`` tabulates what the jobs wrote.
+Every step keeps its command (:class:`shared_core.study.Step`), keyed without the study folder's path, so that a
+folder moved or copied keeps its finished steps: a rerun skips the steps that are done and runs again a step whose
+command changed, after moving its old folder aside; an interrupted training resumes through ``tokenaug-train
+--resume``. A failed run is reported by name, with its reason (a diverged loss, a refusal), and never becomes a
+number in the table. The recipe is checked once before any run starts (the first command parsed as
+``tokenaug-train`` parses it, the splits, the warmup against the epochs), and the results say what the evaluation
+split can resolve (one image in points of top-1). ``--dry-run`` prints the commands, ``--parallel P`` runs P at
+once, ``--launcher torchrun`` runs each under torchrun, ``--emit-jobs FILE`` writes one job per line for a cluster
+scheduler and ``--collect`` tabulates what the jobs wrote.
 
 Writes ``OUT/results.md``, ``OUT/results.json`` and ``OUT/results.png`` (the paired differences with their
 intervals), ``OUT/plan.json`` (every step's command) and ``OUT/logs/``.
@@ -30,11 +34,12 @@ intervals), ``OUT/plan.json`` (every step's command) and ``OUT/logs/``.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import math
 import os
 import shlex
-import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -44,11 +49,13 @@ from pathlib import Path
 
 import yaml
 
+from shared_core.configs import resolve_config_arg
 from shared_core.map_store import read_store_paths
-from shared_core.study import Step, complete_pairs, interval, paired, summary, verdict
+from shared_core.study import MIN_PAIRS, Step, complete_pairs, interval, paired, read_json, summary, verdict, write_json
 from tokenaug.tool_args import STUDY_RUNS, study_parser
+from tokenaug.train_args import DIVERGED
 
-__all__ = ['main', 'StudyError', 'Study', 'train_step', 'run_logged', 'FORKED']
+__all__ = ['main', 'StudyError', 'Study', 'train_step', 'run_logged', 'stop_commands', 'FAILURES']
 
 BIN = Path(sys.executable).parent
 
@@ -62,104 +69,72 @@ def _split_ok(root: Path, split: str) -> bool:
     return folder.is_dir() and any(p.is_dir() for p in folder.iterdir())
 
 
-#: the console commands a study runs locally in a process forked from one that imported their modules once
-#: (:func:`run_logged`): command name -> the function of :mod:`tokenaug.commands` its console script calls
-FORKED = {'tokenaug-train': 'train', 'tokenaug-maps': 'maps'}
+def _images(folder: Path) -> int:
+    """The images under one class folder, as timm's folder reader finds them (its extensions, any depth)."""
+    from timm.data.readers.img_extensions import get_img_extensions
+
+    suffixes = get_img_extensions(as_set=True)
+    return sum(1 for p in folder.rglob('*') if p.suffix.lower() in suffixes and p.is_file())
 
 
-def _serve() -> None:
-    """The fork server of :class:`_Forker` (``python -c``): imports what :data:`FORKED` runs, then for each request
-    line on stdin (JSON: the command, its log, environment and folder) forks a child that runs the command as its
-    console script would in a fresh process, and answers one line on stdout: the child's exit status and CPU
-    seconds (its own and its waited children's, from ``wait4``)."""
-    import importlib
-
-    commands = importlib.import_module('tokenaug.commands')
-    importlib.import_module('timm_plugin.train')
-    for line in sys.stdin:
-        req = json.loads(line)
-        sys.stdout.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into this loop (the command's SystemExit or error ends the process)
-            os.environ.clear()
-            os.environ.update(req['env'])
-            os.chdir(req['cwd'])
-            null = os.open(os.devnull, os.O_RDONLY)
-            log = os.open(req['log'], os.O_WRONLY | os.O_APPEND)
-            os.dup2(null, 0)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            os.close(null)
-            os.close(log)
-            sys.argv = req['cmd']
-            sys.exit(getattr(commands, FORKED[Path(req['cmd'][0]).name])(req['cmd'][1:]))
-        _, status, usage = os.wait4(pid, 0)
-        print(json.dumps([os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime]), flush=True)
-
-
-class _Forker:
-    """A fork server (:func:`_serve`) of this thread: started by the first :data:`FORKED` command run here, it ends
-    with this process (its stdin closes)."""
-
-    _local = threading.local()
-
-    def __init__(self):
-        self.proc = subprocess.Popen(
-            [sys.executable, '-c', 'from timm_plugin.tools.study_cli import _serve; _serve()'],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-
-    @classmethod
-    def here(cls) -> '_Forker':
-        forker = getattr(cls._local, 'forker', None)
-        if forker is None or forker.proc.poll() is not None:
-            forker = cls._local.forker = cls()
-        return forker
-
-    def run(self, cmd: list, log: Path) -> tuple:
-        req = dict(cmd=[str(c) for c in cmd], log=str(log), env=dict(os.environ), cwd=os.getcwd())
-        try:
-            self.proc.stdin.write(json.dumps(req) + '\n')
-            self.proc.stdin.flush()
-            answer = self.proc.stdout.readline()
-        except BrokenPipeError:
-            answer = ''
-        if not answer:  # the server died (killed, or it could not import): the command did not run to its end
-            code = self.proc.wait() or 1
-            with open(log, 'a') as f:
-                f.write(f'the fork server of this command ended (exit {code}) before it answered; see stderr\n')
-            return code, 0.0
-        code, cpu = json.loads(answer)
-        return code, round(cpu, 1)
+#: the commands running now (one :class:`subprocess.Popen` each) and whether the study is stopping: a SIGTERM or
+#: SIGINT to the study ends them (:func:`stop_commands`) and starts no more
+_LIVE: set = set()
+_LIVE_LOCK = threading.Lock()
+_STOPPING = threading.Event()
 
 
 def run_logged(cmd: list, log: Path) -> tuple:
-    """Run ``cmd`` with its output appended to ``log`` (after the command line): ``(exit code, CPU seconds)``, the
-    CPU time of the command and the children it waited for, whatever else runs beside it.
-
-    This environment's ``tokenaug-train`` and ``tokenaug-maps`` (:data:`FORKED`) run in a process of their own
-    forked from a server that imported torch and timm once (:func:`_serve`, one per thread of the study), as their
-    console scripts would run in a fresh process: a study of many short runs does not pay those 3-5 s of imports per
-    run, and their CPU seconds count from the fork. Other commands (``--launcher torchrun``), and every command on
-    other systems than Linux (macOS's frameworks are not safe to fork), run as subprocesses."""
+    """Run ``cmd`` as a subprocess in the study's process group, its output appended to ``log`` (after the command
+    line): ``(exit code, CPU seconds)``, the CPU time of the command and the children it waited for, whatever else
+    runs beside it. A study that is stopping (:func:`stop_commands`) starts nothing: ``(-SIGTERM, 0.0)``."""
     with open(log, 'a') as f:
         f.write(f'$ {shlex.join(str(c) for c in cmd)}\n')
         f.flush()
-        path = Path(str(cmd[0]))
-        if path.parent == BIN and path.name in FORKED and sys.platform.startswith('linux'):
-            return _Forker.here().run(cmd, log)
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
+        with _LIVE_LOCK:
+            if _STOPPING.is_set():
+                f.write('not started: the study is stopping\n')
+                return -signal.SIGTERM, 0.0
+            proc = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT)
+            _LIVE.add(proc)
+        if _STOPPING.is_set():  # the handler ran before the command was in _LIVE
+            _terminate(proc)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            with _LIVE_LOCK:
+                _LIVE.discard(proc)
         return os.waitstatus_to_exitcode(status), round(usage.ru_utime + usage.ru_stime, 1)
 
 
-def train_step(name: str, step: Step, log: Path) -> dict | None:
+def stop_commands(signum, frame=None) -> None:
+    """The study's SIGTERM / SIGINT handler: no command starts from now on (:func:`run_logged`), and every running
+    one is sent SIGTERM (``tokenaug-train`` ends at once; torchrun passes it to its workers). The study then ends
+    what it was doing, writes nothing as failed, and exits with ``128 + signum`` (:func:`main`)."""
+    _STOPPING.set()
+    _STOPPING.signum = signum
+    for proc in list(_LIVE):  # (no lock: the handler may run while this thread holds it)
+        _terminate(proc)
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM to a command that its thread waits for (not ``Popen.terminate``, whose poll could reap it first)."""
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:  # ended meanwhile
+        pass
+
+
+#: why a training failed, by its exit status (else: its exit status, and its log)
+FAILURES = {DIVERGED: 'diverged: a loss was not finite', 2: "refused: tokenaug-train's error is in its log"}
+
+
+def train_step(name: str, step: Step, log: Path, runner=run_logged) -> dict | None:
     """The runner of one ``tokenaug-train`` step (``tokenaug-study``'s and the bench studies'): its record if it is
     done; else it trains, from scratch or resumed (``--resume``) where an interrupted attempt of the same command
     left a checkpoint, and records the final val top-1/top-5, wall and CPU seconds. ``None`` if the training
-    failed (the log named)."""
+    failed (the reason kept with the step, :meth:`Step.fail`, and the log named). ``runner(cmd, log)`` runs the
+    command (:func:`run_logged`; the tests inject one that runs it in their process)."""
     rec = step.done()
     if rec is not None:
         print(f'  {name}: done before, skipped', flush=True)
@@ -171,34 +146,87 @@ def train_step(name: str, step: Step, log: Path) -> dict | None:
         i = cmd.index('--experiment') + 2
         cmd[i:i] = ['--resume', str(last)]
     else:
-        step.start()
+        moved = step.start()
+        if moved is not None:
+            print(f"  {name}: its folder held another command's run, moved aside to {moved}", flush=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     t = time.time()
-    rc, cpu = run_logged(cmd, log)
-    if rc != 0:
-        print(f'  {name}: FAILED (exit {rc}); see {log}', flush=True)
+    rc, cpu = runner(cmd, log)
+    if _STOPPING.is_set():
+        print(f'  {name}: stopped (a rerun resumes it)', flush=True)
         return None
-    final = json.loads((step.dir / 'results.json').read_text())['final']
+    if rc != 0:
+        why = FAILURES.get(rc, f'exit {rc}')
+        step.fail(exit=rc, reason=why)
+        print(f'  {name}: FAILED ({why}); see {log}', flush=True)
+        return None
+    results = step.dir / 'results.json'
+    try:
+        final = json.loads(results.read_text())['final']
+        top1, top5 = final['top1'], final['top5']
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
+        why = f'{results} is missing or cut short'
+        step.fail(exit=rc, reason=why)
+        print(f'  {name}: FAILED ({why}); see {log}', flush=True)
+        return None
     secs = round(time.time() - t, 1)
-    rec = step.finish(top1=final['top1'], top5=final['top5'], secs=secs, cpu_secs=cpu, resumed=resume)
-    print(f'  {name}: val top-1 {final["top1"]}{" (resumed)" if resume else ""} ({secs:.0f} s)', flush=True)
+    rec = step.finish(top1=top1, top5=top5, secs=secs, cpu_secs=cpu, resumed=resume)
+    print(f'  {name}: val top-1 {top1}{" (resumed)" if resume else ""} ({secs:.0f} s)', flush=True)
     return rec
 
 
-class Study:
-    """The plan of one study (validated arguments, one step per run and seed) and what it does with them."""
+def resolution(images: int, bound: float, comparisons: dict) -> dict:
+    """What the evaluation split can resolve: one image is ``100 / images`` points of top-1, and every paired
+    difference is a whole number of images apart. Notes where one image is more than the bound (no effect smaller
+    than the bound can show: the split would need ``ceil(100 / bound)`` images) and where a comparison's
+    differences take 2 values or fewer over 3 seeds or more (the interval then mostly counts images)."""
+    step = 100 / images
+    notes = []
+    if step > bound:
+        need = math.ceil(100 / bound)
+        notes.append(
+            f'one image of the {images}-image evaluation split is {step:.3g} point{"s" * (step != 1)} of top-1, more '
+            f'than the bound '
+            f'±{bound:g}: this split cannot resolve or bound effects of that size. It would need {need} images or '
+            f'more ({need / images:.1f}x as many), or a larger --bound.'
+        )
+    for run, c in comparisons.items():
+        distinct = sorted({round(x * images / 100) for x in c.get('diffs', ())})
+        if len(c.get('diffs', ())) >= MIN_PAIRS and len(distinct) <= 2:
+            values = ', '.join(f'{v * step:+.3g}' for v in distinct)
+            notes.append(
+                f'the {len(c["diffs"])} paired differences of {run} take {len(distinct)} value'
+                f'{"s" if len(distinct) > 1 else ""} only ({values}: whole images of {step:.3g} '
+                f'point{"s" * (step != 1)}), so its interval says little about an effect smaller than an image.'
+            )
+    return dict(images=images, image_points=step, notes=notes)
 
-    def __init__(self, args, argv=None):
+
+class Study:
+    """The plan of one study (validated arguments, one step per run and seed) and what it does with them.
+    ``runner(cmd, log)`` runs each command (:func:`run_logged`, a subprocess; the tests inject one that runs the
+    command in their process)."""
+
+    def __init__(self, args, argv=None, runner=run_logged):
         self.args = args
         self.argv = list(sys.argv[1:] if argv is None else argv)
+        self.runner = runner
         self.data = Path(args.data_dir).resolve()
         if not self.data.is_dir():
             raise StudyError(f'--data-dir: {self.data} is not a folder')
         for flag, split in (('--train-split', args.train_split), ('--val-split', args.val_split)):
             if not _split_ok(self.data, split):
                 raise StudyError(f'{flag}: {self.data / split} is not a folder of class folders')
-        self.test_split = args.test_split if _split_ok(self.data, args.test_split) else None
-        self.config = Path(args.config).resolve()
+        self.test_split = None if args.test_split == 'none' else args.test_split
+        if self.test_split is not None and not _split_ok(self.data, self.test_split):
+            raise StudyError(
+                f'--test-split: {self.data / self.test_split} is not a folder of class folders; pass --test-split '
+                "none to compare the trainings' own final val top-1 instead"
+            )
+        try:  # a path, or tokenaug::timm/NAME.yaml, as tokenaug-train -c takes it
+            self.config = Path(resolve_config_arg(args.config)).resolve()
+        except (ValueError, FileNotFoundError) as e:  # (an unknown or ambiguous installed name)
+            raise StudyError(f'-c/--config: {e}') from None
         try:
             cfg = yaml.safe_load(self.config.read_text())
         except FileNotFoundError:
@@ -207,6 +235,7 @@ class Study:
             raise StudyError(f'-c/--config: {self.config} does not parse as YAML: {str(e).splitlines()[0]}') from None
         if not isinstance(cfg, dict):
             raise StudyError(f'-c/--config: {self.config} is not a tokenaug-train YAML of key: value lines')
+        self.recipe_key = hashlib.sha256(self.config.read_bytes()).hexdigest()[:16]
         unknown = [r for r in args.runs if r not in STUDY_RUNS]
         if unknown:
             raise StudyError(f'--runs: no run named {", ".join(unknown)} (runs: {", ".join(STUDY_RUNS)})')
@@ -249,6 +278,10 @@ class Study:
         if not os.access(there, os.W_OK | os.X_OK):
             raise StudyError(f'--out: {there} is not writable, so the study cannot write {args.out}')
         self.seeds = list(range(args.seeds))
+        #: the recipe as every run has it (``-c`` with the study's ``--train-args``), parsed once as ``tokenaug-train``
+        #: parses it (:meth:`check_recipe`): the annotator's model, classes and input size are read from it
+        self.recipe = self._parse(self._train_cmd(self.out / 'runs' / 'recipe', 0, []), 'the recipe')
+        self.check_recipe()
         #: the annotator and its maps (``{'annotator': Step, 'maps': Step}``) where a run reads maps and no
         #: --label-maps store is given; else empty
         self.prep: dict = {}
@@ -258,6 +291,97 @@ class Study:
             self.maps = self.out / 'maps' / 'train'
             self.prep = self._annotator_steps()
         self.steps = {f'{run} seed {s}': self._step(run, s) for run in args.runs for s in self.seeds}
+
+    def check_recipe(self) -> None:
+        """A recipe that cannot train, refused once before any run starts: its command parsed and checked as
+        ``tokenaug-train`` would (a YAML key one typo from a flag, a bad flag or value), its splits each holding
+        images, the training split at least 2 classes; and a warning where the recipe's warmup is not well below its
+        epochs (a short study would spend its runs warming up)."""
+        t = self.recipe
+        from tokenaug.train_args import check_numbers, check_supported
+
+        try:
+            check_supported(t)
+            check_numbers(t)
+        except ValueError as e:
+            raise StudyError(f'-c/--config {self.config} with --train-args: {e}') from None
+        splits = [self.args.train_split, self.args.val_split] + ([self.test_split] if self.test_split else [])
+        for split in splits:
+            classes = {c.name: _images(c) for c in (self.data / split).iterdir() if c.is_dir()}
+            if not any(classes.values()):
+                raise StudyError(f'--data-dir: the {split} split ({self.data / split}) holds no images')
+            if split == self.args.train_split and sum(1 for n in classes.values() if n) < 2:
+                raise StudyError(
+                    f'--data-dir: the {split} split ({self.data / split}) has images of one class only: nothing to '
+                    'classify'
+                )
+        warmup = t.warmup_epochs if t.sched not in (None, 'none') and t.warmup_lr is not None else 0
+        if warmup and warmup * 4 > t.epochs:
+            print(
+                f'tokenaug-study: warning: the recipe warms up for {warmup} of its {t.epochs} epochs (from lr '
+                f'{t.warmup_lr:g}): a large share of every run trains at a low learning rate. For a short study, '
+                f'shorten the warmup with the epochs, e.g. --train-args --epochs {t.epochs} --warmup-epochs '
+                f'{max(0, t.epochs // 10)}',
+                file=sys.stderr,
+            )
+
+    def _parse(self, cmd: list, what: str):
+        """A ``tokenaug-train`` command (the program, then its flags) as ``tokenaug-train`` parses it."""
+        from tokenaug.train_args import parse_args
+
+        i = next(i for i, c in enumerate(cmd) if str(c) == '-c')
+        try:
+            return parse_args([str(a) for a in cmd[i:]], prog='tokenaug-train')
+        except SystemExit:  # argparse has printed what it refuses
+            raise StudyError(f"-c/--config {self.config} with --train-args: {what}'s command does not parse") from None
+
+    def keyed(self, cmd: list) -> list:
+        """A command as its step's key holds it: the study folder as ``{out}``, the programs by name and the
+        recipe by its content, so that a study folder moved or copied (or a new environment) keeps its finished
+        steps, and an edited recipe runs them again."""
+        out, config = str(self.out), str(self.config)
+
+        def portable(c) -> str:
+            c = str(c)
+            if c == sys.executable:
+                return 'python'
+            if Path(c).parent == BIN:
+                return Path(c).name
+            if c == config:
+                return f'recipe:{self.recipe_key}'
+            if c == out or c.startswith(out + os.sep):
+                return '{out}' + c[len(out) :]
+            return c
+
+        return [portable(c) for c in cmd]
+
+    def lock(self, shared: bool):
+        """One study per ``--out``: a lock on ``OUT/study.lock`` for the whole run, exclusive for a study run here
+        (or its ``--collect``), shared among the jobs of ``--emit-jobs`` (``--run-step``). A held lock is refused
+        with its holder's pid; one a dead process left is taken over, and said so. Returns the open lock file
+        (closing it releases the lock)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        f = open(self.out / 'study.lock', 'a+')
+        try:
+            fcntl.flock(f, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip()
+            f.close()
+            who = f'pid {holder}' if holder else 'its jobs (--run-step)'
+            raise StudyError(
+                f'--out: another tokenaug-study is running on {self.out} ({who}); wait for it to end, or stop it'
+            ) from None
+        f.seek(0)
+        left = f.read().strip()  # only a study that holds the lock alone writes its pid: one found now is a dead one's
+        if left:
+            print(f'tokenaug-study: took over the lock of {self.out} from pid {left}, which is no longer running')
+        f.seek(0)
+        f.truncate()
+        if not shared:
+            f.write(f'{os.getpid()}\n')
+        f.flush()
+        return f
 
     @staticmethod
     def reads_maps(run: str) -> bool:
@@ -277,22 +401,17 @@ class Study:
         flags = [str(self.maps) if f == 'MAPS' else f for f in STUDY_RUNS[run][1]]
         out = self.out / 'runs' / run
         inputs = [self.prep['maps'].key] if self.prep and self.reads_maps(run) else []
-        return Step(out / f'seed{seed}', self._train_cmd(out, seed, flags), inputs)
+        return self._make_step(out / f'seed{seed}', self._train_cmd(out, seed, flags), inputs)
+
+    def _make_step(self, directory: Path, cmd: list, inputs=()) -> Step:
+        return Step(directory, cmd, inputs, key_cmd=self.keyed(cmd))
 
     def _annotator_steps(self) -> dict:
         """The annotator (the recipe at seed 0 with MixUp/CutMix and average pooling) and the ``tokenaug-maps
         generate`` command of its maps of the training split, with the model, its kwargs, the classes and the input
-        size the training resolves from the config and ``--train-args``."""
-        from tokenaug.train_args import parse_args
-
-        flags = ['--mixup-type', 'cutmix', '--gp', 'avg']
-        ann = self._train_cmd(self.out / 'runs' / 'annotator', 0, flags)
-        try:
-            t = parse_args([str(a) for a in ann[ann.index('-c') :]])
-        except SystemExit:  # argparse has printed what it refuses
-            raise StudyError(
-                f"-c/--config {self.config} with --train-args: the annotator's command does not parse"
-            ) from None
+        size the training resolves from the config and ``--train-args`` (:attr:`recipe`)."""
+        ann = self._train_cmd(self.out / 'runs' / 'annotator', 0, ['--mixup-type', 'cutmix', '--gp', 'avg'])
+        t = self.recipe
         # the input size as the training's data: --input-size, --img-size, the model's img_size kwarg, its default
         size = t.input_size[1:] if t.input_size else t.img_size or t.model_kwargs.get('img_size')
         if size is None:
@@ -313,9 +432,9 @@ class Study:
         maps += ['--checkpoint', self.out / 'runs' / 'annotator' / 'seed0' / 'last.pth.tar']
         topk = min(5, t.num_classes or 5)  # the paper's top-5, or every class of a smaller problem
         maps += ['--input-size', *size, '--topk', topk, '--out', self.maps, '-j', t.workers, '--no-progress']
-        ann_step = Step(self.out / 'runs' / 'annotator' / 'seed0', ann)
-        # the store's folder is the tool's own (it refuses a non-empty one): the step's record sits beside it
-        return dict(annotator=ann_step, maps=Step(self.maps.parent / 'record', maps, [ann_step.key]))
+        ann_step = self._make_step(self.out / 'runs' / 'annotator' / 'seed0', ann)
+        # the store's folder is the tool's own (it refuses a non-empty one): the step's record sits above it
+        return dict(annotator=ann_step, maps=self._make_step(self.maps.parent, maps, [ann_step.key]))
 
     # ---------------------------------------------------------------------------------------------- running
 
@@ -331,9 +450,11 @@ class Study:
     def run_step(self, name: str) -> bool:
         """One step of the plan (``annotator``: the annotator and its maps); a run that reads the maps first
         waits for them (building them if no one has). Returns whether it is done."""
+        if _STOPPING.is_set():
+            return False
         if name == 'annotator' or (self.prep and self.reads_maps(name.rsplit(' seed ', 1)[0])):
             if not self.prepare():
-                if name != 'annotator':
+                if name != 'annotator' and not _STOPPING.is_set():
                     print(f'  {name}: FAILED (no label maps: the annotator or its maps failed)', flush=True)
                 return False
             if name == 'annotator':
@@ -361,13 +482,17 @@ class Study:
             print('  maps: done before, skipped', flush=True)
             return True
         resume = step.started() and self.maps.is_dir()
-        if not resume:
-            shutil.rmtree(self.maps, ignore_errors=True)  # the store's folder is beside the step's record
-            step.start()
+        if not resume:  # (the store's folder is under the step's: an earlier attempt's store goes with it)
+            moved = step.start()
+            if moved is not None:
+                print(f"  maps: {step.dir} held another command's maps, moved aside to {moved}", flush=True)
         cmd = step.cmd + (['--resume'] if resume else [])
         t = time.time()
-        rc, _ = run_logged(cmd, self._log('maps'))
+        rc, _ = self.runner(cmd, self._log('maps'))
+        if _STOPPING.is_set():
+            return False
         if rc != 0:
+            step.fail(exit=rc, reason=f'exit {rc}')
             print(f'  maps: FAILED (exit {rc}); see {self._log("maps")}', flush=True)
             return False
         step.finish(images=len(read_store_paths(self.maps)), secs=round(time.time() - t, 1), resumed=resume)
@@ -375,7 +500,7 @@ class Study:
         return True
 
     def _train(self, name: str, step: Step) -> bool:
-        return train_step(name, step, self._log(name)) is not None
+        return train_step(name, step, self._log(name), self.runner) is not None
 
     def train_all(self) -> None:
         self.write_plan()
@@ -410,10 +535,9 @@ class Study:
         step = self.steps[name]
         record = step.dir / 'study_eval.json'
         key = [step.key, self.test_split]
-        if record.is_file():
-            kept = json.loads(record.read_text())
-            if kept.get('key') == key:
-                return kept['result']
+        kept = read_json(record)  # (cut short: evaluated again)
+        if kept is not None and kept.get('key') == key and isinstance(kept.get('result'), dict):
+            return kept['result']
         from .study_eval import evaluate_run
 
         result = evaluate_run(
@@ -421,7 +545,7 @@ class Study:
             device=self.args.device,
         )  # fmt: skip
         result['split'] = self.test_split
-        record.write_text(json.dumps(dict(key=key, result=result), indent=1) + '\n')
+        write_json(record, dict(key=key, result=result))
         return result
 
     def report(self) -> int:
@@ -430,7 +554,8 @@ class Study:
         for name, step in self.steps.items():
             rec = step.done()
             if rec is None:
-                missing.append(name)
+                failure = step.failure()
+                missing.append(f'{name} ({failure["reason"]})' if failure else name)
                 continue
             run, seed = name.rsplit(' seed ', 1)
             scores.setdefault(run, {})[int(seed)] = self.evaluate(name, rec)['top1']
@@ -446,6 +571,8 @@ class Study:
 
     def results(self, scores: dict, missing: list) -> dict:
         a = self.args
+        split = self.test_split or a.val_split
+        images = sum(_images(c) for c in (self.data / split).iterdir() if c.is_dir())
         runs = {}
         for run in a.runs:
             got = scores.get(run, {})
@@ -465,8 +592,10 @@ class Study:
                 comparisons[run] = dict(seeds=[], verdict='no seed where both runs finished')
                 continue
             d = paired([got[s] for s in seeds], [base[s] for s in seeds])
-            comparisons[run] = dict(seeds=seeds, **d, interval=interval(d), verdict=verdict(d, a.bound))
-        split = self.test_split or a.val_split
+            said = verdict(d, a.bound)
+            if not d['excludes_zero'] and len(seeds) >= MIN_PAIRS and 100 / images > a.bound:
+                said += f'; the split cannot resolve ±{a.bound:g} (below)'
+            comparisons[run] = dict(seeds=seeds, **d, interval=interval(d), verdict=said)
         maps = None
         if self.maps is not None:
             ann = self.prep['annotator'].done() if self.prep else None
@@ -482,13 +611,14 @@ class Study:
             seeds=self.seeds,
             runs=runs,
             comparisons=comparisons,
+            resolution=resolution(images, a.bound, comparisons),
             label_maps=maps,
             failed_or_missing=missing,
         )
 
     def markdown(self, r: dict) -> str:
         where = (
-            f"the {r['split']} split (no {self.args.test_split} split under --data-dir: these are the training's "
+            f"the {r['split']} split (--test-split none: these are the training's "
             'own final val top-1, the split the recipe was checked on)'
             if r['test_split_missing']
             else f'the {r["split"]} split (the final checkpoints, no selection)'
@@ -535,6 +665,8 @@ class Study:
             'interval lies inside [−b, +b], an equivalence test; not resolvable where every seed gave the same '
             'difference (a zero-width interval); no verdict below 3 paired seeds.',
         ]
+        if r['resolution']['notes']:
+            lines += ['', *(f'Resolution: {note}' for note in r['resolution']['notes'])]
         if r['failed_or_missing']:
             lines += ['', f'Failed or not run (logs under {self.out / "logs"}): {", ".join(r["failed_or_missing"])}.']
         return '\n'.join(lines)
@@ -564,18 +696,21 @@ class Study:
         return True
 
 
-def main(argv=None) -> int:
+def main(argv=None, runner=run_logged) -> int:
+    """``tokenaug-study``. ``runner`` runs each command (:func:`run_logged`; the tests inject an in-process one)."""
     args = study_parser().parse_args(argv)
     try:
-        study = Study(args, argv)
+        study = Study(args, argv, runner)
     except StudyError as e:
         print(f'tokenaug-study: error: {e}', file=sys.stderr)
         return 2
-    if args.run_step is not None:
-        if args.run_step not in study.steps and not (args.run_step == 'annotator' and study.prep):
-            print(f'tokenaug-study: error: --run-step: no step named {args.run_step!r}', file=sys.stderr)
-            return 2
-        return 0 if study.run_step(args.run_step) else 1
+    if (
+        args.run_step is not None
+        and args.run_step not in study.steps
+        and not (args.run_step == 'annotator' and study.prep)
+    ):
+        print(f'tokenaug-study: error: --run-step: no step named {args.run_step!r}', file=sys.stderr)
+        return 2
     if args.dry_run:
         for name, step in study.all_steps().items():
             print(f'# {name}\n{shlex.join(step.cmd)}')
@@ -586,13 +721,44 @@ def main(argv=None) -> int:
         Path(args.emit_jobs).write_text('\n'.join(lines) + '\n')
         print(f'{len(lines)} jobs in {args.emit_jobs}; then: tokenaug-study ... --collect')
         return 0
-    if not args.collect:
-        annotator = ', and an annotator and its label maps first' if study.prep else ''
-        print(
-            f'== tokenaug-study: {len(study.steps)} trainings ({len(args.runs)} runs x {args.seeds} seeds){annotator}'
-        )
-        study.train_all()
-    return study.report()
+    try:
+        lock = study.lock(shared=args.run_step is not None)
+    except StudyError as e:
+        print(f'tokenaug-study: error: {e}', file=sys.stderr)
+        return 2
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {sig: signal.signal(sig, stop_commands) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if args.run_step is not None:
+            code = 0 if study.run_step(args.run_step) else 1
+        else:
+            if not args.collect:
+                annotator = ', and an annotator and its label maps first' if study.prep else ''
+                print(
+                    f'== tokenaug-study: {len(study.steps)} trainings ({len(args.runs)} runs x {args.seeds} seeds)'
+                    f'{annotator}'
+                )
+                study.train_all()
+            code = None if _STOPPING.is_set() else study.report()
+        if _STOPPING.is_set():
+            for proc in list(_LIVE):
+                proc.wait()
+            code = 128 + _STOPPING.signum
+            print(
+                f'tokenaug-study: stopped by signal {_STOPPING.signum}: the commands it started have ended; the same '
+                'command resumes the study',
+                file=sys.stderr,
+            )
+        return code
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        _STOPPING.clear()
+        if args.run_step is None:
+            lock.seek(0)
+            lock.truncate()
+        lock.close()
 
 
 if __name__ == '__main__':
