@@ -106,7 +106,7 @@ def test_pip_show_metadata(user):
         print(m['License-Expression'], sorted(m.get_all('Provides-Extra')), m['Requires-Python'])
         """,
     )
-    assert meta.split() == ['Apache-2.0', "['docs',", "'mm',", "'test',", "'viz']", '>=3.10'], meta
+    assert meta.split() == ['Apache-2.0', "['docs',", "'examples',", "'mm',", "'test',", "'viz']", '>=3.10'], meta
 
 
 @pytest.mark.parametrize(

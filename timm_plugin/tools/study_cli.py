@@ -235,7 +235,8 @@ class Study:
             raise StudyError(f'-c/--config: {self.config} does not parse as YAML: {str(e).splitlines()[0]}') from None
         if not isinstance(cfg, dict):
             raise StudyError(f'-c/--config: {self.config} is not a tokenaug-train YAML of key: value lines')
-        self.recipe_key = hashlib.sha256(self.config.read_bytes()).hexdigest()[:16]
+        # the recipe's values, not its bytes: an edited comment keeps the finished steps, an edited value does not
+        self.recipe_key = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
         unknown = [r for r in args.runs if r not in STUDY_RUNS]
         if unknown:
             raise StudyError(f'--runs: no run named {", ".join(unknown)} (runs: {", ".join(STUDY_RUNS)})')
@@ -337,7 +338,7 @@ class Study:
 
     def keyed(self, cmd: list) -> list:
         """A command as its step's key holds it: the study folder as ``{out}``, the programs by name and the
-        recipe by its content, so that a study folder moved or copied (or a new environment) keeps its finished
+        recipe by its values, so that a study folder moved or copied (or a new environment) keeps its finished
         steps, and an edited recipe runs them again."""
         out, config = str(self.out), str(self.config)
 
