@@ -26,6 +26,8 @@ __all__ = [
     'same_difference',
     'BOUND',
     'MIN_PAIRS',
+    'image_points',
+    'resolution',
     'read_json',
     'write_json',
 ]
@@ -105,6 +107,37 @@ def verdict(d: dict, bound: float = BOUND) -> str:
     if -bound <= lo and hi <= bound:
         return f'bounded within ±{bound:g}: the whole interval lies inside [{-bound:g}, +{bound:g}]'
     return f'neither resolved nor bounded: the interval includes 0 and reaches beyond ±{bound:g}'
+
+
+def image_points(images: int) -> float:
+    """One image of an ``images``-image split in points of top-1: the step every paired difference moves by."""
+    return 100 / images
+
+
+def resolution(images: int, bound: float, comparisons: dict) -> dict:
+    """What the evaluation split can resolve: one image is ``100 / images`` points of top-1, and every paired
+    difference is a whole number of images apart. Notes where one image is more than the bound (no effect smaller
+    than the bound can show: the split would need ``ceil(100 / bound)`` images) and where a comparison's
+    differences take 2 values or fewer over 3 seeds or more (the interval then mostly counts images)."""
+    step = image_points(images)
+    notes = []
+    if step > bound:
+        need = math.ceil(100 / bound)
+        notes.append(
+            f'one image of the {images}-image evaluation split is {step:.3g} point{"s" * (step != 1)} of top-1, more '
+            f'than the bound ±{bound:g}: this split cannot resolve or bound effects of that size. It would need '
+            f'{need} images or more ({need / images:.1f}x as many), or a larger --bound.'
+        )
+    for run, c in comparisons.items():
+        distinct = sorted({round(x * images / 100) for x in c.get('diffs', ())})
+        if len(c.get('diffs', ())) >= MIN_PAIRS and len(distinct) <= 2:
+            values = ', '.join(f'{v * step:+.3g}' for v in distinct)
+            notes.append(
+                f'the {len(c["diffs"])} paired differences of {run} take {len(distinct)} value'
+                f'{"s" if len(distinct) > 1 else ""} only ({values}: whole images of {step:.3g} '
+                f'point{"s" * (step != 1)}), so its interval says little about an effect smaller than an image.'
+            )
+    return dict(images=images, image_points=step, notes=notes)
 
 
 class Step:

@@ -194,10 +194,10 @@ def run_in_process(cmd, log):
             try:
                 code = command(cmd[1:]) or 0
             except SystemExit as e:  # as the interpreter ends on it: a message is printed, with status 1
-                code = e.code if isinstance(e.code, int) or e.code is None else 1
-                if not isinstance(e.code, int) and e.code is not None:
-                    print(e.code, file=sys.stderr)
-                code = code or 0
+                code = e.code or 0
+                if not isinstance(code, int):
+                    print(code, file=sys.stderr)
+                    code = 1
             except Exception:
                 traceback.print_exc()
                 code = 1

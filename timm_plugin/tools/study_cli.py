@@ -51,7 +51,19 @@ import yaml
 
 from shared_core.configs import resolve_config_arg
 from shared_core.map_store import read_store_paths
-from shared_core.study import MIN_PAIRS, Step, complete_pairs, interval, paired, read_json, summary, verdict, write_json
+from shared_core.study import (
+    MIN_PAIRS,
+    Step,
+    complete_pairs,
+    image_points,
+    interval,
+    paired,
+    read_json,
+    resolution,
+    summary,
+    verdict,
+    write_json,
+)
 from tokenaug.tool_args import STUDY_RUNS, study_parser
 from tokenaug.train_args import DIVERGED
 
@@ -173,33 +185,6 @@ def train_step(name: str, step: Step, log: Path, runner=run_logged) -> dict | No
     rec = step.finish(top1=top1, top5=top5, secs=secs, cpu_secs=cpu, resumed=resume)
     print(f'  {name}: val top-1 {top1}{" (resumed)" if resume else ""} ({secs:.0f} s)', flush=True)
     return rec
-
-
-def resolution(images: int, bound: float, comparisons: dict) -> dict:
-    """What the evaluation split can resolve: one image is ``100 / images`` points of top-1, and every paired
-    difference is a whole number of images apart. Notes where one image is more than the bound (no effect smaller
-    than the bound can show: the split would need ``ceil(100 / bound)`` images) and where a comparison's
-    differences take 2 values or fewer over 3 seeds or more (the interval then mostly counts images)."""
-    step = 100 / images
-    notes = []
-    if step > bound:
-        need = math.ceil(100 / bound)
-        notes.append(
-            f'one image of the {images}-image evaluation split is {step:.3g} point{"s" * (step != 1)} of top-1, more '
-            f'than the bound '
-            f'±{bound:g}: this split cannot resolve or bound effects of that size. It would need {need} images or '
-            f'more ({need / images:.1f}x as many), or a larger --bound.'
-        )
-    for run, c in comparisons.items():
-        distinct = sorted({round(x * images / 100) for x in c.get('diffs', ())})
-        if len(c.get('diffs', ())) >= MIN_PAIRS and len(distinct) <= 2:
-            values = ', '.join(f'{v * step:+.3g}' for v in distinct)
-            notes.append(
-                f'the {len(c["diffs"])} paired differences of {run} take {len(distinct)} value'
-                f'{"s" if len(distinct) > 1 else ""} only ({values}: whole images of {step:.3g} '
-                f'point{"s" * (step != 1)}), so its interval says little about an effect smaller than an image.'
-            )
-    return dict(images=images, image_points=step, notes=notes)
 
 
 class Study:
@@ -594,7 +579,7 @@ class Study:
                 continue
             d = paired([got[s] for s in seeds], [base[s] for s in seeds])
             said = verdict(d, a.bound)
-            if not d['excludes_zero'] and len(seeds) >= MIN_PAIRS and 100 / images > a.bound:
+            if not d['excludes_zero'] and len(seeds) >= MIN_PAIRS and image_points(images) > a.bound:
                 said += f'; the split cannot resolve ±{a.bound:g} (below)'
             comparisons[run] = dict(seeds=seeds, **d, interval=interval(d), verdict=said)
         maps = None
