@@ -11,7 +11,7 @@ own mix):
 - the share of samples that each τ marks easy (easy: ``0.1 · CE <= τ``);
 - for each (τ, ρ): the samples HTM mixes, the patch tokens swapped per mixed sample and its mean λ.
 
-    .venv/bin/python bench/htm_probe.py --study study_out --run htm_c100 --seed 1
+    .venv/bin/python bench/htm_probe.py --study study_out --run htm --seed 1
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--study', type=Path, required=True, help="bench/study.py's --out")
-    p.add_argument('--run', default='htm_c100', help='the run name (its checkpoint holds the ScoreNet)')
+    p.add_argument('--run', default='htm', help='the run name (its checkpoint holds the ScoreNet)')
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--layer', type=int, default=2, help='the HTM block')
     p.add_argument('--images', type=int, default=300)

@@ -1,27 +1,28 @@
 #!/usr/bin/env python3
 """A seeded multi-seed study: each method against its baseline, same recipe, the noise measured.
 
-Trains a grid of {baseline, method} x seeds on a generated world through the real entry points
-(``tokenaug-data``, ``tokenaug-train``, ``tokenaug-maps generate``, ``tokenaug-occlusion`` and mmpretrain's own
-``tools/train.py`` and ``tools/test.py``) and writes ``study.md`` (the table) and ``study.json`` (every run) under
-``--out``:
+A preset of ``tokenaug-study`` on a generated world. This script builds the world and its test world
+(``tokenaug-data``), lays them out as one ImageFolder (``OUT/data``: the world's train and val splits, and as the
+test split the test world's val split, ten times the val split) and runs ``tokenaug-study``'s own
+:class:`~timm_plugin.tools.study_cli.Study` on it: its runs (``tokenaug.tool_args.STUDY_RUNS``, one spelling), its
+steps and their resumption, its annotator and label maps, its test evaluation, its ``results.md`` against
+``cutmix``. Beside that study it runs what the product does not: mmpretrain's own ``tools/train.py`` and
+``tools/test.py`` on the same world (:data:`MM_RUNS`), and ``tokenaug-occlusion`` on the checkpoints, each as a
+step of the same kind (:func:`timm_plugin.tools.study_cli.command_step`). It writes ``study.md`` and
+``study.json`` under ``--out``:
 
-- per method: mean +- standard deviation over seeds of the final checkpoint's top-1 on a test split ten times the
-  val split (the world regenerated with more val images; ``bench/study_eval.py``), beside the training's own val
-  top-1 (no selection on either), and the mean wall time of one run. The 500 val images alone have a binomial
-  standard error of about 1.9 points at 75 %, as large as the effects looked for;
-- per comparison: the paired difference method - baseline over seeds (same seed = same data order, same
-  initialisation draw), its mean and a 95 % Student-t interval;
+- per run: mean +- standard deviation over seeds of the final checkpoint's top-1 on the test split, beside the
+  training's own val top-1 (no selection on either), and the mean wall time of one run. The 500 val images alone
+  have a binomial standard error of about 1.9 points at 75 %, as large as the effects looked for;
+- per comparison (:data:`COMPARISONS`, each method against its own baseline): the paired difference method -
+  baseline over seeds (same seed = same data order, same initialisation draw), its mean, 95 % Student-t interval
+  and ``tokenaug-study``'s verdict;
 - occlusion (TokenMix Fig. 5 analogue): ``tokenaug-occlusion`` on the same checkpoints, val top-1 with a fraction
   of the patches zeroed (the same patches for every model), mean and paired difference per ratio.
 
-Resumable: every step (world, test world, annotator, maps, each run, its test evaluation, each occlusion curve)
-keeps a ``study_step.json`` with the exact command it ran (and its inputs' steps); a rerun skips a step whose
-record matches and reruns one whose command changed or that did not finish. The trainings run through
-``tokenaug-study``'s runner (:func:`timm_plugin.tools.study_cli.train_step`): a training killed midway resumes
-through ``tokenaug-train --resume``; the statistics and verdicts are ``shared_core.study``'s, as tokenaug-study's.
-The annotator of token labeling and of TokenMix's activation-map targets is trained in the study (seed 0, the
-same recipe with average pooling) and its maps serve every seed.
+Resumable as ``tokenaug-study`` is: every step keeps its command, keyed without the study folder's path; a rerun
+skips what is done and runs again a step whose command changed, after moving its old folder aside; an interrupted
+training resumes through ``tokenaug-train --resume``.
 
 Presets: ``cpu_small`` (the default: 300 train images, 60 epochs, where mixing regularises; the grid in about 85
 min on this repo's 2-core machine), ``cpu`` (1000 train images, 15 epochs: an underfitting recipe where mixing
@@ -37,18 +38,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / 'scripts'), str(REPO / 'bench')]
-from demo import BIN, metric, run, upstream  # the demo's command runner: whole log to a file, exit on failure
+from shared_core.configs import upstream_tool
+from shared_core.study import Step, interval, mean_sd, paired, verdict
+from timm_plugin.tools.study_cli import BIN, OutputError, Study, command_step, portable_cmd, run_logged
+from tokenaug.tool_args import STUDY_RUNS, study_parser
 
-from shared_core.study import Step, excludes_zero, interval, mean_sd, paired, t_quantile  # noqa: F401  (the runner's parts)
+REPO = Path(__file__).resolve().parents[1]
 
 # The world: objects cover 8-35 % of the image (tokenaug-data's default), so a CutMix box's area is often not
 # the share of the object it shows. ViT sizes as timm kwargs; the mmpretrain rows build the same ViT.
@@ -91,50 +91,25 @@ PRESETS = {
 # of a run, and evaluation draws nothing from the training streams, so the final top-1 is the same.
 PRESETS['cpu_small'] = dict(PRESETS['cpu'], train_per_class=30, epochs=60, val_interval=20)
 
-
-def _htm(tau: str, rho: str) -> list:
-    """tokenaug-train's flags for HTM at block 2 on top of MixUp/CutMix with this τ and ρ."""
-    return ['--mixup-type', 'cutmix', '--tokenmixup-htm-layers', '2', '--tokenmixup-tau', tau, '--tokenmixup-rho', rho]
-
-
-#: the timm runs: name -> (label, config under configs/timm, flags; MAPS stands for the annotator's maps)
-RUNS = {
-    # the control: is mixing itself a help in this recipe? (a mixer that never mixes: label smoothing only)
-    'plain': (
-        'no mixing (label smoothing 0.1)',
-        'world_vit-tiny.yaml',
-        ['--mixup-type', 'cutmix', '--mixup-prob', '0'],
-    ),
-    'cutmix': ('MixUp/CutMix (DeiT)', 'world_vit-tiny.yaml', ['--mixup-type', 'cutmix']),
-    'tl_align': ('TL-Align (MixUp/CutMix)', 'world_vit-tiny.yaml', ['--method', 'tl_align']),
-    'transmix': ('TransMix (MixUp/CutMix)', 'world_vit-tiny.yaml', ['--method', 'transmix']),
-    'tokenmix_block': (
-        'TokenMix blocks (MixUp/TokenMix, area targets)',
-        'world_vit-tiny.yaml',
-        ['--mixup-type', 'tokenmix_block'],
-    ),
-    'tokenmix_maps': (
-        'TokenMix blocks + activation-map targets',
-        'world_vit-tiny_tokenmix.yaml',
-        ['--activation-map-dir', 'MAPS'],
-    ),
-    'mixtoken': ('MixToken + token labeling', 'world_vit-tiny_token-labeling.yaml', ['--token-label-dir', 'MAPS']),
-    # HTM at block 2 on top of MixUp/CutMix, as the public CCT CIFAR recipes. The world has 10 classes, as CIFAR-10:
-    # its recipe is τ 0.1, ρ 0.003 (easy when CE <= 1.0, 43 % of ln 10). CIFAR-100's τ 0.2, ρ 0.005 (tokenaug-train's
-    # defaults) mark CE <= 2.0 easy, 87 % of ln 10 here: most samples (STUDY.md).
-    'htm': ('TokenMixup HTM (MixUp/CutMix; CIFAR-10 recipe, τ 0.1)', 'world_vit-tiny.yaml', _htm('0.1', '0.003')),
-    'htm_c100': ('TokenMixup HTM (MixUp/CutMix; CIFAR-100 recipe, τ 0.2)', 'world_vit-tiny.yaml', _htm('0.2', '0.005')),
-}
-#: the mmpretrain run (tools/train.py): name -> (label, config under configs/mmpretrain)
+#: the recipe every timm run shares (tokenaug-study's -c); each run adds its own flags (STUDY_RUNS)
+RECIPE = REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml'
+#: the timm runs, by tokenaug-study's names. HTM at block 2 on top of MixUp/CutMix, as the public CCT CIFAR recipes:
+#: the world has 10 classes, as CIFAR-10, whose recipe is τ 0.1, ρ 0.003 (``htm_c10``: easy when CE <= 1.0, 43 % of
+#: ln 10). CIFAR-100's τ 0.2, ρ 0.005 (``htm``, tokenaug-train's defaults) mark CE <= 2.0 easy, 87 % of ln 10
+#: here: most samples (STUDY.md).
+TIMM_RUNS = [
+    'plain', 'cutmix', 'tl_align', 'transmix', 'tokenmix_block', 'tokenmix_block_maps', 'mixtoken', 'htm_c10', 'htm',
+]  # fmt: skip
+#: the mmpretrain runs (tools/train.py): name -> (what it is, config under configs/mmpretrain)
 MM_RUNS = {
-    'mm_tl_align': ('TL-Align (MixUp/CutMix), mmpretrain tools/train.py', 'deit-tiny_world_tl-align.py'),
+    'mm_tl_align': ('TL-Align over MixUp/CutMix, mmpretrain tools/train.py', 'deit-tiny_world_tl-align.py'),
     'mm_cutmix': ('MixUp/CutMix (DeiT), mmpretrain tools/train.py', 'deit-tiny_world_cutmix.py'),
 }
 #: runs that answer a question the grid raised (bench/STUDY.md): trained only when ``--runs`` names them (or
 #: ``--runs all``): HTM with CIFAR-100's τ on this 10-class world, and mmpretrain's own CutMix baseline
-PROBES = ('htm_c100', 'mm_cutmix')
+PROBES = ('htm', 'mm_cutmix')
 #: the default grid: every run but the probes
-GRID = [n for n in list(RUNS) + list(MM_RUNS) if n not in PROBES]
+GRID = [n for n in TIMM_RUNS + list(MM_RUNS) if n not in PROBES]
 #: (method, baseline) pairs of the table; the last three: TL-Align vs CutMix within mmpretrain, then each of the two
 #: across the ecosystems (the same recipe, as far as the two libraries allow)
 COMPARISONS = [
@@ -143,20 +118,22 @@ COMPARISONS = [
     ('transmix', 'cutmix'),
     ('tl_align', 'transmix'),
     ('tokenmix_block', 'cutmix'),
-    ('tokenmix_maps', 'cutmix'),
-    ('tokenmix_maps', 'tokenmix_block'),
+    ('tokenmix_block_maps', 'cutmix'),
+    ('tokenmix_block_maps', 'tokenmix_block'),
     ('mixtoken', 'cutmix'),
     ('mixtoken', 'plain'),
+    ('htm_c10', 'cutmix'),
     ('htm', 'cutmix'),
-    ('htm_c100', 'cutmix'),
     ('mm_tl_align', 'mm_cutmix'),
     ('mm_cutmix', 'cutmix'),
     ('mm_tl_align', 'tl_align'),
 ]
-OCCLUSION_RUNS = ['cutmix', 'tokenmix_block', 'tokenmix_maps']
+OCCLUSION_RUNS = ['cutmix', 'tokenmix_block', 'tokenmix_block_maps']
 OCCLUSION_RATIOS = ['0', '0.2', '0.4', '0.6', '0.8']
 IMG_SIZE = 112
 NUM_CLASSES = 10
+#: what each run is: tokenaug-study's words, and the mmpretrain rows'
+LABELS = {n: STUDY_RUNS[n][0] for n in TIMM_RUNS} | {n: v[0] for n, v in MM_RUNS.items()}
 
 
 def default_area() -> tuple[float, float]:
@@ -166,305 +143,218 @@ def default_area() -> tuple[float, float]:
     return WorldConfig.min_area, WorldConfig.max_area
 
 
-def cpu_seconds() -> float:
-    """CPU time (user + system) of this process and its finished children so far: a step's cost whatever else
-    shares the machine (its wall time is not)."""
-    import resource
-
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
-def mm_env(world: Path) -> dict:
-    """The environment of an mmpretrain tool on the repo's world configs: ``$TOKENAUG_WORLD`` the world's root
-    and the repo importable (the configs' custom imports)."""
-    path = f'{REPO}{os.pathsep}{os.environ.get("PYTHONPATH", "")}'
-    return dict(os.environ, TOKENAUG_WORLD=str(world), PYTHONPATH=path)
-
-
-class Study:
-    def __init__(self, out: Path, preset: dict, mmpretrain: bool, runs=None, runner=None):
-        """``runner(cmd, log)`` runs each training (``tokenaug-study``'s :func:`~timm_plugin.tools.study_cli.run_logged`
-        by default, a subprocess; the tests inject an in-process one)."""
-        from timm_plugin.tools.study_cli import run_logged
-
-        self.out, self.p, self.mmpretrain = out, preset, mmpretrain
-        self.runner = runner or run_logged
-        every = list(RUNS) + list(MM_RUNS)
-        runs = GRID if runs is None else every if list(runs) == ['all'] else runs
-        self.runs = [n for n in every if n in runs]  # the runs this study trains
-        self.world, self.test_world = out / 'world', out / 'test_world'
-        self.logs = out / 'logs'
-        self.logs.mkdir(parents=True, exist_ok=True)
-        vit = preset['vit']
-        self.model_kwargs = [f'img_size={IMG_SIZE}'] + [f'{k}={v}' for k, v in vit.items()]
-        self.steps_done = self.steps_skipped = 0
-        self.secs = 0.0  # the recorded time of every step of this study, skipped ones included
-        self.cpu_secs = 0.0  # and their CPU time (steps recorded before it was kept count 0)
-
-    def count(self, rec: dict, skipped: bool) -> None:
-        """Add a step's recorded time to the study's (steps recorded before their CPU time was kept count 0)."""
-        self.steps_skipped += skipped
-        self.steps_done += not skipped
-        self.secs += rec['secs']
-        self.cpu_secs += rec.get('cpu_secs', 0.0)
-
-    def step(self, name: str, step: Step, execute) -> dict:
-        """``execute()`` -> result dict, unless ``step`` is already done; prints one line either way."""
-        rec = step.done()
-        if rec is not None:
-            self.count(rec, skipped=True)
-            print(f'  {name}: done before, skipped', flush=True)
-            return rec
-        shutil.rmtree(step.dir, ignore_errors=True)
-        step.dir.mkdir(parents=True)
-        t, cpu = time.time(), cpu_seconds()
-        result = execute()
-        rec = step.finish(secs=round(time.time() - t, 1), cpu_secs=round(cpu_seconds() - cpu, 1), **result)
-        self.count(rec, skipped=False)
-        print(
-            f'  {name}: {", ".join(f"{k} {v}" for k, v in result.items())} ({rec["secs"]:.0f} s)',
-            flush=True,
-        )
-        return rec
-
-    def make_world(self, test: bool = False) -> Step:
-        """The world (``test=False``), or the test world: the same generator, seed and train split with
-        ``test_per_class`` val images per class (each image is drawn from its split and index, so its first val
-        images are the world's own)."""
-        out = self.test_world if test else self.world
-        val = self.p['test_per_class' if test else 'val_per_class']
-        cmd = [BIN / 'tokenaug-data', '--out', out, '--seed', '0', '--num-classes', NUM_CLASSES]
-        # the world's own split also in the ADE20K layout where a preset reads its object masks (the size study)
-        formats = 'imagenet' if test else self.p.get('world_formats', 'imagenet')
-        cmd += ['--image-size', IMG_SIZE, '--formats', formats]
-        cmd += ['--train-per-class', self.p['train_per_class'], '--val-per-class', val]
-        if 'max_extra_objects' in self.p:  # else tokenaug-data's default (one extra, smaller object per scene)
-            cmd += ['--max-extra-objects', self.p['max_extra_objects']]
-        if 'area' in self.p:  # the main object's share of the image; else tokenaug-data's default, 8-35 %
-            cmd += ['--min-area', self.p['area'][0], '--max-area', self.p['area'][1]]
-        step = Step(out, cmd)
-
-        def execute():
-            run(step.cmd, log=self.logs / f'{out.name}.log', echo=False)
-            return {}
-
-        self.step(out.name.replace('_', ' '), step, execute)  # the record lies beside the world's own world.json
-        return step
-
-    def timm_cmd(self, config: str, out_dir: Path, seed: int, flags: list) -> list:
-        return [
-            BIN / 'tokenaug-train',
-            '-c',
-            REPO / 'configs/timm' / config,
-            '--data-dir',
-            self.world / 'imagenet',
-            '--model-kwargs',
-            *self.model_kwargs,
-            '--epochs',
-            self.p['epochs'],
-            '-b',
-            self.p['batch_size'],
-            '-j',
-            self.p['workers'],
-            '--seed',
-            seed,
-            *flags,
-            '--output',
-            out_dir.parent,
-            '--experiment',
-            out_dir.name,
-            '--log-interval',
-            '1000',
-            *(['--val-interval', self.p['val_interval']] if 'val_interval' in self.p else []),
-        ]
-
-    def timm_step(self, name: str, step: Step) -> dict:
-        """One training through ``tokenaug-study``'s runner (:func:`timm_plugin.tools.study_cli.train_step`): skipped
-        when done, resumed through ``tokenaug-train --resume`` where a killed attempt left a checkpoint."""
-        from timm_plugin.tools.study_cli import train_step
-
-        skipped = step.done() is not None
-        log = self.logs / f'{name.replace(" ", "_")}.log'
-        rec = train_step(name, step, log, self.runner)
-        if rec is None:
-            sys.exit(f'{name} failed: see {log}')
-        self.count(rec, skipped)
-        return rec
-
-    def annotator_and_maps(self, world: Step) -> Step:
-        """The annotator (seed 0, the cutmix recipe with average pooling, so its head reads every patch token) and
-        its dense maps of the training split."""
-        ann = self.out / 'runs' / 'annotator' / 'seed0'
-        cmd = self.timm_cmd('world_vit-tiny.yaml', ann, 0, ['--mixup-type', 'cutmix', '--gp', 'avg'])
-        ann_step = Step(ann, cmd, [world.key])
-        self.timm_step('annotator', ann_step)
-        maps = self.out / 'maps' / 'train'
-        cmd = [
-            BIN / 'tokenaug-maps',
-            'generate',
-            '--data-dir',
-            self.world / 'imagenet',
-            '--split',
-            'train',
-            '--model',
-            'vit_tiny_patch16_224',
-            '--model-kwargs',
-            *self.model_kwargs,
-            'global_pool=avg',
-            '--num-classes',
-            NUM_CLASSES,
-            '--checkpoint',
-            ann / 'last.pth.tar',
-            '--input-size',
-            IMG_SIZE,
-            '--topk',
-            '5',
-            '--out',
-            maps,
-            '-j',
-            self.p['workers'],
-            '--no-progress',
-        ]
-        # the store's folder is the tool's own (it refuses a non-empty one), so the record sits beside it
-        step = Step(maps.parent / 'record', cmd, [ann_step.key])
-
-        def execute():
-            shutil.rmtree(maps, ignore_errors=True)
-            run(step.cmd, log=self.logs / 'maps.log', echo=False)
-            return dict(files=len(list(maps.iterdir())))
-
-        self.step('maps', step, execute)
-        return step
-
-    def timm_runs(self, world: Step, maps: Step, seeds: list[int]) -> dict:
-        results = {}
-        for seed in seeds:
-            for name, (_, config, flags) in RUNS.items():
-                if name not in self.runs:
-                    continue
-                uses_maps = 'MAPS' in flags
-                flags = [str(self.out / 'maps' / 'train') if f == 'MAPS' else f for f in flags]
-                out_dir = self.out / 'runs' / name / f'seed{seed}'
-                inputs = [world.key] + ([maps.key] if uses_maps else [])
-                step = Step(out_dir, self.timm_cmd(config, out_dir, seed, flags), inputs)
-                results[name, seed] = self.timm_step(f'{name} seed {seed}', step)
-        return results
-
-    def mm_runs(self, world: Step, seeds: list[int]) -> dict:
-        """mmpretrain's tools/train.py on a config that inherits the repo's and sets the study's ViT, schedule and
-        seed."""
-        vit = self.p['vit']
-        arch = dict(
-            embed_dims=vit['embed_dim'],
-            num_layers=vit['depth'],
-            num_heads=vit['num_heads'],
-            feedforward_channels=4 * vit['embed_dim'],
-        )
-        val_interval = f', val_interval={self.p["val_interval"]}' if 'val_interval' in self.p else ''
-        results = {}
-        for seed in seeds:
-            for name, (_, config) in MM_RUNS.items():
-                if name not in self.runs:
-                    continue
-                work = self.out / 'runs' / name / f'seed{seed}'
-                cfg = self.out / 'configs' / f'{name}_seed{seed}.py'
-                text = '\n'.join(
-                    [
-                        f'_base_ = [{str(REPO / "configs/mmpretrain" / config)!r}]',
-                        f'model = dict(backbone=dict(arch=dict(_delete_=True, **{arch!r})), '
-                        f'head=dict(in_channels={arch["embed_dims"]}))',
-                        f'train_cfg = dict(max_epochs={self.p["epochs"]}{val_interval})',
-                        f'train_dataloader = dict(batch_size={self.p["batch_size"]}, num_workers={self.p["workers"]})',
-                        f'val_dataloader = dict(num_workers={self.p["workers"]})',
-                        f'randomness = dict(seed={seed})',
-                        '',
-                    ]
-                )
-                cmd = [sys.executable, upstream('mmpretrain', 'train.py'), cfg, '--work-dir', work]
-                step = Step(work, cmd, [world.key, text])
-
-                def execute(cfg=cfg, text=text, work=work, step=step, name=name, seed=seed):
-                    cfg.parent.mkdir(parents=True, exist_ok=True)
-                    cfg.write_text(text)
-                    env = mm_env(self.world)
-                    run(step.cmd, env=env, log=self.logs / f'{name}_seed{seed}.log', echo=False)
-                    scalars = sorted(work.glob('*/vis_data/scalars.json'))[-1]
-                    lines = [json.loads(s) for s in scalars.read_text().splitlines()]
-                    last = [r for r in lines if 'accuracy/top1' in r][-1]
-                    return dict(top1=round(last['accuracy/top1'], 2), top5=round(last['accuracy/top5'], 2))
-
-                results[name, seed] = self.step(f'{name} seed {seed}', step, execute)
-        return results
-
-    def test_eval(self, runs: dict, test: Step) -> dict:
-        """Each run's final checkpoint on the test world's val split: the timm runs in this process
-        (``bench/study_eval.py``: the model as ``tokenaug-train`` built it, its val top-1 checked against the
-        training's own first), the mmpretrain runs by mmpretrain's ``tools/test.py`` on the run's own config with
-        ``$TOKENAUG_WORLD`` the test world (its test loader is its val loader)."""
-        results = {}
-        for (name, seed), rec in runs.items():
-            run_dir = self.out / 'runs' / name / f'seed{seed}'
-            dst = self.out / 'test' / name / f'seed{seed}'
-            if name in MM_RUNS:
-                cfg = self.out / 'configs' / f'{name}_seed{seed}.py'
-                ckpt = run_dir / f'epoch_{self.p["epochs"]}.pth'
-                cmd = [sys.executable, upstream('mmpretrain', 'test.py'), cfg, ckpt, '--work-dir', dst]
-            else:
-                cmd = ['bench/study_eval.py', run_dir, self.test_world / 'imagenet']
-            step = Step(dst, cmd, [rec['key'], test.key])
-
-            def execute(step=step, name=name, seed=seed, run_dir=run_dir, rec=rec):
-                if name in MM_RUNS:
-                    env = mm_env(self.test_world)
-                    log = self.logs / f'test_{name}_seed{seed}.log'
-                    run(step.cmd, env=env, log=log, echo=False)
-                    return dict(top1=round(metric(log, 'accuracy/top1'), 2))
-                from study_eval import evaluate_run
-
-                return evaluate_run(run_dir, self.test_world / 'imagenet', self.world / 'imagenet', rec['top1'])
-
-            results[name, seed] = self.step(f'test {name} seed {seed}', step, execute)
-        return results
-
-    def occlusion(self, runs: dict, seeds: list[int]) -> dict:
-        curves = {}
-        for seed in seeds:
-            for name in OCCLUSION_RUNS:
-                if name not in self.runs:
-                    continue
-                dst = self.out / 'occlusion' / name / f'seed{seed}'
-                ckpt = self.out / 'runs' / name / f'seed{seed}' / 'last.pth.tar'
-                cmd = [BIN / 'tokenaug-occlusion', '--data-dir', self.world / 'imagenet', '--split', 'val']
-                cmd += ['--model', 'vit_tiny_patch16_224', '--model-kwargs', *self.model_kwargs, '--checkpoint', ckpt]
-                cmd += ['--ratios', *OCCLUSION_RATIOS, '--seed', '0', '--out', dst, '-j', self.p['workers']]
-                cmd += ['--no-progress']
-                step = Step(dst, cmd, [runs[name, seed]['key']])
-
-                def execute(dst=dst, step=step, name=name, seed=seed):
-                    import csv
-
-                    run(step.cmd, log=self.logs / f'occlusion_{name}_seed{seed}.log', echo=False)
-                    with open(dst / 'occlusion.csv') as f:
-                        return dict(top1=[float(r['top1']) for r in csv.DictReader(f)])
-
-                curves[name, seed] = self.step(f'occlusion {name} seed {seed}', step, execute)
-        return curves
-
-
 def area_range(preset: dict) -> str:
     """The main object's share of the image in a preset's world, as ``8-35 %``."""
     lo, hi = preset.get('area') or default_area()
     return f'{lo * 100:g}-{hi * 100:g} %'
 
 
+class Tally:
+    """The steps of a preset run here or found done before, and their recorded wall and CPU seconds (skipped steps
+    included: the study's cost, whichever run paid it)."""
+
+    def __init__(self):
+        self.ran, self.skipped, self.secs, self.cpu_secs = [], [], 0.0, 0.0
+        self._costed = set()  # the folders of the tokenaug-study steps counted (two studies may share a step)
+
+    def add(self, name: str, rec: dict, before: bool) -> dict:
+        (self.skipped if before else self.ran).append(name)
+        return self.cost(rec)
+
+    def cost(self, rec: dict) -> dict:
+        self.secs += rec.get('secs', 0.0)
+        self.cpu_secs += rec.get('cpu_secs', 0.0)
+        return rec
+
+    def take(self, study: Study, prefix: str = '') -> None:
+        """A ``tokenaug-study``'s steps (its trainings, annotator and maps; its evaluations by name only), each
+        counted once however many of the preset's studies share it; ``prefix`` names the study (a size)."""
+        for step in study.all_steps().values():
+            if step.dir not in self._costed:
+                self._costed.add(step.dir)
+                self.cost(step.done())
+        for name in study.ran:
+            self.ran.append(prefix + name)
+        for name in study.skipped:
+            if prefix + name not in self.ran + self.skipped:
+                self.skipped.append(prefix + name)
+
+    def step(self, name: str, step: Step, log: Path, **how) -> dict:
+        """One of the preset's own commands as a step (:func:`command_step`, a subprocess); a failure ends the
+        preset, naming the log."""
+        before = step.done() is not None
+        rec = command_step(name, step, log, run_logged, **how)
+        if rec is None:
+            sys.exit(f'{name} failed: see {log}')
+        return self.add(name, rec, before)
+
+
+def world_step(out: Path, preset: dict, tally: Tally, test: bool = False) -> Step:
+    """The world (``test=False``), or the test world: the same generator, seed and train split with
+    ``test_per_class`` val images per class (each image is drawn from its split and index, so its first val images
+    are the world's own)."""
+    world = out / ('test_world' if test else 'world')
+    cmd = [BIN / 'tokenaug-data', '--out', world, '--seed', '0', '--num-classes', NUM_CLASSES]
+    # the world's own split also in the ADE20K layout where a preset reads its object masks (the size study)
+    cmd += ['--image-size', IMG_SIZE, '--formats', 'imagenet' if test else preset.get('world_formats', 'imagenet')]
+    cmd += ['--train-per-class', preset['train_per_class']]
+    cmd += ['--val-per-class', preset['test_per_class' if test else 'val_per_class']]
+    if 'max_extra_objects' in preset:  # else tokenaug-data's default (one extra, smaller object per scene)
+        cmd += ['--max-extra-objects', preset['max_extra_objects']]
+    if 'area' in preset:  # the main object's share of the image; else tokenaug-data's default, 8-35 %
+        cmd += ['--min-area', preset['area'][0], '--max-area', preset['area'][1]]
+    step = Step(world, cmd, key_cmd=portable_cmd(cmd, out))  # the record lies beside the world's own world.json
+    tally.step(world.name.replace('_', ' '), step, out / 'logs' / f'{world.name}.log')
+    return step
+
+
+def data_dir(out: Path) -> Path:
+    """``OUT/data``, the study's ImageFolder: ``train`` and ``val`` the world's, ``test`` the test world's val
+    split (relative links, so that a study folder moved or copied keeps them)."""
+    data = out / 'data'
+    data.mkdir(parents=True, exist_ok=True)
+    for split, target in (('train', 'world/imagenet/train'), ('val', 'world/imagenet/val')):
+        _link(data / split, Path('..') / target)
+    _link(data / 'test', Path('..') / 'test_world' / 'imagenet' / 'val')
+    return data
+
+
+def _link(path: Path, target: Path) -> None:
+    if path.is_symlink() and Path(path.readlink()) == target:
+        return
+    if path.is_symlink():
+        path.unlink()
+    path.symlink_to(target, target_is_directory=True)
+
+
+def model_kwargs(preset: dict) -> list:
+    return [f'img_size={IMG_SIZE}'] + [f'{k}={v}' for k, v in preset['vit'].items()]
+
+
+def study_argv(out: Path, preset: dict, runs: list, seeds: int) -> list:
+    """The ``tokenaug-study`` command line of a preset's timm runs (after ``tokenaug-study``): the recipe at the
+    preset's model, epochs, batch and workers, compared with ``cutmix`` where it is among the runs."""
+    train = ['--model-kwargs', *model_kwargs(preset), '--epochs', preset['epochs'], '-b', preset['batch_size']]
+    train += ['-j', preset['workers'], '--log-interval', '1000']
+    train += ['--val-interval', preset['val_interval']] if 'val_interval' in preset else []
+    baseline = 'cutmix' if 'cutmix' in runs else runs[0]
+    argv = ['--data-dir', out / 'data', '-c', RECIPE, '--runs', *runs, '--baseline', baseline, '--seeds', seeds]
+    return [str(a) for a in argv + ['--out', out, '--train-args', *train]]
+
+
+def timm_study(out: Path, preset: dict, runs: list, seeds: int, runner=None) -> tuple:
+    """``tokenaug-study`` on the preset's data (:func:`data_dir`): every run trained and evaluated on the test
+    split (a failure ends the preset). Returns the :class:`Study`, each run's training record and its test result,
+    by ``(run, seed)``."""
+    argv = study_argv(out, preset, runs, seeds)
+    study = Study(study_parser().parse_args(argv), argv, runner or run_logged)
+    code = study.run()
+    if code:
+        sys.exit(f'tokenaug-study failed or was stopped (exit {code}): see {out / "results.md"} and {out / "logs"}')
+    results, tests = {}, {}
+    for name, step in study.steps.items():
+        run, seed = name.rsplit(' seed ', 1)
+        results[run, int(seed)] = step.done()
+        tests[run, int(seed)] = study.evaluate(name, results[run, int(seed)])
+    return study, results, tests
+
+
+def mm_runs(out: Path, preset: dict, runs: list, seeds: list, tally: Tally) -> tuple:
+    """mmpretrain's tools/train.py on a config that inherits the repo's and sets the study's ViT, schedule and
+    seed, then its tools/test.py on the test world (``$TOKENAUG_WORLD``: its test loader is its val loader)."""
+    vit = preset['vit']
+    arch = dict(
+        embed_dims=vit['embed_dim'], num_layers=vit['depth'], num_heads=vit['num_heads'],
+        feedforward_channels=4 * vit['embed_dim'],
+    )  # fmt: skip
+    val_interval = f', val_interval={preset["val_interval"]}' if 'val_interval' in preset else ''
+    results, tests = {}, {}
+    for seed in seeds:
+        for name, (_, config) in MM_RUNS.items():
+            if name not in runs:
+                continue
+            work, test = out / 'runs' / name / f'seed{seed}', out / 'test' / name / f'seed{seed}'
+            cfg = out / 'configs' / f'{name}_seed{seed}.py'
+            cfg.parent.mkdir(parents=True, exist_ok=True)
+            cfg.write_text(
+                '\n'.join(
+                    [
+                        f'_base_ = [{str(REPO / "configs/mmpretrain" / config)!r}]',
+                        f'model = dict(backbone=dict(arch=dict(_delete_=True, **{arch!r})), '
+                        f'head=dict(in_channels={arch["embed_dims"]}))',
+                        f'train_cfg = dict(max_epochs={preset["epochs"]}{val_interval})',
+                        f'train_dataloader = dict(batch_size={preset["batch_size"]}, num_workers={preset["workers"]})',
+                        f'val_dataloader = dict(num_workers={preset["workers"]})',
+                        f'randomness = dict(seed={seed})',
+                        '',
+                    ]
+                )
+            )
+            train = ['env', f'TOKENAUG_WORLD={out / "world"}', sys.executable, upstream_tool('mmpretrain', 'train')]
+            cmd = train + [cfg, '--work-dir', work]
+            step = Step(work, cmd, [cfg.read_text()], key_cmd=portable_cmd(cmd, out))
+            log = out / 'logs' / f'{name}_seed{seed}.log'
+            results[name, seed] = tally.step(
+                f'{name} seed {seed}', step, log, collect=lambda work=work: _mm_top1(work, '*/vis_data/scalars.json')
+            )
+            ckpt = work / f'epoch_{preset["epochs"]}.pth'
+            cmd = ['env', f'TOKENAUG_WORLD={out / "test_world"}', sys.executable, upstream_tool('mmpretrain', 'test')]
+            cmd += [cfg, ckpt, '--work-dir', test]
+            step = Step(test, cmd, [results[name, seed]['key']], key_cmd=portable_cmd(cmd, out))
+            log = out / 'logs' / f'test_{name}_seed{seed}.log'
+            tests[name, seed] = tally.step(
+                f'test {name} seed {seed}', step, log, collect=lambda test=test: _mm_top1(test, '*/*.json')
+            )
+    return results, tests
+
+
+def _mm_top1(work: Path, pattern: str) -> dict:
+    """The last top-1 / top-5 an MMEngine run logged to its JSON scalars (the training's ``vis_data/scalars.json``,
+    the test's ``<timestamp>.json``)."""
+    found = sorted(work.glob(pattern))
+    try:
+        lines = [json.loads(s) for s in found[-1].read_text().splitlines()]
+        last = [r for r in lines if 'accuracy/top1' in r][-1]
+    except (IndexError, json.JSONDecodeError) as e:
+        raise OutputError(f'no accuracy/top1 in {pattern} under {work} ({e})') from None
+    return dict(top1=round(last['accuracy/top1'], 2), top5=round(last['accuracy/top5'], 2))
+
+
+def occlusion(out: Path, preset: dict, results: dict, seeds: list, tally: Tally) -> dict:
+    """``tokenaug-occlusion`` on the val split with each OCCLUSION_RUNS checkpoint."""
+    curves = {}
+    for seed in seeds:
+        for name in OCCLUSION_RUNS:
+            if (name, seed) not in results:
+                continue
+            dst = out / 'occlusion' / name / f'seed{seed}'
+            ckpt = out / 'runs' / name / f'seed{seed}' / 'last.pth.tar'
+            cmd = [BIN / 'tokenaug-occlusion', '--data-dir', out / 'data', '--split', 'val']
+            cmd += ['--model', 'vit_tiny_patch16_224', '--model-kwargs', *model_kwargs(preset), '--checkpoint', ckpt]
+            cmd += ['--ratios', *OCCLUSION_RATIOS, '--seed', '0', '--out', dst, '-j', preset['workers']]
+            cmd += ['--no-progress']
+            step = Step(dst, cmd, [results[name, seed]['key']], key_cmd=portable_cmd(cmd, out))
+
+            def curve(dst=dst):
+                import csv
+
+                try:
+                    with open(dst / 'occlusion.csv') as f:
+                        return dict(top1=[float(r['top1']) for r in csv.DictReader(f)])
+                except (FileNotFoundError, KeyError, ValueError) as e:
+                    raise OutputError(f'{dst / "occlusion.csv"} is missing or cut short ({e})') from None
+
+            log = out / 'logs' / f'occlusion_{name}_seed{seed}.log'
+            curves[name, seed] = tally.step(f'occlusion {name} seed {seed}', step, log, collect=curve)
+    return curves
+
+
 def table(
     results: dict, tests: dict, curves: dict, seeds: list[int], preset_name: str, preset: dict, wall: float
 ) -> str:
     """The study's markdown: per run the test top-1 (mean ± sd, per seed) beside the training's own val top-1, the
-    paired differences on the test top-1, and the occlusion curves."""
-    labels = {k: v[0] for k, v in RUNS.items()} | {k: v[0] for k, v in MM_RUNS.items()}
-    names = [n for n in list(RUNS) + list(MM_RUNS) if all((n, s) in results and (n, s) in tests for s in seeds)]
+    paired differences on the test top-1 with their verdicts, and the occlusion curves."""
+    names = [n for n in LABELS if all((n, s) in results and (n, s) in tests for s in seeds)]
     top1 = {n: [tests[n, s]['top1'] for s in seeds] for n in names}
     val = {n: [results[n, s]['top1'] for s in seeds] for n in names}
     vit = preset['vit']
@@ -486,21 +376,21 @@ def table(
         vm, vsd = mean_sd(val[n])
         secs = statistics.fmean(results[n, s]['secs'] for s in seeds)
         lines.append(
-            f'| {labels[n]} | {m:.2f} ± {sd:.2f} | {" / ".join(f"{v:g}" for v in top1[n])} | {vm:.2f} ± {vsd:.2f} '
-            f'| {secs:.0f} |'
+            f'| {n} ({LABELS[n]}) | {m:.2f} ± {sd:.2f} | {" / ".join(f"{v:g}" for v in top1[n])} '
+            f'| {vm:.2f} ± {vsd:.2f} | {secs:.0f} |'
         )
     lines += [
         '',
         f'Paired differences of the test top-1 (method - baseline, same seed; mean and 95 % t interval over '
-        f'{len(seeds)} seeds):',
+        f'{len(seeds)} seeds), with the verdicts of tokenaug-study:',
         '',
-        '| method | baseline | difference | 95 % interval | interval excludes 0 |',
+        '| method | baseline | difference | 95 % interval | verdict |',
         '|---|---|---|---|---|',
     ]
     for m, b in COMPARISONS:
         if m in top1 and b in top1:
             d = paired(top1[m], top1[b])
-            lines.append(f'| {labels[m]} | {labels[b]} | {d["mean"]:+.2f} | {interval(d)} | {excludes_zero(d)} |')
+            lines.append(f'| {m} | {b} | {d["mean"]:+.2f} | {interval(d)} | {verdict(d)} |')
     occ = [n for n in OCCLUSION_RUNS if all((n, s) in curves for s in seeds)]
     if occ:
         lines += [
@@ -513,27 +403,50 @@ def table(
         ]
         for n in occ:
             cells = [mean_sd([curves[n, s]['top1'][i] for s in seeds]) for i in range(len(OCCLUSION_RATIOS))]
-            lines.append(f'| {labels[n]} | ' + ' | '.join(f'{m:.1f} ± {sd:.1f}' for m, sd in cells) + ' |')
+            lines.append(f'| {n} | ' + ' | '.join(f'{m:.1f} ± {sd:.1f}' for m, sd in cells) + ' |')
         for n in occ[1:]:
             cells = []
             for i in range(len(OCCLUSION_RATIOS)):
                 d = paired([curves[n, s]['top1'][i] for s in seeds], [curves[occ[0], s]['top1'][i] for s in seeds])
                 cells.append(f'{d["mean"]:+.1f} {interval(d, 1)}')
-            lines.append(f'| {labels[n]} - {labels[occ[0]]} | ' + ' | '.join(cells) + ' |')
+            lines.append(f'| {n} - {occ[0]} | ' + ' | '.join(cells) + ' |')
     return '\n'.join(lines)
 
 
+def run_preset(out: Path, preset: dict, runs: list, seeds: list, mmpretrain: bool = True, runner=None) -> dict:
+    """A preset's study under ``out``: the worlds, ``tokenaug-study`` on the timm runs, the mmpretrain runs and the
+    occlusion curves. Returns the training records, the test results and the curves by ``(run, seed)``, the
+    :class:`Tally` and the :class:`Study` (``None`` without a timm run)."""
+    tally = Tally()
+    world_step(out, preset, tally)
+    world_step(out, preset, tally, test=True)
+    data_dir(out)
+    timm = [n for n in TIMM_RUNS if n in runs]
+    study, results, tests = None, {}, {}
+    if timm:
+        study, results, tests = timm_study(out, preset, timm, len(seeds), runner)
+        tally.take(study)
+    if mmpretrain and any(n in runs for n in MM_RUNS):
+        mm_results, mm_tests = mm_runs(out, preset, runs, seeds, tally)
+        results |= mm_results
+        tests |= mm_tests
+    curves = occlusion(out, preset, results, seeds, tally)
+    return dict(results=results, tests=tests, curves=curves, tally=tally, study=study)
+
+
 def main(argv=None, runner=None):
+    """``runner(cmd, log)`` runs tokenaug-study's commands (its subprocess runner by default; the tests inject an
+    in-process one); the preset's own commands run as subprocesses."""
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--preset', choices=sorted(PRESETS), default='cpu_small')
     p.add_argument('--out', type=Path, default=REPO / 'study_out')
     p.add_argument('--seeds', type=int, help="number of seeds (0, 1, ...); default: the preset's")
     p.add_argument('--epochs', type=int, help="default: the preset's")
-    p.add_argument('--no-mmpretrain', action='store_true', help='leave out the mmpretrain tools/train.py row')
+    p.add_argument('--no-mmpretrain', action='store_true', help='leave out the mmpretrain tools/train.py rows')
     p.add_argument(
         '--runs',
         nargs='+',
-        choices=list(RUNS) + list(MM_RUNS) + ['all'],
+        choices=list(LABELS) + ['all'],
         metavar='RUN',
         help=f'train only these runs (default: the grid, {", ".join(GRID)}; the probes {", ".join(PROBES)} only '
         "when named; 'all': the grid and the probes)",
@@ -548,37 +461,33 @@ def main(argv=None, runner=None):
             if value < 1:
                 p.error(f'--{key} must be >= 1, got {value}')
             preset[key] = value
+    runs = GRID if args.runs is None else list(LABELS) if args.runs == ['all'] else args.runs
+    runs = [n for n in LABELS if n in runs and not (args.no_mmpretrain and n in MM_RUNS)]
     seeds = list(range(preset['seeds']))
     out = args.out.resolve()
-    study = Study(out, preset, mmpretrain=not args.no_mmpretrain, runs=args.runs, runner=runner)
     t0 = time.time()
-    timm_runs = [n for n in RUNS if n in study.runs]
-    print(f'== study, preset {args.preset}: {len(seeds)} seeds x {len(timm_runs)} timm runs, out {out}', flush=True)
-    world = study.make_world()
-    # the annotator and its maps only where a run reads them
-    maps = study.annotator_and_maps(world) if any('MAPS' in RUNS[n][2] for n in timm_runs) else None
-    results = study.timm_runs(world, maps, seeds)
-    if study.mmpretrain and any(n in study.runs for n in MM_RUNS):
-        results |= study.mm_runs(world, seeds)
-    tests = study.test_eval(results, study.make_world(test=True))
-    curves = study.occlusion(results, seeds)
-    text = table(results, tests, curves, seeds, args.preset, preset, study.secs)
+    print(f'== study, preset {args.preset}: {len(seeds)} seeds x {len(runs)} runs, out {out}', flush=True)
+    done = run_preset(out, preset, runs, seeds, runner=runner)
+    tally = done['tally']
+    text = table(done['results'], done['tests'], done['curves'], seeds, args.preset, preset, tally.secs)
     (out / 'study.md').write_text(text + '\n')
     record = dict(
         preset=args.preset,
         settings=preset,
         seeds=seeds,
-        runs={f'{n} seed {s}': r for (n, s), r in results.items()},
-        test={f'{n} seed {s}': r for (n, s), r in tests.items()},
-        occlusion={f'{n} seed {s}': r for (n, s), r in curves.items()},
-        steps_run=study.steps_done,
-        steps_skipped=study.steps_skipped,
+        runs={f'{n} seed {s}': r for (n, s), r in done['results'].items()},
+        test={f'{n} seed {s}': r for (n, s), r in done['tests'].items()},
+        occlusion={f'{n} seed {s}': r for (n, s), r in done['curves'].items()},
+        steps_run=len(tally.ran),
+        steps_skipped=len(tally.skipped),
     )
     (out / 'study.json').write_text(json.dumps(record, indent=1) + '\n')
     print('\n' + text)
     print(
-        f'\n({study.steps_done} steps run, {study.steps_skipped} skipped, {time.time() - t0:.0f} s; {out / "study.md"})'
+        f'\n({record["steps_run"]} steps run, {record["steps_skipped"]} skipped, {time.time() - t0:.0f} s; '
+        f'{out / "study.md"})'
     )
+    return record
 
 
 if __name__ == '__main__':

@@ -5,11 +5,12 @@ The papers' argument for token-aware targets is that a CutMix box's area is a wr
 or off-centre: a box that covers 40 % of the image may show all of a small object, or none of it. The world lets us
 turn exactly that knob. This runner builds one world per object-size range (``SIZES``: the main object covers 3-10,
 8-35 (``tokenaug-data``'s default) or 30-70 % of the image; the same generator seed, classes, split sizes and extra
-objects), and on each trains CutMix, TL-Align, TransMix and TokenMix with activation-map targets (``SIZE_RUNS``)
-with the recipe and seeds of ``bench/study.py``'s preset, through the same steps (``tokenaug-data``, the annotator
-and its ``tokenaug-maps`` per world, ``tokenaug-train``, the test world and ``bench/study_eval.py``).
+objects), and on each runs ``tokenaug-study`` (``bench/study.py``'s preset: its data layout, recipe and seeds) on
+CutMix, TL-Align, TransMix and TokenMix blocks with activation-map targets (``SIZE_RUNS``, tokenaug-study's names):
+the annotator and its ``tokenaug-maps`` per world, the trainings and their test evaluations.
 
-It writes under ``--out``, besides each size's own study folder (``OUT/<size>/``, the layout of ``bench/study.py``):
+It writes under ``--out``, besides each size's own study folder (``OUT/<size>/``, the layout of ``bench/study.py``,
+with tokenaug-study's ``results.md``):
 
 - ``study_size.md``: the knob (per size, the share of CutMix boxes whose area label is off by more than 0.2 from
   the share of the objects the mixed image shows: :func:`area_label_error`), each run's test top-1 per size, each
@@ -17,9 +18,10 @@ It writes under ``--out``, besides each size's own study folder (``OUT/<size>/``
   where the area labels are most wrong, over ``--tl-align-seeds`` seeds;
 - ``study_size.json`` (every step's record) and ``study_size.png`` (the differences against size, and the knob).
 
-Resumable as ``bench/study.py`` (each step keeps its command; a rerun skips what is done). The order is chosen so
+Resumable as ``tokenaug-study`` (each step keeps its command; a rerun skips what is done). The order is chosen so
 that a stopped study leaves whole results behind: every world and its knob first, then each size's grid (seed by
-seed) and its test evaluations, then TL-Align's extra seeds.
+seed, as tokenaug-study runs it) and its test evaluations, then TL-Align's extra seeds (a second tokenaug-study on
+that size's folder, which skips the seeds the grid trained).
 
     .venv/bin/python bench/study_size.py [--preset cpu_small] [--out study_size_out] [--seeds 5]
         [--tl-align-seeds 16] [--sizes small medium large] [--runs cutmix tl_align ...]
@@ -36,8 +38,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / 'bench')]
-from study import PRESETS, RUNS, Step, Study, area_range, interval, mean_sd, paired
+from study import LABELS, PRESETS, Tally, area_range, data_dir, timm_study, world_step
 
+from shared_core.study import Step, interval, mean_sd, paired
 from shared_core.study import verdict as shared_verdict
 
 #: the main object's share of the image per world (tokenaug-data --min-area/--max-area). The large range's upper
@@ -46,7 +49,7 @@ from shared_core.study import verdict as shared_verdict
 SIZES = {'small': (0.03, 0.10), 'medium': (0.08, 0.35), 'large': (0.30, 0.70)}
 #: the baseline, and the methods compared with it at every size
 BASELINE = 'cutmix'
-SIZE_RUNS = ['cutmix', 'tl_align', 'transmix', 'tokenmix_maps']
+SIZE_RUNS = ['cutmix', 'tl_align', 'transmix', 'tokenmix_block_maps']
 #: the knob's measurement: CutMix pairs drawn per world, and the error beyond which an area label counts as wrong
 KNOB_PAIRS, KNOB_SEED, KNOB_OFF = 4000, 0, 0.2
 
@@ -127,35 +130,28 @@ def area_label_error(world: Path, pairs: int = KNOB_PAIRS, seed: int = KNOB_SEED
     )
 
 
-class SizeStudy:
-    """One :class:`study.Study` per size, and the knob's steps."""
+def size_preset(preset: dict, size: str) -> dict:
+    """The preset on a size's world: its main-object area, and the world also in the ADE20K layout (its masks)."""
+    return dict(preset, area=SIZES[size], world_formats='imagenet,ade20k')
 
-    def __init__(self, out: Path, preset: dict, sizes: list[str], runs: list[str], runner=None):
-        self.out, self.sizes = out, sizes
-        self.studies = {
-            size: Study(
-                out / size, dict(preset, area=SIZES[size], world_formats='imagenet,ade20k'), False, runs, runner
-            )
-            for size in sizes
-        }
 
-    def knob(self, size: str, world: Step) -> dict:
-        study = self.studies[size]
-        step = Step(study.out / 'knob', ['area_label_error', KNOB_PAIRS, KNOB_SEED, KNOB_OFF], [world.key])
-        return study.step(f'{size}: area labels', step, lambda: area_label_error(study.world))
-
-    def grid(self, size: str, world: Step, seeds: list[int]) -> tuple[dict, dict]:
-        """A size's runs on ``seeds`` and their test evaluations."""
-        study = self.studies[size]
-        uses_maps = any('MAPS' in RUNS[n][2] for n in study.runs)
-        maps = study.annotator_and_maps(world) if uses_maps else None
-        results = study.timm_runs(world, maps, seeds)
-        return results, study.test_eval(results, study.make_world(test=True))
+def knob(out: Path, size: str, world: Step, tally: Tally) -> dict:
+    """The knob of a size's world (:func:`area_label_error`), kept as a step of the world (computed here)."""
+    step = Step(out / size / 'knob', ['area_label_error', KNOB_PAIRS, KNOB_SEED, KNOB_OFF], [world.key])
+    rec = step.done()
+    if rec is not None:
+        print(f'  {size}: area labels: done before, skipped', flush=True)
+        return tally.add(f'{size}: area labels', rec, before=True)
+    step.start()
+    t = time.time()
+    rec = step.finish(**area_label_error(world.dir), secs=round(time.time() - t, 1))
+    print(f'  {size}: area labels: {rec["share_off"]:.1%} off by > {KNOB_OFF} ({rec["secs"]:.0f} s)', flush=True)
+    return tally.add(f'{size}: area labels', rec, before=False)
 
 
 def render(record: dict, preset_name: str, preset: dict, tl_size: str | None, wall: float, cpu: float) -> str:
     """``study_size.md``: the knob, the per-size runs and differences, and TL-Align's extra seeds."""
-    labels = {k: v[0] for k, v in RUNS.items()}
+    labels = LABELS
     sizes = list(record['knob'])
     vit = preset['vit']
     ranges = ', '.join(f'{s} {area_range(dict(area=SIZES[s]))}' for s in sizes)
@@ -215,7 +211,7 @@ def plot(record: dict, path: Path) -> Path:
     from shared_core.plotting import pyplot
 
     plt = pyplot()
-    labels = {k: v[0] for k, v in RUNS.items()}
+    labels = LABELS
     sizes = list(record['knob'])
     x = [record['knob'][s]['coverage'] * 100 for s in sizes]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.8), layout='constrained')
@@ -281,22 +277,27 @@ def main(argv=None, runner=None):
     sizes = [s for s in SIZES if s in args.sizes]
     runs = [n for n in SIZE_RUNS if n in args.runs]
     t0 = time.time()
-    ss = SizeStudy(out, preset, sizes, runs, runner)
     print(f'== size study, preset {args.preset}: sizes {", ".join(sizes)}, runs {", ".join(runs)}, out {out}')
-    worlds = {s: ss.studies[s].make_world() for s in sizes}
-    knob = {s: ss.knob(s, worlds[s]) for s in sizes}
-    tl_size = max(sizes, key=lambda s: knob[s]['share_off']) if 'tl_align' in runs else None
+    tally, knobs = Tally(), {}
+    for s in sizes:  # every world and its knob first
+        world = world_step(out / s, size_preset(preset, s), tally)
+        world_step(out / s, size_preset(preset, s), tally, test=True)
+        data_dir(out / s)
+        knobs[s] = knob(out, s, world, tally)
+    tl_size = max(sizes, key=lambda s: knobs[s]['share_off']) if 'tl_align' in runs else None
     results, tests = {}, {}
-    for s in sizes:
-        results[s], tests[s] = ss.grid(s, worlds[s], seeds)
-    if tl_size is not None and args.tl_align_seeds > len(seeds):
-        study = ss.studies[tl_size]
-        study.runs = [BASELINE, 'tl_align']
-        extra = study.timm_runs(worlds[tl_size], None, list(range(len(seeds), args.tl_align_seeds)))
+    for s in sizes:  # then each size's grid, seed by seed, and its test evaluations
+        study, results[s], tests[s] = timm_study(out / s, size_preset(preset, s), runs, len(seeds), runner)
+        tally.take(study, f'{s} ')
+    if tl_size is not None and args.tl_align_seeds > len(seeds):  # then TL-Align's extra seeds
+        study, extra, extra_tests = timm_study(
+            out / tl_size, size_preset(preset, tl_size), [BASELINE, 'tl_align'], args.tl_align_seeds, runner
+        )
+        tally.take(study, f'{tl_size} ')
         results[tl_size] |= extra
-        tests[tl_size] |= study.test_eval(extra, study.make_world(test=True))
+        tests[tl_size] |= extra_tests
     record = dict(preset=args.preset, settings=preset, sizes={s: SIZES[s] for s in sizes}, seeds=seeds)
-    record['knob'] = {s: {k: v for k, v in knob[s].items() if k not in ('key', 'cmd')} for s in sizes}
+    record['knob'] = {s: {k: v for k, v in knobs[s].items() if k not in ('key', 'cmd')} for s in sizes}
     record['top1'] = {
         s: {n: [tests[s][n, i]['top1'] for i in sorted(i for m, i in tests[s] if m == n)] for n in runs} for s in sizes
     }
@@ -314,11 +315,8 @@ def main(argv=None, runner=None):
         record['tl_align'] = dict(size=tl_size, seeds=all_seeds, diff=paired(*top))
     record['runs'] = {f'{s} {n} seed {i}': r for s in sizes for (n, i), r in results[s].items()}
     record['test'] = {f'{s} {n} seed {i}': r for s in sizes for (n, i), r in tests[s].items()}
-    wall = sum(st.secs for st in ss.studies.values())
-    cpu = sum(st.cpu_secs for st in ss.studies.values())
-    record['steps_run'] = sum(st.steps_done for st in ss.studies.values())
-    record['steps_skipped'] = sum(st.steps_skipped for st in ss.studies.values())
-    text = render(record, args.preset, preset, tl_size, wall, cpu)
+    record['steps_run'], record['steps_skipped'] = len(tally.ran), len(tally.skipped)
+    text = render(record, args.preset, preset, tl_size, tally.secs, tally.cpu_secs)
     (out / 'study_size.md').write_text(text + '\n')
     (out / 'study_size.json').write_text(json.dumps(record, indent=1) + '\n')
     plot(record, out / 'study_size.png')

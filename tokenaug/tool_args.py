@@ -284,15 +284,34 @@ STUDY_RUNS = {
         'TokenMix with activation-map targets (label maps)',
         ['--mixup-type', 'tokenmix', '--activation-map-dir', 'MAPS'],
     ),
+    # the recipe's switch with MixUp and its Beta(α, α) λ kept, the boxes' targets from the maps
+    'tokenmix_block_maps': (
+        'TokenMix blocks in the MixUp switch, activation-map targets (label maps)',
+        ['--mixup-type', 'tokenmix_block', '--activation-map-dir', 'MAPS'],
+    ),
     # MixToken replaces the recipe's MixUp/CutMix switch (Token Labeling, Table 3: no MixUp with it)
     'mixtoken': (
         'MixToken + token labeling (label maps)',
         ['--mixup-type', 'mixtoken', '--mixup', '0', '--token-label-dir', 'MAPS'],
     ),
     'htm': (
-        "TokenMixup's HTM at block 2 over MixUp/CutMix",
+        "TokenMixup's HTM at block 2 over MixUp/CutMix (CIFAR-100's τ 0.2, ρ 0.005)",
         ['--mixup-type', 'cutmix', '--tokenmixup-htm-layers', '2'],
     ),
+    # CIFAR-10's recipe: with few classes, CIFAR-100's τ 0.2 marks most samples easy (bench/STUDY.md)
+    'htm_c10': (
+        "TokenMixup's HTM at block 2 over MixUp/CutMix (CIFAR-10's τ 0.1, ρ 0.003)",
+        [
+            '--mixup-type',
+            'cutmix',
+            '--tokenmixup-htm-layers',
+            '2',
+            '--tokenmixup-tau',
+            '0.1',
+            '--tokenmixup-rho',
+            '0.003',
+        ],
+    ),  # fmt: skip
 }
 
 

@@ -1,6 +1,6 @@
-"""bench/study.py, the multi-seed study runner: its statistics against hand-computed values, and the whole
-runner on its ``tiny`` preset (1 epoch; one seed, then a second for two runs) through the real entry points,
-resumed."""
+"""bench/study.py and bench/study_size.py, the presets of tokenaug-study on the world: the statistics against
+hand-computed values, and each whole preset on ``tiny`` (1 epoch; one seed, then a second for two runs) through
+the real entry points, resumed."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def _study():
 
 
 def test_paired_difference_and_its_interval_by_hand():
-    study = _study()
+    from shared_core import study
+
     method, baseline = [71.0, 73.4, 70.2, 72.8, 74.0], [70.0, 72.0, 71.0, 71.2, 72.6]
     d = study.paired(method, baseline)
     diffs = [1.0, 1.4, -0.8, 1.6, 1.4]
@@ -55,27 +56,36 @@ def _run(out: Path, *extra) -> dict:
     return json.loads((out / 'study.json').read_text())
 
 
-def test_a_preset_evaluates_every_val_interval_epochs(tmp_path):
-    """cpu_small evaluates every 20 of its 60 epochs (the table reads the last one); cpu, every epoch (timm's
-    default, so its runs keep their recorded commands)."""
+def test_a_preset_is_a_tokenaug_study_command_line(tmp_path):
+    """A preset's timm runs are tokenaug-study's (one table, one spelling), on the repo's recipe at the preset's
+    model and schedule: cpu_small evaluates every 20 of its 60 epochs (the table reads the last one); cpu, every
+    epoch (timm's default, so its runs keep their recorded commands). The grid is every run but the probes."""
+    from tokenaug.tool_args import STUDY_RUNS, study_parser
+
     study = _study()
+    assert set(study.TIMM_RUNS) <= set(STUDY_RUNS) and not set(study.TIMM_RUNS) & set(study.MM_RUNS)
+    assert study.GRID == [n for n in study.TIMM_RUNS + list(study.MM_RUNS) if n not in study.PROBES]
+    assert {n for pair in study.COMPARISONS for n in pair} <= set(study.LABELS)
 
-    def cmd(preset):
-        s = study.Study(tmp_path / preset, study.PRESETS[preset], mmpretrain=False)
-        return [str(c) for c in s.timm_cmd('world_vit-tiny.yaml', tmp_path / 'runs' / 'seed0', 0, [])]
+    def train_args(preset, runs=('plain', 'cutmix')):
+        argv = study.study_argv(tmp_path, study.PRESETS[preset], list(runs), 3)
+        args = study_parser().parse_args(argv)
+        assert args.runs == list(runs) and args.seeds == 3 and args.config == str(study.RECIPE)
+        return args
 
-    assert study.Study(tmp_path / 'grid', study.PRESETS['tiny'], mmpretrain=False).runs == study.GRID
-    every = study.Study(tmp_path / 'all', study.PRESETS['tiny'], mmpretrain=False, runs=['all']).runs
-    assert every == list(study.RUNS) + list(study.MM_RUNS)
-    small = cmd('cpu_small')
+    small = train_args('cpu_small').train_args
     assert small[small.index('--val-interval') + 1] == '20' and small[small.index('--epochs') + 1] == '60'
-    assert '--val-interval' not in cmd('cpu')
+    assert small[small.index('--model-kwargs') + 1 : small.index('--epochs')] == [
+        'img_size=112', 'depth=6', 'embed_dim=96', 'num_heads=3',
+    ]  # fmt: skip
+    assert '--val-interval' not in train_args('cpu').train_args
+    assert train_args('cpu').baseline == 'cutmix' and train_args('cpu', ['plain', 'htm']).baseline == 'plain'
 
 
 #: the runs the end-to-end test trains: one of each kind of step (no mixing, a mixer, TL-Align, the two runs that
 #: read the annotator's maps, two of the occlusion runs, an mmpretrain run); the grid's other runs go through the
 #: same code (the grid itself: test_a_preset_evaluates_every_val_interval_epochs)
-SOME = ['plain', 'cutmix', 'tl_align', 'tokenmix_maps', 'mixtoken', 'mm_tl_align']
+SOME = ['plain', 'cutmix', 'tl_align', 'tokenmix_block_maps', 'mixtoken', 'mm_tl_align']
 
 
 @pytest.mark.slow
@@ -89,16 +99,15 @@ def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path, monkeypatch,
     names = SOME
     assert first['seeds'] == [0]
     assert set(names) < set(study.GRID)
-    assert set(study.PROBES) <= set(study.RUNS) | set(study.MM_RUNS) and not set(study.PROBES) & set(study.GRID)
     assert set(first['runs']) == {f'{n} seed 0' for n in names}
     for name, rec in first['runs'].items():
         assert 0 <= rec['top1'] <= 100 and rec['secs'] > 0, name
     # every run's final checkpoint on the test world (6 val images per class, the world's 4 first among them):
     # the timm runs in process after reproducing their own val top-1, the mmpretrain ones by its tools/test.py
     assert set(first['test']) == set(first['runs'])
-    for name, rec in first['test'].items():  # (a 60-image evaluation may take under the 0.1 s the record keeps)
-        assert 0 <= rec['top1'] <= 100 and rec['secs'] >= 0, name
-        assert name.startswith('mm_') or rec['images'] == 60, name
+    for name, rec in first['test'].items():
+        assert 0 <= rec['top1'] <= 100, name
+        assert name.startswith('mm_') or (rec['images'] == 60 and rec['split'] == 'test'), name
     for split in ('train', 'val'):
         world = sorted(p.read_bytes() for p in (out / 'world' / 'imagenet' / split).rglob('*.jpg'))
         test = sorted(p.read_bytes() for p in (out / 'test_world' / 'imagenet' / split).rglob('*.jpg'))
@@ -106,8 +115,14 @@ def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path, monkeypatch,
         assert world == test if split == 'train' else set(world) < set(test)
     assert (out / 'logs' / 'test_mm_tl_align_seed0.log').is_file()
     assert (out / 'runs' / 'mm_tl_align' / 'seed0').is_dir()
+    # the study's data: the world's train and val splits, the test world's val split as its test split
+    world, test_world = out / 'world' / 'imagenet', out / 'test_world' / 'imagenet'
+    linked = [(out / 'data' / s).resolve() for s in ('train', 'val', 'test')]
+    assert linked == [world / 'train', world / 'val', test_world / 'val']
+    # tokenaug-study's own results against cutmix, beside the preset's table
+    assert '| tl_align |' in (out / 'results.md').read_text()
     # the evaluator refuses a run whose own val top-1 it does not reproduce (the token-labeling run: cls + aux)
-    from study_eval import evaluate_run  # (bench/ is on sys.path: study.py puts it there)
+    from timm_plugin.tools.study_eval import evaluate_run
 
     run, own = out / 'runs' / 'mixtoken' / 'seed0', first['runs']['mixtoken seed 0']['top1']
     worlds = (out / 'test_world' / 'imagenet', out / 'world' / 'imagenet')
@@ -117,31 +132,32 @@ def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path, monkeypatch,
         evaluate_run(run, *worlds, own + 50)
     # the timm runs are tokenaug-train's own run folders, with their seed and the study's epochs
     args = (out / 'runs' / 'tl_align' / 'seed0' / 'args.yaml').read_text()
+    assert '--mixup-type tl_align' in (out / 'logs' / 'tl_align_seed_0.log').read_text()
     assert 'seed: 0\n' in args and 'epochs: 1\n' in args and 'method: tl_align' in args and 'mixup_type: cutmix' in args
     # the annotator's maps feed token labeling and TokenMix's activation-map targets
     maps = str(out / 'maps' / 'train')
     assert maps in (out / 'runs' / 'mixtoken' / 'seed0' / 'args.yaml').read_text()
-    assert maps in (out / 'runs' / 'tokenmix_maps' / 'seed0' / 'args.yaml').read_text()
+    assert maps in (out / 'runs' / 'tokenmix_block_maps' / 'seed0' / 'args.yaml').read_text()
     occluded = [n for n in study.OCCLUSION_RUNS if n in names]  # the occlusion runs that trained
     assert set(first['occlusion']) == {f'{n} seed 0' for n in occluded}
     for rec in first['occlusion'].values():
         assert len(rec['top1']) == len(study.OCCLUSION_RATIOS)
-    labels = {k: v[0] for k, v in study.RUNS.items()} | {k: v[0] for k, v in study.MM_RUNS.items()}
+    labels = study.LABELS
 
     def check_table(record, runs, seeds):
         """study.md has a row per run and one per comparison among them, whose difference is the mean of the
         per-seed test differences."""
         table = (out / 'study.md').read_text()
         for name in runs:
-            assert f'| {labels[name]} |' in table
+            assert f'| {name} ({labels[name]}) |' in table
         pairs = [(m, b) for m, b in study.COMPARISONS if m in runs and b in runs]
         for m, b in pairs:
             diffs = [record['test'][f'{m} seed {s}']['top1'] - record['test'][f'{b} seed {s}']['top1'] for s in seeds]
-            assert f'| {labels[m]} | {labels[b]} | {sum(diffs) / len(seeds):+.2f} |' in table
+            assert f'| {m} | {b} | {sum(diffs) / len(seeds):+.2f} |' in table
         return table, pairs
 
     assert check_table(first, names, [0])[1]
-    steps = first['steps_run']  # world, annotator, maps, test world; runs, their test evaluations; occlusion
+    steps = first['steps_run']  # world, test world, annotator, maps; runs, their test evaluations; occlusion
     assert first['steps_skipped'] == 0 and steps == 4 + len(names) * 2 + len(occluded)
 
     # a rerun skips every finished step and writes the same table
@@ -171,7 +187,7 @@ def test_study_runs_the_grid_writes_the_table_and_resumes(tmp_path, monkeypatch,
     d = study.paired(*([two['test'][f'{n} seed {s}']['top1'] for s in (0, 1)] for n in pair[::-1]))
     assert f'| {d["mean"]:+.2f} | [{d["mean"] - d["half"]:+.2f}, {d["mean"] + d["half"]:+.2f}] |' in table
     # per-class test accuracy of the study's runs (bench/study_eval.py): one row per run, a cell per class
-    from study_eval import main as per_class
+    per_class = _bench('study_eval').main
 
     capsys.readouterr()
     per_class(['--out', str(out), '--runs', *pair, '--seeds', '2'])
@@ -220,7 +236,7 @@ def test_size_study_says_whether_tl_align_is_resolved_or_bounded(tl_align, cutmi
     """The TL-Align line of study_size.md: resolved where the 95 % interval excludes 0, bounded where the whole
     interval lies inside ±0.3, neither otherwise; not resolvable where every seed gave the same difference; no
     interval for one seed."""
-    size, study = _size_study(), _bench('study')
+    size, study = _size_study(), _study()
     knob = dict(coverage=0.06, share_off=0.5, mean_error=0.2, invisible=0)
     seeds = list(range(len(tl_align)))
     diff = study.paired(tl_align, cutmix)

@@ -67,7 +67,10 @@ from shared_core.study import (
 from tokenaug.tool_args import STUDY_RUNS, study_parser
 from tokenaug.train_args import DIVERGED
 
-__all__ = ['main', 'StudyError', 'Study', 'train_step', 'run_logged', 'stop_commands', 'FAILURES']
+__all__ = [
+    'main', 'StudyError', 'Study', 'command_step', 'train_step', 'run_logged', 'stop_commands', 'portable_cmd',
+    'OutputError', 'FAILURES',
+]  # fmt: skip
 
 BIN = Path(sys.executable).parent
 
@@ -141,50 +144,100 @@ def _terminate(proc: subprocess.Popen) -> None:
 FAILURES = {DIVERGED: 'diverged: a loss was not finite', 2: "refused: tokenaug-train's error is in its log"}
 
 
-def train_step(name: str, step: Step, log: Path, runner=run_logged) -> dict | None:
-    """The runner of one ``tokenaug-train`` step (``tokenaug-study``'s and the bench studies'): its record if it is
-    done; else it trains, from scratch or resumed (``--resume``) where an interrupted attempt of the same command
-    left a checkpoint, and records the final val top-1/top-5, wall and CPU seconds. ``None`` if the training
-    failed (the reason kept with the step, :meth:`Step.fail`, and the log named). ``runner(cmd, log)`` runs the
-    command (:func:`run_logged`; the tests inject one that runs it in their process)."""
+class OutputError(Exception):
+    """What a step's command wrote is missing or cut short (raised by a ``collect`` of :func:`command_step`)."""
+
+
+def command_step(
+    name: str, step: Step, log: Path, runner=run_logged, *, resume=None, collect=None, failures=None, said=None
+) -> dict | None:
+    """One step that runs one command (a training, the maps, a bench preset's world or evaluation): its record if
+    it is done; else the command runs, from scratch, or resumed where ``resume(step)`` gives the command that
+    continues what an interrupted attempt of the same command left (``None``: start afresh). ``collect()`` then
+    reads what the command wrote, a dict kept in the record with the wall and CPU seconds; it raises
+    :class:`OutputError` where that is missing or cut short. ``None`` if the command failed (the reason kept with
+    the step, :meth:`Step.fail`, by its exit status in ``failures`` where it is named there, and the log named)
+    or the study is stopping. ``runner(cmd, log)`` runs the command (:func:`run_logged`); ``said(record)`` is the
+    line printed when it is done."""
     rec = step.done()
     if rec is not None:
         print(f'  {name}: done before, skipped', flush=True)
         return rec
-    last = step.dir / 'last.pth.tar'
-    resume = step.started() and last.is_file()
-    cmd = list(step.cmd)
-    if resume:
-        i = cmd.index('--experiment') + 2
-        cmd[i:i] = ['--resume', str(last)]
-    else:
+    cmd = resume(step) if resume is not None and step.started() else None
+    if cmd is None:
         moved = step.start()
         if moved is not None:
-            print(f"  {name}: its folder held another command's run, moved aside to {moved}", flush=True)
+            print(f"  {name}: its folder held another command's output, moved aside to {moved}", flush=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     t = time.time()
-    rc, cpu = runner(cmd, log)
+    rc, cpu = runner(step.cmd if cmd is None else cmd, log)
     if _STOPPING.is_set():
         print(f'  {name}: stopped (a rerun resumes it)', flush=True)
         return None
-    if rc != 0:
-        why = FAILURES.get(rc, f'exit {rc}')
+    why, result = (failures or {}).get(rc, f'exit {rc}') if rc else None, {}
+    if why is None and collect is not None:
+        try:
+            result = collect()
+        except OutputError as e:
+            why = str(e)
+    if why is not None:
         step.fail(exit=rc, reason=why)
         print(f'  {name}: FAILED ({why}); see {log}', flush=True)
         return None
-    results = step.dir / 'results.json'
-    try:
-        final = json.loads(results.read_text())['final']
-        top1, top5 = final['top1'], final['top5']
-    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
-        why = f'{results} is missing or cut short'
-        step.fail(exit=rc, reason=why)
-        print(f'  {name}: FAILED ({why}); see {log}', flush=True)
-        return None
-    secs = round(time.time() - t, 1)
-    rec = step.finish(top1=top1, top5=top5, secs=secs, cpu_secs=cpu, resumed=resume)
-    print(f'  {name}: val top-1 {top1}{" (resumed)" if resume else ""} ({secs:.0f} s)', flush=True)
+    rec = step.finish(**result, secs=round(time.time() - t, 1), cpu_secs=cpu, resumed=cmd is not None)
+    line = said(rec) if said is not None else ', '.join(f'{k} {v}' for k, v in result.items())
+    print(f'  {name}: {line}{" (resumed)" if cmd is not None else ""} ({rec["secs"]:.0f} s)', flush=True)
     return rec
+
+
+def train_step(name: str, step: Step, log: Path, runner=run_logged) -> dict | None:
+    """One ``tokenaug-train`` step (:func:`command_step`): resumed (``--resume``) where an interrupted attempt of
+    the same command left a checkpoint; its record keeps the final val top-1/top-5 of the run's ``results.json``.
+    ``None`` if the training failed (a diverged loss, a refusal, its results missing or cut short)."""
+    last, results = step.dir / 'last.pth.tar', step.dir / 'results.json'
+
+    def resume(step):
+        if not last.is_file():
+            return None
+        cmd = list(step.cmd)
+        i = cmd.index('--experiment') + 2
+        cmd[i:i] = ['--resume', str(last)]
+        return cmd
+
+    def collect():
+        try:
+            final = json.loads(results.read_text())['final']
+            return dict(top1=final['top1'], top5=final['top5'])
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
+            raise OutputError(f'{results} is missing or cut short') from None
+
+    return command_step(
+        name, step, log, runner, resume=resume, collect=collect, failures=FAILURES,
+        said=lambda rec: f'val top-1 {rec["top1"]}',
+    )  # fmt: skip
+
+
+def portable_cmd(cmd: list, out: Path, named: dict | None = None) -> list:
+    """A command as a step's key holds it: the study folder ``out`` as ``{out}``, the programs of this environment
+    by name (``python``, ``tokenaug-train``), ``NAME=PATH`` settings likewise, and ``named`` arguments by the names
+    given (the recipe by its values), so that a study folder moved or copied, or a new environment, keeps its
+    finished steps."""
+    out, named = str(out), named or {}
+
+    def portable(c) -> str:
+        c = str(c)
+        if c in named:
+            return named[c]
+        if c == sys.executable:
+            return 'python'
+        if Path(c).parent == BIN:
+            return Path(c).name
+        if c == out or c.startswith(out + os.sep):
+            return '{out}' + c[len(out) :]
+        name, eq, value = c.partition('=')  # NAME=PATH (an environment setting, a kwarg)
+        return f'{name}={portable(value)}' if eq and value and not name.startswith('-') else c
+
+    return [portable(c) for c in cmd]
 
 
 class Study:
@@ -276,7 +329,11 @@ class Study:
         if any(self.reads_maps(r) for r in args.runs) and self.maps is None:
             self.maps = self.out / 'maps' / 'train'
             self.prep = self._annotator_steps()
-        self.steps = {f'{run} seed {s}': self._step(run, s) for run in args.runs for s in self.seeds}
+        # seed by seed: a study stopped midway leaves whole pairs of the seeds it finished
+        self.steps = {f'{run} seed {s}': self._step(run, s) for s in self.seeds for run in args.runs}
+        #: the steps this process ran, and those it found done before (trainings, maps and evaluations, by name)
+        self.ran: list = []
+        self.skipped: list = []
 
     def check_recipe(self) -> None:
         """A recipe that cannot train, refused once before any run starts: its command parsed and checked as
@@ -322,24 +379,9 @@ class Study:
             raise StudyError(f"-c/--config {self.config} with --train-args: {what}'s command does not parse") from None
 
     def keyed(self, cmd: list) -> list:
-        """A command as its step's key holds it: the study folder as ``{out}``, the programs by name and the
-        recipe by its values, so that a study folder moved or copied (or a new environment) keeps its finished
-        steps, and an edited recipe runs them again."""
-        out, config = str(self.out), str(self.config)
-
-        def portable(c) -> str:
-            c = str(c)
-            if c == sys.executable:
-                return 'python'
-            if Path(c).parent == BIN:
-                return Path(c).name
-            if c == config:
-                return f'recipe:{self.recipe_key}'
-            if c == out or c.startswith(out + os.sep):
-                return '{out}' + c[len(out) :]
-            return c
-
-        return [portable(c) for c in cmd]
+        """A command as its step's key holds it (:func:`portable_cmd`), the recipe by its values: an edited recipe
+        runs the steps again, an edited comment does not."""
+        return portable_cmd(cmd, self.out, {str(self.config): f'recipe:{self.recipe_key}'})
 
     def lock(self, shared: bool):
         """One study per ``--out``: a lock on ``OUT/study.lock`` for the whole run, exclusive for a study run here
@@ -463,30 +505,41 @@ class Study:
 
     def _make_maps(self, step: Step) -> bool:
         """``tokenaug-maps generate`` unless done; an interrupted attempt of the same command resumes (``--resume``
-        checks that the store is the same run's)."""
-        if step.done():
-            print('  maps: done before, skipped', flush=True)
-            return True
-        resume = step.started() and self.maps.is_dir()
-        if not resume:  # (the store's folder is under the step's: an earlier attempt's store goes with it)
-            moved = step.start()
-            if moved is not None:
-                print(f"  maps: {step.dir} held another command's maps, moved aside to {moved}", flush=True)
-        cmd = step.cmd + (['--resume'] if resume else [])
-        t = time.time()
-        rc, _ = self.runner(cmd, self._log('maps'))
-        if _STOPPING.is_set():
-            return False
-        if rc != 0:
-            step.fail(exit=rc, reason=f'exit {rc}')
-            print(f'  maps: FAILED (exit {rc}); see {self._log("maps")}', flush=True)
-            return False
-        step.finish(images=len(read_store_paths(self.maps)), secs=round(time.time() - t, 1), resumed=resume)
-        print(f'  maps: {self.maps} ({time.time() - t:.0f} s)', flush=True)
-        return True
+        checks that the store is the same run's). The store's folder is under the step's: an attempt started afresh
+        takes an earlier attempt's store with it."""
+
+        def collect():
+            try:
+                return dict(images=len(read_store_paths(self.maps)))
+            except (FileNotFoundError, KeyError, ValueError) as e:
+                raise OutputError(f'the store {self.maps} is missing or cut short: {e}') from None
+
+        def resume(step):
+            return step.cmd + ['--resume'] if self.maps.is_dir() else None
+
+        def run():
+            return command_step(
+                'maps',
+                step,
+                self._log('maps'),
+                self.runner,
+                resume=resume,
+                collect=collect,
+                said=lambda rec: str(self.maps),
+            )
+
+        return self._counted('maps', step, run) is not None
 
     def _train(self, name: str, step: Step) -> bool:
-        return train_step(name, step, self._log(name), self.runner) is not None
+        return self._counted(name, step, lambda: train_step(name, step, self._log(name), self.runner)) is not None
+
+    def _counted(self, name: str, step: Step, run) -> dict | None:
+        """``run()``'s record of ``step``, counted as run here or done before (:attr:`ran`, :attr:`skipped`)."""
+        before = step.done() is not None
+        rec = run()
+        if rec is not None:
+            (self.skipped if before else self.ran).append(name)
+        return rec
 
     def train_all(self) -> None:
         self.write_plan()
@@ -511,6 +564,47 @@ class Study:
         names = (['annotator'] if self.prep else []) + list(self.steps)
         return [shlex.join([str(BIN / 'tokenaug-study'), '--run-step', name, *argv]) for name in names]
 
+    def run(self) -> int:
+        """Run the study as its arguments say (every step here, one ``--run-step`` job, or ``--collect``), under its
+        lock (:meth:`lock`), with SIGTERM / SIGINT ending what it started (:func:`stop_commands`): 0 when every
+        step is done and the results are written, 1 where a step failed or is missing, 128 + the signal when it was
+        stopped."""
+        a = self.args
+        lock = self.lock(shared=a.run_step is not None)
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            handlers = {sig: signal.signal(sig, stop_commands) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            if a.run_step is not None:
+                code = 0 if self.run_step(a.run_step) else 1
+            else:
+                if not a.collect:
+                    annotator = ', and an annotator and its label maps first' if self.prep else ''
+                    print(
+                        f'== tokenaug-study: {len(self.steps)} trainings ({len(a.runs)} runs x {a.seeds} seeds)'
+                        f'{annotator}'
+                    )
+                    self.train_all()
+                code = None if _STOPPING.is_set() else self.report()
+            if _STOPPING.is_set():
+                for proc in list(_LIVE):
+                    proc.wait()
+                code = 128 + _STOPPING.signum
+                print(
+                    f'tokenaug-study: stopped by signal {_STOPPING.signum}: the commands it started have ended; the '
+                    'same command resumes the study',
+                    file=sys.stderr,
+                )
+            return code
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            _STOPPING.clear()
+            if a.run_step is None:
+                lock.seek(0)
+                lock.truncate()
+            lock.close()
+
     # ---------------------------------------------------------------------------------------------- results
 
     def evaluate(self, name: str, rec: dict) -> dict:
@@ -523,6 +617,7 @@ class Study:
         key = [step.key, self.test_split]
         kept = read_json(record)  # (cut short: evaluated again)
         if kept is not None and kept.get('key') == key and isinstance(kept.get('result'), dict):
+            self.skipped.append(f'test {name}')
             return kept['result']
         from .study_eval import evaluate_run
 
@@ -532,6 +627,7 @@ class Study:
         )  # fmt: skip
         result['split'] = self.test_split
         write_json(record, dict(key=key, result=result))
+        self.ran.append(f'test {name}')
         return result
 
     def report(self) -> int:
@@ -552,7 +648,10 @@ class Study:
         (self.out / 'results.md').write_text(text + '\n')
         plotted = self.plot(result)
         print('\n' + text)
-        print(f'\n({self.out / "results.md"}, results.json{", results.png" if plotted else ""})')
+        print(
+            f'\n({self.out / "results.md"}, results.json{", results.png" if plotted else ""}; {len(self.ran)} steps '
+            f'run, {len(self.skipped)} done before)'
+        )
         return 1 if missing else 0
 
     def results(self, scores: dict, missing: list) -> dict:
@@ -708,43 +807,10 @@ def main(argv=None, runner=run_logged) -> int:
         print(f'{len(lines)} jobs in {args.emit_jobs}; then: tokenaug-study ... --collect')
         return 0
     try:
-        lock = study.lock(shared=args.run_step is not None)
-    except StudyError as e:
+        return study.run()
+    except StudyError as e:  # (another study holds the lock)
         print(f'tokenaug-study: error: {e}', file=sys.stderr)
         return 2
-    handlers = {}
-    if threading.current_thread() is threading.main_thread():
-        handlers = {sig: signal.signal(sig, stop_commands) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        if args.run_step is not None:
-            code = 0 if study.run_step(args.run_step) else 1
-        else:
-            if not args.collect:
-                annotator = ', and an annotator and its label maps first' if study.prep else ''
-                print(
-                    f'== tokenaug-study: {len(study.steps)} trainings ({len(args.runs)} runs x {args.seeds} seeds)'
-                    f'{annotator}'
-                )
-                study.train_all()
-            code = None if _STOPPING.is_set() else study.report()
-        if _STOPPING.is_set():
-            for proc in list(_LIVE):
-                proc.wait()
-            code = 128 + _STOPPING.signum
-            print(
-                f'tokenaug-study: stopped by signal {_STOPPING.signum}: the commands it started have ended; the same '
-                'command resumes the study',
-                file=sys.stderr,
-            )
-        return code
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        _STOPPING.clear()
-        if args.run_step is None:
-            lock.seek(0)
-            lock.truncate()
-        lock.close()
 
 
 if __name__ == '__main__':
