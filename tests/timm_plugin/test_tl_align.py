@@ -316,24 +316,33 @@ def tiny_swin(**kw):
     return sharpen(SwinTransformer(**args))
 
 
-def swin_reference_labels(model, x, Y_tok):
+def swin_logits(attn, xw):
+    """Swin's window attention logits ``(B · nW, heads, N, N)`` from its qkv: scaled dot products plus the
+    relative position bias."""
+    Bw, N, _ = xw.shape
+    q, k, _ = attn.qkv(xw).reshape(Bw, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+    return (q * attn.scale) @ k.transpose(-2, -1) + attn._get_rel_pos_bias()
+
+
+def swin_reference_labels(model, x, Y_tok, logits=swin_logits, stages=None):
     """Swin's label geometry written out with index arithmetic: for every token, the window it falls in
     after the cyclic shift, and every key of that window mapped back to its unshifted position; patch
     merging as the mean of the 2x2 labels. Attention: recomputed from each block's own qkv on the windows
-    it was given, with the relative position bias and the shift mask, materialised, head-averaged."""
+    it was given (``logits(attn, windows)``: Swin's by default), with the shift mask, materialised,
+    head-averaged. ``stages``: the model's stages (default ``model.layers``)."""
     attns = []
 
     def recompute(attn, args, kwargs):
         xw, mask = args[0], kwargs.get('mask')
         Bw, N, _ = xw.shape
-        q, k, _ = attn.qkv(xw).reshape(Bw, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
-        logits = (q * attn.scale) @ k.transpose(-2, -1) + attn._get_rel_pos_bias()
+        lg = logits(attn, xw)
         if mask is not None:
             nw = mask.shape[0]
-            logits = (logits.view(Bw // nw, nw, attn.num_heads, N, N) + mask[None, :, None]).view(Bw, -1, N, N)
-        attns.append(logits.softmax(-1).mean(1).detach())
+            lg = (lg.view(Bw // nw, nw, attn.num_heads, N, N) + mask[None, :, None]).view(Bw, -1, N, N)
+        attns.append(lg.softmax(-1).mean(1).detach())
 
-    blocks = [b for s in model.layers for b in s.blocks]
+    stages = model.layers if stages is None else stages
+    blocks = [b for s in stages for b in s.blocks]
     hooks = [b.attn.register_forward_pre_hook(recompute, with_kwargs=True) for b in blocks]
     out = model(x)
     for h in hooks:
@@ -342,7 +351,7 @@ def swin_reference_labels(model, x, Y_tok):
     H = W = int(Y_tok.shape[1] ** 0.5)
     Y = Y_tok.view(B, H, W, -1).clone()
     idx = 0
-    for stage in model.layers:
+    for stage in stages:
         if not isinstance(stage.downsample, torch.nn.Identity):
             H, W = H // 2, W // 2
             merged = torch.zeros(B, H, W, Y.shape[-1])

@@ -14,6 +14,7 @@ from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock, SpatialGatingBlock
 from shared_core.tl_align import abs_row_norm, linear_token_mixing
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import TLAlign, TransMix
+from timm_plugin.tl_align.cnn import CHANNEL_GATES
 
 from ..timm_plugin.test_tl_align import C, random_token_labels, sharpen
 from ..timm_plugin.test_tl_align_more import _window_mean
@@ -214,8 +215,6 @@ def convnext_reference(model, Y_tok, grid, layers=None, residual=True, dropped=(
 def test_convnext_refusals():
     with pytest.raises(ValueError, match='overlapping stem'):
         TLAlign(tiny_convnext(stem_type='overlap'))
-    with pytest.raises(ValueError, match='global response norm'):
-        TLAlign(tiny_convnext(use_grn=True))
     with pytest.raises(ValueError, match="head pooling 'max'"):
         TLAlign(tiny_convnext(global_pool='max'))
 
@@ -290,8 +289,9 @@ def resnet_reference(model, Y_tok, grid, layers=None, residual=True, dropped=())
 def test_resnet_refusals():
     with pytest.raises(ValueError, match='ResNestBottleneck'):
         TLAlign(timm.create_model('resnest14d', num_classes=C))
-    with pytest.raises(ValueError, match='se has no TL-Align rule'):
-        TLAlign(timm.create_model('seresnet18', num_classes=C))
+    for kind, name in (('cbam', 'CbamModule'), ('gc', 'GlobalContext'), ('coord', 'CoordAttn')):
+        with pytest.raises(ValueError, match=f'its attention layer {name} has no TL-Align rule'):
+            TLAlign(tiny_resnet(block_args=dict(attn_layer=kind)))
     with pytest.raises(ValueError, match="global_pool='max'"):
         TLAlign(tiny_resnet(global_pool='max'))
     mixer = create_mixer('cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=16, carry_mix=True)
@@ -320,7 +320,38 @@ CNNS = {
         [([0, 1], True)],
         4,
     ),
+    # channel gates (Table 9: channel mixing, labels unchanged): the reference has no rule for them at all; ConvNeXt
+    # V2's global response norm is one
+    'convnext-v2': (
+        lambda **kw: tiny_convnext(use_grn=True, ls_init_value=None, **kw),
+        convnext_reference,
+        [([1, 3], True)],
+        5,
+    ),  # fmt: skip
+    'resnet-se': (
+        lambda **kw: tiny_resnet('bottleneck', block_args=dict(attn_layer='se'), **kw),
+        resnet_reference,
+        [([1], True)],
+        4,
+    ),
+    'resnet-eca': (
+        lambda **kw: tiny_resnet('basic', block_args=dict(attn_layer='eca'), **kw),
+        resnet_reference,
+        [([0, 3], True)],
+        4,
+    ),
 }
+
+
+@pytest.mark.parametrize('name', ['seresnet18', 'ecaresnet26t', 'seresnext26d_32x4d'])
+def test_resnets_with_channel_gates_are_traced(name):
+    """timm's SE / ECA ResNets: the gates leave the labels, so the trace is the plain ResNet rule's."""
+    model = timm.create_model(name, num_classes=C).eval()
+    assert isinstance(model.layer1[0].se, CHANNEL_GATES)
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(2))
+    Y = random_token_labels(1, 256, torch.Generator().manual_seed(3))
+    out, label = TLAlign(model).trace(x, Y)
+    assert torch.equal(out, model(x)) and torch.allclose(label, resnet_reference(model, Y, (16, 16)), atol=1e-6)
 
 
 @pytest.mark.parametrize('name', sorted(CNNS))

@@ -426,7 +426,8 @@ def test_bad_input():
     with pytest.raises(
         ValueError,
         match=r'no tracer for .*EfficientNet; supported: .*VisionTransformerDistilled, '
-        r'.*VisionTransformer, .*SwinTransformer, timm\.models\.cait\.Cait, '
+        r'.*VisionTransformer, .*SwinTransformer, timm\.models\.swin_transformer_v2\.SwinTransformerV2, '
+        r'timm\.models\.swin_transformer_v2_cr\.SwinTransformerV2Cr, timm\.models\.cait\.Cait, '
         r'timm\.models\.pvt_v2\.PyramidVisionTransformerV2, timm\.models\.mlp_mixer\.MlpMixer, '
         r'timm\.models\.eva\.Eva, timm\.models\.beit\.Beit, timm\.models\.metaformer\.MetaFormer, '
         r'timm\.models\.hiera\.Hiera, timm\.models\.twins\.Twins, timm\.models\.mvitv2\.MultiScaleVit, '

@@ -225,6 +225,8 @@ def test_the_zoo_page_is_what_timm_gives_now(run_env):
         ('caformer_s18', []),
         ('hiera_tiny_224', ['img_size=(128,128)']),  # 8x8 mask units: a grid divisible by 8
         ('twins_svt_small', ['img_size=128', 'depths=[1,1,1,1]', 'wss=[4,4,4,4]']),  # stages 32 to 4 tokens
+        ('swinv2_tiny_window8_256', ['img_size=128', 'depths=[1,1,1,1]']),  # 8x8 windows on 32 to 8 tokens
+        ('swinv2_cr_tiny_224', ['img_size=[128,128]', 'depths=[1,1,1,1]', 'window_size=8']),
     ],
 )
 def test_tokenaug_train_tl_align_across_the_zoo(tiny_world, tmp_path, model, kwargs):
@@ -234,7 +236,7 @@ def test_tokenaug_train_tl_align_across_the_zoo(tiny_world, tmp_path, model, kwa
 
     from ..helpers import REPO
 
-    size = ['--img-size', '128'] if model.startswith(('hiera', 'twins')) else []
+    size = ['--img-size', '128'] if model.startswith(('hiera', 'twins', 'swinv2')) else []
     metrics = run(
         ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml'), '--data-dir', str(tiny_world / 'imagenet')]
         + ['--model', model, '--model-kwargs', *kwargs, *size, '--drop-path', '0.1']

@@ -48,6 +48,8 @@ from timm.models.mvitv2 import MultiScaleVit
 from timm.models.pvt_v2 import PyramidVisionTransformerV2
 from timm.models.resnet import ResNet
 from timm.models.swin_transformer import SwinTransformer
+from timm.models.swin_transformer_v2 import SwinTransformerV2
+from timm.models.swin_transformer_v2_cr import SwinTransformerV2Cr
 from timm.models.twins import Twins
 from timm.models.vision_transformer import VisionTransformer
 
@@ -62,7 +64,7 @@ from ..carrier import MixTarget
 from ..cct import CCT
 from .cnn import ConvNeXtTracer, ResNetTracer
 from .hiera import HieraTracer
-from .hierarchical import PvtV2Tracer, SwinTracer
+from .hierarchical import PvtV2Tracer, SwinTracer, SwinV2Tracer
 from .metaformer import MetaFormerTracer
 from .mlp_mixer import MlpMixerTracer
 from .mvitv2 import MViTv2Tracer
@@ -81,6 +83,7 @@ __all__ = [
     'CaitTracer',
     'CCTTracer',
     'SwinTracer',
+    'SwinV2Tracer',
     'PvtV2Tracer',
     'MlpMixerTracer',
     'EvaTracer',
@@ -100,6 +103,8 @@ SUPPORTED_MODELS = {
     VisionTransformerDistilled: DistilledViTTracer,
     VisionTransformer: ViTTracer,
     SwinTransformer: SwinTracer,
+    SwinTransformerV2: SwinV2Tracer,
+    SwinTransformerV2Cr: SwinV2Tracer,
     Cait: CaitTracer,
     PyramidVisionTransformerV2: PvtV2Tracer,
     MlpMixer: MlpMixerTracer,

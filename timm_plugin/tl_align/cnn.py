@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import Mlp
+from timm.layers import CecaModule, EcaModule, EffectiveSEModule, GlobalResponseNormMlp, Mlp, SEModule
 from timm.models.convnext import ConvNeXt, ConvNeXtBlock, ConvNeXtStage
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 
@@ -60,8 +60,12 @@ class ConvNeXtTracer(_ConvLabelGrid):
       each output's window (average pooling with the conv's geometry).
     - Global average pooling (the head): the mean label.
 
-    Refused (a clear error): overlapping stems, ConvNeXt V2's global response norm (it rescales every token by
-    statistics of all tokens), dilated or strided depthwise convs, a head pooling other than ``avg``.
+    - ConvNeXt V2's global response norm (``GlobalResponseNormMlp``): ``x + β + γ · x · N(x)``, each channel of
+      each position scaled by one scalar of its sample (its channel's spatial norm over their mean), a channel
+      gate as SE is (:data:`CHANNEL_GATES`): channel mixing, labels unchanged.
+
+    Refused (a clear error): overlapping stems, dilated or strided depthwise convs, a head pooling other than
+    ``avg``.
     """
 
     why_no_attention = 'its blocks mix tokens by depthwise convolutions'
@@ -91,11 +95,10 @@ class ConvNeXtTracer(_ConvLabelGrid):
                         f'model: TL-Align traces ConvNeXtBlock with an undilated stride-1 depthwise conv_dw; stage '
                         f'{i} block {j} is {type(b).__name__} with {dw}'
                     )
-                if type(b.mlp) is not Mlp or not isinstance(b.shortcut, nn.Identity):
+                if type(b.mlp) not in (Mlp, GlobalResponseNormMlp) or not isinstance(b.shortcut, nn.Identity):
                     raise ValueError(
                         f'model: ConvNeXt stage {i} block {j}: mlp {type(b.mlp).__name__} / shortcut '
-                        f'{type(b.shortcut).__name__} has no TL-Align rule (ConvNeXt V2 global response norm '
-                        'mixes all tokens)'
+                        f'{type(b.shortcut).__name__} has no TL-Align rule'
                     )
         super().__init__(model)
 
@@ -112,6 +115,11 @@ class ConvNeXtTracer(_ConvLabelGrid):
 
 # ---------------------------------------------------------------------------------------------- ResNet
 
+#: the channel gates a ResNet block may carry (``attn_layer`` 'se', 'ese', 'eca', 'ceca'): each multiplies every
+#: channel of every position by one scalar of its sample, computed from the channels' global means. Table 9 reads
+#: that as channel mixing ``W^c(Z)``, data-dependent: the labels are unchanged (Y ← Y), as for a 1x1 conv
+CHANNEL_GATES = (SEModule, EffectiveSEModule, EcaModule, CecaModule)
+
 
 class ResNetTracer(_ConvLabelGrid):
     """Label rules for timm's ``ResNet`` with ``BasicBlock`` / ``Bottleneck`` blocks (ResNet, ResNet-D, ResNeXt, wide
@@ -127,16 +135,20 @@ class ResNetTracer(_ConvLabelGrid):
       positions only). A stride-2 3x3 conv mixes and aggregates at once: the same stencil read at stride 2.
       Why the channel mean of magnitudes: as ConvNeXt's depthwise kernels, one label map stands for every
       channel, and a signed kernel's sum can vanish.
-    - 1x1 convolutions, batch norms, activations: channel mixing / point-wise, labels unchanged.
+    - 1x1 convolutions, batch norms, activations: channel mixing / point-wise, labels unchanged. So are the
+      channel gates (:data:`CHANNEL_GATES`: SE, effective SE, ECA, circular ECA): a gate multiplies each channel
+      of each position by one scalar of its sample (from the channels' global means), a data-dependent channel
+      mixing that Table 9 leaves the labels through (``seresnet*``, ``ecaresnet*``, ``seresnext*``).
     - Shortcut: identity, or the downsample's geometry: a strided 1x1 conv reads one position of each 2x2 cell
       (:func:`~shared_core.tl_align.conv_pool_labels` with its window), ResNet-D's 2x2 average pool (ceil mode) is
       the mean of its window.
     - Residual (Eq. 11): ``Y ← Norm(Y_shortcut + Y_branch)``; a sample whose branch stochastic depth dropped keeps
       its shortcut labels. Global average pooling reads the mean label.
 
-    Refused with a clear error: attention / SE layers and anti-aliased downsampling (``attn_layer``, ``aa_layer``:
-    the SE gate comes from every position, like ConvNeXt V2's GRN), ResNeSt's split attention, dilated convs,
-    and pooling other than ``avg``.
+    Refused with a clear error: the other ``attn_layer`` kinds (CBAM's and coordinate attention's gates differ per
+    position, global context adds a pooled vector to every position, gather-excite gathers from a neighbourhood:
+    no Table 9 reading), anti-aliased downsampling (``aa_layer``), ResNeSt's split attention, dilated convs, and
+    pooling other than ``avg``.
     """
 
     def __init__(self, model: ResNet, pooled_outside: bool = False):
@@ -150,12 +162,18 @@ class ResNetTracer(_ConvLabelGrid):
                     f'model: TL-Align traces ResNet BasicBlock / Bottleneck blocks; block {i} is {type(blk).__name__} '
                     '(ResNeSt split attention has no rule)'
                 )
-            extras = [n for n in ('se', 'aa') if not isinstance(getattr(blk, n), (type(None), nn.Identity))]
-            bad = [c for c in convs if type(c) is not nn.Conv2d or c.dilation != (1, 1) or isinstance(c.padding, str)]
-            if extras or bad:
+            if not isinstance(blk.se, (type(None), nn.Identity, *CHANNEL_GATES)):
                 raise ValueError(
-                    f'model: ResNet block {i}: {", ".join(extras + [str(c) for c in bad])} has no TL-Align rule '
-                    '(attention/SE gates read every position; dilated or anti-aliased convs are not traced)'
+                    f'model: ResNet block {i}: its attention layer {type(blk.se).__name__} has no TL-Align rule (the '
+                    'channel gates SE, ESE, ECA and CECA leave the labels; a gate that differs per position or adds '
+                    'a pooled context has no Table 9 reading)'
+                )
+            aa = [] if isinstance(getattr(blk, 'aa', None), (type(None), nn.Identity)) else ['aa']
+            bad = [c for c in convs if type(c) is not nn.Conv2d or c.dilation != (1, 1) or isinstance(c.padding, str)]
+            if aa or bad:
+                raise ValueError(
+                    f'model: ResNet block {i}: {", ".join(aa + [str(c) for c in bad])} has no TL-Align rule '
+                    '(dilated or anti-aliased convs are not traced)'
                 )
             self._shortcut(blk)  # checks the downsample
 

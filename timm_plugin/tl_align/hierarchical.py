@@ -1,7 +1,9 @@
-"""TL-Align tracers for timm's hierarchical transformers: Swin (shifted windows, patch merging) and PVT v2
-(overlapping patch embeddings, spatial-reduction attention)."""
+"""TL-Align tracers for timm's hierarchical transformers: Swin and Swin V2 (shifted windows, patch merging) and PVT
+v2 (overlapping patch embeddings, spatial-reduction attention)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
@@ -22,6 +24,15 @@ from timm.models.swin_transformer import (
     SwinTransformer,
     SwinTransformerBlock,
     WindowAttention,
+)
+from timm.models.swin_transformer_v2 import PatchMerging as V2PatchMerging
+from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+from timm.models.swin_transformer_v2 import WindowAttention as V2WindowAttention
+from timm.models.swin_transformer_v2_cr import PatchMerging as CrPatchMerging
+from timm.models.swin_transformer_v2_cr import (
+    SwinTransformerV2Cr,
+    SwinTransformerV2CrBlock,
+    WindowMultiHeadAttention,
 )
 
 from shared_core.capture import Captures, LabelCapture
@@ -99,6 +110,93 @@ class SwinTracer(Tracer):
             mask = cap.mask.view(1, nw, 1, N, N).expand(cap.q.shape[0] // nw, -1, a.num_heads, -1, -1)
             bias = bias + mask.reshape(-1, a.num_heads, N, N)
         return window_labels(Y, blk.window_size, blk.shift_size, q=cap.q, k=cap.k, bias=bias, scale=a.scale)
+
+
+class SwinV2Tracer(Tracer):
+    """Label rules for timm's Swin V2, both variants: ``SwinTransformerV2`` and ``SwinTransformerV2Cr``. The geometry
+    is Swin's (:class:`SwinTracer`: cyclic shift, windows, patch merging at a stage's start as the Norm of the 2x2
+    sum, the residual average, the mean label): the rules differ in the attention and the norms only.
+
+    - Scaled cosine attention with the log-spaced continuous position bias (the paper's Eq. 9 on its softmax):
+      ``softmax(cos(q, k) · τ_h + 16 σ(CPB) + mask)`` (``SwinTransformerV2``), ``cos(q, k) · τ_h + meta-MLP bias +
+      mask`` (``V2Cr``), head-averaged. The rule reads the attention where the block normalises it, whatever the
+      logits are made of: ``SwinTransformerV2`` materialises its softmax in a module, whose output the hook takes;
+      ``V2Cr`` calls ``softmax`` inline, so the hooks take its ``q``, ``k`` and shift mask and the label path
+      computes the same logits, the cosine of the normalised ``q`` and ``k`` times the clamped logit scale, plus
+      the block's own position bias (fused on accelerators).
+    - Residual post-norm (``x + norm(attn(x))``) and V2Cr's extra main-branch norms: point-wise, labels unchanged.
+    """
+
+    layout = 'grid'
+
+    def __init__(self, model):
+        cr = isinstance(model, SwinTransformerV2Cr)
+        pool = model.head.global_pool.pool_type if cr else model.global_pool
+        check_pool(pool, ('avg',), 'Swin V2')
+        block, attention, merging = (
+            (SwinTransformerV2CrBlock, WindowMultiHeadAttention, CrPatchMerging)
+            if cr
+            else (SwinTransformerV2Block, V2WindowAttention, V2PatchMerging)
+        )
+        self.cr, self.merging = cr, merging
+        for stage in self.stage_modules(model):
+            if not isinstance(stage.downsample, (nn.Identity, merging)):
+                raise ValueError(f'model: Swin V2 downsample {type(stage.downsample).__name__} has no TL-Align rule')
+            for blk in stage.blocks:
+                if type(blk) is not block or type(blk.attn) is not attention:
+                    raise ValueError(
+                        f'model: TL-Align traces timm {block.__name__}/{attention.__name__}, got {type(blk).__name__}'
+                    )
+        super().__init__(model)
+
+    @staticmethod
+    def stage_modules(model) -> list:
+        return list(model.stages if isinstance(model, SwinTransformerV2Cr) else model.layers)
+
+    def stages(self):
+        return [(stage, stage.blocks) for stage in self.stage_modules(self.model)]
+
+    def watch_model(self, captures: Captures, handles: list) -> None:
+        """The first token grid: the first block's ``(B, H, W, C)`` input."""
+        first = self.blocks()[0]
+        handles.append(first.register_forward_pre_hook(lambda m, i: setattr(captures, 'grid', tuple(i[0].shape[1:3]))))
+
+    def watch(self, blk: nn.Module, cap: LabelCapture, handles: list) -> None:
+        """The attention probabilities of its softmax (``SwinTransformerV2``), or its ``q``, ``k`` and shift mask
+        (``V2Cr``)."""
+        if not self.cr:
+            handles.append(
+                blk.attn.softmax.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'attn', o.detach()))
+            )
+            return
+        handles.append(
+            blk.attn.register_forward_pre_hook(
+                lambda m, a, kw, c=cap: setattr(c, 'mask', kw.get('mask', a[1] if len(a) > 1 else None)),
+                with_kwargs=True,
+            )
+        )
+        handles.append(
+            blk.attn.qkv.register_forward_hook(lambda m, i, o, c=cap, a=blk.attn: set_qk(c, o.detach(), a.num_heads))
+        )
+
+    def enter(self, stage, Y: torch.Tensor) -> torch.Tensor:
+        return merge_2x2_labels(Y) if isinstance(stage.downsample, self.merging) else Y  # at a stage's start
+
+    def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        """Eq. 9 for the block's (shifted) window attention on the ``(B, H, W, K)`` labels."""
+        if not self.cr:
+            return window_labels(Y, blk.window_size, blk.shift_size, attn=cap.attn)
+        a = blk.attn
+        heads, N = a.num_heads, cap.q.shape[2]
+        tau = torch.clamp(a.logit_scale.detach().float().reshape(1, heads, 1, 1), max=math.log(1.0 / 0.01)).exp()
+        q = F.normalize(cap.q.float(), dim=-1) * tau  # the cosine's logit scale, per head
+        k = F.normalize(cap.k.float(), dim=-1)
+        bias = a._relative_positional_encodings().detach().float().expand(q.shape[0], -1, -1, -1)
+        if cap.mask is not None:  # the shift mask, combined as WindowMultiHeadAttention combines it
+            nw = cap.mask.shape[0]
+            mask = cap.mask.view(1, nw, 1, N, N).expand(q.shape[0] // nw, -1, heads, -1, -1)
+            bias = bias + mask.reshape(-1, heads, N, N)
+        return window_labels(Y, blk.window_size, blk.shift_size, q=q, k=k, bias=bias, scale=1.0)
 
 
 # ---------------------------------------------------------------------------------------------- PVT v2
