@@ -44,8 +44,9 @@ def reference(model, x, Y, layers=None, normalise=True, attns=None, final=None):
         A = torch.softmax(q @ k.transpose(-1, -2) * a.head_dim**-0.5, dim=-1)  # (B, H, T, T)
         if attns is not None:
             attns.append(A)
-        t = t + blk.ls1(a.proj((A @ v).transpose(1, 2).reshape(B, T, D)))
-        t = t + blk.ls2(blk.mlp(blk.norm2(t)))
+        lam = getattr(blk, 'skip_lam', 1.0)  # LV-ViT's residual scale: x + F(x) / skip_lam
+        t = t + blk.ls1(a.proj((A @ v).transpose(1, 2).reshape(B, T, D))) / lam
+        t = t + blk.ls2(blk.mlp(blk.norm2(t))) / lam
         if layers is not None and i not in layers:
             continue
         Y_hat = torch.zeros_like(Y)
@@ -88,6 +89,30 @@ def test_dense_trace_matches_materialised_reference(kw):
         assert torch.allclose(out, ref_out, atol=1e-5)
         assert torch.allclose(label, ref_label, atol=1e-6)
         assert torch.allclose(label.sum(1), torch.ones(4), atol=1e-6)
+
+
+@pytest.mark.parametrize('skip_lam', [2.0, 1.0])
+def test_lvvit_blocks_follow_the_vit_rule(skip_lam):
+    """LV-ViT (``LVBlock``: ``x + F(x) / skip_lam`` on both branches): the ViT rule, the residual scale a scalar on
+    the branch that leaves the labels (Eq. 11 averages them, as with layer scale); its conv stem is not traced: the
+    labels start on its 16-pixel patch grid. Shared, fused and recomputed paths alike."""
+    from timm_plugin.lvvit import LVViT
+
+    torch.manual_seed(0)
+    model = LVViT(
+        img_size=64, embed_dim=32, depth=3, num_heads=4, num_classes=C, stem_chans=8, skip_lam=skip_lam,
+        head_rule='cls',
+    )  # fmt: skip
+    model = sharpen(model).eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 64, 64, generator=g)
+    Y_tok = random_token_labels(2, 16, g)
+    ref_out, ref_label = reference(model, x, torch.cat([Y_tok.mean(1, keepdim=True), Y_tok], 1))
+    for fused in (True, False):
+        for shared in (True, False):
+            out, label = TLAlign(model, fused=fused, shared=shared).trace(x, Y_tok)
+            assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(label, ref_label, atol=1e-6)
+    assert (ref_label - Y_tok.mean(1)).abs().max() > 1e-3
 
 
 def test_distilled_deit_reads_both_tokens():

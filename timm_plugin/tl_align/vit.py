@@ -16,6 +16,7 @@ from shared_core.label_attention import LabelBackend, LabelColumns, LabelPath, s
 from shared_core.tl_align import attention_labels, residual_labels, talking_heads_labels
 from shared_core.tracer import Tracer, check_block_parts, check_pool
 
+from ..lvvit import LVBlock
 from ._blocks import VIT_BLOCK_PARTS, RestoreForward
 
 
@@ -26,17 +27,24 @@ def watch_qk_norm(blk: nn.Module, cap: LabelCapture, handles: list) -> None:
     handles.append(blk.attn.k_norm.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'k', o.detach())))
 
 
+#: the ViT blocks the rules cover: timm's pre-norm ``Block``, and LV-ViT's (:class:`~timm_plugin.lvvit.LVBlock`:
+#: ``x + F(x) / skip_lam``, a scalar on each branch, which leaves the labels as layer scale does: Eq. 11 averages
+#: the shortcut's and the branch's labels whatever the branch's scale)
+VIT_BLOCKS = (Block, LVBlock)
+
+
 class ViTTracer(Tracer):
-    """Label rules for timm's ``VisionTransformer`` (pre-norm blocks: attention residual, MLP residual)."""
+    """Label rules for timm's ``VisionTransformer`` (pre-norm blocks: attention residual, MLP residual), LV-ViT's
+    included (:data:`VIT_BLOCKS`; its conv stem is not traced: the labels start on its patch grid)."""
 
     needs = ('q', 'k')
     why_missing = 'its attention did not run q_norm / k_norm (a replaced forward?)'
 
     def __init__(self, model: VisionTransformer):
-        bad = [i for i, b in enumerate(model.blocks) if type(b) is not Block or type(b.attn) is not Attention]
+        bad = [i for i, b in enumerate(model.blocks) if type(b) not in VIT_BLOCKS or type(b.attn) is not Attention]
         if bad:
             raise ValueError(
-                f'model: TL-Align traces timm ViT blocks of type Block with Attention; blocks {bad} '
+                f'model: TL-Align traces timm ViT blocks of type Block or LVBlock with Attention; blocks {bad} '
                 f'are {type(model.blocks[bad[0]]).__name__}'
             )
         check_block_parts(model.blocks, VIT_BLOCK_PARTS)
