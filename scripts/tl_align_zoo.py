@@ -42,6 +42,7 @@ HELD_BY = {
     'ResNetTracer': 'test_tl_align_beyond_vit.py::test_cnn_dense_trace_matches_the_explicit_reference',
     'EvaTracer': 'test_tl_align_sdpa.py::test_the_tracer_is_the_brute_force',
     'BeitTracer': 'test_tl_align_sdpa.py::test_the_tracer_is_the_brute_force',
+    'RelPosViTTracer': 'test_tl_align_sdpa.py::test_the_tracer_is_the_brute_force',
     'MetaFormerTracer': 'test_tl_align_metaformer.py::test_the_tracer_is_the_explicit_reference',
     'HieraTracer': 'test_tl_align_hiera.py::test_the_tracer_is_the_reference_in_image_coordinates',
     'TwinsTracer': 'test_tl_align_twins.py::test_the_tracer_is_the_reference_in_image_cells',

@@ -101,6 +101,10 @@ MODELS = {
     'beit (relative bias, avg)': ('beit_base_patch16_224', dict(img_size=64, embed_dim=64, num_heads=4)),
     'beit token pool': ('beit_base_patch16_224', dict(img_size=64, embed_dim=64, num_heads=4, global_pool='token')),
     "vit (today's tracer)": ('vit_tiny_patch16_224', dict(img_size=64)),
+    'vit relpos (mlp bias, avg)': ('vit_relpos_small_patch16_224', dict(img_size=64)),
+    'vit relpos, class token': ('vit_relpos_medium_patch16_cls_224', dict(img_size=64)),
+    'vit relpos, shared bias': ('vit_srelpos_small_patch16_224', dict(img_size=64)),
+    'vit relpos, res-post-norm': ('vit_relpos_small_patch16_rpn_224', dict(img_size=64)),
 }
 
 

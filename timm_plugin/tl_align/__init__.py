@@ -52,6 +52,7 @@ from timm.models.swin_transformer_v2 import SwinTransformerV2
 from timm.models.swin_transformer_v2_cr import SwinTransformerV2Cr
 from timm.models.twins import Twins
 from timm.models.vision_transformer import VisionTransformer
+from timm.models.vision_transformer_relpos import VisionTransformerRelPos
 
 from shared_core.checks import check_layers
 from shared_core.compiling import guard_module_hooks
@@ -68,7 +69,7 @@ from .hierarchical import PvtV2Tracer, SwinTracer, SwinV2Tracer
 from .metaformer import MetaFormerTracer
 from .mlp_mixer import MlpMixerTracer
 from .mvitv2 import MViTv2Tracer
-from .sdpa import BeitTracer, EvaTracer
+from .sdpa import BeitTracer, EvaTracer, RelPosViTTracer
 from .twins import TwinsTracer
 from .vit import CaitTracer, CCTTracer, DistilledViTTracer, SharedAttentionViT, ViTTracer
 
@@ -92,6 +93,7 @@ __all__ = [
     'TwinsTracer',
     'MViTv2Tracer',
     'BeitTracer',
+    'RelPosViTTracer',
     'ConvNeXtTracer',
     'ResNetTracer',
 ]
@@ -110,6 +112,7 @@ SUPPORTED_MODELS = {
     MlpMixer: MlpMixerTracer,
     Eva: EvaTracer,
     Beit: BeitTracer,
+    VisionTransformerRelPos: RelPosViTTracer,
     MetaFormer: MetaFormerTracer,
     Hiera: HieraTracer,
     Twins: TwinsTracer,

@@ -7,7 +7,10 @@ with the attention ``softmax(q kᵀ · scale + mask)`` (:func:`shared_core.tl_al
 - :class:`EvaTracer`: timm's ``Eva`` (EVA-02, the ``vit_*_rope_*`` ViTs, PE): RoPE on q/k, SwiGLU or GLU MLPs,
   sub-LN, layer scale, pre- or post-norm blocks, with or without a class token, ``'avg'`` or ``'token'`` pooling,
   grouped-query attention (keys repeated per head group);
-- :class:`BeitTracer`: timm's ``Beit`` (BEiT, BEiT v2): relative position bias as an additive bias.
+- :class:`BeitTracer`: timm's ``Beit`` (BEiT, BEiT v2): relative position bias as an additive bias;
+- :class:`RelPosViTTracer`: timm's ``VisionTransformerRelPos`` (``vit_relpos_*``, ``vit_srelpos_*``): the relative
+  position bias (MLP-generated or a table, per block or shared) as the additive bias of the call; pre-norm and
+  residual post-norm blocks.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from timm.layers import AttentionRope
 from timm.models.beit import Attention as BeitAttention
 from timm.models.beit import Block as BeitBlock
 from timm.models.eva import EvaAttention, EvaBlock, EvaBlockPostNorm
+from timm.models.vision_transformer_relpos import RelPosAttention, RelPosBlock, ResPostRelPosBlock
 
 from shared_core.capture import Captures, LabelCapture, SdpaCapture
 from shared_core.tl_align import attention_labels
@@ -25,7 +29,7 @@ from shared_core.tracer import Tracer, check_block_parts, check_fused_sdpa, chec
 
 from ._blocks import VIT_BLOCK_PARTS
 
-__all__ = ['EvaTracer', 'BeitTracer']
+__all__ = ['EvaTracer', 'BeitTracer', 'RelPosViTTracer']
 
 
 class _SdpaBlocksTracer(Tracer):
@@ -91,3 +95,13 @@ class BeitTracer(_SdpaBlocksTracer):
     block_types = (BeitBlock,)
     attn_types = (BeitAttention,)
     parts = VIT_BLOCK_PARTS  # (no q/k norms: parts a block lacks are skipped)
+
+
+class RelPosViTTracer(_SdpaBlocksTracer):
+    """Label rules for timm's ``VisionTransformerRelPos``: the relative position bias, the block's own or the
+    model's shared one, is the additive bias of the captured call; residual post-norm blocks are per token."""
+
+    family = 'VisionTransformerRelPos'
+    block_types = (RelPosBlock, ResPostRelPosBlock)
+    attn_types = (RelPosAttention,)
+    parts = VIT_BLOCK_PARTS
