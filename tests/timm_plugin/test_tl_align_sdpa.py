@@ -231,6 +231,10 @@ def test_the_zoo_page_is_what_timm_gives_now(run_env):
         ('twins_svt_small', ['img_size=128', 'depths=[1,1,1,1]', 'wss=[4,4,4,4]']),  # stages 32 to 4 tokens
         ('swinv2_tiny_window8_256', ['img_size=128', 'depths=[1,1,1,1]']),  # 8x8 windows on 32 to 8 tokens
         ('swinv2_cr_tiny_224', ['img_size=[128,128]', 'depths=[1,1,1,1]', 'window_size=8']),
+        ('seresnet18', []),  # SE gates: channel mixing (the stride-4 grid)
+        ('samvit_base_patch16_224', ['img_size=112', 'depth=2', 'window_size=7', 'global_attn_indexes=[1]']),
+        ('vit_relpos_small_patch16_224', ['img_size=112', 'depth=2']),
+        ('lvvit_s', ['img_size=112', 'depth=2']),
     ],
 )
 def test_tokenaug_train_tl_align_across_the_zoo(tiny_world, tmp_path, model, kwargs):

@@ -53,6 +53,7 @@ from timm.models.swin_transformer_v2_cr import SwinTransformerV2Cr
 from timm.models.twins import Twins
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer_relpos import VisionTransformerRelPos
+from timm.models.vision_transformer_sam import VisionTransformerSAM
 
 from shared_core.checks import check_layers
 from shared_core.compiling import guard_module_hooks
@@ -69,6 +70,7 @@ from .hierarchical import PvtV2Tracer, SwinTracer, SwinV2Tracer
 from .metaformer import MetaFormerTracer
 from .mlp_mixer import MlpMixerTracer
 from .mvitv2 import MViTv2Tracer
+from .sam import SamViTTracer
 from .sdpa import BeitTracer, EvaTracer, RelPosViTTracer
 from .twins import TwinsTracer
 from .vit import CaitTracer, CCTTracer, DistilledViTTracer, SharedAttentionViT, ViTTracer
@@ -94,6 +96,7 @@ __all__ = [
     'MViTv2Tracer',
     'BeitTracer',
     'RelPosViTTracer',
+    'SamViTTracer',
     'ConvNeXtTracer',
     'ResNetTracer',
 ]
@@ -113,6 +116,7 @@ SUPPORTED_MODELS = {
     Eva: EvaTracer,
     Beit: BeitTracer,
     VisionTransformerRelPos: RelPosViTTracer,
+    VisionTransformerSAM: SamViTTracer,
     MetaFormer: MetaFormerTracer,
     Hiera: HieraTracer,
     Twins: TwinsTracer,
