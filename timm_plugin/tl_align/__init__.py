@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 from timm.models.beit import Beit
 from timm.models.cait import Cait
+from timm.models.convit import ConVit
 from timm.models.convnext import ConvNeXt
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.eva import Eva
@@ -65,6 +66,7 @@ from shared_core.tracer import check_drop_path, check_transmix, tracer_for
 from ..carrier import MixTarget
 from ..cct import CCT
 from .cnn import ConvNeXtTracer, ResNetTracer
+from .convit import ConViTTracer
 from .hiera import HieraTracer
 from .hierarchical import PvtV2Tracer, SwinTracer, SwinV2Tracer
 from .metaformer import MetaFormerTracer
@@ -97,6 +99,7 @@ __all__ = [
     'BeitTracer',
     'RelPosViTTracer',
     'SamViTTracer',
+    'ConViTTracer',
     'ConvNeXtTracer',
     'ResNetTracer',
 ]
@@ -117,6 +120,7 @@ SUPPORTED_MODELS = {
     Beit: BeitTracer,
     VisionTransformerRelPos: RelPosViTTracer,
     VisionTransformerSAM: SamViTTracer,
+    ConVit: ConViTTracer,
     MetaFormer: MetaFormerTracer,
     Hiera: HieraTracer,
     Twins: TwinsTracer,
