@@ -45,6 +45,7 @@ HELD_BY = {
     'RelPosViTTracer': 'test_tl_align_sdpa.py::test_the_tracer_is_the_brute_force',
     'SamViTTracer': 'test_tl_align_sam.py::test_the_tracer_is_the_reference_in_image_cells',
     'ConViTTracer': 'test_tl_align_convit.py::test_the_tracer_is_the_explicit_reference',
+    'EfficientFormerTracer': 'test_tl_align_efficientformer.py::test_the_tracer_is_the_reference_in_image_cells',
     'MetaFormerTracer': 'test_tl_align_metaformer.py::test_the_tracer_is_the_explicit_reference',
     'HieraTracer': 'test_tl_align_hiera.py::test_the_tracer_is_the_reference_in_image_coordinates',
     'TwinsTracer': 'test_tl_align_twins.py::test_the_tracer_is_the_reference_in_image_cells',

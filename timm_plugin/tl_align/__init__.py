@@ -41,6 +41,7 @@ from timm.models.cait import Cait
 from timm.models.convit import ConVit
 from timm.models.convnext import ConvNeXt
 from timm.models.deit import VisionTransformerDistilled
+from timm.models.efficientformer import EfficientFormer
 from timm.models.eva import Eva
 from timm.models.hiera import Hiera
 from timm.models.metaformer import MetaFormer
@@ -67,6 +68,7 @@ from ..carrier import MixTarget
 from ..cct import CCT
 from .cnn import ConvNeXtTracer, ResNetTracer
 from .convit import ConViTTracer
+from .efficientformer import EfficientFormerTracer
 from .hiera import HieraTracer
 from .hierarchical import PvtV2Tracer, SwinTracer, SwinV2Tracer
 from .metaformer import MetaFormerTracer
@@ -100,6 +102,7 @@ __all__ = [
     'RelPosViTTracer',
     'SamViTTracer',
     'ConViTTracer',
+    'EfficientFormerTracer',
     'ConvNeXtTracer',
     'ResNetTracer',
 ]
@@ -121,6 +124,7 @@ SUPPORTED_MODELS = {
     VisionTransformerRelPos: RelPosViTTracer,
     VisionTransformerSAM: SamViTTracer,
     ConVit: ConViTTracer,
+    EfficientFormer: EfficientFormerTracer,
     MetaFormer: MetaFormerTracer,
     Hiera: HieraTracer,
     Twins: TwinsTracer,
