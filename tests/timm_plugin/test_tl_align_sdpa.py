@@ -180,8 +180,8 @@ def _zoo_refusals() -> list:
     rows = []
     for line in (REPO / 'docs' / 'methods' / 'tl_align_zoo.md').read_text().splitlines():
         cells = [c.strip() for c in line.replace('\\|', '\0').split('|')]
-        if len(cells) == 6 and cells[3] == 'refused':
-            rows.append((cells[2].strip('`'), cells[4].replace('\0', '|')))
+        if len(cells) == 8 and cells[3] == 'refused':  # | family | model | status | exactness | TransMix | why |
+            rows.append((cells[2].strip('`'), cells[6].replace('\0', '|')))
     return rows
 
 
