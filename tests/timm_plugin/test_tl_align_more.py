@@ -429,7 +429,10 @@ def test_bad_input():
         r'.*VisionTransformer, .*SwinTransformer, timm\.models\.swin_transformer_v2\.SwinTransformerV2, '
         r'timm\.models\.swin_transformer_v2_cr\.SwinTransformerV2Cr, timm\.models\.cait\.Cait, '
         r'timm\.models\.pvt_v2\.PyramidVisionTransformerV2, timm\.models\.mlp_mixer\.MlpMixer, '
-        r'timm\.models\.eva\.Eva, timm\.models\.beit\.Beit, timm\.models\.metaformer\.MetaFormer, '
+        r'timm\.models\.eva\.Eva, timm\.models\.beit\.Beit, '
+        r'timm\.models\.vision_transformer_relpos\.VisionTransformerRelPos, '
+        r'timm\.models\.vision_transformer_sam\.VisionTransformerSAM, timm\.models\.convit\.ConVit, '
+        r'timm\.models\.efficientformer\.EfficientFormer, timm\.models\.metaformer\.MetaFormer, '
         r'timm\.models\.hiera\.Hiera, timm\.models\.twins\.Twins, timm\.models\.mvitv2\.MultiScaleVit, '
         r'timm\.models\.convnext\.ConvNeXt, timm\.models\.resnet\.ResNet$',
     ):
