@@ -46,6 +46,7 @@ HELD_BY = {
     'SamViTTracer': 'test_tl_align_sam.py::test_the_tracer_is_the_reference_in_image_cells',
     'ConViTTracer': 'test_tl_align_convit.py::test_the_tracer_is_the_explicit_reference',
     'EfficientFormerTracer': 'test_tl_align_efficientformer.py::test_the_tracer_is_the_reference_in_image_cells',
+    'DaViTTracer': 'test_tl_align_davit.py::test_the_tracer_is_the_reference_in_image_cells',
     'MetaFormerTracer': 'test_tl_align_metaformer.py::test_the_tracer_is_the_explicit_reference',
     'HieraTracer': 'test_tl_align_hiera.py::test_the_tracer_is_the_reference_in_image_coordinates',
     'TwinsTracer': 'test_tl_align_twins.py::test_the_tracer_is_the_reference_in_image_cells',
@@ -74,6 +75,7 @@ MEASURED = {
     'SamViTTracer': '1.5e-8 to 6e-8',
     'ConViTTracer': '3e-8',
     'EfficientFormerTracer': '4.5e-8',
+    'DaViTTracer': '6e-8',
 }
 
 

@@ -112,16 +112,19 @@ def cnn_stride(model: nn.Module) -> Tuple[int, int]:
 
 def tl_align_stride(model: nn.Module) -> Tuple[int, int]:
     """Pixels per token of the grid TL-Align's label state starts on: :func:`token_stride` for models with a patch
-    embedding; for a timm ResNet or MetaFormer, the grid its first stage runs on (``layer1``'s / ``stages.0``'s
-    ``feature_info`` reduction: 4); for Twins, its first patch embedding's stride (4)."""
+    embedding; for a timm ResNet, MetaFormer, DaViT or EfficientFormer, the grid its first stage runs on
+    (``layer1``'s / ``stages.0``'s ``feature_info`` reduction: 4); for Twins, its first patch embedding's stride
+    (4)."""
     if patch_embedding(model) is not None:
         return token_stride(model)
     if isinstance(model, cnn_classes()[0]):
         r = next(int(f['reduction']) for f in model.feature_info if f['module'] == 'layer1')
         return r, r
+    from timm.models.davit import DaVit
+    from timm.models.efficientformer import EfficientFormer
     from timm.models.metaformer import MetaFormer
 
-    if isinstance(model, MetaFormer):  # the stem's grid, which the first stage runs on (4)
+    if isinstance(model, (MetaFormer, DaVit, EfficientFormer)):  # the stem's grid, which the first stage runs on (4)
         r = next(int(f['reduction']) for f in model.feature_info if f['module'] == 'stages.0')
         return r, r
     from timm.models.twins import Twins

@@ -432,7 +432,8 @@ def test_bad_input():
         r'timm\.models\.eva\.Eva, timm\.models\.beit\.Beit, '
         r'timm\.models\.vision_transformer_relpos\.VisionTransformerRelPos, '
         r'timm\.models\.vision_transformer_sam\.VisionTransformerSAM, timm\.models\.convit\.ConVit, '
-        r'timm\.models\.efficientformer\.EfficientFormer, timm\.models\.metaformer\.MetaFormer, '
+        r'timm\.models\.efficientformer\.EfficientFormer, timm\.models\.davit\.DaVit, '
+        r'timm\.models\.metaformer\.MetaFormer, '
         r'timm\.models\.hiera\.Hiera, timm\.models\.twins\.Twins, timm\.models\.mvitv2\.MultiScaleVit, '
         r'timm\.models\.convnext\.ConvNeXt, timm\.models\.resnet\.ResNet$',
     ):

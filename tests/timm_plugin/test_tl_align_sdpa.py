@@ -238,6 +238,7 @@ def test_the_zoo_page_is_what_timm_gives_now(run_env):
         ('vit_relpos_small_patch16_224', ['img_size=112', 'depth=2']),
         ('lvvit_s', ['img_size=112', 'depth=2']),
         ('convit_tiny', ['img_size=112', 'depth=3', 'local_up_to_layer=2']),
+        ('davit_tiny', ['depths=[1,1,1,1]', 'window_size=4']),  # 128 px: grids of 32, 16, 8 and 4 tokens
     ],
 )
 def test_tokenaug_train_tl_align_across_the_zoo(tiny_world, tmp_path, model, kwargs):
@@ -247,7 +248,7 @@ def test_tokenaug_train_tl_align_across_the_zoo(tiny_world, tmp_path, model, kwa
 
     from ..helpers import REPO
 
-    size = ['--img-size', '128'] if model.startswith(('hiera', 'twins', 'swinv2')) else []
+    size = ['--img-size', '128'] if model.startswith(('hiera', 'twins', 'swinv2', 'davit')) else []
     metrics = run(
         ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml'), '--data-dir', str(tiny_world / 'imagenet')]
         + ['--model', model, '--model-kwargs', *kwargs, *size, '--drop-path', '0.1']

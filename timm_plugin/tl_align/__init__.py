@@ -40,6 +40,7 @@ from timm.models.beit import Beit
 from timm.models.cait import Cait
 from timm.models.convit import ConVit
 from timm.models.convnext import ConvNeXt
+from timm.models.davit import DaVit
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.efficientformer import EfficientFormer
 from timm.models.eva import Eva
@@ -68,6 +69,7 @@ from ..carrier import MixTarget
 from ..cct import CCT
 from .cnn import ConvNeXtTracer, ResNetTracer
 from .convit import ConViTTracer
+from .davit import DaViTTracer
 from .efficientformer import EfficientFormerTracer
 from .hiera import HieraTracer
 from .hierarchical import PvtV2Tracer, SwinTracer, SwinV2Tracer
@@ -103,6 +105,7 @@ __all__ = [
     'SamViTTracer',
     'ConViTTracer',
     'EfficientFormerTracer',
+    'DaViTTracer',
     'ConvNeXtTracer',
     'ResNetTracer',
 ]
@@ -125,6 +128,7 @@ SUPPORTED_MODELS = {
     VisionTransformerSAM: SamViTTracer,
     ConVit: ConViTTracer,
     EfficientFormer: EfficientFormerTracer,
+    DaVit: DaViTTracer,
     MetaFormer: MetaFormerTracer,
     Hiera: HieraTracer,
     Twins: TwinsTracer,
