@@ -40,12 +40,13 @@ class LabelCapture:
     """What one block's token path left for the label path (each tracer fills the fields it needs):
     ``q``/``k`` ``(B, H, T, d)`` (or the projections they are split from), ``keep`` the samples whose
     token-mixing branch ran, ``attn`` materialised attention probabilities, ``mask`` an attention mask,
-    ``tokens`` the token grid or count the block saw, ``scale`` the attention's scale."""
+    ``bias`` an additive attention bias the token path computed (a position bias), ``tokens`` the token grid or
+    count the block saw, ``scale`` the attention's scale."""
 
-    __slots__ = ('q', 'k', 'keep', 'attn', 'mask', 'tokens', 'scale')
+    __slots__ = ('q', 'k', 'keep', 'attn', 'mask', 'bias', 'tokens', 'scale')
 
     def __init__(self):
-        self.q = self.k = self.keep = self.attn = self.mask = self.tokens = self.scale = None
+        self.q = self.k = self.keep = self.attn = self.mask = self.bias = self.tokens = self.scale = None
 
 
 class Captures(list):

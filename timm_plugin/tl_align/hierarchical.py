@@ -42,7 +42,51 @@ from shared_core.tracer import Tracer, check_pool
 from ._blocks import pool_like, set_qk
 
 
-class SwinTracer(Tracer):
+class _ShiftedWindows(Tracer):
+    """What the Swin tracers share: the ``(B, H, W, K)`` label map on the first block's grid, each stage's 2x2 patch
+    merging at its start (``merging``, the framework's class) as the Norm of the 2x2 sum, and the hooks of a
+    window attention: its softmax's probabilities, or its ``q``, ``k`` and shift mask (combined with a position
+    bias as the attention combines them: :meth:`window_bias`)."""
+
+    layout = 'grid'
+    merging: type = type(None)
+
+    def watch_model(self, captures: Captures, handles: list) -> None:
+        """The first token grid: the first block's ``(B, H, W, C)`` input."""
+        first = self.blocks()[0]
+        handles.append(first.register_forward_pre_hook(lambda m, i: setattr(captures, 'grid', tuple(i[0].shape[1:3]))))
+
+    @staticmethod
+    def watch_softmax(attn: nn.Module, cap: LabelCapture, handles: list) -> None:
+        handles.append(attn.softmax.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'attn', o.detach())))
+
+    @staticmethod
+    def watch_qk_mask(attn: nn.Module, cap: LabelCapture, handles: list) -> None:
+        handles.append(
+            attn.register_forward_pre_hook(
+                lambda m, a, kw, c=cap: setattr(c, 'mask', kw.get('mask', a[1] if len(a) > 1 else None)),
+                with_kwargs=True,
+            )
+        )
+        handles.append(attn.qkv.register_forward_hook(lambda m, i, o, c=cap: set_qk(c, o.detach(), attn.num_heads)))
+
+    @staticmethod
+    def window_bias(cap: LabelCapture, bias: torch.Tensor, heads: int) -> torch.Tensor:
+        """The position ``bias`` ``(1 or B · nW, heads, N, N)`` plus the captured shift mask ``(nW, N, N)`` per
+        window, as timm's window attentions add it: ``(B · nW, heads, N, N)``."""
+        Bw, N = cap.q.shape[0], cap.q.shape[2]
+        bias = bias.expand(Bw, -1, -1, -1)
+        if cap.mask is None:
+            return bias
+        nw = cap.mask.shape[0]
+        mask = cap.mask.view(1, nw, 1, N, N).expand(Bw // nw, -1, heads, -1, -1)
+        return bias + mask.reshape(Bw, heads, N, N)
+
+    def enter(self, stage, Y: torch.Tensor) -> torch.Tensor:
+        return merge_2x2_labels(Y) if isinstance(stage.downsample, self.merging) else Y  # timm: at a stage's start
+
+
+class SwinTracer(_ShiftedWindows):
     """Label rules for timm's ``SwinTransformer``: per block, the labels take the block's cyclic shift,
     window partition, head-mean window attention (relative-position bias and shift mask included: the
     attention the token path used), window reverse and shift back, then the residual average; each
@@ -52,6 +96,8 @@ class SwinTracer(Tracer):
     timm's ``WindowAttention`` materialises its softmax unless fused attention is switched on: the
     hook then takes the attention probabilities the token path computed; with fused attention it takes
     ``q``, ``k`` and the shift mask and recomputes the label attention (fused on accelerators)."""
+
+    merging = PatchMerging
 
     def __init__(self, model: SwinTransformer):
         check_pool(model.global_pool, ('avg',), 'Swin')
@@ -68,51 +114,24 @@ class SwinTracer(Tracer):
     def stages(self):
         return [(stage, stage.blocks) for stage in self.model.layers]
 
-    layout = 'grid'
-
-    def watch_model(self, captures: Captures, handles: list) -> None:
-        """The first token grid: the first block's input."""
-        first = self.blocks()[0]
-        handles.append(first.register_forward_pre_hook(lambda m, i: setattr(captures, 'grid', tuple(i[0].shape[1:3]))))
-
     def watch(self, blk: nn.Module, cap: LabelCapture, handles: list) -> None:
         """Its attention's ``q``, ``k`` and shift mask (fused attention), else the attention probabilities of its
         softmax."""
         if blk.attn.fused_attn:
-            handles.append(
-                blk.attn.register_forward_pre_hook(
-                    lambda m, a, kw, c=cap: setattr(c, 'mask', kw.get('mask', a[1] if len(a) > 1 else None)),
-                    with_kwargs=True,
-                )
-            )
-            handles.append(
-                blk.attn.qkv.register_forward_hook(
-                    lambda m, i, o, c=cap, a=blk.attn: set_qk(c, o.detach(), a.num_heads)
-                )
-            )
+            self.watch_qk_mask(blk.attn, cap, handles)
         else:
-            handles.append(
-                blk.attn.softmax.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'attn', o.detach()))
-            )
-
-    def enter(self, stage, Y: torch.Tensor) -> torch.Tensor:
-        return merge_2x2_labels(Y) if isinstance(stage.downsample, PatchMerging) else Y  # timm: at a stage's start
+            self.watch_softmax(blk.attn, cap, handles)
 
     def branch(self, blk: SwinTransformerBlock, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
         """Eq. 9 for the block's (shifted) window attention on the ``(B, H, W, K)`` labels."""
         if cap.attn is not None:  # the token path's own attention probabilities
             return window_labels(Y, blk.window_size, blk.shift_size, attn=cap.attn)
         a = blk.attn
-        N = a.window_area
-        bias = a._get_rel_pos_bias()
-        if cap.mask is not None:  # the shift mask, combined as WindowAttention combines it
-            nw = cap.mask.shape[0]
-            mask = cap.mask.view(1, nw, 1, N, N).expand(cap.q.shape[0] // nw, -1, a.num_heads, -1, -1)
-            bias = bias + mask.reshape(-1, a.num_heads, N, N)
+        bias = self.window_bias(cap, a._get_rel_pos_bias(), a.num_heads)
         return window_labels(Y, blk.window_size, blk.shift_size, q=cap.q, k=cap.k, bias=bias, scale=a.scale)
 
 
-class SwinV2Tracer(Tracer):
+class SwinV2Tracer(_ShiftedWindows):
     """Label rules for timm's Swin V2, both variants: ``SwinTransformerV2`` and ``SwinTransformerV2Cr``. The geometry
     is Swin's (:class:`SwinTracer`: cyclic shift, windows, patch merging at a stage's start as the Norm of the 2x2
     sum, the residual average, the mean label): the rules differ in the attention and the norms only.
@@ -121,13 +140,11 @@ class SwinV2Tracer(Tracer):
       ``softmax(cos(q, k) · τ_h + 16 σ(CPB) + mask)`` (``SwinTransformerV2``), ``cos(q, k) · τ_h + meta-MLP bias +
       mask`` (``V2Cr``), head-averaged. The rule reads the attention where the block normalises it, whatever the
       logits are made of: ``SwinTransformerV2`` materialises its softmax in a module, whose output the hook takes;
-      ``V2Cr`` calls ``softmax`` inline, so the hooks take its ``q``, ``k`` and shift mask and the label path
-      computes the same logits, the cosine of the normalised ``q`` and ``k`` times the clamped logit scale, plus
-      the block's own position bias (fused on accelerators).
+      ``V2Cr`` calls ``softmax`` inline, so the hooks take its ``q``, ``k``, shift mask and the meta-MLP's output
+      (the position bias the token path computed) and the label path forms the same logits, the cosine of the
+      normalised ``q`` and ``k`` times the clamped logit scale plus that bias (fused on accelerators).
     - Residual post-norm (``x + norm(attn(x))``) and V2Cr's extra main-branch norms: point-wise, labels unchanged.
     """
-
-    layout = 'grid'
 
     def __init__(self, model):
         cr = isinstance(model, SwinTransformerV2Cr)
@@ -156,31 +173,14 @@ class SwinV2Tracer(Tracer):
     def stages(self):
         return [(stage, stage.blocks) for stage in self.stage_modules(self.model)]
 
-    def watch_model(self, captures: Captures, handles: list) -> None:
-        """The first token grid: the first block's ``(B, H, W, C)`` input."""
-        first = self.blocks()[0]
-        handles.append(first.register_forward_pre_hook(lambda m, i: setattr(captures, 'grid', tuple(i[0].shape[1:3]))))
-
     def watch(self, blk: nn.Module, cap: LabelCapture, handles: list) -> None:
-        """The attention probabilities of its softmax (``SwinTransformerV2``), or its ``q``, ``k`` and shift mask
-        (``V2Cr``)."""
+        """The attention probabilities of its softmax (``SwinTransformerV2``), or its ``q``, ``k``, shift mask and
+        position bias (``V2Cr``: the meta-MLP's ``(N², heads)`` output)."""
         if not self.cr:
-            handles.append(
-                blk.attn.softmax.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'attn', o.detach()))
-            )
+            self.watch_softmax(blk.attn, cap, handles)
             return
-        handles.append(
-            blk.attn.register_forward_pre_hook(
-                lambda m, a, kw, c=cap: setattr(c, 'mask', kw.get('mask', a[1] if len(a) > 1 else None)),
-                with_kwargs=True,
-            )
-        )
-        handles.append(
-            blk.attn.qkv.register_forward_hook(lambda m, i, o, c=cap, a=blk.attn: set_qk(c, o.detach(), a.num_heads))
-        )
-
-    def enter(self, stage, Y: torch.Tensor) -> torch.Tensor:
-        return merge_2x2_labels(Y) if isinstance(stage.downsample, self.merging) else Y  # at a stage's start
+        self.watch_qk_mask(blk.attn, cap, handles)
+        handles.append(blk.attn.meta_mlp.register_forward_hook(lambda m, i, o, c=cap: setattr(c, 'bias', o.detach())))
 
     def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
         """Eq. 9 for the block's (shifted) window attention on the ``(B, H, W, K)`` labels."""
@@ -191,11 +191,8 @@ class SwinV2Tracer(Tracer):
         tau = torch.clamp(a.logit_scale.detach().float().reshape(1, heads, 1, 1), max=math.log(1.0 / 0.01)).exp()
         q = F.normalize(cap.q.float(), dim=-1) * tau  # the cosine's logit scale, per head
         k = F.normalize(cap.k.float(), dim=-1)
-        bias = a._relative_positional_encodings().detach().float().expand(q.shape[0], -1, -1, -1)
-        if cap.mask is not None:  # the shift mask, combined as WindowMultiHeadAttention combines it
-            nw = cap.mask.shape[0]
-            mask = cap.mask.view(1, nw, 1, N, N).expand(q.shape[0] // nw, -1, heads, -1, -1)
-            bias = bias + mask.reshape(-1, heads, N, N)
+        position = cap.bias.float().transpose(1, 0).reshape(1, heads, N, N)  # as _relative_positional_encodings
+        bias = self.window_bias(cap, position, heads)
         return window_labels(Y, blk.window_size, blk.shift_size, q=q, k=k, bias=bias, scale=1.0)
 
 
