@@ -1,5 +1,6 @@
 """What the timm tracers of :mod:`timm_plugin.tl_align` share beyond :class:`shared_core.tracer.Tracer`: the exact
-timm block parts the label rules assume, an instance-forward handle, and label pooling with a conv's geometry."""
+timm block parts the label rules assume, an instance-forward handle, a conv's labels (its stencil, or its geometry's
+pooling), and the hook of a label map's first grid."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import torch
 import torch.nn as nn
 from timm.layers import DropPath, GluMlp, LayerNorm, LayerScale, Mlp, RmsNorm, SwiGLU
 
-from shared_core.capture import LabelCapture
-from shared_core.tl_align import conv_pool_labels
+from shared_core.capture import Captures, LabelCapture
+from shared_core.tl_align import conv_pool_labels, conv_stencil_labels
 
 #: the parts of a timm ViT ``Block`` the label rules assume (attention mixes tokens, everything else is per token:
 #: the TL-Align paper, Table 9) and the exact types that are per token; anything else (a wrapped MLP, a token-mixing
@@ -61,3 +62,15 @@ def stencil(conv: nn.Conv2d) -> torch.Tensor:
     """``S = mean |K|`` ``(k, k)`` fp32 over a conv's output and input channel dims (a depthwise conv: over its
     channels' kernels): the fixed stencil by which Table 9 mixes labels for a convolution."""
     return conv.weight.detach().float().abs().mean((0, 1))
+
+
+def conv_labels(labels: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+    """Table 9 for a convolution on a ``(B, K, H, W)`` label map: its fixed :func:`stencil`, at its padding and
+    stride (:func:`~shared_core.tl_align.conv_stencil_labels`)."""
+    return conv_stencil_labels(labels, stencil(conv), conv.padding, conv.stride)
+
+
+def hook_map_grid(module: nn.Module, captures: Captures, handles: list) -> None:
+    """``captures.grid``: the ``(H, W)`` of ``module``'s ``(B, C, H, W)`` output (a stem whose grid the label map
+    starts on)."""
+    handles.append(module.register_forward_hook(lambda m, i, o: setattr(captures, 'grid', tuple(o.shape[-2:]))))

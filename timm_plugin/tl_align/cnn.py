@@ -11,10 +11,9 @@ from timm.models.convnext import ConvNeXt, ConvNeXtBlock, ConvNeXtStage
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 
 from shared_core.capture import Captures, LabelCapture
-from shared_core.tl_align import conv_stencil_labels
 from shared_core.tracer import Tracer, check_pool
 
-from ._blocks import pool_like, stencil
+from ._blocks import conv_labels, hook_map_grid, pool_like
 
 # ---------------------------------------------------------------------------------------------- ConvNeXt
 
@@ -34,8 +33,7 @@ class _ConvLabelGrid(Tracer):
     why_no_attention = 'its blocks mix tokens by convolutions'
 
     def watch_model(self, captures: Captures, handles: list) -> None:
-        stem = self.model.stem
-        handles.append(stem.register_forward_hook(lambda m, i, o: setattr(captures, 'grid', tuple(o.shape[-2:]))))
+        hook_map_grid(self.model.stem, captures, handles)
 
     def drop_path(self, blk: nn.Module):
         return getattr(blk, 'drop_path', None)  # (ResNet's: None without stochastic depth)
@@ -110,7 +108,7 @@ class ConvNeXtTracer(_ConvLabelGrid):
 
     def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
         dw = blk.conv_dw
-        return conv_stencil_labels(Y, stencil(dw), dw.padding)
+        return conv_labels(Y, dw)
 
 
 # ---------------------------------------------------------------------------------------------- ResNet
@@ -224,5 +222,5 @@ class ResNetTracer(_ConvLabelGrid):
 
     def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
         for conv in self._spatial_convs(blk):
-            Y = conv_stencil_labels(Y, stencil(conv), conv.padding, conv.stride)
+            Y = conv_labels(Y, conv)
         return Y

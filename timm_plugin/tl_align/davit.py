@@ -18,10 +18,10 @@ from timm.models.davit import (
 )
 
 from shared_core.capture import Captures, LabelCapture, SdpaCapture
-from shared_core.tl_align import conv_stencil_labels, residual_labels, window_labels
+from shared_core.tl_align import residual_labels, window_labels
 from shared_core.tracer import Tracer, check_fused_sdpa, check_pool
 
-from ._blocks import stencil
+from ._blocks import conv_labels, hook_map_grid
 
 __all__ = ['DaViTTracer']
 
@@ -29,8 +29,7 @@ __all__ = ['DaViTTracer']
 def _cpe(cpe: ConvPosEnc, Y: torch.Tensor) -> torch.Tensor:
     """The conv position encoding ``x + act(dwconv(x))`` on a ``(B, K, H, W)`` map: Table 9's stencil of the
     depthwise conv with its residual, ``Norm(Y + T(mean |K|) Y)``."""
-    dw = cpe.proj
-    return residual_labels(Y, conv_stencil_labels(Y, stencil(dw), dw.padding), None, True)
+    return residual_labels(Y, conv_labels(Y, cpe.proj), None, True)
 
 
 class DaViTTracer(Tracer):
@@ -80,8 +79,7 @@ class DaViTTracer(Tracer):
     why_no_attention = "its last block is a channel block: its attention mixes each token's channels, not tokens"
 
     def watch_model(self, captures: Captures, handles: list) -> None:
-        stem = self.model.stem
-        handles.append(stem.register_forward_hook(lambda m, i, o: setattr(captures, 'grid', tuple(o.shape[-2:]))))
+        hook_map_grid(self.model.stem, captures, handles)
 
     def enter(self, stage, Y: torch.Tensor) -> torch.Tensor:
         if isinstance(stage.downsample, nn.Identity):

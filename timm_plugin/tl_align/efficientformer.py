@@ -17,10 +17,10 @@ from timm.models.efficientformer import (
 )
 
 from shared_core.capture import Captures, LabelCapture, SoftmaxCapture
-from shared_core.tl_align import conv_pool_labels, conv_stencil_labels
+from shared_core.tl_align import conv_pool_labels
 from shared_core.tracer import Tracer, check_pool
 
-from ._blocks import stencil
+from ._blocks import conv_labels, hook_map_grid
 
 __all__ = ['EfficientFormerTracer']
 
@@ -74,14 +74,13 @@ class EfficientFormerTracer(Tracer):
 
     def watch_model(self, captures: Captures, handles: list) -> None:
         """The first grid: the stem's output."""
-        stem = self.model.stem
-        handles.append(stem.register_forward_hook(lambda m, i, o: setattr(captures, 'grid', tuple(o.shape[-2:]))))
+        hook_map_grid(self.model.stem, captures, handles)
 
     def enter(self, stage, Y: torch.Tensor) -> torch.Tensor:
         if isinstance(stage.downsample, nn.Identity):
             return Y
         conv = stage.downsample.conv
-        return conv_stencil_labels(Y, stencil(conv), conv.padding, conv.stride)
+        return conv_labels(Y, conv)
 
     def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
         """The token mixer's labels on the ``(B, K, H, W)`` label map."""

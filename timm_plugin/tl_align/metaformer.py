@@ -22,10 +22,10 @@ from timm.models.metaformer import (
 )
 
 from shared_core.capture import LabelCapture, SdpaCapture
-from shared_core.tl_align import attention_labels, conv_pool_labels, conv_stencil_labels
+from shared_core.tl_align import attention_labels, conv_pool_labels
 from shared_core.tracer import check_block_parts, check_fused_sdpa, check_pool
 
-from ._blocks import stencil
+from ._blocks import conv_labels
 from .cnn import _ConvLabelGrid
 
 __all__ = ['MetaFormerTracer']
@@ -137,7 +137,7 @@ class MetaFormerTracer(_ConvLabelGrid):
             return conv_pool_labels(Y, p.kernel_size, p.stride, p.padding)
         if type(mixer) is SepConv:
             dw = mixer.dwconv
-            return conv_stencil_labels(Y, stencil(dw), dw.padding)
+            return conv_labels(Y, dw)
         if type(mixer) is Attention:
             if cap.q is None:
                 raise ValueError('model: a MetaFormer attention block made no scaled_dot_product_attention call')
@@ -150,4 +150,4 @@ class MetaFormerTracer(_ConvLabelGrid):
         if isinstance(stage.downsample, nn.Identity):
             return Y
         conv = stage.downsample.conv
-        return conv_stencil_labels(Y, stencil(conv), conv.padding, conv.stride)
+        return conv_labels(Y, conv)

@@ -11,10 +11,10 @@ from timm.layers import Mlp
 from timm.models.mvitv2 import MultiScaleAttention, MultiScaleBlock, MultiScaleVit, MultiScaleVitStage
 
 from shared_core.capture import Captures, LabelCapture, SoftmaxCapture
-from shared_core.tl_align import conv_pool_labels, conv_stencil_labels
+from shared_core.tl_align import conv_pool_labels
 from shared_core.tracer import Tracer, check_block_parts, check_pool
 
-from ._blocks import NORMS, stencil
+from ._blocks import NORMS, conv_labels
 
 __all__ = ['MViTv2Tracer']
 
@@ -83,7 +83,7 @@ class MViTv2Tracer(Tracer):
         if pool is None:
             return Y
         if type(pool) is nn.Conv2d:
-            return conv_stencil_labels(Y, stencil(pool), pool.padding, pool.stride)
+            return conv_labels(Y, pool)
         return conv_pool_labels(Y, pool.kernel_size, pool.stride, pool.padding)
 
     def _pooled(self, pool: Optional[nn.Module], cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:

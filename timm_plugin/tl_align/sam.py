@@ -10,10 +10,10 @@ from timm.models.vision_transformer_sam import Block as SamBlock
 from timm.models.vision_transformer_sam import VisionTransformerSAM
 
 from shared_core.capture import Captures, LabelCapture, SdpaCapture
-from shared_core.tl_align import attention_labels, conv_stencil_labels, window_labels
+from shared_core.tl_align import attention_labels, window_labels
 from shared_core.tracer import Tracer, check_block_parts, check_fused_sdpa, check_pool, check_types
 
-from ._blocks import VIT_BLOCK_PARTS, stencil
+from ._blocks import VIT_BLOCK_PARTS, conv_labels
 
 __all__ = ['SamViTTracer']
 
@@ -85,5 +85,5 @@ class SamViTTracer(Tracer):
             return Y
         Y = Y.permute(0, 3, 1, 2)
         for conv in self.neck_convs:
-            Y = conv_stencil_labels(Y, stencil(conv), conv.padding)
+            Y = conv_labels(Y, conv)
         return Y.permute(0, 2, 3, 1)

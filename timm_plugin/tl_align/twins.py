@@ -9,10 +9,10 @@ from timm.layers import Mlp
 from timm.models.twins import Block, GlobalSubSampleAttn, LocallyGroupedAttn, PatchEmbed, PosConv, Twins
 
 from shared_core.capture import Captures, LabelCapture, SdpaCapture
-from shared_core.tl_align import attention_labels, conv_pool_labels, conv_stencil_labels, residual_labels
+from shared_core.tl_align import attention_labels, conv_pool_labels, residual_labels
 from shared_core.tracer import Tracer, check_block_parts, check_fused_sdpa, check_pool, check_types
 
-from ._blocks import NORMS, stencil
+from ._blocks import NORMS, conv_labels
 
 __all__ = ['TwinsTracer']
 
@@ -79,7 +79,7 @@ class TwinsTracer(Tracer):
         if j:
             return Y
         dw = stage[2].proj[0]  # the position encoding (PEG) after the stage's first block: x + dwconv(x)
-        return residual_labels(Y, conv_stencil_labels(Y, stencil(dw), dw.padding), None, True)
+        return residual_labels(Y, conv_labels(Y, dw), None, True)
 
     def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
         """Eq. 9 on the ``(B, K, H, W)`` label map -> ``(B, K, H, W)``."""
