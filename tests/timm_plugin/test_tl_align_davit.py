@@ -12,6 +12,7 @@ from timm_plugin.tl_align import DaViTTracer, TLAlign, timm_tracer
 from .test_tl_align import C, random_token_labels, sharpen
 from .test_tl_align_beyond_vit import _stencil_mix
 from .test_tl_align_sdpa import RecordAttention
+from .tl_align_checks import mean_abs_stencil, window_mix
 
 
 def tiny(**kw):
@@ -26,11 +27,6 @@ def tiny(**kw):
     return model
 
 
-def dw_stencil(conv):
-    K = conv.weight.detach().double()  # (C, 1, 3, 3)
-    return sum(K[o, 0].abs() for o in range(K.shape[0])) / K.shape[0]
-
-
 def reference(model, x, Y_tok, grid):
     with RecordAttention() as rec, torch.no_grad():
         model(x)
@@ -43,22 +39,12 @@ def reference(model, x, Y_tok, grid):
             H, W = H // 2, W // 2
         for pair in stage.blocks:
             for blk in pair:
-                Y = (Y + _stencil_mix(Y, dw_stencil(blk.cpe1.proj), 1)) / 2
+                Y = (Y + _stencil_mix(Y, mean_abs_stencil(blk.cpe1.proj.weight), 1)) / 2
                 if isinstance(blk, SpatialBlock):
                     q, k, _, scale = next(calls)
                     A = ((q.double() @ k.double().transpose(-1, -2)) * scale).softmax(-1).mean(1)  # (B·nW, N, N)
-                    ws = blk.window_size[0]
-                    nwh, nww = H // ws, W // ws
-                    new = torch.zeros_like(Y)
-                    for b in range(B):
-                        for i in range(H):
-                            for j in range(W):
-                                win, n = b * nwh * nww + (i // ws) * nww + j // ws, (i % ws) * ws + j % ws
-                                for m in range(ws * ws):
-                                    mi, mj = (i // ws) * ws + m // ws, (j // ws) * ws + m % ws
-                                    new[b, i, j] += A[win, n, m] * Y[b, mi, mj]
-                    Y = (Y + new) / 2
-                Y = (Y + _stencil_mix(Y, dw_stencil(blk.cpe2.proj), 1)) / 2
+                    Y = (Y + window_mix(Y, A, blk.window_size[0])) / 2
+                Y = (Y + _stencil_mix(Y, mean_abs_stencil(blk.cpe2.proj.weight), 1)) / 2
     return Y.flatten(1, 2).mean(1)
 
 

@@ -9,6 +9,7 @@ from timm_plugin.tl_align import EfficientFormerTracer, TLAlign, timm_tracer
 
 from .test_tl_align import C, random_token_labels, sharpen
 from .test_tl_align_beyond_vit import _stencil_mix
+from .tl_align_checks import mean_abs_stencil
 
 
 def tiny():
@@ -54,9 +55,7 @@ def reference(model, x, Y_tok):
     Y = Y_tok.view(B, 56, 56, -1)
     for stage in model.stages:
         if not isinstance(stage.downsample, torch.nn.Identity):
-            K = stage.downsample.conv.weight.detach()
-            S = sum(K[o, i].abs() for o in range(K.shape[0]) for i in range(K.shape[1])) / (K.shape[0] * K.shape[1])
-            Y = _stencil_mix(Y, S, 1, 2)
+            Y = _stencil_mix(Y, mean_abs_stencil(stage.downsample.conv.weight).float(), 1, 2)
         for b in stage.blocks:
             if isinstance(b, MetaBlock2d):
                 Y = (Y + _stencil_mix(Y, torch.ones(3, 3), 1)) / 2

@@ -11,6 +11,7 @@ from timm_plugin.tl_align import SamViTTracer, TLAlign, timm_tracer
 from .test_tl_align import C, random_token_labels, sharpen
 from .test_tl_align_beyond_vit import _stencil_mix
 from .test_tl_align_sdpa import RecordAttention
+from .tl_align_checks import mean_abs_stencil, window_mix
 
 
 def sam_reference(model, x, Y_tok, grid):
@@ -28,21 +29,10 @@ def sam_reference(model, x, Y_tok, grid):
         if mask is not None:
             logits = logits + mask.double()
         A = logits.softmax(-1).view(-1, heads, N, N).mean(1)  # (B · windows, N, N)
-        ws = blk.window_size or H  # a global block: one window, the whole (square) grid
-        nwh, nww = H // ws, W // ws
-        new = torch.zeros_like(Y)
-        for b in range(B):
-            for i in range(H):
-                for j in range(W):
-                    win, n = b * nwh * nww + (i // ws) * nww + j // ws, (i % ws) * ws + j % ws
-                    for m in range(ws * ws):
-                        new[b, i, j] += A[win, n, m] * Y[b, (i // ws) * ws + m // ws, (j // ws) * ws + m % ws]
-        Y = (Y + new) / 2
+        Y = (Y + window_mix(Y, A, blk.window_size or H)) / 2  # a global block: one window, the (square) grid
     for part in model.neck if isinstance(model.neck, torch.nn.Sequential) else []:
         if isinstance(part, torch.nn.Conv2d) and part.kernel_size != (1, 1):
-            K = part.weight.detach().double()
-            S = sum(K[o, i].abs() for o in range(K.shape[0]) for i in range(K.shape[1])) / (K.shape[0] * K.shape[1])
-            Y = _stencil_mix(Y, S, part.padding[0])
+            Y = _stencil_mix(Y, mean_abs_stencil(part.weight), part.padding[0])
     return out, Y.flatten(1, 2).mean(1)
 
 

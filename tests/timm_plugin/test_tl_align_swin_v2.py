@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from timm.models.swin_transformer_v2 import SwinTransformerV2
 from timm.models.swin_transformer_v2_cr import SwinTransformerV2Cr
 
-from shared_core.mixing import one_hot
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import SwinV2Tracer, TLAlign, timm_tracer
 
 from .test_tl_align import C, random_token_labels, sharpen, swin_reference_labels
+from .tl_align_checks import check_compact_equals_dense
 
 
 def tiny(variant, **kw):
@@ -85,16 +85,7 @@ def test_swin_v2_training_call_is_the_dense_trace_with_stochastic_depth(variant)
         'cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=2, mode='elem', carry_mix=True,
         generator=torch.Generator().manual_seed(1),
     )  # fmt: skip
-    y = torch.arange(4) % C
-    xm, target = mixer(torch.randn(4, 3, 32, 32), y)
-    wrapped = TLAlign(model)
-    torch.manual_seed(3)
-    out, aligned = wrapped(xm, target)
-    s = target.mix.token_share_flat()[..., None]
-    Y = (1 - s) * one_hot(y, C, 0.1)[:, None] + s * one_hot(y[target.mix.partner], C, 0.1)[:, None]
-    torch.manual_seed(3)
-    out_d, label = wrapped.trace(xm, Y)
-    assert torch.equal(out, out_d) and torch.allclose(aligned, label, atol=1e-6)
+    check_compact_equals_dense(model, mixer, torch.randn(4, 3, 32, 32), torch.arange(4) % C, C)
 
 
 @pytest.mark.parametrize('variant', sorted(VARIANTS))

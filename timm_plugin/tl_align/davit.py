@@ -66,7 +66,9 @@ class DaViTTracer(Tracer):
         check_fused_sdpa(self.blocks(), self.attention)
 
     def stages(self):
-        return [(stage, [b for pair in stage.blocks for b in pair]) for stage in self.model.stages]
+        """``((stage, blocks), blocks)``: :meth:`after` reads a block's second position encoding by its index."""
+        staged = [(stage, [b for pair in stage.blocks for b in pair]) for stage in self.model.stages]
+        return [(pair, pair[1]) for pair in staged]
 
     def attention(self, blk: nn.Module):
         """A spatial block's window attention (its SDPA call is recorded); a channel block attends over none."""
@@ -82,9 +84,10 @@ class DaViTTracer(Tracer):
         hook_map_grid(self.model.stem, captures, handles)
 
     def enter(self, stage, Y: torch.Tensor) -> torch.Tensor:
-        if isinstance(stage.downsample, nn.Identity):
+        downsample = stage[0].downsample
+        if isinstance(downsample, nn.Identity):
             return Y
-        conv = stage.downsample.conv
+        conv = downsample.conv
         if conv.kernel_size != conv.stride:
             raise ValueError(f'model: DaVit downsample {conv} is not a k x k stride-k conv; it has no TL-Align rule')
         # an odd grid is zero-padded on the right and bottom: the last windows' means over their in-grid cells
@@ -103,5 +106,4 @@ class DaViTTracer(Tracer):
         return out.permute(0, 3, 1, 2)
 
     def after(self, stage, j: int, Y: torch.Tensor) -> torch.Tensor:
-        blocks = [b for pair in stage.blocks for b in pair]
-        return _cpe(blocks[j].cpe2, Y)
+        return _cpe(stage[1][j].cpe2, Y)
