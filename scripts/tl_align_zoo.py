@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from timm_plugin.tl_align import timm_tracer  # noqa: E402
+from timm_plugin.tl_align.graph import GraphRouteError  # noqa: E402
 
 PAGE = REPO / 'docs' / 'methods' / 'tl_align_zoo.md'
 
@@ -52,6 +53,20 @@ HELD_BY = {
     'TwinsTracer': 'test_tl_align_twins.py::test_the_tracer_is_the_reference_in_image_cells',
     'MViTv2Tracer': 'test_tl_align_mvitv2.py::test_the_tracer_is_the_reference_in_image_cells',
 }
+
+#: the graph route (GraphTracer) by family: the test that holds it there and its measured max |difference|; families
+#: not listed are held by the invariants every label program must keep
+GRAPH_HELD = {
+    'efficientnet': ('test_tl_align_graph.py::test_the_graph_route_is_the_explicit_reference', '4.7e-8'),
+    'mobilenetv3': ('test_tl_align_graph.py::test_the_graph_route_is_the_explicit_reference', '2.2e-8'),
+    'hardcorenas': ('test_tl_align_graph.py::test_the_graph_route_is_the_explicit_reference (MobileNetV3)', '2.2e-8'),
+    'densenet': ('test_tl_align_graph.py::test_the_graph_route_is_the_explicit_reference', '2.6e-8'),
+    'vgg': ('test_tl_align_graph.py::test_the_graph_route_is_the_explicit_reference', '2.7e-8'),
+}
+GRAPH_INVARIANTS = (
+    'test_tl_align_graph.py::test_a_label_program_keeps_labels_a_distribution_and_a_constant_map_constant (its ops '
+    "as in the references, and the ResNet and ConvNeXt tracers' labels to 6e-8)"
+)
 
 
 #: the measured max |difference| of a tracer's labels against its test's reference, where the test or the TL-Align
@@ -98,18 +113,28 @@ def representative(module: str) -> str:
     return names[0]
 
 
-def status(name: str):
-    """``(status, detail)`` of TL-Align on ``name`` built on the meta device."""
+def status(module: str, name: str):
+    """``(status, detail, exactness, TransMix)`` of TL-Align on ``name`` built on the meta device."""
     with torch.device('meta'):
         model = timm.create_model(name, num_classes=10)
     try:
         tracer = timm_tracer(model)
     except ValueError as e:
         reason = str(e).removeprefix('model: ')
+        graph = e.__cause__ if isinstance(e.__cause__, GraphRouteError) else None
+        if graph is not None:  # no family tracer; the graph route says why it cannot take the model
+            why = str(graph).split(f'{type(model).__name__}: ', 1)[1].replace('|', '\\|')
+            if graph.decided:
+                return 'refused', f'graph route: {why}', '–', '–'
+            return 'no tracer yet', f'`{type(model).__name__}`; the graph route does not read it: {why}', '–', '–'
         if reason.startswith('TL-Align has no tracer for'):
             return 'no tracer yet', f'`{type(model).__name__}`', '–', '–'
         return 'refused', reason.replace('|', '\\|'), '–', '–'
     kind = type(tracer).__name__
+    if kind == 'GraphTracer':
+        held, exact = GRAPH_HELD.get(module, (GRAPH_INVARIANTS, 'no per-family reference'))
+        ops = len(tracer.program.ops)
+        return 'traced', f'`GraphTracer` (the graph route, {ops} label ops); {held}', exact, transmix(tracer)
     detail = f'`{kind}`; against an explicit reference in {HELD_BY[kind]}'
     if type(getattr(model, 'patch_embed', None)).__name__ == 'HybridEmbed':
         detail += "; the CNN stem is not traced: the labels start on its output grid, as for ResNet's stem"
@@ -122,7 +147,7 @@ def page() -> str:
         if not timm.list_models(module=module):
             continue
         name = representative(module)
-        state, detail, exact, tm = status(name)
+        state, detail, exact, tm = status(module, name)
         counts[state] += 1
         rows.append(f'| {module} | `{name}` | {state} | {exact} | {tm} | {detail} |')
     head = [
@@ -139,6 +164,10 @@ def page() -> str:
         '',
         "Exactness: the largest difference of the tracer's labels from its test's independent reference (explicit",
         'loops, materialised attention, float64 where it says so). TransMix: whether it applies, and by which rule.',
+        'Conv nets without a family tracer go to the graph route (`GraphTracer`: Table 9 read off the fx graph, op',
+        'by op; docs/methods/tl_align.md has its rules); where it cannot take a model it names the node: a refusal',
+        'where Table 9 gives no reading, "no tracer yet" where the part it does not read (attention, tokens as rows)',
+        "is a family tracer's work.",
         '',
         '| family | model | status | exactness | TransMix | tracer and test, or why not |',
         '|---|---|---|---|---|---|',

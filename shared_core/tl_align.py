@@ -176,16 +176,21 @@ def linear_token_mixing(*weights: torch.Tensor) -> torch.Tensor:
         return A
 
 
-def conv_stencil_labels(labels: torch.Tensor, stencil: torch.Tensor, padding, stride=1) -> torch.Tensor:
+def conv_stencil_labels(labels: torch.Tensor, stencil: torch.Tensor, padding, stride=1, dilation=1) -> torch.Tensor:
     """Table 9 spatial mixing for a convolution used as one fixed non-negative stencil ``S`` ``(kh, kw)`` on a
     ``(B, K, H, W)`` label map: ``Y'[p] = Σ_q S[q - s·p + pad] Y[q] / Σ_q S[q - s·p + pad]`` over the in-grid
     positions ``q`` of the window (the conv's zero padding is no token), i.e. the conv's equivalent ``(N_out, N)``
     matrix with rows normalised to sum 1 (the same cross-correlation as the token path). A ``stride`` > 1 (a
-    strided conv: mixing and spatial aggregation at once) reads every ``stride``-th window, as the conv does."""
+    strided conv: mixing and spatial aggregation at once) reads every ``stride``-th window, as the conv does;
+    ``dilation`` spaces the stencil's taps as the conv's. ``padding``: a pair (both sides), or
+    ``(left, right, top, bottom)`` for an asymmetric padding (TF's "same")."""
     K, H, W = labels.shape[1:]
     S = stencil.to(labels.dtype)[None, None]
-    num = F.conv2d(labels, S.expand(K, 1, *S.shape[-2:]), stride=stride, padding=padding, groups=K)
-    den = F.conv2d(labels.new_ones(1, 1, H, W), S, stride=stride, padding=padding)
+    ones = labels.new_ones(1, 1, H, W)
+    if isinstance(padding, (tuple, list)) and len(padding) == 4:
+        labels, ones, padding = F.pad(labels, tuple(padding)), F.pad(ones, tuple(padding)), 0
+    num = F.conv2d(labels, S.expand(K, 1, *S.shape[-2:]), stride=stride, padding=padding, dilation=dilation, groups=K)
+    den = F.conv2d(ones, S, stride=stride, padding=padding, dilation=dilation)
     return num / den.clamp_min(torch.finfo(labels.dtype).tiny)
 
 

@@ -95,6 +95,9 @@ class Tracer:
     why_missing: str = ''
     #: the module whose hook gives ``captures.grid`` (for the error where it did not run)
     grid_module: str = 'the patch embedding'
+    #: the label path runs the model's whole graph as one program (timm's graph route for conv nets): it has no
+    #: blocks to pick (``layers``) or residuals to drop (``residual=False``)
+    whole_graph: bool = False
 
     def __init__(self, model: nn.Module):
         self.model = model

@@ -114,7 +114,8 @@ def tl_align_stride(model: nn.Module) -> Tuple[int, int]:
     """Pixels per token of the grid TL-Align's label state starts on: :func:`token_stride` for models with a patch
     embedding; for a timm ResNet, MetaFormer, DaViT or EfficientFormer, the grid its first stage runs on
     (``layer1``'s / ``stages.0``'s ``feature_info`` reduction: 4); for Twins, its first patch embedding's stride
-    (4)."""
+    (4); for the conv nets of TL-Align's graph route, its first map at stride >= 4
+    (:class:`~timm_plugin.tl_align.graph.GraphTracer`)."""
     if patch_embedding(model) is not None:
         return token_stride(model)
     if isinstance(model, cnn_classes()[0]):
@@ -132,7 +133,13 @@ def tl_align_stride(model: nn.Module) -> Tuple[int, int]:
     if isinstance(model, Twins):  # the first patch embedding's grid (4)
         stride = model.patch_embeds[0].proj.stride
         return int(stride[0]), int(stride[1])
-    raise ValueError(f'model: {type(model).__name__} has no patch embedding or first stage, so no label grid')
+    from .tl_align import timm_tracer
+
+    tracer = timm_tracer(model)  # the graph route's first stride >= 4 map, or the error why there is none
+    stride = getattr(tracer, 'stride', None)
+    if stride is None:
+        raise ValueError(f'model: {type(model).__name__} has no patch embedding or first stage, so no label grid')
+    return stride, stride
 
 
 def token_labeling_stride(model: nn.Module) -> Tuple[int, int]:

@@ -425,7 +425,7 @@ def test_bad_input():
 
     with pytest.raises(
         ValueError,
-        match=r'no tracer for .*EfficientNet; supported: .*VisionTransformerDistilled, '
+        match=r'no tracer for .*EdgeNeXt \(supported: .*VisionTransformerDistilled, '
         r'.*VisionTransformer, .*SwinTransformer, timm\.models\.swin_transformer_v2\.SwinTransformerV2, '
         r'timm\.models\.swin_transformer_v2_cr\.SwinTransformerV2Cr, timm\.models\.cait\.Cait, '
         r'timm\.models\.pvt_v2\.PyramidVisionTransformerV2, timm\.models\.mlp_mixer\.MlpMixer, '
@@ -435,9 +435,11 @@ def test_bad_input():
         r'timm\.models\.efficientformer\.EfficientFormer, timm\.models\.davit\.DaVit, '
         r'timm\.models\.metaformer\.MetaFormer, '
         r'timm\.models\.hiera\.Hiera, timm\.models\.twins\.Twins, timm\.models\.mvitv2\.MultiScaleVit, '
-        r'timm\.models\.convnext\.ConvNeXt, timm\.models\.resnet\.ResNet$',
+        r'timm\.models\.convnext\.ConvNeXt, timm\.models\.resnet\.ResNet\), and TL-Align\'s graph route does not '
+        r'read EdgeNeXt: node reshape .*moves the spatial dims',
     ):
-        TLAlign(timm.create_model('efficientnet_b0', num_classes=C))
+        with torch.device('meta'):
+            TLAlign(timm.create_model('edgenext_small', num_classes=C))
     with pytest.raises(ValueError, match="CaiT with global_pool=''"):
         TLAlign(tiny_cait(global_pool=''))
     with pytest.raises(ValueError, match="PVT v2 with global_pool=''"):

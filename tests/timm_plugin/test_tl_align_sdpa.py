@@ -239,6 +239,7 @@ def test_the_zoo_page_is_what_timm_gives_now(run_env):
         ('lvvit_s', ['img_size=112', 'depth=2']),
         ('convit_tiny', ['img_size=112', 'depth=3', 'local_up_to_layer=2']),
         ('davit_tiny', ['depths=[1,1,1,1]', 'window_size=4']),  # 128 px: grids of 32, 16, 8 and 4 tokens
+        ('efficientnet_b0', []),  # the graph route: the mixer on its first stride-4 map
     ],
 )
 def test_tokenaug_train_tl_align_across_the_zoo(tiny_world, tmp_path, model, kwargs):

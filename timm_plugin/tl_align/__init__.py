@@ -71,6 +71,7 @@ from .cnn import ConvNeXtTracer, ResNetTracer
 from .convit import ConViTTracer
 from .davit import DaViTTracer
 from .efficientformer import EfficientFormerTracer
+from .graph import GraphTracer
 from .hiera import HieraTracer
 from .hierarchical import PvtV2Tracer, SwinTracer, SwinV2Tracer
 from .metaformer import MetaFormerTracer
@@ -108,6 +109,7 @@ __all__ = [
     'DaViTTracer',
     'ConvNeXtTracer',
     'ResNetTracer',
+    'GraphTracer',
 ]
 
 
@@ -189,12 +191,23 @@ def _no_rule(model: nn.Module, name: str) -> None:
 
 
 def timm_tracer(model: nn.Module, pooled_outside: bool = False, name: str = 'model'):
-    """The TL-Align tracer of a supported timm model (:data:`SUPPORTED_MODELS`). ``pooled_outside``: the model's own
-    head pooling is off (mmpretrain's ``TIMMBackbone`` resets it) and its final map is average-pooled outside it
-    (a ``GlobalAveragePooling`` neck): the timm CNNs of :data:`POOLED_OUTSIDE`, read out by the mean label."""
+    """The TL-Align tracer of a timm model: its family's tracer (:data:`SUPPORTED_MODELS`), else the graph route for
+    conv nets (:class:`~.graph.GraphTracer`, Table 9 read off the model's fx graph), which names the op it has no
+    rule for where it cannot take the model. ``pooled_outside``: the model's own head pooling is off (mmpretrain's
+    ``TIMMBackbone`` resets it) and its final map is average-pooled outside it (a ``GlobalAveragePooling`` neck):
+    the timm CNNs of :data:`POOLED_OUTSIDE`, read out by the mean label."""
     _no_rule(model, name)
     if not pooled_outside:
-        return tracer_for(model, SUPPORTED_MODELS, name)
+        if hasattr(model, '_orig_mod') or any(isinstance(model, cls) for cls in SUPPORTED_MODELS):
+            return tracer_for(model, SUPPORTED_MODELS, name)
+        try:
+            return GraphTracer(model)
+        except ValueError as e:
+            names = ', '.join(f'{c.__module__}.{c.__name__}' for c in SUPPORTED_MODELS)
+            raise ValueError(
+                f'{name}: TL-Align has no tracer for {type(model).__module__}.{type(model).__name__} (supported: '
+                f'{names}), and {str(e).removeprefix("model: ")}'
+            ) from e
     for cls, tracer in POOLED_OUTSIDE.items():
         if isinstance(model, cls):
             return tracer(model, pooled_outside=True)
@@ -297,6 +310,11 @@ class TLAlign(_MixTargetWrapper):
             if not isinstance(value, bool):
                 raise ValueError(f'{name}: expected True or False, got {value!r}')
         super().__init__(model, fused)
+        if self.tracer.whole_graph and (layers is not None or not residual):
+            raise ValueError(
+                f"layers / residual: TL-Align's graph route runs {type(model).__name__}'s whole graph as one label "
+                'program; it has no blocks to pick or residuals to drop (leave layers=None, residual=True)'
+            )
         self.shared = shared
         self.layers = check_layers(layers, self.tracer.depth)
         self.residual = residual

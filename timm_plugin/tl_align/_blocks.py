@@ -58,10 +58,15 @@ def pool_like(labels: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
     return conv_pool_labels(labels, conv.kernel_size, conv.stride, conv.padding)
 
 
-def stencil(conv: nn.Conv2d) -> torch.Tensor:
-    """``S = mean |K|`` ``(k, k)`` fp32 over a conv's output and input channel dims (a depthwise conv: over its
+def kernel_stencil(weight: torch.Tensor) -> torch.Tensor:
+    """``S = mean |K|`` ``(k, k)`` fp32 over a kernel's output and input channel dims (a depthwise conv: over its
     channels' kernels): the fixed stencil by which Table 9 mixes labels for a convolution."""
-    return conv.weight.detach().float().abs().mean((0, 1))
+    return weight.detach().float().abs().mean((0, 1))
+
+
+def stencil(conv: nn.Conv2d) -> torch.Tensor:
+    """:func:`kernel_stencil` of a conv module's weight."""
+    return kernel_stencil(conv.weight)
 
 
 def conv_labels(labels: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:

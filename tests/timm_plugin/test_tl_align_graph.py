@@ -1,0 +1,284 @@
+"""TL-Align's graph route for conv nets (Table 9 read off the fx graph): the same labels as the ResNet and ConvNeXt
+tracers, explicit-loop references for EfficientNet, MobileNetV3, DenseNet and VGG, the invariants of a label
+program on the other families it takes, its refusals, and the training call."""
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+from timm.models.densenet import DenseNet
+from timm.models.vgg import VGG
+
+from shared_core.tl_align import conv_stencil_labels
+from timm_plugin import create_mixer
+from timm_plugin.tl_align import ConvNeXtTracer, GraphTracer, ResNetTracer, TLAlign, timm_tracer
+from timm_plugin.token_grid import tl_align_stride
+
+from ..timm_plugin.test_tl_align import C, random_token_labels
+from ..timm_plugin.test_tl_align_more import _adaptive_mean, _window_mean
+from .tl_align_checks import check_compact_equals_dense, mean_abs_stencil
+
+
+def stencil_loops(Y, S, pads, stride=1, dilation=1):
+    """``(B, H, W, K)`` labels mixed by the stencil ``S`` (float64, by loops): each output cell the ``S``-weighted
+    mean of the in-grid cells under its taps; ``pads`` ``(left, right, top, bottom)``."""
+    B, H, W, K = Y.shape
+    kh, kw = S.shape
+    left, right, top, bottom = pads
+    Ho = (H + top + bottom - dilation * (kh - 1) - 1) // stride + 1
+    Wo = (W + left + right - dilation * (kw - 1) - 1) // stride + 1
+    out = torch.zeros(B, Ho, Wo, K, dtype=torch.float64)
+    for i in range(Ho):
+        for j in range(Wo):
+            num, den = torch.zeros(B, K, dtype=torch.float64), 0.0
+            for u in range(kh):
+                for v in range(kw):
+                    r, c = i * stride + u * dilation - top, j * stride + v * dilation - left
+                    if 0 <= r < H and 0 <= c < W:
+                        num += float(S[u, v]) * Y[:, r, c].double()
+                        den += float(S[u, v])
+            out[:, i, j] = num / den
+    return out
+
+
+def sym(conv):
+    p = conv.padding
+    return (p[1], p[1], p[0], p[0])
+
+
+@pytest.mark.parametrize('pads, stride, dilation', [((1, 1, 1, 1), 1, 1), ((0, 1, 0, 1), 2, 1), ((2, 2, 2, 2), 1, 2)])
+def test_a_stencil_with_dilation_or_an_asymmetric_padding_is_the_loops(pads, stride, dilation):
+    g = torch.Generator().manual_seed(0)
+    Y = torch.rand(2, 3, 7, 8, generator=g)
+    S = torch.rand(3, 3, generator=g)
+    padding = pads if pads[0] != pads[1] else (pads[2], pads[0])
+    got = conv_stencil_labels(Y, S, padding, stride, dilation)
+    want = stencil_loops(Y.permute(0, 2, 3, 1), S, pads, stride, dilation).permute(0, 3, 1, 2)
+    assert torch.allclose(got.double(), want, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the same labels as the family tracers
+
+
+@pytest.mark.parametrize(
+    'name, tracer',
+    [
+        ('resnet18', ResNetTracer),
+        ('resnet26d', ResNetTracer),  # ResNet-D: the average-pooled shortcut
+        ('seresnext26d_32x4d', ResNetTracer),  # grouped convs, SE gates
+        ('ecaresnet26t', ResNetTracer),  # ECA gates, the tiered stem
+        ('convnext_atto', ConvNeXtTracer),
+        ('convnextv2_atto', ConvNeXtTracer),  # GRN: a channel gate
+    ],
+)
+def test_the_graph_route_gives_the_family_tracers_labels(name, tracer):
+    """Table 9 read op by op is the ResNet and ConvNeXt tracers' block rules: the same labels on a training forward
+    whose drop paths drop samples."""
+    kw = {'zero_init_last': False} if 'res' in name else {}  # a zero last norm makes every branch 0 (all "kept")
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=C, drop_path_rate=0.5, **kw).train()
+    family, graph = tracer(model), GraphTracer(model)
+    x = torch.randn(4, 3, 64, 64)
+    Y = random_token_labels(4, 256, torch.Generator().manual_seed(1))
+    torch.manual_seed(2)
+    out, caps = family.capture(lambda: model(x))
+    torch.manual_seed(2)
+    out_g, caps_g = graph.capture(lambda: model(x))
+    assert torch.equal(out, out_g)
+    assert sum(int((~c.keep).sum()) for c in caps_g if c.keep is not None) > 0  # samples were dropped
+    want, got = family.label_path(caps, out, Y), graph.label_path(caps_g, out_g, Y)
+    assert (got - want).abs().max() < 1e-6
+    assert (got - Y.mean(1)).abs().max() > 1e-3  # the labels moved
+    assert graph.stride == 4 and graph.depth == len(caps_g)
+
+
+# ---------------------------------------------------------------- explicit references
+
+
+def efficientnet_reference(model, Y):
+    """timm's EfficientNet / MobileNetV3 by its blocks: the labels start at the output of the depthwise conv that
+    brings the stem's stride 2 to 4; each later block mixes them by its depthwise (or, EdgeResidual, its expansion)
+    conv's stencil and, with a skip, averages them with its input; the 1x1 convs and SE gates leave them."""
+    stride, started = model.conv_stem.stride[0], False
+    for blk in (b for stage in model.blocks for b in stage):
+        conv = getattr(blk, 'conv_dw', None) or getattr(blk, 'conv_exp', None) or blk.conv
+        if not started:
+            stride *= conv.stride[0]
+            started = stride >= 4
+            continue
+        Z = stencil_loops(Y, mean_abs_stencil(conv.weight), sym(conv), conv.stride[0])
+        Y = (Y + Z) / 2 if blk.has_skip else Z
+    return Y.mean((1, 2))
+
+
+def densenet_reference(model, Y):
+    """DenseNet by its blocks: each layer's input the mean label of the features it concatenates, its new features
+    that input mixed by its 3x3 conv; a block's output the mean over all its features; a transition's 2x2 average
+    pooling the mean of each window."""
+    for name, part in model.features.named_children():
+        if name.startswith('denseblock'):
+            parts = [Y]
+            for layer in part.values():
+                conv = layer.conv2
+                parts.append(stencil_loops(sum(parts) / len(parts), mean_abs_stencil(conv.weight), sym(conv)))
+            Y = sum(parts) / len(parts)
+        elif name.startswith('transition'):
+            Y = _window_mean(Y, 2, 2, 0)
+    return Y.mean((1, 2))
+
+
+def vgg_reference(model, Y):
+    """VGG by its layers after the second max pool (stride 4): 3x3 convs by their stencils, max pools the mean of
+    each 2x2 window; its head (ConvMlp) pools a map smaller than 7x7 adaptively to 7x7, then mixes it by its 7x7
+    conv to one cell."""
+    pools = 0
+    for m in model.features:
+        if pools < 2:
+            pools += isinstance(m, nn.MaxPool2d)
+        elif isinstance(m, nn.Conv2d):
+            Y = stencil_loops(Y, mean_abs_stencil(m.weight), sym(m))
+        elif isinstance(m, nn.MaxPool2d):
+            Y = _window_mean(Y, 2, 2, 0)
+    Y = _adaptive_mean(Y, 7)
+    return stencil_loops(Y, mean_abs_stencil(model.pre_logits.fc1.weight), (0, 0, 0, 0)).mean((1, 2))
+
+
+REFERENCES = {
+    'efficientnet_b0': (lambda: timm.create_model('efficientnet_b0', num_classes=C), efficientnet_reference),
+    'mobilenetv3': (lambda: timm.create_model('mobilenetv3_small_050', num_classes=C), efficientnet_reference),
+    'densenet': (lambda: DenseNet(growth_rate=8, block_config=(2, 2, 2, 2), num_classes=C), densenet_reference),
+    'vgg': (lambda: VGG([8, 'M', 16, 'M', 16, 16, 'M', 32, 'M', 32, 'M'], num_classes=C), vgg_reference),
+}
+
+
+@pytest.mark.parametrize('name', sorted(REFERENCES))
+def test_the_graph_route_is_the_explicit_reference(name):
+    make, reference = REFERENCES[name]
+    torch.manual_seed(0)
+    model = make().eval()
+    wrapped = TLAlign(model)
+    assert type(wrapped.tracer) is GraphTracer and tl_align_stride(model) == (4, 4)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 64, 64, generator=g)
+    Y = random_token_labels(2, 256, g)  # the 16x16 grid at stride 4
+    out, label = wrapped.trace(x, Y)
+    assert torch.equal(out, model(x))
+    want = reference(model, Y.reshape(2, 16, 16, C)).float()
+    assert (label - want).abs().max() < 1e-6
+    assert torch.allclose(label.sum(1), torch.ones(2), atol=1e-6) and label.min() >= 0
+    assert (label - Y.mean(1)).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------- the other families it takes
+
+#: one model of each further family the graph route takes, and the ops it exercises there
+FAMILIES = {
+    'resnetv2_50': 'pre-activation blocks, weight-standardised convs',
+    'regnetx_002': 'grouped convs',
+    'dla34': 'tree aggregation: concatenations, max-pooled projections',
+    'hrnet_w18_small': 'parallel resolutions: nearest upsampling, strided fusions',
+    'ghostnet_050': 'ghost modules: cheap depthwise features concatenated and sliced',
+    'cs3darknet_focus_s': 'a space-to-depth stem, cross-stage splits and concatenations',
+    'dpn68': 'dual paths: a sum and a concatenation of the split outputs',
+    'convmixer_768_32': 'a patchify stem (stride 7), 9x9 depthwise convs',
+    'starnet_s050': 'the star operation: a product of two maps with the same labels',
+    'fasternet_t0': 'partial convs on a slice of the channels',
+    'inception_next_tiny': 'band kernels (1x11, 11x1) on split channels',
+    'repvit_m0_9': 'a sum of a 3x3, a 1x1 and an identity branch',
+    'vovnet39a': 'one-shot aggregation, ESE gates',
+    'selecsls42': 'concatenations of the block outputs',
+}
+
+
+@pytest.mark.parametrize('name', sorted(FAMILIES))
+def test_a_label_program_keeps_labels_a_distribution_and_a_constant_map_constant(name):
+    """Every op of Table 9 averages labels: on any family the program's output is a distribution within the range
+    of its inputs, a map where every token has the same label gives that label, and a varying map moves."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=C).eval()
+    tracer = GraphTracer(model)
+    s = tracer.stride
+    side = 16 * s if s == 4 else 8 * s
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 3, side, side, generator=g)
+    out, caps = tracer.capture(lambda: model(x))
+    T = (side // s) ** 2
+    Y = random_token_labels(1, T, g)
+    label = tracer.label_path(caps, out, Y)
+    assert torch.allclose(label.sum(1), torch.ones(1), atol=1e-5)
+    assert (label >= Y.amin(1) - 1e-6).all() and (label <= Y.amax(1) + 1e-6).all()
+    const = Y[:, :1].expand(-1, T, -1)
+    assert torch.allclose(tracer.label_path(caps, out, const), Y[:, 0], atol=1e-5)
+    corner = torch.zeros(1, T, 2)
+    corner[..., 0] = 1
+    corner[:, 0] = torch.tensor([0.0, 1.0])  # one token of the other image: its share is spread, not lost
+    share = tracer.label_path(caps, out, corner)[0, 1]
+    assert 0 < share < 1
+
+
+# ---------------------------------------------------------------- refusals and the training call
+
+
+def meta(name, **kw):
+    with torch.device('meta'):
+        return timm.create_model(name, num_classes=C, **kw)
+
+
+@pytest.mark.parametrize(
+    'name, kw, decided, why',
+    [
+        ('mambaout_tiny', {}, True, 'a product of two maps with different labels'),
+        ('efficientnet_b0', {'global_pool': 'max'}, True, 'no pooled label'),
+        ('inception_v3', {}, True, 'no token grid tiles the image'),
+        ('edgenext_small', {}, False, 'moves the spatial dims'),
+        ('botnet26t_256', {}, False, 'moves the spatial dims'),
+        ('tnt_s_patch16_224', {}, False, 'no single feature map at stride >= 4'),
+    ],
+)
+def test_the_graph_route_names_what_it_cannot_read(name, kw, decided, why):
+    """A model no family tracer takes goes to the graph route; where it cannot take it, the error names the
+    supported classes, the node and why: a refusal where Table 9 has no reading (``decided``), else a part it does
+    not read (attention, tokens as rows), which is a family tracer's work."""
+    with pytest.raises(ValueError, match='TL-Align has no tracer for') as e:
+        timm_tracer(meta(name, **kw))
+    message = str(e.value)
+    assert why in message and 'supported: ' in message
+    assert ('graph route refuses' in message) is decided and ('graph route does not read' in message) is not decided
+    assert e.value.__cause__.decided is decided
+
+
+def test_the_graph_route_has_no_blocks_to_pick():
+    model = meta('efficientnet_b0')
+    for kw in (dict(layers=[0]), dict(residual=False)):
+        with pytest.raises(ValueError, match='layers / residual: .*whole graph'):
+            TLAlign(model, **kw)
+
+
+def test_compact_and_dense_labels_give_the_same_target_with_dropped_samples():
+    torch.manual_seed(0)
+    model = timm.create_model('efficientnet_b0', num_classes=C, drop_path_rate=0.5).train()
+    g = torch.Generator().manual_seed(3)
+    mixer = create_mixer(
+        'cutmix', num_classes=C, patch_size=4, mixup_alpha=0.0, cutmix_alpha=1.0, label_smoothing=0.1,
+        generator=g, carry_mix=True,
+    )  # fmt: skip
+    x, y = torch.randn(6, 3, 64, 64, generator=g), torch.randint(0, C, (6,), generator=g)
+    wrapped, xm, aligned = check_compact_equals_dense(model, mixer, x, y, C)
+    assert (aligned - torch.eye(C)[y]).abs().max() > 1e-3
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    wrapped.eval()
+    assert torch.equal(wrapped(x), model.eval()(x))
+
+
+def test_label_states_are_each_stages_last_map_and_the_readout():
+    """``label_states`` (tokenaug-viz): the last map on each grid before the op that leaves it, then the map the
+    head pools, whose mean is the aligned share."""
+    torch.manual_seed(0)
+    model = timm.create_model('efficientnet_b0', num_classes=C).eval()
+    mixer = create_mixer('cutmix', num_classes=C, patch_size=4, mixup_alpha=0.0, cutmix_alpha=1.0, carry_mix=True)
+    xm, target = mixer(torch.randn(2, 3, 64, 64), torch.tensor([0, 1]))
+    out, share, states = TLAlign(model).label_states(xm, target)
+    assert [grid for _, grid in states] == [(16, 16), (8, 8), (4, 4), (2, 2)]
+    assert all(labels.shape == (2, h * w, 1) for labels, (h, w) in states)
+    assert torch.allclose(states[-1][0].mean(1), share, atol=1e-6)
+    assert torch.equal(out, model(xm))

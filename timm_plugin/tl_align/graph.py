@@ -1,0 +1,857 @@
+"""TL-Align's graph route: Table 9's rules read off a conv net's fx graph, op by op, instead of a block type per
+family.
+
+:class:`GraphTracer` traces the model once with ``torch.fx`` (timm's own leaf modules and functions, as its
+feature extraction does) and propagates the shapes of one fake batch through the graph. It then reads every op of
+the forward by the TL-Align paper's Table 9 and keeps the ops that move labels as a small label program; anything
+it has no rule for is refused, naming the node. The rules:
+
+- **spatial mixing by a convolution** (``Conv2d``, functional ``conv2d`` with its weights, timm's weight-standardised
+  and TF-"same" convs): the fixed stencil ``S = mean |K|`` over the output and input channels of the kernel the conv
+  applies (a depthwise conv: over its channels; weight standardisation included), rows normalised over the in-grid
+  positions (:func:`~shared_core.tl_align.conv_stencil_labels`), at the conv's stride, padding and dilation, as
+  today's ResNet and ConvNeXt tracers do. A conv whose kernel equals its stride (a patchify or 2x2 downsampling
+  conv) only aggregates: the mean of its window, as ConvNeXt's downsampling;
+- **spatial aggregation** (max and average pooling, adaptive pooling, strided convs): the mean label of each window
+  (in-grid positions only); global average pooling reads the mean label, which is the readout;
+- **channel mixing and point-wise ops** (1x1 convs, linear layers over channels, norms, activations, dropout, channel
+  slicing, splits, reshapes that keep the spatial dims): the labels unchanged. So is a **channel gate**: a map
+  multiplied by a per-sample vector (SE, ECA, ESE: Table 9's data-dependent channel mixing);
+- **residual connections** (a sum of maps with different labels): Eq. 11, the mean of the summands' labels; a
+  summand from a drop path that dropped a sample does not count for it;
+- **concatenation** along channels: the mean of the parts' labels (Table 9: Norm of their sum);
+- **resampling** (nearest or bilinear upsampling): the same resampling of the labels (its weights are fixed,
+  non-negative and sum to 1 per output).
+
+The label state starts on the first feature map at stride >= 4 that every path from the image goes through (the
+grid a ResNet's first stage runs on; a patchify stem's grid); the stem before it is not traced, as for the ResNet
+tracer. Refused with the node named: a product of two maps with different labels (spatial gates, gated convs:
+neither Eq. 9 nor a fixed mixer), a vector added to a map (a global context), reshapes that move the spatial dims
+(attention, token MLPs), a head that pools by max, and any op or module without a rule.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import DropPath, _fx
+from timm.layers.conv2d_same import Conv2dSame
+from timm.layers.norm_act import BatchNormAct2d, FrozenBatchNormAct2d, SyncBatchNormAct
+from timm.layers.padding import pad_same_arg
+from timm.layers.pool2d_same import AvgPool2dSame, MaxPool2dSame
+from timm.layers.std_conv import ScaledStdConv2dSame, StdConv2dSame
+from timm.models.vgg import ConvMlp
+
+from shared_core.capture import Captures
+from shared_core.tl_align import conv_stencil_labels, residual_labels
+from shared_core.tracer import Tracer
+
+from ._blocks import kernel_stencil
+
+__all__ = ['GraphTracer', 'GraphRouteError', 'START_STRIDE']
+
+#: the label state starts on the first feature map at this stride or more (the grid a ResNet's first stage runs on)
+START_STRIDE = 4
+
+
+# ---------------------------------------------------------------------------------------------- abstract values
+
+
+class _Pre:
+    """A tensor computed from the image before the label grid starts."""
+
+    def __repr__(self):
+        return 'PRE'
+
+
+PRE = _Pre()
+
+
+@dataclass(frozen=True)
+class Map:
+    """A feature map with labels: ``slot`` indexes the label program's maps, ``dims`` are the tensor dims that hold
+    its rows and columns (``ndim`` dims in all), ``keep`` the drop path (its capture index) whose dropped samples
+    this branch does not count for."""
+
+    slot: int
+    dims: Tuple[int, int]
+    ndim: int
+    keep: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Vec:
+    """A per-sample tensor without positions (a pooled map): ``slot`` is the map whose mean label it carries,
+    ``None`` where it carries none (a max pool, a mix of pools)."""
+
+    slot: Optional[int]
+
+
+def _leaves(value) -> list:
+    out: list = []
+    fx.node.map_aggregate(value, out.append)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the label ops
+
+#: point-wise functions and methods (per position: labels unchanged), by name
+POINTWISE = frozenset(
+    'relu relu_ relu6 leaky_relu leaky_relu_ elu elu_ selu celu gelu silu silu_ mish hardswish hardswish_ '
+    'hardsigmoid hardsigmoid_ hardtanh hardtanh_ sigmoid sigmoid_ tanh tanh_ softplus exp log abs neg sqrt rsqrt '
+    'square clamp clamp_ clamp_min clamp_max pow reciprocal erf float half bfloat16 to type type_as contiguous clone '
+    'dropout dropout2d alpha_dropout batch_norm group_norm instance_norm swish hard_sigmoid hard_swish hard_mish '
+    'gelu_tanh quick_gelu sigmoid_ mul_ add_ div_'.split()
+)
+_ADD = {operator.add, operator.iadd, torch.add, 'add', 'add_', '__add__', '__iadd__', '__radd__'}
+_MUL = {operator.mul, operator.imul, torch.mul, 'mul', 'mul_', '__mul__', '__imul__', '__rmul__'}
+_DIV = {operator.truediv, operator.itruediv, torch.div, 'div', 'div_', '__truediv__'}
+_SUB = {operator.sub, operator.isub, torch.sub, 'sub', 'sub_', '__sub__', '__rsub__'}
+#: point-wise ops of several tensors: a rule where all the maps they read carry the same labels
+_SAME_LABELS = frozenset('addcmul addcdiv where lerp maximum minimum'.split())
+_LAYOUT = frozenset('view reshape flatten unflatten squeeze unsqueeze contiguous expand'.split())
+_REDUCE = frozenset('mean sum amax amin max min std var logsumexp norm'.split())
+#: point-wise modules (per position, per channel or over a sample's channels)
+_POINTWISE_MODULES = (
+    nn.BatchNorm2d,
+    nn.SyncBatchNorm,
+    nn.GroupNorm,
+    nn.InstanceNorm2d,
+    nn.LocalResponseNorm,
+    nn.Identity,
+    nn.Dropout,
+    nn.Dropout2d,
+    nn.AlphaDropout,
+    BatchNormAct2d,
+    SyncBatchNormAct,
+    FrozenBatchNormAct2d,
+)
+_ACTIVATION_MODULES = ('torch.nn.modules.activation', 'timm.layers.activations', 'timm.layers.activations_me')
+_NOT_POINTWISE = (nn.MultiheadAttention, nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d, nn.GLU)
+
+
+def _pair(v) -> Tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+@dataclass
+class _Conv:
+    """A convolution on the labels: ``weight()`` the kernel it applies; ``padding`` a pair, ``'same'`` (timm's TF
+    padding, computed on the grid as the token path does) or explicit ``(left, right, top, bottom)``."""
+
+    weight: Callable[[], torch.Tensor]
+    kernel: Tuple[int, int]
+    stride: Tuple[int, int]
+    padding: Any
+    dilation: Tuple[int, int]
+
+    def __call__(self, Y: torch.Tensor) -> torch.Tensor:
+        pads = self.padding
+        if pads == 'same':
+            pads = tuple(pad_same_arg(Y.shape[-2:], self.kernel, self.stride, self.dilation))
+        if self.kernel == self.stride and self.dilation == (1, 1) and pads in ((0, 0), (0, 0, 0, 0)):
+            if self.kernel == (1, 1):
+                return Y
+            return F.avg_pool2d(Y, self.kernel, self.stride)  # aggregation alone: each window's mean
+        return conv_stencil_labels(Y, kernel_stencil(self.weight()), pads, self.stride, self.dilation)
+
+
+@dataclass
+class _Pool:
+    """Pooling on the labels (max or average alike): the mean label of each window's in-grid positions."""
+
+    kernel: Tuple[int, int]
+    stride: Tuple[int, int]
+    padding: Any
+    ceil_mode: bool = False
+
+    def __call__(self, Y: torch.Tensor) -> torch.Tensor:
+        pads = self.padding
+        if pads == 'same':
+            pads = tuple(pad_same_arg(Y.shape[-2:], self.kernel, self.stride, (1, 1)))
+        if len(pads) == 4:  # an asymmetric padding: pad, and count the in-grid positions apart
+            ones = Y.new_ones(1, 1, *Y.shape[-2:])
+            num = F.avg_pool2d(F.pad(Y, pads), self.kernel, self.stride, 0, self.ceil_mode)
+            den = F.avg_pool2d(F.pad(ones, pads), self.kernel, self.stride, 0, self.ceil_mode)
+            return num / den
+        return F.avg_pool2d(Y, self.kernel, self.stride, pads, self.ceil_mode, count_include_pad=False)
+
+
+@dataclass
+class _Adaptive:
+    size: Any
+
+    def __call__(self, Y: torch.Tensor) -> torch.Tensor:
+        return F.adaptive_avg_pool2d(Y, self.size)
+
+
+@dataclass
+class _Resample:
+    kwargs: dict
+
+    def __call__(self, Y: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(Y, **self.kwargs)
+
+
+class _ConvMlpLabels:
+    """timm's VGG head (``ConvMlp``, a leaf of timm's fx tracing): the adaptive pooling it applies to maps smaller
+    than its kernel, its ``k x k`` conv, its 1x1 conv."""
+
+    def __init__(self, m: ConvMlp):
+        self.m, self.conv = m, _conv_of(m.fc1)
+
+    def __call__(self, Y: torch.Tensor) -> torch.Tensor:
+        k = self.m.input_kernel_size
+        if Y.shape[-2] < k or Y.shape[-1] < k:
+            Y = F.adaptive_avg_pool2d(Y, (max(k, Y.shape[-2]), max(k, Y.shape[-1])))
+        return self.conv(Y)
+
+
+def _conv_of(m: nn.Conv2d) -> _Conv:
+    """The label op of a conv module (its kernel as applied: weight standardisation included)."""
+    if m.padding_mode != 'zeros':
+        raise GraphRouteError(f'{m} pads by {m.padding_mode!r}: the padded positions copy tokens, which has no rule')
+    same = isinstance(m, (Conv2dSame, StdConv2dSame, ScaledStdConv2dSame)) and getattr(m, 'same_pad', True)
+    padding = 'same' if same else m.padding
+    if isinstance(padding, str):  # torch's 'same' / 'valid' (stride 1)
+        if padding == 'valid':
+            padding = (0, 0)
+        else:
+            padding = _torch_same(m.kernel_size, m.dilation)
+    weight = (lambda m=m: m.weight) if type(m) in (nn.Conv2d, Conv2dSame) else _effective_weight(m)
+    return _Conv(weight, _pair(m.kernel_size), _pair(m.stride), padding, _pair(m.dilation))
+
+
+def _torch_same(kernel, dilation):
+    """torch's ``padding='same'`` as ``(left, right, top, bottom)`` (the extra pixel right and below)."""
+    total = [d * (k - 1) for k, d in zip(_pair(kernel), _pair(dilation))]
+    (th, tw) = total
+    return (tw // 2, tw - tw // 2, th // 2, th - th // 2)
+
+
+def _effective_weight(m: nn.Conv2d) -> Callable[[], torch.Tensor]:
+    """The kernel a timm weight-standardised conv applies (its forward's standardisation of ``m.weight``)."""
+    from timm.layers.std_conv import ScaledStdConv2d, StdConv2d
+
+    if isinstance(m, (StdConv2d, StdConv2dSame)):
+        return lambda: F.batch_norm(
+            m.weight.reshape(1, m.out_channels, -1), None, None, training=True, momentum=0.0, eps=m.eps
+        ).reshape_as(m.weight)
+    if isinstance(m, (ScaledStdConv2d, ScaledStdConv2dSame)):
+        return lambda: F.batch_norm(
+            m.weight.reshape(1, m.out_channels, -1),
+            None,
+            None,
+            weight=(m.gain * m.scale).view(-1),
+            training=True,
+            momentum=0.0,
+            eps=m.eps,
+        ).reshape_as(m.weight)
+    raise GraphRouteError(f'{type(m).__module__}.{type(m).__name__} is a conv whose applied kernel has no rule')
+
+
+# ---------------------------------------------------------------------------------------------- tracing
+
+
+class _Tracer(fx.Tracer):
+    """fx tracing as timm's feature extraction does it (its leaf modules and functions), drop paths as leaves."""
+
+    def __init__(self, inline_models: bool = True):
+        super().__init__(autowrap_functions=tuple(_fx.get_notrace_functions()))
+        leaves = _fx.get_notrace_modules()
+        if inline_models:  # a model's own blocks that timm keeps whole (for its feature extraction): read inside
+            leaves = [m for m in leaves if not m.__module__.startswith('timm.models.')]
+        self.leaves = tuple(leaves) + (DropPath, ConvMlp)
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, self.leaves) or super().is_leaf_module(m, qualname)
+
+
+def _trace(model: nn.Module, input_size) -> fx.GraphModule:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    tracer = _Tracer()
+    try:
+        graph = tracer.trace(model)
+    except Exception:  # a model block that fx cannot read inside: as timm's feature extraction traces it
+        tracer = _Tracer(inline_models=False)
+    try:
+        graph = tracer.trace(model)
+    except Exception as e:  # fx's own errors are of many types (TraceError, TypeError, ...)
+        raise GraphRouteError(f'torch.fx cannot trace it ({type(e).__name__}: {str(e).splitlines()[0][:200]})') from e
+    gm = fx.GraphModule(tracer.root, graph)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = next((p.device for p in model.parameters()), torch.device('cpu'))
+    try:
+        ShapeProp(gm, fake_mode=mode).propagate(mode.from_tensor(torch.empty(2, *input_size, device=device)))
+    except Exception as e:
+        raise GraphRouteError(
+            f'its graph does not run on a {tuple(input_size)} fake batch ({type(e).__name__}: {str(e)[:200]})'
+        ) from e
+    return gm
+
+
+def _spatial(shape, H: int, W: int) -> Optional[Tuple[int, int]]:
+    """The dims of a 4-d feature that hold its rows and columns at stride >= :data:`START_STRIDE` (NCHW first,
+    then NHWC), or ``None``."""
+    for h in (2, 1):
+        a, b = shape[h], shape[h + 1]
+        if a * b > 1 and H / a >= START_STRIDE and W / b >= START_STRIDE and abs(H / a - W / b) < 1:
+            return (h, h + 1)
+    return None
+
+
+def _shape(node) -> Optional[Tuple[int, ...]]:
+    meta = node.meta.get('tensor_meta') if isinstance(node, fx.Node) else None
+    return tuple(meta.shape) if meta is not None and hasattr(meta, 'shape') else None
+
+
+def _where(node: fx.Node) -> str:
+    stack = node.meta.get('nn_module_stack')
+    path = next(reversed(stack.values()))[0] if stack else ''
+    target = node.target if isinstance(node.target, str) else getattr(node.target, '__name__', str(node.target))
+    return f'node {node.name} ({node.op} {target}{", in " + path if path and path != target else ""})'
+
+
+class GraphRouteError(ValueError):
+    """The graph route cannot take a model. ``decided``: an op Table 9 gives no reading by the route's rules (a
+    product of maps, a global context, an image no label grid tiles, a max-pooled head): a refusal; else a part the
+    route does not read (attention, tokens as rows, a module it has no rule for): a family tracer's work."""
+
+    def __init__(self, message: str, decided: bool = False):
+        super().__init__(message)
+        self.decided = decided
+
+
+_Refuse = GraphRouteError
+
+
+# ---------------------------------------------------------------------------------------------- the compiler
+
+
+class _Program:
+    """The label program of one model: ``ops`` ``(fn, input slots, output slot)`` in graph order (``fn`` on label
+    maps; a residual op takes ``(slot, keep)`` pairs), ``observe`` the slots to report after each level, ``readout``
+    the slot whose mean label the classifier reads, ``drop_paths`` the drop-path modules in graph order."""
+
+    def __init__(self, model: nn.Module, input_size):
+        self.gm = gm = _trace(model, input_size)
+        self.input_size = tuple(input_size)
+        self.ops: List[tuple] = []
+        self.slots = 1
+        self.drop_paths: List[nn.Module] = []
+        self.start, self.stride = self._start(gm, input_size)
+        env: Dict[fx.Node, Any] = {}
+        out = None
+        for node in gm.graph.nodes:
+            if node.op == 'placeholder':
+                env[node] = PRE if not any(v is PRE for v in env.values()) else None
+            elif node.op == 'get_attr':
+                env[node] = None
+            elif node.op == 'output':
+                out = fx.node.map_aggregate(node.args[0], lambda n: env[n] if isinstance(n, fx.Node) else None)
+            elif node is self.start:
+                env[node] = Map(0, self.start_dims, len(_shape(node)))
+            else:
+                try:
+                    env[node] = self._node(node, env)
+                except GraphRouteError as e:
+                    raise GraphRouteError(f'{_where(node)}: {e}', e.decided) from None
+        if not isinstance(out, Vec) or out.slot is None:
+            what = 'a map' if isinstance(out, Map) else 'no pooled label' if isinstance(out, Vec) else repr(out)
+            raise GraphRouteError(
+                f'its output is {what}: the graph route reads the mean label of one global average pooling '
+                '(a max or mixed head pooling has no label)',
+                decided=isinstance(out, Vec),
+            )
+        self.readout = out.slot
+
+    # ------------------------------------------------------------------ the start
+
+    def _start(self, gm: fx.GraphModule, input_size):
+        """The first node at stride >= :data:`START_STRIDE` that every path from the image goes through."""
+        nodes = list(gm.graph.nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        x = next(n for n in nodes if n.op == 'placeholder')
+        live, last_use = {x}, {}
+        for n in nodes:
+            if any(a in live for a in _leaves((n.args, n.kwargs)) if isinstance(a, fx.Node)) and n.op != 'output':
+                live.add(n)
+        for n in nodes:
+            for a in _leaves((n.args, n.kwargs)):
+                if isinstance(a, fx.Node):
+                    last_use[a] = max(last_use.get(a, 0), index[n])
+        H, W = input_size[-2:]
+        ends: Dict[int, list] = {}
+        for m, i in last_use.items():
+            ends.setdefault(i, []).append(m)
+        open_: set = set()
+        first = None
+        for i, n in enumerate(nodes):
+            if n in live and last_use.get(n, -1) > i:
+                open_.add(n)
+            open_.difference_update(ends.get(i, ()))
+            shape = _shape(n)
+            dims = _spatial(shape, H, W) if n is not x and n in live and shape is not None and len(shape) == 4 else None
+            if dims is None:
+                continue
+            h, w = shape[dims[0]], shape[dims[1]]
+            first = first or (n, h, w)
+            if open_ != {n}:
+                continue
+            if (h, w) != first[1:]:
+                raise GraphRouteError(
+                    f'its first maps at stride >= {START_STRIDE} ({first[1]}x{first[2]} cells, {_where(first[0])}) '
+                    f'travel as several tensors (cells of two inputs); the first single map is {h}x{w} '
+                    f'({_where(n)}): the route starts on one map, and would leave everything before it untraced'
+                )
+            if H % h or W % w or H // h != W // w:
+                raise GraphRouteError(
+                    f'its first feature map at stride >= {START_STRIDE} ({_where(n)}) is {h}x{w} for a {H}x{W} '
+                    'input: no token grid tiles the image (convs without padding shrink the map)',
+                    decided=True,
+                )
+            self.start_dims = dims
+            return n, H // h
+        raise GraphRouteError(
+            f'no single feature map at stride >= {START_STRIDE} that every path from the image reaches'
+        )
+
+    # ------------------------------------------------------------------ one node
+
+    def _new(self, fn, ins, *, dims, ndim) -> Map:
+        slot = self.slots
+        self.slots += 1
+        self.ops.append((fn, ins, slot))
+        return Map(slot, dims, ndim)
+
+    def _node(self, node: fx.Node, env) -> Any:
+        args = fx.node.map_aggregate(node.args, lambda n: env[n] if isinstance(n, fx.Node) else n)
+        kwargs = fx.node.map_aggregate(node.kwargs, lambda n: env[n] if isinstance(n, fx.Node) else n)
+        values = [v for v in _leaves((node.args, node.kwargs)) if isinstance(v, fx.Node)]
+        kinds = [env[v] for v in values]
+        flat = [k for v in kinds for k in (_leaves(v) if isinstance(v, (tuple, list)) else [v])]
+        maps = [k for k in flat if isinstance(k, Map)]
+        vecs = [k for k in flat if isinstance(k, Vec)]
+        if any(k is PRE for k in flat):
+            if maps or vecs:
+                raise _Refuse('joins a tensor from before the label grid to one on it (a long skip from the stem)')
+            return PRE
+        if not maps and not vecs:
+            return None
+        if not maps:  # any op on pooled vectors alone: the label of the one it reads, if one
+            labelled = {v.slot for v in vecs}
+            return Vec(labelled.pop() if len(labelled) == 1 else None)
+        if node.op == 'call_module':
+            return self._module(node, node.graph.owning_module.get_submodule(node.target), maps, vecs)
+        name = node.target if isinstance(node.target, str) else getattr(node.target, '__name__', '')
+        return self._function(node, node.target, name, args, kwargs, maps, vecs)
+
+    def _module(self, node, m: nn.Module, maps, vecs) -> Any:
+        if len(maps) != 1 or vecs:
+            raise _Refuse(f'a {type(m).__name__} of several inputs has no rule')
+        x = maps[0]
+        if x.keep is not None and not isinstance(m, (DropPath,) + _POINTWISE_MODULES):
+            raise _Refuse('a drop path output goes into an op that moves labels')
+        if isinstance(m, DropPath):
+            if m in self.drop_paths:
+                raise _Refuse('a drop path called twice (its kept samples are read at one call)')
+            self.drop_paths.append(m)
+            return Map(x.slot, x.dims, x.ndim, keep=len(self.drop_paths) - 1)
+        if isinstance(m, _POINTWISE_MODULES) or (
+            type(m).__module__ in _ACTIVATION_MODULES and not isinstance(m, _NOT_POINTWISE)
+        ):
+            return x
+        if isinstance(m, nn.Conv2d):
+            if x.dims != (2, 3) or x.ndim != 4:
+                raise _Refuse('a conv on a map not in (B, C, H, W) layout')
+            try:
+                op = _conv_of(m)
+            except ValueError as e:
+                raise _Refuse(str(e)) from None
+            return x if op.kernel == (1, 1) and op.stride == (1, 1) else self._new(op, [x.slot], dims=x.dims, ndim=4)
+        if isinstance(m, ConvMlp):
+            return self._new(_ConvMlpLabels(m), [x.slot], dims=x.dims, ndim=4)
+        if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d)):
+            dilation = getattr(m, 'dilation', 1)
+            if _pair(dilation) != (1, 1) or getattr(m, 'return_indices', False):
+                raise _Refuse(f'{m}: dilated pooling or pooling indices have no rule')
+            padding = 'same' if isinstance(m, (MaxPool2dSame, AvgPool2dSame)) else _pair(m.padding)
+            op = _Pool(_pair(m.kernel_size), _pair(m.stride or m.kernel_size), padding, bool(m.ceil_mode))
+            return self._new(op, [x.slot], dims=x.dims, ndim=4)
+        if isinstance(m, (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)):
+            return self._adaptive(node, x, m.output_size, isinstance(m, nn.AdaptiveAvgPool2d))
+        if isinstance(m, nn.Upsample):
+            return self._resample(
+                node, x, dict(size=m.size, scale_factor=m.scale_factor, mode=m.mode, align_corners=m.align_corners)
+            )
+        if isinstance(m, nn.Flatten):
+            return self._layout(node, x)
+        if isinstance(m, nn.Linear):
+            return self._last_dim(x, f'a Linear over the {"rows or columns" if x.dims[1] == x.ndim - 1 else ""}')
+        if isinstance(m, nn.LayerNorm):
+            return self._dims_free(x, range(x.ndim - len(m.normalized_shape), x.ndim), 'a LayerNorm')
+        raise _Refuse(f'{type(m).__module__}.{type(m).__name__} has no Table 9 rule in the graph route')
+
+    def _last_dim(self, x: Map, what: str) -> Map:
+        return self._dims_free(x, [x.ndim - 1], what)
+
+    def _dims_free(self, x: Map, dims, what: str) -> Map:
+        if set(d % x.ndim for d in dims) & set(x.dims):
+            raise _Refuse(f'{what} across the spatial dims mixes tokens without a rule')
+        return x
+
+    def _adaptive(self, node, x: Map, size, average: bool):
+        out = _shape(node)
+        if out is not None and out[x.dims[0]] == 1 and out[x.dims[1]] == 1 and _pair_none(size) == (1, 1):
+            return Vec(x.slot if average else None)
+        if not average:
+            raise _Refuse('an adaptive max pooling to a grid has no rule', decided=True)
+        return self._new(_Adaptive(size), [x.slot], dims=x.dims, ndim=x.ndim)
+
+    def _resample(self, node, x: Map, kw: dict):
+        if kw.get('mode', 'nearest') not in ('nearest', 'nearest-exact', 'bilinear', 'area'):
+            raise _Refuse(f'{kw.get("mode")} resampling has negative weights: no rule', decided=True)
+        if kw.get('size') is not None:
+            raise _Refuse('resampling to a size computed in the graph is not traced (a scale factor is)')
+        kw = {k: v for k, v in kw.items() if v is not None}
+        return self._new(_Resample(kw), [x.slot], dims=x.dims, ndim=x.ndim)
+
+    def _layout(self, node, x: Map) -> Any:
+        """A reshape, flatten or squeeze of a map: the same labels where its spatial dims survive as they are."""
+        src, out = _shape(node.args[0]), _shape(node)
+        if src is None or out is None:
+            raise _Refuse('a reshape of unknown shape')
+        h, w = x.dims
+        if out[0] == src[0]:
+            before, after = math.prod(src[:h]), math.prod(src[w + 1 :])
+            for i in range(1, len(out) - 1):
+                if out[i : i + 2] == src[h : w + 1] and math.prod(out[:i]) == before:
+                    if math.prod(out[i + 2 :]) == after:
+                        return Map(x.slot, (i, i + 1), len(out), x.keep)
+            if src[h] == 1 and src[w] == 1:  # a 1x1 map flattened: its one label is its mean
+                return Vec(x.slot)
+        raise _Refuse(f'a reshape {src} -> {out} moves the spatial dims (tokens as rows: attention or token MLP)')
+
+    def _function(self, node, target, name, args, kwargs, maps, vecs) -> Any:
+        first = args[0] if args else None
+        if target is getattr or name == 'size' or name == 'dim':
+            return None  # shapes
+        if target in _ADD or name in _ADD:
+            if vecs:
+                raise _Refuse('a pooled vector added to a map (a global context) has no Table 9 reading', decided=True)
+            return self._mean(maps)
+        if target in _MUL or name in _MUL or target in _DIV or name in _DIV:
+            slots = {m.slot for m in maps}
+            if len(slots) > 1:
+                raise _Refuse(
+                    'a product of two maps with different labels (a spatial gate, a gated conv): a data-dependent '
+                    'elementwise product, neither an attention (Eq. 9) nor a fixed mixer (Table 9)',
+                    decided=True,
+                )
+            if len(maps) == 1:
+                return maps[0]
+            return Map(maps[0].slot, maps[0].dims, maps[0].ndim)
+        if name in _SAME_LABELS:
+            if vecs or len({m.slot for m in maps}) > 1:
+                raise _Refuse(f'{name} of maps with different labels or of a map and a vector has no rule')
+            return Map(maps[0].slot, maps[0].dims, maps[0].ndim)
+        if target in _SUB or name in _SUB:
+            if vecs or len({m.slot for m in maps}) > 1:
+                raise _Refuse('a difference of maps with different labels has no rule', decided=True)
+            return maps[0]
+        if name == 'getitem' and isinstance(first, (tuple, list)):
+            return first[args[1]]
+        if name in ('expand_as', 'expand', 'view_as', 'reshape_as', 'type_as', 'to') and isinstance(first, Vec):
+            return first  # a pooled vector broadcast to a map's shape: still a vector (a gate)
+        if name in ('cat', 'concat', 'concatenate'):
+            parts = args[0]
+            dim = args[1] if len(args) > 1 else kwargs.get('dim', 0)
+            if vecs or any(not isinstance(p, Map) for p in parts):
+                raise _Refuse('a concatenation of a map with a tensor off the label grid has no rule')
+            x = parts[0]
+            if len({(p.dims, p.ndim) for p in parts}) > 1:
+                raise _Refuse('a concatenation of maps in different layouts')
+            if dim % x.ndim in (0, *x.dims):
+                raise _Refuse('a concatenation along the batch or a spatial dim has no rule')
+            return self._mean(parts)
+        if len(maps) != 1 or vecs or not isinstance(first, Map):
+            raise _Refuse(f'{name} of several maps or vectors has no rule')
+        x = first
+        if x.keep is not None and name not in POINTWISE:
+            raise _Refuse('a drop path output goes into an op that moves labels')
+        if name in POINTWISE:
+            return x
+        if name == 'getitem':
+            return self._getitem(node, x)
+        if name in ('chunk', 'split', 'tensor_split', 'unbind'):
+            dim = args[2] if len(args) > 2 else kwargs.get('dim', 0)
+            if dim % x.ndim in (0, *x.dims) or name == 'unbind':
+                raise _Refuse(f'{name} along the batch or a spatial dim has no rule')
+            n = len(node.meta['tensor_meta']) if isinstance(node.meta.get('tensor_meta'), (tuple, list)) else 0
+            return tuple(x for _ in range(n))
+        if name in ('permute', 'transpose', 'swapaxes', 'movedim'):
+            return self._permute(node, x, args, name)
+        if name in _LAYOUT:
+            return self._layout(node, x)
+        if name in _REDUCE:
+            at = 2 if name == 'norm' else 1  # (x.norm(p, dim))
+            dims = args[at] if len(args) > at else kwargs.get('dim')
+            if dims is None:
+                raise _Refuse(f'{name} over every dim has no rule')
+            dims = {d % x.ndim for d in ((dims,) if isinstance(dims, int) else dims)}
+            if not dims & set(x.dims):
+                if name in ('max', 'min') and isinstance(node.meta.get('tensor_meta'), (tuple, list)):
+                    return (x, None)
+                return x
+            if set(x.dims) <= dims and 0 not in dims:
+                return Vec(x.slot if name in ('mean', 'sum') else None)
+            raise _Refuse(f'{name} over {sorted(dims)} reduces part of the spatial dims')
+        if name in ('adaptive_avg_pool2d', 'adaptive_max_pool2d'):
+            size = args[1] if len(args) > 1 else kwargs.get('output_size')
+            return self._adaptive(node, x, size, name == 'adaptive_avg_pool2d')
+        if name in ('avg_pool2d', 'max_pool2d'):
+            return self._functional_pool(node, x, name, args, kwargs)
+        if name in ('interpolate', 'upsample'):
+            kw = dict(zip(('size', 'scale_factor', 'mode', 'align_corners'), args[1:]))
+            kw.update({k: v for k, v in kwargs.items() if k in ('size', 'scale_factor', 'mode', 'align_corners')})
+            return self._resample(node, x, kw)
+        if name == 'pad':
+            pad = args[1] if len(args) > 1 else kwargs['pad']
+            mode = args[2] if len(args) > 2 else kwargs.get('mode', 'constant')
+            if mode not in ('reflect', 'replicate', 'circular') or len(pad) != 4 or x.dims != (x.ndim - 2, x.ndim - 1):
+                raise _Refuse(f'a {mode} padding of the grid adds cells that are no tokens: not traced')
+            return self._new(_Pad(tuple(pad), mode), [x.slot], dims=x.dims, ndim=x.ndim)
+        if name == 'conv2d':
+            return self._functional_conv(node, x, args, kwargs)
+        if name == 'linear':
+            return self._last_dim(x, 'a linear layer')
+        if name == 'layer_norm':
+            shape = args[1] if len(args) > 1 else kwargs['normalized_shape']
+            return self._dims_free(x, range(x.ndim - len(shape), x.ndim), 'a layer norm')
+        if name in ('softmax', 'log_softmax', 'normalize'):
+            dim = args[1] if len(args) > 1 else kwargs.get('dim', 1 if name == 'normalize' else None)
+            if dim is None:
+                raise _Refuse(f'{name} without a dim')
+            return self._dims_free(x, [dim], name)
+        raise _Refuse(f'{name} has no Table 9 rule in the graph route')
+
+    def _mean(self, maps: List[Map]) -> Map:
+        """A sum (Eq. 11) or a concatenation along channels (Norm of the sum): the mean of the parts' labels."""
+        x = maps[0]
+        if len({(m.dims, m.ndim) for m in maps}) > 1:
+            raise _Refuse('a sum of maps in different layouts')
+        if len({m.slot for m in maps}) == 1:
+            return Map(x.slot, x.dims, x.ndim)
+        return self._new(_MeanOp(), [(m.slot, m.keep) for m in maps], dims=x.dims, ndim=x.ndim)
+
+    def _getitem(self, node, x: Map) -> Map:
+        src, out = _shape(node.args[0]), _shape(node)
+        h, w = x.dims
+        if src is not None and out is not None and len(out) == len(src) and out[0] == src[0]:
+            if out[h] == src[h] and out[w] == src[w]:
+                return x
+        raise _Refuse(f'indexing {src} -> {out} selects positions or samples')
+
+    def _permute(self, node, x: Map, args, name) -> Map:
+        nd = x.ndim
+        if name == 'permute':
+            perm = list(args[1:]) if not isinstance(args[1], (tuple, list)) else list(args[1])
+        else:
+            a, b = args[1] % nd, args[2] % nd
+            perm = list(range(nd))
+            if name == 'movedim':
+                perm.pop(a)
+                perm.insert(b, a)
+            else:
+                perm[a], perm[b] = perm[b], perm[a]
+        perm = [p % nd for p in perm]
+        h, w = perm.index(x.dims[0]), perm.index(x.dims[1])
+        if perm[0] != 0 or h > w:
+            raise _Refuse(f'{name} {perm} moves the batch dim or swaps rows and columns')
+        return Map(x.slot, (h, w), nd, x.keep)
+
+    def _functional_conv(self, node, x: Map, args, kwargs) -> Map:
+        """``F.conv2d`` with a kernel the graph computes from the model's parameters and buffers alone (a fixed
+        blur filter, a standardised weight): the kernel is evaluated from them at each label pass."""
+        names = ('weight', 'bias', 'stride', 'padding', 'dilation', 'groups')
+        kw = dict(zip(names, args[1:]))
+        kw.update(kwargs)
+        weight = node.args[1] if len(node.args) > 1 else node.kwargs['weight']
+        if x.dims != (2, 3) or x.ndim != 4:
+            raise _Refuse('a conv on a map not in (B, C, H, W) layout')
+        padding = kw.get('padding', 0)
+        if isinstance(padding, str):
+            raise _Refuse(f'F.conv2d with padding={padding!r} is not traced')
+        shape = _shape(weight)
+        op = _Conv(
+            _constant(self.gm, weight),
+            tuple(shape[-2:]),
+            _pair(kw.get('stride', 1)),
+            _pair(padding),
+            _pair(kw.get('dilation', 1)),
+        )
+        if op.kernel == (1, 1) and op.stride == (1, 1):
+            return x
+        return self._new(op, [x.slot], dims=x.dims, ndim=4)
+
+    def _functional_pool(self, node, x: Map, name, args, kwargs) -> Map:
+        names = (
+            ('kernel_size', 'stride', 'padding', 'ceil_mode')
+            if name == 'avg_pool2d'
+            else ('kernel_size', 'stride', 'padding', 'dilation', 'ceil_mode')
+        )
+        kw = dict(zip(names, args[1:]))
+        kw.update(kwargs)
+        if _pair(kw.get('dilation', 1)) != (1, 1) or kw.get('return_indices'):
+            raise _Refuse('dilated pooling or pooling indices have no rule')
+        k = _pair(kw['kernel_size'])
+        stride = kw.get('stride') or k
+        op = _Pool(k, _pair(stride if stride != [] else k), _pair(kw.get('padding', 0)), bool(kw.get('ceil_mode')))
+        return self._new(op, [x.slot], dims=x.dims, ndim=x.ndim)
+
+    # ------------------------------------------------------------------ running it
+
+    def run(self, Y0: torch.Tensor, keeps: Sequence[Optional[torch.Tensor]], observe=None) -> torch.Tensor:
+        """The ``(B, K, H, W)`` initial labels through the program; the readout map. ``observe(map)``: the last map
+        on each grid before the first op that leaves it (a stage's end), then the readout map."""
+        maps: List[Optional[torch.Tensor]] = [None] * self.slots
+        maps[0] = Y0
+        seen = set()
+        for fn, ins, out in self.ops:
+            if isinstance(fn, _MeanOp):
+                maps[out] = fn([(maps[s], None if k is None else keeps[k]) for s, k in ins])
+            else:
+                maps[out] = fn(*(maps[s] for s in ins))
+                grid = maps[ins[0]].shape[-2:]
+                if observe is not None and maps[out].shape[-2:] != grid and grid not in seen:
+                    seen.add(grid)
+                    observe(maps[ins[0]])
+        if observe is not None:
+            observe(maps[self.readout])
+        return maps[self.readout]
+
+
+def _constant(gm: fx.GraphModule, node: fx.Node) -> Callable[[], torch.Tensor]:
+    """A node computed from the model's parameters and buffers alone, as a function that computes it now (a graph
+    of its ancestors, sharing the model's tensors)."""
+    if not isinstance(node, fx.Node):
+        raise _Refuse('a conv whose kernel is no tensor of the graph')
+    needed, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        if n.op == 'placeholder':
+            raise _Refuse('a conv whose kernel depends on the input (a dynamic kernel) has no Table 9 rule')
+        needed.add(n)
+        stack.extend(a for a in _leaves((n.args, n.kwargs)) if isinstance(a, fx.Node))
+    graph, env = fx.Graph(), {}
+    for n in gm.graph.nodes:
+        if n in needed:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(env[node])
+    return fx.GraphModule(gm, graph)
+
+
+@dataclass
+class _Pad:
+    """A reflect / replicate / circular padding: the padded cells copy tokens, so the labels are padded alike."""
+
+    pad: Tuple[int, ...]
+    mode: str
+
+    def __call__(self, Y: torch.Tensor) -> torch.Tensor:
+        return F.pad(Y, self.pad, mode=self.mode)
+
+
+def _pair_none(size):
+    if size is None:
+        return None
+    return _pair(size) if not isinstance(size, (tuple, list)) or None not in size else tuple(size)
+
+
+class _MeanOp:
+    """Eq. 11 on a sum of maps, and a concatenation's Norm of the sum: the mean of the parts' labels, a part whose
+    drop path dropped a sample not counting for it (two parts, one from a drop path: exactly
+    :func:`~shared_core.tl_align.residual_labels`)."""
+
+    def __call__(self, parts) -> torch.Tensor:
+        kept = [p for p in parts if p[1] is not None]
+        if len(parts) == 2 and len(kept) <= 1:
+            (a, ka), (b, kb) = parts
+            short, branch, keep = (b, a, ka) if ka is not None else (a, b, kb)
+            return residual_labels(short, branch, keep)
+        ones = parts[0][0].new_ones(len(parts[0][0]), 1, 1, 1)
+        weights = [ones if k is None else k.view(-1, 1, 1, 1).to(ones.dtype) for _, k in parts]
+        num, den = sum(w * Y for w, (Y, _) in zip(weights, parts)), sum(weights)
+        plain = sum(Y for Y, _ in parts) / len(parts)  # a sample whose every part was dropped: the plain mean
+        return torch.where(den > 0, num / den.clamp_min(1.0), plain)
+
+
+# ---------------------------------------------------------------------------------------------- the tracer
+
+
+class GraphTracer(Tracer):
+    """TL-Align on any conv net built from Table 9's operations, read off its fx graph (the module docstring has the
+    rules). Its label state is a ``(B, K, H, W)`` map on the first stride >= 4 grid (``stride``: the mixer's patch
+    size); the classifier reads the mean label of the head's global average pooling. The whole graph is one label
+    program: there are no blocks to pick (``layers``) or residuals to drop (``residual=False``).
+
+    ``input_size`` ``(C, H, W)``: the fake batch the graph's shapes are read from (default the model's
+    ``pretrained_cfg`` input size); the label program holds at any input size whose grid the stride tiles."""
+
+    layout = 'map'
+    attends = False
+    why_no_attention = 'its tokens are mixed by convolutions and pooling (the graph route)'
+    grid_module = 'the model'
+    whole_graph = True
+
+    def __init__(self, model: nn.Module, input_size: Optional[Sequence[int]] = None):
+        cfg = getattr(model, 'pretrained_cfg', None) or {}
+        size = tuple(input_size or cfg.get('input_size') or (3, 224, 224))
+        size = (size[0], *(-(-int(v) // 32) * 32 for v in size[1:]))  # a size the usual strides tile (299 -> 320)
+        try:
+            self.program = _Program(model, size)
+        except GraphRouteError as e:
+            how = 'refuses' if e.decided else 'does not read'
+            raise GraphRouteError(
+                f"model: TL-Align's graph route {how} {type(model).__name__}: {e}", e.decided
+            ) from None
+        super().__init__(model)
+        self.stride = self.program.stride
+
+    def blocks(self) -> Sequence[nn.Module]:
+        """The drop paths of the graph (each keeps its samples in one capture)."""
+        return self.program.drop_paths
+
+    def drop_path(self, blk: nn.Module):
+        return blk
+
+    def watch_model(self, captures: Captures, handles: list) -> None:
+        s = self.stride
+
+        def grid(m, args):
+            H, W = args[0].shape[-2:]
+            if H % s or W % s:
+                raise ValueError(f'x: a {H}x{W} input is no whole number of {s}x{s} label cells')
+            captures.grid = (H // s, W // s)
+
+        handles.append(self.model.register_forward_pre_hook(grid))
+
+    def propagate(self, captures, labels, layers=None, residual=True, observe=None):
+        if layers is not None or not residual:
+            raise ValueError('layers / residual: the graph route runs the whole graph; it has no blocks to pick')
+        states = []
+        Y = self.program.run(self.to_layout(labels, captures), [c.keep for c in captures], observe and states.append)
+        for i, state in enumerate(states):  # (after the run: the maps are final by then)
+            observe(i, self.to_rows(state).clone(), tuple(state.shape[-2:]))
+        return self.to_rows(Y)
