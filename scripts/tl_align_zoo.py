@@ -122,10 +122,8 @@ def status(module: str, name: str):
     except ValueError as e:
         reason = str(e).removeprefix('model: ')
         graph = e.__cause__ if isinstance(e.__cause__, GraphRouteError) else None
-        if graph is not None:  # no family tracer; the graph route says why it cannot take the model
+        if graph is not None and not graph.decided:  # no family tracer, and a part the graph route does not read
             why = str(graph).split(f'{type(model).__name__}: ', 1)[1].replace('|', '\\|')
-            if graph.decided:
-                return 'refused', f'graph route: {why}', '–', '–'
             return 'no tracer yet', f'`{type(model).__name__}`; the graph route does not read it: {why}', '–', '–'
         if reason.startswith('TL-Align has no tracer for'):
             return 'no tracer yet', f'`{type(model).__name__}`', '–', '–'

@@ -115,6 +115,23 @@ def test_lvvit_blocks_follow_the_vit_rule(skip_lam):
     assert (ref_label - Y_tok.mean(1)).abs().max() > 1e-3
 
 
+def test_geglu_mlps_are_per_token():
+    """ViTamin's ``GeGluMlp`` (a norm, ``gelu(w0 x) * w1 x``, ``w2``) acts on each token alone, as ``Mlp`` and the
+    GLU MLPs: the ViT rule, against the explicit reference; timm's ViTamin (its conv stem not traced) is taken."""
+    import timm
+    from timm.models.vitamin import GeGluMlp
+
+    model = tiny_vit(mlp_layer=GeGluMlp).eval()
+    g = torch.Generator().manual_seed(1)
+    x, Y_tok = torch.randn(2, 3, 32, 32, generator=g), random_token_labels(2, 16, g)
+    ref_out, ref_label = reference(model, x, torch.cat([Y_tok.mean(1, keepdim=True), Y_tok], 1))
+    out, label = TLAlign(model).trace(x, Y_tok)
+    assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(label, ref_label, atol=1e-6)
+    assert (ref_label - Y_tok.mean(1)).abs().max() > 1e-3
+    with torch.device('meta'):
+        assert type(TLAlign(timm.create_model('vitamin_small_224', num_classes=C)).tracer).__name__ == 'ViTTracer'
+
+
 def test_distilled_deit_reads_both_tokens():
     model = tiny_vit(VisionTransformerDistilled).eval()
     g = torch.Generator().manual_seed(2)

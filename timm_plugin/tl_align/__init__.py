@@ -71,7 +71,7 @@ from .cnn import ConvNeXtTracer, ResNetTracer
 from .convit import ConViTTracer
 from .davit import DaViTTracer
 from .efficientformer import EfficientFormerTracer
-from .graph import GraphTracer
+from .graph import GraphRouteError, GraphTracer
 from .hiera import HieraTracer
 from .hierarchical import PvtV2Tracer, SwinTracer, SwinV2Tracer
 from .metaformer import MetaFormerTracer
@@ -193,16 +193,19 @@ def _no_rule(model: nn.Module, name: str) -> None:
 def timm_tracer(model: nn.Module, pooled_outside: bool = False, name: str = 'model'):
     """The TL-Align tracer of a timm model: its family's tracer (:data:`SUPPORTED_MODELS`), else the graph route for
     conv nets (:class:`~.graph.GraphTracer`, Table 9 read off the model's fx graph), which names the op it has no
-    rule for where it cannot take the model. ``pooled_outside``: the model's own head pooling is off (mmpretrain's
-    ``TIMMBackbone`` resets it) and its final map is average-pooled outside it (a ``GlobalAveragePooling`` neck):
-    the timm CNNs of :data:`POOLED_OUTSIDE`, read out by the mean label."""
+    rule for where it cannot take the model: its refusal where Table 9 gives the op no reading, else "no tracer" with
+    the supported classes and the node where the route stops. ``pooled_outside``: the model's own head pooling is
+    off (mmpretrain's ``TIMMBackbone`` resets it) and its final map is average-pooled outside it (a
+    ``GlobalAveragePooling`` neck): the timm CNNs of :data:`POOLED_OUTSIDE`, read out by the mean label."""
     _no_rule(model, name)
     if not pooled_outside:
         if hasattr(model, '_orig_mod') or any(isinstance(model, cls) for cls in SUPPORTED_MODELS):
             return tracer_for(model, SUPPORTED_MODELS, name)
         try:
             return GraphTracer(model)
-        except ValueError as e:
+        except GraphRouteError as e:
+            if e.decided:  # an op Table 9 gives no reading: the route's refusal, as a family's
+                raise GraphRouteError(f'{name}: {str(e).removeprefix("model: ")}', True) from e
             names = ', '.join(f'{c.__module__}.{c.__name__}' for c in SUPPORTED_MODELS)
             raise ValueError(
                 f'{name}: TL-Align has no tracer for {type(model).__module__}.{type(model).__name__} (supported: '

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from timm.layers import DropPath, GluMlp, LayerNorm, LayerScale, Mlp, RmsNorm, SwiGLU
+from timm.models.vitamin import GeGluMlp
 
 from shared_core.capture import Captures, LabelCapture
 from shared_core.tl_align import conv_pool_labels, conv_stencil_labels
@@ -20,7 +21,8 @@ NORMS = (nn.LayerNorm, LayerNorm, RmsNorm, nn.Identity)
 VIT_BLOCK_PARTS = {
     'norm1': NORMS,
     'norm2': NORMS,
-    'mlp': (Mlp, GluMlp, SwiGLU),  # SwiGLUPacked is a GluMlp
+    # SwiGLUPacked is a GluMlp; ViTamin's GeGluMlp (norm, gelu(w0 x) * w1 x, w2) is per token as the others
+    'mlp': (Mlp, GluMlp, SwiGLU, GeGluMlp),
     'ls1': (LayerScale, nn.Identity),
     'ls2': (LayerScale, nn.Identity),
     'drop_path1': (DropPath, nn.Identity),
