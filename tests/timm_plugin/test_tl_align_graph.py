@@ -230,6 +230,7 @@ def meta(name, **kw):
         ('mambaout_tiny', {}, True, 'a product of two maps with different labels'),
         ('efficientnet_b0', {'global_pool': 'max'}, True, 'no pooled label'),
         ('inception_v3', {}, True, 'no token grid tiles the image'),
+        ('nasnetalarge', {}, True, 'first single feature map at stride >= 2'),  # two-input cells: the map before
         ('edgenext_small', {}, False, 'moves the spatial dims'),
         ('botnet26t_256', {}, False, 'moves the spatial dims'),
         ('tnt_s_patch16_224', {}, False, 'no single feature map at stride >= 4'),

@@ -299,12 +299,12 @@ def _trace(model: nn.Module, input_size) -> fx.GraphModule:
     return gm
 
 
-def _spatial(shape, H: int, W: int) -> Optional[Tuple[int, int]]:
-    """The dims of a 4-d feature that hold its rows and columns at stride >= :data:`START_STRIDE` (NCHW first,
-    then NHWC), or ``None``."""
+def _spatial(shape, H: int, W: int, least: int = START_STRIDE) -> Optional[Tuple[int, int]]:
+    """The dims of a 4-d feature that hold its rows and columns at stride >= ``least`` (NCHW first, then NHWC), or
+    ``None``."""
     for h in (2, 1):
         a, b = shape[h], shape[h + 1]
-        if a * b > 1 and H / a >= START_STRIDE and W / b >= START_STRIDE and abs(H / a - W / b) < 1:
+        if a * b > 1 and H / a >= least and W / b >= least and abs(H / a - W / b) < 1:
             return (h, h + 1)
     return None
 
@@ -394,28 +394,37 @@ class _Program:
         for m, i in last_use.items():
             ends.setdefault(i, []).append(m)
         open_: set = set()
-        first = None
+        first = before = None  # the first map at stride >= 4; the last single map before it (stride 2)
         for i, n in enumerate(nodes):
             if n in live and last_use.get(n, -1) > i:
                 open_.add(n)
             open_.difference_update(ends.get(i, ()))
             shape = _shape(n)
-            dims = _spatial(shape, H, W) if n is not x and n in live and shape is not None and len(shape) == 4 else None
+            fine = n is not x and n in live and shape is not None and len(shape) == 4
+            dims = _spatial(shape, H, W) if fine else None
             if dims is None:
+                if first is None and fine and open_ == {n} and _spatial(shape, H, W, 2) is not None:
+                    before = n, _spatial(shape, H, W, 2)
                 continue
             h, w = shape[dims[0]], shape[dims[1]]
             first = first or (n, h, w)
             if open_ != {n}:
                 continue
             if (h, w) != first[1:]:
-                raise GraphRouteError(
-                    f'its first maps at stride >= {START_STRIDE} ({first[1]}x{first[2]} cells, {_where(first[0])}) '
-                    f'travel as several tensors (cells of two inputs); the first single map is {h}x{w} '
-                    f'({_where(n)}): the route starts on one map, and would leave everything before it untraced'
-                )
+                if before is None:
+                    raise GraphRouteError(
+                        f'its first maps at stride >= {START_STRIDE} ({first[1]}x{first[2]} cells, '
+                        f'{_where(first[0])}) travel as several tensors (cells of two inputs), and no single map '
+                        'comes before them: the route starts on one map'
+                    )
+                # several tensors on the first stride-4 grid (NASNet's two-input cells): start on the single map
+                # before them, so that nothing after the stem goes untraced
+                n, dims = before
+                shape = _shape(n)
+                h, w = shape[dims[0]], shape[dims[1]]
             if H % h or W % w or H // h != W // w:
                 raise GraphRouteError(
-                    f'its first feature map at stride >= {START_STRIDE} ({_where(n)}) is {h}x{w} for a {H}x{W} '
+                    f'its first single feature map at stride >= {H // h} ({_where(n)}) is {h}x{w} for a {H}x{W} '
                     'input: no token grid tiles the image (convs without padding shrink the map)',
                     decided=True,
                 )
