@@ -173,6 +173,11 @@ NO_RULE = {
         'it computes q (softmax(k)ᵀ v): softmax over tokens of the keys alone, not a row-stochastic token-to-token '
         'attention, plus a convolutional relative position term multiplied by q',
     ),
+    ('timm.models.sequencer', 'Sequencer2d'): (
+        'LSTM2d (bidirectional LSTMs along rows and columns)',
+        "each position's output is a recurrence over its whole row and column, gated by the data at every step: "
+        'it forms no token-to-token weights (Eq. 9) and is no fixed mixer (Table 9)',
+    ),
     ('timm.models.fastvit', 'FastVit'): (
         'RepMixer / RepConditionalPosEnc (reparameterised depthwise convolutions with BatchNorm)',
         'its train-time branches (several convolutions and BatchNorms summed) have no tracer; attention stages '
