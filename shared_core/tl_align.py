@@ -194,11 +194,16 @@ def conv_stencil_labels(labels: torch.Tensor, stencil: torch.Tensor, padding, st
     return num / den.clamp_min(torch.finfo(labels.dtype).tiny)
 
 
-def conv_pool_labels(labels: torch.Tensor, kernel_size, stride, padding) -> torch.Tensor:
-    """Table 9 spatial aggregation for a strided conv on a ``(B, K, H, W)`` label map: every output token's
-    label is the Norm of the sum (the mean) of the labels in its window, with the conv's kernel, stride and
-    padding; padding positions are not tokens (``count_include_pad=False``)."""
-    return F.avg_pool2d(labels, kernel_size, stride, padding, count_include_pad=False)
+def conv_pool_labels(labels: torch.Tensor, kernel_size, stride, padding, ceil_mode: bool = False) -> torch.Tensor:
+    """Table 9 spatial aggregation for a strided conv or a pooling on a ``(B, K, H, W)`` label map: every output
+    token's label is the Norm of the sum (the mean) of the labels in its window, with the conv's kernel, stride and
+    padding (``ceil_mode`` as the pooling's); padding positions are not tokens (``count_include_pad=False``).
+    ``padding``: a pair (both sides), or ``(left, right, top, bottom)`` for an asymmetric padding (TF's "same")."""
+    if isinstance(padding, (tuple, list)) and len(padding) == 4:  # pad, and count the in-grid positions apart
+        ones = F.pad(labels.new_ones(1, 1, *labels.shape[-2:]), tuple(padding))
+        num = F.avg_pool2d(F.pad(labels, tuple(padding)), kernel_size, stride, 0, ceil_mode)
+        return num / F.avg_pool2d(ones, kernel_size, stride, 0, ceil_mode)
+    return F.avg_pool2d(labels, kernel_size, stride, padding, ceil_mode, count_include_pad=False)
 
 
 def merge_2x2_labels(labels: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from timm_plugin import MixTarget
 from timm_plugin.tl_align import TLAlign, TransMix
 
 from ..helpers.processes import mmpretrain_train
+from ..timm_plugin.tl_align_checks import window_mix
 
 C = 6
 
@@ -133,23 +134,6 @@ def test_loss_uses_the_aligned_target_and_predict_is_stock():
     assert len(preds) == 4 and preds[0].pred_score.shape == (C,)
 
 
-def explicit_window_labels(Y, A, ws, ss):
-    """Window attention on a (B, H, W, K) label map with index arithmetic (see test_tl_align)."""
-    B, H, W, _ = Y.shape
-    nwh, nww = H // ws, W // ws
-    new = torch.zeros_like(Y)
-    for b in range(B):
-        for i in range(H):
-            for j in range(W):
-                si, sj = (i - ss) % H, (j - ss) % W
-                win = b * nwh * nww + (si // ws) * nww + sj // ws
-                n = (si % ws) * ws + sj % ws
-                for m in range(ws * ws):
-                    mi, mj = (si // ws) * ws + m // ws, (sj // ws) * ws + m % ws
-                    new[b, i, j] += A[win, n, m] * Y[b, (mi + ss) % H, (mj + ss) % W]
-    return new
-
-
 @pytest.mark.parametrize('window,shifts', [(4, [0, 2, 0, 2]), (8, [0, 4, 0, 0])])
 def test_mm_swin_matches_explicit_geometry(window, shifts):
     """mmpretrain's Swin: merging at the END of a stage; the shift dropped where the map equals the window
@@ -192,7 +176,7 @@ def test_mm_swin_matches_explicit_geometry(window, shifts):
     for idx, A in enumerate(attns):
         if idx == 2:  # mm's PatchMerging closed stage 0
             Y = (Y[:, 0::2, 0::2] + Y[:, 1::2, 0::2] + Y[:, 0::2, 1::2] + Y[:, 1::2, 1::2]) / 4
-        Y = (Y + explicit_window_labels(Y, A, window, shifts[idx])) / 2
+        Y = (Y + window_mix(Y, A, window, shifts[idx])) / 2
     share = Y.flatten(1, 2).mean(1)[:, 0]
     expected = (1 - share)[:, None] * one_hot(y, C) + share[:, None] * one_hot(y[mix.partner], C)
     assert torch.allclose(aligned, expected, atol=1e-6)

@@ -24,6 +24,8 @@ from shared_core.tl_align import (
     window_labels,
 )
 
+from ..timm_plugin.tl_align_checks import stencil_loops
+
 
 def _labels(B, N, K, g):
     return torch.softmax(torch.randn(B, N, K, generator=g) * 2, -1)
@@ -99,23 +101,9 @@ def test_table9_linear_token_mixing_is_the_product_of_the_normalised_magnitudes(
 
 
 def _stencil_loop(Y, S, pad, stride):
-    """Table 9 for a conv as a fixed stencil: each output cell the ``S``-weighted mean of the in-grid cells of
-    its window (the zero padding is no token)."""
-    B, K, H, W = Y.shape
-    kh, kw = S.shape
-    Ho, Wo = (H + 2 * pad - kh) // stride + 1, (W + 2 * pad - kw) // stride + 1
-    out = torch.zeros(B, K, Ho, Wo, dtype=torch.float64)
-    for i in range(Ho):
-        for j in range(Wo):
-            num, den = torch.zeros(B, K, dtype=torch.float64), 0.0
-            for a in range(kh):
-                for c in range(kw):
-                    u, v = stride * i - pad + a, stride * j - pad + c
-                    if 0 <= u < H and 0 <= v < W:
-                        num += float(S[a, c]) * Y[:, :, u, v].double()
-                        den += float(S[a, c])
-            out[:, :, i, j] = num / den
-    return out
+    """Table 9 for a conv as a fixed stencil on ``(B, K, H, W)`` labels: each output cell the ``S``-weighted mean of
+    the in-grid cells of its window (the zero padding is no token), by loops."""
+    return stencil_loops(Y.permute(0, 2, 3, 1), S, (pad,) * 4, stride).permute(0, 3, 1, 2)
 
 
 @pytest.mark.parametrize('k, pad, stride', [(3, 1, 1), (3, 1, 2), (7, 3, 1), (2, 0, 2)])

@@ -18,7 +18,7 @@ from timm_plugin.tl_align.cnn import CHANNEL_GATES
 
 from ..timm_plugin.test_tl_align import C, random_token_labels, sharpen
 from ..timm_plugin.test_tl_align_more import _window_mean
-from .tl_align_checks import check_compact_equals_dense
+from .tl_align_checks import check_compact_equals_dense, stencil_loops
 
 # the block settings of timm's mixer_*, resmlp_* and gmlp_* entry points, at a tiny size
 ARCHS = {
@@ -177,22 +177,8 @@ def tiny_convnext(**kw):
 
 def _stencil_mix(Y, S, pad, stride=1):
     """``(B, H, W, K)`` labels mixed by the stencil ``S`` at every ``stride``-th window, normalised over in-grid
-    cells."""
-    B, H, W, K = Y.shape
-    kh, kw = S.shape
-    Ho, Wo = (H + 2 * pad - kh) // stride + 1, (W + 2 * pad - kw) // stride + 1
-    out = torch.zeros(B, Ho, Wo, K)
-    for i in range(Ho):
-        for j in range(Wo):
-            num, den = torch.zeros(B, K), 0.0
-            for u in range(kh):
-                for v in range(kw):
-                    r, c = i * stride + u - pad, j * stride + v - pad
-                    if 0 <= r < H and 0 <= c < W:
-                        num += float(S[u, v]) * Y[:, r, c]
-                        den += float(S[u, v])
-            out[:, i, j] = num / den
-    return out
+    cells (:func:`.tl_align_checks.stencil_loops` with the same padding on every side)."""
+    return stencil_loops(Y, S, (pad,) * 4, stride).float()
 
 
 def convnext_reference(model, Y_tok, grid, layers=None, residual=True, dropped=()):

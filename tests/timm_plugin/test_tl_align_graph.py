@@ -6,6 +6,7 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.models.densenet import DenseNet
 from timm.models.vgg import VGG
 
@@ -16,29 +17,7 @@ from timm_plugin.token_grid import tl_align_stride
 
 from ..timm_plugin.test_tl_align import C, random_token_labels
 from ..timm_plugin.test_tl_align_more import _adaptive_mean, _window_mean
-from .tl_align_checks import check_compact_equals_dense, mean_abs_stencil
-
-
-def stencil_loops(Y, S, pads, stride=1, dilation=1):
-    """``(B, H, W, K)`` labels mixed by the stencil ``S`` (float64, by loops): each output cell the ``S``-weighted
-    mean of the in-grid cells under its taps; ``pads`` ``(left, right, top, bottom)``."""
-    B, H, W, K = Y.shape
-    kh, kw = S.shape
-    left, right, top, bottom = pads
-    Ho = (H + top + bottom - dilation * (kh - 1) - 1) // stride + 1
-    Wo = (W + left + right - dilation * (kw - 1) - 1) // stride + 1
-    out = torch.zeros(B, Ho, Wo, K, dtype=torch.float64)
-    for i in range(Ho):
-        for j in range(Wo):
-            num, den = torch.zeros(B, K, dtype=torch.float64), 0.0
-            for u in range(kh):
-                for v in range(kw):
-                    r, c = i * stride + u * dilation - top, j * stride + v * dilation - left
-                    if 0 <= r < H and 0 <= c < W:
-                        num += float(S[u, v]) * Y[:, r, c].double()
-                        den += float(S[u, v])
-            out[:, i, j] = num / den
-    return out
+from .tl_align_checks import check_compact_equals_dense, mean_abs_stencil, stencil_loops
 
 
 def sym(conv):
@@ -287,3 +266,23 @@ def test_label_states_are_each_stages_last_map_and_the_readout():
     assert all(labels.shape == (2, h * w, 1) for labels, (h, w) in states)
     assert torch.allclose(states[-1][0].mean(1), share, atol=1e-6)
     assert torch.equal(out, model(xm))
+
+
+@pytest.mark.parametrize('kind', ['std', 'scaled_std'])
+def test_a_standardised_convs_stencil_is_read_from_the_kernel_it_applies(kind):
+    """timm's weight-standardised TF-"same" convs are leaves of its fx tracing: the route takes the kernel as their
+    forward applies it (standardised, NFNet's gain and scale in it) and their "same" padding on the grid."""
+    from timm.layers.padding import pad_same_arg
+    from timm.layers.std_conv import ScaledStdConv2dSame, StdConv2dSame
+
+    from timm_plugin.tl_align.graph import _conv_of
+
+    torch.manual_seed(0)
+    m = (StdConv2dSame if kind == 'std' else ScaledStdConv2dSame)(8, 4, 3, stride=2)
+    x = torch.randn(1, 8, 8, 8)  # an even grid: TF "same" pads one more cell right and below
+    op = _conv_of(m)
+    pads = pad_same_arg(x.shape[-2:], op.kernel, op.stride, op.dilation)
+    assert torch.allclose(F.conv2d(F.pad(x, pads), op.weight(), m.bias, m.stride), m(x), atol=1e-5)
+    assert op.padding == 'same' and not torch.allclose(op.weight(), m.weight)
+    Y = torch.rand(1, 2, 8, 8)
+    assert torch.allclose(op(Y), conv_stencil_labels(Y, mean_abs_stencil(op.weight()).float(), pads, 2), atol=1e-6)

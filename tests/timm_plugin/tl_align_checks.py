@@ -1,5 +1,6 @@
 """What the TL-Align tracer tests share: the compact training call against the dense reference entry, and the
-explicit-loop pieces of their references (a window attention's label mixing, a conv's ``mean |K|`` stencil)."""
+explicit-loop pieces of their references (a window attention's label mixing, a conv's ``mean |K|`` stencil and its
+label mixing)."""
 
 
 def check_compact_equals_dense(model, mixer, x, y, num_classes, smoothing=0.1, seed=5):
@@ -29,10 +30,11 @@ def check_compact_equals_dense(model, mixer, x, y, num_classes, smoothing=0.1, s
     return wrapped, xm, aligned
 
 
-def window_mix(Y, A, ws: int):
-    """Eq. 9 by loops on a ``(B, H, W, K)`` label map tiled by ``ws x ws`` windows (unshifted): each token's label
-    the head-mean attention ``A`` ``(B · windows, ws², ws²)`` (windows in row-major order per sample) applied to the
-    labels of its window's tokens."""
+def window_mix(Y, A, ws: int, shift: int = 0):
+    """Eq. 9 by loops on a ``(B, H, W, K)`` label map tiled by ``ws x ws`` windows, cyclically shifted by ``shift``
+    (Swin's shifted windows; 0: unshifted): each token's label the head-mean attention ``A`` ``(B · windows, ws²,
+    ws²)`` (windows in row-major order per sample, on the shifted map) applied to the labels of its window's
+    tokens, by index arithmetic."""
     import torch
 
     B, H, W, _ = Y.shape
@@ -41,10 +43,38 @@ def window_mix(Y, A, ws: int):
     for b in range(B):
         for i in range(H):
             for j in range(W):
-                win, n = b * nwh * nww + (i // ws) * nww + j // ws, (i % ws) * ws + j % ws
+                si, sj = (i - shift) % H, (j - shift) % W
+                win = b * nwh * nww + (si // ws) * nww + sj // ws
+                n = (si % ws) * ws + sj % ws
                 for m in range(ws * ws):
-                    new[b, i, j] += A[win, n, m] * Y[b, (i // ws) * ws + m // ws, (j // ws) * ws + m % ws]
+                    mi, mj = (si // ws) * ws + m // ws, (sj // ws) * ws + m % ws
+                    new[b, i, j] += A[win, n, m] * Y[b, (mi + shift) % H, (mj + shift) % W]
     return new
+
+
+def stencil_loops(Y, S, pads, stride=1, dilation=1):
+    """``(B, H, W, K)`` labels mixed by the stencil ``S`` (float64, by loops): each output cell the ``S``-weighted
+    mean of the in-grid cells under its taps (the conv's padding is no token); ``pads`` ``(left, right, top,
+    bottom)``."""
+    import torch
+
+    B, H, W, K = Y.shape
+    kh, kw = S.shape
+    left, right, top, bottom = pads
+    Ho = (H + top + bottom - dilation * (kh - 1) - 1) // stride + 1
+    Wo = (W + left + right - dilation * (kw - 1) - 1) // stride + 1
+    out = torch.zeros(B, Ho, Wo, K, dtype=torch.float64)
+    for i in range(Ho):
+        for j in range(Wo):
+            num, den = torch.zeros(B, K, dtype=torch.float64), 0.0
+            for u in range(kh):
+                for v in range(kw):
+                    r, c = i * stride + u * dilation - top, j * stride + v * dilation - left
+                    if 0 <= r < H and 0 <= c < W:
+                        num += float(S[u, v]) * Y[:, r, c].double()
+                        den += float(S[u, v])
+            out[:, i, j] = num / den
+    return out
 
 
 def mean_abs_stencil(weight):

@@ -50,7 +50,7 @@ from timm.layers.std_conv import ScaledStdConv2dSame, StdConv2dSame
 from timm.models.vgg import ConvMlp
 
 from shared_core.capture import Captures
-from shared_core.tl_align import conv_stencil_labels, residual_labels
+from shared_core.tl_align import conv_pool_labels, conv_stencil_labels, residual_labels
 from shared_core.tracer import Tracer
 
 from ._blocks import kernel_stencil
@@ -108,7 +108,7 @@ POINTWISE = frozenset(
     'hardsigmoid hardsigmoid_ hardtanh hardtanh_ sigmoid sigmoid_ tanh tanh_ softplus exp log abs neg sqrt rsqrt '
     'square clamp clamp_ clamp_min clamp_max pow reciprocal erf float half bfloat16 to type type_as contiguous clone '
     'dropout dropout2d alpha_dropout batch_norm group_norm instance_norm swish hard_sigmoid hard_swish hard_mish '
-    'gelu_tanh quick_gelu sigmoid_ mul_ add_ div_'.split()
+    'gelu_tanh quick_gelu'.split()
 )
 _ADD = {operator.add, operator.iadd, torch.add, 'add', 'add_', '__add__', '__iadd__', '__radd__'}
 _MUL = {operator.mul, operator.imul, torch.mul, 'mul', 'mul_', '__mul__', '__imul__', '__rmul__'}
@@ -116,7 +116,7 @@ _DIV = {operator.truediv, operator.itruediv, torch.div, 'div', 'div_', '__truedi
 _SUB = {operator.sub, operator.isub, torch.sub, 'sub', 'sub_', '__sub__', '__rsub__'}
 #: point-wise ops of several tensors: a rule where all the maps they read carry the same labels
 _SAME_LABELS = frozenset('addcmul addcdiv where lerp maximum minimum'.split())
-_LAYOUT = frozenset('view reshape flatten unflatten squeeze unsqueeze contiguous expand'.split())
+_LAYOUT = frozenset('view reshape flatten unflatten squeeze unsqueeze expand'.split())
 _REDUCE = frozenset('mean sum amax amin max min std var logsumexp norm'.split())
 #: point-wise modules (per position, per channel or over a sample's channels)
 _POINTWISE_MODULES = (
@@ -157,9 +157,7 @@ class _Conv:
         if pads == 'same':
             pads = tuple(pad_same_arg(Y.shape[-2:], self.kernel, self.stride, self.dilation))
         if self.kernel == self.stride and self.dilation == (1, 1) and pads in ((0, 0), (0, 0, 0, 0)):
-            if self.kernel == (1, 1):
-                return Y
-            return F.avg_pool2d(Y, self.kernel, self.stride)  # aggregation alone: each window's mean
+            return conv_pool_labels(Y, self.kernel, self.stride, 0)  # aggregation alone: each window's mean
         return conv_stencil_labels(Y, kernel_stencil(self.weight()), pads, self.stride, self.dilation)
 
 
@@ -176,12 +174,7 @@ class _Pool:
         pads = self.padding
         if pads == 'same':
             pads = tuple(pad_same_arg(Y.shape[-2:], self.kernel, self.stride, (1, 1)))
-        if len(pads) == 4:  # an asymmetric padding: pad, and count the in-grid positions apart
-            ones = Y.new_ones(1, 1, *Y.shape[-2:])
-            num = F.avg_pool2d(F.pad(Y, pads), self.kernel, self.stride, 0, self.ceil_mode)
-            den = F.avg_pool2d(F.pad(ones, pads), self.kernel, self.stride, 0, self.ceil_mode)
-            return num / den
-        return F.avg_pool2d(Y, self.kernel, self.stride, pads, self.ceil_mode, count_include_pad=False)
+        return conv_pool_labels(Y, self.kernel, self.stride, pads, self.ceil_mode)
 
 
 @dataclass
@@ -218,13 +211,11 @@ def _conv_of(m: nn.Conv2d) -> _Conv:
     """The label op of a conv module (its kernel as applied: weight standardisation included)."""
     if m.padding_mode != 'zeros':
         raise GraphRouteError(f'{m} pads by {m.padding_mode!r}: the padded positions copy tokens, which has no rule')
-    same = isinstance(m, (Conv2dSame, StdConv2dSame, ScaledStdConv2dSame)) and getattr(m, 'same_pad', True)
-    padding = 'same' if same else m.padding
-    if isinstance(padding, str):  # torch's 'same' / 'valid' (stride 1)
-        if padding == 'valid':
-            padding = (0, 0)
-        else:
-            padding = _torch_same(m.kernel_size, m.dilation)
+    padding = m.padding
+    if isinstance(m, (Conv2dSame, StdConv2dSame, ScaledStdConv2dSame)) and getattr(m, 'same_pad', True):
+        padding = 'same'  # timm's TF "same", computed on the grid as its forward does
+    elif isinstance(padding, str):  # torch's 'same' / 'valid' (stride 1)
+        padding = (0, 0) if padding == 'valid' else _torch_same(m.kernel_size, m.dilation)
     weight = (lambda m=m: m.weight) if type(m) in (nn.Conv2d, Conv2dSame) else _effective_weight(m)
     return _Conv(weight, _pair(m.kernel_size), _pair(m.stride), padding, _pair(m.dilation))
 
@@ -278,15 +269,16 @@ def _trace(model: nn.Module, input_size) -> fx.GraphModule:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.shape_prop import ShapeProp
 
-    tracer = _Tracer()
-    try:
-        graph = tracer.trace(model)
-    except Exception:  # a model block that fx cannot read inside: as timm's feature extraction traces it
-        tracer = _Tracer(inline_models=False)
-    try:
-        graph = tracer.trace(model)
-    except Exception as e:  # fx's own errors are of many types (TraceError, TypeError, ...)
-        raise GraphRouteError(f'torch.fx cannot trace it ({type(e).__name__}: {str(e).splitlines()[0][:200]})') from e
+    for inline in (True, False):  # a model block fx cannot read inside: kept whole, as timm's feature extraction
+        tracer = _Tracer(inline_models=inline)
+        try:
+            graph = tracer.trace(model)
+            break
+        except Exception as e:  # fx's own errors are of many types (TraceError, TypeError, ...)
+            error = e
+    else:
+        why = f'{type(error).__name__}: {str(error).splitlines()[0][:200]}'
+        raise GraphRouteError(f'torch.fx cannot trace it ({why})') from error
     gm = fx.GraphModule(tracer.root, graph)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     device = next((p.device for p in model.parameters()), torch.device('cpu'))
@@ -331,24 +323,21 @@ class GraphRouteError(ValueError):
         self.decided = decided
 
 
-_Refuse = GraphRouteError
-
-
 # ---------------------------------------------------------------------------------------------- the compiler
 
 
 class _Program:
     """The label program of one model: ``ops`` ``(fn, input slots, output slot)`` in graph order (``fn`` on label
-    maps; a residual op takes ``(slot, keep)`` pairs), ``observe`` the slots to report after each level, ``readout``
-    the slot whose mean label the classifier reads, ``drop_paths`` the drop-path modules in graph order."""
+    maps; a mean op takes ``(slot, keep)`` pairs), ``start`` the node the label state starts at and ``stride`` its
+    pixels per cell, ``readout`` the slot whose mean label the classifier reads, ``drop_paths`` the drop-path
+    modules in graph order."""
 
     def __init__(self, model: nn.Module, input_size):
         self.gm = gm = _trace(model, input_size)
-        self.input_size = tuple(input_size)
         self.ops: List[tuple] = []
         self.slots = 1
         self.drop_paths: List[nn.Module] = []
-        self.start, self.stride = self._start(gm, input_size)
+        self.start, start_dims, self.stride = self._start(gm, input_size)
         env: Dict[fx.Node, Any] = {}
         out = None
         for node in gm.graph.nodes:
@@ -359,7 +348,7 @@ class _Program:
             elif node.op == 'output':
                 out = fx.node.map_aggregate(node.args[0], lambda n: env[n] if isinstance(n, fx.Node) else None)
             elif node is self.start:
-                env[node] = Map(0, self.start_dims, len(_shape(node)))
+                env[node] = Map(0, start_dims, len(_shape(node)))
             else:
                 try:
                     env[node] = self._node(node, env)
@@ -377,7 +366,8 @@ class _Program:
     # ------------------------------------------------------------------ the start
 
     def _start(self, gm: fx.GraphModule, input_size):
-        """The first node at stride >= :data:`START_STRIDE` that every path from the image goes through."""
+        """``(node, its spatial dims, stride)``: the first node at stride >= :data:`START_STRIDE` that every path from
+        the image goes through (or the single map before several on that grid)."""
         nodes = list(gm.graph.nodes)
         index = {n: i for i, n in enumerate(nodes)}
         x = next(n for n in nodes if n.op == 'placeholder')
@@ -403,8 +393,8 @@ class _Program:
             fine = n is not x and n in live and shape is not None and len(shape) == 4
             dims = _spatial(shape, H, W) if fine else None
             if dims is None:
-                if first is None and fine and open_ == {n} and _spatial(shape, H, W, 2) is not None:
-                    before = n, _spatial(shape, H, W, 2)
+                coarse = _spatial(shape, H, W, 2) if fine and first is None and open_ == {n} else None
+                before = (n, coarse) if coarse is not None else before
                 continue
             h, w = shape[dims[0]], shape[dims[1]]
             first = first or (n, h, w)
@@ -428,8 +418,7 @@ class _Program:
                     'input: no token grid tiles the image (convs without padding shrink the map)',
                     decided=True,
                 )
-            self.start_dims = dims
-            return n, H // h
+            return n, dims, H // h
         raise GraphRouteError(
             f'no single feature map at stride >= {START_STRIDE} that every path from the image reaches'
         )
@@ -452,7 +441,9 @@ class _Program:
         vecs = [k for k in flat if isinstance(k, Vec)]
         if any(k is PRE for k in flat):
             if maps or vecs:
-                raise _Refuse('joins a tensor from before the label grid to one on it (a long skip from the stem)')
+                raise GraphRouteError(
+                    'joins a tensor from before the label grid to one on it (a long skip from the stem)'
+                )
             return PRE
         if not maps and not vecs:
             return None
@@ -466,13 +457,13 @@ class _Program:
 
     def _module(self, node, m: nn.Module, maps, vecs) -> Any:
         if len(maps) != 1 or vecs:
-            raise _Refuse(f'a {type(m).__name__} of several inputs has no rule')
+            raise GraphRouteError(f'a {type(m).__name__} of several inputs has no rule')
         x = maps[0]
         if x.keep is not None and not isinstance(m, (DropPath,) + _POINTWISE_MODULES):
-            raise _Refuse('a drop path output goes into an op that moves labels')
+            raise GraphRouteError('a drop path output goes into an op that moves labels')
         if isinstance(m, DropPath):
             if m in self.drop_paths:
-                raise _Refuse('a drop path called twice (its kept samples are read at one call)')
+                raise GraphRouteError('a drop path called twice (its kept samples are read at one call)')
             self.drop_paths.append(m)
             return Map(x.slot, x.dims, x.ndim, keep=len(self.drop_paths) - 1)
         if isinstance(m, _POINTWISE_MODULES) or (
@@ -481,18 +472,14 @@ class _Program:
             return x
         if isinstance(m, nn.Conv2d):
             if x.dims != (2, 3) or x.ndim != 4:
-                raise _Refuse('a conv on a map not in (B, C, H, W) layout')
-            try:
-                op = _conv_of(m)
-            except ValueError as e:
-                raise _Refuse(str(e)) from None
-            return x if op.kernel == (1, 1) and op.stride == (1, 1) else self._new(op, [x.slot], dims=x.dims, ndim=4)
+                raise GraphRouteError('a conv on a map not in (B, C, H, W) layout')
+            return self._conv(_conv_of(m), x)
         if isinstance(m, ConvMlp):
             return self._new(_ConvMlpLabels(m), [x.slot], dims=x.dims, ndim=4)
         if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d)):
             dilation = getattr(m, 'dilation', 1)
             if _pair(dilation) != (1, 1) or getattr(m, 'return_indices', False):
-                raise _Refuse(f'{m}: dilated pooling or pooling indices have no rule')
+                raise GraphRouteError(f'{m}: dilated pooling or pooling indices have no rule')
             padding = 'same' if isinstance(m, (MaxPool2dSame, AvgPool2dSame)) else _pair(m.padding)
             op = _Pool(_pair(m.kernel_size), _pair(m.stride or m.kernel_size), padding, bool(m.ceil_mode))
             return self._new(op, [x.slot], dims=x.dims, ndim=4)
@@ -505,17 +492,17 @@ class _Program:
         if isinstance(m, nn.Flatten):
             return self._layout(node, x)
         if isinstance(m, nn.Linear):
-            return self._last_dim(x, f'a Linear over the {"rows or columns" if x.dims[1] == x.ndim - 1 else ""}')
+            return self._last_dim(x, 'a Linear')
         if isinstance(m, nn.LayerNorm):
             return self._dims_free(x, range(x.ndim - len(m.normalized_shape), x.ndim), 'a LayerNorm')
-        raise _Refuse(f'{type(m).__module__}.{type(m).__name__} has no Table 9 rule in the graph route')
+        raise GraphRouteError(f'{type(m).__module__}.{type(m).__name__} has no Table 9 rule in the graph route')
 
     def _last_dim(self, x: Map, what: str) -> Map:
         return self._dims_free(x, [x.ndim - 1], what)
 
     def _dims_free(self, x: Map, dims, what: str) -> Map:
         if set(d % x.ndim for d in dims) & set(x.dims):
-            raise _Refuse(f'{what} across the spatial dims mixes tokens without a rule')
+            raise GraphRouteError(f'{what} across the spatial dims mixes tokens without a rule')
         return x
 
     def _adaptive(self, node, x: Map, size, average: bool):
@@ -523,14 +510,14 @@ class _Program:
         if out is not None and out[x.dims[0]] == 1 and out[x.dims[1]] == 1 and _pair_none(size) == (1, 1):
             return Vec(x.slot if average else None)
         if not average:
-            raise _Refuse('an adaptive max pooling to a grid has no rule', decided=True)
+            raise GraphRouteError('an adaptive max pooling to a grid has no rule', decided=True)
         return self._new(_Adaptive(size), [x.slot], dims=x.dims, ndim=x.ndim)
 
     def _resample(self, node, x: Map, kw: dict):
         if kw.get('mode', 'nearest') not in ('nearest', 'nearest-exact', 'bilinear', 'area'):
-            raise _Refuse(f'{kw.get("mode")} resampling has negative weights: no rule', decided=True)
+            raise GraphRouteError(f'{kw.get("mode")} resampling has negative weights: no rule', decided=True)
         if kw.get('size') is not None:
-            raise _Refuse('resampling to a size computed in the graph is not traced (a scale factor is)')
+            raise GraphRouteError('resampling to a size computed in the graph is not traced (a scale factor is)')
         kw = {k: v for k, v in kw.items() if v is not None}
         return self._new(_Resample(kw), [x.slot], dims=x.dims, ndim=x.ndim)
 
@@ -538,7 +525,7 @@ class _Program:
         """A reshape, flatten or squeeze of a map: the same labels where its spatial dims survive as they are."""
         src, out = _shape(node.args[0]), _shape(node)
         if src is None or out is None:
-            raise _Refuse('a reshape of unknown shape')
+            raise GraphRouteError('a reshape of unknown shape')
         h, w = x.dims
         if out[0] == src[0]:
             before, after = math.prod(src[:h]), math.prod(src[w + 1 :])
@@ -548,7 +535,9 @@ class _Program:
                         return Map(x.slot, (i, i + 1), len(out), x.keep)
             if src[h] == 1 and src[w] == 1:  # a 1x1 map flattened: its one label is its mean
                 return Vec(x.slot)
-        raise _Refuse(f'a reshape {src} -> {out} moves the spatial dims (tokens as rows: attention or token MLP)')
+        raise GraphRouteError(
+            f'a reshape {src} -> {out} moves the spatial dims (tokens as rows: attention or token MLP)'
+        )
 
     def _function(self, node, target, name, args, kwargs, maps, vecs) -> Any:
         first = args[0] if args else None
@@ -556,12 +545,14 @@ class _Program:
             return None  # shapes
         if target in _ADD or name in _ADD:
             if vecs:
-                raise _Refuse('a pooled vector added to a map (a global context) has no Table 9 reading', decided=True)
+                raise GraphRouteError(
+                    'a pooled vector added to a map (a global context) has no Table 9 reading', decided=True
+                )
             return self._mean(maps)
         if target in _MUL or name in _MUL or target in _DIV or name in _DIV:
             slots = {m.slot for m in maps}
             if len(slots) > 1:
-                raise _Refuse(
+                raise GraphRouteError(
                     'a product of two maps with different labels (a spatial gate, a gated conv): a data-dependent '
                     'elementwise product, neither an attention (Eq. 9) nor a fixed mixer (Table 9)',
                     decided=True,
@@ -571,11 +562,11 @@ class _Program:
             return Map(maps[0].slot, maps[0].dims, maps[0].ndim)
         if name in _SAME_LABELS:
             if vecs or len({m.slot for m in maps}) > 1:
-                raise _Refuse(f'{name} of maps with different labels or of a map and a vector has no rule')
+                raise GraphRouteError(f'{name} of maps with different labels or of a map and a vector has no rule')
             return Map(maps[0].slot, maps[0].dims, maps[0].ndim)
         if target in _SUB or name in _SUB:
             if vecs or len({m.slot for m in maps}) > 1:
-                raise _Refuse('a difference of maps with different labels has no rule', decided=True)
+                raise GraphRouteError('a difference of maps with different labels has no rule', decided=True)
             return maps[0]
         if name == 'getitem' and isinstance(first, (tuple, list)):
             return first[args[1]]
@@ -585,18 +576,18 @@ class _Program:
             parts = args[0]
             dim = args[1] if len(args) > 1 else kwargs.get('dim', 0)
             if vecs or any(not isinstance(p, Map) for p in parts):
-                raise _Refuse('a concatenation of a map with a tensor off the label grid has no rule')
+                raise GraphRouteError('a concatenation of a map with a tensor off the label grid has no rule')
             x = parts[0]
             if len({(p.dims, p.ndim) for p in parts}) > 1:
-                raise _Refuse('a concatenation of maps in different layouts')
+                raise GraphRouteError('a concatenation of maps in different layouts')
             if dim % x.ndim in (0, *x.dims):
-                raise _Refuse('a concatenation along the batch or a spatial dim has no rule')
+                raise GraphRouteError('a concatenation along the batch or a spatial dim has no rule')
             return self._mean(parts)
         if len(maps) != 1 or vecs or not isinstance(first, Map):
-            raise _Refuse(f'{name} of several maps or vectors has no rule')
+            raise GraphRouteError(f'{name} of several maps or vectors has no rule')
         x = first
         if x.keep is not None and name not in POINTWISE:
-            raise _Refuse('a drop path output goes into an op that moves labels')
+            raise GraphRouteError('a drop path output goes into an op that moves labels')
         if name in POINTWISE:
             return x
         if name == 'getitem':
@@ -604,7 +595,7 @@ class _Program:
         if name in ('chunk', 'split', 'tensor_split', 'unbind'):
             dim = args[2] if len(args) > 2 else kwargs.get('dim', 0)
             if dim % x.ndim in (0, *x.dims) or name == 'unbind':
-                raise _Refuse(f'{name} along the batch or a spatial dim has no rule')
+                raise GraphRouteError(f'{name} along the batch or a spatial dim has no rule')
             n = len(node.meta['tensor_meta']) if isinstance(node.meta.get('tensor_meta'), (tuple, list)) else 0
             return tuple(x for _ in range(n))
         if name in ('permute', 'transpose', 'swapaxes', 'movedim'):
@@ -615,7 +606,7 @@ class _Program:
             at = 2 if name == 'norm' else 1  # (x.norm(p, dim))
             dims = args[at] if len(args) > at else kwargs.get('dim')
             if dims is None:
-                raise _Refuse(f'{name} over every dim has no rule')
+                raise GraphRouteError(f'{name} over every dim has no rule')
             dims = {d % x.ndim for d in ((dims,) if isinstance(dims, int) else dims)}
             if not dims & set(x.dims):
                 if name in ('max', 'min') and isinstance(node.meta.get('tensor_meta'), (tuple, list)):
@@ -623,7 +614,7 @@ class _Program:
                 return x
             if set(x.dims) <= dims and 0 not in dims:
                 return Vec(x.slot if name in ('mean', 'sum') else None)
-            raise _Refuse(f'{name} over {sorted(dims)} reduces part of the spatial dims')
+            raise GraphRouteError(f'{name} over {sorted(dims)} reduces part of the spatial dims')
         if name in ('adaptive_avg_pool2d', 'adaptive_max_pool2d'):
             size = args[1] if len(args) > 1 else kwargs.get('output_size')
             return self._adaptive(node, x, size, name == 'adaptive_avg_pool2d')
@@ -637,7 +628,7 @@ class _Program:
             pad = args[1] if len(args) > 1 else kwargs['pad']
             mode = args[2] if len(args) > 2 else kwargs.get('mode', 'constant')
             if mode not in ('reflect', 'replicate', 'circular') or len(pad) != 4 or x.dims != (x.ndim - 2, x.ndim - 1):
-                raise _Refuse(f'a {mode} padding of the grid adds cells that are no tokens: not traced')
+                raise GraphRouteError(f'a {mode} padding of the grid adds cells that are no tokens: not traced')
             return self._new(_Pad(tuple(pad), mode), [x.slot], dims=x.dims, ndim=x.ndim)
         if name == 'conv2d':
             return self._functional_conv(node, x, args, kwargs)
@@ -649,15 +640,15 @@ class _Program:
         if name in ('softmax', 'log_softmax', 'normalize'):
             dim = args[1] if len(args) > 1 else kwargs.get('dim', 1 if name == 'normalize' else None)
             if dim is None:
-                raise _Refuse(f'{name} without a dim')
+                raise GraphRouteError(f'{name} without a dim')
             return self._dims_free(x, [dim], name)
-        raise _Refuse(f'{name} has no Table 9 rule in the graph route')
+        raise GraphRouteError(f'{name} has no Table 9 rule in the graph route')
 
     def _mean(self, maps: List[Map]) -> Map:
         """A sum (Eq. 11) or a concatenation along channels (Norm of the sum): the mean of the parts' labels."""
         x = maps[0]
         if len({(m.dims, m.ndim) for m in maps}) > 1:
-            raise _Refuse('a sum of maps in different layouts')
+            raise GraphRouteError('a sum of maps in different layouts')
         if len({m.slot for m in maps}) == 1:
             return Map(x.slot, x.dims, x.ndim)
         return self._new(_MeanOp(), [(m.slot, m.keep) for m in maps], dims=x.dims, ndim=x.ndim)
@@ -668,7 +659,7 @@ class _Program:
         if src is not None and out is not None and len(out) == len(src) and out[0] == src[0]:
             if out[h] == src[h] and out[w] == src[w]:
                 return x
-        raise _Refuse(f'indexing {src} -> {out} selects positions or samples')
+        raise GraphRouteError(f'indexing {src} -> {out} selects positions or samples')
 
     def _permute(self, node, x: Map, args, name) -> Map:
         nd = x.ndim
@@ -685,7 +676,7 @@ class _Program:
         perm = [p % nd for p in perm]
         h, w = perm.index(x.dims[0]), perm.index(x.dims[1])
         if perm[0] != 0 or h > w:
-            raise _Refuse(f'{name} {perm} moves the batch dim or swaps rows and columns')
+            raise GraphRouteError(f'{name} {perm} moves the batch dim or swaps rows and columns')
         return Map(x.slot, (h, w), nd, x.keep)
 
     def _functional_conv(self, node, x: Map, args, kwargs) -> Map:
@@ -696,18 +687,16 @@ class _Program:
         kw.update(kwargs)
         weight = node.args[1] if len(node.args) > 1 else node.kwargs['weight']
         if x.dims != (2, 3) or x.ndim != 4:
-            raise _Refuse('a conv on a map not in (B, C, H, W) layout')
+            raise GraphRouteError('a conv on a map not in (B, C, H, W) layout')
         padding = kw.get('padding', 0)
         if isinstance(padding, str):
-            raise _Refuse(f'F.conv2d with padding={padding!r} is not traced')
+            raise GraphRouteError(f'F.conv2d with padding={padding!r} is not traced')
         shape = _shape(weight)
-        op = _Conv(
-            _constant(self.gm, weight),
-            tuple(shape[-2:]),
-            _pair(kw.get('stride', 1)),
-            _pair(padding),
-            _pair(kw.get('dilation', 1)),
-        )
+        stride, dilation = _pair(kw.get('stride', 1)), _pair(kw.get('dilation', 1))
+        return self._conv(_Conv(_constant(self.gm, weight), tuple(shape[-2:]), stride, _pair(padding), dilation), x)
+
+    def _conv(self, op: '_Conv', x: Map) -> Map:
+        """A conv's label op, where it moves labels (a stride-1 1x1 conv is channel mixing: the same labels)."""
         if op.kernel == (1, 1) and op.stride == (1, 1):
             return x
         return self._new(op, [x.slot], dims=x.dims, ndim=4)
@@ -721,7 +710,7 @@ class _Program:
         kw = dict(zip(names, args[1:]))
         kw.update(kwargs)
         if _pair(kw.get('dilation', 1)) != (1, 1) or kw.get('return_indices'):
-            raise _Refuse('dilated pooling or pooling indices have no rule')
+            raise GraphRouteError('dilated pooling or pooling indices have no rule')
         k = _pair(kw['kernel_size'])
         stride = kw.get('stride') or k
         op = _Pool(k, _pair(stride if stride != [] else k), _pair(kw.get('padding', 0)), bool(kw.get('ceil_mode')))
@@ -753,14 +742,14 @@ def _constant(gm: fx.GraphModule, node: fx.Node) -> Callable[[], torch.Tensor]:
     """A node computed from the model's parameters and buffers alone, as a function that computes it now (a graph
     of its ancestors, sharing the model's tensors)."""
     if not isinstance(node, fx.Node):
-        raise _Refuse('a conv whose kernel is no tensor of the graph')
+        raise GraphRouteError('a conv whose kernel is no tensor of the graph')
     needed, stack = set(), [node]
     while stack:
         n = stack.pop()
         if n in needed:
             continue
         if n.op == 'placeholder':
-            raise _Refuse('a conv whose kernel depends on the input (a dynamic kernel) has no Table 9 rule')
+            raise GraphRouteError('a conv whose kernel depends on the input (a dynamic kernel) has no Table 9 rule')
         needed.add(n)
         stack.extend(a for a in _leaves((n.args, n.kwargs)) if isinstance(a, fx.Node))
     graph, env = fx.Graph(), {}
