@@ -33,6 +33,7 @@ __all__ = [
     'hook_drop_path',
     'SdpaCapture',
     'SoftmaxCapture',
+    'sdpa_record',
 ]
 
 
@@ -52,13 +53,14 @@ class LabelCapture:
 class Captures(list):
     """One :class:`LabelCapture` per block (the blocks ``layers`` indexes, in order), and what the model's other
     parts left: ``grid``, the first token grid ``(H, W)`` (or the patch count of a model whose tokens are no grid
-    when the label path starts), and ``pool``, the weights of a learnt pooling the classifier reads (CCT's
-    SeqPool)."""
+    when the label path starts), ``pool``, the weights of a learnt pooling the classifier reads (CCT's
+    SeqPool), and ``attention``, the attention calls a whole-graph tracer reads (per watched module, in order)."""
 
     def __init__(self):
         super().__init__()
         self.grid = None
         self.pool = None
+        self.attention = None
 
 
 def check_captured(captures: List[LabelCapture], fields, why: str) -> None:
@@ -137,17 +139,22 @@ class SdpaCapture(_WatchingMode):
             self._record(*args, **kwargs)
         return func(*args, **kwargs)
 
-    def _record(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def _record(self, *args, **kwargs):
         cap = self.current
         if cap.q is not None:
             raise ValueError('model: an attention module called scaled_dot_product_attention twice; TL-Align reads one')
-        if is_causal:
-            raise ValueError('model: causal attention has no TL-Align rule')
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each key head serves a group of query heads
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        cap.q, cap.k = q.detach(), k.detach()
-        cap.mask = attn_mask.detach() if isinstance(attn_mask, torch.Tensor) else None
-        cap.scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        cap.q, cap.k, cap.mask, cap.scale = sdpa_record(*args, **kwargs)
+
+
+def sdpa_record(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``(q, k, mask, scale)`` of one ``scaled_dot_product_attention`` call, detached (a grouped-query call's keys
+    repeated for each query head of their group; ``mask`` the bias or mask, ``None`` where none)."""
+    if is_causal:
+        raise ValueError('model: causal attention has no TL-Align rule')
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each key head serves a group of query heads
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    mask = attn_mask.detach() if isinstance(attn_mask, torch.Tensor) else None
+    return q.detach(), k.detach(), mask, q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
 _SOFTMAX = (torch.Tensor.softmax, torch.softmax, F.softmax)

@@ -17,7 +17,7 @@ from timm_plugin.token_grid import tl_align_stride
 
 from ..timm_plugin.test_tl_align import C, random_token_labels
 from ..timm_plugin.test_tl_align_more import _adaptive_mean, _window_mean
-from .tl_align_checks import check_compact_equals_dense, mean_abs_stencil, stencil_loops
+from .tl_align_checks import check_compact_equals_dense, mean_abs_stencil, stencil_loops, window_mix
 
 
 def sym(conv):
@@ -166,6 +166,8 @@ FAMILIES = {
     'repvit_m0_9': 'a sum of a 3x3, a 1x1 and an identity branch',
     'vovnet39a': 'one-shot aggregation, ESE gates',
     'selecsls42': 'concatenations of the block outputs',
+    'visformer_tiny': 'attention on token rows (a softmax) after conv stages',
+    'nest_tiny': 'attention in nested blocks, block aggregation by conv and pooling',
 }
 
 
@@ -174,10 +176,11 @@ def test_a_label_program_keeps_labels_a_distribution_and_a_constant_map_constant
     """Every op of Table 9 averages labels: on any family the program's output is a distribution within the range
     of its inputs, a map where every token has the same label gives that label, and a varying map moves."""
     torch.manual_seed(0)
-    model = timm.create_model(name, num_classes=C).eval()
-    tracer = GraphTracer(model)
+    kw = {'img_size': 64} if name.startswith(('nest', 'visformer')) else {}  # (fixed-size models)
+    model = timm.create_model(name, num_classes=C, **kw).eval()
+    tracer = GraphTracer(model, input_size=(3, 64, 64) if kw else None)
     s = tracer.stride
-    side = 16 * s if s == 4 else 8 * s
+    side = 64 if kw else 16 * s if s == 4 else 8 * s
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 3, side, side, generator=g)
     out, caps = tracer.capture(lambda: model(x))
@@ -210,8 +213,8 @@ def meta(name, **kw):
         ('efficientnet_b0', {'global_pool': 'max'}, True, 'no pooled label'),
         ('inception_v3', {}, True, 'no token grid tiles the image'),
         ('nasnetalarge', {}, True, 'first single feature map at stride >= 2'),  # two-input cells: the map before
-        ('edgenext_small', {}, False, 'moves the spatial dims'),
-        ('botnet26t_256', {}, False, 'moves the spatial dims'),
+        ('edgenext_small', {}, False, 'normalize across token positions'),  # XCA: a softmax over channels
+        ('botnet26t_256', {}, False, 'attention weights combined with tokens other than as values'),  # rel logits
         ('tnt_s_patch16_224', {}, False, 'no single feature map at stride >= 4'),
     ],
 )
@@ -286,3 +289,95 @@ def test_a_standardised_convs_stencil_is_read_from_the_kernel_it_applies(kind):
     assert op.padding == 'same' and not torch.allclose(op.weight(), m.weight)
     Y = torch.rand(1, 2, 8, 8)
     assert torch.allclose(op(Y), conv_stencil_labels(Y, mean_abs_stencil(op.weight()).float(), pads, 2), atol=1e-6)
+
+
+# ---------------------------------------------------------------- attention in the graph route (MaxViT)
+
+
+def maxvit_probabilities(attn, x, bias):
+    """A MaxViT ``AttentionCl``'s head-mean attention, recomputed from its input ``(windows, ws, ws, C)`` by the
+    paper's formula: ``softmax(q kᵀ · scale + relative position bias)`` (``bias`` ``(heads, ws², ws²)`` as the
+    forward computed it: its MLP has dropout in training)."""
+    B = x.shape[0]
+    q, k, _ = attn.qkv(x).view(B, -1, attn.num_heads, attn.dim_head * 3).transpose(1, 2).chunk(3, dim=3)
+    s = (q.double() @ k.double().transpose(-2, -1)) * attn.scale + bias.double()
+    return s.softmax(-1).mean(1)  # (windows, ws², ws²)
+
+
+def maxvit_reference(model, Y, records):
+    """MaxViT by its blocks, from the first stage's first MBConv output (the first stride-4 map): per block an MBConv
+    (its depthwise conv's stencil, at a stage start stride 2 with the shortcut's 2x2 average pooling), then window
+    attention and grid attention (Eq. 9 on ``ws x ws`` windows, and on the grid whose token ``(a, b)`` of window
+    ``(p, q)`` is the cell ``(a · H/G + p, b · W/G + q)``), each a residual with its drop path (Eq. 11)."""
+
+    def mix(short, branch, drop_path):
+        keep = records.get(drop_path, torch.ones(len(Y), dtype=torch.bool))  # (the first drop paths are identities)
+        k = keep.view(-1, 1, 1, 1).double()
+        return (short + k * branch) / (1 + k)
+
+    Y = Y.double()  # (B, H, W, K)
+    first = True
+    for stage in model.stages:
+        for blk in stage.blocks:
+            conv = blk.conv
+            if not first:
+                stride = conv.conv2_kxk.stride[0]
+                short = _window_mean(Y.float(), 2, 2, 0).double() if stride == 2 else Y
+                branch = stencil_loops(Y, mean_abs_stencil(conv.conv2_kxk.weight), (1, 1, 1, 1), stride)
+                Y = mix(short, branch, conv.drop_path)
+            first = False
+            for part in (blk.attn_block, blk.attn_grid):
+                A = maxvit_probabilities(part.attn, records[part.attn], records[part.attn.rel_pos.bias_act])
+                ws = part.partition_size[0]
+                if part.partition_block:
+                    new = window_mix(Y, A, ws)
+                else:
+                    B, H, W, K = Y.shape
+                    gh, gw = H // ws, W // ws
+                    new = torch.zeros_like(Y)
+                    for b in range(B):
+                        for p in range(gh):
+                            for q in range(gw):
+                                win = b * gh * gw + p * gw + q
+                                cells = [(a * gh + p, c * gw + q) for a in range(ws) for c in range(ws)]
+                                for n, (i, j) in enumerate(cells):
+                                    for m, (r, c) in enumerate(cells):
+                                        new[b, i, j] += A[win, n, m] * Y[b, r, c]
+                Y = mix(Y, new, part.drop_path1)
+    return Y.mean((1, 2))
+
+
+@pytest.mark.parametrize('fused', [True, False])
+def test_maxvit_window_and_grid_attention_are_the_explicit_reference(fused):
+    """The graph route reads attention (Eq. 9) where a reshape takes a map's tokens into windows or a grid: on a
+    MaxViT training forward whose drop paths drop samples, through SDPA or a materialised softmax alike."""
+    from shared_core.capture import kept_samples
+
+    torch.manual_seed(0)
+    model = timm.create_model('maxvit_rmlp_pico_rw_256', num_classes=C, img_size=64, drop_path_rate=0.5).train()
+    for m in model.modules():
+        if hasattr(m, 'fused_attn'):
+            m.fused_attn = fused
+    tracer = GraphTracer(model, input_size=(3, 64, 64))
+    assert tracer.stride == 4 and len(tracer.program.watched) == 2 * sum(len(s.blocks) for s in model.stages)
+    records, handles = {}, []
+    for m in model.modules():
+        if type(m).__name__ == 'AttentionCl':
+            handles.append(m.register_forward_pre_hook(lambda m, a: records.__setitem__(m, a[0].detach())))
+            bias = m.rel_pos.bias_act
+            handles.append(bias.register_forward_hook(lambda m, i, o: records.__setitem__(m, o.detach())))
+        if isinstance(m, timm.layers.DropPath):
+            handles.append(m.register_forward_hook(lambda m, i, o: records.__setitem__(m, kept_samples(i[0], o))))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, 64, 64, generator=g)
+    Y = random_token_labels(4, 256, g)
+    torch.manual_seed(2)
+    out, caps = tracer.capture(lambda: model(x))
+    for h in handles:
+        h.remove()
+    assert sum(int((~k).sum()) for m, k in records.items() if isinstance(m, timm.layers.DropPath)) > 0
+    label = tracer.label_path(caps, out, Y)
+    with torch.no_grad():
+        want = maxvit_reference(model, Y.reshape(4, 16, 16, C), records)
+    assert (label - want).abs().max() < 1e-6
+    assert (label - Y.mean(1)).abs().max() > 1e-3

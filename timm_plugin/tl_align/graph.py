@@ -48,12 +48,28 @@ from timm.layers.padding import pad_same_arg
 from timm.layers.pool2d_same import AvgPool2dSame, MaxPool2dSame
 from timm.layers.std_conv import ScaledStdConv2dSame, StdConv2dSame
 from timm.models.vgg import ConvMlp
+from torch.fx.passes.shape_prop import ShapeProp
 
 from shared_core.capture import Captures
 from shared_core.tl_align import conv_pool_labels, conv_stencil_labels, residual_labels
 from shared_core.tracer import Tracer
 
 from ._blocks import kernel_stencil
+from ._graph_tokens import (
+    CODE,
+    Attend,
+    Probs,
+    Scores,
+    SiteMode,
+    Tok,
+    is_gather,
+    is_site,
+    map_code,
+    rechannel,
+    renumber,
+    site_node,
+)
+from ._graph_tokens import constant_along as _constant_along
 
 __all__ = ['GraphTracer', 'GraphRouteError', 'START_STRIDE']
 
@@ -135,6 +151,21 @@ _POINTWISE_MODULES = (
 )
 _ACTIVATION_MODULES = ('torch.nn.modules.activation', 'timm.layers.activations', 'timm.layers.activations_me')
 _NOT_POINTWISE = (nn.MultiheadAttention, nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d, nn.GLU)
+_MATMUL = frozenset('matmul bmm __matmul__'.split())
+#: ops that take a map's positions off its layout (its entries are followed as tokens)
+_TOKEN_OPS = _MATMUL | {'scaled_dot_product_attention', 'roll', 'stack'}
+#: layout ops, replayed on the code of tokens
+_REPLAYED = frozenset(
+    'view reshape flatten unflatten squeeze unsqueeze expand expand_as view_as reshape_as permute transpose swapaxes '
+    'movedim contiguous getitem chunk split tensor_split unbind roll narrow flip repeat pad Flatten Unflatten '
+    'cat concat concatenate stack'.split()
+)
+#: timm's functions that fx keeps whole (window partitions and reverses among them)
+_NOTRACE = frozenset(_fx.get_notrace_functions())
+
+
+class _OffTheGrid(Exception):
+    """A layout op that moves a map's positions off its layout: its entries are followed as tokens."""
 
 
 def _pair(v) -> Tuple[int, int]:
@@ -265,9 +296,21 @@ class _Tracer(fx.Tracer):
         return isinstance(m, self.leaves) or super().is_leaf_module(m, qualname)
 
 
+class _Shapes(ShapeProp):
+    """fx's shape propagation, keeping the values of the nodes that compute sizes (``node.meta['value']``): the
+    arguments a layout op is replayed with."""
+
+    def run_node(self, n):
+        result = super().run_node(n)
+        if isinstance(result, (int, torch.Size)) or (
+            isinstance(result, (tuple, list)) and all(isinstance(v, int) for v in result)
+        ):
+            n.meta['value'] = tuple(result) if isinstance(result, torch.Size) else result
+        return result
+
+
 def _trace(model: nn.Module, input_size) -> fx.GraphModule:
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.shape_prop import ShapeProp
 
     for inline in (True, False):  # a model block fx cannot read inside: kept whole, as timm's feature extraction
         tracer = _Tracer(inline_models=inline)
@@ -283,7 +326,7 @@ def _trace(model: nn.Module, input_size) -> fx.GraphModule:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     device = next((p.device for p in model.parameters()), torch.device('cpu'))
     try:
-        ShapeProp(gm, fake_mode=mode).propagate(mode.from_tensor(torch.empty(2, *input_size, device=device)))
+        _Shapes(gm, fake_mode=mode).propagate(mode.from_tensor(torch.empty(2, *input_size, device=device)))
     except Exception as e:
         raise GraphRouteError(
             f'its graph does not run on a {tuple(input_size)} fake batch ({type(e).__name__}: {str(e)[:200]})'
@@ -338,9 +381,17 @@ class _Program:
         self.slots = 1
         self.drop_paths: List[nn.Module] = []
         self.start, start_dims, self.stride = self._start(gm, input_size)
+        shape = _shape(self.start)
+        self.grids: Dict[int, Tuple[int, int]] = {0: (shape[start_dims[0]], shape[start_dims[1]])}
+        self.attends: List[Tuple[fx.Node, Attend]] = []
         env: Dict[fx.Node, Any] = {}
+        nodes = list(gm.graph.nodes)
+        last = {a: i for i, n in enumerate(nodes) for a in _leaves((n.args, n.kwargs)) if isinstance(a, fx.Node)}
+        ends: Dict[int, list] = {}
+        for a, i in last.items():
+            ends.setdefault(i, []).append(a)
         out = None
-        for node in gm.graph.nodes:
+        for i, node in enumerate(nodes):
             if node.op == 'placeholder':
                 env[node] = PRE if not any(v is PRE for v in env.values()) else None
             elif node.op == 'get_attr':
@@ -348,12 +399,19 @@ class _Program:
             elif node.op == 'output':
                 out = fx.node.map_aggregate(node.args[0], lambda n: env[n] if isinstance(n, fx.Node) else None)
             elif node is self.start:
-                env[node] = Map(0, start_dims, len(_shape(node)))
+                env[node] = Map(0, start_dims, len(shape))
             else:
                 try:
-                    env[node] = self._node(node, env)
+                    env[node] = value = self._node(node, env)
                 except GraphRouteError as e:
                     raise GraphRouteError(f'{_where(node)}: {e}', e.decided) from None
+                if isinstance(value, Map) and value.slot not in self.grids:
+                    at = _shape(node)
+                    self.grids[value.slot] = (at[value.dims[0]], at[value.dims[1]])
+            for a in ends.get(i, ()):  # the codes of token tensors no later node reads
+                if any(isinstance(v, (Tok, Scores)) for v in _leaves(env.get(a))):
+                    env[a] = None
+        self._sites()
         if not isinstance(out, Vec) or out.slot is None:
             what = 'a map' if isinstance(out, Map) else 'no pooled label' if isinstance(out, Vec) else repr(out)
             raise GraphRouteError(
@@ -362,6 +420,32 @@ class _Program:
                 decided=isinstance(out, Vec),
             )
         self.readout = out.slot
+
+    def _sites(self) -> None:
+        """The record each attention reads: the modules the token path's record watches (the innermost module of
+        each attention the labels go through), and for each attention its module and call number there, counting
+        every softmax and attention call the module makes (:class:`~._graph_tokens.SiteMode` records them all)."""
+        self.watched: List[str] = []
+        for node, _ in self.attends:
+            path = site_node(node)
+            if path is None:
+                raise GraphRouteError(f'{_where(node)}: an attention outside any module: its call is not recorded')
+            if path not in self.watched:
+                self.watched.append(path)
+        index = {p: i for i, p in enumerate(self.watched)}
+        calls = [0] * len(self.watched)
+        number = {}
+        for node in self.gm.graph.nodes:
+            if not is_site(node, (nn.Softmax,)):
+                continue
+            stack = [v[0] for v in (node.meta.get('nn_module_stack') or {}).values()]
+            owner = next((index[p] for p in reversed(stack) if p in index), None)
+            if owner is not None:
+                number[node] = (owner, calls[owner])
+                calls[owner] += 1
+        self.calls = calls
+        for node, op in self.attends:
+            op.site = number[node]
 
     # ------------------------------------------------------------------ the start
 
@@ -439,6 +523,11 @@ class _Program:
         flat = [k for v in kinds for k in (_leaves(v) if isinstance(v, (tuple, list)) else [v])]
         maps = [k for k in flat if isinstance(k, Map)]
         vecs = [k for k in flat if isinstance(k, Vec)]
+        name = node.target if isinstance(node.target, str) else getattr(node.target, '__name__', '')
+        if any(isinstance(k, (Tok, Scores)) for k in flat) or (maps and name in _TOKEN_OPS):
+            if any(k is PRE for k in flat) or vecs:
+                raise GraphRouteError('joins tokens to a tensor off the label grid (a pooled vector, the stem)')
+            return self._tokens(node, name, env)
         if any(k is PRE for k in flat):
             if maps or vecs:
                 raise GraphRouteError(
@@ -450,10 +539,12 @@ class _Program:
         if not maps:  # any op on pooled vectors alone: the label of the one it reads, if one
             labelled = {v.slot for v in vecs}
             return Vec(labelled.pop() if len(labelled) == 1 else None)
-        if node.op == 'call_module':
-            return self._module(node, node.graph.owning_module.get_submodule(node.target), maps, vecs)
-        name = node.target if isinstance(node.target, str) else getattr(node.target, '__name__', '')
-        return self._function(node, node.target, name, args, kwargs, maps, vecs)
+        try:
+            if node.op == 'call_module':
+                return self._module(node, node.graph.owning_module.get_submodule(node.target), maps, vecs)
+            return self._function(node, node.target, name, args, kwargs, maps, vecs)
+        except _OffTheGrid:  # a layout op that moves a map's positions: its entries are followed as tokens
+            return self._tokens(node, name, env)
 
     def _module(self, node, m: nn.Module, maps, vecs) -> Any:
         if len(maps) != 1 or vecs:
@@ -535,9 +626,7 @@ class _Program:
                         return Map(x.slot, (i, i + 1), len(out), x.keep)
             if src[h] == 1 and src[w] == 1:  # a 1x1 map flattened: its one label is its mean
                 return Vec(x.slot)
-        raise GraphRouteError(
-            f'a reshape {src} -> {out} moves the spatial dims (tokens as rows: attention or token MLP)'
-        )
+        raise _OffTheGrid()
 
     def _function(self, node, target, name, args, kwargs, maps, vecs) -> Any:
         first = args[0] if args else None
@@ -595,7 +684,7 @@ class _Program:
         if name in ('chunk', 'split', 'tensor_split', 'unbind'):
             dim = args[2] if len(args) > 2 else kwargs.get('dim', 0)
             if dim % x.ndim in (0, *x.dims) or name == 'unbind':
-                raise GraphRouteError(f'{name} along the batch or a spatial dim has no rule')
+                raise _OffTheGrid()
             n = len(node.meta['tensor_meta']) if isinstance(node.meta.get('tensor_meta'), (tuple, list)) else 0
             return tuple(x for _ in range(n))
         if name in ('permute', 'transpose', 'swapaxes', 'movedim'):
@@ -642,6 +731,8 @@ class _Program:
             if dim is None:
                 raise GraphRouteError(f'{name} without a dim')
             return self._dims_free(x, [dim], name)
+        if target in _NOTRACE:
+            raise _OffTheGrid()
         raise GraphRouteError(f'{name} has no Table 9 rule in the graph route')
 
     def _mean(self, maps: List[Map]) -> Map:
@@ -659,7 +750,7 @@ class _Program:
         if src is not None and out is not None and len(out) == len(src) and out[0] == src[0]:
             if out[h] == src[h] and out[w] == src[w]:
                 return x
-        raise GraphRouteError(f'indexing {src} -> {out} selects positions or samples')
+        raise _OffTheGrid()
 
     def _permute(self, node, x: Map, args, name) -> Map:
         nd = x.ndim
@@ -676,7 +767,7 @@ class _Program:
         perm = [p % nd for p in perm]
         h, w = perm.index(x.dims[0]), perm.index(x.dims[1])
         if perm[0] != 0 or h > w:
-            raise GraphRouteError(f'{name} {perm} moves the batch dim or swaps rows and columns')
+            raise _OffTheGrid()
         return Map(x.slot, (h, w), nd, x.keep)
 
     def _functional_conv(self, node, x: Map, args, kwargs) -> Map:
@@ -716,17 +807,377 @@ class _Program:
         op = _Pool(k, _pair(stride if stride != [] else k), _pair(kw.get('padding', 0)), bool(kw.get('ceil_mode')))
         return self._new(op, [x.slot], dims=x.dims, ndim=x.ndim)
 
+    # ------------------------------------------------------------------ tokens
+
+    def _slot(self, fn, ins, grid) -> int:
+        slot = self.slots
+        self.slots += 1
+        self.ops.append((fn, ins, slot))
+        self.grids[slot] = tuple(grid)
+        return slot
+
+    def _cells(self, slot: int) -> int:
+        h, w = self.grids[slot]
+        return h * w
+
+    def _tok_of(self, node, v):
+        """A labelled value as tokens (a map's code from its layout); any other value as it is."""
+        if isinstance(v, Map):
+            return Tok(v.slot, map_code(_shape(node), v.dims, self._cells(v.slot), self.grids[v.slot]), v.keep)
+        return v
+
+    def _settle(self, t):
+        """Tokens back on a map where their code is a map's layout (the batch first, then the rows and columns of
+        their grid next to each other, every other dim a channel dim); else the tokens."""
+        if not isinstance(t, Tok):
+            return t
+        shape, (gh, gw) = t.code.shape, self.grids[t.slot]
+        if len(shape) < 3 or shape[0] != 2:
+            return t
+        for h in range(1, len(shape) - 1):
+            if shape[h] == gh and shape[h + 1] == gw:
+                code = map_code(shape, (h, h + 1), gh * gw, (gh, gw))
+                if torch.equal(t.pos, code // CODE):
+                    return Map(t.slot, (h, h + 1), len(shape), t.keep)
+        return t
+
+    def _tokens(self, node, name, env) -> Any:
+        """One op on tokens (or on a map whose positions it moves): layout ops follow the code, Eq. 9 at an
+        attention, Eq. 11 at a sum, the labels unchanged where the op is per token."""
+        target = node.target
+
+        def labelled(n):
+            return self._tok_of(n, env[n]) if isinstance(n, fx.Node) else n
+
+        args = fx.node.map_aggregate(node.args, labelled)
+        kwargs = fx.node.map_aggregate(node.kwargs, labelled)
+        flat = _leaves((args, kwargs))
+        toks = [v for v in flat if isinstance(v, Tok)]
+        scores = [v for v in flat if isinstance(v, Scores)]
+        out = _shape(node)
+        if node.op == 'call_module':
+            m = node.graph.owning_module.get_submodule(target)
+            return self._token_module(node, m, args, toks, scores, out, env)
+        first = args[0] if args else None
+        if target is getattr or name in ('size', 'dim'):
+            return None
+        if name == 'getitem' and isinstance(first, (tuple, list)):
+            return first[args[1]]
+        if scores:
+            return self._scores(node, name, args, kwargs, toks, scores, out)
+        if name in _MATMUL:
+            return self._matmul(node, args, out)
+        if name == 'scaled_dot_product_attention':
+            return self._sdpa(node, args, kwargs, out)
+        if any(t.keep is not None for t in toks) and name not in POINTWISE and target not in _ADD and name not in _ADD:
+            raise GraphRouteError('a drop path output goes into an op that moves labels')
+        if target in _ADD or name in _ADD:
+            return self._token_sum(toks, out)
+        if target in _SUB or name in _SUB or target in _MUL or name in _MUL or target in _DIV or name in _DIV:
+            if len({t.slot for t in toks}) > 1:
+                raise GraphRouteError(
+                    'a product or difference of tokens with different labels: neither an attention (Eq. 9) nor a '
+                    'fixed mixer (Table 9)',
+                    decided=True,
+                )
+            return self._same(toks, out)
+        if name in POINTWISE or name in _SAME_LABELS:
+            return self._same(toks, out)
+        if name in _REDUCE and len(toks) == 1:
+            return self._token_reduce(node, name, args, kwargs, toks[0])
+        if name == 'linear':
+            return self._per_token(toks, [-1], out, 'a linear layer')
+        if name == 'layer_norm':
+            shape = args[1] if len(args) > 1 else kwargs['normalized_shape']
+            return self._per_token(toks, range(-len(shape), 0), out, 'a layer norm')
+        if name in ('softmax', 'log_softmax', 'normalize'):
+            dim = args[1] if len(args) > 1 else kwargs.get('dim', 1 if name == 'normalize' else None)
+            return self._per_token(toks, [dim], out, name)
+        if name in ('cat', 'concat', 'concatenate', 'stack'):
+            return self._token_cat(node, name, args, kwargs, env)
+        if name in _REPLAYED or target in _NOTRACE:
+            return self._replay(node, name, env, check=name not in _REPLAYED)
+        raise GraphRouteError(f'{name} on tokens has no Table 9 rule in the graph route')
+
+    def _token_module(self, node, m, args, toks, scores, out, env) -> Any:
+        if scores:
+            (s,) = scores
+            if isinstance(m, nn.Softmax) and not isinstance(s, Probs) and m.dim is not None:
+                return self._softmax(node, s, m.dim)
+            if isinstance(m, _POINTWISE_MODULES) or type(m).__module__ in _ACTIVATION_MODULES:
+                return s
+            raise GraphRouteError(f'a {type(m).__name__} on attention weights has no rule')
+        if len(toks) != 1:
+            raise GraphRouteError(f'a {type(m).__name__} of several inputs has no rule')
+        (t,) = toks
+        if isinstance(m, DropPath):
+            if m in self.drop_paths:
+                raise GraphRouteError('a drop path called twice (its kept samples are read at one call)')
+            self.drop_paths.append(m)
+            return Tok(t.slot, t.code, keep=len(self.drop_paths) - 1)
+        if t.keep is not None and not isinstance(m, _POINTWISE_MODULES):
+            raise GraphRouteError('a drop path output goes into an op that moves labels')
+        if isinstance(m, _POINTWISE_MODULES) or (
+            type(m).__module__ in _ACTIVATION_MODULES and not isinstance(m, _NOT_POINTWISE)
+        ):
+            return self._same(toks, out)
+        if isinstance(m, nn.Linear):
+            return self._per_token(toks, [-1], out, 'a Linear')
+        if isinstance(m, nn.LayerNorm):
+            return self._per_token(toks, range(-len(m.normalized_shape), 0), out, 'a LayerNorm')
+        if isinstance(m, (nn.Flatten, nn.Unflatten)):
+            return self._replay(node, type(m).__name__, env, check=False)
+        raise GraphRouteError(f'{type(m).__module__}.{type(m).__name__} on tokens has no rule in the graph route')
+
+    def _same(self, toks, out) -> Tok:
+        """A point-wise op of tokens of one label map at the same positions: the same labels."""
+        t = toks[0]
+        try:
+            codes = [u.code.expand(out) for u in toks]
+        except RuntimeError:
+            raise GraphRouteError('a point-wise op of tokens that changes their shape has no rule') from None
+        if len({u.slot for u in toks}) > 1 or any(not torch.equal(c // CODE, codes[0] // CODE) for c in codes):
+            raise GraphRouteError('a point-wise op of tokens at different positions has no rule')
+        return self._settle(Tok(t.slot, codes[0].contiguous() if t.code.shape != out else t.code, t.keep))
+
+    def _per_token(self, toks, dims, out, what) -> Tok:
+        """An op over the channel dims ``dims`` alone (a linear layer, a norm): the same labels."""
+        (t,) = toks
+        dims = [d % t.code.ndim for d in dims if d is not None]
+        if len(dims) == 0 or not _constant_along(t.pos, dims):
+            raise GraphRouteError(f'{what} across token positions mixes tokens without a rule')
+        code = t.code
+        if tuple(code.shape) != tuple(out):
+            if len(dims) != 1 or len(out) != code.ndim:
+                raise GraphRouteError(f'{what} that changes the shape of tokens has no rule')
+            code = rechannel(code, dims[0], out[dims[0]])
+        return self._settle(Tok(t.slot, code, t.keep))
+
+    def _token_sum(self, toks, out) -> Any:
+        """A sum of tokens: the same labels where one map's; Eq. 11 (the mean of the summands' labels, a dropped
+        branch not counting) where several maps' at the same positions."""
+        if len({t.slot for t in toks}) == 1:
+            return self._same(toks, out)
+        codes = torch.broadcast_tensors(*(t.code for t in toks))
+        if any(not torch.equal(c // CODE, codes[0] // CODE) for c in codes):
+            raise GraphRouteError('a sum of tokens at different positions has no rule')
+        if len({self.grids[t.slot] for t in toks}) > 1:
+            raise GraphRouteError('a sum of tokens on different grids has no rule')
+        slot = self._slot(_MeanOp(), [(t.slot, t.keep) for t in toks], self.grids[toks[0].slot])
+        return self._settle(Tok(slot, codes[0].contiguous()))
+
+    def _replay(self, node, name, env, check: bool) -> Any:
+        """A layout op: the same op on the code (``check``: a function whose semantics are not known must move
+        entries alone, :func:`~._graph_tokens.is_gather`)."""
+        slots = set()
+
+        def concrete(n):
+            if not isinstance(n, fx.Node):
+                return n
+            v = self._tok_of(n, env[n])
+            if isinstance(v, Tok):
+                if v.keep is not None:
+                    raise GraphRouteError('a drop path output goes into an op that moves labels')
+                slots.add(v.slot)
+                return v.code
+            if 'value' in n.meta:
+                return n.meta['value']
+            raise GraphRouteError(f'{name} of tokens and a tensor off the label grid has no rule')
+
+        args = fx.node.map_aggregate(node.args, concrete)
+        kwargs = fx.node.map_aggregate(node.kwargs, concrete)
+        if len(slots) != 1:
+            raise GraphRouteError(f'{name} of tokens of several label maps has no rule')
+        if name == 'pad' and (
+            (args[2] if len(args) > 2 else kwargs.get('mode', 'constant')) != 'constant'
+            or ((args[3] if len(args) > 3 else kwargs.get('value', 0)) not in (0, 0.0, None))
+        ):
+            raise GraphRouteError('a padding of tokens other than by zeros has no rule')
+        if node.op == 'call_method':
+            fn = getattr(torch.Tensor, node.target)
+        elif node.op == 'call_module':
+            fn = node.graph.owning_module.get_submodule(node.target)
+        else:
+            fn = node.target
+        if check and not is_gather(fn, *args, **kwargs):
+            raise GraphRouteError(f'{name} on tokens is no layout op (it computes new values): no rule')
+        result = fn(*args, **kwargs)
+        (slot,) = slots
+        return fx.node.map_aggregate(
+            result, lambda r: self._settle(Tok(slot, r.contiguous())) if isinstance(r, torch.Tensor) else r
+        )
+
+    def _token_cat(self, node, name, args, kwargs, env) -> Any:
+        """A concatenation of tokens: of one map's, their layout; along a channel dim of several maps' tokens at
+        the same positions, the mean of their labels (as a map's concatenation)."""
+        parts = args[0]
+        if any(not isinstance(p, Tok) for p in parts):
+            raise GraphRouteError(f'{name} of tokens with a tensor off the label grid (a class token) has no rule')
+        if len({p.slot for p in parts}) == 1:
+            return self._replay(node, name, env, check=False)
+        dim = args[1] if len(args) > 1 else kwargs.get('dim', 0)
+        nd = parts[0].code.ndim
+        if name == 'stack' or not all(_constant_along(p.pos, [dim % nd]) for p in parts):
+            raise GraphRouteError(f'{name} of tokens of several label maps along their positions has no rule')
+        first = [p.pos.narrow(dim % nd, 0, 1) for p in parts]
+        if any(not torch.equal(f, first[0]) for f in first):
+            raise GraphRouteError(f'{name} of tokens at different positions has no rule')
+        slot = self._slot(_MeanOp(), [(p.slot, p.keep) for p in parts], self.grids[parts[0].slot])
+        code = torch.cat([p.code for p in parts], dim)
+        return self._settle(Tok(slot, renumber(code)))
+
+    def _token_reduce(self, node, name, args, kwargs, t: Tok) -> Any:
+        """A reduction of tokens: over channel dims, the same labels; over every position of the grid (a global
+        pooling of token rows), the mean label (``mean`` / ``sum``; a max has none)."""
+        nd = t.code.ndim
+        dims = args[1] if len(args) > 1 else kwargs.get('dim')
+        if dims is None:
+            raise GraphRouteError(f'{name} over every dim has no rule')
+        dims = sorted({d % nd for d in ((dims,) if isinstance(dims, int) else dims)})
+        keepdim = bool(args[2] if len(args) > 2 else kwargs.get('keepdim', False))
+        pos = t.pos
+        if _constant_along(pos, dims):
+            code = t.code
+            for d in reversed(dims):
+                code = code.narrow(d, 0, 1) if keepdim else code.select(d, 0)
+            return self._settle(Tok(t.slot, code.contiguous(), t.keep))
+        rest = [d for d in range(nd) if d not in dims]
+        rows = pos.permute(*rest, *dims).reshape(*[pos.shape[d] for d in rest], -1)
+        cells = self._cells(t.slot)
+        if 0 in dims or (rows == 0).any():
+            raise GraphRouteError(f'{name} over the batch or over padded tokens has no rule')
+        flat = rows.reshape(-1, rows.shape[-1])
+        b = (flat - 1) // cells
+        counts = torch.zeros(flat.shape[0], cells, dtype=torch.long, device='cpu').scatter_add_(
+            1, (flat - 1) % cells, torch.ones_like(flat)
+        )
+        if bool((b != b[:, :1]).any()) or bool((counts != counts[:, :1]).any()):
+            raise GraphRouteError(f'{name} over part of the token positions has no rule')
+        return Vec(t.slot if name in ('mean', 'sum') else None)
+
+    def _matmul(self, node, args, out) -> Any:
+        a, b = args[0], args[1]
+        if isinstance(a, Tok) and isinstance(b, Tok):
+            if a.keep is not None or b.keep is not None:
+                raise GraphRouteError('a drop path output goes into an op that moves labels')
+            if not (_constant_along(a.pos, [a.code.ndim - 1]) and _constant_along(b.pos, [b.code.ndim - 2])):
+                raise GraphRouteError('a product of tokens over their positions (no attention logits) has no rule')
+            lead = tuple(out[:-2])
+            q = a.pos[..., 0].expand(*lead, out[-2])
+            k = b.pos[..., 0, :].expand(*lead, out[-1])
+            return Scores(q, k, a.slot, b.slot)
+        if isinstance(a, Tok):
+            return self._per_token([a], [-1], out, 'a matrix product over channels')
+        raise GraphRouteError('a fixed matrix over tokens (a token MLP) has no rule in the graph route')
+
+    def _softmax(self, node, s: Scores, dim) -> Probs:
+        if dim is None or dim % (s.q.ndim + 1) != s.q.ndim:
+            raise GraphRouteError('a softmax of attention logits over the queries has no rule')
+        return Probs(s.q, s.k, s.qslot, s.kslot, site=node)
+
+    def _scores(self, node, name, args, kwargs, toks, scores, out) -> Any:
+        """Attention logits and probabilities: scaled, biased and masked logits stay logits; their softmax over
+        the keys is the probabilities; the probabilities times the values' tokens are Eq. 9."""
+        (s,) = scores
+        probs = isinstance(s, Probs)
+        if name in _MATMUL and probs and args[0] is s and isinstance(args[1], Tok) and not toks[1:]:
+            v = args[1]
+            if not _constant_along(v.pos, [v.code.ndim - 1]):
+                raise GraphRouteError('attention weights times tokens over their channels has no rule')
+            return self._attend(s.site, s.q, s.k, s.qslot, s.kslot, v, out)
+        if toks:
+            raise GraphRouteError('attention weights combined with tokens other than as values have no rule')
+        if name in POINTWISE:
+            return s
+        if name in ('softmax',) and not probs:
+            return self._softmax(node, s, args[1] if len(args) > 1 else kwargs.get('dim'))
+        if not probs and (
+            node.target in _ADD
+            or name in _ADD
+            or node.target in _MUL
+            or name in _MUL
+            or node.target in _DIV
+            or name in _DIV
+            or node.target in _SUB
+            or name in _SUB
+            or name in ('masked_fill', 'masked_fill_')
+        ):
+            if tuple(out) != tuple(s.q.shape[:-1]) + (s.q.shape[-1], s.k.shape[-1]):
+                raise GraphRouteError('attention logits broadcast to another shape have no rule')
+            return s  # a scale, a position bias, a mask
+        raise GraphRouteError(f'{name} on attention {"probabilities" if probs else "logits"} has no rule')
+
+    def _sdpa(self, node, args, kwargs, out) -> Any:
+        names = ('query', 'key', 'value', 'attn_mask', 'dropout_p', 'is_causal', 'scale', 'enable_gqa')
+        kw = dict(zip(names, args))
+        kw.update(kwargs)
+        q, k, v = kw['query'], kw['key'], kw['value']
+        if kw.get('is_causal'):
+            raise GraphRouteError('causal attention has no rule', decided=True)
+        if not all(isinstance(t, Tok) for t in (q, k, v)) or isinstance(kw.get('attn_mask'), (Tok, Scores)):
+            raise GraphRouteError('an attention of tokens with a tensor off the label grid has no rule')
+        if not all(_constant_along(t.pos, [t.code.ndim - 1]) for t in (q, k, v)):
+            raise GraphRouteError('an attention whose head dim holds token positions has no rule')
+        lead = tuple(out[:-2])
+        if k.code.shape[:-2] != q.code.shape[:-2]:
+            raise GraphRouteError('an attention with grouped or broadcast keys has no rule in the graph route')
+        return self._attend(node, q.pos[..., 0].expand(*lead, out[-2]), k.pos[..., 0], q.slot, k.slot, v, out)
+
+    def _attend(self, site, q, k, qslot, kslot, v: Tok, out) -> Tok:
+        """Eq. 9: a label op that applies the recorded probabilities to the keys' labels, per query cell the mean
+        over heads (and over the windows that hold the cell, where several do)."""
+        if v.slot != kslot:
+            raise GraphRouteError('an attention whose keys and values carry different labels has no rule')
+        if any(t.keep is not None for t in (v,)):
+            raise GraphRouteError('a drop path output goes into an op that moves labels')
+        vk = v.pos[..., 0]
+        try:
+            kk, vk = torch.broadcast_tensors(k, vk)
+        except RuntimeError:
+            raise GraphRouteError('an attention whose values are not its keys has no rule') from None
+        if not torch.equal(kk, vk):
+            raise GraphRouteError('an attention whose values sit at other positions than its keys has no rule')
+        if bool((q == 0).any()) or bool((k == 0).any()):
+            raise GraphRouteError('an attention over padded cells (no tokens) has no rule')
+        qcells, kcells = self._cells(qslot), self._cells(kslot)
+        for t, cells in ((q, qcells), (kk, kcells)):
+            n = t.shape[0]
+            view = [n] + [1] * (t.ndim - 1)
+            if n % 2 or not torch.equal(
+                (t - 1) // cells, (torch.arange(n, device='cpu') // (n // 2)).view(view).expand_as(t)
+            ):
+                raise GraphRouteError('an attention whose first dim is not the samples (then windows) has no rule')
+        counts = torch.bincount(((q[: q.shape[0] // 2] - 1) % qcells).reshape(-1), minlength=qcells)
+        if int(counts.min()) == 0 or int(counts.min()) != int(counts.max()):
+            raise GraphRouteError('an attention whose queries cover part of the grid (or some cells twice) has no rule')
+        op = Attend(q, kk.expand(*q.shape[:-1], kk.shape[-1]), qcells, kcells, self.grids[qslot], _where(site))
+        slot = self._slot(op, [kslot], self.grids[qslot])
+        self.attends.append((site, op))
+        code = q[..., None] * CODE + v.chan[..., :1, :]
+        return self._settle(Tok(slot, code.expand(out).contiguous()))
+
     # ------------------------------------------------------------------ running it
 
-    def run(self, Y0: torch.Tensor, keeps: Sequence[Optional[torch.Tensor]], observe=None) -> torch.Tensor:
-        """The ``(B, K, H, W)`` initial labels through the program; the readout map. ``observe(map)``: the last map
-        on each grid before the first op that leaves it (a stage's end), then the readout map."""
+    def run(
+        self, Y0: torch.Tensor, keeps: Sequence[Optional[torch.Tensor]], records: Sequence[list] = (), observe=None
+    ) -> torch.Tensor:
+        """The ``(B, K, H, W)`` initial labels through the program; the readout map. ``records``: per watched module,
+        the softmax and attention calls it made in the forward (:class:`~._graph_tokens.SiteMode`). ``observe(map)``:
+        the last map on each grid before the first op that leaves it (a stage's end), then the readout map."""
+        for path, want, got in zip(self.watched, self.calls, records):
+            if len(got) != want:
+                raise ValueError(
+                    f'model: {path} made {len(got)} softmax or attention calls in this forward; the graph route read '
+                    f'{want} (a module called twice, or a forward that differs from the traced one)'
+                )
         maps: List[Optional[torch.Tensor]] = [None] * self.slots
         maps[0] = Y0
         seen = set()
         for fn, ins, out in self.ops:
             if isinstance(fn, _MeanOp):
                 maps[out] = fn([(maps[s], None if k is None else keeps[k]) for s, k in ins])
+            elif isinstance(fn, Attend):
+                maps[out] = fn(maps[ins[0]], records[fn.site[0]][fn.site[1]])
             else:
                 maps[out] = fn(*(maps[s] for s in ins))
                 grid = maps[ins[0]].shape[-2:]
@@ -809,7 +1260,7 @@ class GraphTracer(Tracer):
 
     layout = 'map'
     attends = False
-    why_no_attention = 'its tokens are mixed by convolutions and pooling (the graph route)'
+    why_no_attention = 'the graph route reads no class-token attention in a last block (it reads a global pooling)'
     grid_module = 'the model'
     whole_graph = True
 
@@ -844,12 +1295,20 @@ class GraphTracer(Tracer):
             captures.grid = (H // s, W // s)
 
         handles.append(self.model.register_forward_pre_hook(grid))
+        captures.attention = [[] for _ in self.program.watched]
+        if self.program.watched:
+            mode = SiteMode(captures.attention)
+            for i, path in enumerate(self.program.watched):
+                mode.watch(self.model.get_submodule(path), i, handles)
+            handles.append(mode)
 
     def propagate(self, captures, labels, layers=None, residual=True, observe=None):
         if layers is not None or not residual:
             raise ValueError('layers / residual: the graph route runs the whole graph; it has no blocks to pick')
         states = []
-        Y = self.program.run(self.to_layout(labels, captures), [c.keep for c in captures], observe and states.append)
+        Y = self.program.run(
+            self.to_layout(labels, captures), [c.keep for c in captures], captures.attention, observe and states.append
+        )
         for i, state in enumerate(states):  # (after the run: the maps are final by then)
             observe(i, self.to_rows(state).clone(), tuple(state.shape[-2:]))
         return self.to_rows(Y)
