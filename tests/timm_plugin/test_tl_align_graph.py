@@ -17,7 +17,7 @@ from timm_plugin.token_grid import tl_align_stride
 
 from ..timm_plugin.test_tl_align import C, random_token_labels
 from ..timm_plugin.test_tl_align_more import _adaptive_mean, _window_mean
-from .tl_align_checks import check_compact_equals_dense, mean_abs_stencil, stencil_loops, window_mix
+from .tl_align_checks import check_compact_equals_dense, grid_mix, mean_abs_stencil, stencil_loops, window_mix
 
 
 def sym(conv):
@@ -332,17 +332,7 @@ def maxvit_reference(model, Y, records):
                 if part.partition_block:
                     new = window_mix(Y, A, ws)
                 else:
-                    B, H, W, K = Y.shape
-                    gh, gw = H // ws, W // ws
-                    new = torch.zeros_like(Y)
-                    for b in range(B):
-                        for p in range(gh):
-                            for q in range(gw):
-                                win = b * gh * gw + p * gw + q
-                                cells = [(a * gh + p, c * gw + q) for a in range(ws) for c in range(ws)]
-                                for n, (i, j) in enumerate(cells):
-                                    for m, (r, c) in enumerate(cells):
-                                        new[b, i, j] += A[win, n, m] * Y[b, r, c]
+                    new = grid_mix(Y, A, ws)
                 Y = mix(Y, new, part.drop_path1)
     return Y.mean((1, 2))
 

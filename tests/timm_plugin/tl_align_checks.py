@@ -52,6 +52,26 @@ def window_mix(Y, A, ws: int, shift: int = 0):
     return new
 
 
+def grid_mix(Y, A, G: int):
+    """Eq. 9 by loops on a ``(B, H, W, K)`` label map split by MaxViT's grid partition (``G x G`` tokens per window,
+    strided across the map): token ``(a, b)`` of window ``(p, q)`` is the cell ``(a · H/G + p, b · W/G + q)``;
+    ``A`` ``(B · windows, G², G²)`` the head-mean attention, windows in row-major order per sample."""
+    import torch
+
+    B, H, W, _ = Y.shape
+    gh, gw = H // G, W // G
+    new = torch.zeros_like(Y)
+    for b in range(B):
+        for p in range(gh):
+            for q in range(gw):
+                win = b * gh * gw + p * gw + q
+                cells = [(a * gh + p, c * gw + q) for a in range(G) for c in range(G)]
+                for n, (i, j) in enumerate(cells):
+                    for m, (r, c) in enumerate(cells):
+                        new[b, i, j] += A[win, n, m] * Y[b, r, c]
+    return new
+
+
 def stencil_loops(Y, S, pads, stride=1, dilation=1):
     """``(B, H, W, K)`` labels mixed by the stencil ``S`` (float64, by loops): each output cell the ``S``-weighted
     mean of the in-grid cells under its taps (the conv's padding is no token); ``pads`` ``(left, right, top,

@@ -183,7 +183,6 @@ class Attend:
         self.count = torch.bincount(qidx, minlength=qcells).clamp_min(1).to(torch.float32)
         self.qgrid = tuple(qgrid)
         self.site: Optional[Tuple[int, int]] = None
-        self.out_rows = q[: self.g].numel()
 
     def probabilities(self, record) -> torch.Tensor:
         if isinstance(record, torch.Tensor):
