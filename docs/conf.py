@@ -63,7 +63,7 @@ nitpick_ignore_regex = [
         r'(Tensor|Module|Path|Dataset|optional|callable|sequence|Sequence|Optional|Callable|Any|Iterable|'
         r'Iterator|VisionTransformer|SwinTransformer|Cait|MlpMixer|ConvNeXt|ResNet|PyramidVisionTransformerV2|DataSample|'
         r'Hiera|MetaFormer|MultiScaleVit|Twins|Eva|Beit|ViTEVA02|BEiTViT|ConVit|EfficientFormer|VisionTransformerSAM|'
-        r'SwinTransformerV2|SwinTransformerV2Cr|VisionTransformerRelPos|DaVit)',
+        r'SwinTransformerV2|SwinTransformerV2Cr|VisionTransformerRelPos|DaVit|PoolFormer|DeiT3)',
     ),
     (
         r'py:.*',

@@ -15,11 +15,13 @@ for the stock mixed scores). Prediction and batches without a mix are the stock 
 last block's class-token attention over the pasted region, ``mode='paper'`` or the public code's
 ``'average'``).
 
-Supported backbones: mmpretrain ``VisionTransformer`` (DeiT archs; ``out_type`` ``'cls_token'`` or
-``'avg_featmap'``), ``ViTEVA02`` and ``BEiTViT`` (their attention read at its softmax) and ``SwinTransformer`` (the
-classification output: last stage, average pooled); for TL-Align, also ``TIMMBackbone`` around a timm ConvNeXt or
-ResNet with a ``GlobalAveragePooling`` neck (timm_plugin's generalised rules, TL-Align Appendix A; the data
-preprocessor's ``patch_size=4``, their first grid).
+Supported backbones (``MM_SUPPORTED_BACKBONES``): mmpretrain ``VisionTransformer`` (DeiT archs) and ``DeiT3``
+(``out_type`` ``'cls_token'`` or ``'avg_featmap'``), ``ViTEVA02`` and ``BEiTViT`` (their attention read at its
+softmax), ``SwinTransformer`` and ``SwinTransformerV2`` (the classification output: last stage, average pooled); for
+TL-Align, also ``ConvNeXt`` (V1, V2) and ``PoolFormer`` with timm's rules for them, and ``TIMMBackbone`` around a
+timm ConvNeXt or ResNet with a ``GlobalAveragePooling`` neck (timm_plugin's generalised rules, TL-Align Appendix A;
+the data preprocessor's ``patch_size=4``, their first grid). ``MM_REFUSED_BACKBONES`` are refused with the
+reason, every other backbone by name.
 """
 
 from __future__ import annotations
@@ -28,15 +30,33 @@ from typing import List, Optional
 
 import torch
 import torch.nn as nn
-from mmpretrain.models.backbones import BEiTViT, SwinTransformer, TIMMBackbone, VisionTransformer, ViTEVA02
+from mmpretrain.models.backbones import (
+    BEiTViT,
+    ConvNeXt,
+    DeiT3,
+    HiViT,
+    PoolFormer,
+    RevVisionTransformer,
+    SwinTransformer,
+    SwinTransformerV2,
+    TIMMBackbone,
+    VisionTransformer,
+    ViTEVA02,
+)
+from mmpretrain.models.backbones.convnext import ConvNeXtBlock
+from mmpretrain.models.backbones.deit3 import DeiT3TransformerEncoderLayer
+from mmpretrain.models.backbones.poolformer import PatchEmbed as PoolFormerEmbed
+from mmpretrain.models.backbones.poolformer import PoolFormerBlock
 from mmpretrain.models.backbones.swin_transformer import SwinBlock
+from mmpretrain.models.backbones.swin_transformer_v2 import SwinBlockV2
 from mmpretrain.models.backbones.vision_transformer import TransformerEncoderLayer
 from mmpretrain.models.classifiers import ImageClassifier
 from mmpretrain.models.necks import GlobalAveragePooling
-from mmpretrain.models.utils.attention import MultiheadAttention, ShiftWindowMSA, WindowMSA
+from mmpretrain.models.utils import GRN
+from mmpretrain.models.utils.attention import MultiheadAttention, ShiftWindowMSA, WindowMSA, WindowMSAV2
 from mmpretrain.registry import MODELS
 
-from shared_core.capture import Captures, LabelCapture, SoftmaxCapture
+from shared_core.capture import Captures, LabelCapture, SoftmaxCapture, hook_map_grid
 from shared_core.checks import check_layers
 from shared_core.label_attention import LabelBackend, compute_dtype
 from shared_core.tl_align import (
@@ -44,16 +64,19 @@ from shared_core.tl_align import (
     aligned_target,
     attention_labels,
     compact_labels,
+    conv_labels,
+    conv_pool_labels,
     merge_2x2_labels,
+    pool_like,
     transmix_share,
     window_labels,
 )
-from shared_core.tracer import Tracer, check_drop_path, check_transmix, tracer_for
+from shared_core.tracer import Tracer, check_drop_path, check_transmix
 
 from .attention import attention_scale, split_qk
 from .data_preprocessor import mix_from_samples
 
-__all__ = ['TLAlignClassifier', 'TransMixClassifier', 'MM_SUPPORTED_BACKBONES', 'mm_tracer']
+__all__ = ['TLAlignClassifier', 'TransMixClassifier', 'MM_SUPPORTED_BACKBONES', 'MM_REFUSED_BACKBONES', 'mm_tracer']
 
 #: why a forced ``'triton'`` does not run in an mm classifier: the kernel is timm ViTs' shared path
 _NO_KERNEL = (
@@ -63,16 +86,21 @@ _NO_KERNEL = (
 
 
 class MMViTTracer(Tracer):
-    """mmpretrain ``VisionTransformer``: pre-norm ``TransformerEncoderLayer`` blocks, SDPA attention."""
+    """mmpretrain ``VisionTransformer`` and ``DeiT3``: pre-norm encoder layers, SDPA attention."""
 
     needs = ('q', 'k')
     why_missing = 'its attention did not run its qkv projection (a replaced forward?)'
 
+    #: the layer each backbone class is built of (DeiT3's: layer scale, its FFN with its own drop path; both per
+    #: token, so the rules are the ViT's)
+    layer_types = {VisionTransformer: TransformerEncoderLayer, DeiT3: DeiT3TransformerEncoderLayer}
+
     def __init__(self, backbone: VisionTransformer):
+        layer_type = self.layer_types[type(backbone)]
         for i, layer in enumerate(backbone.layers):
-            if type(layer) is not TransformerEncoderLayer or type(layer.attn) is not MultiheadAttention:
+            if type(layer) is not layer_type or type(layer.attn) is not MultiheadAttention:
                 raise ValueError(
-                    f'backbone: TL-Align traces TransformerEncoderLayer/MultiheadAttention, layer {i} '
+                    f'backbone: TL-Align traces {layer_type.__name__}/MultiheadAttention, layer {i} '
                     f'is {type(layer).__name__}'
                 )
             if getattr(layer.attn, 'v_shortcut', False):
@@ -131,6 +159,9 @@ class MMSwinTracer(Tracer):
     needs = ('attn', 'tokens')
     why_missing = 'its window attention computed no softmax'
 
+    #: the block and window attention the backbone class is built of
+    block_type, msa_type = SwinBlock, WindowMSA
+
     def __init__(self, backbone: SwinTransformer):
         if tuple(backbone.out_indices) != (len(backbone.stages) - 1,):
             raise ValueError(
@@ -140,12 +171,13 @@ class MMSwinTracer(Tracer):
         for stage in backbone.stages:
             for blk in stage.blocks:
                 if (
-                    type(blk) is not SwinBlock
+                    type(blk) is not self.block_type
                     or type(blk.attn) is not ShiftWindowMSA
-                    or type(blk.attn.w_msa) is not WindowMSA
+                    or type(blk.attn.w_msa) is not self.msa_type
                 ):
                     raise ValueError(
-                        f'backbone: TL-Align traces SwinBlock/ShiftWindowMSA/WindowMSA, got {type(blk).__name__}'
+                        f'backbone: TL-Align traces {self.block_type.__name__}/ShiftWindowMSA/'
+                        f'{self.msa_type.__name__}, got {type(blk).__name__}'
                     )
         super().__init__(backbone)
 
@@ -181,6 +213,133 @@ class MMSwinTracer(Tracer):
 
     def leave(self, stage, Y: torch.Tensor) -> torch.Tensor:
         return Y if stage.downsample is None else merge_2x2_labels(Y)  # mmpretrain: at a stage's end
+
+
+class MMSwinV2Tracer(MMSwinTracer):
+    """mmpretrain ``SwinTransformerV2``: ``SwinBlockV2`` (post-norm: the norm after the attention, per token) with
+    ``WindowMSAV2`` (cosine attention with the log-spaced continuous position bias: read at its softmax, which holds
+    both), patch merging at the *start* of every stage but the first; otherwise as :class:`MMSwinTracer`."""
+
+    block_type, msa_type = SwinBlockV2, WindowMSAV2
+
+    def enter(self, stage, Y: torch.Tensor) -> torch.Tensor:
+        return Y if stage.downsample is None else merge_2x2_labels(Y)  # mmpretrain's V2: at a stage's start
+
+    def leave(self, stage, Y: torch.Tensor) -> torch.Tensor:
+        return Y
+
+
+def _check_pooled(backbone: nn.Module, last: int, neck: Optional[nn.Module], pooled: bool = False) -> None:
+    """The classification output of a conv backbone: its last stage only (``out_indices``), average-pooled inside
+    it (``pooled``) or by a ``GlobalAveragePooling`` neck; the label read is the mean label of the last map."""
+    if tuple(backbone.out_indices) != (last,):
+        raise ValueError(
+            f'backbone: TL-Align needs the classification output (out_indices=({last},)), got '
+            f'{tuple(backbone.out_indices)}'
+        )
+    if not pooled and type(neck) is not GlobalAveragePooling:
+        raise ValueError(
+            "neck: TL-Align reads the mean label of the backbone's last map; use neck=dict(type='"
+            f"GlobalAveragePooling'), got {type(neck).__name__}"
+        )
+
+
+class _MMMapTracer(Tracer):
+    """What the mm conv tracers share: a ``(B, K, H, W)`` label map on the stem's grid, each block's samples its
+    drop path kept, the mean label of the last map read out (TL-Align Appendix A's rules, as timm's tracers)."""
+
+    layout = 'map'
+    grid_module = 'the stem'
+    attends = False
+
+    def drop_path(self, blk: nn.Module) -> nn.Module:
+        return blk.drop_path
+
+
+class MMConvNeXtTracer(_MMMapTracer):
+    """mmpretrain ``ConvNeXt`` (V1, and V2 with ``use_grn``): the rules of timm's ConvNeXt
+    (:class:`~timm_plugin.tl_align.cnn.ConvNeXtTracer`): the depthwise conv's fixed stencil ``mean_c |K_c|``
+    (Norm of its equivalent matrix), Eq. 11 at the residual, each downsampling conv (2x2, stride 2) a spatial
+    aggregation, the norms, point-wise convs and layer scale per token, GRN a channel gate (each channel of each
+    position scaled by one scalar of its sample: channel mixing, labels unchanged, as SE). Refused: an overlapping
+    stem, a strided or dilated depthwise conv, any output but the last stage's pooled map."""
+
+    why_no_attention = 'its blocks mix tokens by depthwise convolutions'
+
+    def __init__(self, backbone: ConvNeXt, neck: Optional[nn.Module] = None):
+        _check_pooled(backbone, len(backbone.stages) - 1, neck, backbone.gap_before_final_norm)
+        stem = backbone.downsample_layers[0][0]
+        if type(stem) is not nn.Conv2d or stem.kernel_size != stem.stride or stem.padding != (0, 0):
+            raise ValueError(f"backbone: TL-Align traces ConvNeXt's patchify stem (kernel = stride), got {stem}")
+        for i, stage in enumerate(backbone.stages):
+            down = backbone.downsample_layers[i][-1]
+            if i and (type(down) is not nn.Conv2d or down.kernel_size != down.stride or down.padding != (0, 0)):
+                raise ValueError(f'backbone: ConvNeXt downsampling {i} ({down}) has no TL-Align rule')
+            for j, blk in enumerate(stage):
+                dw = getattr(blk, 'depthwise_conv', None)
+                ok = type(blk) is ConvNeXtBlock and type(dw) is nn.Conv2d and dw.groups == dw.in_channels
+                if not ok or dw.stride != (1, 1) or dw.dilation != (1, 1) or isinstance(dw.padding, str):
+                    raise ValueError(
+                        f'backbone: TL-Align traces ConvNeXtBlock with an undilated stride-1 depthwise conv; stage '
+                        f'{i} block {j} is {type(blk).__name__} with {dw}'
+                    )
+                if blk.grn is not None and type(blk.grn) is not GRN:
+                    raise ValueError(f'backbone: ConvNeXt stage {i} block {j}: {type(blk.grn).__name__} has no rule')
+        super().__init__(backbone)
+
+    def stages(self):
+        return list(zip(range(len(self.model.stages)), self.model.stages))
+
+    def watch_model(self, captures: Captures, handles: list) -> None:
+        hook_map_grid(self.model.downsample_layers[0], captures, handles)
+
+    def enter(self, stage: int, Y: torch.Tensor) -> torch.Tensor:
+        return Y if stage == 0 else pool_like(Y, self.model.downsample_layers[stage][-1])
+
+    def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        return conv_labels(Y, blk.depthwise_conv)
+
+
+class MMPoolFormerTracer(_MMMapTracer):
+    """mmpretrain ``PoolFormer``: the rules of timm's PoolFormer
+    (:class:`~timm_plugin.tl_align.metaformer.MetaFormerTracer`): the token mixer ``pool(x) − x`` read as the
+    average pool alone (its equivalent matrix over the in-grid cells, as the pool counts them; the ``− x`` is the
+    token's own content), Eq. 11 at the residual, the patch embeddings between stages (strided convs) spatial
+    aggregation, the norms (GroupNorm: one scalar pair per sample), MLP and layer scales per token."""
+
+    why_no_attention = 'its blocks mix tokens by pooling'
+
+    def __init__(self, backbone: PoolFormer, neck: Optional[nn.Module] = None):
+        _check_pooled(backbone, len(backbone.network) - 1, neck)
+        self._stages = []
+        down = None
+        for i, part in enumerate(backbone.network):
+            if type(part) is PoolFormerEmbed:
+                down = part.proj
+                continue
+            for j, blk in enumerate(part):
+                pool = getattr(getattr(blk, 'token_mixer', None), 'pool', None)
+                if type(blk) is not PoolFormerBlock or type(pool) is not nn.AvgPool2d or pool.count_include_pad:
+                    raise ValueError(
+                        f'backbone: TL-Align traces PoolFormerBlock with its average pool (padding not counted); '
+                        f'network {i} block {j} is {type(blk).__name__}'
+                    )
+            self._stages.append((down, part))
+            down = None
+        super().__init__(backbone)
+
+    def stages(self):
+        return self._stages
+
+    def watch_model(self, captures: Captures, handles: list) -> None:
+        hook_map_grid(self.model.patch_embed, captures, handles)
+
+    def enter(self, down, Y: torch.Tensor) -> torch.Tensor:
+        return Y if down is None else pool_like(Y, down)
+
+    def branch(self, blk: nn.Module, cap: LabelCapture, Y: torch.Tensor) -> torch.Tensor:
+        p = blk.token_mixer.pool
+        return conv_pool_labels(Y, p.kernel_size, p.stride, p.padding, p.ceil_mode)
 
 
 class MMSoftmaxViTTracer(MMViTTracer):
@@ -230,9 +389,29 @@ class MMSoftmaxViTTracer(MMViTTracer):
 
 MM_SUPPORTED_BACKBONES = {
     VisionTransformer: MMViTTracer,
+    DeiT3: MMViTTracer,
     SwinTransformer: MMSwinTracer,
+    SwinTransformerV2: MMSwinV2Tracer,
     ViTEVA02: MMSoftmaxViTTracer,
     BEiTViT: MMSoftmaxViTTracer,
+    ConvNeXt: MMConvNeXtTracer,
+    PoolFormer: MMPoolFormerTracer,
+}
+
+#: the tracers that read the neck (a conv backbone's map pooled by it)
+_WITH_NECK = (MMConvNeXtTracer, MMPoolFormerTracer)
+
+#: mmpretrain backbones TL-Align refuses by name, and why
+MM_REFUSED_BACKBONES = {
+    RevVisionTransformer: (
+        "its reversible layers split each token's channels into two streams (y1 = x1 + F(x2), y2 = x2 + G(y1)), "
+        'each with its own labels, and build their drop path anew inside every forward, so no hook sees which '
+        'samples it dropped: one label state per token does not describe it'
+    ),
+    HiViT: (
+        'its first stages run MLP blocks on the 4x4 sub-patches nested inside each patch and merge them before the '
+        'attention stage: a nested token layout the mm tracers do not follow (timm has no HiViT to share a rule)'
+    ),
 }
 
 
@@ -249,9 +428,12 @@ def mm_tracer(backbone: nn.Module, neck: Optional[nn.Module] = None):
         from timm_plugin.tl_align import timm_tracer  # here: `import mm_plugin` does not load timm_plugin
 
         return timm_tracer(backbone.timm_model, pooled_outside=True, name='backbone')
-    exact = {cls: tracer for cls, tracer in MM_SUPPORTED_BACKBONES.items() if type(backbone) is cls}
-    if exact:
-        return tracer_for(backbone, exact, 'backbone')
+    refused = MM_REFUSED_BACKBONES.get(type(backbone))
+    if refused is not None:
+        raise ValueError(f'backbone: TL-Align has no rule for {type(backbone).__name__}: {refused}')
+    tracer = next((t for cls, t in MM_SUPPORTED_BACKBONES.items() if type(backbone) is cls), None)
+    if tracer is not None:
+        return tracer(backbone, neck) if tracer in _WITH_NECK else tracer(backbone)
     names = ', '.join(f'{c.__module__}.{c.__name__}' for c in MM_SUPPORTED_BACKBONES)
     raise ValueError(
         f'backbone: TL-Align has no tracer for {type(backbone).__module__}.{type(backbone).__name__}; '

@@ -13,7 +13,6 @@ with CBAM gates is refused where a plain or SE one is traced).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.generated_page import write_or_check  # noqa: E402
 from timm_plugin.tl_align import timm_tracer  # noqa: E402
 from timm_plugin.tl_align.graph import GraphRouteError  # noqa: E402
 
@@ -175,18 +175,7 @@ def page() -> str:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--check', action='store_true', help='exit 1 if the page differs from what the script gives')
-    args = p.parse_args()
-    text = page()
-    if args.check:
-        if not PAGE.exists() or PAGE.read_text() != text:
-            print(f'{PAGE.relative_to(REPO)} is out of date: run scripts/tl_align_zoo.py', file=sys.stderr)
-            sys.exit(1)
-        print(f'{PAGE.relative_to(REPO)} is up to date')
-        return
-    PAGE.write_text(text)
-    print(f'wrote {PAGE.relative_to(REPO)}')
+    write_or_check(PAGE, page, __doc__.splitlines()[0], __file__)
 
 
 if __name__ == '__main__':

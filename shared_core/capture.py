@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
+    'hook_map_grid',
     'LabelCapture',
     'Captures',
     'check_captured',
@@ -171,3 +172,9 @@ class SoftmaxCapture(_WatchingMode):
                 raise ValueError('model: an attention module computed two softmaxes; TL-Align reads one')
             self.current.attn = out.detach()
         return out
+
+
+def hook_map_grid(module: nn.Module, captures: Captures, handles: list) -> None:
+    """``captures.grid``: the ``(H, W)`` of ``module``'s ``(B, C, H, W)`` output (a stem whose grid the label map
+    starts on)."""
+    handles.append(module.register_forward_hook(lambda m, i, o: setattr(captures, 'grid', tuple(o.shape[-2:]))))

@@ -48,6 +48,9 @@ __all__ = [
     'window_labels',
     'talking_heads_labels',
     'conv_pool_labels',
+    'kernel_stencil',
+    'conv_labels',
+    'pool_like',
     'aligned_target',
     'TRANSMIX_MODES',
     'transmix_share',
@@ -204,6 +207,25 @@ def conv_pool_labels(labels: torch.Tensor, kernel_size, stride, padding, ceil_mo
         num = F.avg_pool2d(F.pad(labels, tuple(padding)), kernel_size, stride, 0, ceil_mode)
         return num / F.avg_pool2d(ones, kernel_size, stride, 0, ceil_mode)
     return F.avg_pool2d(labels, kernel_size, stride, padding, ceil_mode, count_include_pad=False)
+
+
+def kernel_stencil(weight: torch.Tensor) -> torch.Tensor:
+    """``S = mean |K|`` ``(k, k)`` fp32 over a kernel's output and input channel dims (a depthwise conv: over its
+    channels' kernels): the fixed stencil by which Table 9 mixes labels for a convolution."""
+    return weight.detach().float().abs().mean((0, 1))
+
+
+def conv_labels(labels: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
+    """Table 9 for a convolution module on a ``(B, K, H, W)`` label map: its fixed :func:`kernel_stencil`, at its
+    padding and stride (:func:`conv_stencil_labels`)."""
+    return conv_stencil_labels(labels, kernel_stencil(conv.weight), conv.padding, conv.stride)
+
+
+def pool_like(labels: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
+    """:func:`conv_pool_labels` with the geometry of ``conv`` (a strided conv: spatial aggregation)."""
+    if tuple(conv.dilation) != (1, 1) or isinstance(conv.padding, str):
+        raise ValueError(f'model: TL-Align pools labels for undilated, explicitly padded convs, got {conv}')
+    return conv_pool_labels(labels, conv.kernel_size, conv.stride, conv.padding)
 
 
 def merge_2x2_labels(labels: torch.Tensor) -> torch.Tensor:

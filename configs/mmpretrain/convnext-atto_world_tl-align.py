@@ -2,18 +2,10 @@
 # generalised rules, timm_plugin.tl_align.ConvNeXtTracer): the backbone's final map is average-pooled by the neck
 # (the label readout is the mean label), and the mix is drawn on ConvNeXt's 4-px stem grid (patch_size=4 on the
 # data preprocessor, the one place the grid is set).
-_base_ = ['./deit-tiny_world_tl-align.py']
-
-data_preprocessor = dict(patch_size=4)
+_base_ = ['./_base_/world_tl-align_4px.py']
 
 model = dict(
     backbone=dict(_delete_=True, type='TIMMBackbone', model_name='convnext_atto', drop_path_rate=0.1),
     neck=dict(_delete_=True, type='GlobalAveragePooling'),
-    head=dict(
-        _delete_=True,
-        type='LinearClsHead',
-        num_classes=10,
-        in_channels=320,
-        loss=dict(type='LabelSmoothLoss', label_smooth_val=0.1, mode='original'),  # as the base's DeiT head
-    ),
+    head=dict(in_channels=320),
 )

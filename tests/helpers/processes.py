@@ -127,6 +127,14 @@ def upstream_tool(script, args, env, cwd, fresh_process=False, timeout=600):
     return out.getvalue()
 
 
+def check_generated_page(script: str, env) -> None:
+    """``scripts/<script> --check``: the page it generates is what it gives now (it cannot drift)."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / 'scripts' / script), '--check'], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def mmpretrain_train(config, work_dir, env, cwd, *args, max_epochs=1, fresh_process=False):
     """mmpretrain's shipped tools/train.py (:func:`upstream_tool`), run in ``cwd``, on configs/mmpretrain/``config``
     (``args``: more flags, before the --cfg-options) for ``max_epochs`` with MM_WORLD_OPTS; asserts it succeeds,

@@ -30,8 +30,10 @@ def test_mmpretrain_config_builds_our_preprocessor(path):
         from timm_plugin.token_grid import tl_align_stride
 
         assert pre.patch_size == tl_align_stride(model.backbone.timm_model)
-    else:
-        assert pre.patch_size == tuple(model.backbone.patch_embed.projection.stride)  # the backbone's token grid
+    else:  # the backbone's token grid: its patch embedding's (ConvNeXt's stem, PoolFormer's first embedding)
+        stems = {'ConvNeXt': lambda b: b.downsample_layers[0][0], 'PoolFormer': lambda b: b.patch_embed.proj}
+        stem = stems.get(type(model.backbone).__name__, lambda b: b.patch_embed.projection)(model.backbone)
+        assert pre.patch_size == tuple(stem.stride)
     assert all(a.sampler.patch_size == pre.patch_size for a in pre.batch_augments.augments if a is not None)
 
 

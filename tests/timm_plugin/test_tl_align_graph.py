@@ -337,10 +337,11 @@ def maxvit_reference(model, Y, records):
     return Y.mean((1, 2))
 
 
-@pytest.mark.parametrize('fused', [True, False])
-def test_maxvit_window_and_grid_attention_are_the_explicit_reference(fused):
+@pytest.mark.parametrize('fused, compiled', [(True, 64), (False, 128)])
+def test_maxvit_window_and_grid_attention_are_the_explicit_reference(fused, compiled):
     """The graph route reads attention (Eq. 9) where a reshape takes a map's tokens into windows or a grid: on a
-    MaxViT training forward whose drop paths drop samples, through SDPA or a materialised softmax alike."""
+    MaxViT training forward whose drop paths drop samples, through SDPA or a materialised softmax alike; a program
+    compiled at another input size (128 px: four times the windows) is compiled again at the forward's."""
     from shared_core.capture import kept_samples
 
     torch.manual_seed(0)
@@ -348,8 +349,9 @@ def test_maxvit_window_and_grid_attention_are_the_explicit_reference(fused):
     for m in model.modules():
         if hasattr(m, 'fused_attn'):
             m.fused_attn = fused
-    tracer = GraphTracer(model, input_size=(3, 64, 64))
+    tracer = GraphTracer(model, input_size=(3, compiled, compiled))
     assert tracer.stride == 4 and len(tracer.program.watched) == 2 * sum(len(s.blocks) for s in model.stages)
+    assert (tracer.program_at((16, 16)) is tracer.program) == (compiled == 64)
     records, handles = {}, []
     for m in model.modules():
         if type(m).__name__ == 'AttentionCl':

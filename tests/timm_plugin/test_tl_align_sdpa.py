@@ -208,18 +208,9 @@ def test_tokenaug_train_refuses_every_refused_family_in_the_zoo_pages_words(tiny
 
 def test_the_zoo_page_is_what_timm_gives_now(run_env):
     """docs/methods/tl_align_zoo.md is scripts/tl_align_zoo.py's output for the installed timm (it cannot drift)."""
-    import subprocess
-    import sys
+    from ..helpers.processes import check_generated_page
 
-    from ..helpers import REPO
-
-    out = subprocess.run(
-        [sys.executable, str(REPO / 'scripts' / 'tl_align_zoo.py'), '--check'],
-        env=run_env,
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    check_generated_page('tl_align_zoo.py', run_env)
 
 
 @pytest.mark.slow
@@ -240,6 +231,7 @@ def test_the_zoo_page_is_what_timm_gives_now(run_env):
         ('convit_tiny', ['img_size=112', 'depth=3', 'local_up_to_layer=2']),
         ('davit_tiny', ['depths=[1,1,1,1]', 'window_size=4']),  # 128 px: grids of 32, 16, 8 and 4 tokens
         ('efficientnet_b0', []),  # the graph route: the mixer on its first stride-4 map
+        ('maxvit_rmlp_pico_rw_256', ['img_size=128']),  # the graph route: window and grid attention, 4x4 windows
     ],
 )
 def test_tokenaug_train_tl_align_across_the_zoo(tiny_world, tmp_path, model, kwargs):
@@ -249,7 +241,7 @@ def test_tokenaug_train_tl_align_across_the_zoo(tiny_world, tmp_path, model, kwa
 
     from ..helpers import REPO
 
-    size = ['--img-size', '128'] if model.startswith(('hiera', 'twins', 'swinv2', 'davit')) else []
+    size = ['--img-size', '128'] if model.startswith(('hiera', 'twins', 'swinv2', 'davit', 'maxvit')) else []
     metrics = run(
         ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml'), '--data-dir', str(tiny_world / 'imagenet')]
         + ['--model', model, '--model-kwargs', *kwargs, *size, '--drop-path', '0.1']

@@ -10,10 +10,9 @@ from timm.layers import CecaModule, EcaModule, EffectiveSEModule, GlobalResponse
 from timm.models.convnext import ConvNeXt, ConvNeXtBlock, ConvNeXtStage
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 
-from shared_core.capture import Captures, LabelCapture
+from shared_core.capture import Captures, LabelCapture, hook_map_grid
+from shared_core.tl_align import conv_labels, pool_like
 from shared_core.tracer import Tracer, check_pool
-
-from ._blocks import conv_labels, hook_map_grid, pool_like
 
 # ---------------------------------------------------------------------------------------------- ConvNeXt
 

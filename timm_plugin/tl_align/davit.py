@@ -17,11 +17,9 @@ from timm.models.davit import (
     WindowAttention,
 )
 
-from shared_core.capture import Captures, LabelCapture, SdpaCapture
-from shared_core.tl_align import residual_labels, window_labels
+from shared_core.capture import Captures, LabelCapture, SdpaCapture, hook_map_grid
+from shared_core.tl_align import conv_labels, residual_labels, window_labels
 from shared_core.tracer import Tracer, check_fused_sdpa, check_pool
-
-from ._blocks import conv_labels, hook_map_grid
 
 __all__ = ['DaViTTracer']
 

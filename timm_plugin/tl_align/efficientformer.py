@@ -16,11 +16,9 @@ from timm.models.efficientformer import (
     Pooling,
 )
 
-from shared_core.capture import Captures, LabelCapture, SoftmaxCapture
-from shared_core.tl_align import conv_pool_labels
+from shared_core.capture import Captures, LabelCapture, SoftmaxCapture, hook_map_grid
+from shared_core.tl_align import conv_labels, conv_pool_labels
 from shared_core.tracer import Tracer, check_pool
-
-from ._blocks import conv_labels, hook_map_grid
 
 __all__ = ['EfficientFormerTracer']
 

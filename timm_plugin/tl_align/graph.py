@@ -51,10 +51,9 @@ from timm.models.vgg import ConvMlp
 from torch.fx.passes.shape_prop import ShapeProp
 
 from shared_core.capture import Captures
-from shared_core.tl_align import conv_pool_labels, conv_stencil_labels, residual_labels
+from shared_core.tl_align import conv_pool_labels, conv_stencil_labels, kernel_stencil, residual_labels
 from shared_core.tracer import Tracer
 
-from ._blocks import kernel_stencil
 from ._graph_tokens import (
     CODE,
     Attend,
@@ -379,6 +378,9 @@ class _Program:
         self.gm = gm = _trace(model, input_size)
         self.ops: List[tuple] = []
         self.slots = 1
+        #: whether the program follows tokens: their codes, window partitions and replayed reshapes hold the input
+        #: size it was compiled at (a program of maps alone holds at any size whose grid the stride tiles)
+        self.sized = False
         self.drop_paths: List[nn.Module] = []
         self.start, start_dims, self.stride = self._start(gm, input_size)
         shape = _shape(self.start)
@@ -823,6 +825,7 @@ class _Program:
     def _tok_of(self, node, v):
         """A labelled value as tokens (a map's code from its layout); any other value as it is."""
         if isinstance(v, Map):
+            self.sized = True  # the code holds this input size's layout
             return Tok(v.slot, map_code(_shape(node), v.dims, self._cells(v.slot), self.grids[v.slot]), v.keep)
         return v
 
@@ -1256,7 +1259,9 @@ class GraphTracer(Tracer):
     program: there are no blocks to pick (``layers``) or residuals to drop (``residual=False``).
 
     ``input_size`` ``(C, H, W)``: the fake batch the graph's shapes are read from (default the model's
-    ``pretrained_cfg`` input size); the label program holds at any input size whose grid the stride tiles."""
+    ``pretrained_cfg`` input size); a label program of maps alone holds at any input size whose grid the stride
+    tiles, one that follows tokens (windows, partitions, reshapes) is compiled again, once, for each other input
+    size a forward has."""
 
     layout = 'map'
     attends = False
@@ -1277,6 +1282,32 @@ class GraphTracer(Tracer):
             ) from None
         super().__init__(model)
         self.stride = self.program.stride
+        self._channels = size[0]
+        self._programs = {tuple(size[1:]): self.program}
+
+    def program_at(self, grid: Tuple[int, int]) -> _Program:
+        """The label program for a forward on ``grid`` label cells: the compiled one, or where it follows tokens
+        and was compiled at another input size, the program compiled at this one (kept for the next forward)."""
+        if not self.program.sized:
+            return self.program
+        size = (grid[0] * self.stride, grid[1] * self.stride)
+        program = self._programs.get(size)
+        if program is None:
+            try:
+                program = _Program(self.model, (self._channels, *size))
+            except GraphRouteError as e:
+                raise ValueError(f"x: TL-Align's graph route reads no label program at {size[0]}x{size[1]}: {e}") from e
+            if (
+                program.stride != self.stride
+                or [id(m) for m in program.drop_paths] != [id(m) for m in self.program.drop_paths]
+                or program.watched != self.program.watched
+            ):
+                raise ValueError(
+                    f'x: at {size[0]}x{size[1]} the graph starts on another grid or has other drop paths or '
+                    'attention modules than at the size it was compiled at'
+                )
+            self._programs[size] = program
+        return program
 
     def blocks(self) -> Sequence[nn.Module]:
         """The drop paths of the graph (each keeps its samples in one capture)."""
@@ -1306,7 +1337,7 @@ class GraphTracer(Tracer):
         if layers is not None or not residual:
             raise ValueError('layers / residual: the graph route runs the whole graph; it has no blocks to pick')
         states = []
-        Y = self.program.run(
+        Y = self.program_at(captures.grid).run(
             self.to_layout(labels, captures), [c.keep for c in captures], captures.attention, observe and states.append
         )
         for i, state in enumerate(states):  # (after the run: the maps are final by then)

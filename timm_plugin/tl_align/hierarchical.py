@@ -36,10 +36,10 @@ from timm.models.swin_transformer_v2_cr import (
 )
 
 from shared_core.capture import Captures, LabelCapture
-from shared_core.tl_align import attention_labels, merge_2x2_labels, window_labels
+from shared_core.tl_align import attention_labels, merge_2x2_labels, pool_like, window_labels
 from shared_core.tracer import Tracer, check_pool
 
-from ._blocks import pool_like, set_qk
+from ._blocks import set_qk
 
 
 class _ShiftedWindows(Tracer):

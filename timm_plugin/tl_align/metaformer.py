@@ -22,10 +22,9 @@ from timm.models.metaformer import (
 )
 
 from shared_core.capture import LabelCapture, SdpaCapture
-from shared_core.tl_align import attention_labels, conv_pool_labels
+from shared_core.tl_align import attention_labels, conv_labels, conv_pool_labels
 from shared_core.tracer import check_block_parts, check_fused_sdpa, check_pool
 
-from ._blocks import conv_labels
 from .cnn import _ConvLabelGrid
 
 __all__ = ['MetaFormerTracer']

@@ -11,10 +11,10 @@ from timm.layers import Mlp
 from timm.models.mvitv2 import MultiScaleAttention, MultiScaleBlock, MultiScaleVit, MultiScaleVitStage
 
 from shared_core.capture import Captures, LabelCapture, SoftmaxCapture
-from shared_core.tl_align import conv_pool_labels
+from shared_core.tl_align import conv_labels, conv_pool_labels
 from shared_core.tracer import Tracer, check_block_parts, check_pool
 
-from ._blocks import NORMS, conv_labels
+from ._blocks import NORMS
 
 __all__ = ['MViTv2Tracer']
 

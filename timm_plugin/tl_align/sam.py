@@ -10,10 +10,10 @@ from timm.models.vision_transformer_sam import Block as SamBlock
 from timm.models.vision_transformer_sam import VisionTransformerSAM
 
 from shared_core.capture import Captures, LabelCapture, SdpaCapture
-from shared_core.tl_align import attention_labels, window_labels
+from shared_core.tl_align import attention_labels, conv_labels, window_labels
 from shared_core.tracer import Tracer, check_block_parts, check_fused_sdpa, check_pool, check_types
 
-from ._blocks import VIT_BLOCK_PARTS, conv_labels
+from ._blocks import VIT_BLOCK_PARTS
 
 __all__ = ['SamViTTracer']
 

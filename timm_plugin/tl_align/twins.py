@@ -9,10 +9,10 @@ from timm.layers import Mlp
 from timm.models.twins import Block, GlobalSubSampleAttn, LocallyGroupedAttn, PatchEmbed, PosConv, Twins
 
 from shared_core.capture import Captures, LabelCapture, SdpaCapture
-from shared_core.tl_align import attention_labels, conv_pool_labels, residual_labels
+from shared_core.tl_align import attention_labels, conv_labels, conv_pool_labels, residual_labels
 from shared_core.tracer import Tracer, check_block_parts, check_fused_sdpa, check_pool, check_types
 
-from ._blocks import NORMS, conv_labels
+from ._blocks import NORMS
 
 __all__ = ['TwinsTracer']
 
