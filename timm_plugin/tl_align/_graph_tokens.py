@@ -13,6 +13,7 @@ probabilities (mean over heads, Eq. 9) and scatters them back to the query cells
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -40,7 +41,7 @@ class Tok:
     code: torch.Tensor
     keep: Optional[int] = None
 
-    @property
+    @cached_property
     def pos(self) -> torch.Tensor:
         return self.code // CODE
 
@@ -105,7 +106,10 @@ def rechannel(code: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     first = code.narrow(dim, 0, 1)
     view = [1] * code.ndim
     view[dim] = size
-    new = (first // CODE) * CODE + (first % CODE) * size + torch.arange(size, device='cpu').view(view)
+    chan = first % CODE
+    new = (first // CODE) * CODE + chan * size + torch.arange(size, device='cpu').view(view)
+    if int(chan.max()) * size + size <= CODE:  # the new ids fit (read off the one slice ``first``)
+        return new.contiguous()
     return renumber(new.contiguous())
 
 

@@ -163,6 +163,16 @@ _REPLAYED = frozenset(
 _NOTRACE = frozenset(_fx.get_notrace_functions())
 
 
+def _same_positions(toks, codes) -> bool:
+    """Whether the tokens' codes, broadcast to one shape (``codes``), name the same positions in every entry (a
+    code compared only where it is another tensor: a point-wise op of one tensor's tokens is the common case)."""
+    first = toks[0].code
+    for t, c in zip(toks[1:], codes[1:]):
+        if t.code is not first and not torch.equal(c, codes[0]) and not torch.equal(c // CODE, codes[0] // CODE):
+            return False
+    return True
+
+
 class _OffTheGrid(Exception):
     """A layout op that moves a map's positions off its layout: its entries are followed as tokens."""
 
@@ -939,7 +949,7 @@ class _Program:
             codes = [u.code.expand(out) for u in toks]
         except RuntimeError:
             raise GraphRouteError('a point-wise op of tokens that changes their shape has no rule') from None
-        if len({u.slot for u in toks}) > 1 or any(not torch.equal(c // CODE, codes[0] // CODE) for c in codes):
+        if len({u.slot for u in toks}) > 1 or not _same_positions(toks, codes):
             raise GraphRouteError('a point-wise op of tokens at different positions has no rule')
         return self._settle(Tok(t.slot, codes[0].contiguous() if t.code.shape != out else t.code, t.keep))
 
@@ -962,7 +972,7 @@ class _Program:
         if len({t.slot for t in toks}) == 1:
             return self._same(toks, out)
         codes = torch.broadcast_tensors(*(t.code for t in toks))
-        if any(not torch.equal(c // CODE, codes[0] // CODE) for c in codes):
+        if not _same_positions(toks, codes):
             raise GraphRouteError('a sum of tokens at different positions has no rule')
         if len({self.grids[t.slot] for t in toks}) > 1:
             raise GraphRouteError('a sum of tokens on different grids has no rule')
