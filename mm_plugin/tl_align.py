@@ -19,8 +19,9 @@ Supported backbones (``MM_SUPPORTED_BACKBONES``): mmpretrain ``VisionTransformer
 (``out_type`` ``'cls_token'`` or ``'avg_featmap'``), ``ViTEVA02`` and ``BEiTViT`` (their attention read at its
 softmax), ``SwinTransformer`` and ``SwinTransformerV2`` (the classification output: last stage, average pooled); for
 TL-Align, also ``ConvNeXt`` (V1, V2) and ``PoolFormer`` with timm's rules for them, and ``TIMMBackbone`` around a
-timm ConvNeXt or ResNet with a ``GlobalAveragePooling`` neck (timm_plugin's generalised rules, TL-Align Appendix A;
-the data preprocessor's ``patch_size=4``, their first grid). ``MM_REFUSED_BACKBONES`` are refused with the
+timm ConvNeXt or ResNet, or any conv net timm_plugin's graph route takes (EfficientNet, RegNet, DenseNet, ...), with
+a ``GlobalAveragePooling`` neck (timm_plugin's generalised rules, TL-Align Appendix A; the data preprocessor's
+``patch_size=4``, their first grid). ``MM_REFUSED_BACKBONES`` are refused with the
 reason, every other backbone by name.
 """
 
@@ -417,8 +418,8 @@ MM_REFUSED_BACKBONES = {
 
 def mm_tracer(backbone: nn.Module, neck: Optional[nn.Module] = None):
     """The TL-Align tracer of a supported mmpretrain backbone (exact classes: a subclass may change the rules), or of
-    the timm CNN inside a ``TIMMBackbone`` (ConvNeXt, ResNet: timm_plugin's generalised rules) whose map ``neck``
-    average-pools (``GlobalAveragePooling``)."""
+    the timm CNN inside a ``TIMMBackbone`` (ConvNeXt, ResNet: timm_plugin's generalised rules; any other conv net
+    its graph route takes) whose map ``neck`` average-pools (``GlobalAveragePooling``)."""
     if type(backbone) is TIMMBackbone:
         if type(neck) is not GlobalAveragePooling:
             raise ValueError(
@@ -437,7 +438,7 @@ def mm_tracer(backbone: nn.Module, neck: Optional[nn.Module] = None):
     names = ', '.join(f'{c.__module__}.{c.__name__}' for c in MM_SUPPORTED_BACKBONES)
     raise ValueError(
         f'backbone: TL-Align has no tracer for {type(backbone).__module__}.{type(backbone).__name__}; '
-        f'supported: {names}, TIMMBackbone around a timm ConvNeXt or ResNet'
+        f'supported: {names}, TIMMBackbone around a timm conv net'
     )
 
 

@@ -245,18 +245,21 @@ def test_upstream_train_py_runs_the_tl_align_config(tiny_world, tmp_path, run_en
     assert f"type='{cls}'" in (tmp_path / config).read_text()
 
 
-@pytest.mark.parametrize('name', ['resnet18', 'convnext_atto'])
+@pytest.mark.parametrize('name', ['resnet18', 'convnext_atto', 'efficientnet_b0'])
 def test_timm_cnn_through_timm_backbone_gives_timm_plugins_aligned_target(name):
     """TL-Align Appendix A's rules on a timm CNN inside mmpretrain's TIMMBackbone (GlobalAveragePooling neck, linear
-    head): the same weights, input and mix give timm_plugin.TLAlign's logits and aligned target; TransMix (no
-    attention) and a neck that does not average are refused."""
+    head): the same weights, input and mix give timm_plugin.TLAlign's logits and aligned target (EfficientNet-B0:
+    the graph route, its final map's mean label); TransMix (no attention) and a neck that does not average are
+    refused."""
     import timm
 
     cfg = dict(
         type='TLAlignClassifier',
         backbone=dict(type='TIMMBackbone', model_name=name),
         neck=dict(type='GlobalAveragePooling'),
-        head=dict(type='LinearClsHead', num_classes=C, in_channels=512 if name == 'resnet18' else 320),
+        head=dict(
+            type='LinearClsHead', num_classes=C, in_channels={'resnet18': 512, 'convnext_atto': 320}.get(name, 1280)
+        ),
     )
     torch.manual_seed(0)
     mm_model = MODELS.build(cfg).train()
@@ -272,14 +275,14 @@ def test_timm_cnn_through_timm_backbone_gives_timm_plugins_aligned_target(name):
     feats, mm_target = mm_model.extract_feat_aligned(x, samples_with_mix(y, mix))
     assert torch.allclose(mm_target, timm_target, atol=1e-6)
     assert not torch.allclose(mm_target, target.as_tensor(), atol=1e-4)  # the labels moved
-    if name == 'resnet18':  # same readout (ConvNeXt's timm head normalises after pooling, mm's map before it)
+    if name != 'convnext_atto':  # same readout (ConvNeXt's timm head normalises after pooling, mm's map before it)
         assert torch.allclose(mm_model.head(feats), timm_logits, atol=1e-4)
     with pytest.raises(ValueError, match='neck: TL-Align on a TIMMBackbone .*GlobalAveragePooling'):
         MODELS.build(dict(cfg, neck=None))
     with pytest.raises(ValueError, match='backbone: TransMix .*has none'):
         MODELS.build(dict(cfg, type='TransMixClassifier'))
-    with pytest.raises(ValueError, match='backbone: TL-Align has no tracer for .*EfficientNet'):
-        MODELS.build(dict(cfg, backbone=dict(type='TIMMBackbone', model_name='efficientnet_b0')))
+    with pytest.raises(ValueError, match='backbone: TL-Align has no tracer for .*VisionTransformer.*graph route'):
+        MODELS.build(dict(cfg, backbone=dict(type='TIMMBackbone', model_name='vit_tiny_patch16_224')))
 
 
 def test_fused_labels_runs_the_label_only_kernel_beside_mmpretrains_attention(monkeypatch):

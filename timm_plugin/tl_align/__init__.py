@@ -201,25 +201,26 @@ def timm_tracer(model: nn.Module, pooled_outside: bool = False, name: str = 'mod
     rule for where it cannot take the model: its refusal where Table 9 gives the op no reading, else "no tracer" with
     the supported classes and the node where the route stops. ``pooled_outside``: the model's own head pooling is
     off (mmpretrain's ``TIMMBackbone`` resets it) and its final map is average-pooled outside it (a
-    ``GlobalAveragePooling`` neck): the timm CNNs of :data:`POOLED_OUTSIDE`, read out by the mean label."""
+    ``GlobalAveragePooling`` neck): the timm CNNs of :data:`POOLED_OUTSIDE` and the graph route's conv nets, read
+    out by the mean label of the final map."""
     _no_rule(model, name)
-    if not pooled_outside:
-        if hasattr(model, '_orig_mod') or any(isinstance(model, cls) for cls in SUPPORTED_MODELS):
-            return tracer_for(model, SUPPORTED_MODELS, name)
-        try:
-            return GraphTracer(model)
-        except GraphRouteError as e:
-            if e.decided:  # an op Table 9 gives no reading: the route's refusal, as a family's
-                raise GraphRouteError(f'{name}: {str(e).removeprefix("model: ")}', True) from e
-            names = ', '.join(f'{c.__module__}.{c.__name__}' for c in SUPPORTED_MODELS)
-            raise ValueError(
-                f'{name}: TL-Align has no tracer for {type(model).__module__}.{type(model).__name__} (supported: '
-                f'{names}), and {str(e).removeprefix("model: ")}'
-            ) from e
-    for cls, tracer in POOLED_OUTSIDE.items():
-        if isinstance(model, cls):
-            return tracer(model, pooled_outside=True)
-    return tracer_for(model, POOLED_OUTSIDE, name)  # no tracer: the error that lists the supported classes
+    supported = POOLED_OUTSIDE if pooled_outside else SUPPORTED_MODELS
+    if pooled_outside:
+        family = next((t for cls, t in POOLED_OUTSIDE.items() if isinstance(model, cls)), None)
+        if family is not None:
+            return family(model, pooled_outside=True)
+    elif hasattr(model, '_orig_mod') or any(isinstance(model, cls) for cls in supported):
+        return tracer_for(model, SUPPORTED_MODELS, name)
+    try:
+        return GraphTracer(model, pooled_outside=pooled_outside)
+    except GraphRouteError as e:
+        if e.decided:  # an op Table 9 gives no reading: the route's refusal, as a family's
+            raise GraphRouteError(f'{name}: {str(e).removeprefix("model: ")}', True) from e
+        names = ', '.join(f'{c.__module__}.{c.__name__}' for c in supported)
+        raise ValueError(
+            f'{name}: TL-Align has no tracer for {type(model).__module__}.{type(model).__name__} (supported: '
+            f'{names}), and {str(e).removeprefix("model: ")}'
+        ) from e
 
 
 class _MixTargetWrapper(nn.Module):

@@ -384,7 +384,7 @@ class _Program:
     pixels per cell, ``readout`` the slot whose mean label the classifier reads, ``drop_paths`` the drop-path
     modules in graph order."""
 
-    def __init__(self, model: nn.Module, input_size):
+    def __init__(self, model: nn.Module, input_size, pooled_outside: bool = False):
         self.gm = gm = _trace(model, input_size)
         self.ops: List[tuple] = []
         self.slots = 1
@@ -424,6 +424,10 @@ class _Program:
                 if any(isinstance(v, (Tok, Scores)) for v in _leaves(env.get(a))):
                     env[a] = None
         self._sites()
+        if pooled_outside and isinstance(out, (tuple, list)) and len(out) == 1:
+            out = out[0]
+        if pooled_outside and isinstance(out, Map):  # the map a GlobalAveragePooling neck pools: its mean label
+            out = Vec(out.slot)
         if not isinstance(out, Vec) or out.slot is None:
             what = 'a map' if isinstance(out, Map) else 'no pooled label' if isinstance(out, Vec) else repr(out)
             raise GraphRouteError(
@@ -1271,7 +1275,9 @@ class GraphTracer(Tracer):
     ``input_size`` ``(C, H, W)``: the fake batch the graph's shapes are read from (default the model's
     ``pretrained_cfg`` input size); a label program of maps alone holds at any input size whose grid the stride
     tiles, one that follows tokens (windows, partitions, reshapes) is compiled again, once, for each other input
-    size a forward has."""
+    size a forward has. ``pooled_outside``: the model's head pooling is off and its final map is average-pooled
+    outside it (mmpretrain's ``TIMMBackbone`` with a ``GlobalAveragePooling`` neck): the readout is that map's mean
+    label."""
 
     layout = 'map'
     attends = False
@@ -1279,12 +1285,12 @@ class GraphTracer(Tracer):
     grid_module = 'the model'
     whole_graph = True
 
-    def __init__(self, model: nn.Module, input_size: Optional[Sequence[int]] = None):
+    def __init__(self, model: nn.Module, input_size: Optional[Sequence[int]] = None, pooled_outside: bool = False):
         cfg = getattr(model, 'pretrained_cfg', None) or {}
         size = tuple(input_size or cfg.get('input_size') or (3, 224, 224))
         size = (size[0], *(-(-int(v) // 32) * 32 for v in size[1:]))  # a size the usual strides tile (299 -> 320)
         try:
-            self.program = _Program(model, size)
+            self.program = _Program(model, size, pooled_outside)
         except GraphRouteError as e:
             how = 'refuses' if e.decided else 'does not read'
             raise GraphRouteError(
@@ -1292,7 +1298,7 @@ class GraphTracer(Tracer):
             ) from None
         super().__init__(model)
         self.stride = self.program.stride
-        self._channels = size[0]
+        self._channels, self._pooled_outside = size[0], pooled_outside
         self._programs = {tuple(size[1:]): self.program}
 
     def program_at(self, grid: Tuple[int, int]) -> _Program:
@@ -1304,7 +1310,7 @@ class GraphTracer(Tracer):
         program = self._programs.get(size)
         if program is None:
             try:
-                program = _Program(self.model, (self._channels, *size))
+                program = _Program(self.model, (self._channels, *size), self._pooled_outside)
             except GraphRouteError as e:
                 raise ValueError(f"x: TL-Align's graph route reads no label program at {size[0]}x{size[1]}: {e}") from e
             if (
