@@ -13,6 +13,7 @@ from timm.models.vgg import VGG
 from shared_core.tl_align import conv_stencil_labels
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import ConvNeXtTracer, GraphTracer, ResNetTracer, TLAlign, timm_tracer
+from timm_plugin.tl_align.graph import GraphRouteError
 from timm_plugin.token_grid import tl_align_stride
 
 from ..timm_plugin.test_tl_align import C, random_token_labels
@@ -232,6 +233,35 @@ def test_the_graph_route_names_what_it_cannot_read(name, kw, decided, why):
         assert message.startswith('model: TL-Align has no tracer for') and 'supported: ' in message
         assert 'graph route does not read' in message
     assert e.value.__cause__.decided is decided
+
+
+class _PadToWindows(nn.Module):
+    """A stride-4 stem, a pad of the grid to a multiple of 3 cells (as HieraDet and Swin pad to their windows), a
+    3x3 conv and the mean: at a size the windows tile, the pad adds nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.conv, self.fc = nn.Conv2d(3, 8, 4, 4), nn.Conv2d(8, 8, 3, padding=1), nn.Linear(8, C)
+
+    def forward(self, x):
+        x = self.stem(x)
+        H, W = x.shape[-2:]
+        x = F.pad(x, (0, (3 - W % 3) % 3, 0, (3 - H % 3) % 3))
+        return self.fc(self.conv(x).mean((2, 3)))
+
+
+def test_a_padding_by_nothing_is_no_op_and_a_real_one_is_refused():
+    """A pad whose amounts the graph computes from the grid: at a size the windows tile they are 0 and the labels
+    are the conv's stencil alone; where the pad adds cells the route refuses it."""
+    torch.manual_seed(0)
+    model = _PadToWindows()
+    tracer = GraphTracer(model, input_size=(3, 96, 96))  # a 24x24 grid
+    Y = random_token_labels(2, 576, torch.Generator().manual_seed(1))
+    out, caps = tracer.capture(lambda: model(torch.randn(2, 3, 96, 96)))
+    want = stencil_loops(Y.reshape(2, 24, 24, C).double(), mean_abs_stencil(model.conv.weight), (1, 1, 1, 1))
+    assert (tracer.label_path(caps, out, Y) - want.mean((1, 2))).abs().max() < 1e-6
+    with pytest.raises(GraphRouteError, match='a constant padding of the grid adds cells'):
+        GraphTracer(model, input_size=(3, 64, 64))  # a 16x16 grid: two cells added
 
 
 def test_the_graph_route_has_no_blocks_to_pick():

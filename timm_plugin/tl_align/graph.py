@@ -732,6 +732,10 @@ class _Program:
         if name == 'pad':
             pad = args[1] if len(args) > 1 else kwargs['pad']
             mode = args[2] if len(args) > 2 else kwargs.get('mode', 'constant')
+            given = node.args[1] if len(node.args) > 1 else node.kwargs['pad']  # (sizes the graph computes)
+            amounts = [p.meta.get('value') if isinstance(p, fx.Node) else p for p in given]
+            if all(a == 0 for a in amounts):  # a padding by nothing (to a window size the grid already tiles)
+                return x
             if mode not in ('reflect', 'replicate', 'circular') or len(pad) != 4 or x.dims != (x.ndim - 2, x.ndim - 1):
                 raise GraphRouteError(f'a {mode} padding of the grid adds cells that are no tokens: not traced')
             return self._new(_Pad(tuple(pad), mode), [x.slot], dims=x.dims, ndim=x.ndim)
