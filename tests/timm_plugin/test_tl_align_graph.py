@@ -169,6 +169,7 @@ FAMILIES = {
     'selecsls42': 'concatenations of the block outputs',
     'visformer_tiny': 'attention on token rows (a softmax) after conv stages',
     'nest_tiny': 'attention in nested blocks, block aggregation by conv and pooling',
+    'nextvit_small': 'token rows whose keys an AvgPool1d pools, multi-head conv attention, concatenations',
 }
 
 
@@ -262,6 +263,75 @@ def test_a_padding_by_nothing_is_no_op_and_a_real_one_is_refused():
     assert (tracer.label_path(caps, out, Y) - want.mean((1, 2))).abs().max() < 1e-6
     with pytest.raises(GraphRouteError, match='a constant padding of the grid adds cells'):
         GraphTracer(model, input_size=(3, 64, 64))  # a 16x16 grid: two cells added
+
+
+class _PooledKeyAttention(nn.Module):
+    """NextViT's efficient attention in small: queries from every token row, keys and values from the rows
+    average-pooled in runs of 4 (an ``AvgPool1d``), SDPA."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.sr, self.norm = nn.AvgPool1d(4, 4), nn.BatchNorm1d(d)
+
+    def forward(self, t):
+        B, N, D = t.shape
+        q = self.q(t).reshape(B, N, self.heads, -1).transpose(1, 2)
+        r = self.norm(self.sr(t.transpose(1, 2))).transpose(1, 2)
+        k = self.k(r).reshape(B, -1, self.heads, D // self.heads).transpose(1, 2)
+        v = self.v(r).reshape(B, -1, self.heads, D // self.heads).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, D)
+
+
+class _PooledKeys(nn.Module):
+    """A stride-4 stem, the map as token rows through :class:`_PooledKeyAttention`, the rows back on the map
+    through a drop path and the residual (as NextViT's transformer block), the mean."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.stem, self.attn = nn.Conv2d(3, d, 4, 4), _PooledKeyAttention(d)
+        self.drop_path, self.fc = timm.layers.DropPath(0.5), nn.Linear(d, C)
+
+    def forward(self, x):
+        x = self.stem(x)
+        B, D, H, W = x.shape
+        a = self.attn(x.reshape(B, D, -1).transpose(-1, -2))
+        x = x + self.drop_path(a).transpose(-1, -2).reshape(B, D, H, W)
+        return self.fc(x.mean((2, 3)))
+
+
+def test_keys_pooled_from_token_rows_are_the_explicit_reference():
+    """Tokens pooled in runs along their rows (NextViT's keys): each key's label is the mean of its run's cells, the
+    attention Eq. 9 over those keys, Eq. 11 for the samples the drop path kept, the labels carried through the
+    layout ops after the drop path."""
+    from shared_core.capture import kept_samples
+
+    torch.manual_seed(0)
+    model = _PooledKeys().train()
+    tracer = GraphTracer(model, input_size=(3, 32, 32))
+    rec, hooks = {}, []
+    for name in ('q', 'k'):
+        hooks.append(getattr(model.attn, name).register_forward_hook(lambda m, i, o, n=name: rec.__setitem__(n, o)))
+    hooks.append(model.drop_path.register_forward_hook(lambda m, i, o: rec.__setitem__('keep', kept_samples(i[0], o))))
+    g = torch.Generator().manual_seed(1)
+    x, Y = torch.randn(8, 3, 32, 32, generator=g), random_token_labels(8, 64, g)
+    torch.manual_seed(3)
+    out, caps = tracer.capture(lambda: model(x))
+    for h in hooks:
+        h.remove()
+    keep = rec['keep']
+    assert not keep.all() and keep.any()
+    label = tracer.label_path(caps, out, Y)
+    with torch.no_grad():
+        q = rec['q'].double().reshape(8, 64, 2, 8).transpose(1, 2)
+        k = rec['k'].double().reshape(8, 16, 2, 8).transpose(1, 2)
+        P = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, -1).mean(1)  # (8, 64, 16)
+        Yd = Y.double()
+        Yk = torch.stack([Yd[:, 4 * j : 4 * j + 4].mean(1) for j in range(16)], 1)  # run j: tokens 4j .. 4j+3
+        want = torch.where(keep[:, None, None], (Yd + P @ Yk) / 2, Yd).mean(1)
+    assert (label - want).abs().max() < 1e-6
+    assert (label - Y.mean(1)).abs().max() > 1e-3
 
 
 def test_the_graph_route_has_no_blocks_to_pick():

@@ -177,6 +177,11 @@ class _OffTheGrid(Exception):
     """A layout op that moves a map's positions off its layout: its entries are followed as tokens."""
 
 
+def _tuple(v, n: int) -> tuple:
+    """A module's size argument as an ``n``-tuple."""
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
+
+
 def _pair(v) -> Tuple[int, int]:
     return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
@@ -890,7 +895,9 @@ class _Program:
             return self._matmul(node, args, out)
         if name == 'scaled_dot_product_attention':
             return self._sdpa(node, args, kwargs, out)
-        if any(t.keep is not None for t in toks) and name not in POINTWISE and target not in _ADD and name not in _ADD:
+        if any(t.keep is not None for t in toks) and not (
+            name in POINTWISE or target in _ADD or name in _ADD or name in _REPLAYED
+        ):
             raise GraphRouteError('a drop path output goes into an op that moves labels')
         if target in _ADD or name in _ADD:
             return self._token_sum(toks, out)
@@ -948,7 +955,44 @@ class _Program:
             return self._per_token(toks, range(-len(m.normalized_shape), 0), out, 'a LayerNorm')
         if isinstance(m, (nn.Flatten, nn.Unflatten)):
             return self._replay(node, type(m).__name__, env, check=False)
+        if isinstance(m, nn.BatchNorm1d) and t.code.ndim in (2, 3):  # (B, C[, L]): per channel
+            return self._per_token(toks, [1], out, 'a BatchNorm1d')
+        if isinstance(m, (nn.AvgPool1d, nn.MaxPool1d, nn.AvgPool2d, nn.MaxPool2d)):
+            return self._token_pool(t, m, out)
         raise GraphRouteError(f'{type(m).__module__}.{type(m).__name__} on tokens has no rule in the graph route')
+
+    def _token_pool(self, t: Tok, m: nn.Module, out) -> Tok:
+        """A pooling of tokens in windows that tile them (max or average alike, as on a map): spatial aggregation,
+        each output token the mean label of the cells its window holds. The groups are read off the code; they form
+        a new label map of one cell per group (:class:`_GroupMean`)."""
+        nd = 1 if isinstance(m, (nn.AvgPool1d, nn.MaxPool1d)) else 2
+        kernel, stride, padding = (_tuple(v, nd) for v in (m.kernel_size, m.stride or m.kernel_size, m.padding))
+        dilation = _tuple(getattr(m, 'dilation', 1), nd)
+        if kernel != stride or any(padding) or any(d != 1 for d in dilation) or getattr(m, 'ceil_mode', False):
+            raise GraphRouteError(f'a {type(m).__name__} on tokens whose windows overlap or pad has no rule')
+        code = t.code
+        u = code
+        for d, k in zip(range(code.ndim - nd, code.ndim), kernel):
+            if u.shape[d] % k:
+                raise GraphRouteError(f'a {type(m).__name__} on tokens whose windows do not tile them has no rule')
+            u = u.unfold(d, k, k)  # the window's entries in a trailing dim
+        u = u.reshape(*u.shape[: code.ndim], -1)
+        pos, chan = u // CODE, u % CODE
+        if not _constant_along(chan, [u.ndim - 1]):
+            raise GraphRouteError(f'a {type(m).__name__} over the channels of tokens has no rule')
+        if bool((pos == 0).any()):
+            raise GraphRouteError(f'a {type(m).__name__} over padded cells (no tokens) has no rule')
+        cells = self._cells(t.slot)
+        groups, inverse = torch.unique(pos.reshape(-1, pos.shape[-1]), dim=0, return_inverse=True)
+        n = groups.shape[0] // 2  # the fake batch's two samples (sorted: the first sample's groups first)
+        sample = (groups - 1) // cells
+        if groups.shape[0] % 2 or not _constant_along(sample, [1]) or not torch.equal(groups[:n] + cells, groups[n:]):
+            raise GraphRouteError(f'a {type(m).__name__} on tokens across samples has no rule')
+        slot = self._slot(_GroupMean((groups[:n] - 1) % cells), [t.slot], (n, 1))
+        new = (inverse.view(pos.shape[:-1]) + 1) * CODE + chan[..., 0]
+        if tuple(new.shape) != tuple(out):
+            raise GraphRouteError(f'a {type(m).__name__} on tokens that the code does not follow')
+        return self._settle(Tok(slot, new.contiguous()))
 
     def _same(self, toks, out) -> Tok:
         """A point-wise op of tokens of one label map at the same positions: the same labels."""
@@ -990,16 +1034,17 @@ class _Program:
     def _replay(self, node, name, env, check: bool) -> Any:
         """A layout op: the same op on the code (``check``: a function whose semantics are not known must move
         entries alone, :func:`~._graph_tokens.is_gather`)."""
-        slots = set()
+        slots, keeps = set(), set()
 
         def concrete(n):
             if not isinstance(n, fx.Node):
                 return n
             v = self._tok_of(n, env[n])
             if isinstance(v, Tok):
-                if v.keep is not None:
+                if v.keep is not None and (check or keeps and keeps != {v.keep}):
                     raise GraphRouteError('a drop path output goes into an op that moves labels')
                 slots.add(v.slot)
+                keeps.add(v.keep)
                 return v.code
             if 'value' in n.meta:
                 return n.meta['value']
@@ -1023,9 +1068,9 @@ class _Program:
         if check and not is_gather(fn, *args, **kwargs):
             raise GraphRouteError(f'{name} on tokens is no layout op (it computes new values): no rule')
         result = fn(*args, **kwargs)
-        (slot,) = slots
+        (slot,), (keep,) = slots, keeps  # a layout op moves a drop path's entries within their samples: kept along
         return fx.node.map_aggregate(
-            result, lambda r: self._settle(Tok(slot, r.contiguous())) if isinstance(r, torch.Tensor) else r
+            result, lambda r: self._settle(Tok(slot, r.contiguous(), keep)) if isinstance(r, torch.Tensor) else r
         )
 
     def _token_cat(self, node, name, args, kwargs, env) -> Any:
@@ -1247,6 +1292,17 @@ def _pair_none(size):
     if size is None:
         return None
     return _pair(size) if not isinstance(size, (tuple, list)) or None not in size else tuple(size)
+
+
+@dataclass(eq=False)
+class _GroupMean:
+    """Tokens pooled in groups: a ``(B, K, G, 1)`` label map, group ``g`` the mean label of the cells
+    ``index[g]`` of the source map (Table 9's aggregation, Norm of the sum)."""
+
+    index: torch.Tensor  # (G, k) cells of the source map
+
+    def __call__(self, Y: torch.Tensor) -> torch.Tensor:
+        return Y.flatten(2)[:, :, self.index.to(Y.device)].mean(-1).unsqueeze(-1)
 
 
 class _MeanOp:
