@@ -170,6 +170,7 @@ FAMILIES = {
     'visformer_tiny': 'attention on token rows (a softmax) after conv stages',
     'nest_tiny': 'attention in nested blocks, block aggregation by conv and pooling',
     'nextvit_small': 'token rows whose keys an AvgPool1d pools, multi-head conv attention, concatenations',
+    'sam2_hiera_tiny': 'windowed attention whose queries a MaxPool2d pools, summed with a pooled shortcut',
 }
 
 
@@ -180,9 +181,9 @@ def test_a_label_program_keeps_labels_a_distribution_and_a_constant_map_constant
     torch.manual_seed(0)
     kw = {'img_size': 64} if name.startswith(('nest', 'visformer')) else {}  # (fixed-size models)
     model = timm.create_model(name, num_classes=C, **kw).eval()
-    tracer = GraphTracer(model, input_size=(3, 64, 64) if kw else None)
+    tracer = GraphTracer(model, input_size=(3, 64, 64) if kw else (3, 224, 224) if name.startswith('sam2') else None)
     s = tracer.stride
-    side = 64 if kw else 16 * s if s == 4 else 8 * s
+    side = 64 if kw else 224 if name.startswith('sam2') else 16 * s if s == 4 else 8 * s  # (HieraDet: its windows)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 3, side, side, generator=g)
     out, caps = tracer.capture(lambda: model(x))
@@ -234,6 +235,76 @@ def test_the_graph_route_names_what_it_cannot_read(name, kw, decided, why):
         assert message.startswith('model: TL-Align has no tracer for') and 'supported: ' in message
         assert 'graph route does not read' in message
     assert e.value.__cause__.decided is decided
+
+
+class _PooledQueryAttention(nn.Module):
+    """HieraDet's query pooling in small: token rows as a ``(B, H, W, D)`` grid, queries max-pooled 2x2 on it,
+    keys and values from every token, SDPA; the output on the pooled grid."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.heads, self.qkv, self.pool = heads, nn.Linear(d, 3 * d), nn.MaxPool2d(2, 2)
+
+    def forward(self, x):
+        B, H, W, D = x.shape
+        q, k, v = self.qkv(x).reshape(B, H * W, 3, self.heads, -1).unbind(2)
+        q = self.pool(q.reshape(B, H, W, -1).permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+        q = q.reshape(B, -1, self.heads, D // self.heads)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return a.transpose(1, 2).reshape(B, H // 2, W // 2, D)
+
+
+class _PooledQueries(nn.Module):
+    """A stride-4 stem, :class:`_PooledQueryAttention` through a drop path, summed with the 2x2 max-pooled map (as
+    HieraDet's stage-opening block), the mean."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.stem, self.attn = nn.Conv2d(3, d, 4, 4), _PooledQueryAttention(d)
+        self.drop_path, self.fc = timm.layers.DropPath(0.5), nn.Linear(d, C)
+
+    def forward(self, x):
+        x = self.stem(x).permute(0, 2, 3, 1)  # (B, H, W, D)
+        short = F.max_pool2d(x.permute(0, 3, 1, 2), 2).permute(0, 2, 3, 1)
+        x = short + self.drop_path(self.attn(x))
+        return self.fc(x.mean((1, 2)))
+
+
+def test_queries_pooled_on_the_grid_are_the_explicit_reference():
+    """Queries pooled 2x2 on the grid (HieraDet): each pooled query's cell is a 2x2 window of the grid, its label
+    Eq. 9 over every key, and the sum with the 2x2-pooled shortcut Eq. 11 on the pooled grid (both are the same
+    windows, so they sum)."""
+    from shared_core.capture import kept_samples
+
+    torch.manual_seed(0)
+    model = _PooledQueries().train()
+    tracer = GraphTracer(model, input_size=(3, 32, 32))
+    rec = {}
+    hooks = [
+        model.attn.qkv.register_forward_hook(lambda m, i, o: rec.__setitem__('qkv', o)),
+        model.drop_path.register_forward_hook(lambda m, i, o: rec.__setitem__('keep', kept_samples(i[0], o))),
+    ]
+    g = torch.Generator().manual_seed(1)
+    x, Y = torch.randn(8, 3, 32, 32, generator=g), random_token_labels(8, 64, g)
+    torch.manual_seed(3)
+    out, caps = tracer.capture(lambda: model(x))
+    for h in hooks:
+        h.remove()
+    keep = rec['keep']
+    assert not keep.all() and keep.any()
+    label = tracer.label_path(caps, out, Y)
+    with torch.no_grad():
+        q, k, _ = rec['qkv'].double().reshape(8, 8, 8, 3, 2, 8).unbind(3)  # (B, H, W, heads, d)
+        qp = q.permute(0, 3, 4, 1, 2).reshape(8, 16, 8, 8)
+        qp = F.max_pool2d(qp, 2).reshape(8, 2, 8, 16).permute(0, 1, 3, 2)  # (B, heads, 16, d)
+        P = torch.softmax(qp @ k.reshape(8, 64, 2, 8).permute(0, 2, 3, 1) / 8**0.5, -1).mean(1)  # (B, 16, 64)
+        Yg = Y.double().reshape(8, 8, 8, C)
+        pooled = torch.stack(
+            [Yg[:, 2 * i : 2 * i + 2, 2 * j : 2 * j + 2].mean((1, 2)) for i in range(4) for j in range(4)], 1
+        )  # (B, 16, C): each 2x2 window's mean label, in row-major order
+        want = torch.where(keep[:, None, None], (pooled + P @ Y.double()) / 2, pooled).mean(1)
+    assert (label - want).abs().max() < 1e-6
+    assert (label - Y.mean(1)).abs().max() > 1e-3
 
 
 class _PadToWindows(nn.Module):

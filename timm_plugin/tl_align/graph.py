@@ -961,6 +961,29 @@ class _Program:
             return self._token_pool(t, m, out)
         raise GraphRouteError(f'{type(m).__module__}.{type(m).__name__} on tokens has no rule in the graph route')
 
+    @staticmethod
+    def _group_grid(index: torch.Tensor, grid) -> tuple:
+        """``(index, grid, order)`` of pooled groups of cells (``index`` ``(G, k)``): where they are the aligned
+        ``kh x kw`` windows that tile the ``grid`` (a pooling of the map in another layout), the pooled grid, its
+        windows in row-major order (``order[g]``: group ``g``'s cell on it), so that it sums with a map pooled by
+        the same windows; else one cell per group, ``(G, 1)``, in their order."""
+        G, k = index.shape
+        H, W = grid
+        r, c = index // W, index % W
+        r0, c0 = r.min(1).values, c.min(1).values
+        kh, kw = int((r - r0[:, None]).max()) + 1, int((c - c0[:, None]).max()) + 1
+        same = torch.arange(G, device='cpu')
+        if kh * kw != k or H % kh or W % kw or G != (H // kh) * (W // kw) or bool((r0 % kh).any() | (c0 % kw).any()):
+            return index, (G, 1), same
+        dr, dc = torch.meshgrid(torch.arange(kh), torch.arange(kw), indexing='ij')
+        window = ((r0[:, None] + dr.reshape(1, -1)) * W + c0[:, None] + dc.reshape(1, -1)).sort(1).values
+        if not torch.equal(window, index.sort(1).values):
+            return index, (G, 1), same
+        order = (r0 // kh) * (W // kw) + c0 // kw
+        placed = torch.empty_like(index)
+        placed[order] = index
+        return placed, (H // kh, W // kw), order
+
     def _token_pool(self, t: Tok, m: nn.Module, out) -> Tok:
         """A pooling of tokens in windows that tile them (max or average alike, as on a map): spatial aggregation,
         each output token the mean label of the cells its window holds. The groups are read off the code; they form
@@ -988,8 +1011,10 @@ class _Program:
         sample = (groups - 1) // cells
         if groups.shape[0] % 2 or not _constant_along(sample, [1]) or not torch.equal(groups[:n] + cells, groups[n:]):
             raise GraphRouteError(f'a {type(m).__name__} on tokens across samples has no rule')
-        slot = self._slot(_GroupMean((groups[:n] - 1) % cells), [t.slot], (n, 1))
-        new = (inverse.view(pos.shape[:-1]) + 1) * CODE + chan[..., 0]
+        index, grid, order = self._group_grid((groups[:n] - 1) % cells, self.grids[t.slot])
+        slot = self._slot(_GroupMean(index), [t.slot], grid)
+        inverse = inverse.view(pos.shape[:-1])
+        new = ((inverse // n) * n + order[inverse % n] + 1) * CODE + chan[..., 0]
         if tuple(new.shape) != tuple(out):
             raise GraphRouteError(f'a {type(m).__name__} on tokens that the code does not follow')
         return self._settle(Tok(slot, new.contiguous()))
