@@ -7,6 +7,7 @@ import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.layers.bottleneck_attn import BottleneckAttn
 from timm.models.densenet import DenseNet
 from timm.models.vgg import VGG
 
@@ -171,6 +172,7 @@ FAMILIES = {
     'nest_tiny': 'attention in nested blocks, block aggregation by conv and pooling',
     'nextvit_small': 'token rows whose keys an AvgPool1d pools, multi-head conv attention, concatenations',
     'sam2_hiera_tiny': 'windowed attention whose queries a MaxPool2d pools, summed with a pooled shortcut',
+    'botnet26t_256': 'attention logits plus relative logits from the queries, heads in the batch dim',
 }
 
 
@@ -179,7 +181,7 @@ def test_a_label_program_keeps_labels_a_distribution_and_a_constant_map_constant
     """Every op of Table 9 averages labels: on any family the program's output is a distribution within the range
     of its inputs, a map where every token has the same label gives that label, and a varying map moves."""
     torch.manual_seed(0)
-    kw = {'img_size': 64} if name.startswith(('nest', 'visformer')) else {}  # (fixed-size models)
+    kw = {'img_size': 64} if name.startswith(('nest', 'visformer', 'botnet')) else {}  # (fixed-size models)
     model = timm.create_model(name, num_classes=C, **kw).eval()
     tracer = GraphTracer(model, input_size=(3, 64, 64) if kw else (3, 224, 224) if name.startswith('sam2') else None)
     s = tracer.stride
@@ -217,7 +219,7 @@ def meta(name, **kw):
         ('inception_v3', {}, True, 'no token grid tiles the image'),
         ('nasnetalarge', {}, True, 'first single feature map at stride >= 2'),  # two-input cells: the map before
         ('edgenext_small', {}, False, 'normalize across token positions'),  # XCA: a softmax over channels
-        ('botnet26t_256', {}, False, 'attention weights combined with tokens other than as values'),  # rel logits
+        ('gcvit_tiny', {}, False, 'repeat_interleave has no Table 9 rule'),  # a global query shared by windows
         ('tnt_s_patch16_224', {}, False, 'no single feature map at stride >= 4'),
     ],
 )
@@ -303,6 +305,54 @@ def test_queries_pooled_on_the_grid_are_the_explicit_reference():
             [Yg[:, 2 * i : 2 * i + 2, 2 * j : 2 * j + 2].mean((1, 2)) for i in range(4) for j in range(4)], 1
         )  # (B, 16, C): each 2x2 window's mean label, in row-major order
         want = torch.where(keep[:, None, None], (pooled + P @ Y.double()) / 2, pooled).mean(1)
+    assert (label - want).abs().max() < 1e-6
+    assert (label - Y.mean(1)).abs().max() > 1e-3
+
+
+class _RelativeLogits(nn.Module):
+    """BoTNet's self-attention in small: a stride-4 stem, timm's ``BottleneckAttn`` (logits plus relative logits
+    computed from the queries, heads in the batch dim) through a drop path and the residual, the mean."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.stem = nn.Conv2d(3, d, 4, 4)
+        self.attn = BottleneckAttn(d, d, feat_size=(8, 8), num_heads=2)
+        self.drop_path, self.fc = timm.layers.DropPath(0.5), nn.Linear(d, C)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = x + self.drop_path(self.attn(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def test_relative_logits_from_the_queries_are_the_explicit_reference():
+    """Logits plus a term computed from the queries (BoTNet's relative position logits) are still logits: Eq. 9 on
+    the probabilities the forward computed, recomputed here from q, k and the module's own relative logits."""
+    from shared_core.capture import kept_samples
+
+    torch.manual_seed(0)
+    model = _RelativeLogits().train()
+    tracer = GraphTracer(model, input_size=(3, 32, 32))
+    rec = {}
+    hooks = [
+        model.attn.qkv.register_forward_hook(lambda m, i, o: rec.__setitem__('qkv', o.detach())),
+        model.drop_path.register_forward_hook(lambda m, i, o: rec.__setitem__('keep', kept_samples(i[0], o))),
+    ]
+    g = torch.Generator().manual_seed(1)
+    x, Y = torch.randn(8, 3, 32, 32, generator=g), random_token_labels(8, 64, g)
+    torch.manual_seed(3)
+    out, caps = tracer.capture(lambda: model(x))
+    for h in hooks:
+        h.remove()
+    keep, a = rec['keep'], model.attn
+    assert not keep.all() and keep.any()
+    label = tracer.label_path(caps, out, Y)
+    with torch.no_grad():
+        q, k, _ = torch.split(rec['qkv'], [a.dim_out_qk, a.dim_out_qk, a.dim_out_v], dim=1)
+        q = q.reshape(16, a.dim_head_qk, 64).transpose(-1, -2)
+        logits = (q @ k.reshape(16, a.dim_head_qk, 64)) * a.scale + a.pos_embed(q)
+        P = logits.double().softmax(-1).reshape(8, 2, 64, 64).mean(1)
+        want = torch.where(keep[:, None, None], (Y.double() + P @ Y.double()) / 2, Y.double()).mean(1)
     assert (label - want).abs().max() < 1e-6
     assert (label - Y.mean(1)).abs().max() > 1e-3
 

@@ -1176,6 +1176,12 @@ class _Program:
             if not _constant_along(v.pos, [v.code.ndim - 1]):
                 raise GraphRouteError('attention weights times tokens over their channels has no rule')
             return self._attend(s.site, s.q, s.k, s.qslot, s.kslot, v, out)
+        if toks and not probs and (node.target in _ADD or name in _ADD) and all(t.keep is None for t in toks):
+            # logits plus a term computed from the tokens (BoTNet's relative logits from the queries): a bias; the
+            # recorded probabilities hold it, and the entries keep their query and key cells
+            if tuple(out) != tuple(s.q.shape[:-1]) + (s.q.shape[-1], s.k.shape[-1]):
+                raise GraphRouteError('attention logits broadcast to another shape have no rule')
+            return s
         if toks:
             raise GraphRouteError('attention weights combined with tokens other than as values have no rule')
         if name in POINTWISE:
