@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers.bottleneck_attn import BottleneckAttn
 from timm.models.densenet import DenseNet
+from timm.models.shvit import SHSA
 from timm.models.vgg import VGG
 
 from shared_core.tl_align import conv_stencil_labels
@@ -173,6 +174,7 @@ FAMILIES = {
     'nextvit_small': 'token rows whose keys an AvgPool1d pools, multi-head conv attention, concatenations',
     'sam2_hiera_tiny': 'windowed attention whose queries a MaxPool2d pools, summed with a pooled shortcut',
     'botnet26t_256': 'attention logits plus relative logits from the queries, heads in the batch dim',
+    'shvit_s1': 'single-head attention on part of the channels, channels-first values times transposed weights',
 }
 
 
@@ -183,9 +185,10 @@ def test_a_label_program_keeps_labels_a_distribution_and_a_constant_map_constant
     torch.manual_seed(0)
     kw = {'img_size': 64} if name.startswith(('nest', 'visformer', 'botnet')) else {}  # (fixed-size models)
     model = timm.create_model(name, num_classes=C, **kw).eval()
-    tracer = GraphTracer(model, input_size=(3, 64, 64) if kw else (3, 224, 224) if name.startswith('sam2') else None)
+    big = name.startswith(('sam2', 'shvit'))  # (HieraDet: its windows; SHViT: its stride-16 stem)
+    tracer = GraphTracer(model, input_size=(3, 64, 64) if kw else (3, 224, 224) if big else None)
     s = tracer.stride
-    side = 64 if kw else 224 if name.startswith('sam2') else 16 * s if s == 4 else 8 * s  # (HieraDet: its windows)
+    side = 64 if kw else 224 if big else 16 * s if s == 4 else 8 * s
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 3, side, side, generator=g)
     out, caps = tracer.capture(lambda: model(x))
@@ -353,6 +356,58 @@ def test_relative_logits_from_the_queries_are_the_explicit_reference():
         logits = (q @ k.reshape(16, a.dim_head_qk, 64)) * a.scale + a.pos_embed(q)
         P = logits.double().softmax(-1).reshape(8, 2, 64, 64).mean(1)
         want = torch.where(keep[:, None, None], (Y.double() + P @ Y.double()) / 2, Y.double()).mean(1)
+    assert (label - want).abs().max() < 1e-6
+    assert (label - Y.mean(1)).abs().max() > 1e-3
+
+
+class _TransposedProbabilities(nn.Module):
+    """SHViT's single-head attention in small: a stride-4 stem, timm's ``SHSA`` (attention on a part of the
+    channels, values channels-first times the transposed probabilities, concatenated with the other channels)
+    through a drop path and the residual, the mean."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.stem, self.attn = nn.Conv2d(3, d, 4, 4), SHSA(d, qk_dim=8, pdim=8)
+        self.drop_path, self.fc = timm.layers.DropPath(0.5), nn.Linear(d, C)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = x + self.drop_path(self.attn(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def test_values_times_transposed_probabilities_are_the_explicit_reference():
+    """``v @ attnᵀ`` with channels-first values (SHViT) is Eq. 9; the attended part of the channels concatenated
+    with the rest is the mean of their labels (Table 9's Norm of the sum), then Eq. 11 where the drop path kept."""
+    from shared_core.capture import kept_samples
+
+    torch.manual_seed(0)
+    model = _TransposedProbabilities().train()
+    with torch.no_grad():  # SHSA's output norm starts at 0, and a zero branch shows no dropped sample
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.fill_(1.0)
+    tracer = GraphTracer(model, input_size=(3, 32, 32))
+    rec = {}
+    hooks = [
+        model.attn.qkv.register_forward_hook(lambda m, i, o: rec.__setitem__('qkv', o.detach())),
+        model.drop_path.register_forward_hook(lambda m, i, o: rec.__setitem__('keep', kept_samples(i[0], o))),
+    ]
+    g = torch.Generator().manual_seed(1)
+    x, Y = torch.randn(8, 3, 32, 32, generator=g), random_token_labels(8, 64, g)
+    torch.manual_seed(3)
+    out, caps = tracer.capture(lambda: model(x))
+    for h in hooks:
+        h.remove()
+    keep = rec['keep']
+    assert not keep.all() and keep.any()
+    label = tracer.label_path(caps, out, Y)
+    with torch.no_grad():
+        q, k, _ = torch.split(rec['qkv'].double().flatten(2), [8, 8, 8], dim=1)  # (B, 8, 64)
+        P = torch.softmax(q.transpose(-2, -1) @ k * 8**-0.5, -1)  # (B, 64 queries, 64 keys)
+        Yd = Y.double()
+        mixed = (P @ Yd + Yd) / 2  # the attended channels and the others, concatenated
+        want = torch.where(keep[:, None, None], (Yd + mixed) / 2, Yd).mean(1)
     assert (label - want).abs().max() < 1e-6
     assert (label - Y.mean(1)).abs().max() > 1e-3
 

@@ -66,6 +66,8 @@ class Probs(Scores):
     """Attention probabilities (a softmax of :class:`Scores` over the keys); ``site`` the softmax node."""
 
     site: Any = None
+    #: the probabilities transposed (keys, then queries: SHViT's ``v @ attnᵀ`` with channels-first values)
+    transposed: bool = False
 
 
 def map_code(shape, dims: Tuple[int, int], cells: int, grid: Tuple[int, int]) -> torch.Tensor:

@@ -1171,11 +1171,23 @@ class _Program:
         the keys is the probabilities; the probabilities times the values' tokens are Eq. 9."""
         (s,) = scores
         probs = isinstance(s, Probs)
-        if name in _MATMUL and probs and args[0] is s and isinstance(args[1], Tok) and not toks[1:]:
+        plain = probs and not s.transposed
+        if name in _MATMUL and plain and args[0] is s and isinstance(args[1], Tok) and not toks[1:]:
             v = args[1]
             if not _constant_along(v.pos, [v.code.ndim - 1]):
                 raise GraphRouteError('attention weights times tokens over their channels has no rule')
             return self._attend(s.site, s.q, s.k, s.qslot, s.kslot, v, out)
+        if name in _MATMUL and probs and s.transposed and args[1] is s and isinstance(args[0], Tok) and not toks[1:]:
+            # values with channels first times the transposed probabilities: (v Pᵀ)ᵀ = P vᵀ, Eq. 9 on vᵀ
+            v = args[0]
+            if not _constant_along(v.pos, [v.code.ndim - 2]):
+                raise GraphRouteError('tokens over their channels times attention weights has no rule')
+            vt = Tok(v.slot, v.code.transpose(-1, -2), v.keep)
+            flipped = (*out[:-2], out[-1], out[-2])
+            return self._attend(s.site, s.q, s.k, s.qslot, s.kslot, vt, flipped, transposed=True)
+        if probs and name == 'transpose' and not toks and len(args) == 3 and args[0] is s:
+            if sorted(a % len(out) for a in args[1:3]) == [len(out) - 2, len(out) - 1]:  # the queries and keys swap
+                return Probs(s.q, s.k, s.qslot, s.kslot, site=s.site, transposed=not s.transposed)
         if toks and not probs and (node.target in _ADD or name in _ADD) and all(t.keep is None for t in toks):
             # logits plus a term computed from the tokens (BoTNet's relative logits from the queries): a bias; the
             # recorded probabilities hold it, and the entries keep their query and key cells
@@ -1220,7 +1232,7 @@ class _Program:
             raise GraphRouteError('an attention with grouped or broadcast keys has no rule in the graph route')
         return self._attend(node, q.pos[..., 0].expand(*lead, out[-2]), k.pos[..., 0], q.slot, k.slot, v, out)
 
-    def _attend(self, site, q, k, qslot, kslot, v: Tok, out) -> Tok:
+    def _attend(self, site, q, k, qslot, kslot, v: Tok, out, transposed: bool = False) -> Tok:
         """Eq. 9: a label op that applies the recorded probabilities to the keys' labels, per query cell the mean
         over heads (and over the windows that hold the cell, where several do)."""
         if v.slot != kslot:
@@ -1250,8 +1262,8 @@ class _Program:
         op = Attend(q, kk.expand(*q.shape[:-1], kk.shape[-1]), qcells, kcells, self.grids[qslot], _where(site))
         slot = self._slot(op, [kslot], self.grids[qslot])
         self.attends.append((site, op))
-        code = q[..., None] * CODE + v.chan[..., :1, :]
-        return self._settle(Tok(slot, code.expand(out).contiguous()))
+        code = (q[..., None] * CODE + v.chan[..., :1, :]).expand(out)
+        return self._settle(Tok(slot, (code.transpose(-1, -2) if transposed else code).contiguous()))
 
     # ------------------------------------------------------------------ running it
 
