@@ -48,6 +48,26 @@ def load(world: Path, split: str, classes: list[str]):
     return x, torch.tensor(ys), torch.from_numpy(np.stack(maps).astype(np.int64))
 
 
+def cutmix_with_truth(x, y, maps, num_classes: int, patch_size: int, generator):
+    """CutMix on ``x`` (the box on a ``patch_size`` grid) and what the label maps say of each pair: ``(mixed
+    images, target, truth, area, valid)``. Truth: of the two labelled objects' pixels the mixed image shows (the
+    sample's own outside the box, the partner's inside it), the partner's fraction; area: the box's; valid: the
+    pairs with two classes and some object on show."""
+    mixer = create_mixer(
+        'cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', label_smoothing=0.0, num_classes=num_classes,
+        patch_size=patch_size, carry_mix=True, generator=generator,
+    )  # fmt: skip
+    xm, target = mixer(x, y)
+    mix = target.mix
+    inside = mix.pixel_share()[:, 0] > 0.5  # (B, H, W) partner pixels
+    own = (maps == (y + 1)[:, None, None]) & ~inside
+    partner = (maps[mix.partner] == (y[mix.partner] + 1)[:, None, None]) & inside
+    shown = own.sum((1, 2)) + partner.sum((1, 2))
+    valid = (shown > 0) & (y != y[mix.partner])  # two classes, some object on show
+    truth = partner.sum((1, 2)).float() / shown.clamp_min(1)
+    return xm, target, truth, inside.float().mean((1, 2)), valid
+
+
 def load_model(args, kwargs: dict, num_classes: int, ckpt):
     """The model, randomly initialised (seed 0) or from a timm checkpoint; an HTM run's ScoreNet is left out."""
     torch.manual_seed(0)
@@ -78,19 +98,8 @@ def main():
     x, y, maps = x[idx], y[idx], maps[idx]
     kwargs = dict(kv.split('=', 1) for kv in args.model_kwargs)
     kwargs = {k: int(v) if v.lstrip('-').isdigit() else v for k, v in kwargs.items()}
-    mixer = create_mixer(
-        'cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', label_smoothing=0.0, num_classes=len(classes),
-        patch_size=16, carry_mix=True, generator=g,
-    )  # fmt: skip
-    xm, target = mixer(x, y)
+    xm, target, truth, area, valid = cutmix_with_truth(x, y, maps, len(classes), 16, g)
     mix = target.mix
-    inside = mix.pixel_share()[:, 0] > 0.5  # (B, H, W) partner pixels
-    own = (maps == (y + 1)[:, None, None]) & ~inside
-    partner = (maps[mix.partner] == (y[mix.partner] + 1)[:, None, None]) & inside
-    shown = own.sum((1, 2)) + partner.sum((1, 2))
-    valid = (shown > 0) & (y != y[mix.partner])  # two classes, some object on show
-    truth = partner.sum((1, 2)).float() / shown.clamp_min(1)
-    area = inside.float().mean((1, 2))
     rows = [('area (CutMix)', area)]
     models = [('random init', None)] + [(str(c), c) for c in args.checkpoint]
     for name, ckpt in models:

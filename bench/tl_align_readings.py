@@ -40,12 +40,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / 'bench'))
 
-from label_fidelity import load  # noqa: E402
+from label_fidelity import cutmix_with_truth, load  # noqa: E402
 
 import shared_core.tl_align as rules  # noqa: E402
 import timm_plugin.tl_align.graph as graph  # noqa: E402
 from shared_core.tools.world import generate_world  # noqa: E402
-from timm_plugin import create_mixer  # noqa: E402
 from timm_plugin.tl_align import TLAlign  # noqa: E402
 from timm_plugin.tl_align.cnn import ResNetTracer  # noqa: E402
 from timm_plugin.tl_align.metaformer import MetaFormerTracer, Pooling  # noqa: E402
@@ -152,19 +151,9 @@ def main():
     g = torch.Generator().manual_seed(args.seed)
     n = 2 * (len(x) // 2)
     x, y, maps = x[:n], y[:n], maps[:n]
-    mixer = create_mixer(
-        'cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', label_smoothing=0.0, num_classes=len(classes),
-        patch_size=4, carry_mix=True, generator=g,
-    )  # fmt: skip
-    xm, target = mixer(x, y)
+    xm, target, truth, area, valid = cutmix_with_truth(x, y, maps, len(classes), 4, g)
     mix = target.mix
-    inside = mix.pixel_share()[:, 0] > 0.5
-    own = (maps == (y + 1)[:, None, None]) & ~inside
-    partner = (maps[mix.partner] == (y[mix.partner] + 1)[:, None, None]) & inside
-    shown = own.sum((1, 2)) + partner.sum((1, 2))
-    valid = (shown > 0) & (y != y[mix.partner])
-    truth = (partner.sum((1, 2)).float() / shown.clamp_min(1))[valid]
-    area = inside.float().mean((1, 2))[valid]
+    truth, area = truth[valid], area[valid]
     print(
         f'# {int(valid.sum())} CutMix pairs of val images with two classes and an object on show (world at {world}, '
         f'4-px label grid); models randomly initialised (seed 0) and after {args.epochs} epochs of CutMix training; '

@@ -242,6 +242,26 @@ def test_the_graph_route_names_what_it_cannot_read(name, kw, decided, why):
     assert e.value.__cause__.decided is decided
 
 
+def _aligned_with_records(model, parts):
+    """A 32-px training forward of a small stride-4 model on 8 images (stochastic depth drawn at seed 3) and its
+    graph-route labels: ``(labels, initial labels, records)``, the records holding each of ``parts``' outputs
+    (``{name: module}``) and, under ``'keep'``, the samples ``model.drop_path`` kept (some dropped, some kept)."""
+    from shared_core.capture import kept_samples
+
+    tracer = GraphTracer(model, input_size=(3, 32, 32))
+    rec = {}
+    hooks = [m.register_forward_hook(lambda m, i, o, n=n: rec.__setitem__(n, o.detach())) for n, m in parts.items()]
+    hooks.append(model.drop_path.register_forward_hook(lambda m, i, o: rec.__setitem__('keep', kept_samples(i[0], o))))
+    g = torch.Generator().manual_seed(1)
+    x, Y = torch.randn(8, 3, 32, 32, generator=g), random_token_labels(8, 64, g)
+    torch.manual_seed(3)
+    out, caps = tracer.capture(lambda: model(x))
+    for h in hooks:
+        h.remove()
+    assert not rec['keep'].all() and rec['keep'].any()
+    return tracer.label_path(caps, out, Y), Y, rec
+
+
 class _PooledQueryAttention(nn.Module):
     """HieraDet's query pooling in small: token rows as a ``(B, H, W, D)`` grid, queries max-pooled 2x2 on it,
     keys and values from every token, SDPA; the output on the pooled grid."""
@@ -279,25 +299,10 @@ def test_queries_pooled_on_the_grid_are_the_explicit_reference():
     """Queries pooled 2x2 on the grid (HieraDet): each pooled query's cell is a 2x2 window of the grid, its label
     Eq. 9 over every key, and the sum with the 2x2-pooled shortcut Eq. 11 on the pooled grid (both are the same
     windows, so they sum)."""
-    from shared_core.capture import kept_samples
-
     torch.manual_seed(0)
     model = _PooledQueries().train()
-    tracer = GraphTracer(model, input_size=(3, 32, 32))
-    rec = {}
-    hooks = [
-        model.attn.qkv.register_forward_hook(lambda m, i, o: rec.__setitem__('qkv', o)),
-        model.drop_path.register_forward_hook(lambda m, i, o: rec.__setitem__('keep', kept_samples(i[0], o))),
-    ]
-    g = torch.Generator().manual_seed(1)
-    x, Y = torch.randn(8, 3, 32, 32, generator=g), random_token_labels(8, 64, g)
-    torch.manual_seed(3)
-    out, caps = tracer.capture(lambda: model(x))
-    for h in hooks:
-        h.remove()
+    label, Y, rec = _aligned_with_records(model, {'qkv': model.attn.qkv})
     keep = rec['keep']
-    assert not keep.all() and keep.any()
-    label = tracer.label_path(caps, out, Y)
     with torch.no_grad():
         q, k, _ = rec['qkv'].double().reshape(8, 8, 8, 3, 2, 8).unbind(3)  # (B, H, W, heads, d)
         qp = q.permute(0, 3, 4, 1, 2).reshape(8, 16, 8, 8)
@@ -331,25 +336,10 @@ class _RelativeLogits(nn.Module):
 def test_relative_logits_from_the_queries_are_the_explicit_reference():
     """Logits plus a term computed from the queries (BoTNet's relative position logits) are still logits: Eq. 9 on
     the probabilities the forward computed, recomputed here from q, k and the module's own relative logits."""
-    from shared_core.capture import kept_samples
-
     torch.manual_seed(0)
     model = _RelativeLogits().train()
-    tracer = GraphTracer(model, input_size=(3, 32, 32))
-    rec = {}
-    hooks = [
-        model.attn.qkv.register_forward_hook(lambda m, i, o: rec.__setitem__('qkv', o.detach())),
-        model.drop_path.register_forward_hook(lambda m, i, o: rec.__setitem__('keep', kept_samples(i[0], o))),
-    ]
-    g = torch.Generator().manual_seed(1)
-    x, Y = torch.randn(8, 3, 32, 32, generator=g), random_token_labels(8, 64, g)
-    torch.manual_seed(3)
-    out, caps = tracer.capture(lambda: model(x))
-    for h in hooks:
-        h.remove()
+    label, Y, rec = _aligned_with_records(model, {'qkv': model.attn.qkv})
     keep, a = rec['keep'], model.attn
-    assert not keep.all() and keep.any()
-    label = tracer.label_path(caps, out, Y)
     with torch.no_grad():
         q, k, _ = torch.split(rec['qkv'], [a.dim_out_qk, a.dim_out_qk, a.dim_out_v], dim=1)
         q = q.reshape(16, a.dim_head_qk, 64).transpose(-1, -2)
@@ -379,29 +369,14 @@ class _TransposedProbabilities(nn.Module):
 def test_values_times_transposed_probabilities_are_the_explicit_reference():
     """``v @ attnᵀ`` with channels-first values (SHViT) is Eq. 9; the attended part of the channels concatenated
     with the rest is the mean of their labels (Table 9's Norm of the sum), then Eq. 11 where the drop path kept."""
-    from shared_core.capture import kept_samples
-
     torch.manual_seed(0)
     model = _TransposedProbabilities().train()
     with torch.no_grad():  # SHSA's output norm starts at 0, and a zero branch shows no dropped sample
         for m in model.modules():
             if isinstance(m, nn.BatchNorm2d):
                 m.weight.fill_(1.0)
-    tracer = GraphTracer(model, input_size=(3, 32, 32))
-    rec = {}
-    hooks = [
-        model.attn.qkv.register_forward_hook(lambda m, i, o: rec.__setitem__('qkv', o.detach())),
-        model.drop_path.register_forward_hook(lambda m, i, o: rec.__setitem__('keep', kept_samples(i[0], o))),
-    ]
-    g = torch.Generator().manual_seed(1)
-    x, Y = torch.randn(8, 3, 32, 32, generator=g), random_token_labels(8, 64, g)
-    torch.manual_seed(3)
-    out, caps = tracer.capture(lambda: model(x))
-    for h in hooks:
-        h.remove()
+    label, Y, rec = _aligned_with_records(model, {'qkv': model.attn.qkv})
     keep = rec['keep']
-    assert not keep.all() and keep.any()
-    label = tracer.label_path(caps, out, Y)
     with torch.no_grad():
         q, k, _ = torch.split(rec['qkv'].double().flatten(2), [8, 8, 8], dim=1)  # (B, 8, 64)
         P = torch.softmax(q.transpose(-2, -1) @ k * 8**-0.5, -1)  # (B, 64 queries, 64 keys)
@@ -481,24 +456,10 @@ def test_keys_pooled_from_token_rows_are_the_explicit_reference():
     """Tokens pooled in runs along their rows (NextViT's keys): each key's label is the mean of its run's cells, the
     attention Eq. 9 over those keys, Eq. 11 for the samples the drop path kept, the labels carried through the
     layout ops after the drop path."""
-    from shared_core.capture import kept_samples
-
     torch.manual_seed(0)
     model = _PooledKeys().train()
-    tracer = GraphTracer(model, input_size=(3, 32, 32))
-    rec, hooks = {}, []
-    for name in ('q', 'k'):
-        hooks.append(getattr(model.attn, name).register_forward_hook(lambda m, i, o, n=name: rec.__setitem__(n, o)))
-    hooks.append(model.drop_path.register_forward_hook(lambda m, i, o: rec.__setitem__('keep', kept_samples(i[0], o))))
-    g = torch.Generator().manual_seed(1)
-    x, Y = torch.randn(8, 3, 32, 32, generator=g), random_token_labels(8, 64, g)
-    torch.manual_seed(3)
-    out, caps = tracer.capture(lambda: model(x))
-    for h in hooks:
-        h.remove()
+    label, Y, rec = _aligned_with_records(model, {'q': model.attn.q, 'k': model.attn.k})
     keep = rec['keep']
-    assert not keep.all() and keep.any()
-    label = tracer.label_path(caps, out, Y)
     with torch.no_grad():
         q = rec['q'].double().reshape(8, 64, 2, 8).transpose(1, 2)
         k = rec['k'].double().reshape(8, 16, 2, 8).transpose(1, 2)
