@@ -133,12 +133,15 @@ def residual_labels(
     labels: torch.Tensor, branch: torch.Tensor, keep: Optional[torch.Tensor] = None, residual: bool = True
 ) -> torch.Tensor:
     """Eq. 11: ``Norm(Y + branch)`` with Norm the plain average; ``keep`` (B,) bool marks the samples
-    whose residual branch ran (stochastic depth drops it for the others: their labels stay).
+    whose residual branch ran (stochastic depth drops it for the others: their labels stay), or a mask of
+    the labels' shape but their last or channel dim 1 (a drop path over parts of each sample).
     ``residual=False`` (Table 8 ablation, "normalization disabled") drops the residual from the label
     path: ``Y ← branch``."""
     new = torch.lerp(labels, branch, 0.5) if residual else branch
     if keep is not None:
-        new = torch.where(keep.view(-1, *([1] * (labels.dim() - 1))), new, labels)
+        new = torch.where(
+            keep if keep.dim() == labels.dim() else keep.view(-1, *([1] * (labels.dim() - 1))), new, labels
+        )
     return new
 
 

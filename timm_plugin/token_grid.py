@@ -32,11 +32,15 @@ __all__ = [
 
 def patch_embedding(model: nn.Module):
     """A timm model's patch embedding: ``patch_embed`` (ViTs, Swin, PVT, ...); for the MLP-Mixer family, a ``stem``
-    that is timm's ``PatchEmbed``; for ConvNeXt, its patchify stem conv (kernel = stride, whose ``stride`` is
-    the token step); ``None`` for models without one (other CNNs)."""
+    that is timm's ``PatchEmbed``; for NaFlexViT, its ``embeds``; for ConvNeXt, its patchify stem conv (kernel =
+    stride, whose ``stride`` is the token step); ``None`` for models without one (other CNNs)."""
     embed = getattr(model, 'patch_embed', None)
     if embed is None:
         from timm.layers import PatchEmbed
+        from timm.models.naflexvit import NaFlexVit
+
+        if isinstance(model, NaFlexVit):  # its ``NaFlexEmbeds`` (``patch_size``)
+            return model.embeds
         from timm.models.convnext import ConvNeXt
 
         stem = getattr(model, 'stem', None)

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers.bottleneck_attn import BottleneckAttn
 from timm.models.densenet import DenseNet
+from timm.models.efficientformer_v2 import Attention2d
 from timm.models.shvit import SHSA
 from timm.models.vgg import VGG
 
@@ -20,7 +21,14 @@ from timm_plugin.token_grid import tl_align_stride
 
 from ..timm_plugin.test_tl_align import C, random_token_labels
 from ..timm_plugin.test_tl_align_more import _adaptive_mean, _window_mean
-from .tl_align_checks import check_compact_equals_dense, grid_mix, mean_abs_stencil, stencil_loops, window_mix
+from .tl_align_checks import (
+    check_against_reference,
+    check_compact_equals_dense,
+    grid_mix,
+    mean_abs_stencil,
+    stencil_loops,
+    window_mix,
+)
 
 
 def sym(conv):
@@ -175,6 +183,7 @@ FAMILIES = {
     'sam2_hiera_tiny': 'windowed attention whose queries a MaxPool2d pools, summed with a pooled shortcut',
     'botnet26t_256': 'attention logits plus relative logits from the queries, heads in the batch dim',
     'shvit_s1': 'single-head attention on part of the channels, channels-first values times transposed weights',
+    'efficientformerv2_s0': 'talking heads, attention with a stride, attention that downsamples its queries',
 }
 
 
@@ -185,7 +194,7 @@ def test_a_label_program_keeps_labels_a_distribution_and_a_constant_map_constant
     torch.manual_seed(0)
     kw = {'img_size': 64} if name.startswith(('nest', 'visformer', 'botnet')) else {}  # (fixed-size models)
     model = timm.create_model(name, num_classes=C, **kw).eval()
-    big = name.startswith(('sam2', 'shvit'))  # (HieraDet: its windows; SHViT: its stride-16 stem)
+    big = name.startswith(('sam2', 'shvit', 'efficientformerv2'))  # (windows, a stride-16 stem, fixed biases)
     tracer = GraphTracer(model, input_size=(3, 64, 64) if kw else (3, 224, 224) if big else None)
     s = tracer.stride
     side = 64 if kw else 224 if big else 16 * s if s == 4 else 8 * s
@@ -222,7 +231,7 @@ def meta(name, **kw):
         ('inception_v3', {}, True, 'no token grid tiles the image'),
         ('nasnetalarge', {}, True, 'first single feature map at stride >= 2'),  # two-input cells: the map before
         ('edgenext_small', {}, False, 'normalize across token positions'),  # XCA: a softmax over channels
-        ('gcvit_tiny', {}, False, 'repeat_interleave has no Table 9 rule'),  # a global query shared by windows
+        ('volo_d1_224', {}, False, 'Unfold has no Table 9 rule'),  # outlook attention: weights on unfolded windows
         ('tnt_s_patch16_224', {}, False, 'no single feature map at stride >= 4'),
     ],
 )
@@ -383,6 +392,58 @@ def test_values_times_transposed_probabilities_are_the_explicit_reference():
         Yd = Y.double()
         mixed = (P @ Yd + Yd) / 2  # the attended channels and the others, concatenated
         want = torch.where(keep[:, None, None], (Yd + mixed) / 2, Yd).mean(1)
+    assert (label - want).abs().max() < 1e-6
+    assert (label - Y.mean(1)).abs().max() > 1e-3
+
+
+class _TalkingHeads(nn.Module):
+    """EfficientFormer v2's attention in small: a stride-4 stem, timm's ``Attention2d`` with a stride (a strided
+    depthwise conv before it, a bilinear upsampling after), talking heads before and after the softmax and a local
+    depthwise conv on the values, through a drop path and the residual, the mean."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.stem = nn.Conv2d(3, d, 4, 4)
+        self.attn = Attention2d(d, key_dim=8, num_heads=2, attn_ratio=2, resolution=8, stride=2)
+        self.drop_path, self.fc = timm.layers.DropPath(0.5), nn.Linear(d, C)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = x + self.drop_path(self.attn(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def test_talking_heads_are_caits_rule_on_the_explicit_reference():
+    """Talking heads (EfficientFormer v2): a 1x1 conv over the heads of the logits keeps them logits (the recorded
+    softmax holds it); one over the heads of the probabilities gives the signed weights that multiply the values,
+    read as CaiT's are, ``Norm(|mean_h W|)``. The values' local conv is a stencil summed with the attention
+    (Eq. 11's mean), the strided conv and the upsampling move the labels as on a map."""
+    torch.manual_seed(0)
+    model = _TalkingHeads().train()
+    a = model.attn
+    with torch.no_grad():
+        a.attention_biases.normal_()
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):  # (a zero branch shows no dropped sample)
+                m.weight.fill_(1.0)
+    label, Y, rec = _aligned_with_records(model, {'x': a.stride_conv})
+    keep = rec['keep']
+    with torch.no_grad():
+        x = rec['x']
+        B = len(x)
+        q = a.q(x).reshape(B, 2, -1, a.N).permute(0, 1, 3, 2).double()
+        k = a.k(x).reshape(B, 2, -1, a.N).double()
+        logits = (q @ k) * a.scale + a.attention_biases[:, a.attention_bias_idxs].double()
+        th1, th2 = a.talking_head1, a.talking_head2
+        logits = F.conv2d(logits, th1.weight.double(), th1.bias.double())
+        W = F.conv2d(logits.softmax(-1), th2.weight.double(), th2.bias.double()).mean(1)  # (B, 16, 16)
+        A = W.abs() / W.abs().sum(-1, keepdim=True)
+        Yd = Y.double().reshape(B, 8, 8, C)
+        Z = stencil_loops(Yd, mean_abs_stencil(a.stride_conv.conv.weight), (1, 1, 1, 1), 2)  # (B, 4, 4, C)
+        local = stencil_loops(Z, mean_abs_stencil(a.v_local.conv.weight), (1, 1, 1, 1))
+        both = ((A @ Z.reshape(B, 16, C)).reshape(B, 4, 4, C) + local) / 2
+        up = F.interpolate(both.permute(0, 3, 1, 2), scale_factor=2, mode='bilinear').permute(0, 2, 3, 1)
+        want = torch.where(keep[:, None, None, None], (Yd + up) / 2, Yd).mean((1, 2))
     assert (label - want).abs().max() < 1e-6
     assert (label - Y.mean(1)).abs().max() > 1e-3
 
@@ -597,16 +658,4 @@ def test_maxvit_window_and_grid_attention_are_the_explicit_reference(fused, comp
             handles.append(bias.register_forward_hook(lambda m, i, o: records.__setitem__(m, o.detach())))
         if isinstance(m, timm.layers.DropPath):
             handles.append(m.register_forward_hook(lambda m, i, o: records.__setitem__(m, kept_samples(i[0], o))))
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 3, 64, 64, generator=g)
-    Y = random_token_labels(4, 256, g)
-    torch.manual_seed(2)
-    out, caps = tracer.capture(lambda: model(x))
-    for h in handles:
-        h.remove()
-    assert sum(int((~k).sum()) for m, k in records.items() if isinstance(m, timm.layers.DropPath)) > 0
-    label = tracer.label_path(caps, out, Y)
-    with torch.no_grad():
-        want = maxvit_reference(model, Y.reshape(4, 16, 16, C), records)
-    assert (label - want).abs().max() < 1e-6
-    assert (label - Y.mean(1)).abs().max() > 1e-3
+    check_against_reference(tracer, model, records, handles, maxvit_reference)

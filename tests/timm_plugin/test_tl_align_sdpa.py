@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 from shared_core.mixing import one_hot
 from timm_plugin import create_mixer
 from timm_plugin.tl_align import BeitTracer, EvaTracer, TLAlign, TransMix, timm_tracer
+from timm_plugin.token_grid import token_stride
 
 C = 5
 
@@ -64,7 +65,7 @@ def dense_start(mix, y, P):
 
 def batch(model, img, seed=0, B=4):
     g = torch.Generator().manual_seed(seed)
-    ps = model.patch_embed.patch_size[0]
+    ps = token_stride(model)[0]
     mixer = create_mixer(
         'cutmix', mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=C, patch_size=ps, mode='elem', generator=g,
         carry_mix=True, label_smoothing=0.0,
@@ -101,6 +102,11 @@ MODELS = {
     'beit (relative bias, avg)': ('beit_base_patch16_224', dict(img_size=64, embed_dim=64, num_heads=4)),
     'beit token pool': ('beit_base_patch16_224', dict(img_size=64, embed_dim=64, num_heads=4, global_pool='token')),
     "vit (today's tracer)": ('vit_tiny_patch16_224', dict(img_size=64)),
+    'naflexvit (registers, avg)': ('naflexvit_base_patch16_gap', dict(img_size=64, embed_dim=64, num_heads=4)),
+    'naflexvit, class token': (
+        'naflexvit_base_patch16_gap',
+        dict(img_size=64, embed_dim=64, num_heads=4, class_token=True, reg_tokens=0, global_pool='token'),
+    ),
     'vit relpos (mlp bias, avg)': ('vit_relpos_small_patch16_224', dict(img_size=64)),
     'vit relpos, class token': ('vit_relpos_medium_patch16_cls_224', dict(img_size=64)),
     'vit relpos, shared bias': ('vit_srelpos_small_patch16_224', dict(img_size=64)),
@@ -249,3 +255,23 @@ def test_tokenaug_train_tl_align_across_the_zoo(tiny_world, tmp_path, model, kwa
         + ['--output', str(tmp_path), '--experiment', 'run']
     )
     assert set(metrics) == {'loss', 'top1', 'top5'} and 0 <= metrics['top1'] <= 100
+
+
+def test_naflexvit_takes_image_batches_and_names_a_masked_one():
+    """NaFlexViT on an image batch is a ViT (the brute force above); a batch with a patch validity mask (its NaFlex
+    mode) masks keys out of the attention, which the ViT rule does not read: the forward says so."""
+    from timm_plugin.tl_align import NaFlexViTTracer
+
+    model = timm.create_model(
+        'naflexvit_base_patch16_gap', img_size=64, depth=2, embed_dim=64, num_heads=4, num_classes=C
+    )
+    tracer = timm_tracer(model)
+    assert type(tracer) is NaFlexViTTracer
+    patches = torch.randn(2, 16, 16 * 16 * 3)
+    rows, cols = torch.meshgrid(torch.arange(4), torch.arange(4), indexing='ij')
+    coord = torch.stack([rows.flatten(), cols.flatten()], -1).expand(2, -1, -1)
+    valid = torch.ones(2, 16, dtype=torch.bool)
+    valid[1, -3:] = False  # (the second image has 13 patches)
+    batch = {'patches': patches, 'patch_coord': coord, 'patch_valid': valid}
+    with pytest.raises(ValueError, match='a NaFlex batch with an attention mask'):
+        tracer.capture(lambda: model(batch))

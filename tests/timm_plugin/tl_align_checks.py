@@ -102,3 +102,31 @@ def mean_abs_stencil(weight):
     ``|K_{o,i}|``, in float64."""
     K = weight.detach().double()
     return sum(K[o, i].abs() for o in range(K.shape[0]) for i in range(K.shape[1])) / (K.shape[0] * K.shape[1])
+
+
+def check_against_reference(tracer, model, records, handles, reference, B=4, side=64, dropped=True):
+    """A training forward of ``model`` on ``B`` random ``side``-px images (stochastic depth drawn at seed 2) with the
+    ``records`` its ``handles`` hook, and the tracer's labels of random token labels against
+    ``reference(model, Y (B, H, W, K), records)`` to 1e-6 (and away from the plain mean); ``dropped``: some drop
+    path (a ``DropPath`` key of ``records``) dropped a sample or row. Returns the max |difference|."""
+    import timm
+    import torch
+
+    from .test_tl_align import C, random_token_labels
+
+    g = torch.Generator().manual_seed(1)
+    s = tracer.stride
+    x, Y = torch.randn(B, 3, side, side, generator=g), random_token_labels(B, (side // s) ** 2, g)
+    torch.manual_seed(2)
+    out, caps = tracer.capture(lambda: model(x))
+    for h in handles:
+        h.remove()
+    if dropped:
+        assert any(not k.all() for m, k in records.items() if isinstance(m, timm.layers.DropPath))
+    label = tracer.label_path(caps, out, Y)
+    with torch.no_grad():
+        want = reference(model, Y.reshape(B, side // s, side // s, C), records)
+    diff = (label - want).abs().max()
+    assert diff < 1e-6
+    assert (label - Y.mean(1)).abs().max() > 1e-3
+    return float(diff)

@@ -48,6 +48,7 @@ from timm.models.hiera import Hiera
 from timm.models.metaformer import MetaFormer
 from timm.models.mlp_mixer import MlpMixer
 from timm.models.mvitv2 import MultiScaleVit
+from timm.models.naflexvit import NaFlexVit
 from timm.models.pvt_v2 import PyramidVisionTransformerV2
 from timm.models.resnet import ResNet
 from timm.models.swin_transformer import SwinTransformer
@@ -80,7 +81,7 @@ from .mvitv2 import MViTv2Tracer
 from .sam import SamViTTracer
 from .sdpa import BeitTracer, EvaTracer, RelPosViTTracer
 from .twins import TwinsTracer
-from .vit import CaitTracer, CCTTracer, DistilledViTTracer, SharedAttentionViT, ViTTracer
+from .vit import CaitTracer, CCTTracer, DistilledViTTracer, NaFlexViTTracer, SharedAttentionViT, ViTTracer
 
 __all__ = [
     'TLAlign',
@@ -90,6 +91,7 @@ __all__ = [
     'ViTTracer',
     'SharedAttentionViT',
     'DistilledViTTracer',
+    'NaFlexViTTracer',
     'CaitTracer',
     'CCTTracer',
     'SwinTracer',
@@ -118,6 +120,7 @@ SUPPORTED_MODELS = {
     CCT: CCTTracer,
     VisionTransformerDistilled: DistilledViTTracer,
     VisionTransformer: ViTTracer,
+    NaFlexVit: NaFlexViTTracer,
     SwinTransformer: SwinTracer,
     SwinTransformerV2: SwinV2Tracer,
     SwinTransformerV2Cr: SwinV2Tracer,

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from shared_core.capture import sdpa_record
+from shared_core.tl_align import abs_row_norm
 
 __all__ = ['CODE', 'Tok', 'Scores', 'Probs', 'SiteMode', 'Attend', 'SOFTMAX']
 
@@ -68,6 +69,8 @@ class Probs(Scores):
     site: Any = None
     #: the probabilities transposed (keys, then queries: SHViT's ``v @ attnᵀ`` with channels-first values)
     transposed: bool = False
+    #: a 1x1 conv that mixes the heads of the probabilities before they weigh the values (talking heads)
+    mix: Any = None
 
 
 def map_code(shape, dims: Tuple[int, int], cells: int, grid: Tuple[int, int]) -> torch.Tensor:
@@ -175,8 +178,9 @@ class Attend:
     the mean over heads (and over every query entry of a cell) scattered to the query grid. ``site``: ``(watched
     module, call)`` of the record, set once the graph is read."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, qcells: int, kcells: int, qgrid, what: str):
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, qcells: int, kcells: int, qgrid, what: str, mix=None):
         L = q.shape[:-1]
+        self.mix = mix  # talking heads: the weights are ``mix(P)``, read as CaiT's (Norm(|mean_h mix(P)|))
         self.g = L[0] // 2
         self.what = what
         kidx = (k[: self.g] - 1) % kcells
@@ -202,6 +206,10 @@ class Attend:
     def __call__(self, Y: torch.Tensor, record) -> torch.Tensor:
         B, K = Y.shape[:2]
         P = self.probabilities(record)
+        if self.mix is not None:  # (windows, heads, N, M): the signed mixed weights' head mean, |.| row-normalised
+            with torch.no_grad():
+                W = self.mix(P.to(self.mix.weight.dtype)).float()
+            P = abs_row_norm(W.mean(1, keepdim=True)).expand_as(W)
         if P.shape[0] != B * self.g:
             raise ValueError(
                 f'model: {self.what} recorded attention over {P.shape[0]} windows for {B} samples; the graph read '

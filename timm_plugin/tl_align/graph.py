@@ -2,7 +2,8 @@
 family.
 
 :class:`GraphTracer` traces the model once with ``torch.fx`` (timm's own leaf modules and functions, as its
-feature extraction does) and propagates the shapes of one fake batch through the graph. It then reads every op of
+feature extraction does; a block that branches on its input's size is read at the compiled input size,
+:class:`_SizedTracer`) and propagates the shapes of one fake batch through the graph. It then reads every op of
 the forward by the TL-Align paper's Table 9 and keeps the ops that move labels as a small label program; anything
 it has no rule for is refused, naming the node. The rules:
 
@@ -32,6 +33,7 @@ neither Eq. 9 nor a fixed mixer), a vector added to a map (a global context), re
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -152,11 +154,12 @@ _ACTIVATION_MODULES = ('torch.nn.modules.activation', 'timm.layers.activations',
 _NOT_POINTWISE = (nn.MultiheadAttention, nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d, nn.GLU)
 _MATMUL = frozenset('matmul bmm __matmul__'.split())
 #: ops that take a map's positions off its layout (its entries are followed as tokens)
-_TOKEN_OPS = _MATMUL | {'scaled_dot_product_attention', 'roll', 'stack'}
+_TOKEN_OPS = _MATMUL | {'scaled_dot_product_attention', 'roll', 'stack', 'repeat_interleave'}
 #: layout ops, replayed on the code of tokens
 _REPLAYED = frozenset(
     'view reshape flatten unflatten squeeze unsqueeze expand expand_as view_as reshape_as permute transpose swapaxes '
-    'movedim contiguous getitem chunk split tensor_split unbind roll narrow flip repeat pad Flatten Unflatten '
+    'movedim contiguous getitem chunk split tensor_split unbind roll narrow flip repeat repeat_interleave pad '
+    'Flatten Unflatten '
     'cat concat concatenate stack'.split()
 )
 #: timm's functions that fx keeps whole (window partitions and reverses among them)
@@ -310,6 +313,99 @@ class _Tracer(fx.Tracer):
         return isinstance(m, self.leaves) or super().is_leaf_module(m, qualname)
 
 
+class _SizedProxy(fx.Proxy):
+    """A proxy that knows its value at the traced input (a fake tensor): sizes read from it are numbers, so that
+    Python code branching on them (a window partition that pads only where the map does not tile) runs as at that
+    input size."""
+
+    def _value(self):
+        return self.tracer.values.get(self.node)
+
+    def size(self, dim=None):
+        v = self._value()
+        if not isinstance(v, torch.Tensor):
+            return self.tracer.create_proxy('call_method', 'size', (self,) if dim is None else (self, dim), {})
+        return v.size() if dim is None else v.size(dim)
+
+    def dim(self):
+        v = self._value()
+        return v.dim() if isinstance(v, torch.Tensor) else self.tracer.create_proxy('call_method', 'dim', (self,), {})
+
+    @property
+    def shape(self):
+        return self.size()
+
+    @property
+    def ndim(self):
+        return self.dim()
+
+    def __len__(self):
+        return self.size(0)
+
+
+class _SizedTracer(_Tracer):
+    """fx tracing at one input size: every proxy carries its fake value (:class:`_SizedProxy`), so that a block fx
+    cannot read symbolically (timm's window attentions that branch on the map's size) is read inside at that size.
+    Its graph holds that input size only."""
+
+    def trace_at(self, model: nn.Module, example: torch.Tensor) -> fx.Graph:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.values: Dict[fx.Node, Any] = {}
+        self.example, self.running, self.forward = self.mode.from_tensor(example), False, None
+        return self.trace(model)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _SizedProxy(node, self)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        return attr_val if self.running else super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def call_module(self, m, forward, args, kwargs):
+        if self.running:  # inside a leaf module's value: run it as it is
+            return forward(*args, **kwargs)
+        self.forward = forward
+        return super().call_module(m, forward, args, kwargs)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        if kind == 'placeholder':
+            if not self.values:
+                self.values[proxy.node] = self.example
+            return proxy
+        missing = object()
+
+        def value(v):
+            if isinstance(v, fx.Proxy):
+                return self.values.get(v.node, missing)
+            return v
+
+        a = fx.node.map_aggregate(args, value)
+        k = fx.node.map_aggregate(kwargs, value)
+        if any(v is missing for v in _leaves((a, k))):
+            return proxy
+        self.running = True
+        try:
+            with self.mode:
+                if kind == 'call_function':
+                    out = target(*a, **k)
+                elif kind == 'call_method':
+                    out = getattr(a[0], target)(*a[1:], **k)
+                elif kind == 'call_module':
+                    out = self.forward(*a, **k)
+                elif kind == 'get_attr':
+                    out = operator.attrgetter(target)(self.root)
+                else:
+                    return proxy
+            self.values[proxy.node] = out
+        except Exception:  # a value it cannot compute: sizes read from it stay symbolic (and fail where branched on)
+            pass
+        finally:
+            self.running = False
+        return proxy
+
+
 class _Shapes(ShapeProp):
     """fx's shape propagation, keeping the values of the nodes that compute sizes (``node.meta['value']``): the
     arguments a layout op is replayed with."""
@@ -324,12 +420,30 @@ class _Shapes(ShapeProp):
 
 
 def _trace(model: nn.Module, input_size) -> fx.GraphModule:
+    """The model's graph as a training forward on a fake batch of two at ``input_size``, with each node's shape. It
+    is traced in training mode (the forward TL-Align labels; an eval-time cache, as TinyViT's attention biases,
+    would keep the trace's proxies); each module's mode is set back as it was."""
+    modes = [(m, m.training) for m in model.modules()]
+    for m, _ in modes:
+        m.training = True
+    try:
+        return _trace_training(model, input_size)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _trace_training(model: nn.Module, input_size) -> fx.GraphModule:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    for inline in (True, False):  # a model block fx cannot read inside: kept whole, as timm's feature extraction
-        tracer = _Tracer(inline_models=inline)
+    device = next((p.device for p in model.parameters()), torch.device('cpu'))
+    example = torch.empty(2, *input_size, device=device)
+    # a model block fx cannot read inside symbolically: read at this input size, else kept whole (as timm's
+    # feature extraction keeps it)
+    for sized, inline in ((False, True), (True, True), (False, False)):
+        tracer = _SizedTracer() if sized else _Tracer(inline_models=inline)
         try:
-            graph = tracer.trace(model)
+            graph = tracer.trace_at(model, example) if sized else tracer.trace(model)
             break
         except Exception as e:  # fx's own errors are of many types (TraceError, TypeError, ...)
             error = e
@@ -337,10 +451,10 @@ def _trace(model: nn.Module, input_size) -> fx.GraphModule:
         why = f'{type(error).__name__}: {str(error).splitlines()[0][:200]}'
         raise GraphRouteError(f'torch.fx cannot trace it ({why})') from error
     gm = fx.GraphModule(tracer.root, graph)
+    gm.meta['sized'] = sized
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    device = next((p.device for p in model.parameters()), torch.device('cpu'))
     try:
-        _Shapes(gm, fake_mode=mode).propagate(mode.from_tensor(torch.empty(2, *input_size, device=device)))
+        _Shapes(gm, fake_mode=mode).propagate(mode.from_tensor(example))
     except Exception as e:
         raise GraphRouteError(
             f'its graph does not run on a {tuple(input_size)} fake batch ({type(e).__name__}: {str(e)[:200]})'
@@ -395,8 +509,13 @@ class _Program:
         self.slots = 1
         #: whether the program follows tokens: their codes, window partitions and replayed reshapes hold the input
         #: size it was compiled at (a program of maps alone holds at any size whose grid the stride tiles)
-        self.sized = False
+        self.sized = bool(gm.meta.get('sized'))  # a graph traced at this input size holds it in its branches
         self.drop_paths: List[nn.Module] = []
+        #: per drop path, where its rows are not the samples (MobileViT's rows of patches: one per offset in a patch,
+        #: per sample): ``(row, grid)``, each cell's row within its sample on the label grid ``grid``; else None
+        self.keep_rows: List[Optional[Tuple[torch.Tensor, Tuple[int, int]]]] = []
+        #: slots that hold positions and no labels: queries a conv mixed off the map (:meth:`_query_conv`)
+        self.positions_only: set = set()
         self.start, start_dims, self.stride = self._start(gm, input_size)
         shape = _shape(self.start)
         self.grids: Dict[int, Tuple[int, int]] = {0: (shape[start_dims[0]], shape[start_dims[1]])}
@@ -440,6 +559,7 @@ class _Program:
                 '(a max or mixed head pooling has no label)',
                 decided=isinstance(out, Vec),
             )
+        self._read([out.slot])
         self.readout = out.slot
 
     def _sites(self) -> None:
@@ -530,7 +650,16 @@ class _Program:
 
     # ------------------------------------------------------------------ one node
 
+    def _read(self, ins) -> None:
+        """A label op reads its input slots: none may be a query's positions alone (:meth:`_query_conv`)."""
+        if any((i[0] if isinstance(i, tuple) else i) in self.positions_only for i in ins):
+            raise GraphRouteError(
+                'a spatial mixing of tokens (a conv on tokens off the map) read other than as attention queries '
+                'has no rule'
+            )
+
     def _new(self, fn, ins, *, dims, ndim) -> Map:
+        self._read(ins)
         slot = self.slots
         self.slots += 1
         self.ops.append((fn, ins, slot))
@@ -562,21 +691,28 @@ class _Program:
             return Vec(labelled.pop() if len(labelled) == 1 else None)
         try:
             if node.op == 'call_module':
-                return self._module(node, node.graph.owning_module.get_submodule(node.target), maps, vecs)
+                return self._module(node, node.graph.owning_module.get_submodule(node.target), maps, vecs, env)
             return self._function(node, node.target, name, args, kwargs, maps, vecs)
         except _OffTheGrid:  # a layout op that moves a map's positions: its entries are followed as tokens
             return self._tokens(node, name, env)
 
-    def _module(self, node, m: nn.Module, maps, vecs) -> Any:
+    def _module(self, node, m: nn.Module, maps, vecs, env) -> Any:
         if len(maps) != 1 or vecs:
             raise GraphRouteError(f'a {type(m).__name__} of several inputs has no rule')
         x = maps[0]
         if x.keep is not None and not isinstance(m, (DropPath,) + _POINTWISE_MODULES):
-            raise GraphRouteError('a drop path output goes into an op that moves labels')
+            # a drop path's output that a module reads before any sum does (timm's ByobNet blocks without a
+            # shortcut drop their whole output): the drop scales each sample (Table 9's channel mixing), so its
+            # labels are as they are, for this module and every later reader of the value
+            x = Map(x.slot, x.dims, x.ndim)
+            for v in _leaves(node.args):
+                if isinstance(v, fx.Node) and env[v] == maps[0]:
+                    env[v] = x
         if isinstance(m, DropPath):
             if m in self.drop_paths:
                 raise GraphRouteError('a drop path called twice (its kept samples are read at one call)')
             self.drop_paths.append(m)
+            self.keep_rows.append(None)  # (a map's rows are the samples)
             return Map(x.slot, x.dims, x.ndim, keep=len(self.drop_paths) - 1)
         if isinstance(m, _POINTWISE_MODULES) or (
             type(m).__module__ in _ACTIVATION_MODULES and not isinstance(m, _NOT_POINTWISE)
@@ -835,6 +971,7 @@ class _Program:
     # ------------------------------------------------------------------ tokens
 
     def _slot(self, fn, ins, grid) -> int:
+        self._read(ins)
         slot = self.slots
         self.slots += 1
         self.ops.append((fn, ins, slot))
@@ -934,6 +1071,19 @@ class _Program:
                 return self._softmax(node, s, m.dim)
             if isinstance(m, _POINTWISE_MODULES) or type(m).__module__ in _ACTIVATION_MODULES:
                 return s
+            if (
+                isinstance(m, nn.Conv2d)
+                and tuple(m.kernel_size) == (1, 1)
+                and tuple(m.stride) == (1, 1)
+                and m.groups == 1
+                and s.q.ndim == 3
+                and tuple(out) == tuple(s.q.shape) + (s.k.shape[-1],)
+            ):  # talking heads: a 1x1 conv over the heads of ``(windows, heads, N, M)`` weights
+                if not isinstance(s, Probs):  # of the logits: logits still, the recorded softmax holds the mixing
+                    return s
+                if s.mix is not None or s.transposed:
+                    raise GraphRouteError('attention probabilities whose heads are mixed twice have no rule')
+                return dataclasses.replace(s, mix=m)  # of the probabilities: CaiT's rule, Norm(|mean_h mix(P)|)
             raise GraphRouteError(f'a {type(m).__name__} on attention weights has no rule')
         if len(toks) != 1:
             raise GraphRouteError(f'a {type(m).__name__} of several inputs has no rule')
@@ -941,6 +1091,7 @@ class _Program:
         if isinstance(m, DropPath):
             if m in self.drop_paths:
                 raise GraphRouteError('a drop path called twice (its kept samples are read at one call)')
+            self.keep_rows.append(self._drop_rows(t))
             self.drop_paths.append(m)
             return Tok(t.slot, t.code, keep=len(self.drop_paths) - 1)
         if t.keep is not None and not isinstance(m, _POINTWISE_MODULES):
@@ -955,11 +1106,50 @@ class _Program:
             return self._per_token(toks, range(-len(m.normalized_shape), 0), out, 'a LayerNorm')
         if isinstance(m, (nn.Flatten, nn.Unflatten)):
             return self._replay(node, type(m).__name__, env, check=False)
+        if isinstance(m, nn.Conv2d) and t.code.ndim == 4:
+            return self._token_conv(t, m, out)
         if isinstance(m, nn.BatchNorm1d) and t.code.ndim in (2, 3):  # (B, C[, L]): per channel
             return self._per_token(toks, [1], out, 'a BatchNorm1d')
         if isinstance(m, (nn.AvgPool1d, nn.MaxPool1d, nn.AvgPool2d, nn.MaxPool2d)):
             return self._token_pool(t, m, out)
         raise GraphRouteError(f'{type(m).__module__}.{type(m).__name__} on tokens has no rule in the graph route')
+
+    def _drop_rows(self, t: Tok) -> Optional[Tuple[torch.Tensor, Tuple[int, int]]]:
+        """Where a drop path's rows are not the samples but parts of each (MobileViT's rows of patches, one per offset
+        in a patch), each cell's row within its sample, so that Eq. 11 counts a dropped row's cells out (None where
+        the rows are the samples)."""
+        rows, cells = t.code.shape[0], self._cells(t.slot)
+        pos = t.pos.reshape(rows, -1)
+        R = rows // 2
+        row = torch.arange(rows).view(-1, 1).expand_as(pos)
+        real = pos > 0
+        if rows % 2 or not bool(((pos - 1) // cells == row // R)[real].all()):
+            raise GraphRouteError('a drop path over rows that mix the samples has no rule')
+        if R == 1:
+            return None
+        first = real & (row < R)
+        of = torch.full((cells,), -1, dtype=torch.long)
+        of[pos[first] - 1] = row[first]
+        if bool((of < 0).any()) or not torch.equal(of[pos[first] - 1], row[first]):
+            raise GraphRouteError('a drop path over rows that hold some cells twice or not at all has no rule')
+        return of, self.grids[t.slot]
+
+    def _token_conv(self, t: Tok, m: nn.Conv2d, out) -> Tok:
+        """A conv on channels-first tokens off the map (in windows): a 1x1 conv mixes channels alone (the labels
+        stay); a conv over positions that keeps them in place gives tokens whose positions are known and whose
+        labels are not, which may only be read as attention queries: an attention's output rows are its queries'
+        positions, and its labels come from the values (EfficientViT's depthwise conv on the queries)."""
+        pad = (0, 0) if isinstance(m.padding, str) else _pair(m.padding)  # ('same', 'valid': none at 1x1)
+        if tuple(m.kernel_size) == (1, 1) and tuple(m.stride) == (1, 1) and pad == (0, 0):
+            return self._per_token([t], [1], out, 'a 1x1 conv')
+        if tuple(out[2:]) != tuple(t.code.shape[2:]) or tuple(m.stride) != (1, 1):
+            raise GraphRouteError(f'a {type(m).__name__} on tokens that moves their positions has no rule')
+        slot = self.slots
+        self.slots += 1
+        self.grids[slot] = self.grids[t.slot]
+        self.positions_only.add(slot)
+        code = t.code if out[1] == t.code.shape[1] else rechannel(t.code, 1, out[1])
+        return Tok(slot, code, t.keep)
 
     @staticmethod
     def _group_grid(index: torch.Tensor, grid) -> tuple:
@@ -1176,7 +1366,7 @@ class _Program:
             v = args[1]
             if not _constant_along(v.pos, [v.code.ndim - 1]):
                 raise GraphRouteError('attention weights times tokens over their channels has no rule')
-            return self._attend(s.site, s.q, s.k, s.qslot, s.kslot, v, out)
+            return self._attend(s.site, s.q, s.k, s.qslot, s.kslot, v, out, mix=s.mix)
         if name in _MATMUL and probs and s.transposed and args[1] is s and isinstance(args[0], Tok) and not toks[1:]:
             # values with channels first times the transposed probabilities: (v Pᵀ)ᵀ = P vᵀ, Eq. 9 on vᵀ
             v = args[0]
@@ -1184,10 +1374,10 @@ class _Program:
                 raise GraphRouteError('tokens over their channels times attention weights has no rule')
             vt = Tok(v.slot, v.code.transpose(-1, -2), v.keep)
             flipped = (*out[:-2], out[-1], out[-2])
-            return self._attend(s.site, s.q, s.k, s.qslot, s.kslot, vt, flipped, transposed=True)
+            return self._attend(s.site, s.q, s.k, s.qslot, s.kslot, vt, flipped, transposed=True, mix=s.mix)
         if probs and name == 'transpose' and not toks and len(args) == 3 and args[0] is s:
             if sorted(a % len(out) for a in args[1:3]) == [len(out) - 2, len(out) - 1]:  # the queries and keys swap
-                return Probs(s.q, s.k, s.qslot, s.kslot, site=s.site, transposed=not s.transposed)
+                return Probs(s.q, s.k, s.qslot, s.kslot, site=s.site, transposed=not s.transposed, mix=s.mix)
         if toks and not probs and (node.target in _ADD or name in _ADD) and all(t.keep is None for t in toks):
             # logits plus a term computed from the tokens (BoTNet's relative logits from the queries): a bias; the
             # recorded probabilities hold it, and the entries keep their query and key cells
@@ -1232,7 +1422,7 @@ class _Program:
             raise GraphRouteError('an attention with grouped or broadcast keys has no rule in the graph route')
         return self._attend(node, q.pos[..., 0].expand(*lead, out[-2]), k.pos[..., 0], q.slot, k.slot, v, out)
 
-    def _attend(self, site, q, k, qslot, kslot, v: Tok, out, transposed: bool = False) -> Tok:
+    def _attend(self, site, q, k, qslot, kslot, v: Tok, out, transposed: bool = False, mix=None) -> Tok:
         """Eq. 9: a label op that applies the recorded probabilities to the keys' labels, per query cell the mean
         over heads (and over the windows that hold the cell, where several do)."""
         if v.slot != kslot:
@@ -1246,6 +1436,10 @@ class _Program:
             raise GraphRouteError('an attention whose values are not its keys has no rule') from None
         if not torch.equal(kk, vk):
             raise GraphRouteError('an attention whose values sit at other positions than its keys has no rule')
+        if qslot != kslot and q.shape == kk.shape and q.shape[0] > 2:
+            per = q.reshape(2, q.shape[0] // 2, *q.shape[1:])
+            if _constant_along(per, [1]):  # a query shared by every window of a sample (GCViT's global query):
+                q, qslot = kk, kslot  # output row i of a window is its window's cell i, where the values' rows sit
         if bool((q == 0).any()) or bool((k == 0).any()):
             raise GraphRouteError('an attention over padded cells (no tokens) has no rule')
         qcells, kcells = self._cells(qslot), self._cells(kslot)
@@ -1259,7 +1453,7 @@ class _Program:
         counts = torch.bincount(((q[: q.shape[0] // 2] - 1) % qcells).reshape(-1), minlength=qcells)
         if int(counts.min()) == 0 or int(counts.min()) != int(counts.max()):
             raise GraphRouteError('an attention whose queries cover part of the grid (or some cells twice) has no rule')
-        op = Attend(q, kk.expand(*q.shape[:-1], kk.shape[-1]), qcells, kcells, self.grids[qslot], _where(site))
+        op = Attend(q, kk.expand(*q.shape[:-1], kk.shape[-1]), qcells, kcells, self.grids[qslot], _where(site), mix)
         slot = self._slot(op, [kslot], self.grids[qslot])
         self.attends.append((site, op))
         code = (q[..., None] * CODE + v.chan[..., :1, :]).expand(out)
@@ -1281,6 +1475,10 @@ class _Program:
                 )
         maps: List[Optional[torch.Tensor]] = [None] * self.slots
         maps[0] = Y0
+        keeps = [  # a drop path over rows of parts of each sample: its kept rows as a mask of each sample's cells
+            k if k is None or at is None else k.view(len(Y0), -1)[:, at[0]].view(len(Y0), 1, *at[1])
+            for k, at in zip(keeps, self.keep_rows)
+        ]
         seen = set()
         for fn, ins, out in self.ops:
             if isinstance(fn, _MeanOp):
@@ -1360,7 +1558,7 @@ class _MeanOp:
             short, branch, keep = (b, a, ka) if ka is not None else (a, b, kb)
             return residual_labels(short, branch, keep)
         ones = parts[0][0].new_ones(len(parts[0][0]), 1, 1, 1)
-        weights = [ones if k is None else k.view(-1, 1, 1, 1).to(ones.dtype) for _, k in parts]
+        weights = [ones if k is None else (k if k.dim() == 4 else k.view(-1, 1, 1, 1)).to(ones.dtype) for _, k in parts]
         num, den = sum(w * Y for w, (Y, _) in zip(weights, parts)), sum(weights)
         plain = sum(Y for Y, _ in parts) / len(parts)  # a sample whose every part was dropped: the plain mean
         return torch.where(den > 0, num / den.clamp_min(1.0), plain)

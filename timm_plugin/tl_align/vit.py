@@ -76,6 +76,25 @@ class ViTTracer(Tracer):
         return last.q[:, :, :1], last.k, self.model.blocks[-1].attn.scale
 
 
+class NaFlexViTTracer(ViTTracer):
+    """:class:`ViTTracer`'s rules on timm's ``NaFlexVit`` fed image batches (its standard mode: every patch of a
+    full grid, row-major after the class and register tokens, no attention mask). A NaFlex batch (patches with
+    coordinates and a validity mask) is refused at the forward: the mask drops keys, which Eq. 9's weights here
+    do not see."""
+
+    def watch(self, blk: nn.Module, cap: LabelCapture, handles: list) -> None:
+        super().watch(blk, cap, handles)
+
+        def no_mask(m, args, kwargs):
+            if kwargs.get('attn_mask') is not None or len(args) > 1:
+                raise ValueError(
+                    'x: TL-Align reads NaFlexVit on image batches (a full grid of patches); a NaFlex batch with '
+                    'an attention mask (variable patch counts) is not traced'
+                )
+
+        handles.append(blk.register_forward_pre_hook(no_mask, with_kwargs=True))
+
+
 #: the widest label state the shared attention carries as extra value columns (compact states are 1 wide;
 #: dense ones, ``TLAlign.trace``, take the recomputing path)
 SHARED_MAX_WIDTH = 8
