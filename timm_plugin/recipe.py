@@ -100,10 +100,13 @@ class Recipe:
                 layers=args.tl_align_layers,
                 residual=not args.tl_align_no_residual,
                 drop_path=args.tl_align_drop_path,
+                input_size=train_input_size(args, model),
                 device=device,
             )
         if self.method == 'transmix':
-            return TransMixTask(model, criterion, mode=args.transmix_mode, device=device)
+            return TransMixTask(
+                model, criterion, mode=args.transmix_mode, input_size=train_input_size(args, model), device=device
+            )
         if uses_tokenmixup(args):
             return TokenMixupTask(
                 model,
@@ -174,7 +177,7 @@ def build_training(args: argparse.Namespace) -> Recipe:
     check_switches_apply(args, token_labeling, dense)
     model = build_model(args, lambda model: attach_method_modules(model, args))
     if args.method in ('tl_align', 'transmix'):  # the tracer's refusal (the zoo page's words) before the label grid
-        timm_tracer(model)
+        timm_tracer(model, input_size=train_input_size(args, model))
     check_activation_maps(args, token_labeling)
     mixing = None
     if resolve_mixing(args, token_labeling):
@@ -200,6 +203,14 @@ def build_training(args: argparse.Namespace) -> Recipe:
             if value:
                 raise ValueError(f'{flag}: not provided with {in_model} yet (it runs inside the model); drop it')
     return recipe
+
+
+def train_input_size(args: argparse.Namespace, model: nn.Module) -> tuple:
+    """The ``(C, H, W)`` the model trains at: timm's data config of the flags (``--img-size``, ``--input-size``) and
+    the model, as the loader resolves it (the graph route compiles its first label program for it)."""
+    from timm.data import resolve_data_config
+
+    return tuple(resolve_data_config(vars(args), model=model, verbose=False)['input_size'])
 
 
 def training_loss(args: argparse.Namespace, token_labeling: bool, dense: bool, soft_targets: bool) -> nn.Module:
@@ -378,7 +389,7 @@ def mixer_kwargs(args, model: nn.Module) -> dict:
         mode=args.mixup_mode,
         label_smoothing=args.smoothing,
         num_classes=args.num_classes,
-        patch_size=mixing_stride(model, args.method),
+        patch_size=mixing_stride(model, args.method, train_input_size(args, model)),
         tokenmix_lam=args.tokenmix_lam,
         box_rounding=args.box_rounding,
         tokenmix_rule=args.tokenmix_rule,

@@ -114,12 +114,17 @@ def cnn_stride(model: nn.Module) -> Tuple[int, int]:
     return r, r
 
 
-def tl_align_stride(model: nn.Module) -> Tuple[int, int]:
+def tl_align_stride(model: nn.Module, input_size=None) -> Tuple[int, int]:
     """Pixels per token of the grid TL-Align's label state starts on: :func:`token_stride` for models with a patch
     embedding; for a timm ResNet, MetaFormer, DaViT or EfficientFormer, the grid its first stage runs on
     (``layer1``'s / ``stages.0``'s ``feature_info`` reduction: 4); for Twins, its first patch embedding's stride
     (4); for the conv nets of TL-Align's graph route, its first map at stride >= 4
-    (:class:`~timm_plugin.tl_align.graph.GraphTracer`)."""
+    (:class:`~timm_plugin.tl_align.graph.GraphTracer`, compiled for ``input_size``; it reads that map off the graph,
+    whatever a ``patch_embed`` of the model declares)."""
+    from .tl_align import SUPPORTED_MODELS
+
+    if not hasattr(model, '_orig_mod') and not isinstance(model, tuple(SUPPORTED_MODELS)):
+        return _graph_stride(model, input_size)
     if patch_embedding(model) is not None:
         return token_stride(model)
     if isinstance(model, cnn_classes()[0]):
@@ -137,9 +142,13 @@ def tl_align_stride(model: nn.Module) -> Tuple[int, int]:
     if isinstance(model, Twins):  # the first patch embedding's grid (4)
         stride = model.patch_embeds[0].proj.stride
         return int(stride[0]), int(stride[1])
+    return _graph_stride(model, input_size)
+
+
+def _graph_stride(model: nn.Module, input_size) -> Tuple[int, int]:
     from .tl_align import timm_tracer
 
-    tracer = timm_tracer(model)  # the graph route's first stride >= 4 map, or the error why there is none
+    tracer = timm_tracer(model, input_size=input_size)  # the graph route's first stride >= 4 map, or why not
     stride = getattr(tracer, 'stride', None)
     if stride is None:
         raise ValueError(f'model: {type(model).__name__} has no patch embedding or first stage, so no label grid')
@@ -153,12 +162,12 @@ def token_labeling_stride(model: nn.Module) -> Tuple[int, int]:
     return cnn_stride(model) if cnn_features(model) is not None else token_stride(model)
 
 
-def mixing_stride(model: nn.Module, method=None) -> Tuple[int, int]:
-    """The grid a mixer draws on: :func:`token_stride` for models with a patch embedding; for TL-Align on a ResNet,
-    the grid its label state starts on (:func:`tl_align_stride`); else :data:`DEFAULT_STRIDE` (MixUp/CutMix need no
-    grid; TokenMix's masks are then drawn in image space)."""
+def mixing_stride(model: nn.Module, method=None, input_size=None) -> Tuple[int, int]:
+    """The grid a mixer draws on: for TL-Align, the grid its label state starts on (:func:`tl_align_stride`, the
+    graph route's compiled for ``input_size``); else :func:`token_stride` for models with a patch embedding;
+    else :data:`DEFAULT_STRIDE` (MixUp/CutMix need no grid; TokenMix's masks are then drawn in image space)."""
+    if method == 'tl_align':
+        return tl_align_stride(model, input_size)
     if patch_embedding(model) is not None:
         return token_stride(model)
-    if method == 'tl_align':
-        return tl_align_stride(model)
     return DEFAULT_STRIDE

@@ -238,6 +238,12 @@ def test_the_zoo_page_is_what_timm_gives_now(run_env):
         ('davit_tiny', ['depths=[1,1,1,1]', 'window_size=4']),  # 128 px: grids of 32, 16, 8 and 4 tokens
         ('efficientnet_b0', []),  # the graph route: the mixer on its first stride-4 map
         ('maxvit_rmlp_pico_rw_256', ['img_size=128']),  # the graph route: window and grid attention, 4x4 windows
+        ('tiny_vit_5m_224', ['window_sizes=[4,4,4,4]']),  # read at the input size: windows, then one window
+        ('mobilevit_xxs', []),  # rows of patches: a drop path over rows, and over blocks without a shortcut
+        ('efficientvit_m0', ['img_size=128', 'window_size=[4,2,2]']),  # a conv on each window's queries
+        ('efficientformerv2_s0', ['img_size=128']),  # talking heads
+        ('gcvit_xxtiny', ['img_size=128']),  # a global query shared by the windows
+        ('naflexvit_base_patch16_gap', ['img_size=128', 'depth=2', 'embed_dim=64', 'num_heads=4']),
     ],
 )
 def test_tokenaug_train_tl_align_across_the_zoo(tiny_world, tmp_path, model, kwargs):
@@ -247,10 +253,12 @@ def test_tokenaug_train_tl_align_across_the_zoo(tiny_world, tmp_path, model, kwa
 
     from ..helpers import REPO
 
-    size = ['--img-size', '128'] if model.startswith(('hiera', 'twins', 'swinv2', 'davit', 'maxvit')) else []
+    at_128 = ('hiera', 'twins', 'swinv2', 'davit', 'maxvit', 'tiny_vit', 'mobilevit', 'efficient', 'gcvit', 'naflex')
+    size = ['--img-size', '128'] if model.startswith(at_128) else []
+    drop = [] if model.startswith('efficientvit') else ['--drop-path', '0.1']  # (EfficientViT-MSRA takes none)
     metrics = run(
         ['-c', str(REPO / 'configs' / 'timm' / 'world_vit-tiny.yaml'), '--data-dir', str(tiny_world / 'imagenet')]
-        + ['--model', model, '--model-kwargs', *kwargs, *size, '--drop-path', '0.1']
+        + ['--model', model, '--model-kwargs', *kwargs, *size, *drop]
         + ['--epochs', '1', '-b', '8', '--workers', '0', '--mixup-type', 'tl_align']
         + ['--output', str(tmp_path), '--experiment', 'run']
     )

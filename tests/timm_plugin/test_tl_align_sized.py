@@ -322,3 +322,22 @@ def test_gcvit_global_query_is_the_window_reference():
             hook = blk.drop_path1.register_forward_hook(lambda m, i, o: records.__setitem__(m, kept_samples(i[0], o)))
             handles.append(hook)
     check_against_reference(tracer, model, records, handles, gcvit_reference)
+
+
+def test_the_mixing_grid_and_the_first_program_are_the_training_sizes():
+    """The mixer draws on the grid the graph route's labels start on, whatever a ``patch_embed`` of the model
+    declares (EfficientViT-MSRA's says 16 px, its first stride-4 map is inside it); a model built for another
+    input size than its ``pretrained_cfg`` one (GCViT with ``img_size=128``) is compiled at the size it trains at,
+    which ``tokenaug-train`` passes from its data config."""
+    from timm_plugin.tl_align import timm_tracer
+    from timm_plugin.token_grid import mixing_stride, token_stride
+
+    with torch.device('meta'):
+        effvit = timm.create_model('efficientvit_m0', num_classes=C)
+        gcvit = timm.create_model('gcvit_xxtiny', num_classes=C, img_size=128)
+    assert token_stride(effvit) == (16, 16) and mixing_stride(effvit, 'tl_align') == (4, 4)
+    assert mixing_stride(effvit, 'cutmix') == (16, 16)  # (other methods: the tokens)
+    with pytest.raises(ValueError, match='does not run on a \\(3, 224, 224\\) fake batch'):
+        timm_tracer(gcvit)
+    assert timm_tracer(gcvit, input_size=(3, 128, 128)).stride == 4
+    assert mixing_stride(gcvit, 'tl_align', (3, 128, 128)) == (4, 4)

@@ -32,7 +32,7 @@ DeiT, CaiT, CCT), :mod:`.hierarchical` (Swin, PVT v2), :mod:`.sdpa` (EVA, BEiT),
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -198,14 +198,18 @@ def _no_rule(model: nn.Module, name: str) -> None:
             raise ValueError(f"{name}: TL-Align has no rule for {type(model).__name__}'s {block}: {why}")
 
 
-def timm_tracer(model: nn.Module, pooled_outside: bool = False, name: str = 'model'):
+def timm_tracer(
+    model: nn.Module, pooled_outside: bool = False, name: str = 'model', input_size: Optional[Sequence[int]] = None
+):
     """The TL-Align tracer of a timm model: its family's tracer (:data:`SUPPORTED_MODELS`), else the graph route for
     conv nets (:class:`~.graph.GraphTracer`, Table 9 read off the model's fx graph), which names the op it has no
     rule for where it cannot take the model: its refusal where Table 9 gives the op no reading, else "no tracer" with
     the supported classes and the node where the route stops. ``pooled_outside``: the model's own head pooling is
     off (mmpretrain's ``TIMMBackbone`` resets it) and its final map is average-pooled outside it (a
     ``GlobalAveragePooling`` neck): the timm CNNs of :data:`POOLED_OUTSIDE` and the graph route's conv nets, read
-    out by the mean label of the final map."""
+    out by the mean label of the final map. ``input_size`` ``(C, H, W)``: the size the model trains at, which the
+    graph route compiles its first label program for (default the model's ``pretrained_cfg`` size; a model built
+    for another size, as GCViT or EfficientFormer v2 with ``img_size``, needs its own)."""
     _no_rule(model, name)
     supported = POOLED_OUTSIDE if pooled_outside else SUPPORTED_MODELS
     if pooled_outside:
@@ -215,7 +219,7 @@ def timm_tracer(model: nn.Module, pooled_outside: bool = False, name: str = 'mod
     elif hasattr(model, '_orig_mod') or any(isinstance(model, cls) for cls in supported):
         return tracer_for(model, SUPPORTED_MODELS, name)
     try:
-        return GraphTracer(model, pooled_outside=pooled_outside)
+        return GraphTracer(model, input_size=input_size, pooled_outside=pooled_outside)
     except GraphRouteError as e:
         if e.decided:  # an op Table 9 gives no reading: the route's refusal, as a family's
             raise GraphRouteError(f'{name}: {str(e).removeprefix("model: ")}', True) from e
@@ -232,10 +236,12 @@ class _MixTargetWrapper(nn.Module):
 
     method = ''
 
-    def __init__(self, model: nn.Module, fused: Union[bool, str, None] = None):
+    def __init__(
+        self, model: nn.Module, fused: Union[bool, str, None] = None, input_size: Optional[Sequence[int]] = None
+    ):
         super().__init__()
         check_choice('fused', fused)
-        self.tracer = timm_tracer(model)
+        self.tracer = timm_tracer(model, input_size=input_size)
         # the label attention's path, chosen once per device and dtype (a kernel once it passed its self-check)
         backend = LabelBackend(fused, head_dims=self.tracer.head_dims())
         #: (heads, head dim) of the model's first attention, at which 'auto' times the label paths (fixed with it)
@@ -305,6 +311,8 @@ class TLAlign(_MixTargetWrapper):
             ``'public'`` (the public code: they update anyway).
         shared: timm ViTs: one attention per block for tokens and labels (:class:`SharedAttentionViT`);
             ``False`` keeps the model's own attention and recomputes it for the labels (the reference path).
+        input_size: ``(C, H, W)`` the model trains at, for the graph route's first label program
+            (:func:`timm_tracer`); default the model's ``pretrained_cfg`` size.
     """
 
     method = 'tl_align'
@@ -317,11 +325,12 @@ class TLAlign(_MixTargetWrapper):
         fused: Union[bool, str, None] = None,
         drop_path: str = 'kept',
         shared: bool = True,
+        input_size: Optional[Sequence[int]] = None,
     ):
         for name, value in (('residual', residual), ('shared', shared)):
             if not isinstance(value, bool):
                 raise ValueError(f'{name}: expected True or False, got {value!r}')
-        super().__init__(model, fused)
+        super().__init__(model, fused, input_size)
         if self.tracer.whole_graph and (layers is not None or not residual):
             raise ValueError(
                 f"layers / residual: TL-Align's graph route runs {type(model).__name__}'s whole graph as one label "
@@ -411,8 +420,14 @@ class TransMix(_MixTargetWrapper):
     method = 'transmix'
     MODES = TRANSMIX_MODES
 
-    def __init__(self, model: nn.Module, mode: str = 'paper', fused: Union[bool, str, None] = None):
-        super().__init__(model, fused=fused)
+    def __init__(
+        self,
+        model: nn.Module,
+        mode: str = 'paper',
+        fused: Union[bool, str, None] = None,
+        input_size: Optional[Sequence[int]] = None,
+    ):
+        super().__init__(model, fused=fused, input_size=input_size)
         if mode not in self.MODES:
             raise ValueError(f'mode must be one of {self.MODES}, got {mode!r}')
         check_transmix(self.tracer, model)
