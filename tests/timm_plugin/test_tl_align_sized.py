@@ -341,3 +341,17 @@ def test_the_mixing_grid_and_the_first_program_are_the_training_sizes():
         timm_tracer(gcvit)
     assert timm_tracer(gcvit, input_size=(3, 128, 128)).stride == 4
     assert mixing_stride(gcvit, 'tl_align', (3, 128, 128)) == (4, 4)
+
+
+@pytest.mark.parametrize('train', [False, True])
+def test_reading_the_graph_leaves_the_model_as_it_was(train):
+    """Reading a graph at one size runs its leaf modules on fake values in training mode: the model keeps its mode,
+    its state (a batch norm's batch count) and no eval-time cache of the trace (TinyViT's attention biases)."""
+    torch.manual_seed(0)
+    model = timm.create_model('tiny_vit_5m_224', num_classes=C, window_sizes=(4, 4, 2, 2)).train(train)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    modes = [m.training for m in model.modules()]
+    GraphTracer(model, input_size=(3, 64, 64)).program_at((32, 32))
+    assert [m.training for m in model.modules()] == modes
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert not any(getattr(m, 'attention_bias_cache', None) for m in model.modules())

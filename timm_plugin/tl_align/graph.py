@@ -422,8 +422,10 @@ class _Shapes(ShapeProp):
 def _trace(model: nn.Module, input_size) -> fx.GraphModule:
     """The model's graph as a training forward on a fake batch of two at ``input_size``, with each node's shape. It
     is traced in training mode (the forward TL-Align labels; an eval-time cache, as TinyViT's attention biases,
-    would keep the trace's proxies); each module's mode is set back as it was."""
+    would keep the trace's proxies); each module's mode and every buffer are set back as they were."""
     modes = [(m, m.training) for m in model.modules()]
+    # a leaf's value at the traced size runs it (a batch norm counts a batch): the buffers are set back too
+    buffers = [(b, b.clone()) for b in model.buffers()]
     for m, _ in modes:
         m.training = True
     try:
@@ -431,6 +433,9 @@ def _trace(model: nn.Module, input_size) -> fx.GraphModule:
     finally:
         for m, mode in modes:
             m.training = mode
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
 
 
 def _trace_training(model: nn.Module, input_size) -> fx.GraphModule:
