@@ -68,6 +68,10 @@ GRAPH_HELD = {
     'mobilevit': ('test_tl_align_sized.py::test_mobilevit_is_the_patch_reference', '2.9e-8'),
     'efficientvit_msra': ('test_tl_align_sized.py::test_efficientvit_msra_is_the_cascade_reference', '2.9e-8'),
     'gcvit': ('test_tl_align_sized.py::test_gcvit_global_query_is_the_window_reference', '2.1e-8'),
+    'swiftformer': (
+        'test_tl_align_graph.py::test_additive_attention_is_a_channel_gate (its attention), and the invariants',
+        '2.6e-8',
+    ),
     'efficientformer_v2': (
         'test_tl_align_graph.py::test_talking_heads_are_caits_rule_on_the_explicit_reference (its attention), '
         'and the invariants',

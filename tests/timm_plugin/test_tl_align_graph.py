@@ -11,6 +11,7 @@ from timm.layers.bottleneck_attn import BottleneckAttn
 from timm.models.densenet import DenseNet
 from timm.models.efficientformer_v2 import Attention2d
 from timm.models.shvit import SHSA
+from timm.models.swiftformer import EfficientAdditiveAttention
 from timm.models.vgg import VGG
 
 from shared_core.tl_align import conv_stencil_labels
@@ -184,6 +185,7 @@ FAMILIES = {
     'botnet26t_256': 'attention logits plus relative logits from the queries, heads in the batch dim',
     'shvit_s1': 'single-head attention on part of the channels, channels-first values times transposed weights',
     'efficientformerv2_s0': 'talking heads, attention with a stride, attention that downsamples its queries',
+    'swiftformer_xs': 'additive attention: a query pooled by weights normalised over the tokens, gating each key',
 }
 
 
@@ -230,7 +232,7 @@ def meta(name, **kw):
         ('efficientnet_b0', {'global_pool': 'max'}, True, 'no pooled label'),
         ('inception_v3', {}, True, 'no token grid tiles the image'),
         ('nasnetalarge', {}, True, 'first single feature map at stride >= 2'),  # two-input cells: the map before
-        ('edgenext_small', {}, False, 'normalize across token positions'),  # XCA: a softmax over channels
+        ('edgenext_small', {}, False, 'a product of tokens over their positions'),  # XCA: attention over channels
         ('volo_d1_224', {}, False, 'Unfold has no Table 9 rule'),  # outlook attention: weights on unfolded windows
         ('tnt_s_patch16_224', {}, False, 'no single feature map at stride >= 4'),
     ],
@@ -444,6 +446,38 @@ def test_talking_heads_are_caits_rule_on_the_explicit_reference():
         both = ((A @ Z.reshape(B, 16, C)).reshape(B, 4, 4, C) + local) / 2
         up = F.interpolate(both.permute(0, 3, 1, 2), scale_factor=2, mode='bilinear').permute(0, 2, 3, 1)
         want = torch.where(keep[:, None, None, None], (Yd + up) / 2, Yd).mean((1, 2))
+    assert (label - want).abs().max() < 1e-6
+    assert (label - Y.mean(1)).abs().max() > 1e-3
+
+
+class _AdditiveAttention(nn.Module):
+    """SwiftFormer's attention in small: a stride-4 stem, timm's ``EfficientAdditiveAttention`` (a global query
+    pooled by weights normalised over the tokens, times each key) through a drop path and the residual, a 3x3
+    depthwise conv, the mean."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.stem, self.attn = nn.Conv2d(3, d, 4, 4), EfficientAdditiveAttention(d, d)
+        self.drop_path, self.conv = timm.layers.DropPath(0.5), nn.Conv2d(d, d, 3, padding=1, groups=d)
+        self.fc = nn.Linear(d, C)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = x + self.drop_path(self.attn(x))
+        return self.fc(self.conv(x).mean((2, 3)))
+
+
+def test_additive_attention_is_a_channel_gate():
+    """SwiftFormer's additive attention forms no token weights: ``x / ||x||`` over the tokens scales each channel
+    of a sample, and the global query it pools multiplies each key channel by channel. Both are Table 9's
+    data-dependent channel mixing, as an SE gate: the branch keeps the tokens' labels, Eq. 11 then gives the
+    shortcut's, and the conv after it mixes by its stencil."""
+    torch.manual_seed(0)
+    model = _AdditiveAttention().train()
+    label, Y, rec = _aligned_with_records(model, {})
+    with torch.no_grad():
+        S = mean_abs_stencil(model.conv.weight)
+        want = stencil_loops(Y.double().reshape(8, 8, 8, C), S, (1, 1, 1, 1)).mean((1, 2))
     assert (label - want).abs().max() < 1e-6
     assert (label - Y.mean(1)).abs().max() > 1e-3
 

@@ -680,6 +680,8 @@ class _Program:
         vecs = [k for k in flat if isinstance(k, Vec)]
         name = node.target if isinstance(node.target, str) else getattr(node.target, '__name__', '')
         if any(isinstance(k, (Tok, Scores)) for k in flat) or (maps and name in _TOKEN_OPS):
+            if vecs and not any(k is PRE for k in flat):
+                return self._token_gate(node, name, flat, [v for v, k in zip(values, kinds) if isinstance(k, Vec)])
             if any(k is PRE for k in flat) or vecs:
                 raise GraphRouteError('joins tokens to a tensor off the label grid (a pooled vector, the stem)')
             return self._tokens(node, name, env)
@@ -1062,12 +1064,33 @@ class _Program:
             return self._per_token(toks, range(-len(shape), 0), out, 'a layer norm')
         if name in ('softmax', 'log_softmax', 'normalize'):
             dim = args[1] if len(args) > 1 else kwargs.get('dim', 1 if name == 'normalize' else None)
+            if name == 'normalize' and len(toks) == 1 and dim is not None and dim % toks[0].code.ndim != 0:
+                # x / ||x|| over a dim of one sample: each entry scaled by a scalar of its sample and channel (a
+                # data-dependent channel scale, Table 9's channel mixing), over positions too (SwiftFormer)
+                return self._same(toks, out)
             return self._per_token(toks, [dim], out, name)
         if name in ('cat', 'concat', 'concatenate', 'stack'):
             return self._token_cat(node, name, args, kwargs, env)
         if name in _REPLAYED or target in _NOTRACE:
             return self._replay(node, name, env, check=name not in _REPLAYED)
         raise GraphRouteError(f'{name} on tokens has no Table 9 rule in the graph route')
+
+    def _token_gate(self, node, name, flat, vec_nodes) -> Tok:
+        """Tokens times a pooled vector of their sample (SwiftFormer's global query times each key): a data-dependent
+        scale of each channel, Table 9's channel mixing, as an SE gate on a map: the tokens' labels."""
+        toks = [k for k in flat if isinstance(k, Tok)]
+        if not (node.target in _MUL or name in _MUL) or len(toks) != 1 or len(flat) != 2:
+            raise GraphRouteError('joins tokens to a tensor off the label grid (a pooled vector, the stem)')
+        (t,) = toks
+        vec = _shape(vec_nodes[0]) if len(vec_nodes) == 1 else None
+        code, out = t.code, _shape(node)
+        moving = [d for d in range(code.ndim) if not _constant_along(t.pos, [d])]
+        off = code.ndim - len(vec) if vec is not None else -1
+        if vec is None or off < 0 or tuple(out) != tuple(code.shape) or code.shape[0] != 2:
+            raise GraphRouteError('tokens times a vector that changes their shape has no rule')
+        if any(vec[d - off] != 1 for d in moving if d > 0 and d >= off) or (off == 0 and vec[0] != 2):
+            raise GraphRouteError('tokens times a vector that varies along their positions has no rule')
+        return self._settle(Tok(t.slot, t.code, t.keep))
 
     def _token_module(self, node, m, args, toks, scores, out, env) -> Any:
         if scores:
